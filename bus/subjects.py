@@ -1,0 +1,78 @@
+"""Every NATS name a job uses (subjects, streams, buckets, durable consumers), in one place."""
+
+from __future__ import annotations
+
+import re
+
+from sync_protocol import Role
+
+__all__ = [
+    "check_name",
+    "JobNames",
+]
+
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def check_name(value: str, what: str) -> str:
+    """A job or member name must be one NATS token: letters, digits, '_' or '-' (1..64 chars)."""
+    if not isinstance(value, str) or not _NAME.match(value):
+        raise ValueError(
+            f"invalid {what} {value!r}: use 1-64 letters, digits, '_' or '-' "
+            "(it becomes part of NATS subjects and stream names)"
+        )
+    return value
+
+
+class JobNames:
+    """Names for one job. Subjects:
+
+    - events      ``rft.<job>.evt.<role>.<member>.<kind>``  (in the job's event stream)
+    - decisions   ``rft.<job>.sync.<round>``                  (in the job's event stream)
+    - heartbeats  ``rft.<job>.hb.<role>.<member>``            (core NATS only: liveness, not history)
+    - experiences ``rft.<job>.exp.<member>``                  (in the job's experience stream)
+    """
+
+    def __init__(self, job: str):
+        self.job = check_name(job, "job name")
+        upper = self.job.upper().replace("-", "_")
+        self.prefix = f"rft.{self.job}"
+        self.event_stream = f"RFT_{upper}_EVENTS"
+        self.experience_stream = f"RFT_{upper}_EXP"
+        self.weights_bucket = f"rft_{self.job}_weights"
+        self.trainer_experience_durable = "trainer"
+
+    # events -------------------------------------------------------------------------------------
+    def event(self, role: Role | str, member: str, kind: str) -> str:
+        return f"{self.prefix}.evt.{Role.parse(role).value}.{member}.{kind}"
+
+    @property
+    def all_events(self) -> str:
+        return f"{self.prefix}.evt.>"
+
+    def decision(self, round_id: int) -> str:
+        return f"{self.prefix}.sync.{round_id}"
+
+    @property
+    def all_decisions(self) -> str:
+        return f"{self.prefix}.sync.>"
+
+    @property
+    def event_stream_subjects(self) -> list[str]:
+        return [self.all_events, self.all_decisions]
+
+    # heartbeats ---------------------------------------------------------------------------------
+    def heartbeat(self, role: Role | str, member: str) -> str:
+        return f"{self.prefix}.hb.{Role.parse(role).value}.{member}"
+
+    @property
+    def all_heartbeats(self) -> str:
+        return f"{self.prefix}.hb.>"
+
+    # experiences --------------------------------------------------------------------------------
+    def experiences(self, member: str) -> str:
+        return f"{self.prefix}.exp.{member}"
+
+    @property
+    def all_experiences(self) -> str:
+        return f"{self.prefix}.exp.>"

@@ -1,0 +1,34 @@
+"""Shared fixtures: a real nats-server per test session (never a mock), unique job names."""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+
+from bus.server import NatsServer
+
+_counter = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory) -> NatsServer:
+    """One real nats-server with JetStream for the whole session; tests isolate by job name."""
+    store = tmp_path_factory.mktemp("nats-store")
+    server = NatsServer(store_dir=str(store), log_file=str(store / "nats.log"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def nats_url(nats_server: NatsServer) -> str:
+    return nats_server.url
+
+
+@pytest.fixture
+def job_name(request) -> str:
+    """A job name unique to this test (stream and subject names derive from it)."""
+    base = "".join(c if c.isalnum() else "-" for c in request.node.name)[:40].strip("-")
+    return f"t{os.getpid() % 10000}-{next(_counter)}-{base}"
