@@ -1,0 +1,1 @@
+"""How bytes move: NATS connections, streams, events, experiences, and weight transports."""

@@ -1,0 +1,1 @@
+"""Who does what: trainer, explorers, synchronizer, dashboard; engines; the rolectl CLI."""
