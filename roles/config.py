@@ -1,0 +1,252 @@
+"""Job configuration: YAML in, typed frozen objects out, every error reported at once.
+
+Field names follow the reference where it has them (`synchronizer.sync_method`, `sync_style`,
+`sync_interval`, `sync_offset`, `sync_timeout`; `trainer.total_steps`, `save_interval`;
+`buffer.batch_size`). See `examples/*.yaml` for complete files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from bus.subjects import check_name
+from sync_protocol import ConfigError, SyncConfig
+
+__all__ = [
+    "JobConfig",
+    "TrainerConfig",
+    "ExplorerConfig",
+    "BufferConfig",
+    "TransportConfig",
+    "load_config",
+    "parse_config",
+]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainerConfig:
+    """The train loop: how many steps, how often to save, where."""
+
+    total_steps: int = 40
+    save_interval: int = 1
+    checkpoint_dir: str | None = None  # default: <run_dir>/<job>/trainer
+    keep_versions: int = 2  # published weight versions kept in the object store / checkpoint dir
+    train_batch_tasks: int | None = None  # tasks per train step; default: buffer.batch_size
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExplorerConfig:
+    """The explorers: how many, how long, how many receiving ranks each brings to a rendezvous."""
+
+    count: int = 2
+    total_steps: int = 20  # explore steps per explorer (the size of its task set)
+    engine_num: int = 1
+    tensor_parallel_size: int = 1
+    # Extra seconds per explore step, per explorer index (cycled): real rollout engines differ in
+    # speed, and the examples/tests use this to run explorers of different speeds.
+    step_delay_s: tuple[float, ...] = (0.0,)
+    stop_with_trainer: bool = True  # stop exploring once the trainer has stopped (nobody consumes)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BufferConfig:
+    """Experiences: tasks per explore step, and how long the trainer may hold a batch unacked."""
+
+    batch_size: int = 4
+    ack_wait_s: float = 30.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TransportConfig:
+    """Weight-transport knobs."""
+
+    checkpoint_dir: str | None = None  # shared directory for sync_method=checkpoint
+    bucket_size_mb: int = 512  # torch.distributed broadcast bucket size
+    group_timeout_s: float = 60.0  # a dead peer mid-broadcast fails the transfer after this
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobConfig:
+    """One RL job: its name, where NATS is, and each role's settings."""
+
+    job: str
+    nats_url: str = "nats://127.0.0.1:4222"
+    run_dir: str = "runs"
+    log_level: str = "info"
+    synchronizer: SyncConfig = field(default_factory=SyncConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    explorers: ExplorerConfig = field(default_factory=ExplorerConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    model: Mapping[str, Any] = field(default_factory=dict)  # engine settings (roles.engines)
+    source: str | None = None  # the file it was loaded from
+
+    @property
+    def job_dir(self) -> Path:
+        return Path(self.run_dir) / self.job
+
+    @property
+    def trainer_checkpoint_dir(self) -> Path:
+        return Path(self.trainer.checkpoint_dir) if self.trainer.checkpoint_dir else self.job_dir / "trainer"
+
+    @property
+    def weights_checkpoint_dir(self) -> Path:
+        return (
+            Path(self.transport.checkpoint_dir)
+            if self.transport.checkpoint_dir
+            else self.job_dir / "weights"
+        )
+
+    def explorer_ids(self) -> list[str]:
+        return [f"explorer-{i}" for i in range(self.explorers.count)]
+
+    def with_overrides(self, **changes: Any) -> "JobConfig":
+        return dataclasses.replace(self, **changes)
+
+
+# -- validation ------------------------------------------------------------------------------------
+
+_POSITIVE_INT = ("total_steps", "count", "engine_num", "tensor_parallel_size", "batch_size",
+                 "keep_versions", "bucket_size_mb")
+_NON_NEGATIVE_INT = ("save_interval",)
+_POSITIVE_FLOAT = ("ack_wait_s", "group_timeout_s")
+
+
+def _check_field(section: str, f: dataclasses.Field, value: Any, problems: list) -> Any:
+    where = f"{section}.{f.name}"
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    if f.name in _POSITIVE_INT and not (is_int and value > 0):
+        problems.append((where, f"must be an integer > 0, got {value!r}"))
+    elif f.name in _NON_NEGATIVE_INT and not (is_int and value >= 0):
+        problems.append((where, f"must be an integer >= 0, got {value!r}"))
+    elif f.name in _POSITIVE_FLOAT and not (
+        (is_int or isinstance(value, float)) and not isinstance(value, bool)
+        and math.isfinite(value) and value > 0
+    ):
+        problems.append((where, f"must be a number > 0, got {value!r}"))
+    elif f.name == "train_batch_tasks" and value is not None and not (is_int and value > 0):
+        problems.append((where, f"must be null or an integer > 0, got {value!r}"))
+    elif f.name in ("checkpoint_dir",) and value is not None and not isinstance(value, str):
+        problems.append((where, f"must be a path string or null, got {value!r}"))
+    elif f.name == "stop_with_trainer" and not isinstance(value, bool):
+        problems.append((where, f"must be true or false, got {value!r}"))
+    elif f.name == "step_delay_s":
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = (float(value),)
+        if (
+            not isinstance(value, (list, tuple)) or not value
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in value)
+        ):
+            problems.append((where, f"must be a number >= 0 or a non-empty list of them, got {value!r}"))
+        else:
+            value = tuple(float(v) for v in value)
+    return value
+
+
+def _section(cls, data: Any, name: str, problems: list) -> Any:
+    if data is None:
+        return cls()
+    if not isinstance(data, Mapping):
+        problems.append((name, f"must be a mapping, got {type(data).__name__}"))
+        return cls()
+    known = {f.name: f for f in fields(cls)}
+    values = {}
+    for key, value in data.items():
+        if key not in known:
+            problems.append((f"{name}.{key}", f"unknown field; known: {sorted(known)}"))
+            continue
+        values[key] = _check_field(name, known[key], value, problems)
+    try:
+        return cls(**values)
+    except TypeError as exc:  # only reachable with an invalid combination already reported
+        problems.append((name, str(exc)))
+        return cls()
+
+
+def _model_problems(model: Mapping[str, Any]) -> list[tuple[str, str]]:
+    # The engine owns its settings; ask it (TODO(lead): wire once roles.engines lands).
+    try:
+        from roles.engines import model_config_problems
+    except ImportError:
+        return []
+    return model_config_problems(model)
+
+
+def parse_config(data: Any, *, source: str | None = None) -> JobConfig:
+    """Validate a mapping (parsed YAML) into a `JobConfig`; raise `ConfigError` listing every problem."""
+    where = source or "config"
+    problems: list[tuple[str, str]] = []
+    if not isinstance(data, Mapping):
+        raise ConfigError([("(top level)", f"must be a mapping, got {type(data).__name__}")], where=where)
+    top_known = {f.name for f in fields(JobConfig)} - {"source"}
+    for key in data:
+        if key not in top_known:
+            problems.append((str(key), f"unknown section; known: {sorted(top_known)}"))
+
+    job = data.get("job")
+    try:
+        check_name(job, "job name")
+    except ValueError as exc:
+        problems.append(("job", str(exc)))
+        job = "invalid"
+
+    sync = SyncConfig()
+    try:
+        sync = SyncConfig.from_mapping(data.get("synchronizer") or {}, where="synchronizer")
+    except ConfigError as exc:
+        problems.extend(exc.problems)
+
+    trainer = _section(TrainerConfig, data.get("trainer"), "trainer", problems)
+    explorers = _section(ExplorerConfig, data.get("explorers"), "explorers", problems)
+    buffer = _section(BufferConfig, data.get("buffer"), "buffer", problems)
+    transport = _section(TransportConfig, data.get("transport"), "transport", problems)
+
+    model = data.get("model") or {}
+    if not isinstance(model, Mapping):
+        problems.append(("model", f"must be a mapping, got {type(model).__name__}"))
+        model = {}
+    else:
+        problems.extend(("model." + k, why) for k, why in _model_problems(model))
+
+    for key in ("nats_url", "run_dir", "log_level"):
+        if key in data and not isinstance(data[key], str):
+            problems.append((key, f"must be a string, got {data[key]!r}"))
+    if isinstance(data.get("log_level"), str) and data["log_level"].lower() not in (
+        "debug", "info", "warning", "error"
+    ):
+        problems.append(("log_level", f"must be debug, info, warning or error, got {data['log_level']!r}"))
+
+    if problems:
+        raise ConfigError(problems, where=where)
+    extra = {k: data[k] for k in ("nats_url", "run_dir", "log_level") if k in data}
+    return JobConfig(
+        job=job,
+        synchronizer=sync,
+        trainer=trainer,
+        explorers=explorers,
+        buffer=buffer,
+        transport=transport,
+        model=dict(model),
+        source=source,
+        **extra,
+    )
+
+
+def load_config(path: str | Path) -> JobConfig:
+    """Read and validate a YAML job file; errors name the file and every bad field."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError([("file", f"cannot read {path}: {exc.strerror}")], where=str(path)) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError([("yaml", f"not valid YAML: {exc}")], where=str(path)) from None
+    return parse_config(data, source=str(path))
