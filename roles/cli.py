@@ -1,0 +1,155 @@
+"""`rolectl`: run a role, a whole job, a dev server; inspect, replay and watch a job."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import click
+
+__all__ = ["main"]
+
+ROLE_NAMES = ("trainer", "explorer", "sync")
+
+
+def _load(config_path: str, nats: str | None):
+    from roles.config import load_config
+    from sync_protocol import ConfigError
+
+    try:
+        cfg = load_config(config_path)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    if nats:
+        cfg = cfg.with_overrides(nats_url=nats)
+    return cfg
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="rolectl")
+def main() -> None:
+    """rolectl: RL fine-tuning roles coordinated over NATS.
+
+    A trainer and explorers publish status and version events; a stateless synchronizer folds them
+    and decides when weights move; weights travel out of band.
+    """
+
+
+@main.command()
+@click.argument("role", type=click.Choice(ROLE_NAMES))
+@click.option("--config", "config_path", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="Job YAML (see examples/).")
+@click.option("--id", "member_id", default=None, help="Member id (default: trainer / explorer-0 / sync-<pid>).")
+@click.option("--nats", default=None, help="NATS URL(s), comma-separated; overrides the config's nats_url.")
+def start(role: str, config_path: str, member_id: str | None, nats: str | None) -> None:
+    """Run one ROLE (trainer, explorer or sync) in the foreground. Ctrl-C stops it cleanly."""
+    from roles.runner import run_role
+
+    cfg = _load(config_path, nats)
+    sys.exit(run_role(role, cfg, member_id))
+
+
+@main.command()
+@click.option("--config", "config_path", required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--explorers", type=int, default=None, help="Number of explorers (overrides the config).")
+@click.option("--summary", type=click.Path(dir_okay=False), default=None, help="Write a JSON summary here.")
+@click.option("--dashboard/--no-dashboard", default=True, help="Serve the live dashboard (default on).")
+@click.option("--dashboard-port", type=int, default=0, help="Dashboard port (default: a free one).")
+@click.option("--run-dir", default=None, help="Where role logs and checkpoints go (default: config run_dir).")
+def up(config_path, explorers, summary, dashboard, dashboard_port, run_dir) -> None:
+    """Run a whole job on this machine: an embedded nats-server and every role as its own process."""
+    from roles.up import run_up
+
+    cfg = _load(config_path, None)
+    sys.exit(
+        run_up(cfg, explorers=explorers, summary_path=summary, dashboard=dashboard,
+               dashboard_port=dashboard_port, run_dir=run_dir)
+    )
+
+
+@main.command()
+@click.option("--port", type=int, default=4222, show_default=True)
+@click.option("--http-port", type=int, default=8222, show_default=True)
+@click.option("--store-dir", default=None, help="JetStream store (default: a temporary directory).")
+@click.option("--host", default="127.0.0.1", show_default=True)
+def server(port: int, http_port: int, store_dir: str | None, host: str) -> None:
+    """Run an embedded nats-server with JetStream in the foreground (development)."""
+    import signal
+    import threading
+
+    from bus.server import NatsServer, NatsServerError
+
+    srv = NatsServer(host=host, port=port, http_port=http_port, store_dir=store_dir)
+    try:
+        srv.start()
+    except NatsServerError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"nats-server ready at {srv.url} (monitoring {srv.monitor_url}, store {srv.store_dir}); Ctrl-C stops it")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        while srv.running and not stop.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        srv.stop()
+
+
+@main.command()
+@click.option("--job", required=True)
+@click.option("--nats", default="nats://127.0.0.1:4222", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def status(job: str, nats: str, as_json: bool) -> None:
+    """Members of a job (role, id, status, step, version, last seen), read from its stream."""
+    from roles.inspect import print_status
+
+    sys.exit(asyncio.run(print_status(job, nats, as_json=as_json)))
+
+
+@main.command()
+@click.option("--job", required=True)
+@click.option("--nats", default="nats://127.0.0.1:4222", show_default=True)
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
+              help="File to write (.jsonl for JSON lines, .msgpack for msgpack).")
+def export(job: str, nats: str, output: str) -> None:
+    """Write a job's recorded events and decisions, with sequences and server timestamps."""
+    from roles.replay import export_job
+
+    n = asyncio.run(export_job(job, nats, Path(output)))
+    click.echo(f"wrote {n} records to {output}")
+
+
+@main.command()
+@click.option("--job", default=None)
+@click.option("--nats", default="nats://127.0.0.1:4222", show_default=True)
+@click.option("--file", "file_", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="An export written by `rolectl export` (or by `rolectl up`).")
+@click.option("--until", default=None, help="Stop at this stream sequence (int) or time (ISO 8601).")
+@click.option("--check", is_flag=True, help="Recompute every decision and compare with the recorded one.")
+@click.option("--json", "as_json", is_flag=True, help="Print the timeline as JSON.")
+def replay(job, nats, file_, until, check, as_json) -> None:
+    """Fold a job's events into a readable timeline; with --check, verify every decision."""
+    from roles.replay import run_replay
+
+    if (job is None) == (file_ is None):
+        raise click.UsageError("give exactly one of --job or --file")
+    sys.exit(run_replay(job=job, nats=nats, file=file_, until=until, check=check, as_json=as_json))
+
+
+@main.command()
+@click.option("--job", required=True)
+@click.option("--nats", default="nats://127.0.0.1:4222", show_default=True)
+@click.option("--port", type=int, default=8080, show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--monitor-url", default=None, help="nats-server monitoring URL (default: same host, port 8222).")
+def dashboard(job, nats, port, host, monitor_url) -> None:
+    """Serve the live dashboard of a job (members, versions, rounds, NATS health, /metrics)."""
+    from roles.dashboard import serve_dashboard
+
+    sys.exit(serve_dashboard(job=job, nats=nats, host=host, port=port, monitor_url=monitor_url))
+
+
+if __name__ == "__main__":
+    main()
