@@ -1,0 +1,229 @@
+"""What every role process shares: identity, connection, event publishing, heartbeats, and a live
+view of the job (a local fold of the stream plus the synchronizer's recorded decisions)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+
+import structlog
+
+from bus.connection import BusConnection, connect
+from bus.events import EventPublisher, publish_heartbeat, read_events
+from bus.streams import ensure_event_stream, ensure_experience_stream
+from roles.config import JobConfig
+from sync_protocol import (
+    Decision,
+    Event,
+    JobConfigured,
+    MemberJoined,
+    MemberRef,
+    ProtocolError,
+    Recorded,
+    Role,
+    RunningStatus,
+    StatusChanged,
+)
+from sync_protocol.reducer import reduce
+from sync_protocol.state import State
+
+__all__ = ["new_incarnation", "JobView", "MemberSession", "install_stop_signals", "RoleStopped"]
+
+
+class RoleStopped(Exception):
+    """Raised inside a role's loop when it was asked to stop (signal) so cleanup runs."""
+
+
+def new_incarnation() -> int:
+    """A number that grows with every start of a process: milliseconds since the epoch.
+
+    Restarts of the same member id get a larger incarnation, so the core can tell a stale process
+    from its replacement without any coordination.
+    """
+    return time.time_ns() // 1_000_000
+
+
+class JobView:
+    """A live, read-only view of a job: the fold of its recorded inputs and its recorded decisions.
+
+    Members do not decide anything from this view — the synchronizer does — but they read it to
+    know the latest version, whether the trainer is alive, and to wait for decisions about them.
+    """
+
+    def __init__(self, conn: BusConnection, *, log=None):
+        self._conn = conn
+        self.state = State.initial()
+        self.decisions: list[Recorded] = []
+        self.inputs_seen = 0
+        self.last_seq = 0
+        self._changed = asyncio.Condition()
+        self._task: asyncio.Task | None = None
+        self._log = log or structlog.get_logger()
+        self._caught_up = asyncio.Event()
+
+    async def start(self, *, catch_up: bool = True) -> None:
+        """Fold everything recorded so far (so the view is current), then follow live."""
+        end = await self._last_sequence()
+        self._task = asyncio.create_task(self._follow(), name="job-view")
+        if catch_up and end > 0:
+            await self.wait_for(lambda v: v.last_seq >= end, timeout=120.0, what=f"catch up to seq {end}")
+        self._caught_up.set()
+
+    async def _last_sequence(self) -> int:
+        from bus.events import last_sequence
+
+        return await last_sequence(self._conn)
+
+    async def _follow(self) -> None:
+        async for rec in read_events(self._conn, from_seq=1, include_decisions=True):
+            if isinstance(rec.event, Decision):
+                self.decisions.append(rec)
+            else:
+                self.inputs_seen += 1
+                try:
+                    self.state, _ = reduce(self.state, rec)
+                except ProtocolError as exc:
+                    # The synchronizer logs and rejects these too; the view just skips them.
+                    self._log.debug("view_skipped_event", seq=rec.seq, reason=str(exc))
+            self.last_seq = rec.seq
+            async with self._changed:
+                self._changed.notify_all()
+
+    async def wait_for(self, predicate: Callable[["JobView"], object], *, timeout: float | None,
+                       what: str = "condition"):
+        """Wait until `predicate(view)` is truthy; return its value. TimeoutError after `timeout`."""
+
+        async def _wait():
+            async with self._changed:
+                while True:
+                    value = predicate(self)
+                    if value:
+                        return value
+                    await self._changed.wait()
+
+        try:
+            return await asyncio.wait_for(_wait(), timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"timed out after {timeout} s waiting for {what}") from None
+
+    def decisions_after(self, seq: int):
+        """Recorded decisions with a stream sequence greater than `seq` (newest last)."""
+        # decisions are appended in stream order; scan from the end for speed on long jobs
+        out = []
+        for rec in reversed(self.decisions):
+            if rec.seq <= seq:
+                break
+            out.append(rec)
+        out.reverse()
+        return out
+
+    def member(self, role: Role, member_id: str):
+        return self.state.members.get(f"{role.value}/{member_id}")
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._task = None
+
+
+@dataclass
+class MemberSession:
+    """A role's connection to its job: identity, publisher, heartbeats and view. Async context manager."""
+
+    cfg: JobConfig
+    role: Role
+    member_id: str
+    ranks: int = 1
+    incarnation: int = field(default_factory=new_incarnation)
+
+    step: int = 0
+    version: int = -1
+    status: RunningStatus = RunningStatus.RUNNING
+
+    conn: BusConnection | None = None
+    publisher: EventPublisher | None = None
+    view: JobView | None = None
+    log: structlog.typing.FilteringBoundLogger | None = None
+    _stack: AsyncExitStack | None = None
+    _heartbeat_task: asyncio.Task | None = None
+
+    @property
+    def me(self) -> MemberRef:
+        return MemberRef(role=self.role, id=self.member_id, incarnation=self.incarnation)
+
+    async def __aenter__(self) -> "MemberSession":
+        self.log = structlog.get_logger().bind(job=self.cfg.job, role=self.role.value, member=self.member_id)
+        self._stack = AsyncExitStack()
+        self.conn = await self._stack.enter_async_context(
+            connect(self.cfg.nats_url, job=self.cfg.job, role=self.role.value, member=self.member_id)
+        )
+        await ensure_event_stream(self.conn.js, self.conn.names)
+        await ensure_experience_stream(self.conn.js, self.conn.names)
+        self.publisher = EventPublisher(self.conn, self.me)
+        self.view = JobView(self.conn, log=self.log)
+        return self
+
+    async def join(self, *, step: int, version: int) -> int:
+        """Announce the config this member runs with and that it is up; start heartbeats."""
+        self.step, self.version = step, version
+        await self.publish(JobConfigured(member=self.me, config=self.cfg.synchronizer))
+        seq = await self.publish(
+            MemberJoined(member=self.me, host=socket.gethostname(), pid=os.getpid(),
+                         step=step, version=version, ranks=self.ranks)
+        )
+        self.status = RunningStatus.RUNNING
+        self._heartbeat_task = asyncio.create_task(self._heartbeat(), name="heartbeat")
+        self.log.info("joined", step=step, version=version, incarnation=self.incarnation, seq=seq)
+        return seq
+
+    async def publish(self, event: Event) -> int:
+        return await self.publisher.publish(event)
+
+    async def set_status(self, status: RunningStatus, *, rendezvous: str | None = None) -> int:
+        self.status = status
+        return await self.publish(
+            StatusChanged(member=self.me, status=status, step=self.step, version=self.version,
+                          rendezvous=rendezvous)
+        )
+
+    async def _heartbeat(self) -> None:
+        period = self.cfg.synchronizer.heartbeat_period
+        while True:
+            try:
+                await publish_heartbeat(self.conn, self.me, step=self.step, version=self.version,
+                                        status=self.status)
+            except Exception as exc:  # a disconnect must not kill the role; the client reconnects
+                self.log.warning("heartbeat_failed", error=str(exc))
+            await asyncio.sleep(period)
+
+    async def __aexit__(self, *exc) -> None:
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+            try:
+                await self._heartbeat_task
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self.view is not None:
+            await self.view.aclose()
+        if self._stack is not None:
+            await self._stack.aclose()
+
+
+def install_stop_signals(task: asyncio.Task) -> None:
+    """SIGINT/SIGTERM cancel the role's main task, so its cleanup publishes STOPPED."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, task.cancel)
+        except (NotImplementedError, RuntimeError):  # not the main thread
+            pass

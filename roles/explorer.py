@@ -1,0 +1,264 @@
+"""The explorer role: pull weights once, explore steps, sync at boundaries, publish experiences.
+
+Reads top to bottom like the reference explore loop:
+
+- before the first step it syncs once (version -1 → whatever the job has: the base model 0 needs
+  no reload; a late joiner or a restarted explorer fetches the latest version at once);
+- after explore step `s` it syncs when `s > sync_offset and (s - sync_offset) % sync_interval == 0`
+  (trainer_driven / fully_async with a rendezvous method: only if the trainer is waiting);
+- fully_async with a pull method never blocks: new versions are fetched in the background and
+  swapped in between steps;
+- every experience carries the version of the weights that produced it; STOPPED is published when
+  the task set is exhausted (or the trainer stopped), and the step is saved so a restart resumes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+import zlib
+
+from bus.experiences import ExperienceBatch, ExperiencePublisher
+from bus.weights import TransferError, WeightsRef
+from roles.common import MemberSession
+from roles.config import JobConfig
+from roles.transports import make_pull_transport, make_rendezvous_transport
+from sync_protocol import (
+    MemberReleased,
+    ReleaseReason,
+    RendezvousReady,
+    Role,
+    RunningStatus,
+    StepFinished,
+    SyncFailed,
+    SyncStyle,
+    WeightsLoaded,
+)
+from sync_protocol.boundaries import explorer_needs_sync, needs_reload
+
+__all__ = ["Explorer"]
+
+
+class Explorer:
+    def __init__(self, cfg: JobConfig, member_id: str):
+        from roles.engines import make_rollout_engine, make_taskset
+
+        self.cfg = cfg
+        self.sync = cfg.synchronizer
+        self.member_id = member_id
+        index = _explorer_index(member_id)
+        self.step_delay_s = cfg.explorers.step_delay_s[index % len(cfg.explorers.step_delay_s)]
+        self.engine = make_rollout_engine(cfg.model, member_id)
+        self.taskset = make_taskset(cfg.model, seed=index, total_batches=cfg.explorers.total_steps,
+                                    batch_size=cfg.buffer.batch_size)
+        self.state_file = cfg.job_dir / member_id / "explorer_state.json"
+        self.explore_step = 0
+        self.version = -1  # no weights pulled yet (the engine holds the base model, version 0)
+        self.sync_wait_s: list[float] = []
+        self._background: asyncio.Task | None = None
+        self._pending_weights: tuple[int, dict] | None = None
+        self._resume()
+
+    def _resume(self) -> None:
+        if self.state_file.exists():
+            state = json.loads(self.state_file.read_text())
+            self.explore_step = state["explore_step"]
+            self.taskset.load_state_dict(state["taskset"])
+
+    def _save_state(self) -> None:
+        self.state_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"explore_step": self.explore_step, "taskset": self.taskset.state_dict()}))
+        os.replace(tmp, self.state_file)
+
+    # -- setup -------------------------------------------------------------------------------------
+    async def run(self) -> None:
+        ranks = self.cfg.explorers.engine_num * self.cfg.explorers.tensor_parallel_size
+        async with MemberSession(self.cfg, Role.EXPLORER, self.member_id, ranks=ranks) as session:
+            self.s = session
+            self.log = session.log
+            await session.view.start()
+            self.method = self.sync.sync_method
+            if self.method.is_rendezvous:
+                self.transport = make_rendezvous_transport(self.cfg, session)
+            else:
+                self.transport = make_pull_transport(self.cfg, session.conn)
+            self.experiences = ExperiencePublisher(session.conn, self.member_id)
+            await session.join(step=self.explore_step, version=self.version)
+            try:
+                await self.sync_weight()  # the first pull, before exploring
+                if self.sync.sync_style is SyncStyle.FULLY_ASYNC and not self.method.is_rendezvous:
+                    self._background = asyncio.create_task(self._follow_versions(), name="background-pull")
+                await self.explore()
+            finally:
+                await self._cleanup()
+
+    # -- loop --------------------------------------------------------------------------------------
+    async def explore(self) -> None:
+        while True:
+            await self._apply_background_weights()
+            tasks = self.taskset.next_batch()
+            if tasks is None:
+                self.log.info("taskset_exhausted", step=self.explore_step)
+                return
+            if self.cfg.explorers.stop_with_trainer and self._trainer_stopped():
+                self.log.info("trainer_stopped_stop_exploring", step=self.explore_step)
+                return
+            started = time.monotonic()
+            step = self.explore_step + 1
+            experiences = await asyncio.to_thread(self.engine.rollout, tasks, explore_step=step)
+            if self.step_delay_s:
+                await asyncio.sleep(self.step_delay_s)  # simulated slower rollout engine (config)
+            await self.experiences.publish(ExperienceBatch(member=self.member_id, explore_step=step,
+                                                           model_version=self.engine.version,
+                                                           experiences=tuple(experiences)))
+            self.explore_step = step
+            self.s.step = step
+            self._save_state()
+            reward = sum(e.reward for e in experiences) / max(len(experiences), 1)
+            await self.s.publish(StepFinished(member=self.s.me, step=step, version=self.engine.version,
+                                              metrics={"reward_mean": reward, "experiences": float(len(experiences)),
+                                                       "seconds": time.monotonic() - started}))
+            self.log.info("explore_step", step=step, version=self.engine.version, reward=round(reward, 4))
+            if self.need_sync():
+                await self.sync_weight()
+
+    def need_sync(self) -> bool:
+        if not explorer_needs_sync(self.explore_step, self.sync):
+            return False
+        style = self.sync.sync_style
+        if style is SyncStyle.FULLY_ASYNC and not self.method.is_rendezvous:
+            return False  # the background task picks versions up; never block
+        if self.method.is_rendezvous and style in (SyncStyle.TRAINER_DRIVEN, SyncStyle.FULLY_ASYNC):
+            return self._trainer_waiting()
+        return True
+
+    def _trainer_waiting(self) -> bool:
+        return any(r.opened_by.role is Role.TRAINER for r in self.s.view.state.rounds.values())
+
+    def _trainer_stopped(self) -> bool:
+        trainers = [m for m in self.s.view.state.members.values() if m.ref.role is Role.TRAINER]
+        return bool(trainers) and not any(m.alive for m in trainers)
+
+    async def sync_weight(self) -> None:
+        started = time.monotonic()
+        seq = await self.s.set_status(RunningStatus.REQUIRE_SYNC)
+        me = self.s.me
+
+        def outcome(view):
+            for rec in view.decisions_after(seq):
+                d = rec.event
+                if isinstance(d, MemberReleased) and d.released == me:
+                    return d
+                if isinstance(d, RendezvousReady) and any(p.member == me for p in d.participants):
+                    return d
+            return None
+
+        decision = await self.s.view.wait_for(outcome, timeout=self.sync.sync_timeout + 30,
+                                              what="a sync decision")
+        waited = time.monotonic() - started
+        self.sync_wait_s.append(waited)
+        self.s.status = RunningStatus.RUNNING
+        if isinstance(decision, RendezvousReady):
+            await self._receive_rendezvous(decision)
+        elif decision.reason is ReleaseReason.NEW_VERSION:
+            if decision.reload:
+                ref = WeightsRef(version=decision.version, location=decision.location,
+                                 nbytes=decision.nbytes, digest=decision.digest)
+                await self._fetch_and_load(ref, round_id=decision.round)
+            else:
+                await self._set_version(decision.version, round_id=decision.round, nbytes=0, seconds=0.0)
+        else:
+            self.log.info("released_without_new_weights", reason=decision.reason.value,
+                          version=self.engine.version, round=decision.round)
+            if self.version < 0:
+                # First sync answered without weights (trainer stopped / timed out): we explore
+                # with the base model, which is version 0.
+                await self._set_version(0, round_id=decision.round, nbytes=0, seconds=0.0)
+        self.log.info("sync_done", waited_s=round(waited, 3), version=self.engine.version)
+
+    async def _set_version(self, version: int, *, round_id, nbytes: int, seconds: float) -> None:
+        if version < self.version:
+            return
+        self.version = version
+        self.engine.version = version
+        self.s.version = version
+        await self.s.publish(WeightsLoaded(member=self.s.me, version=version, round=round_id,
+                                           nbytes=nbytes, seconds=seconds))
+
+    async def _fetch_and_load(self, ref: WeightsRef, *, round_id) -> None:
+        started = time.monotonic()
+        try:
+            tensors = await self.transport.fetch(ref)
+            self.engine.load_weights(tensors, ref.version)
+        except TransferError as exc:
+            self.log.warning("fetch_failed", version=ref.version, error=str(exc))
+            await self.s.publish(SyncFailed(member=self.s.me, version=self.version, reason=str(exc), round=round_id))
+            return
+        await self._set_version(ref.version, round_id=round_id, nbytes=ref.nbytes,
+                                seconds=time.monotonic() - started)
+
+    async def _receive_rendezvous(self, ready: RendezvousReady) -> None:
+        started = time.monotonic()
+        try:
+            nbytes = await self.transport.receive(ready, self.s.me, self.engine.weight_buffers())
+        except TransferError as exc:
+            self.log.warning("receive_failed", round=ready.round, epoch=ready.epoch, error=str(exc))
+            await self.s.publish(SyncFailed(member=self.s.me, version=self.version, reason=str(exc), round=ready.round))
+            return
+        await self._set_version(ready.version, round_id=ready.round, nbytes=nbytes,
+                                seconds=time.monotonic() - started)
+
+    # -- fully_async -------------------------------------------------------------------------------
+    async def _follow_versions(self) -> None:
+        """Fetch each newer version in the background; it is swapped in between two steps."""
+        fetched = self.version
+        while True:
+            latest = await self.s.view.wait_for(
+                lambda v: v.state.latest if v.state.latest.version > fetched else None,
+                timeout=None, what="a newer version",
+            )
+            ref = WeightsRef(version=latest.version, location=latest.location, nbytes=latest.nbytes,
+                             digest=latest.digest)
+            started = time.monotonic()
+            try:
+                tensors = await self.transport.fetch(ref)
+            except TransferError as exc:
+                self.log.warning("background_fetch_failed", version=ref.version, error=str(exc))
+                fetched = ref.version  # skip it; the next version will come
+                continue
+            fetched = ref.version
+            self._pending_weights = (ref.version, tensors, ref.nbytes, time.monotonic() - started)
+
+    async def _apply_background_weights(self) -> None:
+        if self._pending_weights is None:
+            return
+        version, tensors, nbytes, seconds = self._pending_weights
+        self._pending_weights = None
+        if needs_reload(self.version, version):
+            self.engine.load_weights(tensors, version)
+            self.version = version
+            self.s.version = version
+            await self.s.publish(WeightsLoaded(member=self.s.me, version=version, round=None,
+                                               nbytes=nbytes, seconds=seconds))
+
+    async def _cleanup(self) -> None:
+        if self._background is not None:
+            self._background.cancel()
+            await asyncio.gather(self._background, return_exceptions=True)
+        self._save_state()
+        try:
+            await self.s.set_status(RunningStatus.STOPPED)
+        except Exception as exc:
+            self.log.error("stopped_not_published", error=str(exc))
+        await self.transport.aclose()
+        waits = sorted(self.sync_wait_s)
+        self.log.info("explorer_finished", step=self.explore_step, version=self.engine.version,
+                      syncs=len(waits), sync_wait_p50_s=round(waits[len(waits) // 2], 3) if waits else None)
+
+
+def _explorer_index(member_id: str) -> int:
+    tail = member_id.rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() else zlib.crc32(member_id.encode()) % 1000

@@ -1,0 +1,64 @@
+"""Run one role in the foreground: logging, the event loop, Ctrl-C → clean stop, exit codes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import structlog
+
+from bus.errors import BusError
+from bus.logging import setup_logging
+from roles.common import install_stop_signals
+from roles.config import JobConfig
+
+__all__ = ["run_role", "default_member_id"]
+
+
+def default_member_id(role: str) -> str:
+    return {"trainer": "trainer", "explorer": "explorer-0"}.get(role, f"sync-{os.getpid()}")
+
+
+def run_role(role: str, cfg: JobConfig, member_id: str | None = None) -> int:
+    """Run `role` until it finishes; return the process exit code (0 finished or stopped, 1 error)."""
+    setup_logging(cfg.log_level)
+    # Each role process gets a share of a machine that also runs its peers: one intra-op thread
+    # avoids oversubscription (the torch default is one thread per core, per process).
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("ROLECTL_TORCH_THREADS", "1")))
+    member_id = member_id or default_member_id(role)
+    log = structlog.get_logger().bind(job=cfg.job, role=role, member=member_id)
+    if role == "trainer":
+        from roles.trainer import Trainer
+
+        runner = Trainer(cfg, member_id)
+    elif role == "explorer":
+        from roles.explorer import Explorer
+
+        runner = Explorer(cfg, member_id)
+    elif role == "sync":
+        from roles.synchronizer import Synchronizer
+
+        runner = Synchronizer(cfg, member_id)
+    else:
+        raise ValueError(f"unknown role {role!r}; use trainer, explorer or sync")
+
+    async def main() -> None:
+        task = asyncio.current_task()
+        install_stop_signals(task)
+        await runner.run()
+
+    try:
+        asyncio.run(main())
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        log.info("stopped_by_signal")
+        return 0
+    except BusError as exc:
+        log.error("bus_error", error=str(exc))
+        return 1
+    except Exception as exc:
+        log.exception("role_failed", error=str(exc))
+        return 1
+    log.info("role_exited")
+    return 0

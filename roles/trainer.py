@@ -1,0 +1,286 @@
+"""The trainer role: sample experiences, train a step, publish weights per the sync style, save.
+
+Reads top to bottom like the reference train loop (init → setup → train → cleanup):
+
+- a step consumes `train_batch_tasks` tasks' worth of experiences from the durable experience
+  consumer; experiences older than `max_staleness` versions are dropped and counted;
+- `need_sync` follows the reference (fixed / trainer_driven / fully_async: every `sync_interval`
+  steps; explorer_driven: when an explorer's round is open, answering "no new version" if nothing
+  was trained since the last sync);
+- a checkpoint (model, optimizer, step, last synced step) is saved *before* the version is
+  announced and before experiences are acked, so a restart neither repeats nor skips a version and
+  loses no experience.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from bus.experiences import ExperienceReader
+from bus.weights import TransferError
+from roles.common import MemberSession
+from roles.config import JobConfig
+from roles.transports import make_pull_transport, make_rendezvous_transport
+from sync_protocol import (
+    MemberReleased,
+    NoNewVersion,
+    RendezvousReady,
+    Role,
+    RunningStatus,
+    StepFinished,
+    SyncFailed,
+    SyncStyle,
+    VersionPublished,
+    WeightsBroadcast,
+)
+from sync_protocol.boundaries import is_stale, trainer_needs_sync
+
+__all__ = ["Trainer"]
+
+
+class Trainer:
+    def __init__(self, cfg: JobConfig, member_id: str = "trainer"):
+        from roles.engines import make_train_engine
+
+        self.cfg = cfg
+        self.sync = cfg.synchronizer
+        self.member_id = member_id
+        self.engine = make_train_engine(cfg.model)
+        self.ckpt_dir = cfg.trainer_checkpoint_dir
+        self.total_steps = cfg.trainer.total_steps
+        self.save_interval = cfg.trainer.save_interval
+        self.train_batch_tasks = cfg.trainer.train_batch_tasks or cfg.buffer.batch_size
+        self.experiences_per_step = self.train_batch_tasks * self.engine.group_size
+        self.last_sync_step = 0
+        self.version = 0  # the base model
+        self.dropped_stale = 0
+        self.unacked: list = []  # experience messages used since the last checkpoint
+        self.leftover: list = []  # experiences fetched but not yet trained on
+        self.answered_rounds: set[int] = set()
+        self._resume()
+
+    # -- setup -------------------------------------------------------------------------------------
+    def _resume(self) -> None:
+        state_file = self.ckpt_dir / "trainer_state.json"
+        if not state_file.exists():
+            return
+        state = json.loads(state_file.read_text())
+        self.engine.load_checkpoint(self.ckpt_dir / state["checkpoint"])
+        self.last_sync_step = state["last_sync_step"]
+        self.version = state["version"]
+        self.dropped_stale = state.get("dropped_stale", 0)
+
+    async def run(self) -> None:
+        async with MemberSession(self.cfg, Role.TRAINER, self.member_id) as session:
+            self.s = session
+            self.log = session.log
+            await session.view.start()
+            latest = session.view.state.latest
+            if latest.version > self.version:
+                # Announced after our last checkpoint was saved (we died between the two): it
+                # is the version of our current step, so it counts as synced.
+                self.version = latest.version
+                self.last_sync_step = max(self.last_sync_step, latest.step)
+            session.step = self.engine.step
+            session.version = self.version
+            self.method = self.sync.sync_method
+            if self.method.is_rendezvous:
+                self.transport = make_rendezvous_transport(self.cfg, session)
+            else:
+                self.transport = make_pull_transport(self.cfg, session.conn)
+            self.reader = ExperienceReader(session.conn, ack_wait_s=self.cfg.buffer.ack_wait_s)
+            await session.join(step=self.engine.step, version=self.version)
+            self.log.info("trainer_ready", step=self.engine.step, version=self.version,
+                          method=self.method.value, style=self.sync.sync_style.value)
+            try:
+                await self.train()
+            finally:
+                await self._cleanup()
+
+    # -- loop --------------------------------------------------------------------------------------
+    async def train(self) -> None:
+        while self.engine.step < self.total_steps:
+            batch = await self._sample()
+            if batch is None:
+                self.log.info("no_more_experiences", step=self.engine.step)
+                break
+            metrics = await asyncio.to_thread(self.engine.train_step, batch, current_version=self.version)
+            self.s.step = self.engine.step
+            metrics["dropped_stale_total"] = float(self.dropped_stale)
+            metrics["mean_staleness"] = (
+                sum(self.version - e.model_version for e in batch) / len(batch) if batch else 0.0
+            )
+            await self.s.publish(StepFinished(member=self.s.me, step=self.engine.step,
+                                              version=self.version, metrics=metrics))
+            self.log.info("train_step", step=self.engine.step, version=self.version,
+                          reward=round(metrics.get("reward_mean", 0.0), 4), loss=round(metrics.get("loss", 0.0), 4))
+            if self.need_save():
+                await self.save_checkpoint()
+            if await self.need_sync():
+                await self.sync_weight()
+
+    async def _sample(self):
+        """Collect one step's experiences; while waiting, answer explorer-driven sync requests."""
+        batch = self.leftover
+        self.leftover = []
+        while len(batch) < self.experiences_per_step:
+            await self._serve_sync_requests()
+            received = await self.reader.fetch(max_batches=8, timeout=0.5)
+            for msg in received:
+                self.unacked.append(msg)
+                for exp in msg.batch.experiences:
+                    if is_stale(exp.model_version, self.version, self.sync.max_staleness):
+                        self.dropped_stale += 1
+                    else:
+                        batch.append(exp)
+            if not received and self._explorers_done():
+                # Nobody will produce more: train on what is left, or stop.
+                return batch or None
+            for msg in self.unacked:
+                await msg.in_progress()  # keep held messages from being redelivered meanwhile
+        self.leftover = batch[self.experiences_per_step:]
+        return batch[: self.experiences_per_step]
+
+    def _explorers_done(self) -> bool:
+        explorers = [m for m in self.s.view.state.members.values() if m.ref.role is Role.EXPLORER]
+        return bool(explorers) and not any(m.alive for m in explorers)
+
+    async def _serve_sync_requests(self) -> None:
+        """explorer_driven: an explorer's open round is our cue (the reference polls every 1 s)."""
+        if self.sync.sync_style is not SyncStyle.EXPLORER_DRIVEN:
+            return
+        for round_id, rnd in list(self.s.view.state.rounds.items()):
+            if round_id in self.answered_rounds or rnd.opened_by.role is not Role.EXPLORER:
+                continue
+            self.answered_rounds.add(round_id)
+            if self.engine.step > self.last_sync_step or (
+                self.method.is_rendezvous and self.engine.step > 0 and self.version < self.engine.step
+            ):
+                await self.sync_weight()
+            else:
+                self.log.info("no_new_version", round=round_id, version=self.version)
+                await self.s.publish(NoNewVersion(member=self.s.me, version=self.version, step=self.engine.step))
+
+    async def need_sync(self) -> bool:
+        if self.sync.sync_style is SyncStyle.EXPLORER_DRIVEN:
+            await self._serve_sync_requests()
+            return False
+        return trainer_needs_sync(self.engine.step, self.last_sync_step, self.sync)
+
+    def need_save(self) -> bool:
+        return self.save_interval > 0 and self.engine.step % self.save_interval == 0
+
+    async def sync_weight(self) -> None:
+        started = time.monotonic()
+        step = self.engine.step
+        if self.method.is_rendezvous:
+            await self._sync_rendezvous(step)
+        elif step > 0:
+            weights = self.engine.weights()
+            ref = await self.transport.publish(step, weights)
+            await self.s.publish(VersionPublished(member=self.s.me, version=step, step=step,
+                                                  method=self.method, location=ref.location,
+                                                  nbytes=ref.nbytes, digest=ref.digest))
+            self.version = step
+            self.s.version = step
+            pruned = await self.transport.prune(self.cfg.trainer.keep_versions)
+            self.log.info("version_published", version=step, nbytes=ref.nbytes,
+                          seconds=round(time.monotonic() - started, 3), pruned=pruned)
+        self.last_sync_step = step
+
+    async def _sync_rendezvous(self, step: int) -> None:
+        offer = f"{_advertised_host()}:{self.transport.offer_port()}"
+        seq = await self.s.set_status(RunningStatus.REQUIRE_SYNC, rendezvous=offer)
+        me = self.s.me
+
+        def outcome(view):
+            for rec in view.decisions_after(seq):
+                d = rec.event
+                if isinstance(d, RendezvousReady):
+                    return d
+                if isinstance(d, MemberReleased) and d.released == me:
+                    return d
+            return None
+
+        decision = await self.s.view.wait_for(outcome, timeout=self.sync.sync_timeout + 30,
+                                              what="the rendezvous decision")
+        if isinstance(decision, MemberReleased):
+            self.log.info("rendezvous_released", reason=decision.reason.value, round=decision.round)
+            self.s.status = RunningStatus.RUNNING
+            return
+        started = time.monotonic()
+        try:
+            nbytes = await self.transport.send(decision, self.engine.weights())
+        except TransferError as exc:
+            self.log.warning("broadcast_failed", round=decision.round, epoch=decision.epoch, error=str(exc))
+            await self.s.publish(SyncFailed(member=me, version=self.version, reason=str(exc), round=decision.round))
+            self.s.status = RunningStatus.RUNNING
+            return
+        seconds = time.monotonic() - started
+        self.version = decision.version
+        self.s.version = self.version
+        self.s.status = RunningStatus.RUNNING
+        await self.s.publish(WeightsBroadcast(member=me, version=decision.version, round=decision.round,
+                                              nbytes=nbytes, seconds=seconds))
+        self.log.info("weights_broadcast", round=decision.round, epoch=decision.epoch, version=decision.version,
+                      nbytes=nbytes, seconds=round(seconds, 3), world_size=decision.world_size)
+
+    async def save_checkpoint(self) -> None:
+        step = self.engine.step
+        name = f"step-{step}"
+        await asyncio.to_thread(self.engine.save_checkpoint, self.ckpt_dir / name)
+        state = {"checkpoint": name, "step": step, "last_sync_step": self.last_sync_step,
+                 "version": self.version, "dropped_stale": self.dropped_stale}
+        # If we die after this but before publishing the version, the restart publishes it.
+        _atomic_write_json(self.ckpt_dir / "trainer_state.json", state)
+        _prune_checkpoints(self.ckpt_dir, keep=2)
+        # Only now are the experiences of these steps safe: ack them.
+        acked, self.unacked = self.unacked, []
+        for msg in acked:
+            await msg.ack()
+
+    async def _cleanup(self) -> None:
+        """Final save, STOPPED, close transports. Runs on normal end, Ctrl-C and errors."""
+        try:
+            if self.engine.step > 0:
+                await self.save_checkpoint()
+        except Exception as exc:
+            self.log.error("final_save_failed", error=str(exc))
+        try:
+            await self.s.set_status(RunningStatus.STOPPED)
+        except Exception as exc:
+            self.log.error("stopped_not_published", error=str(exc))
+        await self.transport.aclose()
+        self.log.info("trainer_finished", step=self.engine.step, version=self.version,
+                      dropped_stale=self.dropped_stale)
+
+
+def _advertised_host() -> str:
+    """The address explorers reach our rank 0 at: ROLECTL_ADVERTISE_HOST, else this host's IP."""
+    host = os.environ.get("ROLECTL_ADVERTISE_HOST")
+    if host:
+        return host
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def _atomic_write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def _prune_checkpoints(root: Path, keep: int) -> None:
+    import shutil
+
+    steps = sorted((p for p in root.glob("step-*") if p.is_dir()), key=lambda p: int(p.name.split("-")[1]))
+    for old in steps[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
