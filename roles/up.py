@@ -1,0 +1,307 @@
+"""`rolectl up`: a whole job on one machine — an embedded nats-server plus every role as its own
+OS process, live progress, per-role logs in a run directory, an export and a JSON summary at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+import yaml
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from bus.server import NatsServer, NatsServerError
+from roles.config import JobConfig
+from sync_protocol import (
+    MemberReleased,
+    Recorded,
+    RendezvousReady,
+    Role,
+    RunningStatus,
+    StatusChanged,
+    StepFinished,
+    WeightsBroadcast,
+    WeightsLoaded,
+)
+
+__all__ = ["run_up", "summarize", "RoleProcess"]
+
+console = Console(stderr=True)
+
+
+@dataclasses.dataclass
+class RoleProcess:
+    """One role running as a child process, its output going to a log file."""
+
+    role: str
+    member_id: str
+    log_path: Path
+    proc: subprocess.Popen
+
+    @property
+    def name(self) -> str:
+        return self.member_id
+
+    def tail(self, lines: int = 15) -> str:
+        try:
+            with open(self.log_path, "rb") as fh:
+                return b"".join(deque(fh, maxlen=lines)).decode(errors="replace")
+        except OSError:
+            return "(no log)"
+
+
+def _spawn(role: str, member_id: str, config_path: Path, nats_url: str, logs: Path) -> RoleProcess:
+    log_path = logs / f"{member_id}.log"
+    out = open(log_path, "ab")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", ROLECTL_ADVERTISE_HOST="127.0.0.1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "roles.cli", "start", role, "--config", str(config_path),
+         "--nats", nats_url, "--id", member_id],
+        stdout=out, stderr=subprocess.STDOUT, env=env,
+        start_new_session=True,  # Ctrl-C in the terminal reaches `up`, which stops children in order
+    )
+    out.close()
+    return RoleProcess(role=role, member_id=member_id, log_path=log_path, proc=proc)
+
+
+def _write_config(cfg: JobConfig, path: Path) -> None:
+    """The effective config every role of this run reads (nats URL and run dir filled in)."""
+    data = {
+        "job": cfg.job,
+        "nats_url": cfg.nats_url,
+        "run_dir": cfg.run_dir,
+        "log_level": cfg.log_level,
+        "synchronizer": cfg.synchronizer.to_mapping(),
+        "trainer": dataclasses.asdict(cfg.trainer),
+        "explorers": {**dataclasses.asdict(cfg.explorers), "step_delay_s": list(cfg.explorers.step_delay_s)},
+        "buffer": dataclasses.asdict(cfg.buffer),
+        "transport": dataclasses.asdict(cfg.transport),
+        "model": dict(cfg.model),
+    }
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def run_up(cfg: JobConfig, *, explorers: int | None = None, summary_path: str | None = None,
+           dashboard: bool = True, dashboard_port: int = 0, run_dir: str | None = None,
+           timeout_s: float | None = None) -> int:
+    """Run the job to its end; return 0 when every role finished cleanly, 1 otherwise."""
+    from bus.logging import setup_logging
+
+    setup_logging("warning")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    base = Path(run_dir or cfg.run_dir).resolve()
+    run_path = base / f"{cfg.job}-{stamp}-{os.getpid()}"
+    (run_path / "logs").mkdir(parents=True, exist_ok=True)
+    if explorers is not None:
+        cfg = dataclasses.replace(cfg, explorers=dataclasses.replace(cfg.explorers, count=explorers))
+    server = NatsServer(store_dir=str(run_path / "nats"), log_file=str(run_path / "logs" / "nats-server.log"))
+    try:
+        server.start()
+    except NatsServerError as exc:
+        console.print(f"[red]cannot start the embedded nats-server:[/] {exc}")
+        return 1
+    cfg = dataclasses.replace(cfg, nats_url=server.url, run_dir=str(run_path))
+    config_path = run_path / "job.yaml"
+    _write_config(cfg, config_path)
+    console.print(f"[bold]rolectl up[/] job [cyan]{cfg.job}[/]: nats {server.url}, run dir {run_path}")
+    try:
+        return asyncio.run(_supervise(cfg, server, config_path, run_path, summary_path=summary_path,
+                                      dashboard=dashboard, dashboard_port=dashboard_port, timeout_s=timeout_s))
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        server.stop()
+
+
+async def _supervise(cfg: JobConfig, server: NatsServer, config_path: Path, run_path: Path, *,
+                     summary_path, dashboard, dashboard_port, timeout_s) -> int:
+    from bus.connection import connect
+    from roles.common import JobView
+
+    logs = run_path / "logs"
+    started = time.monotonic()
+    sync = _spawn("sync", "sync-0", config_path, server.url, logs)
+    trainer = _spawn("trainer", "trainer", config_path, server.url, logs)
+    explorers = [_spawn("explorer", e, config_path, server.url, logs) for e in cfg.explorer_ids()]
+    workers = [trainer, *explorers]
+    everyone = [sync, *workers]
+    handle = None
+    exit_code = 0
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        async with connect(server.url, job=cfg.job, role="observer", member="up") as conn:
+            view = JobView(conn)
+            await view.start(catch_up=False)
+            if dashboard:
+                try:
+                    from roles.dashboard import start_dashboard
+
+                    handle = await start_dashboard(job=cfg.job, nats_url=server.url,
+                                                   monitor_url=server.monitor_url, port=dashboard_port)
+                    console.print(f"dashboard: [link={handle.url}]{handle.url}[/link]")
+                except Exception as exc:  # the job matters more than its window
+                    console.print(f"[yellow]dashboard not started:[/] {exc}")
+            failed = None
+            with Live(_progress_table(cfg, view, everyone), console=console, refresh_per_second=2,
+                      transient=not console.is_terminal) as live:
+                while True:
+                    live.update(_progress_table(cfg, view, everyone))
+                    failed = next((p for p in everyone if p.proc.poll() not in (None, 0)), None)
+                    if failed or all(p.proc.poll() == 0 for p in workers):
+                        break
+                    if stop.is_set() or (timeout_s and time.monotonic() - started > timeout_s):
+                        failed = "stopped" if stop.is_set() else "timeout"
+                        break
+                    await asyncio.sleep(0.5)  # refresh cadence of the progress table
+            if isinstance(failed, RoleProcess):
+                exit_code = 1
+                console.print(f"[red]{failed.name} exited with code {failed.proc.returncode}[/]; last log lines:")
+                console.print(failed.tail(), markup=False, highlight=False)
+            elif failed:
+                exit_code = 1
+                console.print(f"[red]job {failed}[/]")
+            # Let the synchronizer see the last events, then stop it and record the run.
+            await _stop_all(everyone)
+            records = await _read_all(conn)
+            events_file = run_path / "events.jsonl"
+            _write_export(records, events_file)
+            summary = summarize(records, job=cfg.job)
+            summary.update(nats_url=server.url, wall_s=round(time.monotonic() - started, 2),
+                           run_dir=str(run_path), events_file=str(events_file),
+                           exit_codes={p.name: p.proc.returncode for p in everyone})
+            (run_path / "summary.json").write_text(json.dumps(summary, indent=2))
+            if summary_path:
+                Path(summary_path).write_text(json.dumps(summary, indent=2))
+            console.print(_summary_table(summary))
+            await view.aclose()
+    finally:
+        await _stop_all(everyone)
+        if handle is not None:
+            await handle.aclose()
+    return exit_code
+
+
+async def _stop_all(processes: list[RoleProcess], grace_s: float = 15.0) -> None:
+    """SIGINT (roles publish STOPPED), then SIGKILL after a grace period."""
+    for p in processes:
+        if p.proc.poll() is None:
+            p.proc.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + grace_s
+    for p in processes:
+        while p.proc.poll() is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        if p.proc.poll() is None:
+            p.proc.kill()
+            p.proc.wait()
+
+
+async def _read_all(conn) -> list[Recorded]:
+    from bus.events import read_events
+
+    return [rec async for rec in read_events(conn, from_seq=1, include_decisions=True, stop_at_end=True)]
+
+
+def _write_export(records: list[Recorded], path: Path) -> None:
+    from sync_protocol import to_plain
+
+    with open(path, "w") as fh:
+        for rec in records:
+            fh.write(json.dumps({"seq": rec.seq, "time_ms": rec.time_ms, "event": to_plain(rec.event)}) + "\n")
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    index = min(len(values) - 1, max(0, round(q * (len(values) - 1))))
+    return values[index]
+
+
+def summarize(records: list[Recorded], *, job: str) -> dict:
+    """The run's figures, computed from the recorded stream alone (so a replay gives the same)."""
+    trainer_rewards: list[float] = []
+    trainer_steps = 0
+    explorer_steps: dict[str, int] = {}
+    final_version = 0
+    syncs = 0
+    bytes_moved = 0
+    waiting_since: dict = {}
+    waits_ms: list[float] = []
+    for rec in records:
+        ev = rec.event
+        if isinstance(ev, StepFinished):
+            if ev.member.role is Role.TRAINER:
+                trainer_steps = max(trainer_steps, ev.step)
+                if "reward_mean" in ev.metrics:
+                    trainer_rewards.append(ev.metrics["reward_mean"])
+            elif ev.member.role is Role.EXPLORER:
+                explorer_steps[ev.member.id] = max(explorer_steps.get(ev.member.id, 0), ev.step)
+        elif isinstance(ev, WeightsLoaded):
+            final_version = max(final_version, ev.version)
+            bytes_moved += ev.nbytes
+            if ev.nbytes > 0:
+                syncs += 1
+        elif isinstance(ev, WeightsBroadcast):
+            final_version = max(final_version, ev.version)
+        elif isinstance(ev, StatusChanged) and ev.member.role is Role.EXPLORER:
+            if ev.status is RunningStatus.REQUIRE_SYNC:
+                waiting_since[ev.member] = rec.time_ms
+        elif isinstance(ev, MemberReleased) and ev.released in waiting_since:
+            waits_ms.append(rec.time_ms - waiting_since.pop(ev.released))
+        elif isinstance(ev, RendezvousReady):
+            for p in ev.participants:
+                if p.member in waiting_since:
+                    waits_ms.append(rec.time_ms - waiting_since.pop(p.member))
+        if hasattr(ev, "version") and type(ev).__name__ == "VersionPublished":
+            final_version = max(final_version, ev.version)
+    first, last = trainer_rewards[:5], trainer_rewards[-5:]
+    return {
+        "job": job,
+        "trainer_steps": trainer_steps,
+        "explorer_steps": explorer_steps,
+        "syncs": syncs,
+        "final_version": final_version,
+        "reward_first": round(statistics.fmean(first), 4) if first else None,
+        "reward_last": round(statistics.fmean(last), 4) if last else None,
+        "weights_bytes_moved": bytes_moved,
+        "sync_wait_ms": {"p50": _percentile(waits_ms, 0.5), "p99": _percentile(waits_ms, 0.99),
+                         "count": len(waits_ms)},
+        "events": len(records),
+    }
+
+
+def _progress_table(cfg: JobConfig, view, processes: list[RoleProcess]) -> Table:
+    table = Table(title=f"job {cfg.job} · latest version {view.state.latest.version}", expand=False)
+    for col in ("member", "status", "step", "version", "reward", "process"):
+        table.add_column(col)
+    procs = {p.member_id: p for p in processes}
+    for member in sorted(view.state.members.values(), key=lambda m: (m.ref.role.value, m.ref.id)):
+        proc = procs.get(member.ref.id) or procs.get("sync-0" if member.ref.role is Role.SYNCHRONIZER else "")
+        reward = member.metrics.get("reward_mean") if member.metrics else None
+        status = member.status.value if member.alive else ("stopped" if member.status is RunningStatus.STOPPED else "expired")
+        table.add_row(member.ref.key, status, str(member.step), str(member.version),
+                      f"{reward:.3f}" if reward is not None else "",
+                      "running" if proc and proc.proc.poll() is None else (f"exit {proc.proc.returncode}" if proc else ""))
+    return table
+
+
+def _summary_table(summary: dict) -> Table:
+    table = Table(title="run summary", show_header=False)
+    for key in ("job", "trainer_steps", "explorer_steps", "syncs", "final_version", "reward_first",
+                "reward_last", "weights_bytes_moved", "sync_wait_ms", "wall_s", "run_dir"):
+        table.add_row(key, json.dumps(summary.get(key)))
+    return table
