@@ -1,0 +1,112 @@
+"""The engine interfaces the trainer and explorer roles drive: `TrainEngine`, `RolloutEngine`, `TaskSet`.
+
+Roles own the loops, the bus and the weight transports; an engine owns a model. The contract between
+them is small on purpose, so that the pure-PyTorch reference engines (`roles.engines.tiny`) and later
+HF / vLLM / verl engines are interchangeable:
+
+- versions are trainer steps: the base model is version 0, the weights after train step N are version
+  N. A rollout engine tags every experience with the version it sampled with, so the trainer can
+  measure (and bound) staleness.
+- weights travel as a flat `{name: tensor}` mapping whose names, shapes and dtypes are the same on
+  both sides: `TrainEngine.weights()` is what a transport ships, `RolloutEngine.weight_buffers()` is
+  what an in-place receive (torch.distributed, CUDA IPC) writes into.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
+
+from torch import Tensor
+
+from bus.experiences import Experience
+
+__all__ = ["Task", "TaskSet", "TrainEngine", "RolloutEngine", "WeightsMismatch"]
+
+
+class WeightsMismatch(ValueError):
+    """Received tensors do not match the engine's parameters (names, shapes or dtypes).
+
+    Raised before anything is copied, so the engine keeps the version it had.
+    """
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Task:
+    """One prompt to answer, with what the verifier needs to score a response."""
+
+    id: str
+    prompt: tuple[int, ...]
+    target: tuple[int, ...]
+
+
+@runtime_checkable
+class TaskSet(Protocol):
+    """A deterministic (given its seed) stream of task batches, one batch per explore step."""
+
+    def next_batch(self) -> list[Task] | None:
+        """The next batch of tasks, or None once the set is exhausted."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able position, so a restarted explorer resumes where it stopped."""
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a position returned by `state_dict()` (the seed must match)."""
+
+
+@runtime_checkable
+class TrainEngine(Protocol):
+    """The trainer's model: consumes experiences, produces new weight versions and checkpoints."""
+
+    step: int
+    """Completed train steps; equals the version of the weights `weights()` returns."""
+
+    group_size: int
+    """Responses sampled per task; the trainer sizes its batches as tasks x group_size."""
+
+    def train_step(self, experiences: Sequence[Experience], *, current_version: int) -> dict[str, float]:
+        """One optimizer step on `experiences`; returns metrics (at least `loss` and `reward_mean`).
+
+        `current_version` is the version the trainer holds before this step; experiences tagged with
+        older versions are off-policy by `current_version - model_version` steps.
+        """
+
+    def weights(self) -> dict[str, Tensor]:
+        """A detached, contiguous snapshot of the tensors explorers need, by parameter name."""
+
+    def save_checkpoint(self, path: Path) -> None:
+        """Write model, optimizer, step and RNG state under directory `path` (no pickle)."""
+
+    def load_checkpoint(self, path: Path) -> None:
+        """Restore exactly what `save_checkpoint(path)` wrote; the next step is bit-identical."""
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """An explorer's model: samples groups of responses with the weights it was last sent."""
+
+    version: int
+    """Version of the weights currently loaded (0 = base model)."""
+
+    group_size: int
+    """Responses sampled per task by `rollout`."""
+
+    def weight_buffers(self) -> dict[str, Tensor]:
+        """The live parameter tensors, by name, for transports that receive in place."""
+
+    def load_weights(self, tensors: Mapping[str, Tensor], version: int) -> None:
+        """Copy `tensors` into the live parameters and set `version`.
+
+        Raises `WeightsMismatch` naming every missing, unexpected or mis-shaped tensor, before
+        copying anything. Passing `weight_buffers()` itself (after an in-place receive) only sets
+        the version.
+        """
+
+    def rollout(self, tasks: Sequence[Task], *, explore_step: int) -> list[Experience]:
+        """Sample `group_size` responses per task with the current weights and score them.
+
+        Every experience is tagged with `self.version`; ids are
+        `f"{member}-{explore_step}-{task_idx}-{k}"` and `group` is `f"{member}-{explore_step}-{task_idx}"`,
+        so a replayed explore step produces the same ids (the trainer deduplicates on them).
+        """

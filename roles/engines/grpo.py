@@ -1,0 +1,64 @@
+"""Group-relative policy gradient (GRPO-style): group-normalised advantages and a clipped PPO loss."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["group_advantages", "clipped_policy_loss"]
+
+
+def group_advantages(rewards: Tensor, groups: Sequence[str], *, eps: float = 1e-6) -> Tensor:
+    """`(r - group mean) / (group std + eps)` per experience.
+
+    A group with one member, or whose members all got the same reward, carries no signal about
+    which response was better: its advantages are 0, not noise.
+    """
+    advantages = torch.zeros_like(rewards)
+    members: dict[str, list[int]] = defaultdict(list)
+    for index, group in enumerate(groups):
+        members[group].append(index)
+    for indices in members.values():
+        if len(indices) < 2:
+            continue
+        group_rewards = rewards[indices]
+        std = group_rewards.std(correction=0)
+        advantages[indices] = (group_rewards - group_rewards.mean()) / (std + eps)
+    return advantages
+
+
+def clipped_policy_loss(
+    new_logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_eps: float,
+) -> tuple[Tensor, dict[str, float]]:
+    """Token-level PPO clipped objective, averaged over every valid token of the batch.
+
+    `old_logprobs` are the explorer's sampling logprobs, so the ratio corrects for weights that are
+    a few versions stale; clipping bounds how far one step moves on such data. Averaging over all
+    tokens (not per sequence first) weights long and short responses by their tokens.
+    Shapes: logprobs and mask `(batch, response_len)`, advantages `(batch,)`.
+    """
+    mask = mask.to(new_logprobs.dtype)
+    log_ratio = (new_logprobs - old_logprobs) * mask
+    ratio = log_ratio.exp()
+    per_token_advantage = advantages.unsqueeze(-1)
+    unclipped = ratio * per_token_advantage
+    clipped = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * per_token_advantage
+    num_tokens = mask.sum().clamp(min=1.0)
+    loss = -(torch.minimum(unclipped, clipped) * mask).sum() / num_tokens
+    with torch.no_grad():
+        was_clipped = ((ratio - 1.0).abs() > clip_eps).to(mask.dtype) * mask
+        stats = {
+            "ratio_mean": float((ratio * mask).sum() / num_tokens),
+            "clip_fraction": float(was_clipped.sum() / num_tokens),
+            # k3 estimator of KL(old || new): non-negative, low variance.
+            "approx_kl": float(((ratio - 1.0 - log_ratio) * mask).sum() / num_tokens),
+        }
+    return loss, stats

@@ -1,0 +1,155 @@
+"""A tiny causal transformer policy, small enough to learn the reference task on one CPU core."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["TinyPolicy", "build_base_policy", "response_logprobs", "sample_responses"]
+
+
+class _Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, d_model: int, n_heads: int, d_ff: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.attn_norm = nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.attn_out = nn.Linear(d_model, d_model)
+        self.mlp_norm = nn.LayerNorm(d_model)
+        self.mlp_in = nn.Linear(d_model, d_ff)
+        self.mlp_out = nn.Linear(d_ff, d_model)
+
+    def forward(self, x: Tensor) -> Tensor:
+        batch, seq, d_model = x.shape
+        q, k, v = self.qkv(self.attn_norm(x)).split(d_model, dim=-1)
+        # (batch, heads, seq, head_dim) for scaled_dot_product_attention
+        q, k, v = (t.view(batch, seq, self.n_heads, -1).transpose(1, 2) for t in (q, k, v))
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.attn_out(attended.transpose(1, 2).reshape(batch, seq, d_model))
+        return x + self.mlp_out(F.gelu(self.mlp_in(self.mlp_norm(x))))
+
+
+class TinyPolicy(nn.Module):
+    """Token + learned position embeddings, pre-norm blocks, final norm, untied output head.
+
+    The head is untied so every parameter owns its storage: weight tensors then serialize
+    (safetensors refuses shared storage) and receive in place one by one.
+    """
+
+    def __init__(
+        self, *, vocab_size: int, max_seq_len: int, d_model: int, n_layers: int, n_heads: int, d_ff: int
+    ) -> None:
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
+        self.max_seq_len = max_seq_len
+        self.token_embedding = nn.Embedding(vocab_size, d_model)
+        self.position_embedding = nn.Embedding(max_seq_len, d_model)
+        self.blocks = nn.ModuleList(_Block(d_model, n_heads, d_ff) for _ in range(n_layers))
+        self.final_norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        """Logits `(batch, seq, vocab)` for next-token prediction at every position."""
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.token_embedding(tokens) + self.position_embedding(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.final_norm(x))
+
+
+def build_base_policy(
+    *, seed: int, vocab_size: int, max_seq_len: int, d_model: int, n_layers: int, n_heads: int, d_ff: int
+) -> TinyPolicy:
+    """The version-0 policy: identical in every process for the same seed, so nothing is transferred.
+
+    `fork_rng` keeps the caller's global RNG untouched by the initialisation.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        policy = TinyPolicy(
+            vocab_size=vocab_size,
+            max_seq_len=max_seq_len,
+            d_model=d_model,
+            n_layers=n_layers,
+            n_heads=n_heads,
+            d_ff=d_ff,
+        )
+        # Small normal init (GPT-2 style) keeps the initial policy close to uniform.
+        for name, parameter in policy.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(parameter)
+            elif "norm" in name:
+                nn.init.ones_(parameter)
+            else:
+                nn.init.normal_(parameter, std=0.02)
+    return policy
+
+
+def _masked_log_softmax(logits: Tensor, allowed_tokens: Tensor, temperature: float) -> Tensor:
+    disallowed = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device)
+    disallowed[allowed_tokens] = False
+    return F.log_softmax((logits / temperature).masked_fill(disallowed, float("-inf")), dim=-1)
+
+
+def response_logprobs(
+    policy: TinyPolicy,
+    prompts: Tensor,
+    responses: Tensor,
+    *,
+    allowed_tokens: Tensor,
+    temperature: float,
+) -> Tensor:
+    """Log-probability of each response token under `policy`, shape `(batch, response_len)`.
+
+    Uses the same token mask and temperature as `sample_responses`, so on-policy ratios are exactly 1.
+    Prompts share one length; responses are right-padded (padding is ignored by causal attention
+    for the positions before it, and the caller masks the padded positions).
+    """
+    tokens = torch.cat([prompts, responses], dim=1)
+    logits = policy(tokens[:, :-1])[:, prompts.shape[1] - 1 :]
+    logprobs = _masked_log_softmax(logits, allowed_tokens, temperature)
+    return logprobs.gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+
+
+@torch.no_grad()
+def sample_responses(
+    policy: TinyPolicy,
+    prompts: Tensor,
+    *,
+    max_new_tokens: int,
+    allowed_tokens: Tensor,
+    eos_token: int,
+    temperature: float,
+    generator: torch.Generator,
+) -> tuple[list[list[int]], list[list[float]]]:
+    """Sample one response per prompt row, stopping each at EOS; returns tokens and their logprobs.
+
+    Recomputes the whole (short) sequence each step: no KV cache, fewer moving parts.
+    """
+    batch = prompts.shape[0]
+    tokens = prompts
+    finished = torch.zeros(batch, dtype=torch.bool)
+    sampled, sampled_logprobs = [], []
+    for _ in range(max_new_tokens):
+        logprobs = _masked_log_softmax(policy(tokens)[:, -1], allowed_tokens, temperature)
+        next_tokens = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
+        next_tokens = next_tokens.masked_fill(finished, eos_token)
+        sampled.append(next_tokens)
+        sampled_logprobs.append(logprobs.gather(-1, next_tokens.unsqueeze(-1)).squeeze(-1))
+        tokens = torch.cat([tokens, next_tokens.unsqueeze(-1)], dim=1)
+        finished |= next_tokens == eos_token
+        if finished.all():
+            break
+    all_tokens = torch.stack(sampled, dim=1).tolist()
+    all_logprobs = torch.stack(sampled_logprobs, dim=1).tolist()
+    responses, logprobs_out = [], []
+    for row_tokens, row_logprobs in zip(all_tokens, all_logprobs):
+        # Keep up to and including the first EOS: EOS is a sampled action with its own logprob.
+        length = row_tokens.index(eos_token) + 1 if eos_token in row_tokens else len(row_tokens)
+        responses.append(row_tokens[:length])
+        logprobs_out.append(row_logprobs[:length])
+    return responses, logprobs_out

@@ -1,0 +1,349 @@
+"""The pure-PyTorch reference engines: a tiny transformer that learns to reverse digits with GRPO on CPU.
+
+`TinyTrainEngine` and `TinyRolloutEngine` build the same version-0 policy from `TinyConfig.seed`, so a
+trainer and its explorers agree on the base weights without transferring them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from bus.experiences import Experience
+
+from .base import Task, WeightsMismatch
+from .grpo import clipped_policy_loss, group_advantages
+from .model import TinyPolicy, build_base_policy, response_logprobs, sample_responses
+from .task import EOS, RESPONSE_TOKENS, VOCAB_SIZE, ReverseDigitsTaskSet, score_response
+
+__all__ = [
+    "TinyConfig",
+    "TinyTrainEngine",
+    "TinyRolloutEngine",
+    "build_task_set",
+    "tiny_config_problems",
+    "tiny_config_from_mapping",
+]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TinyConfig:
+    """Everything that shapes the reference run; the roles' YAML fills it.
+
+    The defaults take mean reward from ~0.07 to >0.7 in 40 trainer steps (~11 s on one CPU core)
+    with one-step-stale weights; see `benchmarks/learning.py`.
+    """
+
+    seed: int = 0
+    # task
+    task_length: int = 4
+    group_size: int = 16
+    tasks_per_step: int = 64
+    # model
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    d_ff: int = 256
+    # optimisation
+    lr: float = 3e-3
+    # Optimizer steps per train step, each on a slice of the groups: reuses a batch like PPO epochs.
+    minibatches: int = 4
+    clip_eps: float = 0.2
+    max_grad_norm: float = 1.0
+    temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        problems = _constraint_problems({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+        if problems:
+            raise ValueError("invalid TinyConfig: " + "; ".join(f"{name}: {why}" for name, why in problems))
+
+    @property
+    def prompt_length(self) -> int:
+        return self.task_length + 2  # BOS digits SEP
+
+    @property
+    def max_response_length(self) -> int:
+        return self.task_length + 1  # digits EOS
+
+    def build_policy(self) -> TinyPolicy:
+        return build_base_policy(
+            seed=self.seed,
+            vocab_size=VOCAB_SIZE,
+            max_seq_len=self.prompt_length + self.max_response_length,
+            d_model=self.d_model,
+            n_layers=self.n_layers,
+            n_heads=self.n_heads,
+            d_ff=self.d_ff,
+        )
+
+
+def build_task_set(config: TinyConfig, *, seed: int, num_batches: int | None = None) -> ReverseDigitsTaskSet:
+    """The task stream of one explorer; give each explorer its own `seed` so they explore different tasks."""
+    return ReverseDigitsTaskSet(
+        seed=seed, tasks_per_batch=config.tasks_per_step, length=config.task_length, num_batches=num_batches
+    )
+
+
+def tiny_config_problems(values: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """Every problem with a (YAML) mapping of `TinyConfig` fields, as (field, reason); empty when valid."""
+    fields = {f.name: f for f in dataclasses.fields(TinyConfig)}
+    problems = []
+    for name, value in values.items():
+        field = fields.get(name)
+        if field is None:
+            problems.append((name, f"unknown field; known: {sorted(fields)}"))
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
+            problems.append((name, f"must be a number, got {value!r}"))
+        elif isinstance(field.default, int) and not isinstance(value, int):
+            problems.append((name, f"must be an integer, got {value!r}"))
+    if problems:
+        return problems
+    defaults = {f.name: f.default for f in dataclasses.fields(TinyConfig)}
+    return _constraint_problems({**defaults, **values})
+
+
+def tiny_config_from_mapping(values: Mapping[str, Any]) -> TinyConfig:
+    """A `TinyConfig` from a (YAML) mapping; raises ValueError listing every problem at once."""
+    problems = tiny_config_problems(values)
+    if problems:
+        raise ValueError("invalid tiny engine config: " + "; ".join(f"{name}: {why}" for name, why in problems))
+    return TinyConfig(**values)
+
+
+def _constraint_problems(values: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """Every constraint a complete set of (well-typed) `TinyConfig` values breaks, as (field, reason)."""
+    problems = []
+    for name in ("task_length", "tasks_per_step", "d_model", "n_layers", "n_heads", "d_ff", "minibatches"):
+        if values[name] < 1:
+            problems.append((name, f"must be >= 1, got {values[name]}"))
+    if values["group_size"] < 2:
+        problems.append(("group_size", f"must be >= 2 (advantages are group-relative), got {values['group_size']}"))
+    if values["n_heads"] >= 1 and values["d_model"] % values["n_heads"]:
+        problems.append(("d_model", f"must be divisible by n_heads ({values['n_heads']}), got {values['d_model']}"))
+    for name in ("lr", "clip_eps", "max_grad_norm", "temperature"):
+        if not values[name] > 0:
+            problems.append((name, f"must be > 0, got {values[name]}"))
+    return problems
+
+
+_ALLOWED_RESPONSE_TOKENS = torch.tensor(RESPONSE_TOKENS)
+_MODEL_FILE = "model.safetensors"
+_STATE_TENSORS_FILE = "engine_state.safetensors"
+_STATE_JSON_FILE = "engine_state.json"
+
+
+class TinyTrainEngine:
+    """Trainer side: a `train_step` takes `minibatches` Adam steps of the clipped GRPO loss, one per
+    slice of the batch's groups; the weights after it are version `step`."""
+
+    def __init__(self, config: TinyConfig) -> None:
+        self.config = config
+        self.policy = config.build_policy()
+        self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=config.lr)
+        self.group_size = config.group_size
+        self.step = 0
+
+    def train_step(self, experiences: Sequence[Experience], *, current_version: int) -> dict[str, float]:
+        if not experiences:
+            raise ValueError("train_step needs at least one experience")
+        prompt_lengths = {len(e.prompt) for e in experiences}
+        if len(prompt_lengths) != 1:
+            raise ValueError(f"all prompts of a batch must have one length, got {sorted(prompt_lengths)}")
+        prompts = torch.tensor([e.prompt for e in experiences])
+        max_len = max(1, max(len(e.response) for e in experiences))
+        # Pad with EOS (an allowed token, so its logprob is finite); the mask drops it from the loss.
+        responses = torch.full((len(experiences), max_len), EOS)
+        old_logprobs = torch.zeros(len(experiences), max_len)
+        mask = torch.zeros(len(experiences), max_len, dtype=torch.bool)
+        for row, experience in enumerate(experiences):
+            n = len(experience.response)
+            responses[row, :n] = torch.tensor(experience.response, dtype=torch.long)
+            old_logprobs[row, :n] = torch.tensor(experience.logprobs)
+            mask[row, :n] = True
+        rewards = torch.tensor([e.reward for e in experiences])
+        advantages = group_advantages(rewards, [e.group for e in experiences])
+
+        self.policy.train()
+        group_order = list(dict.fromkeys(e.group for e in experiences))
+        num_minibatches = min(self.config.minibatches, len(group_order))
+        losses, grad_norms, all_stats = [], [], []
+        for minibatch in range(num_minibatches):
+            # Whole groups per minibatch, so each minibatch is balanced around zero advantage.
+            groups = set(group_order[minibatch::num_minibatches])
+            rows = torch.tensor([i for i, e in enumerate(experiences) if e.group in groups])
+            new_logprobs = response_logprobs(
+                self.policy,
+                prompts[rows],
+                responses[rows],
+                allowed_tokens=_ALLOWED_RESPONSE_TOKENS,
+                temperature=self.config.temperature,
+            )
+            loss, stats = clipped_policy_loss(
+                new_logprobs, old_logprobs[rows], advantages[rows], mask[rows], clip_eps=self.config.clip_eps
+            )
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norms.append(
+                float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.config.max_grad_norm))
+            )
+            self.optimizer.step()
+            losses.append(float(loss.detach()))
+            all_stats.append(stats)
+        stats = {key: sum(s[key] for s in all_stats) / len(all_stats) for key in all_stats[0]}
+        self.step += 1
+
+        staleness = [current_version - e.model_version for e in experiences]
+        return {
+            "loss": sum(losses) / len(losses),
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std(correction=0)),
+            "reward_max": float(rewards.max()),
+            "grad_norm": max(grad_norms),
+            "staleness_mean": sum(staleness) / len(staleness),
+            "staleness_max": float(max(staleness)),
+            "response_length_mean": float(mask.sum(dim=1).float().mean()),
+            "num_experiences": float(len(experiences)),
+            **stats,
+        }
+
+    def weights(self) -> dict[str, Tensor]:
+        # A copy, not a view: a transport may still be serialising while the next step runs.
+        return {name: p.detach().clone().contiguous() for name, p in self.policy.named_parameters()}
+
+    def save_checkpoint(self, path: Path) -> None:
+        """Three files under `path`; the JSON is written last so its presence marks a complete checkpoint."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        optimizer_state = self.optimizer.state_dict()
+        state_tensors: dict[str, Tensor] = {"rng.torch_cpu": torch.get_rng_state()}
+        per_param_scalars: dict[str, dict[str, Any]] = {}
+        for index, param_state in optimizer_state["state"].items():
+            for key, value in param_state.items():
+                if isinstance(value, Tensor):
+                    state_tensors[f"optimizer.{index}.{key}"] = value.detach().clone().contiguous()
+                else:
+                    per_param_scalars.setdefault(str(index), {})[key] = value
+        state_json = {
+            "step": self.step,
+            "config": dataclasses.asdict(self.config),
+            "optimizer_param_groups": optimizer_state["param_groups"],
+            "optimizer_scalars": per_param_scalars,
+        }
+        model_tensors = {name: t.detach().clone().contiguous() for name, t in self.policy.state_dict().items()}
+        _atomic_write(path / _MODEL_FILE, lambda tmp: save_file(model_tensors, tmp))
+        _atomic_write(path / _STATE_TENSORS_FILE, lambda tmp: save_file(state_tensors, tmp))
+        _atomic_write(path / _STATE_JSON_FILE, lambda tmp: Path(tmp).write_text(json.dumps(state_json, indent=1)))
+
+    def load_checkpoint(self, path: Path) -> None:
+        path = Path(path)
+        state_json = json.loads((path / _STATE_JSON_FILE).read_text())
+        saved_config = TinyConfig(**state_json["config"])
+        model_fields = ("task_length", "d_model", "n_layers", "n_heads", "d_ff")
+        differing = [f for f in model_fields if getattr(saved_config, f) != getattr(self.config, f)]
+        if differing:
+            raise ValueError(f"checkpoint {path} was written with different {', '.join(differing)}")
+        self.policy.load_state_dict(load_file(path / _MODEL_FILE))
+        state_tensors = load_file(path / _STATE_TENSORS_FILE)
+        optimizer_state: dict[int, dict[str, Any]] = {}
+        for name, tensor in state_tensors.items():
+            if name.startswith("optimizer."):
+                _, index, key = name.split(".", 2)
+                optimizer_state.setdefault(int(index), {})[key] = tensor
+        for index, scalars in state_json["optimizer_scalars"].items():
+            optimizer_state.setdefault(int(index), {}).update(scalars)
+        # JSON turned tuples (Adam's betas) into lists; give them back their type.
+        param_groups = [
+            {key: tuple(value) if isinstance(current.get(key), tuple) else value for key, value in saved.items()}
+            for saved, current in zip(state_json["optimizer_param_groups"], self.optimizer.param_groups)
+        ]
+        self.optimizer.load_state_dict({"state": optimizer_state, "param_groups": param_groups})
+        torch.set_rng_state(state_tensors["rng.torch_cpu"])
+        self.step = int(state_json["step"])
+
+
+class TinyRolloutEngine:
+    """Explorer side: samples `group_size` responses per task with the weights it was last sent.
+
+    Sampling draws from a generator seeded by `(sampling_seed, explore_step)`, so a replayed explore
+    step with the same weights yields the same experiences. Give explorers distinct `sampling_seed`s.
+    """
+
+    def __init__(self, config: TinyConfig, *, member: str, sampling_seed: int | None = None) -> None:
+        self.config = config
+        self.member = member
+        self.sampling_seed = config.seed if sampling_seed is None else sampling_seed
+        self.policy = config.build_policy().eval().requires_grad_(False)
+        self.group_size = config.group_size
+        self.version = 0
+
+    def weight_buffers(self) -> dict[str, Tensor]:
+        return dict(self.policy.named_parameters())
+
+    def load_weights(self, tensors: Mapping[str, Tensor], version: int) -> None:
+        buffers = self.weight_buffers()
+        problems = [f"missing {name}" for name in buffers if name not in tensors]
+        problems += [f"unexpected {name}" for name in tensors if name not in buffers]
+        for name, received in tensors.items():
+            own = buffers.get(name)
+            if own is not None and (received.shape != own.shape or received.dtype != own.dtype):
+                problems.append(
+                    f"{name}: got {received.dtype} {tuple(received.shape)}, expected {own.dtype} {tuple(own.shape)}"
+                )
+        if problems:
+            raise WeightsMismatch(
+                f"{self.member}: weights for version {version} do not match the policy "
+                f"(kept version {self.version}): " + "; ".join(problems)
+            )
+        with torch.no_grad():
+            for name, own in buffers.items():
+                received = tensors[name]
+                if received.data_ptr() != own.data_ptr():  # else it was received in place already
+                    own.copy_(received)
+        self.version = version
+
+    def rollout(self, tasks: Sequence[Task], *, explore_step: int) -> list[Experience]:
+        group_size = self.config.group_size
+        if not tasks:
+            return []
+        prompts = torch.tensor([task.prompt for task in tasks]).repeat_interleave(group_size, dim=0)
+        generator = torch.Generator().manual_seed((self.sampling_seed * 1_000_003 + explore_step) % 2**63)
+        responses, logprobs = sample_responses(
+            self.policy,
+            prompts,
+            max_new_tokens=self.config.max_response_length,
+            allowed_tokens=_ALLOWED_RESPONSE_TOKENS,
+            eos_token=EOS,
+            temperature=self.config.temperature,
+            generator=generator,
+        )
+        experiences = []
+        for task_idx, task in enumerate(tasks):
+            group = f"{self.member}-{explore_step}-{task_idx}"
+            for k in range(group_size):
+                row = task_idx * group_size + k
+                experiences.append(
+                    Experience(
+                        id=f"{group}-{k}",
+                        group=group,
+                        prompt=task.prompt,
+                        response=tuple(responses[row]),
+                        logprobs=tuple(logprobs[row]),
+                        reward=score_response(responses[row], task.target),
+                        model_version=self.version,
+                    )
+                )
+        return experiences
+
+
+def _atomic_write(final: Path, write) -> None:
+    tmp = final.with_name(final.name + ".tmp")
+    write(str(tmp))
+    os.replace(tmp, final)
