@@ -1,11 +1,44 @@
 """Experiences: explorers publish rollout batches to the job's experience stream; the trainer
-reads them with a durable pull consumer and acks after use, so nothing is lost on a restart."""
+reads them with a durable pull consumer and acks after use, so nothing is lost on a restart.
+
+Wire format: a msgpack map with a schema version. Token ids travel as raw little-endian int32 bytes
+and logprobs as little-endian float32 bytes (4 bytes a token instead of msgpack's up to 9, and no
+per-element decoding); no pickle anywhere. Logprobs are therefore rounded to float32 on the way.
+
+Delivery: at least once. A batch is stored once per (explorer, explore step) thanks to its msg id
+`exp/<member>/<explore_step>`; the trainer's durable consumer redelivers anything not acked within
+`ack_wait_s` (a trainer that died mid-step gets those batches again after it restarts).
+"""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["Experience", "ExperienceBatch"]
+import msgpack
+import nats.errors
+import nats.js.errors
+import numpy as np
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from sync_protocol import MemberRef
+
+from .connection import BusConnection
+from .errors import AckFailed, BusClosed, BusError, MalformedExperience
+
+__all__ = [
+    "Experience",
+    "ExperienceBatch",
+    "EXPERIENCE_SCHEMA",
+    "encode_batch",
+    "decode_batch",
+    "experience_msg_id",
+    "ExperiencePublisher",
+    "ExperienceReader",
+    "ReceivedBatch",
+]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -32,3 +65,306 @@ class ExperienceBatch:
     explore_step: int
     model_version: int
     experiences: tuple[Experience, ...] = field(default_factory=tuple)
+
+
+# --------------------------------------------------------------------------------------------------
+# codec
+
+EXPERIENCE_SCHEMA = 1
+"""Bumped on any incompatible change; decoders reject newer schemas instead of guessing."""
+
+_I32 = np.dtype("<i4")
+_F32 = np.dtype("<f4")
+_I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
+
+
+def _pack_ids(values: tuple[int, ...], what: str) -> bytes:
+    arr = np.asarray(values, dtype=np.int64)
+    if arr.ndim != 1:
+        raise ValueError(f"{what} must be a flat sequence of token ids")
+    if arr.size and (arr.min() < _I32_MIN or arr.max() > _I32_MAX):
+        raise ValueError(f"{what} holds a token id outside int32; token ids travel as int32")
+    return arr.astype(_I32).tobytes()
+
+
+def _encode_experience(exp: Experience) -> dict[str, Any]:
+    return {
+        "id": exp.id,
+        "group": exp.group,
+        "prompt": _pack_ids(exp.prompt, f"experience {exp.id!r} prompt"),
+        "response": _pack_ids(exp.response, f"experience {exp.id!r} response"),
+        "logprobs": np.asarray(exp.logprobs, dtype=_F32).tobytes(),
+        "reward": float(exp.reward),
+        "model_version": int(exp.model_version),
+    }
+
+
+def encode_batch(batch: ExperienceBatch) -> bytes:
+    """Serialise a batch (msgpack; token ids int32 and logprobs float32, little-endian)."""
+    return msgpack.packb(
+        {
+            "schema": EXPERIENCE_SCHEMA,
+            "member": batch.member,
+            "explore_step": int(batch.explore_step),
+            "model_version": int(batch.model_version),
+            "experiences": [_encode_experience(e) for e in batch.experiences],
+        },
+        use_bin_type=True,
+    )
+
+
+def _field(data: dict, key: str, types: tuple[type, ...], where: str) -> Any:
+    if key not in data:
+        raise MalformedExperience(f"{where}: missing field {key!r}")
+    value = data[key]
+    if isinstance(value, bool) or not isinstance(value, types):
+        names = "/".join(t.__name__ for t in types)
+        raise MalformedExperience(f"{where}: field {key!r} must be {names}, got {type(value).__name__}")
+    return value
+
+
+def _unpack(data: dict, key: str, dtype: np.dtype, where: str) -> tuple:
+    raw = _field(data, key, (bytes,), where)
+    if len(raw) % dtype.itemsize:
+        raise MalformedExperience(f"{where}: field {key!r} is {len(raw)} bytes, not a whole number of "
+                                  f"{dtype.itemsize}-byte values")
+    return tuple(np.frombuffer(raw, dtype=dtype).tolist())
+
+
+def decode_batch(payload: bytes) -> ExperienceBatch:
+    """Parse a batch, or raise `MalformedExperience` saying what is wrong (never anything else)."""
+    try:
+        data = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types; all mean "not msgpack"
+        raise MalformedExperience(f"experience batch is not msgpack ({type(exc).__name__}: {exc})") from None
+    if not isinstance(data, dict):
+        raise MalformedExperience(f"experience batch must be a map, got {type(data).__name__}")
+    schema = _field(data, "schema", (int,), "experience batch")
+    if schema > EXPERIENCE_SCHEMA or schema < 1:
+        raise MalformedExperience(
+            f"experience batch schema {schema} is not understood by this build (knows {EXPERIENCE_SCHEMA}); "
+            "run the same rolectl version on explorers and trainer"
+        )
+    member = _field(data, "member", (str,), "experience batch")
+    step = _field(data, "explore_step", (int,), "experience batch")
+    where = f"experience batch {member}/{step}"
+    version = _field(data, "model_version", (int,), where)
+    items = _field(data, "experiences", (list,), where)
+    out = []
+    for i, item in enumerate(items):
+        w = f"{where} experience {i}"
+        if not isinstance(item, dict):
+            raise MalformedExperience(f"{w}: must be a map, got {type(item).__name__}")
+        out.append(
+            Experience(
+                id=_field(item, "id", (str,), w),
+                group=_field(item, "group", (str,), w),
+                prompt=_unpack(item, "prompt", _I32, w),
+                response=_unpack(item, "response", _I32, w),
+                logprobs=_unpack(item, "logprobs", _F32, w),
+                reward=float(_field(item, "reward", (int, float), w)),
+                model_version=_field(item, "model_version", (int,), w),
+            )
+        )
+    return ExperienceBatch(member=member, explore_step=step, model_version=version, experiences=tuple(out))
+
+
+def experience_msg_id(member: str, explore_step: int) -> str:
+    """`exp/<member>/<explore_step>`: a restarted explorer re-publishing a step is stored once."""
+    return f"exp/{member}/{explore_step}"
+
+
+# --------------------------------------------------------------------------------------------------
+# publishing
+
+
+class ExperiencePublisher:
+    """Publishes one explorer's batches to `rft.<job>.exp.<member>`."""
+
+    def __init__(
+        self,
+        conn: BusConnection,
+        member: MemberRef | str,
+        *,
+        ack_timeout: float = 10.0,
+        retry_for: float = 60.0,
+    ):
+        self.conn = conn
+        self.member = member.id if isinstance(member, MemberRef) else member
+        self.subject = conn.names.experiences(self.member)
+        self.ack_timeout = ack_timeout
+        self.retry_for = retry_for
+
+    async def publish(self, batch: ExperienceBatch) -> int:
+        """Store `batch`; return its stream sequence (the original one if this step was stored before)."""
+        if batch.member != self.member:
+            raise ValueError(f"batch of member {batch.member!r} given to the publisher of {self.member!r}")
+        msg_id = experience_msg_id(self.member, batch.explore_step)
+        ack = await self.conn.publish_acked(
+            self.subject, encode_batch(batch), msg_id=msg_id, ack_timeout=self.ack_timeout, retry_for=self.retry_for
+        )
+        if ack.duplicate:
+            self.conn.log.info("bus.experience_duplicate", subject=self.subject, msg_id=msg_id, seq=ack.seq)
+        return ack.seq
+
+
+# --------------------------------------------------------------------------------------------------
+# consuming
+
+
+class ReceivedBatch:
+    """A batch the trainer holds: `batch`, `seq` (stream sequence), `num_delivered` (1 = first time).
+
+    Ack it once trained on; `nak()` to have it redelivered now; `in_progress()` to keep holding it
+    past `ack_wait_s` (each call restarts the ack timer).
+    """
+
+    __slots__ = ("batch", "seq", "num_delivered", "time_ms", "_msg", "_ack_timeout")
+
+    def __init__(self, batch: ExperienceBatch, msg: Msg, *, seq: int, num_delivered: int, time_ms: int,
+                 ack_timeout: float):
+        self.batch = batch
+        self.seq = seq
+        self.num_delivered = num_delivered
+        self.time_ms = time_ms
+        self._msg = msg
+        self._ack_timeout = ack_timeout
+
+    async def ack(self) -> None:
+        """Acknowledge and wait for the server to confirm (the batch is then deleted from the stream)."""
+        try:
+            await self._msg.ack_sync(timeout=self._ack_timeout)
+        except nats.errors.MsgAlreadyAckdError:
+            return
+        except (asyncio.TimeoutError, nats.errors.Error) as exc:
+            raise AckFailed(
+                f"ack of experience batch {self.batch.member}/{self.batch.explore_step} (seq {self.seq}) "
+                f"not confirmed ({exc}); it will be redelivered after the consumer's ack wait"
+            ) from exc
+
+    async def nak(self, delay: float | None = None) -> None:
+        """Give the batch back for redelivery (after `delay` seconds if given)."""
+        await self._msg.nak(delay=delay)
+
+    async def in_progress(self) -> None:
+        """Still working on it: restart the ack-wait timer."""
+        await self._msg.in_progress()
+
+    def __repr__(self) -> str:
+        return (f"<ReceivedBatch {self.batch.member}/{self.batch.explore_step} seq={self.seq} "
+                f"delivered={self.num_delivered}>")
+
+
+class ExperienceReader:
+    """The trainer's durable pull consumer on the experience stream.
+
+    `ack_wait_s` is how long a fetched batch may stay unacked before the server hands it out again
+    (default 300 s: longer than a training step, short enough that a restarted trainer does not wait
+    long for what its previous incarnation held). Call `in_progress()` on batches held longer.
+    `max_ack_pending` bounds how many batches may be out unacked at once. `malformed` counts batches
+    that did not decode; they are logged and terminated (never redelivered).
+    """
+
+    def __init__(
+        self,
+        conn: BusConnection,
+        durable: str | None = None,
+        *,
+        ack_wait_s: float = 300.0,
+        max_ack_pending: int = 1024,
+        ack_timeout: float = 5.0,
+    ):
+        self.conn = conn
+        self.durable = durable or conn.names.trainer_experience_durable
+        self.ack_wait_s = ack_wait_s
+        self.max_ack_pending = max_ack_pending
+        self.ack_timeout = ack_timeout
+        self.malformed = 0
+        self._stream = conn.names.experience_stream
+        self._sub = None
+
+    async def _ensure(self) -> None:
+        if self._sub is not None:
+            return
+        config = ConsumerConfig(
+            name=self.durable,
+            durable_name=self.durable,
+            description=f"rolectl job {self.conn.names.job}: trainer's experience consumer",
+            deliver_policy=DeliverPolicy.ALL,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=self.ack_wait_s,
+            max_deliver=-1,
+            max_ack_pending=self.max_ack_pending,
+            filter_subject=self.conn.names.all_experiences,
+        )
+        try:
+            # Create, or update the existing durable (e.g. a restarted trainer with another ack wait).
+            await self.conn.js.add_consumer(self._stream, config)
+        except nats.js.errors.NotFoundError as exc:
+            raise BusError(
+                f"experience stream {self._stream} does not exist on {self.conn.url}; "
+                "call ensure_experience_stream first"
+            ) from exc
+        except nats.js.errors.ServiceUnavailableError:
+            raise  # JetStream (re)starting: transient, fetch() retries
+        except nats.js.errors.APIError as exc:
+            raise BusError(
+                f"cannot create or update consumer {self.durable!r} on {self._stream}: {exc.description} "
+                f"(err_code {exc.err_code}). A work-queue stream allows one consumer per subject: is "
+                "another consumer with a different name attached?"
+            ) from exc
+        self._sub = await self.conn.js.pull_subscribe_bind(durable=self.durable, stream=self._stream)
+
+    async def fetch(self, max_batches: int, timeout: float) -> list[ReceivedBatch]:
+        """Up to `max_batches` batches, waiting at most `timeout` s for the first; [] if none came."""
+        if self.conn.nc.is_closed:
+            raise BusClosed(f"cannot fetch experiences: connection {self.conn.name} to {self.conn.url} is closed")
+        try:
+            await self._ensure()
+            msgs = await self._sub.fetch(max_batches, timeout=timeout)
+        except asyncio.TimeoutError:
+            return []
+        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError) as exc:
+            raise BusClosed(f"cannot fetch experiences: connection {self.conn.name} is closed") from exc
+        except (nats.js.errors.APIError, nats.errors.Error) as exc:
+            # Server restarting (503), consumer recreated elsewhere (409), buffer full while
+            # reconnecting: bind again on the next call. The trainer's loop just sees "nothing yet".
+            self.conn.log.info("bus.experience_fetch_failed", stream=self._stream, durable=self.durable, error=str(exc))
+            await self.aclose()
+            await asyncio.sleep(min(timeout, 1.0))
+            return []
+        out = []
+        for msg in msgs:
+            meta = msg.metadata
+            try:
+                batch = decode_batch(msg.data)
+            except MalformedExperience as exc:
+                self.malformed += 1
+                self.conn.log.warning("bus.experience_malformed", subject=msg.subject, seq=meta.sequence.stream,
+                                      reason=str(exc))
+                try:
+                    await msg.term()
+                except nats.errors.Error:
+                    pass  # not terminated: it comes back after ack_wait and is dropped again
+                continue
+            out.append(
+                ReceivedBatch(batch, msg, seq=meta.sequence.stream, num_delivered=meta.num_delivered,
+                              time_ms=int(meta.timestamp.timestamp() * 1000), ack_timeout=self.ack_timeout)
+            )
+        return out
+
+    async def aclose(self) -> None:
+        """Stop fetching (the durable consumer stays: unacked batches wait for the next trainer)."""
+        sub, self._sub = self._sub, None
+        if sub is not None and not self.conn.nc.is_closed:
+            try:
+                await sub.unsubscribe()
+            except nats.errors.Error:
+                pass
+
+    async def __aenter__(self) -> "ExperienceReader":
+        await self._ensure()
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.aclose()

@@ -169,6 +169,9 @@ class NatsServer:
             self._proc.kill()
             self._proc.wait()
         self._proc = None
+        if self._log_handle is not None:  # start() opens it again
+            self._log_handle.close()
+            self._log_handle = None
 
     def __enter__(self) -> "NatsServer":
         return self.start()

@@ -1,0 +1,383 @@
+"""One member's NATS connection: fail fast at first connect, then reconnect for ever; acked publishes.
+
+`connect()` is the only way roles open the bus::
+
+    async with connect(url, job="demo", role="trainer", member="t0") as conn:
+        await ensure_event_stream(conn.js, conn.names)
+        ...
+
+A server that cannot be reached at first connect is an operator error (no server started, wrong
+URL), so it raises `BusUnavailable` within `connect_timeout`. Once connected, losing the server is
+an outage to ride out: the client reconnects for ever with capped exponential backoff and jitter
+(so a restarted server is not hit by every member at the same instant), and `publish_acked()`
+retries with the same `Nats-Msg-Id` so a retried publish is stored once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+import time
+from typing import Any, Mapping
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NatsClient
+from nats.js import JetStreamContext
+from nats.js.api import PubAck
+
+from sync_protocol import Role
+
+from .errors import BusClosed, BusUnavailable, PublishFailed, PublishRejected
+from .logging import get_logger
+from .subjects import JobNames, check_name
+
+__all__ = ["BusConnection", "connect", "DEFAULT_CONNECT_TIMEOUT"]
+
+DEFAULT_CONNECT_TIMEOUT = 5.0
+"""Seconds a first connect may take (retries included) before `BusUnavailable`."""
+
+_RECONNECT_BASE_S = 0.1
+_RECONNECT_MAX_S = 5.0
+_DRAIN_TIMEOUT_S = 5.0
+
+
+def _backoff_delay(reconnects: int) -> float:
+    """Capped exponential backoff with "equal jitter": half fixed, half random."""
+    delay = min(_RECONNECT_MAX_S, _RECONNECT_BASE_S * (2 ** min(reconnects, 16)))
+    return delay / 2 + random.uniform(0, delay / 2)
+
+
+def _reconnect_choice(servers: list, _info: dict) -> tuple[Any, float]:
+    # nats-py's own reconnect loop waits a fixed reconnect_time_wait; this handler adds the jitter.
+    server = servers[0]
+    return server, _backoff_delay(server.reconnects)
+
+
+def _describe(exc: BaseException | None) -> str:
+    if exc is None:
+        return "no answer"
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused (nothing listens on that port)"
+    if isinstance(exc, socket.gaierror):
+        return f"host name not resolved ({exc})"
+    if isinstance(exc, (asyncio.TimeoutError, nats.errors.TimeoutError)):
+        return "timed out"
+    text = str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {text}"
+
+
+class BusConnection:
+    """A connected member: `nc` (core NATS), `js` (JetStream), `names` (the job's subjects), `url`.
+
+    Use `connect()` to make one. `aclose()` drains (in-flight messages are delivered) and is safe to
+    call twice and under cancellation.
+    """
+
+    def __init__(self, nc: NatsClient, *, url: str, names: JobNames, role: Role, member: str, log: Any):
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream()
+        self.url = url
+        self.names = names
+        self.role = role
+        self.member = member
+        self.log = log
+        self.name = f"{names.job}/{role.value}/{member}"
+        self.reconnects = 0
+        self._state = asyncio.Condition()
+        self._up = True
+        self._closing: asyncio.Task | None = None
+
+    # -- state ----------------------------------------------------------------------------------
+
+    @property
+    def is_connected(self) -> bool:
+        return self.nc.is_connected
+
+    @property
+    def is_closed(self) -> bool:
+        return self.nc.is_closed
+
+    async def wait_connected(self, timeout: float) -> None:
+        """Return once the connection is up (at once if it is); `asyncio.TimeoutError` after `timeout`."""
+        await asyncio.wait_for(self._wait_for(lambda: self._up), timeout)
+
+    async def wait_disconnected(self, timeout: float) -> None:
+        """Return once the connection is down (at once if it is); `asyncio.TimeoutError` after `timeout`."""
+        await asyncio.wait_for(self._wait_for(lambda: not self._up), timeout)
+
+    async def _wait_for(self, predicate) -> None:
+        async with self._state:
+            await self._state.wait_for(predicate)
+
+    async def _set_up(self, up: bool) -> None:
+        async with self._state:
+            self._up = up
+            self._state.notify_all()
+
+    # -- callbacks (nats-py calls them from its own tasks) ---------------------------------------
+
+    async def _on_disconnected(self) -> None:
+        if not self.nc.is_closed:
+            self.log.warning("bus.disconnected", url=self.url)
+        await self._set_up(False)
+
+    async def _on_reconnected(self) -> None:
+        self.reconnects += 1
+        server = self.nc.connected_url.netloc if self.nc.connected_url else self.url
+        self.log.info("bus.reconnected", url=self.url, server=server, reconnects=self.reconnects)
+        await self._set_up(True)
+
+    async def _on_error(self, exc: Exception) -> None:
+        # While reconnecting every failed attempt lands here; that is expected noise, not a warning.
+        level = self.log.debug if self.nc.is_reconnecting else self.log.warning
+        level("bus.error", url=self.url, error=_describe(exc))
+
+    async def _on_closed(self) -> None:
+        self.log.info("bus.closed", url=self.url)
+        await self._set_up(False)
+
+    # -- publishing ------------------------------------------------------------------------------
+
+    async def publish_acked(
+        self,
+        subject: str,
+        payload: bytes,
+        *,
+        msg_id: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        ack_timeout: float = 5.0,
+        retry_for: float = 30.0,
+    ) -> PubAck:
+        """Publish to JetStream and return the server's PubAck.
+
+        Timeouts and "no responders" (the server restarting, JetStream not ready yet) are retried
+        for up to `retry_for` seconds with the *same* `msg_id`, so the stream stores the message once
+        even when an ack was lost. A JetStream API error (the stream refused the message) raises
+        `PublishRejected` at once; running out of time raises `PublishFailed`.
+        """
+        hdrs = dict(headers or {})
+        if msg_id is not None:
+            hdrs["Nats-Msg-Id"] = msg_id
+        max_payload = self.nc.max_payload
+        if max_payload and len(payload) > max_payload:
+            raise PublishFailed(
+                f"message for {subject} is {len(payload)} bytes but the server at {self.url} accepts "
+                f"at most {max_payload} (max_payload): send smaller pieces or raise max_payload",
+                subject=subject,
+                msg_id=msg_id,
+            )
+        deadline = time.monotonic() + retry_for
+        attempt = 0
+        last: BaseException | None = None
+        while True:
+            if self.nc.is_closed:
+                raise BusClosed(f"cannot publish to {subject}: connection {self.name} to {self.url} is closed")
+            attempt += 1
+            try:
+                return await self.js.publish(subject, payload, timeout=ack_timeout, headers=hdrs or None)
+            except nats.js.errors.NoStreamResponseError as exc:
+                last = exc  # no stream listening: JetStream (re)starting, or the stream is missing
+            except (nats.errors.TimeoutError, asyncio.TimeoutError) as exc:
+                last = exc  # ack lost or server away: retry with the same msg id
+            except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError) as exc:
+                raise BusClosed(
+                    f"cannot publish to {subject}: connection {self.name} to {self.url} is closing"
+                ) from exc
+            except nats.js.errors.APIError as exc:
+                raise PublishRejected(
+                    f"the stream refused a message on {subject} (msg id {msg_id}): "
+                    f"{exc.description} (code {exc.code}, err_code {exc.err_code})",
+                    subject=subject,
+                    msg_id=msg_id,
+                    code=exc.code,
+                    err_code=exc.err_code,
+                    description=exc.description or "",
+                ) from exc
+            except nats.errors.Error as exc:
+                last = exc  # e.g. outbound buffer full while reconnecting
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            self.log.debug("bus.publish_retry", subject=subject, msg_id=msg_id, attempt=attempt, error=_describe(last))
+            await asyncio.sleep(min(remaining, _backoff_delay(attempt - 1)))
+        raise PublishFailed(
+            f"no acknowledgement for a message on {subject} (msg id {msg_id}) from {self.url} after "
+            f"{attempt} attempt(s) in {retry_for:g} s (last: {_describe(last)}). Is the server up, with "
+            f"JetStream, and does a stream capture this subject (ensure_event_stream / "
+            f"ensure_experience_stream)?",
+            subject=subject,
+            msg_id=msg_id,
+        ) from last
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """Drain and close. Safe twice; if the caller is cancelled, closing still completes."""
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._close())
+        try:
+            await asyncio.shield(self._closing)
+        except asyncio.CancelledError:
+            # The shielded task keeps running to completion; only our wait is cancelled.
+            raise
+
+    async def _close(self) -> None:
+        nc = self.nc
+        if nc.is_closed:
+            return
+        try:
+            if nc.is_connected:
+                # Pull and next_msg() subscriptions (readers) have no callback to process what is
+                # left, and nats-py's drain waits on their queues until its timeout; drop them
+                # first. Callback subscriptions (heartbeats) are drained properly.
+                for sub in list(nc._subs.values()):
+                    if sub._cb is None:
+                        try:
+                            await sub.unsubscribe()
+                        except Exception:
+                            pass
+                await asyncio.wait_for(nc.drain(), _DRAIN_TIMEOUT_S)
+        except Exception as exc:  # reconnecting, or drain timed out: close without draining
+            self.log.debug("bus.drain_failed", url=self.url, error=_describe(exc))
+        finally:
+            if not nc.is_closed:
+                await nc.close()
+
+    async def __aenter__(self) -> "BusConnection":
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.is_closed else ("connected" if self.is_connected else "reconnecting")
+        return f"<BusConnection {self.name} {self.url} {state}>"
+
+
+async def _open(
+    url: str, *, job: str, role: Role | str, member: str, connect_timeout: float
+) -> BusConnection:
+    names = JobNames(job)
+    role = Role.parse(role)
+    check_name(member, "member id")
+    log = get_logger("rolectl.bus", job=names.job, role=role.value, member=member)
+    failures: list[BaseException] = []
+    conn: BusConnection | None = None
+
+    # The callbacks must exist before nats.connect() returns, but the BusConnection needs the
+    # client; so they forward to `conn` once it is set and only record failures before that.
+    async def on_error(exc: Exception) -> None:
+        if conn is None:
+            failures.append(exc)
+        else:
+            await conn._on_error(exc)
+
+    async def on_disconnected() -> None:
+        if conn is not None:
+            await conn._on_disconnected()
+
+    async def on_reconnected() -> None:
+        if conn is not None:
+            await conn._on_reconnected()
+
+    async def on_closed() -> None:
+        if conn is not None:
+            await conn._on_closed()
+
+    nc = NatsClient()
+    started = time.monotonic()
+    try:
+        await asyncio.wait_for(
+            nc.connect(
+                servers=[url],
+                name=f"{names.job}/{role.value}/{member}",
+                error_cb=on_error,
+                disconnected_cb=on_disconnected,
+                reconnected_cb=on_reconnected,
+                closed_cb=on_closed,
+                allow_reconnect=True,
+                max_reconnect_attempts=-1,
+                # First connect: nats-py retries every reconnect_time_wait until our wait_for
+                # gives up; after that the jittered handler paces reconnects.
+                reconnect_time_wait=0.25,
+                reconnect_to_server_handler=_reconnect_choice,
+                connect_timeout=max(0.5, min(2.0, connect_timeout)),
+                drain_timeout=int(_DRAIN_TIMEOUT_S),
+            ),
+            connect_timeout,
+        )
+    except asyncio.CancelledError:
+        await asyncio.shield(_discard(nc))
+        raise
+    except Exception as exc:  # asyncio.TimeoutError included
+        await _discard(nc)
+        cause = failures[-1] if failures else (None if isinstance(exc, asyncio.TimeoutError) else exc)
+        raise BusUnavailable(
+            f"cannot reach a NATS server at {url} for job {names.job!r} within {connect_timeout:g} s: "
+            f"{_describe(cause)}. Start one with `rolectl server` (or `rolectl up`), or pass "
+            f"--nats URL pointing at a running nats-server with JetStream.",
+            url=url,
+            cause=cause,
+        ) from cause
+
+    conn = BusConnection(nc, url=url, names=names, role=role, member=member, log=log)
+    # A server without JetStream accepts the connection but cannot hold any stream: say so now.
+    remaining = max(0.5, connect_timeout - (time.monotonic() - started))
+    try:
+        await asyncio.wait_for(conn.js.account_info(), remaining)
+    except Exception as exc:
+        await _discard(nc)
+        raise BusUnavailable(
+            f"the NATS server at {url} answers but JetStream does not ({_describe(exc)}). "
+            f"Run nats-server with JetStream enabled (`-js`), e.g. `rolectl server`.",
+            url=url,
+            cause=exc,
+        ) from exc
+    log.info("bus.connected", url=url, server=nc.connected_url.netloc if nc.connected_url else url)
+    return conn
+
+
+async def _discard(nc: NatsClient) -> None:
+    try:
+        await nc.close()
+    except Exception:
+        pass
+
+
+class _Connect:
+    """What `connect()` returns: `async with connect(...) as conn`, or `conn = await connect(...)`."""
+
+    def __init__(self, **kwargs: Any):
+        self._kwargs = kwargs
+        self._conn: BusConnection | None = None
+
+    def __await__(self):
+        return _open(**self._kwargs).__await__()
+
+    async def __aenter__(self) -> BusConnection:
+        self._conn = await _open(**self._kwargs)
+        return self._conn
+
+    async def __aexit__(self, *exc_info) -> None:
+        if self._conn is not None:
+            await self._conn.aclose()
+
+
+def connect(
+    url: str,
+    *,
+    job: str,
+    role: Role | str,
+    member: str,
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+) -> _Connect:
+    """Connect member `member` (of `role`, in `job`) to the NATS server at `url`.
+
+    The connection is named `<job>/<role>/<member>` (visible in the server's /connz). Raises
+    `BusUnavailable` if no server with JetStream answers within `connect_timeout` seconds; once
+    connected it reconnects for ever.
+    """
+    return _Connect(url=url, job=job, role=role, member=member, connect_timeout=connect_timeout)

@@ -1,0 +1,91 @@
+"""The bus's exception tree: every NATS failure leaves `bus` as one of these, never as a nats-py error.
+
+Each message says what was wrong, where (URL, subject, stream) and what to do about it, so a log
+line alone is enough to act on.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BusError",
+    "BusUnavailable",
+    "BusClosed",
+    "StreamMismatch",
+    "PublishFailed",
+    "PublishRejected",
+    "AckFailed",
+    "MalformedExperience",
+]
+
+
+class BusError(Exception):
+    """Base of every error raised by `bus` (connections, streams, publishing, consuming)."""
+
+
+class BusUnavailable(BusError):
+    """No NATS server (with JetStream) could be reached at first connect."""
+
+    def __init__(self, message: str, *, url: str, cause: BaseException | None = None):
+        super().__init__(message)
+        self.url = url
+        self.cause = cause
+
+
+class BusClosed(BusError):
+    """The connection was closed (by `aclose()` or for good by the client); nothing more can be sent."""
+
+
+class StreamMismatch(BusError):
+    """A stream exists with a configuration other than the one this build needs.
+
+    `differences` lists every differing field as (field, expected, found).
+    """
+
+    def __init__(self, stream: str, differences: list[tuple[str, object, object]]):
+        self.stream = stream
+        self.differences = list(differences)
+        detail = "; ".join(f"{name}: expected {want!r}, found {got!r}" for name, want, got in differences)
+        super().__init__(
+            f"stream {stream} exists with a different configuration ({detail}). "
+            f"Another rolectl version or a manual edit created it: delete it "
+            f"(`nats stream rm {stream}`, which drops its history) or start with matching settings."
+        )
+
+
+class PublishFailed(BusError):
+    """A JetStream publish was not acknowledged: every retry timed out, or the server refused it."""
+
+    def __init__(self, message: str, *, subject: str, msg_id: str | None = None):
+        super().__init__(message)
+        self.subject = subject
+        self.msg_id = msg_id
+
+
+class PublishRejected(PublishFailed):
+    """The stream answered and refused the message (a JetStream API error); retrying will not help.
+
+    `err_code` is the JetStream error code (for example 10071, wrong last sequence).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        subject: str,
+        msg_id: str | None = None,
+        code: int | None = None,
+        err_code: int | None = None,
+        description: str = "",
+    ):
+        super().__init__(message, subject=subject, msg_id=msg_id)
+        self.code = code
+        self.err_code = err_code
+        self.description = description
+
+
+class AckFailed(BusError):
+    """The server did not confirm an ack: the message will be redelivered after its ack wait."""
+
+
+class MalformedExperience(BusError, ValueError):
+    """Bytes on the experience subject are not a valid `ExperienceBatch` (or a newer schema)."""

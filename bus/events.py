@@ -1,0 +1,585 @@
+"""Events on the bus: members publish inputs, the synchronizer publishes decisions, anyone reads them back.
+
+- `EventPublisher` puts a member's input events into the job's event stream with a deterministic
+  `Nats-Msg-Id` (`<role>/<id>#<incarnation>/<counter>`), so a publish retried after a lost ack or a
+  reconnect is stored once.
+- `DecisionPublisher` writes decisions to `rft.<job>.sync.<round>` with a deterministic msg id *and*
+  `Nats-Expected-Last-Subject-Sequence`: two synchronizer replicas racing on a round produce one
+  sequence of outcomes; the loser gets `None` back, not an error.
+- Heartbeats are core NATS, not stream messages: liveness is noise as history. The synchronizer
+  turns a silence into a `MemberExpired` *event*, which is what replay sees.
+- `read_events()` yields `Recorded(seq, time_ms, event)` in stream order from a sequence or a time,
+  optionally stopping at the end that existed when reading began. It is an "ordered consumer" built
+  on an ephemeral pull consumer: any gap in delivery (a lost pull response, a server restart that
+  took the in-memory consumer with it) re-creates the consumer just after the last sequence seen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as _dt
+import inspect
+import socket
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import msgpack
+import nats.errors
+import nats.js.errors
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from sync_protocol import (
+    Decision,
+    DecodeError,
+    Event,
+    MemberRef,
+    MemberReleased,
+    Recorded,
+    Role,
+    RunningStatus,
+    decode,
+    encode,
+)
+
+from .connection import BusConnection
+from .errors import BusClosed, BusError, PublishRejected
+
+__all__ = [
+    "EventPublisher",
+    "DecisionPublisher",
+    "Heartbeat",
+    "HeartbeatSubscription",
+    "publish_heartbeat",
+    "subscribe_heartbeats",
+    "encode_heartbeat",
+    "decode_heartbeat",
+    "EventReader",
+    "read_events",
+    "last_sequence",
+    "decision_msg_id",
+    "HEARTBEAT_SCHEMA",
+]
+
+_EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
+# JetStream error codes that mean "another writer got to this subject first".
+_WRONG_LAST_SEQUENCE = {10071, 10164}
+
+
+# --------------------------------------------------------------------------------------------------
+# publishing inputs
+
+
+class EventPublisher:
+    """Publishes one member's input events into the job's event stream."""
+
+    def __init__(
+        self,
+        conn: BusConnection,
+        member: MemberRef,
+        *,
+        ack_timeout: float = 5.0,
+        retry_for: float = 30.0,
+    ):
+        self.conn = conn
+        self.member = member
+        self.ack_timeout = ack_timeout
+        self.retry_for = retry_for
+        self._counter = 0
+
+    def next_msg_id(self) -> str:
+        """The msg id the next publish without an override will use (and consume)."""
+        self._counter += 1
+        return f"{self.member.key}#{self.member.incarnation}/{self._counter}"
+
+    async def publish(self, event: Event, *, msg_id: str | None = None) -> int:
+        """Store `event` and return its stream sequence (the original one if it was a duplicate).
+
+        `msg_id` overrides the member counter for events whose identity is not "the n-th thing this
+        member said": the synchronizer's timer events use `timeout/<round>` or `expired/<key>#<inc>`
+        so every replica publishes the same fact once.
+        """
+        if not isinstance(event, Event):
+            raise TypeError(f"EventPublisher publishes input events, not {type(event).__name__}; "
+                            "use DecisionPublisher for decisions")
+        if event.member.key != self.member.key:
+            raise ValueError(f"event from {event.member} given to the publisher of {self.member}: "
+                             "each member publishes only its own events")
+        if msg_id is None:
+            msg_id = self.next_msg_id()
+        subject = self.conn.names.event(self.member.role, self.member.id, event.KIND)
+        ack = await self.conn.publish_acked(
+            subject, encode(event), msg_id=msg_id, ack_timeout=self.ack_timeout, retry_for=self.retry_for
+        )
+        if ack.duplicate:
+            self.conn.log.debug("bus.event_duplicate", subject=subject, msg_id=msg_id, seq=ack.seq)
+        return ack.seq
+
+
+# --------------------------------------------------------------------------------------------------
+# publishing decisions
+
+
+def decision_msg_id(decision: Decision) -> str:
+    """`d/<round>/<kind>/<cause_seq>/<released member key or empty>`: equal for equal decisions."""
+    released = decision.released.key if isinstance(decision, MemberReleased) else ""
+    return f"d/{decision.round}/{decision.KIND}/{decision.cause_seq}/{released}"
+
+
+class DecisionPublisher:
+    """Publishes the synchronizer's decisions, once per round outcome even with several replicas."""
+
+    def __init__(self, conn: BusConnection, *, ack_timeout: float = 5.0, retry_for: float = 30.0):
+        self.conn = conn
+        self.ack_timeout = ack_timeout
+        self.retry_for = retry_for
+
+    async def publish(self, decision: Decision, *, expected_last_subject_seq: int | None) -> int | None:
+        """Store `decision` on its round's subject; return its sequence, or `None` if already there.
+
+        `expected_last_subject_seq` is the sequence of the last message on `rft.<job>.sync.<round>`
+        this replica knows of (0 for a new round); `None` skips the check. `None` is returned when
+        the stream already holds this decision (same msg id) or holds something newer on the subject
+        (another replica published first): both mean "nothing to do", never an error.
+        """
+        if not isinstance(decision, Decision):
+            raise TypeError(f"DecisionPublisher publishes decisions, not {type(decision).__name__}")
+        subject = self.conn.names.decision(decision.round)
+        msg_id = decision_msg_id(decision)
+        headers = {}
+        if expected_last_subject_seq is not None:
+            headers[_EXPECTED_LAST_SUBJECT_SEQ] = str(int(expected_last_subject_seq))
+        try:
+            ack = await self.conn.publish_acked(
+                subject,
+                encode(decision),
+                msg_id=msg_id,
+                headers=headers,
+                ack_timeout=self.ack_timeout,
+                retry_for=self.retry_for,
+            )
+        except PublishRejected as exc:
+            if exc.err_code in _WRONG_LAST_SEQUENCE or "wrong last sequence" in exc.description.lower():
+                self.conn.log.info("bus.decision_superseded", subject=subject, msg_id=msg_id,
+                                   expected_last_subject_seq=expected_last_subject_seq, reason=exc.description)
+                return None
+            raise
+        if ack.duplicate:
+            self.conn.log.info("bus.decision_duplicate", subject=subject, msg_id=msg_id, seq=ack.seq)
+            return None
+        return ack.seq
+
+
+# --------------------------------------------------------------------------------------------------
+# heartbeats (core NATS)
+
+HEARTBEAT_SCHEMA = 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Heartbeat:
+    """A member's "still alive" beacon: where it is (step, weights version, status) and on which host."""
+
+    member: MemberRef
+    step: int
+    version: int
+    status: RunningStatus
+    host: str
+
+
+def encode_heartbeat(hb: Heartbeat) -> bytes:
+    member = {"role": hb.member.role.value, "id": hb.member.id, "inc": hb.member.incarnation}
+    return msgpack.packb(
+        {"schema": HEARTBEAT_SCHEMA, "member": member, "step": hb.step, "version": hb.version,
+         "status": hb.status.value, "host": hb.host},
+        use_bin_type=True,
+    )
+
+
+def _int(data: dict, key: str) -> int:
+    value = data.get(key)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise DecodeError(f"heartbeat field {key!r} must be an integer, got {value!r}")
+    return value
+
+
+def decode_heartbeat(payload: bytes) -> Heartbeat:
+    """Parse a heartbeat, or raise `sync_protocol.DecodeError` saying what is wrong."""
+    try:
+        data = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types; all mean "not msgpack"
+        raise DecodeError(f"heartbeat is not msgpack ({type(exc).__name__}: {exc})") from None
+    if not isinstance(data, dict):
+        raise DecodeError(f"heartbeat must be a map, got {type(data).__name__}")
+    schema = _int(data, "schema")
+    if schema > HEARTBEAT_SCHEMA:
+        raise DecodeError(f"heartbeat schema {schema} is newer than this build ({HEARTBEAT_SCHEMA}); upgrade")
+    member = data.get("member")
+    if not isinstance(member, dict):
+        raise DecodeError(f"heartbeat field 'member' must be a map {{role, id, inc}}, got {member!r}")
+    try:
+        ref = MemberRef(role=member.get("role"), id=member.get("id"), incarnation=member.get("inc"))
+        status = RunningStatus.parse(data.get("status"))
+    except (DecodeError, ValueError) as exc:
+        raise DecodeError(f"heartbeat: {exc}") from None
+    host = data.get("host")
+    if not isinstance(host, str):
+        raise DecodeError(f"heartbeat field 'host' must be a string, got {host!r}")
+    return Heartbeat(member=ref, step=_int(data, "step"), version=_int(data, "version"), status=status, host=host)
+
+
+async def publish_heartbeat(
+    conn: BusConnection,
+    member: MemberRef,
+    step: int,
+    version: int,
+    status: RunningStatus | str,
+    *,
+    host: str | None = None,
+) -> None:
+    """Send one heartbeat on `rft.<job>.hb.<role>.<member>` (fire and forget; lost ones are fine)."""
+    hb = Heartbeat(member=member, step=step, version=version, status=RunningStatus.parse(status),
+                   host=host or socket.gethostname())
+    try:
+        await conn.nc.publish(conn.names.heartbeat(member.role, member.id), encode_heartbeat(hb))
+    except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError) as exc:
+        raise BusClosed(f"cannot send a heartbeat: connection {conn.name} to {conn.url} is closed") from exc
+
+
+class HeartbeatSubscription:
+    """A live heartbeat subscription: `malformed` counts skipped messages; `aclose()` unsubscribes."""
+
+    def __init__(self, conn: BusConnection, callback: Callable[[Heartbeat], Any]):
+        self.conn = conn
+        self.callback = callback
+        self.malformed = 0
+        self.received = 0
+        self._sub = None
+
+    async def _on_msg(self, msg: Msg) -> None:
+        try:
+            hb = decode_heartbeat(msg.data)
+        except DecodeError as exc:
+            self.malformed += 1
+            self.conn.log.warning("bus.heartbeat_malformed", subject=msg.subject, reason=str(exc))
+            return
+        self.received += 1
+        try:
+            result = self.callback(hb)
+            if inspect.isawaitable(result):
+                await result
+        except Exception as exc:  # a failing callback must not end the subscription
+            self.conn.log.exception("bus.heartbeat_callback_failed", member=str(hb.member), error=str(exc))
+
+    async def aclose(self) -> None:
+        sub, self._sub = self._sub, None
+        if sub is not None and not self.conn.nc.is_closed:
+            try:
+                await sub.unsubscribe()
+            except nats.errors.Error:
+                pass
+
+    async def __aenter__(self) -> "HeartbeatSubscription":
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.aclose()
+
+
+async def subscribe_heartbeats(
+    conn: BusConnection, callback: Callable[[Heartbeat], Awaitable[None] | None]
+) -> HeartbeatSubscription:
+    """Call `callback(heartbeat)` for every heartbeat of the job (sync or async callback)."""
+    hs = HeartbeatSubscription(conn, callback)
+    hs._sub = await conn.nc.subscribe(conn.names.all_heartbeats, cb=hs._on_msg)
+    return hs
+
+
+# --------------------------------------------------------------------------------------------------
+# reading
+
+
+@dataclass(frozen=True, slots=True)
+class _Delivery:
+    consumer: str
+    stream_seq: int
+    consumer_seq: int
+    time_ns: int
+    pending: int
+
+
+def _delivery(reply: str | None) -> _Delivery | None:
+    """Parse a JetStream ack subject (v1 `$JS.ACK.<stream>.<consumer>.<n>.<sseq>.<dseq>.<ts>.<pending>`
+    or v2 with domain and account hash in front); None for anything else (status messages)."""
+    if not reply:
+        return None
+    t = reply.split(".")
+    if len(t) < 9 or t[0] != "$JS" or t[1] != "ACK":
+        return None
+    if len(t) == 9:
+        consumer, sseq, dseq, ts, pending = t[3], t[5], t[6], t[7], t[8]
+    elif len(t) < 11:
+        return None
+    else:
+        consumer, sseq, dseq, ts, pending = t[5], t[7], t[8], t[9], t[10]
+    try:
+        return _Delivery(consumer, int(sseq), int(dseq), int(ts), int(pending))
+    except ValueError:
+        return None
+
+
+def _start_time(value: _dt.datetime | int | float) -> _dt.datetime:
+    if isinstance(value, _dt.datetime):
+        return value if value.tzinfo else value.replace(tzinfo=_dt.timezone.utc)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"from_time must be a datetime or epoch milliseconds, got {value!r}")
+    return _dt.datetime.fromtimestamp(value / 1000.0, _dt.timezone.utc)
+
+
+class EventReader:
+    """Async iterator of `Recorded` events and decisions, in stream order. See `read_events()`.
+
+    Attributes: `malformed` (messages skipped because they did not decode), `last_seq` (stream
+    sequence of the last message consumed, decoded or not).
+    """
+
+    def __init__(
+        self,
+        conn: BusConnection,
+        *,
+        from_seq: int | None = None,
+        from_time: _dt.datetime | int | float | None = None,
+        include_decisions: bool = True,
+        stop_at_end: bool = False,
+        batch: int = 256,
+        poll_s: float = 5.0,
+    ):
+        if from_seq is not None and from_time is not None:
+            raise ValueError("give from_seq or from_time, not both")
+        self.conn = conn
+        self.from_seq = from_seq
+        self.from_time = _start_time(from_time) if from_time is not None else None
+        self.include_decisions = include_decisions
+        self.stop_at_end = stop_at_end
+        self.batch = batch
+        self.poll_s = poll_s
+        self.malformed = 0
+        self.last_seq = 0
+        self.end_seq: int | None = None
+        self._stream = conn.names.event_stream
+        self._buf: deque[Msg] = deque()
+        self._sub = None
+        self._consumer: str | None = None
+        self._dseq = 0
+        self._started = False
+        self._done = False
+        self._closed = False
+
+    # -- consumer lifecycle ----------------------------------------------------------------------
+
+    def _config(self) -> ConsumerConfig:
+        config = ConsumerConfig(
+            name=self.conn.nc._nuid.next().decode(),
+            ack_policy=AckPolicy.NONE,
+            mem_storage=True,
+            num_replicas=1,
+            # Nobody deletes the consumer of a reader that was abandoned: the server does, later.
+            inactive_threshold=max(30.0, 4 * self.poll_s),
+            filter_subject=None if self.include_decisions else self.conn.names.all_events,
+        )
+        if self.last_seq:
+            config.deliver_policy = DeliverPolicy.BY_START_SEQUENCE
+            config.opt_start_seq = self.last_seq + 1
+        elif self.from_seq is not None and self.from_seq > 1:
+            config.deliver_policy = DeliverPolicy.BY_START_SEQUENCE
+            config.opt_start_seq = self.from_seq
+        elif self.from_time is not None:
+            config.deliver_policy = DeliverPolicy.BY_START_TIME
+            config.opt_start_time = self.from_time
+        else:
+            config.deliver_policy = DeliverPolicy.ALL
+        return config
+
+    async def _create_consumer(self) -> None:
+        """Create the consumer (retrying while the server is away); `BusError` if there is no stream."""
+        await self._drop_consumer()
+        attempt = 0
+        while True:
+            config = self._config()
+            try:
+                info = await self.conn.js.add_consumer(self._stream, config)
+                sub = await self.conn.js.pull_subscribe_bind(consumer=info.name, stream=self._stream)
+                break
+            except nats.js.errors.NotFoundError as exc:
+                raise BusError(
+                    f"cannot read events of job {self.conn.names.job!r}: stream {self._stream} does not "
+                    f"exist on {self.conn.url}. Has any member of this job started (ensure_event_stream)?"
+                ) from exc
+            except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError) as exc:
+                raise BusClosed(f"event reader stopped: connection {self.conn.name} is closed") from exc
+            except (asyncio.TimeoutError, nats.errors.Error) as exc:
+                # Server restarting or JetStream not ready yet (503): the connection reconnects by
+                # itself, so wait and try again rather than end a live reader.
+                if self.conn.nc.is_closed:
+                    raise BusClosed(f"event reader stopped: connection {self.conn.name} is closed") from exc
+                attempt += 1
+                self.conn.log.debug("bus.reader_create_retry", stream=self._stream, attempt=attempt, error=str(exc))
+                await asyncio.sleep(min(2.0, 0.05 * 2**attempt))
+        self._consumer = info.name
+        self._sub = sub
+        self._dseq = 0
+        if self.end_seq is not None and not info.num_pending:
+            self._done = True  # nothing (left) to read up to the end as it was
+
+    async def _drop_consumer(self) -> None:
+        sub, name = self._sub, self._consumer
+        self._sub = self._consumer = None
+        self._buf.clear()
+        if self.conn.nc.is_closed:
+            return
+        if sub is not None:
+            try:
+                await sub.unsubscribe()
+            except Exception:
+                pass
+        if name is not None:
+            try:
+                await asyncio.wait_for(self.conn.js.delete_consumer(self._stream, name), 2.0)
+            except Exception:  # gone already, or the server is away: inactive_threshold cleans up
+                pass
+
+    async def _start(self) -> None:
+        self._started = True
+        if self.stop_at_end:
+            self.end_seq = await last_sequence(self.conn)
+            if self.end_seq < max(1, self.from_seq or 1):
+                self._done = True
+                return
+        await self._create_consumer()
+
+    async def _fill(self) -> None:
+        assert self._sub is not None
+        try:
+            msgs = await self._sub.fetch(self.batch, timeout=self.poll_s)
+        except asyncio.TimeoutError:
+            await self._check_consumer()
+            return
+        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError) as exc:
+            raise BusClosed(f"event reader stopped: connection {self.conn.name} to {self.conn.url} is closed") from exc
+        except nats.js.errors.APIError as exc:
+            # e.g. 409 "consumer deleted": start again just after what we have.
+            self.conn.log.info("bus.reader_consumer_lost", stream=self._stream, reason=str(exc))
+            await self._create_consumer()
+            return
+        except nats.errors.Error as exc:  # e.g. outbound buffer full while reconnecting: wait, retry
+            self.conn.log.debug("bus.reader_fetch_failed", stream=self._stream, error=str(exc))
+            await asyncio.sleep(min(self.poll_s, 0.5))
+            return
+        self._buf.extend(msgs)
+
+    async def _check_consumer(self) -> None:
+        """After an idle fetch: is our consumer still there? (A restarted server forgets it.)"""
+        if self.conn.nc.is_closed:
+            raise BusClosed(f"event reader stopped: connection {self.conn.name} to {self.conn.url} is closed")
+        if not self.conn.nc.is_connected or self._consumer is None:
+            return
+        try:
+            await asyncio.wait_for(self.conn.js.consumer_info(self._stream, self._consumer), self.poll_s)
+        except nats.js.errors.NotFoundError:
+            self.conn.log.info("bus.reader_consumer_lost", stream=self._stream, last_seq=self.last_seq)
+            await self._create_consumer()
+        except Exception:
+            pass  # server busy or away; the next fetch tries again
+
+    async def _accept(self, msg: Msg) -> Recorded | None:
+        d = _delivery(msg.reply)
+        if d is None or d.consumer != self._consumer:
+            return None  # a status message, or a late delivery to a consumer we dropped
+        if d.consumer_seq != self._dseq + 1:
+            # A gap: deliveries were lost (AckNone never redelivers). Restart after the last seen.
+            self.conn.log.info("bus.reader_gap", expected=self._dseq + 1, got=d.consumer_seq, last_seq=self.last_seq)
+            await self._create_consumer()
+            return None
+        self._dseq = d.consumer_seq
+        if self.end_seq is not None and d.stream_seq > self.end_seq:
+            self._done = True
+            return None
+        self.last_seq = d.stream_seq
+        if self.end_seq is not None and (d.stream_seq >= self.end_seq or d.pending == 0):
+            self._done = True
+        try:
+            event = decode(msg.data)
+        except DecodeError as exc:
+            self.malformed += 1
+            self.conn.log.warning("bus.event_malformed", subject=msg.subject, seq=d.stream_seq, reason=str(exc))
+            return None
+        return Recorded(seq=d.stream_seq, time_ms=d.time_ns // 1_000_000, event=event)
+
+    # -- iteration -------------------------------------------------------------------------------
+
+    def __aiter__(self) -> "EventReader":
+        return self
+
+    async def __anext__(self) -> Recorded:
+        if self._closed:
+            raise StopAsyncIteration
+        if not self._started:
+            await self._start()
+        while True:
+            while self._buf and not self._done:
+                record = await self._accept(self._buf.popleft())
+                if record is not None:
+                    return record
+            if self._done:
+                await self.aclose()
+                raise StopAsyncIteration
+            await self._fill()
+
+    async def aclose(self) -> None:
+        """Stop reading and delete the server-side consumer. Safe twice."""
+        if self._closed:
+            return
+        self._closed = True
+        await self._drop_consumer()
+
+    async def __aenter__(self) -> "EventReader":
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.aclose()
+
+
+def read_events(
+    conn: BusConnection,
+    *,
+    from_seq: int | None = None,
+    from_time: _dt.datetime | int | float | None = None,
+    include_decisions: bool = True,
+    stop_at_end: bool = False,
+) -> EventReader:
+    """Read the job's event stream as `Recorded(seq, time_ms, event)`, in order.
+
+    Starts at stream sequence `from_seq`, or at the first message stored at or after `from_time`
+    (a datetime, or epoch milliseconds as in `Recorded.time_ms`), or at the beginning. With
+    `include_decisions=False` only input events are read. With `stop_at_end=True` iteration ends
+    after the last message that existed when reading began; otherwise it follows the stream live.
+    Malformed messages are logged, counted in `reader.malformed` and skipped.
+
+    Use as `async with read_events(conn, ...) as reader: async for rec in reader: ...` so the
+    server-side consumer is deleted when you stop early.
+    """
+    return EventReader(conn, from_seq=from_seq, from_time=from_time,
+                       include_decisions=include_decisions, stop_at_end=stop_at_end)
+
+
+async def last_sequence(conn: BusConnection) -> int:
+    """Sequence of the last message in the job's event stream (0 when empty)."""
+    try:
+        info = await conn.js.stream_info(conn.names.event_stream)
+    except nats.js.errors.NotFoundError as exc:
+        raise BusError(
+            f"stream {conn.names.event_stream} does not exist on {conn.url}: no member of job "
+            f"{conn.names.job!r} has started yet (ensure_event_stream)"
+        ) from exc
+    return info.state.last_seq

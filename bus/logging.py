@@ -1,0 +1,70 @@
+"""structlog setup for every rolectl process: one JSON event per line, with bound job/role/member context.
+
+Call `setup_logging()` once at process start (the CLI does); library code only calls `get_logger()`
+and binds what it knows (job, role, member, version, round). Until `setup_logging()` runs, structlog's
+defaults apply, so importing `bus` never reconfigures a host application's logging.
+"""
+
+from __future__ import annotations
+
+import logging as _stdlib_logging
+import sys
+from typing import Any, TextIO
+
+import structlog
+
+__all__ = ["setup_logging", "get_logger", "bind_context", "clear_context"]
+
+_LEVELS = {"debug": 10, "info": 20, "warning": 30, "warn": 30, "error": 40, "critical": 50}
+
+
+def setup_logging(level: str | int = "info", *, json: bool = True, stream: TextIO | None = None) -> None:
+    """Configure structlog: events at or above `level` go to `stream` (stderr by default), one per line.
+
+    `json=True` renders each event as one JSON object (for files and log shippers); `json=False`
+    renders aligned key=value text for a terminal. Context bound with `bind_context()` (per task,
+    via contextvars) and with `logger.bind()` appears in every event.
+    """
+    if isinstance(level, str):
+        try:
+            level_no = _LEVELS[level.lower()]
+        except KeyError:
+            raise ValueError(f"unknown log level {level!r}; use one of {sorted(_LEVELS)}") from None
+    else:
+        level_no = int(level)
+    renderer: Any = (
+        structlog.processors.JSONRenderer(sort_keys=False, default=str)
+        if json
+        else structlog.dev.ConsoleRenderer(colors=False)
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True, key="ts"),
+            structlog.processors.StackInfoRenderer(),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(level_no),
+        logger_factory=structlog.PrintLoggerFactory(file=stream or sys.stderr),
+        # Not cached: a later setup_logging() (tests, the CLI re-reading flags) takes effect at once.
+        cache_logger_on_first_use=False,
+    )
+    # Libraries that log through the stdlib (nats-py, aiohttp) stay quiet below warnings.
+    _stdlib_logging.basicConfig(level=max(level_no, _stdlib_logging.WARNING), stream=stream or sys.stderr)
+
+
+def get_logger(name: str = "rolectl", **context: Any) -> Any:
+    """A structlog logger named `name` with `context` bound (job=..., role=..., member=...)."""
+    return structlog.get_logger(name).bind(logger=name, **context)
+
+
+def bind_context(**context: Any) -> None:
+    """Bind `context` for every event logged from this task (and tasks it starts) from now on."""
+    structlog.contextvars.bind_contextvars(**context)
+
+
+def clear_context() -> None:
+    """Forget everything `bind_context()` bound in this task."""
+    structlog.contextvars.clear_contextvars()

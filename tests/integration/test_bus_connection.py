@@ -1,0 +1,94 @@
+"""bus.connection and bus.streams against a real nats-server: naming, failing fast, closing, stream checks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+
+import pytest
+
+from bus.connection import connect
+from bus.errors import BusClosed, BusUnavailable, StreamMismatch
+from bus.server import free_port
+from bus.streams import ensure_event_stream, ensure_experience_stream
+from nats.js.api import RetentionPolicy, StorageType
+
+
+def _connz(monitor_url: str) -> dict:
+    with urllib.request.urlopen(f"{monitor_url}/connz", timeout=5) as resp:
+        return json.load(resp)
+
+
+async def test_connection_name_is_job_role_member_in_connz(nats_server, job_name):
+    async with connect(nats_server.url, job=job_name, role="explorer", member="e7") as conn:
+        assert conn.name == f"{job_name}/explorer/e7"
+        connz = await asyncio.to_thread(_connz, nats_server.monitor_url)
+    names = {c.get("name") for c in connz["connections"]}
+    assert f"{job_name}/explorer/e7" in names
+
+
+async def test_unreachable_server_raises_bus_unavailable_quickly_with_advice():
+    url = f"nats://127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    with pytest.raises(BusUnavailable) as info:
+        async with connect(url, job="j", role="trainer", member="t0", connect_timeout=1.0):
+            pass
+    elapsed = time.monotonic() - started
+    assert elapsed < 3.0
+    message = str(info.value)
+    assert url in message and "refused" in message and "rolectl server" in message and "--nats" in message
+
+
+async def test_await_form_and_aclose_twice(nats_url, job_name):
+    conn = await connect(nats_url, job=job_name, role="trainer", member="t0")
+    assert conn.is_connected
+    await conn.aclose()
+    await conn.aclose()
+    assert conn.is_closed
+    with pytest.raises(BusClosed):
+        await conn.publish_acked(conn.names.event("trainer", "t0", "x"), b"")
+
+
+async def test_aclose_completes_when_the_closer_is_cancelled(nats_url, job_name):
+    conn = await connect(nats_url, job=job_name, role="trainer", member="t0")
+    closer = asyncio.create_task(conn.aclose())
+    await asyncio.sleep(0)  # let the close start, then cancel the task waiting on it
+    closer.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await closer
+    await asyncio.wait_for(conn.aclose(), 10)  # the shielded close finishes; a second call waits for it
+    assert conn.is_closed
+
+
+async def test_bad_member_name_is_rejected_before_connecting(nats_url):
+    with pytest.raises(ValueError, match="member id"):
+        await connect(nats_url, job="j", role="trainer", member="has.dot")
+
+
+async def test_streams_are_created_then_verified(nats_url, job_name):
+    async with connect(nats_url, job=job_name, role="synchronizer", member="s0") as conn:
+        events = await ensure_event_stream(conn.js, conn.names)
+        exp = await ensure_experience_stream(conn.js, conn.names)
+        again = await ensure_event_stream(conn.js, conn.names)
+
+    assert events.config.storage == StorageType.FILE and events.config.retention == RetentionPolicy.LIMITS
+    assert sorted(events.config.subjects) == sorted([f"rft.{job_name}.evt.>", f"rft.{job_name}.sync.>"])
+    assert events.config.max_age == pytest.approx(7 * 24 * 3600)
+    assert events.config.duplicate_window == pytest.approx(120)
+    assert exp.config.storage == StorageType.FILE and exp.config.retention == RetentionPolicy.WORK_QUEUE
+    assert exp.config.subjects == [f"rft.{job_name}.exp.>"]
+    assert again.config.name == events.config.name
+
+
+async def test_stream_mismatch_names_the_field_and_both_values(nats_url, job_name):
+    async with connect(nats_url, job=job_name, role="synchronizer", member="s0") as conn:
+        await ensure_event_stream(conn.js, conn.names, max_age_s=3600)
+        with pytest.raises(StreamMismatch) as info:
+            await ensure_event_stream(conn.js, conn.names)
+    err = info.value
+    assert err.stream == conn.names.event_stream
+    assert [d[0] for d in err.differences] == ["max_age (s)"]
+    assert "max_age" in str(err) and "604800" in str(err) and "3600" in str(err)
+    assert "nats stream rm" in str(err)

@@ -1,0 +1,238 @@
+"""bus.events against a real nats-server: publish, dedup, read back by sequence and time, decisions, heartbeats."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from bus.connection import connect
+from bus.events import (
+    DecisionPublisher,
+    EventPublisher,
+    decision_msg_id,
+    last_sequence,
+    publish_heartbeat,
+    read_events,
+    subscribe_heartbeats,
+)
+from bus.streams import ensure_event_stream
+from sync_protocol import (
+    MemberJoined,
+    MemberRef,
+    MemberReleased,
+    ReleaseReason,
+    RoundClosed,
+    RoundOutcome,
+    RoundOpened,
+    RoundTimedOut,
+    RunningStatus,
+    StatusChanged,
+    StepFinished,
+    SyncMethod,
+    VersionPublished,
+    encode,
+)
+
+TRAINER = MemberRef(role="trainer", id="t0", incarnation=1)
+EXPLORER = MemberRef(role="explorer", id="e0", incarnation=3)
+SYNC = MemberRef(role="synchronizer", id="s0", incarnation=0)
+
+
+@pytest.fixture
+async def conn(nats_url, job_name):
+    async with connect(nats_url, job=job_name, role="trainer", member="t0") as c:
+        await ensure_event_stream(c.js, c.names)
+        yield c
+
+
+def _some_events() -> list:
+    return [
+        MemberJoined(member=TRAINER, host="h", pid=1, step=0, version=0),
+        StatusChanged(member=TRAINER, status=RunningStatus.RUNNING, step=0, version=0),
+        StepFinished(member=TRAINER, step=1, version=0, metrics={"loss": 0.5}),
+        VersionPublished(member=TRAINER, version=1, step=1, method=SyncMethod.MEMORY, location="v1",
+                         nbytes=10, digest="abc"),
+        StatusChanged(member=TRAINER, status=RunningStatus.REQUIRE_SYNC, step=1, version=1, rendezvous="h:1"),
+    ]
+
+
+def _opened(round_id: int = 1, cause: int = 5) -> RoundOpened:
+    return RoundOpened(round=round_id, cause_seq=cause, method=SyncMethod.MEMORY, opened_by=EXPLORER,
+                       version=0, opened_at_ms=123)
+
+
+async def _collect(reader) -> list:
+    async with reader:
+        return [rec async for rec in reader]
+
+
+async def test_events_round_trip_in_order_with_sequence_and_server_time(conn):
+    pub = EventPublisher(conn, TRAINER)
+    events = _some_events()
+    seqs = [await pub.publish(e) for e in events]
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+
+    records = await _collect(read_events(conn, stop_at_end=True))
+
+    assert [r.event for r in records] == events
+    assert [r.seq for r in records] == seqs
+    times = [r.time_ms for r in records]
+    assert times == sorted(times) and all(t > 1_600_000_000_000 for t in times)
+    assert await last_sequence(conn) == seqs[-1]
+
+
+async def test_events_go_to_the_member_and_kind_subject(conn):
+    pub = EventPublisher(conn, EXPLORER)
+    with pytest.raises(ValueError, match="only its own events"):
+        await pub.publish(MemberJoined(member=TRAINER, host="h", pid=1, step=0, version=0))
+    seq = await pub.publish(StepFinished(member=EXPLORER, step=1, version=0))
+    msg = await conn.js.get_msg(conn.names.event_stream, seq)
+    assert msg.subject == conn.names.event("explorer", "e0", "step_finished")
+    assert msg.headers["Nats-Msg-Id"] == "explorer/e0#3/1"
+
+
+async def test_same_msg_id_twice_is_stored_once(conn):
+    pub = EventPublisher(conn, SYNC)
+    event = RoundTimedOut(member=SYNC, round=7)
+    first = await pub.publish(event, msg_id="timeout/7")
+    again = await pub.publish(event, msg_id="timeout/7")
+
+    assert again == first
+    records = await _collect(read_events(conn, stop_at_end=True))
+    assert [r.seq for r in records] == [first]
+
+
+async def test_read_from_sequence_starts_there(conn):
+    pub = EventPublisher(conn, TRAINER)
+    seqs = [await pub.publish(e) for e in _some_events()]
+
+    records = await _collect(read_events(conn, from_seq=seqs[2], stop_at_end=True))
+
+    assert [r.seq for r in records] == seqs[2:]
+
+
+async def test_read_from_time_starts_at_first_message_stored_then(conn):
+    pub = EventPublisher(conn, TRAINER)
+    for e in _some_events()[:2]:
+        await pub.publish(e)
+    everything = await _collect(read_events(conn, stop_at_end=True))
+    later = [await pub.publish(e) for e in _some_events()[2:]]
+    # Start strictly after the last early message's server time (ms resolution): the server may
+    # stamp several messages within one millisecond, so expect "no early message" rather than
+    # an exact first sequence when they share it.
+    cut_ms = everything[-1].time_ms + 1
+
+    records = await _collect(read_events(conn, from_time=cut_ms, stop_at_end=True))
+
+    assert records, "messages stored after the cut must be read"
+    assert all(r.time_ms >= cut_ms for r in records)
+    assert {r.seq for r in records} <= set(later)
+    assert records[-1].seq == later[-1]
+
+
+async def test_read_without_decisions_skips_the_sync_subjects(conn):
+    seq = await EventPublisher(conn, TRAINER).publish(_some_events()[0])
+    await DecisionPublisher(conn).publish(_opened(cause=seq), expected_last_subject_seq=0)
+
+    with_decisions = await _collect(read_events(conn, stop_at_end=True))
+    inputs_only = await _collect(read_events(conn, include_decisions=False, stop_at_end=True))
+
+    assert len(with_decisions) == 2 and isinstance(with_decisions[1].event, RoundOpened)
+    assert [r.seq for r in inputs_only] == [seq]
+
+
+async def test_stop_at_end_on_an_empty_stream_yields_nothing(conn):
+    assert await _collect(read_events(conn, stop_at_end=True)) == []
+
+
+async def test_live_reader_sees_events_published_after_it_started(conn):
+    pub = EventPublisher(conn, TRAINER)
+    events = _some_events()
+    await pub.publish(events[0])
+
+    async with read_events(conn) as reader:
+        first = await asyncio.wait_for(reader.__anext__(), 5)
+        await pub.publish(events[1])
+        second = await asyncio.wait_for(reader.__anext__(), 5)
+
+    assert [first.event, second.event] == events[:2]
+
+
+async def test_garbage_on_an_event_subject_is_skipped_and_counted(conn):
+    pub = EventPublisher(conn, TRAINER)
+    good = _some_events()[:2]
+    await pub.publish(good[0])
+    subject = conn.names.event("trainer", "t0", "status_changed")
+    await conn.js.publish(subject, b"\xc1 definitely not msgpack")
+    await conn.js.publish(subject, encode(good[1])[:-3])  # truncated
+    await conn.js.publish(conn.names.decision(9), b"\x81\xa4kind\xa7unknown")  # a map, unknown kind
+    await pub.publish(good[1])
+
+    reader = read_events(conn, stop_at_end=True)
+    records = await _collect(reader)
+
+    assert [r.event for r in records] == good
+    assert reader.malformed == 3
+
+
+async def test_decision_second_replica_gets_none_and_stream_keeps_one_copy(nats_url, job_name):
+    async with connect(nats_url, job=job_name, role="synchronizer", member="s0") as a, \
+            connect(nats_url, job=job_name, role="synchronizer", member="s1") as b:
+        await ensure_event_stream(a.js, a.names)
+        replica_a, replica_b = DecisionPublisher(a), DecisionPublisher(b)
+        opened = _opened(round_id=1, cause=4)
+
+        seq = await replica_a.publish(opened, expected_last_subject_seq=0)
+        assert seq is not None
+        # Same decision again (the msg id dedups), and a racing different one (expected seq is stale).
+        assert await replica_b.publish(opened, expected_last_subject_seq=0) is None
+        racing = RoundClosed(round=1, cause_seq=4, outcome=RoundOutcome.TIMED_OUT)
+        assert await replica_b.publish(racing, expected_last_subject_seq=0) is None
+        # The next decision on the round, chained on the first: accepted once.
+        released = MemberReleased(round=1, cause_seq=6, released=EXPLORER, reason=ReleaseReason.NEW_VERSION,
+                                  version=1, reload=True, location="v1")
+        seq2 = await replica_b.publish(released, expected_last_subject_seq=seq)
+        assert seq2 is not None and seq2 > seq
+        assert await replica_a.publish(released, expected_last_subject_seq=seq) is None
+
+        records = await _collect(read_events(a, stop_at_end=True))
+    assert [r.event for r in records] == [opened, released]
+
+
+def test_decision_msg_id_names_round_kind_cause_and_released_member():
+    released = MemberReleased(round=3, cause_seq=9, released=EXPLORER, reason=ReleaseReason.NEW_VERSION,
+                              version=1, reload=False)
+    assert decision_msg_id(released) == "d/3/member_released/9/explorer/e0"
+    assert decision_msg_id(_opened(round_id=3, cause=9)) == "d/3/round_opened/9/"
+
+
+async def test_heartbeats_reach_subscribers_and_stay_out_of_the_stream(conn):
+    got: asyncio.Queue = asyncio.Queue()
+    sub = await subscribe_heartbeats(conn, got.put)
+    async with sub:
+        await conn.nc.publish(conn.names.heartbeat("explorer", "e0"), b"garbage")
+        await publish_heartbeat(conn, EXPLORER, step=4, version=2, status="require_sync", host="box")
+        hb = await asyncio.wait_for(got.get(), 5)
+
+    assert (hb.member, hb.step, hb.version, hb.status, hb.host) == (
+        EXPLORER, 4, 2, RunningStatus.REQUIRE_SYNC, "box")
+    assert sub.malformed == 1
+    assert await last_sequence(conn) == 0
+
+
+async def test_a_lost_delivery_is_detected_and_read_again(conn):
+    pub = EventPublisher(conn, TRAINER)
+    events = [StepFinished(member=TRAINER, step=s, version=0) for s in range(5)]
+    for e in events:
+        await pub.publish(e)
+    reader = read_events(conn, stop_at_end=True)
+    async with reader:
+        # Take the first two deliveries off the consumer and lose the second, as a dropped
+        # pull response would: the consumer (AckNone) never redelivers it by itself.
+        await reader._start()
+        first, _lost = await reader._sub.fetch(2, timeout=5)
+        reader._buf.append(first)
+        records = [rec async for rec in reader]
+
+    assert [r.event for r in records] == events

@@ -1,0 +1,169 @@
+"""bus.experiences against a real nats-server: codec, publish/fetch/ack, dedup, redelivery, garbage."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgpack
+import pytest
+
+from bus.connection import connect
+from bus.errors import MalformedExperience
+from bus.experiences import (
+    Experience,
+    ExperienceBatch,
+    ExperiencePublisher,
+    ExperienceReader,
+    decode_batch,
+    encode_batch,
+)
+from bus.streams import ensure_experience_stream
+
+
+def _batch(step: int, member: str = "e0", n: int = 2) -> ExperienceBatch:
+    return ExperienceBatch(
+        member=member,
+        explore_step=step,
+        model_version=step - 1,
+        experiences=tuple(
+            Experience(
+                id=f"{member}-{step}-{i}",
+                group=f"g{step}",
+                prompt=(1, 2, 3, 151_000),
+                response=(7, 8, -1),
+                logprobs=(-0.5, -1.25, 0.0),  # float32-exact, so the round trip is equal
+                reward=0.75 * i,
+                model_version=step - 1,
+            )
+            for i in range(n)
+        ),
+    )
+
+
+@pytest.fixture
+async def conn(nats_url, job_name):
+    async with connect(nats_url, job=job_name, role="explorer", member="e0") as c:
+        await ensure_experience_stream(c.js, c.names)
+        yield c
+
+
+def test_codec_round_trip_and_compact_token_arrays():
+    batch = _batch(3, n=3)
+    payload = encode_batch(batch)
+    assert decode_batch(payload) == batch
+    raw = msgpack.unpackb(payload)
+    assert raw["schema"] == 1
+    assert raw["experiences"][0]["prompt"] == (1).to_bytes(4, "little") + (2).to_bytes(4, "little") + \
+        (3).to_bytes(4, "little") + (151_000).to_bytes(4, "little")
+
+
+def test_logprobs_travel_as_float32():
+    exp = Experience(id="x", group="g", prompt=(), response=(1,), logprobs=(0.1,), reward=1, model_version=0)
+    back = decode_batch(encode_batch(ExperienceBatch(member="e0", explore_step=1, model_version=0,
+                                                     experiences=(exp,))))
+    assert back.experiences[0].logprobs == pytest.approx((0.1,), rel=1e-7)
+
+
+@pytest.mark.parametrize(
+    "payload, words",
+    [
+        (b"\xc1", "not msgpack"),
+        (msgpack.packb([1, 2]), "must be a map"),
+        (msgpack.packb({"schema": 99, "member": "e0"}), "schema 99"),
+        (msgpack.packb({"schema": 1, "member": "e0", "explore_step": 1, "model_version": 0,
+                        "experiences": [{"id": "x"}]}), "missing field 'group'"),
+        (msgpack.packb({"schema": 1, "member": "e0", "explore_step": 1, "model_version": 0,
+                        "experiences": [{"id": "x", "group": "g", "prompt": b"\x01\x02\x03",
+                                         "response": b"", "logprobs": b"", "reward": 0.0,
+                                         "model_version": 0}]}), "whole number"),
+    ],
+)
+def test_decode_rejects_malformed_input_with_a_typed_error(payload, words):
+    with pytest.raises(MalformedExperience, match=words):
+        decode_batch(payload)
+
+
+def test_encode_rejects_token_ids_outside_int32():
+    exp = Experience(id="x", group="g", prompt=(2**31,), response=(), logprobs=(), reward=0, model_version=0)
+    with pytest.raises(ValueError, match="int32"):
+        encode_batch(ExperienceBatch(member="e0", explore_step=1, model_version=0, experiences=(exp,)))
+
+
+async def test_published_batches_are_fetched_acked_and_gone(conn):
+    pub = ExperiencePublisher(conn, "e0")
+    batches = [_batch(s) for s in (1, 2, 3)]
+    for b in batches:
+        await pub.publish(b)
+
+    async with ExperienceReader(conn, ack_wait_s=30) as reader:
+        got = await reader.fetch(10, timeout=5)
+        assert [r.batch for r in got] == batches
+        assert all(r.num_delivered == 1 for r in got)
+        for r in got:
+            await r.ack()
+        assert await reader.fetch(10, timeout=0.3) == []
+
+    info = await conn.js.stream_info(conn.names.experience_stream)
+    assert info.state.messages == 0  # work-queue: acked batches are deleted
+
+
+async def test_republished_step_is_stored_once(conn):
+    pub = ExperiencePublisher(conn, "e0")
+    first = await pub.publish(_batch(5))
+    assert await pub.publish(_batch(5)) == first  # a restarted explorer re-publishing step 5
+
+    info = await conn.js.stream_info(conn.names.experience_stream)
+    assert info.state.messages == 1
+    msg = await conn.js.get_msg(conn.names.experience_stream, first)
+    assert msg.subject == conn.names.experiences("e0") and msg.headers["Nats-Msg-Id"] == "exp/e0/5"
+
+
+async def test_batches_of_a_dead_trainer_are_redelivered_to_the_next(nats_url, job_name, conn):
+    await ExperiencePublisher(conn, "e0").publish(_batch(1))
+    await ExperiencePublisher(conn, "e0").publish(_batch(2))
+
+    # First trainer takes both and dies (its connection closes) without acking.
+    async with connect(nats_url, job=job_name, role="trainer", member="t0") as first:
+        held = await ExperienceReader(first, ack_wait_s=1.0).fetch(10, timeout=5)
+        assert [r.batch.explore_step for r in held] == [1, 2]
+
+    async with connect(nats_url, job=job_name, role="trainer", member="t0") as second:
+        reader = ExperienceReader(second, ack_wait_s=1.0)
+        got: list = []
+        async def until_both() -> None:
+            while len(got) < 2:
+                got.extend(await reader.fetch(10, timeout=1.0))
+        await asyncio.wait_for(until_both(), 10)
+        for r in got:
+            await r.ack()
+
+    assert sorted(r.batch.explore_step for r in got) == [1, 2]
+    assert all(r.num_delivered == 2 for r in got)
+
+
+async def test_nak_gives_a_batch_back_at_once(conn):
+    await ExperiencePublisher(conn, "e0").publish(_batch(1))
+    reader = ExperienceReader(conn, ack_wait_s=30)
+    [held] = await reader.fetch(1, timeout=5)
+    await held.nak()
+    [again] = await reader.fetch(1, timeout=5)
+    assert again.seq == held.seq and again.num_delivered == 2
+    await again.ack()
+
+
+async def test_garbage_on_the_experience_subject_is_terminated_and_counted(conn):
+    pub = ExperiencePublisher(conn, "e0")
+    await pub.publish(_batch(1))
+    await conn.js.publish(conn.names.experiences("e0"), b"\xc1 not a batch")
+    await conn.js.publish(conn.names.experiences("e0"), msgpack.packb({"schema": 1}))
+    await pub.publish(_batch(2))
+
+    reader = ExperienceReader(conn, ack_wait_s=1.0)
+    got = await reader.fetch(10, timeout=5)
+
+    assert [r.batch.explore_step for r in got] == [1, 2]
+    assert reader.malformed == 2
+    for r in got:
+        await r.ack()
+    info = await conn.js.stream_info(conn.names.experience_stream)
+    assert info.state.messages == 0  # terminated garbage is not kept for redelivery
