@@ -54,6 +54,7 @@ class Role(_ParsableEnum):
     TRAINER = "trainer"
     EXPLORER = "explorer"
     SYNCHRONIZER = "synchronizer"
+    OBSERVER = "observer"  # read-only tools (dashboard, status, replay, `up`); never publishes events
 
 
 class RunningStatus(_ParsableEnum):
