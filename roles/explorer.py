@@ -51,6 +51,10 @@ class Explorer:
         index = _explorer_index(member_id)
         self.step_delay_s = cfg.explorers.step_delay_s[index % len(cfg.explorers.step_delay_s)]
         self.engine = make_rollout_engine(cfg.model, member_id)
+        # Further local ranks (engine_num x tensor_parallel_size > 1) each hold their own copy of
+        # the weights, as separate rollout engines (or tensor-parallel shards) would.
+        ranks = cfg.explorers.engine_num * cfg.explorers.tensor_parallel_size
+        self.extra_ranks = [make_rollout_engine(cfg.model, f"{member_id}-r{r}") for r in range(1, ranks)]
         self.taskset = make_taskset(cfg.model, seed=index, total_batches=cfg.explorers.total_steps,
                                     batch_size=cfg.buffer.batch_size)
         self.state_file = cfg.job_dir / member_id / "explorer_state.json"
@@ -82,7 +86,7 @@ class Explorer:
             await session.view.start()
             self.method = self.sync.sync_method
             if self.method.is_rendezvous:
-                self.transport = make_rendezvous_transport(self.cfg, session)
+                self.transport = await make_rendezvous_transport(self.cfg, session)
             else:
                 self.transport = make_pull_transport(self.cfg, session.conn)
             self.experiences = ExperiencePublisher(session.conn, self.member_id)
@@ -183,7 +187,8 @@ class Explorer:
         if version < self.version:
             return
         self.version = version
-        self.engine.version = version
+        for engine in (self.engine, *self.extra_ranks):
+            engine.version = version
         self.s.version = version
         await self.s.publish(WeightsLoaded(member=self.s.me, version=version, round=round_id,
                                            nbytes=nbytes, seconds=seconds))
@@ -203,7 +208,10 @@ class Explorer:
     async def _receive_rendezvous(self, ready: RendezvousReady) -> None:
         started = time.monotonic()
         try:
-            nbytes = await self.transport.receive(ready, self.s.me, self.engine.weight_buffers())
+            nbytes = await self.transport.receive(
+                ready, self.s.me, self.engine.weight_buffers(),
+                also_into=[e.weight_buffers() for e in self.extra_ranks],
+            )
         except TransferError as exc:
             self.log.warning("receive_failed", round=ready.round, epoch=ready.epoch, error=str(exc))
             await self.s.publish(SyncFailed(member=self.s.me, version=self.version, reason=str(exc), round=ready.round))

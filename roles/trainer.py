@@ -90,7 +90,7 @@ class Trainer:
             session.version = self.version
             self.method = self.sync.sync_method
             if self.method.is_rendezvous:
-                self.transport = make_rendezvous_transport(self.cfg, session)
+                self.transport = await make_rendezvous_transport(self.cfg, session)
             else:
                 self.transport = make_pull_transport(self.cfg, session.conn)
             self.reader = ExperienceReader(session.conn, ack_wait_s=self.cfg.buffer.ack_wait_s)
