@@ -112,7 +112,7 @@ class Explorer:
                 return
             started = time.monotonic()
             step = self.explore_step + 1
-            experiences = await asyncio.to_thread(self.engine.rollout, tasks, explore_step=step)
+            experiences = await asyncio.to_thread(self._rollout, tasks, step)
             if self.step_delay_s:
                 await asyncio.sleep(self.step_delay_s)  # simulated slower rollout engine (config)
             await self.experiences.publish(ExperienceBatch(member=self.member_id, explore_step=step,
@@ -128,6 +128,17 @@ class Explorer:
             self.log.info("explore_step", step=step, version=self.engine.version, reward=round(reward, 4))
             if self.need_sync():
                 await self.sync_weight()
+
+    def _rollout(self, tasks, step: int) -> list:
+        """Split the step's tasks across this explorer's engines (one per local rank)."""
+        engines = [self.engine, *self.extra_ranks]
+        per = -(-len(tasks) // len(engines))
+        experiences = []
+        for i, engine in enumerate(engines):
+            chunk = tasks[i * per:(i + 1) * per]
+            if chunk:
+                experiences.extend(engine.rollout(chunk, explore_step=step))
+        return experiences
 
     def need_sync(self) -> bool:
         if not explorer_needs_sync(self.explore_step, self.sync):
@@ -197,7 +208,8 @@ class Explorer:
         started = time.monotonic()
         try:
             tensors = await self.transport.fetch(ref)
-            self.engine.load_weights(tensors, ref.version)
+            for engine in (self.engine, *self.extra_ranks):
+                engine.load_weights(tensors, ref.version)
         except TransferError as exc:
             self.log.warning("fetch_failed", version=ref.version, error=str(exc))
             await self.s.publish(SyncFailed(member=self.s.me, version=self.version, reason=str(exc), round=round_id))
@@ -246,7 +258,8 @@ class Explorer:
         version, tensors, nbytes, seconds = self._pending_weights
         self._pending_weights = None
         if needs_reload(self.version, version):
-            self.engine.load_weights(tensors, version)
+            for engine in (self.engine, *self.extra_ranks):
+                engine.load_weights(tensors, version)
             self.version = version
             self.s.version = version
             await self.s.publish(WeightsLoaded(member=self.s.me, version=version, round=None,
