@@ -1,11 +1,14 @@
 """The pure sync core: events in, state and decisions out. No I/O, no clock, no torch."""
 
+from .boundaries import explorer_needs_sync, is_stale, needs_reload, trainer_needs_sync
 from .codec import SCHEMA_VERSION, decode, encode, from_plain, to_plain
 from .config import SyncConfig
 from .enums import ReleaseReason, Role, RoundOutcome, RunningStatus, SyncMethod, SyncStyle
 from .errors import ConfigError, DecodeError, IllegalEvent, ProtocolError
 from .events import *  # noqa: F401,F403  (the event classes are the package's vocabulary)
 from .events import __all__ as _event_names
+from .reducer import fold, fold_lenient, reduce, reduce_lenient
+from .state import GroupState, LatestVersion, MemberState, RoundPhase, RoundState, State
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -25,4 +28,18 @@ __all__ = [
     "IllegalEvent",
     "ProtocolError",
     *_event_names,
+    "State",
+    "MemberState",
+    "RoundState",
+    "RoundPhase",
+    "GroupState",
+    "LatestVersion",
+    "reduce",
+    "reduce_lenient",
+    "fold",
+    "fold_lenient",
+    "explorer_needs_sync",
+    "trainer_needs_sync",
+    "needs_reload",
+    "is_stale",
 ]

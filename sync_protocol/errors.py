@@ -21,11 +21,20 @@ class IllegalEvent(ProtocolError):
     enough to see what went wrong.
     """
 
-    def __init__(self, message: str, *, role: str = "", state: str = "", event: object = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        role: str = "",
+        state: str = "",
+        event: object = None,
+        seq: int | None = None,
+    ):
         super().__init__(message)
         self.role = role
         self.state = state
         self.event = event
+        self.seq = seq  # stream sequence of the offending input, when the reducer knows it
 
 
 class ConfigError(ProtocolError, ValueError):

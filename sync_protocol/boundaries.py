@@ -1,0 +1,51 @@
+"""When a role must sync, reload or drop data: small pure rules shared by the roles and the core.
+
+The trainer and explorer roles call these instead of re-deriving the arithmetic, so a role and the
+reducer can never disagree about where a sync boundary is or whether an offered version is new.
+"""
+
+from __future__ import annotations
+
+from .config import SyncConfig
+from .enums import SyncStyle
+
+__all__ = ["explorer_needs_sync", "trainer_needs_sync", "needs_reload", "is_stale"]
+
+_INTERVAL_DRIVEN = frozenset({SyncStyle.FIXED, SyncStyle.TRAINER_DRIVEN, SyncStyle.FULLY_ASYNC})
+
+
+def explorer_needs_sync(step: int, cfg: SyncConfig) -> bool:
+    """Whether an explorer that just finished explore step `step` asks for a sync.
+
+    The first `sync_offset` steps never sync (with offset 1 the explorer runs one step ahead:
+    one-step off-policy); after that, every `sync_interval`-th step does.
+    """
+    return step > cfg.sync_offset and (step - cfg.sync_offset) % cfg.sync_interval == 0
+
+
+def trainer_needs_sync(step: int, last_synced_step: int, cfg: SyncConfig) -> bool:
+    """Whether the trainer, at train step `step`, moves weights on its own schedule.
+
+    True on every `sync_interval`-th step not already synced (for fixed, trainer_driven and
+    fully_async). Always False for explorer_driven: there the trainer syncs when cued by a round an
+    explorer opened, not on a step count.
+    """
+    if cfg.sync_style not in _INTERVAL_DRIVEN:
+        return False
+    return step != last_synced_step and step % cfg.sync_interval == 0
+
+
+def needs_reload(current_version: int, offered_version: int) -> bool:
+    """Whether a member holding `current_version` must load `offered_version`.
+
+    Only newer weights are loaded. A fresh member (-1) offered the base model (0) already has it:
+    the engine loaded the base checkpoint at start.
+    """
+    if offered_version <= current_version:
+        return False
+    return not (current_version == -1 and offered_version == 0)
+
+
+def is_stale(experience_version: int, trainer_version: int, max_staleness: int | None) -> bool:
+    """Whether an experience generated with `experience_version` is too old to train on now."""
+    return max_staleness is not None and trainer_version - experience_version > max_staleness

@@ -1,0 +1,952 @@
+"""The pure reducer: fold one recorded input into the job's state and derive the sync decisions.
+
+Theory of operation
+-------------------
+`reduce(state, recorded)` is the whole protocol. It reads nothing but its arguments, so every
+replica of the synchronizer, a restarted one, and `rolectl replay` compute the same states and the
+same decisions from the same stream.
+
+* Inputs are `events.Event` facts. Recorded decisions are outputs of an earlier fold; when one comes
+  back in (it shares the stream) it only advances `last_seq`.
+* A sequence at or below `state.last_seq` was already applied: redelivery is a no-op.
+* Who may send what is the `SENDERS` table; an input from a member that never joined, from a stale
+  incarnation, or from a stopped/expired one is an `IllegalEvent` (the old state stays valid).
+* Members: RUNNING --StatusChanged(require_sync)--> REQUIRE_SYNC --released / round closed-->
+  RUNNING; STOPPED or expiry leaves every round for good (a restart joins as a new incarnation).
+* Rounds: one per sync request for pull methods (checkpoint, memory); one shared round per
+  rendezvous for nccl / cuda_ipc. Every way a round moves or ends is a row of `ROUND_TRANSITIONS`,
+  keyed by (kind, phase, trigger); `PULL_POLICY` says what a pull request does, per style, when no
+  newer version exists. The handlers only pick the trigger; the table says what follows.
+* Before a JobConfigured is folded nothing is decided (members and versions are still recorded);
+  the JobConfigured then evaluates every pending REQUIRE_SYNC as if it had just arrived.
+
+Speed: each call copies the member map once and builds each changed object once (objects created
+within the call are private until it returns, so they are updated in place); see `_Tx`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, fields
+from enum import Enum
+from types import MappingProxyType
+from typing import Any, Callable, Iterable, Mapping
+
+from .boundaries import needs_reload
+from .config import SyncConfig
+from .enums import ReleaseReason, Role, RoundOutcome, RunningStatus, SyncMethod, SyncStyle
+from .errors import IllegalEvent
+from .events import (
+    Decision,
+    Event,
+    JobConfigured,
+    MemberExpired,
+    MemberJoined,
+    MemberRef,
+    MemberReleased,
+    NoNewVersion,
+    RankAssignment,
+    Recorded,
+    RendezvousReady,
+    RoundClosed,
+    RoundOpened,
+    RoundTimedOut,
+    StatusChanged,
+    StepFinished,
+    SyncFailed,
+    VersionPublished,
+    WeightsBroadcast,
+    WeightsLoaded,
+)
+from .state import GroupState, LatestVersion, MemberState, RoundPhase, RoundState, State
+
+__all__ = [
+    "reduce",
+    "reduce_lenient",
+    "fold",
+    "fold_lenient",
+    "Trigger",
+    "Transition",
+    "ROUND_TRANSITIONS",
+    "TRIGGER_CAUSES",
+    "PULL_POLICY",
+    "SENDERS",
+    "transitions_markdown",
+    "parse_rendezvous",
+]
+
+_RUNNING = RunningStatus.RUNNING
+_REQUIRE_SYNC = RunningStatus.REQUIRE_SYNC
+_STOPPED = RunningStatus.STOPPED
+_TRAINER = Role.TRAINER
+_EXPLORER = Role.EXPLORER
+_SYNCHRONIZER = Role.SYNCHRONIZER
+_WAITING = RoundPhase.WAITING
+_TRANSFERRING = RoundPhase.TRANSFERRING
+
+
+# ==================================================================================================
+# The transition tables: everything the protocol decides, as data
+
+
+class Trigger(str, Enum):
+    """What happened to an open round (the handlers map inputs to these)."""
+
+    NEW_VERSION = "new_version"  # a version newer than the waiter's exists (published, or already)
+    NO_NEW_VERSION = "no_new_version"  # the trainer has nothing newer, or the style never waits
+    TRAINER_LEFT = "trainer_left"  # the trainer stopped or expired (or was already gone)
+    TIMED_OUT = "timed_out"  # RoundTimedOut: the synchronizer's clock passed the deadline
+    NOBODY_WAITING = "nobody_waiting"  # every waiter stopped, expired or withdrew
+    NO_EXPLORERS = "no_explorers"  # a rendezvous round has no live explorer left to send to
+    ALL_ARRIVED = "all_arrived"  # the trainer and every live explorer are in REQUIRE_SYNC
+    ALL_REPORTED = "all_reported"  # every participant reported its part of the transfer done
+    SYNC_FAILED = "sync_failed"  # a participant reported SyncFailed for this round
+    PARTICIPANT_LEFT = "participant_left"  # a participant stopped or expired mid-transfer
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """What a trigger does to a round: its next phase, or its outcome when it closes; the reason
+    every still-waiting live member is released with (None: nobody to release); whether the group
+    must be re-formed next time."""
+
+    outcome: RoundOutcome | None = None  # None: the round stays open
+    next_phase: RoundPhase | None = None
+    release: ReleaseReason | None = None
+    breaks_group: bool = False
+
+
+_PULL, _RDV = "pull", "rendezvous"
+_O, _R = RoundOutcome, ReleaseReason
+
+ROUND_TRANSITIONS: Mapping[tuple[str, RoundPhase, Trigger], Transition] = MappingProxyType({
+    # pull rounds (checkpoint, memory): one explorer waits for a version newer than its own
+    (_PULL, _WAITING, Trigger.NEW_VERSION): Transition(_O.COMPLETED, release=_R.NEW_VERSION),
+    (_PULL, _WAITING, Trigger.NO_NEW_VERSION): Transition(_O.NO_NEW_VERSION, release=_R.NO_NEW_VERSION),
+    (_PULL, _WAITING, Trigger.TRAINER_LEFT): Transition(_O.TRAINER_STOPPED, release=_R.TRAINER_STOPPED),
+    (_PULL, _WAITING, Trigger.TIMED_OUT): Transition(_O.TIMED_OUT, release=_R.TIMED_OUT),
+    (_PULL, _WAITING, Trigger.NOBODY_WAITING): Transition(_O.ABANDONED),
+    # rendezvous rounds (nccl, cuda_ipc), gathering: trainer + every live explorer must arrive
+    (_RDV, _WAITING, Trigger.ALL_ARRIVED): Transition(next_phase=_TRANSFERRING),
+    (_RDV, _WAITING, Trigger.NO_NEW_VERSION): Transition(_O.NO_NEW_VERSION, release=_R.NO_NEW_VERSION),
+    (_RDV, _WAITING, Trigger.TRAINER_LEFT): Transition(_O.TRAINER_STOPPED, release=_R.TRAINER_STOPPED),
+    (_RDV, _WAITING, Trigger.TIMED_OUT): Transition(_O.TIMED_OUT, release=_R.TIMED_OUT),
+    # nothing to send to: free the trainer at once instead of letting it wait sync_timeout
+    (_RDV, _WAITING, Trigger.NO_EXPLORERS): Transition(_O.ABANDONED, release=_R.NO_NEW_VERSION),
+    (_RDV, _WAITING, Trigger.NOBODY_WAITING): Transition(_O.ABANDONED),
+    # rendezvous rounds, transferring: RendezvousReady was sent, every participant must report
+    (_RDV, _TRANSFERRING, Trigger.ALL_REPORTED): Transition(_O.COMPLETED),
+    (_RDV, _TRANSFERRING, Trigger.SYNC_FAILED): Transition(_O.FAILED, breaks_group=True),
+    (_RDV, _TRANSFERRING, Trigger.PARTICIPANT_LEFT): Transition(_O.FAILED, breaks_group=True),
+    (_RDV, _TRANSFERRING, Trigger.TIMED_OUT): Transition(_O.TIMED_OUT, breaks_group=True),
+})
+
+PULL_POLICY: Mapping[SyncStyle, Trigger | None] = MappingProxyType({
+    # An explorer asks for weights and nothing newer than its own exists yet (and the trainer is
+    # alive). None: the round stays open until a version is published, NoNewVersion, the trainer
+    # leaves, or the timeout. In explorer_driven style the RoundOpened is the trainer's cue.
+    SyncStyle.FIXED: None,
+    SyncStyle.EXPLORER_DRIVEN: None,
+    # The trainer drives when weights move: an explorer never waits for weights not yet produced.
+    SyncStyle.TRAINER_DRIVEN: Trigger.NO_NEW_VERSION,
+    SyncStyle.FULLY_ASYNC: Trigger.NO_NEW_VERSION,
+})
+
+_MEMBERS = frozenset({_TRAINER, _EXPLORER})
+_ANYONE = frozenset(Role)
+SENDERS: Mapping[type[Event], frozenset[Role]] = MappingProxyType({
+    JobConfigured: _ANYONE,
+    MemberJoined: _ANYONE,
+    StatusChanged: _ANYONE,  # a synchronizer's status is recorded, never part of a round
+    StepFinished: _ANYONE,
+    VersionPublished: frozenset({_TRAINER}),
+    NoNewVersion: frozenset({_TRAINER}),
+    WeightsBroadcast: frozenset({_TRAINER}),
+    WeightsLoaded: frozenset({_EXPLORER}),
+    SyncFailed: _MEMBERS,
+    MemberExpired: frozenset({_SYNCHRONIZER}),  # clock events: the synchronizer's own
+    RoundTimedOut: frozenset({_SYNCHRONIZER}),
+})
+
+# Inputs whose sender need not be a joined, live member: the job's config, a join itself, and the
+# synchronizer's clock (replicas publish those without joining).
+_NO_JOIN_NEEDED = frozenset({JobConfigured, MemberJoined, MemberExpired, RoundTimedOut})
+
+
+TRIGGER_CAUSES: Mapping[Trigger, str] = MappingProxyType({
+    Trigger.NEW_VERSION: "VersionPublished newer than the waiter's version, or one already exists "
+                         "(or the waiter holds nothing yet: -1) when it asks",
+    Trigger.NO_NEW_VERSION: "the trainer's NoNewVersion; for a pull request in trainer_driven / "
+                            "fully_async style, at once",
+    Trigger.TRAINER_LEFT: "the trainer stops, expires or restarts (or is already gone when asked)",
+    Trigger.TIMED_OUT: "RoundTimedOut from the synchronizer's clock",
+    Trigger.NOBODY_WAITING: "every waiter stopped, expired, restarted or went back to running",
+    Trigger.NO_EXPLORERS: "no live explorer is left among the participants",
+    Trigger.ALL_ARRIVED: "the trainer and every live explorer are in REQUIRE_SYNC: RendezvousReady",
+    Trigger.ALL_REPORTED: "every participant sent WeightsLoaded / WeightsBroadcast for the round",
+    Trigger.SYNC_FAILED: "a participant's SyncFailed for the round",
+    Trigger.PARTICIPANT_LEFT: "a participant stops, expires or restarts",
+})
+
+
+def transitions_markdown() -> str:
+    """`ROUND_TRANSITIONS` as a markdown table (the docs embed it verbatim; a test checks)."""
+    lines = [
+        "| round kind | phase | trigger | when | round becomes | waiting members released with "
+        "| group |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for (kind, phase, trigger), t in ROUND_TRANSITIONS.items():
+        becomes = f"closed `{t.outcome.value}`" if t.outcome else f"`{t.next_phase.value}`"
+        release = f"`{t.release.value}`" if t.release else "—"
+        group = "broken: next rendezvous starts a new epoch" if t.breaks_group else "—"
+        lines.append(f"| {kind} | `{phase.value}` | `{trigger.value}` | {TRIGGER_CAUSES[trigger]} "
+                     f"| {becomes} | {release} | {group} |")
+    return "\n".join(lines)
+
+
+# ==================================================================================================
+# Public entry points
+
+
+def reduce(state: State, recorded: Recorded) -> tuple[State, tuple[Decision, ...]]:
+    """Fold one recorded input: the successor state and the decisions it causes, in order.
+
+    Raises `IllegalEvent` (with `seq` set) for an input not allowed in `state`; `state` itself is
+    untouched and stays the valid current state.
+    """
+    seq = recorded.seq
+    if seq <= state.last_seq:
+        return state, ()
+    event = recorded.event
+    cls = type(event)
+    handler = _HANDLERS.get(cls)
+    if handler is None:
+        cls = next((c for c in cls.__mro__ if c in _HANDLERS), None)
+        if cls is None:
+            if isinstance(event, Decision):
+                # decisions are derived from inputs, never inputs themselves
+                return _with_last_seq(state, seq), ()
+            raise IllegalEvent(
+                f"record {seq} holds {type(event).__name__}, which is neither an input event nor "
+                "a decision", event=event, seq=seq)
+        handler = _HANDLERS[cls]
+    try:
+        sender = event.member
+        if sender.role not in SENDERS[cls]:
+            raise _illegal(event, f"only {_roles(SENDERS[cls])} may send {cls.__name__}",
+                           state.members.get(sender.key))
+        tx = _Tx(state, seq, recorded.time_ms)
+        if cls in _NO_JOIN_NEEDED:
+            handler(tx, event, None)
+        else:
+            member = _live_sender(state, event)
+            tx.update_member(member.ref.key, last_seq=seq, last_time_ms=recorded.time_ms)
+            handler(tx, event, tx.members[member.ref.key])
+        return tx.commit()
+    except IllegalEvent as exc:
+        exc.seq = seq
+        raise
+
+
+def reduce_lenient(
+    state: State, recorded: Recorded
+) -> tuple[State, tuple[Decision, ...], IllegalEvent | None]:
+    """Like `reduce`, but an illegal input is returned instead of raised and its sequence is marked
+    consumed (only `last_seq` moves), so the shell goes on and a redelivery of it is a no-op."""
+    try:
+        new, decisions = reduce(state, recorded)
+    except IllegalEvent as exc:
+        return _with_last_seq(state, recorded.seq), (), exc
+    return new, decisions, None
+
+
+def fold(events: Iterable[Recorded], state: State | None = None) -> tuple[State, list[Decision]]:
+    """Fold a stream from `state` (default: the initial state); stops at the first IllegalEvent."""
+    if state is None:
+        state = State.initial()
+    decisions: list[Decision] = []
+    extend = decisions.extend
+    for recorded in events:
+        state, caused = reduce(state, recorded)
+        if caused:
+            extend(caused)
+    return state, decisions
+
+
+def fold_lenient(
+    events: Iterable[Recorded], state: State | None = None
+) -> tuple[State, list[Decision], list[IllegalEvent]]:
+    """Fold a stream, skipping illegal inputs (see `reduce_lenient`); returns them, in order."""
+    if state is None:
+        state = State.initial()
+    decisions: list[Decision] = []
+    errors: list[IllegalEvent] = []
+    for recorded in events:
+        state, caused, error = reduce_lenient(state, recorded)
+        if caused:
+            decisions.extend(caused)
+        if error is not None:
+            errors.append(error)
+    return state, decisions, errors
+
+
+def parse_rendezvous(address: str) -> tuple[str, int]:
+    """Split a trainer's offered "host:port" ("[v6]:port" too); ValueError when malformed."""
+    host, sep, port_text = address.rpartition(":")
+    if not sep or not host or not port_text.isdigit():
+        raise ValueError(f"rendezvous address {address!r} is not host:port")
+    port = int(port_text)
+    if not 0 < port < 65536:
+        raise ValueError(f"rendezvous port {port} is out of range")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, port
+
+
+# ==================================================================================================
+# The working copy of one reduce call
+
+_new = object.__new__
+_set = object.__setattr__
+_proxy = MappingProxyType
+
+
+def _with_last_seq(state: State, seq: int) -> State:
+    values = state.__dict__.copy()
+    values["last_seq"] = seq
+    new = _new(State)
+    _set(new, "__dict__", values)
+    return new
+
+
+class _Tx:
+    """The successor state under construction.
+
+    `f` holds State's fields; `members` is a private copy of the member map; `rounds` is the old
+    read-only map until the first write copies it. Objects this call created (`fresh_*`) are not
+    visible to anyone yet, so they are updated in place instead of copied again.
+    """
+
+    __slots__ = ("f", "members", "rounds", "rounds_copied", "fresh_m", "fresh_r", "seq",
+                 "time_ms", "decisions")
+
+    def __init__(self, state: State, seq: int, time_ms: int):
+        f = self.f = state.__dict__.copy()
+        f["last_seq"] = seq
+        self.members: dict[str, MemberState] = state.members.copy()
+        self.rounds: Mapping[int, RoundState] = state.rounds
+        self.rounds_copied = False
+        self.fresh_m: set[str] = set()
+        self.fresh_r: set[int] = set()
+        self.seq = seq
+        self.time_ms = time_ms
+        self.decisions: list[Decision] = []
+
+    def commit(self) -> tuple[State, tuple[Decision, ...]]:
+        f = self.f
+        f["members"] = _proxy(self.members)
+        if self.rounds_copied:
+            f["rounds"] = _proxy(self.rounds)
+        new = _new(State)
+        _set(new, "__dict__", f)
+        return new, tuple(self.decisions)
+
+    def update_member(self, key: str, **changes: Any) -> MemberState:
+        member = self.members[key]
+        if key in self.fresh_m:
+            member.__dict__.update(changes)
+            return member
+        values = member.__dict__.copy()
+        values.update(changes)
+        member = _new(MemberState)
+        _set(member, "__dict__", values)
+        self.members[key] = member
+        self.fresh_m.add(key)
+        return member
+
+    def _writable_rounds(self) -> dict[int, RoundState]:
+        if not self.rounds_copied:
+            self.rounds = self.rounds.copy()
+            self.rounds_copied = True
+        return self.rounds  # type: ignore[return-value]
+
+    def add_round(self, rnd: RoundState) -> None:
+        self._writable_rounds()[rnd.id] = rnd
+        self.fresh_r.add(rnd.id)
+
+    def update_round(self, round_id: int, **changes: Any) -> RoundState:
+        rnd = self.rounds[round_id]
+        if round_id in self.fresh_r:
+            rnd.__dict__.update(changes)
+            return rnd
+        values = rnd.__dict__.copy()
+        values.update(changes)
+        rnd = _new(RoundState)
+        _set(rnd, "__dict__", values)
+        self._writable_rounds()[round_id] = rnd
+        self.fresh_r.add(round_id)
+        return rnd
+
+    def drop_round(self, round_id: int) -> None:
+        del self._writable_rounds()[round_id]
+
+    def trainer_gone(self) -> bool:
+        """True when a trainer joined and is no longer alive (stopped or expired)."""
+        key = self.f["trainer"]
+        return key is not None and not self.members[key].alive
+
+    def live_trainer(self) -> MemberState | None:
+        key = self.f["trainer"]
+        if key is None:
+            return None
+        trainer = self.members[key]
+        return trainer if trainer.alive else None
+
+
+# ==================================================================================================
+# Decisions, built without re-validating (every field is written from typed state)
+
+
+def _round_opened(tx: _Tx, rnd: RoundState) -> None:
+    d = _new(RoundOpened)
+    _set(d, "round", rnd.id)
+    _set(d, "cause_seq", tx.seq)
+    _set(d, "method", rnd.method)
+    _set(d, "opened_by", rnd.opened_by)
+    _set(d, "version", rnd.version)
+    _set(d, "opened_at_ms", rnd.opened_at_ms)
+    tx.decisions.append(d)
+
+
+def _member_released(tx: _Tx, round_id: int, member: MemberState, reason: ReleaseReason) -> None:
+    d = _new(MemberReleased)
+    _set(d, "round", round_id)
+    _set(d, "cause_seq", tx.seq)
+    _set(d, "released", member.ref)
+    _set(d, "reason", reason)
+    if reason is ReleaseReason.NEW_VERSION:
+        latest: LatestVersion = tx.f["latest"]
+        _set(d, "version", latest.version)
+        _set(d, "reload", needs_reload(member.version, latest.version))
+        _set(d, "location", latest.location)
+        _set(d, "digest", latest.digest)
+        _set(d, "nbytes", latest.nbytes)
+    else:  # it goes on with the weights it has
+        _set(d, "version", member.version)
+        _set(d, "reload", False)
+        _set(d, "location", None)
+        _set(d, "digest", None)
+        _set(d, "nbytes", 0)
+    tx.decisions.append(d)
+
+
+def _round_closed(tx: _Tx, round_id: int, outcome: RoundOutcome) -> None:
+    d = _new(RoundClosed)
+    _set(d, "round", round_id)
+    _set(d, "cause_seq", tx.seq)
+    _set(d, "outcome", outcome)
+    tx.decisions.append(d)
+
+
+def _rendezvous_ready(tx: _Tx, rnd: RoundState, trainer: MemberState,
+                      participants: tuple[RankAssignment, ...], world_size: int) -> None:
+    host, port = parse_rendezvous(trainer.rendezvous or "")
+    d = _new(RendezvousReady)
+    _set(d, "round", rnd.id)
+    _set(d, "cause_seq", tx.seq)
+    _set(d, "method", rnd.method)
+    _set(d, "version", rnd.version)
+    _set(d, "epoch", rnd.epoch)
+    _set(d, "master_addr", host)
+    _set(d, "master_port", port)
+    _set(d, "world_size", world_size)
+    _set(d, "participants", participants)
+    tx.decisions.append(d)
+
+
+# ==================================================================================================
+# Round machinery: open, gather, and apply a row of ROUND_TRANSITIONS
+
+
+def _open_round(tx: _Tx, opener: MemberState, participants: tuple[str, ...]) -> RoundState:
+    f = tx.f
+    round_id = f["next_round"]
+    f["next_round"] = round_id + 1
+    rnd = _new(RoundState)
+    _set(rnd, "__dict__", {
+        "id": round_id,
+        "method": f["config"].sync_method,
+        "opened_by": opener.ref,
+        "opened_at_ms": tx.time_ms,
+        "opened_seq": tx.seq,
+        "waiting": (opener.ref.key,),
+        "participants": participants,
+        "phase": _WAITING,
+        "version": opener.version,
+        "epoch": f["group"].epoch,
+        "reported": (),
+    })
+    tx.add_round(rnd)
+    _round_opened(tx, rnd)
+    return rnd
+
+
+def _apply(tx: _Tx, rnd: RoundState, trigger: Trigger) -> None:
+    kind = _RDV if rnd.method.is_rendezvous else _PULL
+    transition = ROUND_TRANSITIONS.get((kind, rnd.phase, trigger))
+    if transition is None:  # a handler asked for a move the table does not have: a reducer bug
+        raise AssertionError(f"no transition for {kind} round in {rnd.phase.value} on {trigger.value}")
+    if transition.outcome is None:
+        if transition.next_phase is _TRANSFERRING:
+            _start_transfer(tx, rnd)
+        return
+    members = tx.members
+    if transition.release is not None:
+        for key in rnd.waiting:
+            member = members[key]
+            if member.alive:
+                _member_released(tx, rnd.id, member, transition.release)
+                tx.update_member(key, status=_RUNNING)
+    if rnd.phase is _TRANSFERRING:
+        # the transfer is over either way: everyone goes back to work (with the new weights when
+        # completed, with the old ones otherwise, like the reference)
+        for key in rnd.participants:
+            if members[key].alive:
+                tx.update_member(key, status=_RUNNING)
+    f = tx.f
+    if transition.breaks_group:
+        f["group"] = GroupState(epoch=f["group"].epoch, members=f["group"].members, broken=True)
+    _round_closed(tx, rnd.id, transition.outcome)
+    tx.drop_round(rnd.id)
+    f["rounds_closed"] += 1
+    if transition.outcome is RoundOutcome.COMPLETED:
+        f["syncs_completed"] += 1
+
+
+def _start_transfer(tx: _Tx, rnd: RoundState) -> None:
+    """Every participant arrived: fix version, ranks and epoch, and tell them to meet."""
+    trainer = tx.live_trainer()
+    assert trainer is not None
+    explorers = sorted(
+        (tx.members[key] for key in rnd.participants if key != trainer.ref.key),
+        key=lambda m: m.ref.id,
+    )
+    assignments = []
+    offset = 1  # the trainer is rank 0
+    for member in explorers:
+        assignments.append(RankAssignment(member=member.ref, rank_offset=offset, ranks=member.ranks))
+        offset += member.ranks
+    participants = tuple(assignments)
+    group_members = (RankAssignment(member=trainer.ref, rank_offset=0, ranks=1),) + participants
+    f = tx.f
+    group: GroupState = f["group"]
+    if group.broken or group.members != group_members:
+        group = GroupState(epoch=group.epoch + 1, members=group_members, broken=False)
+        f["group"] = group
+    # the trainer's step at REQUIRE_SYNC is the version it is about to send
+    rnd = tx.update_round(rnd.id, phase=_TRANSFERRING, version=trainer.step, epoch=group.epoch)
+    _rendezvous_ready(tx, rnd, trainer, participants, offset)
+
+
+def _waiting_rendezvous_round(tx: _Tx) -> RoundState | None:
+    for rnd in tx.rounds.values():
+        if rnd.phase is _WAITING and rnd.method.is_rendezvous:
+            return rnd
+    return None
+
+
+def _settle_rendezvous(tx: _Tx, rnd: RoundState) -> None:
+    """After someone arrived or left a gathering round: close it, start it, or keep waiting."""
+    trainer_key = tx.f["trainer"]
+    if not any(key != trainer_key for key in rnd.participants):
+        _apply(tx, rnd, Trigger.NO_EXPLORERS)
+    elif not rnd.waiting:
+        _apply(tx, rnd, Trigger.NOBODY_WAITING)
+    elif trainer_key in rnd.participants and len(rnd.waiting) == len(rnd.participants):
+        _apply(tx, rnd, Trigger.ALL_ARRIVED)
+
+
+def _request_sync(tx: _Tx, member: MemberState) -> None:
+    """`member` just entered REQUIRE_SYNC (or did before the config was known)."""
+    if tx.f["config"].sync_method.is_rendezvous:
+        if member.ref.role is not _SYNCHRONIZER:
+            _request_rendezvous(tx, member)
+    elif member.ref.role is _EXPLORER:
+        _request_pull(tx, member)
+    # a trainer needs no round for pull methods: it publishes and goes on
+
+
+def _request_pull(tx: _Tx, member: MemberState) -> None:
+    # every request gets a round, even one answered at once, so each request is visible in the log
+    rnd = _open_round(tx, member, (member.ref.key,))
+    if tx.f["latest"].version > member.version or member.version == -1:
+        _apply(tx, rnd, Trigger.NEW_VERSION)
+    elif tx.trainer_gone():
+        _apply(tx, rnd, Trigger.TRAINER_LEFT)
+    else:
+        trigger = PULL_POLICY[tx.f["config"].sync_style]
+        if trigger is not None:
+            _apply(tx, rnd, trigger)
+
+
+def _request_rendezvous(tx: _Tx, member: MemberState) -> None:
+    key = member.ref.key
+    rnd = _waiting_rendezvous_round(tx)
+    if rnd is None:
+        trainer_key = tx.f["trainer"]
+        trainer = tx.live_trainer()
+        participants = tuple(
+            k for k, m in tx.members.items()
+            if m.alive and (m.ref.role is _EXPLORER or k == trainer_key)
+        )
+        rnd = _open_round(tx, member, participants)
+        if trainer is None and tx.trainer_gone():
+            _apply(tx, rnd, Trigger.TRAINER_LEFT)
+            return
+    elif key not in rnd.waiting:
+        participants = rnd.participants if key in rnd.participants else rnd.participants + (key,)
+        rnd = tx.update_round(rnd.id, waiting=rnd.waiting + (key,), participants=participants)
+    _settle_rendezvous(tx, rnd)
+
+
+def _leave(tx: _Tx, member: MemberState) -> None:
+    """`member` (already marked not alive) stopped, expired or was replaced: it leaves every round."""
+    key = member.ref.key
+    is_trainer = member.ref.role is _TRAINER and key == tx.f["trainer"]
+    for rnd in list(tx.rounds.values()):
+        if rnd.phase is _TRANSFERRING:
+            if key in rnd.participants:
+                _apply(tx, rnd, Trigger.PARTICIPANT_LEFT)
+        elif is_trainer:
+            # explorers waiting for weights from a trainer that is gone are let go now
+            _apply(tx, rnd, Trigger.TRAINER_LEFT)
+        elif key in rnd.waiting or key in rnd.participants:
+            rnd = tx.update_round(
+                rnd.id,
+                waiting=tuple(k for k in rnd.waiting if k != key),
+                participants=tuple(k for k in rnd.participants if k != key),
+            )
+            if rnd.method.is_rendezvous:
+                _settle_rendezvous(tx, rnd)  # may now be complete without it
+            elif not rnd.waiting:
+                _apply(tx, rnd, Trigger.NOBODY_WAITING)
+
+
+def _in_round(tx: _Tx, key: str) -> bool:
+    return any(key in rnd.waiting or key in rnd.participants for rnd in tx.rounds.values())
+
+
+def _withdraw(tx: _Tx, key: str) -> None:
+    """A waiting member went back to RUNNING on its own: it no longer waits (it may still be an
+    expected rendezvous participant)."""
+    for rnd in list(tx.rounds.values()):
+        if rnd.phase is _WAITING and key in rnd.waiting:
+            rnd = tx.update_round(rnd.id, waiting=tuple(k for k in rnd.waiting if k != key))
+            if not rnd.waiting:
+                _apply(tx, rnd, Trigger.NOBODY_WAITING)
+
+
+def _report_done(tx: _Tx, event: WeightsLoaded | WeightsBroadcast, member: MemberState) -> None:
+    """A participant finished its part of rendezvous round `event.round`."""
+    rnd = tx.rounds.get(event.round)  # type: ignore[arg-type]
+    key = member.ref.key
+    if rnd is None or not rnd.method.is_rendezvous:
+        raise _illegal(event, f"round {event.round} is not open", member)
+    if rnd.phase is not _TRANSFERRING:
+        raise _illegal(event, f"round {rnd.id} is still {rnd.phase.value} (no RendezvousReady yet)",
+                       member)
+    if key not in rnd.participants:
+        raise _illegal(event, f"it is not a participant of round {rnd.id}", member)
+    if event.version != rnd.version:
+        raise _illegal(event, f"round {rnd.id} transfers version {rnd.version}", member)
+    if key in rnd.reported:
+        return  # a repeated report changes nothing
+    rnd = tx.update_round(rnd.id, reported=rnd.reported + (key,))
+    if len(rnd.reported) == len(rnd.participants):
+        _apply(tx, rnd, Trigger.ALL_REPORTED)
+
+
+# ==================================================================================================
+# Handlers: one per input kind. Each validates, records, and picks the trigger.
+
+
+def _on_job_configured(tx: _Tx, event: JobConfigured, _: None) -> None:
+    current: SyncConfig | None = tx.f["config"]
+    if current is None:
+        tx.f["config"] = event.config
+        # requests made before the job's config was known are evaluated now, in join order
+        for key in list(tx.members):
+            member = tx.members[key]  # re-read: an earlier request may have released it
+            if member.alive and member.status is _REQUIRE_SYNC:
+                if (member.ref.role is _TRAINER and event.config.sync_method.is_rendezvous
+                        and not _valid_rendezvous(member.rendezvous)):
+                    continue  # it cannot be met without an address; its next request will be
+                _request_sync(tx, member)
+    elif current != event.config:
+        raise _illegal(event, f"the job runs with {_describe_config(current)}",
+                       tx.members.get(event.member.key))
+
+
+def _on_member_joined(tx: _Tx, event: MemberJoined, _: None) -> None:
+    ref = event.member
+    key = ref.key
+    members = tx.members
+    old = members.get(key)
+    if old is not None:
+        if ref.incarnation < old.ref.incarnation:
+            raise _illegal(event, f"incarnation {old.ref} already joined (stale process)", old)
+        if ref.incarnation == old.ref.incarnation:
+            # even after it left: a restart joins as a new incarnation, so that events of the old
+            # process can never be taken for the new one's
+            raise _illegal(event, "this incarnation already joined", old)
+    if ref.role is _TRAINER:
+        current = tx.f["trainer"]
+        if current is not None and current != key and members[current].alive:
+            raise _illegal(event, f"{members[current].ref} is alive (one trainer per job)",
+                           old)
+    if ref.role is _EXPLORER and event.ranks < 1:
+        raise _illegal(event, "an explorer brings at least one rank", old)
+    if old is not None and old.alive:
+        # a restart: the old incarnation is gone as if it had expired, then the new one joins
+        _leave(tx, tx.update_member(key, alive=False))
+    member = _new(MemberState)
+    _set(member, "__dict__", {
+        "ref": ref,
+        "status": _RUNNING,
+        "step": event.step,
+        "version": event.version,
+        "ranks": event.ranks,
+        "host": event.host,
+        "alive": True,
+        "joined_seq": tx.seq,
+        "last_seq": tx.seq,
+        "last_time_ms": tx.time_ms,
+        "rendezvous": None,
+        "metrics": _EMPTY_METRICS,
+    })
+    members[key] = member
+    tx.fresh_m.add(key)
+    if ref.role is _TRAINER:
+        tx.f["trainer"] = key
+    if tx.f["config"] is not None and ref.role is not _SYNCHRONIZER:
+        # a late joiner becomes a participant of the rendezvous being gathered: it waits for it too
+        rnd = _waiting_rendezvous_round(tx)
+        if rnd is not None and key not in rnd.participants:
+            tx.update_round(rnd.id, participants=rnd.participants + (key,))
+
+
+def _on_status_changed(tx: _Tx, event: StatusChanged, member: MemberState) -> None:
+    if event.version < member.version:
+        raise _illegal(event, f"it already holds version {member.version} (versions never go down)",
+                       member)
+    status = event.status
+    previous = member.status
+    key = member.ref.key
+    config: SyncConfig | None = tx.f["config"]
+    if status is _REQUIRE_SYNC:
+        rendezvous = event.rendezvous
+        if rendezvous is not None and not _valid_rendezvous(rendezvous):
+            raise _illegal(event, f"rendezvous {rendezvous!r} is not host:port", member)
+        if (rendezvous is None and member.ref.role is _TRAINER and config is not None
+                and config.sync_method.is_rendezvous):
+            raise _illegal(event, f"a trainer asking for a {config.sync_method.value} sync must offer "
+                           "a rendezvous host:port", member)
+        member = tx.update_member(key, status=status, step=event.step, version=event.version,
+                                  rendezvous=rendezvous if rendezvous is not None else member.rendezvous)
+        # a repeated request from a member already in a round is being served: nothing new
+        if config is not None and (previous is not _REQUIRE_SYNC or not _in_round(tx, key)):
+            _request_sync(tx, member)
+    elif status is _STOPPED:
+        _leave(tx, tx.update_member(key, status=status, step=event.step, version=event.version,
+                                    alive=False))
+    else:
+        tx.update_member(key, status=status, step=event.step, version=event.version)
+        if config is not None and previous is _REQUIRE_SYNC:
+            _withdraw(tx, key)
+
+
+def _on_version_published(tx: _Tx, event: VersionPublished, member: MemberState) -> None:
+    f = tx.f
+    latest: LatestVersion = f["latest"]
+    if event.version <= latest.version:
+        raise _illegal(event, f"version {latest.version} is already published (versions only grow)",
+                       member)
+    f["latest"] = LatestVersion(version=event.version, step=event.step, method=event.method,
+                                location=event.location, digest=event.digest, nbytes=event.nbytes)
+    f["versions_published"] += 1
+    if event.version > member.version:
+        tx.update_member(member.ref.key, version=event.version)
+    if f["config"] is None:
+        return
+    for rnd in list(tx.rounds.values()):
+        if rnd.method.is_rendezvous or rnd.phase is not _WAITING:
+            continue
+        if any(tx.members[key].version < event.version for key in rnd.waiting):
+            _apply(tx, rnd, Trigger.NEW_VERSION)
+
+
+def _on_no_new_version(tx: _Tx, event: NoNewVersion, member: MemberState) -> None:
+    tx.update_member(member.ref.key, step=event.step)
+    if tx.f["config"] is None:
+        return
+    for rnd in list(tx.rounds.values()):
+        if rnd.phase is _WAITING:
+            _apply(tx, rnd, Trigger.NO_NEW_VERSION)
+
+
+def _on_weights_loaded(tx: _Tx, event: WeightsLoaded, member: MemberState) -> None:
+    if event.version < member.version:
+        raise _illegal(event, f"it already holds version {member.version} (versions never go down)",
+                       member)
+    config: SyncConfig | None = tx.f["config"]
+    if event.round is not None and config is not None and config.sync_method.is_rendezvous:
+        _report_done(tx, event, member)
+    # pull rounds close when the member is released, so a round id here is only a label
+    tx.update_member(member.ref.key, version=event.version)
+
+
+def _on_weights_broadcast(tx: _Tx, event: WeightsBroadcast, member: MemberState) -> None:
+    _report_done(tx, event, member)
+
+
+def _on_sync_failed(tx: _Tx, event: SyncFailed, member: MemberState) -> None:
+    if event.round is None:
+        return  # a background pull failed: it keeps its weights, nothing to decide
+    rnd = tx.rounds.get(event.round)
+    if (rnd is not None and rnd.phase is _TRANSFERRING and member.ref.key in rnd.participants):
+        _apply(tx, rnd, Trigger.SYNC_FAILED)
+    # otherwise the round already ended (another participant's failure came first): nothing to do
+
+
+def _on_step_finished(tx: _Tx, event: StepFinished, member: MemberState) -> None:
+    # a step can finish with the weights it started with after newer ones were loaded in the
+    # background (fully_async), so the held version is the larger of the two
+    version = event.version if event.version > member.version else member.version
+    tx.update_member(member.ref.key, step=event.step, version=version,
+                     metrics=_proxy(dict(event.metrics)) if event.metrics else _EMPTY_METRICS)
+
+
+def _on_member_expired(tx: _Tx, event: MemberExpired, _: None) -> None:
+    target = event.expired
+    member = tx.members.get(target.key)
+    if member is None or member.ref.incarnation != target.incarnation or not member.alive:
+        return  # already stopped, replaced or expired: a benign race with the clock
+    _leave(tx, tx.update_member(target.key, alive=False))
+
+
+def _on_round_timed_out(tx: _Tx, event: RoundTimedOut, _: None) -> None:
+    rnd = tx.rounds.get(event.round)
+    if rnd is not None:  # closed before its deadline fired: a benign race with the clock
+        _apply(tx, rnd, Trigger.TIMED_OUT)
+
+
+_HANDLERS: dict[type, Callable[[_Tx, Any, Any], None]] = {
+    JobConfigured: _on_job_configured,
+    MemberJoined: _on_member_joined,
+    StatusChanged: _on_status_changed,
+    VersionPublished: _on_version_published,
+    NoNewVersion: _on_no_new_version,
+    WeightsLoaded: _on_weights_loaded,
+    WeightsBroadcast: _on_weights_broadcast,
+    SyncFailed: _on_sync_failed,
+    StepFinished: _on_step_finished,
+    MemberExpired: _on_member_expired,
+    RoundTimedOut: _on_round_timed_out,
+}
+
+_EMPTY_METRICS: Mapping[str, float] = MappingProxyType({})
+
+
+# ==================================================================================================
+# Checks and messages
+
+
+def _live_sender(state: State, event: Event) -> MemberState:
+    """The sender's member state, if it is the current, joined, live incarnation."""
+    ref = event.member
+    member = state.members.get(ref.key)
+    if member is None:
+        raise _illegal(event, f"{ref.key} never joined", None)
+    current = member.ref.incarnation
+    if ref.incarnation < current:
+        raise _illegal(event, f"it is a stale incarnation: {member.ref} joined at seq "
+                       f"{member.joined_seq}", member)
+    if ref.incarnation > current:
+        raise _illegal(event, f"incarnation {ref.incarnation} never joined (last joined: "
+                       f"{member.ref})", member)
+    if not member.alive:
+        raise _illegal(event, "it already left the job; a restart must join again", member)
+    return member
+
+
+def _valid_rendezvous(address: str | None) -> bool:
+    if address is None:
+        return False
+    try:
+        parse_rendezvous(address)
+    except ValueError:
+        return False
+    return True
+
+
+def _member_status(member: MemberState | None) -> str:
+    if member is None:
+        return "not joined"
+    if member.alive:
+        return member.status.value
+    return "stopped" if member.status is _STOPPED else "expired"
+
+
+def _illegal(event: Event, why: str, member: MemberState | None) -> IllegalEvent:
+    status = _member_status(member)
+    return IllegalEvent(
+        f"{event.member} sent {_describe(event)} but {why} (member status {status})",
+        role=event.member.role.value,
+        state=status,
+        event=event,
+    )
+
+
+def _roles(roles: frozenset[Role]) -> str:
+    return " or ".join(sorted(r.value for r in roles))
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, MemberRef):
+        return str(value)
+    if isinstance(value, SyncConfig):
+        return _describe_config(value)
+    return repr(value)
+
+
+def _default_of(f: Any) -> Any:
+    if f.default is not MISSING:
+        return f.default
+    if f.default_factory is not MISSING:
+        return f.default_factory()
+    return MISSING
+
+
+def _describe(event: Event | Decision) -> str:
+    """`Kind(field=value, ...)` without the sender and without fields left at their default."""
+    shown = [
+        f"{f.name}={_show(getattr(event, f.name))}"
+        for f in fields(event)
+        if f.name != "member" and getattr(event, f.name) != _default_of(f)
+    ]
+    return f"{type(event).__name__}({', '.join(shown)})"
+
+
+def _describe_config(cfg: SyncConfig) -> str:
+    return _describe_dataclass(cfg)
+
+
+def _describe_dataclass(obj: Any) -> str:
+    shown = [f"{f.name}={_show(getattr(obj, f.name))}" for f in fields(obj)
+             if getattr(obj, f.name) != _default_of(f)]
+    return f"{type(obj).__name__}({', '.join(shown)})"

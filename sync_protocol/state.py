@@ -1,0 +1,194 @@
+"""The job's sync state as the reducer folds it: members, latest version, open rounds, the group.
+
+Every class here is a frozen dataclass and every mapping a read-only view, so a state returned by
+`reduce` can be kept, shared between threads, compared and replayed; nothing ever changes it.
+
+The classes are deliberately *not* slotted: the reducer builds a successor by copying the
+predecessor's `__dict__` and overwriting a few entries (see `evolve`), which is several times faster
+than `dataclasses.replace` and keeps the hot path within the benchmark's budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from .config import SyncConfig
+from .enums import Role, RunningStatus, SyncMethod
+from .events import MemberRef, RankAssignment
+
+__all__ = [
+    "RoundPhase",
+    "LatestVersion",
+    "MemberState",
+    "RoundState",
+    "GroupState",
+    "State",
+    "evolve",
+]
+
+_EMPTY: Mapping[Any, Any] = MappingProxyType({})
+_new = object.__new__
+_set = object.__setattr__
+
+
+def evolve(obj: Any, **changes: Any) -> Any:
+    """A copy of frozen state object `obj` with `changes` applied (a fast `dataclasses.replace`).
+
+    No validation runs: callers are the reducer, which only ever writes well-typed values.
+    """
+    copy = _new(type(obj))
+    values = obj.__dict__.copy()
+    values.update(changes)
+    _set(copy, "__dict__", values)
+    return copy
+
+
+class RoundPhase(str, Enum):
+    """Where an open round is. Pull rounds only ever wait; rendezvous rounds then transfer."""
+
+    WAITING = "waiting"  # members are blocked in REQUIRE_SYNC
+    TRANSFERRING = "transferring"  # RendezvousReady was sent; waiting for every participant's report
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class LatestVersion:
+    """The newest weights the trainer published. Version 0 is the base model, present everywhere."""
+
+    version: int = 0
+    step: int = 0
+    method: SyncMethod | None = None
+    location: str | None = None
+    digest: str | None = None
+    nbytes: int = 0
+
+
+@dataclass(frozen=True)
+class MemberState:
+    """What the synchronizer knows about one member (its current incarnation).
+
+    `version` is the weights it holds (an explorer starts at -1: nothing loaded yet; the base model is
+    0). `rendezvous` is the "host:port" a trainer offered with its last REQUIRE_SYNC.
+    """
+
+    ref: MemberRef
+    status: RunningStatus = RunningStatus.RUNNING
+    step: int = 0
+    version: int = -1
+    ranks: int = 1
+    host: str = ""
+    alive: bool = True
+    joined_seq: int = 0
+    last_seq: int = 0
+    last_time_ms: int = 0
+    rendezvous: str | None = None
+    metrics: Mapping[str, float] = field(default_factory=lambda: _EMPTY)
+
+    @property
+    def key(self) -> str:
+        return self.ref.key
+
+    @property
+    def role(self) -> Role:
+        return self.ref.role
+
+
+@dataclass(frozen=True)
+class RoundState:
+    """One open sync round.
+
+    Pull rounds (checkpoint, memory) have one waiter, the explorer that asked. Rendezvous rounds (nccl,
+    cuda_ipc) list every expected `participants` (the trainer and each live explorer, keys in arrival
+    order) and, in `waiting`, those already blocked in REQUIRE_SYNC; once all are there the round
+    transfers `version` in group `epoch`, and `reported` collects who finished.
+    """
+
+    id: int
+    method: SyncMethod
+    opened_by: MemberRef
+    opened_at_ms: int
+    opened_seq: int
+    waiting: tuple[str, ...] = ()
+    participants: tuple[str, ...] = ()
+    phase: RoundPhase = RoundPhase.WAITING
+    version: int = 0
+    epoch: int = 0
+    reported: tuple[str, ...] = ()
+
+    @property
+    def is_rendezvous(self) -> bool:
+        return self.method.is_rendezvous
+
+
+@dataclass(frozen=True)
+class GroupState:
+    """The last rendezvous group formed: its epoch and ranks (trainer at rank 0 first).
+
+    `broken` is set when a transfer in this group failed; the next rendezvous then starts a new epoch
+    even if membership is unchanged, so every member re-forms the group instead of reusing a dead one.
+    """
+
+    epoch: int = 0
+    members: tuple[RankAssignment, ...] = ()
+    broken: bool = False
+
+
+@dataclass(frozen=True)
+class State:
+    """Everything the reducer knows about one job, as of stream sequence `last_seq`.
+
+    `members` is keyed by `MemberRef.key` ("role/id"); `rounds` holds open rounds only, by id. Round
+    ids are handed out 1, 2, 3, ... in fold order, so every replica names rounds identically.
+    `trainer` is the key of the job's trainer (the last one that joined), if any.
+    """
+
+    config: SyncConfig | None = None
+    members: Mapping[str, MemberState] = field(default_factory=lambda: _EMPTY)
+    latest: LatestVersion = field(default_factory=LatestVersion)
+    rounds: Mapping[int, RoundState] = field(default_factory=lambda: _EMPTY)
+    next_round: int = 1
+    group: GroupState = field(default_factory=GroupState)
+    last_seq: int = 0
+    trainer: str | None = None
+    rounds_closed: int = 0
+    syncs_completed: int = 0
+    versions_published: int = 0
+
+    @classmethod
+    def initial(cls, config: SyncConfig | None = None) -> "State":
+        """The state before any event: no members, base model (version 0) only, no rounds.
+
+        Passing `config` stands for a JobConfigured already folded (handy in tests and tools); a
+        later JobConfigured must then carry the same config.
+        """
+        return cls(config=config)
+
+    # Read helpers for roles and the dashboard; the reducer itself reads fields directly.
+
+    def member(self, who: MemberRef | str) -> MemberState | None:
+        """The state of a member, by `MemberRef` or "role/id" key."""
+        return self.members.get(who if isinstance(who, str) else who.key)
+
+    @property
+    def trainer_state(self) -> MemberState | None:
+        return self.members.get(self.trainer) if self.trainer is not None else None
+
+    def explorers(self, *, alive_only: bool = True) -> tuple[MemberState, ...]:
+        """Explorers in join order (only live ones unless `alive_only` is False)."""
+        return tuple(
+            m for m in self.members.values()
+            if m.ref.role is Role.EXPLORER and (m.alive or not alive_only)
+        )
+
+    def round_of(self, who: MemberRef | str) -> RoundState | None:
+        """The open round `who` is waiting in or taking part in, if any."""
+        key = who if isinstance(who, str) else who.key
+        for rnd in self.rounds.values():
+            if key in rnd.waiting or key in rnd.participants:
+                return rnd
+        return None

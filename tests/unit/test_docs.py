@@ -1,0 +1,20 @@
+"""The documented sync semantics stay in step with the transition table the reducer runs on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sync_protocol.reducer import ROUND_TRANSITIONS, TRIGGER_CAUSES, Trigger, transitions_markdown
+
+DOC = Path(__file__).resolve().parents[2] / "docs_sync_semantics.md"
+
+
+def test_doc_embeds_the_generated_transition_table():
+    text = DOC.read_text()
+    assert text.startswith("## Sync semantics")
+    assert transitions_markdown() in text
+
+
+def test_every_trigger_is_used_and_explained():
+    used = {trigger for (_, _, trigger) in ROUND_TRANSITIONS}
+    assert used == set(Trigger) == set(TRIGGER_CAUSES)
