@@ -158,6 +158,12 @@ class Explorer:
         return bool(trainers) and not any(m.alive for m in trainers)
 
     async def sync_weight(self) -> None:
+        if self.version < 0 and self.method.is_rendezvous:
+            # The first sync of a rendezvous method is local: we hold the base model (version 0)
+            # and meet the trainer's group at our first boundary. Waiting here instead would
+            # deadlock a trainer that needs our experiences before its next boundary.
+            await self._set_version(0, round_id=None, nbytes=0, seconds=0.0)
+            return
         started = time.monotonic()
         seq = await self.s.set_status(RunningStatus.REQUIRE_SYNC)
         me = self.s.me

@@ -21,7 +21,14 @@ import time
 import structlog
 
 from bus.connection import connect
-from bus.events import DecisionPublisher, EventPublisher, last_sequence, read_events, subscribe_heartbeats
+from bus.events import (
+    DecisionPublisher,
+    EventPublisher,
+    last_sequence,
+    publish_heartbeat,
+    read_events,
+    subscribe_heartbeats,
+)
 from bus.streams import ensure_event_stream, ensure_experience_stream
 from roles.common import new_incarnation
 from roles.config import JobConfig
@@ -36,6 +43,7 @@ from sync_protocol import (
     Recorded,
     Role,
     RoundTimedOut,
+    RunningStatus,
 )
 from sync_protocol.reducer import reduce
 from sync_protocol.state import State
@@ -89,6 +97,7 @@ class Synchronizer:
                 MemberJoined(member=self.me, host=_hostname(), pid=_pid(), step=0, version=0, ranks=0)
             )
             timers = asyncio.create_task(self._timers(), name="timers")
+            beats = asyncio.create_task(self._heartbeat(), name="heartbeat")
             try:
                 async for rec in read_events(conn, from_seq=1, include_decisions=True):
                     await self._on_record(rec)
@@ -96,7 +105,8 @@ class Synchronizer:
                         await self._mark_caught_up()
             finally:
                 timers.cancel()
-                await asyncio.gather(timers, return_exceptions=True)
+                beats.cancel()
+                await asyncio.gather(timers, beats, return_exceptions=True)
 
     async def _mark_caught_up(self) -> None:
         self.caught_up = True
@@ -140,8 +150,18 @@ class Synchronizer:
         self.log.info("decision", kind=decision.KIND, round=decision.round, cause_seq=decision.cause_seq,
                       seq=seq, **_decision_fields(decision))
 
-    def _on_heartbeat(self, member: MemberRef, **_ignored) -> None:
+    def _on_heartbeat(self, heartbeat) -> None:
+        member = heartbeat.member
         self._last_seen[(member.key, member.incarnation)] = time.monotonic()
+
+    async def _heartbeat(self) -> None:
+        """Replicas beat too, so a peer synchronizer does not declare us expired."""
+        while True:
+            try:
+                await publish_heartbeat(self.conn, self.me, step=0, version=0, status=RunningStatus.RUNNING)
+            except Exception as exc:
+                self.log.warning("heartbeat_failed", error=str(exc))
+            await asyncio.sleep(self.sync_cfg.heartbeat_period)
 
     async def _timers(self) -> None:
         """Turn the clock into events: round deadlines and member expiry."""
@@ -172,7 +192,7 @@ class Synchronizer:
         now = time.monotonic()
         cfg = self.state.config or self.sync_cfg
         for member in list(self.state.members.values()):
-            if not member.alive or member.ref.role is Role.SYNCHRONIZER and member.ref == self.me:
+            if not member.alive or member.ref == self.me:
                 continue
             ident = (member.ref.key, member.ref.incarnation)
             if ident in self._expired_sent:
