@@ -1,0 +1,554 @@
+"""Record and replay a job: export its stream to a file, fold it into a readable timeline, and check
+that every recorded decision is exactly what the pure reducer recomputes from the recorded inputs.
+
+File formats (`export_job` writes, `load_export` reads; the suffix picks):
+
+- ``.jsonl``: one JSON object per line, ``{"seq", "time_ms", "subject", "event"}`` where ``event``
+  is `sync_protocol.to_plain(event)`;
+- ``.msgpack``: a stream of msgpack maps with the same keys.
+
+``subject`` is optional on reading (older exports and `rolectl up` may omit it).
+
+`check_decisions` is the strongest test of the core: the synchronizer is stateless, so its decisions
+must be a pure function of the inputs before them. It folds the recorded inputs with the reducer
+(skipping illegal ones as the synchronizer does), lines the recomputed decisions up with the recorded
+ones by identity (kind, round, cause_seq, released member) and reports the first difference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as _dt
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import msgpack
+
+from roles.inspect import JobObserver
+from sync_protocol import (
+    Decision,
+    DecodeError,
+    MemberReleased,
+    Recorded,
+    from_plain,
+    to_plain,
+)
+from sync_protocol.reducer import reduce_lenient
+from sync_protocol.state import State
+
+__all__ = [
+    "EXPORT_SUFFIXES",
+    "ExportError",
+    "Mismatch",
+    "export_job",
+    "read_job",
+    "write_export",
+    "load_export",
+    "parse_until",
+    "cut",
+    "build_timeline",
+    "check_decisions",
+    "decision_identity",
+    "run_replay",
+]
+
+EXPORT_SUFFIXES = (".jsonl", ".msgpack")
+
+
+class ExportError(ValueError):
+    """An export file cannot be written or read: names the file, the line (or record) and the fix."""
+
+
+# --------------------------------------------------------------------------------------------------
+# export
+
+
+def _suffix(path: Path) -> str:
+    suffix = path.suffix.lower()
+    if suffix not in EXPORT_SUFFIXES:
+        raise ExportError(f"{path}: unknown export format {suffix or '(no suffix)'!r}; "
+                          f"name the file *.jsonl (JSON lines) or *.msgpack")
+    return suffix
+
+
+def _subject(job: str | None, rec: Recorded) -> str | None:
+    # Records from `read_events` carry no subject; it is a pure function of the event and the job.
+    if job is None:
+        return None
+    from bus.subjects import JobNames
+
+    names = JobNames(job)
+    event = rec.event
+    if isinstance(event, Decision):
+        return names.decision(event.round)
+    return names.event(event.member.role, event.member.id, event.KIND)
+
+
+def _row(rec: Recorded, job: str | None) -> dict[str, Any]:
+    row: dict[str, Any] = {"seq": rec.seq, "time_ms": rec.time_ms}
+    subject = _subject(job, rec)
+    if subject is not None:
+        row["subject"] = subject
+    row["event"] = to_plain(rec.event)
+    return row
+
+
+def write_export(records: Iterable[Recorded], path: str | Path, *, job: str | None = None) -> int:
+    """Write records to `path` (.jsonl or .msgpack) atomically; returns how many were written."""
+    path = Path(path)
+    suffix = _suffix(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    n = 0
+    try:
+        if suffix == ".jsonl":
+            with open(tmp, "w", encoding="utf-8") as fh:
+                for rec in records:
+                    fh.write(json.dumps(_row(rec, job), separators=(",", ":")) + "\n")
+                    n += 1
+        else:
+            packer = msgpack.Packer(use_bin_type=True)
+            with open(tmp, "wb") as fh:
+                for rec in records:
+                    fh.write(packer.pack(_row(rec, job)))
+                    n += 1
+        os.replace(tmp, path)  # a reader never sees half a file
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise ExportError(f"cannot write {path}: {exc.strerror or exc}") from None
+    return n
+
+
+async def read_job(job: str, nats: str, *, connect_timeout: float = 5.0) -> list[Recorded]:
+    """Every record of the job's stream up to its end as of now. Raises `bus.errors.BusError`."""
+    from bus.connection import connect
+    from bus.events import last_sequence, read_events
+
+    async with connect(nats, job=job, role="synchronizer", member=f"export-{os.getpid()}",
+                       connect_timeout=connect_timeout) as conn:
+        await last_sequence(conn)  # a clear error when the job has no stream
+        async with read_events(conn, from_seq=1, include_decisions=True, stop_at_end=True) as reader:
+            return [rec async for rec in reader]
+
+
+async def export_job(job: str, nats: str, path: Path) -> int:
+    """Write the job's recorded events and decisions (stream seq, server time, subject) to `path`.
+
+    The suffix picks the format (.jsonl or .msgpack). Returns the number of records written.
+    Raises `ExportError` for a bad path and `bus.errors.BusError` when NATS or the job is missing.
+    """
+    path = Path(path)
+    _suffix(path)  # fail before reading a long stream
+    records = await read_job(job, nats)
+    return write_export(records, path, job=job)
+
+
+def _record(row: Any, where: str) -> Recorded:
+    if not isinstance(row, dict):
+        raise ExportError(f"{where}: expected an object with seq, time_ms and event, got {type(row).__name__}")
+    missing = [k for k in ("seq", "time_ms", "event") if k not in row]
+    if missing:
+        raise ExportError(f"{where}: missing {', '.join(missing)} (each record needs seq, time_ms and event)")
+    for key in ("seq", "time_ms"):
+        value = row[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ExportError(f"{where}: {key} must be a non-negative integer, got {value!r}")
+    if row["seq"] == 0:
+        raise ExportError(f"{where}: seq must be >= 1 (stream sequences start at 1)")
+    try:
+        event = from_plain(row["event"])
+    except DecodeError as exc:
+        raise ExportError(f"{where} (seq {row['seq']}): bad event: {exc}") from None
+    return Recorded(seq=row["seq"], time_ms=row["time_ms"], event=event)
+
+
+def load_export(path: str | Path) -> list[Recorded]:
+    """Read an export (.jsonl or .msgpack) back into records, in file order.
+
+    Raises `ExportError` naming the file, the line (JSON) or record number (msgpack), and what is
+    wrong: not JSON/msgpack, a missing or mistyped field, an unknown event kind, or sequences that
+    do not increase.
+    """
+    path = Path(path)
+    suffix = _suffix(path)
+    records: list[Recorded] = []
+    try:
+        if suffix == ".jsonl":
+            with open(path, encoding="utf-8") as fh:
+                for lineno, line in enumerate(fh, 1):
+                    if not line.strip():
+                        continue
+                    where = f"{path}:{lineno}"
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError as exc:
+                        raise ExportError(f"{where}: not JSON ({exc.msg} at column {exc.colno})") from None
+                    records.append(_record(row, where))
+        else:
+            with open(path, "rb") as fh:
+                unpacker = msgpack.Unpacker(fh, raw=False, strict_map_key=False)
+                index = 0
+                try:
+                    for row in unpacker:
+                        index += 1
+                        records.append(_record(row, f"{path}: record {index}"))
+                except (msgpack.UnpackException, ValueError) as exc:
+                    if isinstance(exc, ExportError):
+                        raise
+                    raise ExportError(f"{path}: record {index + 1} is not msgpack ({exc})") from None
+    except OSError as exc:
+        raise ExportError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ExportError(f"{path}: not UTF-8 text ({exc.reason}); is it a .msgpack file named .jsonl?") from None
+    for before, after in zip(records, records[1:]):
+        if after.seq <= before.seq:
+            raise ExportError(f"{path}: sequence {after.seq} follows {before.seq}; records must be in "
+                              "increasing stream order (was the file edited or concatenated?)")
+    return records
+
+
+# --------------------------------------------------------------------------------------------------
+# --until
+
+
+def parse_until(text: str | None) -> int | _dt.datetime | None:
+    """`--until`: a stream sequence ("120") or an ISO 8601 time ("2026-11-22T12:00:00Z"; naive = UTC)."""
+    if text is None:
+        return None
+    text = text.strip()
+    if text.isdigit():
+        return int(text)
+    try:
+        moment = _dt.datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
+    except ValueError:
+        raise ValueError(f"--until {text!r} is neither a stream sequence (e.g. 120) nor an ISO 8601 "
+                         "time (e.g. 2026-11-22T12:00:00Z)") from None
+    return moment if moment.tzinfo else moment.replace(tzinfo=_dt.timezone.utc)
+
+
+def cut(records: list[Recorded], until: int | _dt.datetime | None) -> list[Recorded]:
+    """The records at or before `until` (a stream sequence or a time)."""
+    if until is None:
+        return list(records)
+    if isinstance(until, _dt.datetime):
+        limit_ms = int(until.timestamp() * 1000)
+        return [r for r in records if r.time_ms <= limit_ms]
+    return [r for r in records if r.seq <= until]
+
+
+# --------------------------------------------------------------------------------------------------
+# timeline
+
+
+def _iso(ms: int | None) -> str | None:
+    if ms is None:
+        return None
+    return _dt.datetime.fromtimestamp(ms / 1000, _dt.timezone.utc).isoformat(timespec="milliseconds").replace(
+        "+00:00", "Z")
+
+
+def build_timeline(records: list[Recorded], until: int | _dt.datetime | str | None = None) -> dict[str, Any]:
+    """Fold `records` (up to `until`) into a JSON-ready timeline: rounds, versions, members at the end.
+
+    Rounds come from the recorded decisions; a recording without any decision (inputs only) shows
+    the decisions the reducer computes instead (`decisions_source` says which).
+    """
+    if isinstance(until, str):
+        until = parse_until(until)
+    records = cut(records, until)
+    recorded_decisions = any(isinstance(r.event, Decision) for r in records)
+    observer = JobObserver(apply_computed=not recorded_decisions, log_tail=0, max_rounds=10**9,
+                           max_points=10**9)
+    observer.extend(records)
+    state = observer.state
+    end_ms = observer.last_time_ms
+    members = observer.members(end_ms)
+    for row in members:
+        row["last_seen"] = _iso(row["last_seen_ms"])
+    rounds = []
+    for view in observer.rounds.values():
+        row = view.to_json()
+        row["opened_at"] = _iso(view.opened_at_ms)
+        row["closed_at"] = _iso(view.closed_at_ms)
+        rounds.append(row)
+    return {
+        "records": len(records),
+        "first_seq": records[0].seq if records else None,
+        "last_seq": records[-1].seq if records else None,
+        "first_time": _iso(observer.first_time_ms),
+        "last_time": _iso(end_ms),
+        "until": (until.isoformat() if isinstance(until, _dt.datetime) else until),
+        "decisions_source": "recorded" if recorded_decisions else "recomputed",
+        "config": state.config.to_mapping() if state.config else None,
+        "latest": observer.latest(),
+        "versions": [vars(v) | {"at": _iso(v.time_ms)} for v in observer.versions],
+        "rounds": rounds,
+        "open_rounds": sorted(state.rounds),
+        "members": members,
+        "illegal_inputs": [{"seq": seq, "reason": reason} for seq, reason in observer.illegal],
+        "background_transfers": [vars(t) | {"gbps": t.gbps} for t in observer.background_transfers],
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# --check
+
+
+def decision_identity(decision: Decision) -> tuple[str, int, int, str]:
+    """What makes two decisions "the same one": kind, round, cause_seq, released member."""
+    released = decision.released.key if isinstance(decision, MemberReleased) else ""
+    return (decision.KIND, decision.round, decision.cause_seq, released)
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """One difference between recorded and recomputed decisions.
+
+    `kind`: "field" (same decision, a field differs), "unexpected" (recorded, never recomputed),
+    "missing" (recomputed, never recorded), "order" (both exist, recorded out of order),
+    "duplicate" (recorded twice). `seq` is the recorded stream sequence (for "missing": the seq of
+    the input that causes it). `warning` is True for a decision the recording was plausibly cut
+    before (caused by one of the last inputs, no later decision recorded): not a failure.
+    """
+
+    kind: str
+    seq: int
+    identity: tuple[str, int, int, str]
+    field: str | None = None
+    recorded: Any = None
+    recomputed: Any = None
+    warning: bool = False
+
+    def describe(self) -> str:
+        kind, rnd, cause, released = self.identity
+        who = f" for {released}" if released else ""
+        name = f"{kind} of round {rnd}{who} (caused by seq {cause})"
+        if self.kind == "field":
+            return (f"seq {self.seq}: {name}: field {self.field!r} recorded {self.recorded!r} "
+                    f"but the reducer computes {self.recomputed!r}")
+        if self.kind == "unexpected":
+            return f"seq {self.seq}: {name} was recorded but the reducer never computes it"
+        if self.kind == "duplicate":
+            return f"seq {self.seq}: {name} was recorded again (first at seq {self.recorded})"
+        if self.kind == "order":
+            return (f"seq {self.seq}: {name} was recorded out of order (the reducer computes it after "
+                    f"{self.recomputed})")
+        if self.warning:
+            return (f"after seq {self.seq}: {name} is computed but not recorded; the recording probably "
+                    "ended before the synchronizer published it")
+        return f"seq {self.seq}: {name} is computed but was never recorded"
+
+
+def _diff_fields(recorded: Decision, computed: Decision) -> tuple[str, Any, Any] | None:
+    a, b = to_plain(recorded), to_plain(computed)
+    for key in b:
+        if a.get(key) != b[key]:
+            return key, a.get(key), b[key]
+    for key in a:
+        if key not in b:
+            return key, a[key], None
+    return None
+
+
+def check_decisions(records: list[Recorded]) -> list[Mismatch]:
+    """Recompute every decision from the recorded inputs and compare with the recorded decisions.
+
+    Returns the mismatches (and warnings) sorted by stream sequence; empty when all agree.
+    """
+    records = sorted(records, key=lambda r: r.seq)
+    computed: list[Decision] = []
+    state = State.initial()
+    for rec in records:
+        if isinstance(rec.event, Decision):
+            continue
+        state, caused, _ = reduce_lenient(state, rec)  # illegal inputs are skipped, as live
+        computed.extend(caused)
+    recorded = [(r.seq, r.event) for r in records if isinstance(r.event, Decision)]
+
+    index = {}
+    for i, d in enumerate(computed):
+        index.setdefault(decision_identity(d), i)
+    out: list[Mismatch] = []
+    seen: dict[tuple, int] = {}
+    matched: list[tuple[int, int]] = []  # (recorded seq, computed index), in recorded order
+    for seq, d in recorded:
+        ident = decision_identity(d)
+        if ident in seen:
+            out.append(Mismatch("duplicate", seq, ident, recorded=seen[ident]))
+            continue
+        seen[ident] = seq
+        i = index.get(ident)
+        if i is None:
+            out.append(Mismatch("unexpected", seq, ident))
+            continue
+        matched.append((seq, i))
+        diff = _diff_fields(d, computed[i])
+        if diff is not None:
+            out.append(Mismatch("field", seq, ident, field=diff[0], recorded=diff[1], recomputed=diff[2]))
+    # Order: recorded decisions must appear in the order the reducer computes them.
+    highest = -1
+    for seq, i in matched:
+        if i < highest:
+            prev = decision_identity(computed[highest])
+            out.append(Mismatch("order", seq, decision_identity(computed[i]),
+                                recomputed=f"{prev[0]} of round {prev[1]} (caused by seq {prev[2]})"))
+        highest = max(highest, i)
+    # Missing: a warning only when nothing after it was recorded (the recording was cut first).
+    last_cause = max((d.cause_seq for _, d in recorded), default=0)
+    for i, d in enumerate(computed):
+        ident = decision_identity(d)
+        if ident in seen:
+            continue
+        cut_off = i > highest and d.cause_seq >= last_cause
+        out.append(Mismatch("missing", d.cause_seq, ident, recomputed=to_plain(d), warning=cut_off))
+    out.sort(key=lambda m: (m.seq, m.warning))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# `rolectl replay`
+
+
+def _load(job: str | None, nats: str, file: str | Path | None) -> list[Recorded]:
+    if file is not None:
+        return load_export(file)
+    return asyncio.run(read_job(job, nats))
+
+
+def run_replay(*, job: str | None, nats: str, file: str | Path | None, until: str | None, check: bool,
+               as_json: bool) -> int:
+    """`rolectl replay`: 0 when fine (and, with `check`, every decision matches), 1 on a mismatch,
+    2 when the input cannot be read (bad file, NATS unreachable, unknown job, bad --until)."""
+    from rich.console import Console
+
+    from bus.errors import BusError
+    from bus.logging import setup_logging
+
+    setup_logging("warning")  # stdout is for the timeline (and JSON); logs go to stderr
+    err = Console(stderr=True)
+    try:
+        moment = parse_until(until)
+        records = _load(job, nats, file)
+    except (ExportError, BusError, ValueError) as exc:
+        err.print(f"rolectl replay: {exc}", style="red", highlight=False, markup=False, soft_wrap=True)
+        return 2
+    records = cut(records, moment)
+    timeline = build_timeline(records)
+    timeline["until"] = until
+    timeline["source"] = str(file) if file is not None else f"job {job} on {nats}"
+    mismatches = check_decisions(records) if check else []
+    errors = [m for m in mismatches if not m.warning]
+    if as_json:
+        if check:
+            timeline["check"] = {
+                "ok": not errors,
+                "mismatches": [{**vars(m), "identity": list(m.identity), "message": m.describe()}
+                               for m in mismatches],
+            }
+        json.dump(timeline, sys.stdout, indent=2, default=str)
+        sys.stdout.write("\n")
+    else:
+        _print_timeline(timeline)
+        if check:
+            _print_check(records, mismatches)
+    return 1 if errors else 0
+
+
+def _print_timeline(t: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    out = Console()
+    span = f"seq {t['first_seq']}..{t['last_seq']}, {t['first_time']} .. {t['last_time']}"
+    cfg = t["config"] or {}
+    out.print(f"[bold]replay[/] {t['source']}: {t['records']} records ({span})", highlight=False)
+    if cfg:
+        out.print(f"config: {cfg.get('sync_method')} / {cfg.get('sync_style')}, interval "
+                  f"{cfg.get('sync_interval')}, offset {cfg.get('sync_offset')}, timeout {cfg.get('sync_timeout')} s",
+                  highlight=False)
+    if t["until"] is not None:
+        out.print(f"state as of --until {t['until']}", style="bold yellow")
+    if t["decisions_source"] == "recomputed":
+        out.print("no decision is recorded: rounds below are the reducer's own decisions", style="yellow")
+
+    rounds = Table(title="sync rounds", title_justify="left")
+    for col in ("round", "opened (UTC)", "opened by", "method", "waited for", "participants",
+                "version", "waited", "outcome", "released", "moved"):
+        rounds.add_column(col, overflow="fold")
+    colour = {"completed": "green", "no_new_version": "cyan", "timed_out": "red", "failed": "red",
+              "trainer_stopped": "yellow", "abandoned": "yellow"}
+    for r in t["rounds"]:
+        version = {x["version"] for x in r["releases"] if x["reason"] == "new_version"}
+        if r["rendezvous"]:
+            version.add(r["rendezvous"]["version"])
+        got = ", ".join(f"v{v}" for v in sorted(version))
+        released = "\n".join(f"{_short(x['member'])}: {x['reason']}" + (f" v{x['version']}" if x["reload"] else "")
+                             for x in r["releases"])
+        moved = ""
+        if r["nbytes"]:
+            rate = f" @ {r['gbps']:.3f} GB/s" if r["gbps"] else ""
+            moved = f"{r['nbytes'] / 1e6:.2f} MB{rate}"
+        outcome = r["outcome"] or "open"
+        rounds.add_row(
+            str(r["id"]), (r["opened_at"] or "")[11:23], _short(r["opened_by"]), r["method"],
+            "\n".join(map(_short, r["waited_for"])) or "— (served at once)",
+            "\n".join(map(_short, r["participants"])),
+            f"had v{r['version']}" + (f" → {got}" if got else ""),
+            f"{r['duration_ms'] / 1000:.3f} s" if r["duration_ms"] is not None else "…",
+            f"[{colour.get(outcome, 'white')}]{outcome}[/]", released, moved,
+        )
+    if t["rounds"]:
+        out.print(rounds)
+    else:
+        out.print("no sync round in this recording")
+
+    latest = t["latest"]
+    members = Table(title=f"members at the end · latest version v{latest['version']} "
+                          f"(held by {', '.join(latest['held_by']) or 'nobody'})", title_justify="left")
+    for col in ("role", "id", "status", "step", "version", "last seen", "host"):
+        members.add_column(col)
+    for m in t["members"]:
+        members.add_row(m["role"], m["id"], m["status"], str(m["step"]), str(m["version"]),
+                        _seen(m), 
+                        m["host"])
+    out.print(members)
+    if t["illegal_inputs"]:
+        out.print(f"[yellow]{len(t['illegal_inputs'])} input(s) refused by the reducer (skipped):[/]")
+        for x in t["illegal_inputs"][:20]:
+            out.print(f"  seq {x['seq']}: {x['reason']}", highlight=False, markup=False, soft_wrap=True)
+
+
+def _short(key: str) -> str:
+    """`explorer/explorer-0` -> `explorer-0` (ids are unique within a role, and say it anyway)."""
+    return key.split("/", 1)[1] if "/" in key else key
+
+
+def _seen(member: dict[str, Any]) -> str:
+    if member["last_seen"] is None:
+        return "never"
+    before = member["last_seen_ago_ms"] or 0
+    return f"{member['last_seen'][11:23]} ({before / 1000:.1f} s before the end)"
+
+
+def _print_check(records: list[Recorded], mismatches: list[Mismatch]) -> None:
+    from rich.console import Console
+
+    out = Console()
+    decisions = sum(isinstance(r.event, Decision) for r in records)
+    errors = [m for m in mismatches if not m.warning]
+    for m in mismatches:
+        if m.warning:
+            out.print(f"warning: {m.describe()}", style="yellow", highlight=False, markup=False, soft_wrap=True)
+    if not errors:
+        out.print(f"check OK: all {decisions} recorded decisions equal the recomputed ones", style="bold green")
+        return
+    first = errors[0]
+    out.print(f"check FAILED: {len(errors)} mismatch(es); first at recorded seq {first.seq}", soft_wrap=True,
+              style="bold red", highlight=False)
+    for m in errors[:50]:
+        out.print(f"  {m.describe()}", highlight=False, markup=False, soft_wrap=True)
+    if len(errors) > 50:
+        out.print(f"  ... and {len(errors) - 50} more")

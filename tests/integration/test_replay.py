@@ -1,0 +1,202 @@
+"""Export, replay and check a job recorded on a real nats-server by the real synchronizer."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+from pathlib import Path
+
+import pytest
+
+from bus.errors import BusError
+from job_scenario import run_scripted_job
+from roles.replay import (
+    ExportError,
+    build_timeline,
+    check_decisions,
+    export_job,
+    load_export,
+    read_job,
+    run_replay,
+    write_export,
+)
+from sync_protocol import Decision, MemberReleased, RoundClosed, VersionPublished
+
+
+@pytest.fixture
+def recorded(nats_url: str, job_name: str) -> str:
+    """A job that ran to its end: 3 trainer steps, 2 explorers, decisions by the real synchronizer."""
+    asyncio.run(run_scripted_job(nats_url, job_name, steps=3))
+    return job_name
+
+
+def _export(job: str, nats_url: str, path: Path) -> list:
+    n = asyncio.run(export_job(job, nats_url, path))
+    records = load_export(path)
+    assert len(records) == n
+    return records
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".msgpack"])
+def test_export_then_load_gives_back_every_record(recorded, nats_url, tmp_path, suffix):
+    path = tmp_path / f"job{suffix}"
+    records = _export(recorded, nats_url, path)
+    live = asyncio.run(read_job(recorded, nats_url))
+    assert records == live
+    assert any(isinstance(r.event, MemberReleased) for r in records)
+    assert [r.seq for r in records] == sorted(r.seq for r in records)
+
+
+def test_jsonl_export_has_seq_time_subject_and_event(recorded, nats_url, tmp_path):
+    path = tmp_path / "job.jsonl"
+    _export(recorded, nats_url, path)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert set(rows[0]) == {"seq", "time_ms", "subject", "event"}
+    decision = next(r for r in rows if r["event"]["kind"] == "round_opened")
+    assert decision["subject"] == f"rft.{recorded}.sync.{decision['event']['round']}"
+    assert rows[0]["subject"].startswith(f"rft.{recorded}.evt.")
+
+
+def test_check_passes_on_a_real_recording(recorded, nats_url, tmp_path, capsys):
+    path = tmp_path / "job.jsonl"
+    records = _export(recorded, nats_url, path)
+    assert [m for m in check_decisions(records) if not m.warning] == []
+    assert run_replay(job=None, nats=nats_url, file=path, until=None, check=True, as_json=False) == 0
+    assert "check OK" in capsys.readouterr().out
+
+
+def test_check_reads_the_stream_directly(recorded, nats_url, capsys):
+    assert run_replay(job=recorded, nats=nats_url, file=None, until=None, check=True, as_json=False) == 0
+    assert "check OK" in capsys.readouterr().out
+
+
+def test_a_changed_decision_fails_the_check_naming_its_seq_and_field(recorded, nats_url, tmp_path, capsys):
+    path = tmp_path / "job.jsonl"
+    _export(recorded, nats_url, path)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    target = [r for r in rows if r["event"]["kind"] == "member_released"][2]
+    target["event"]["version"] += 7  # the synchronizer "released" the explorer with another version
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    mismatches = [m for m in check_decisions(load_export(path)) if not m.warning]
+    assert len(mismatches) == 1
+    assert (mismatches[0].kind, mismatches[0].seq, mismatches[0].field) == ("field", target["seq"], "version")
+
+    assert run_replay(job=None, nats=nats_url, file=path, until=None, check=True, as_json=False) == 1
+    out = capsys.readouterr().out
+    assert f"first at recorded seq {target['seq']}" in out
+    assert "'version'" in out
+
+
+def test_a_decision_missing_mid_recording_fails_the_check(recorded, nats_url, tmp_path):
+    records = _export(recorded, nats_url, tmp_path / "job.jsonl")
+    dropped = next(r for r in records if isinstance(r.event, MemberReleased))
+    mismatches = [m for m in check_decisions([r for r in records if r is not dropped]) if not m.warning]
+    assert [(m.kind, m.identity[0]) for m in mismatches] == [("missing", "member_released")]
+    assert mismatches[0].seq == dropped.event.cause_seq
+
+
+def test_a_recording_cut_before_its_last_decision_only_warns(recorded, nats_url, tmp_path, capsys):
+    records = _export(recorded, nats_url, tmp_path / "job.jsonl")
+    last_decision = max(i for i, r in enumerate(records) if isinstance(r.event, Decision))
+    assert isinstance(records[last_decision].event, RoundClosed)
+    cut = records[:last_decision] + records[last_decision + 1:]
+    mismatches = check_decisions(cut)
+    assert [(m.kind, m.warning) for m in mismatches] == [("missing", True)]
+    path = tmp_path / "cut.jsonl"
+    write_export(cut, path)
+    assert run_replay(job=None, nats=nats_url, file=path, until=None, check=True, as_json=False) == 0
+    out = capsys.readouterr().out
+    assert "warning:" in out and "check OK" in out
+
+
+def test_a_decision_nobody_computes_fails_the_check(recorded, nats_url, tmp_path):
+    records = _export(recorded, nats_url, tmp_path / "job.jsonl")
+    rows = [json.loads(line) for line in (tmp_path / "job.jsonl").read_text().splitlines()]
+    closed = next(r for r in rows if r["event"]["kind"] == "round_closed")
+    closed["event"]["cause_seq"] = closed["event"]["cause_seq"] + 1  # a different decision identity
+    path = tmp_path / "edited.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    errors = [m for m in check_decisions(load_export(path)) if not m.warning]
+    # the recorded one is never computed, and the computed one was never recorded
+    assert sorted((m.kind, m.seq) for m in errors) == [("missing", closed["event"]["cause_seq"] - 1),
+                                                       ("unexpected", closed["seq"])]
+    assert len(records) == len(rows)
+
+
+@pytest.mark.parametrize("by", ["seq", "time"])
+def test_until_shows_the_state_at_that_point(recorded, nats_url, tmp_path, by, capsys):
+    path = tmp_path / "job.jsonl"
+    records = _export(recorded, nats_url, path)
+    v2 = next(r for r in records if isinstance(r.event, VersionPublished) and r.event.version == 2)
+    if by == "seq":
+        until = str(v2.seq)
+        kept = [r for r in records if r.seq <= v2.seq]
+    else:
+        until = dt.datetime.fromtimestamp(v2.time_ms / 1000, dt.timezone.utc).isoformat().replace("+00:00", "Z")
+        kept = [r for r in records if r.time_ms <= v2.time_ms]  # the same millisecond may hold more
+    expected = max(r.event.version for r in kept if isinstance(r.event, VersionPublished))
+    assert expected >= 2
+    timeline = build_timeline(records, until=until)
+    assert timeline["last_seq"] == kept[-1].seq
+    assert timeline["latest"]["version"] == expected
+    trainer = next(m for m in timeline["members"] if m["role"] == "trainer")
+    assert trainer["version"] == expected and trainer["status"] == "running"
+    assert run_replay(job=None, nats=nats_url, file=path, until=until, check=False, as_json=True) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["latest"]["version"] == expected
+    assert shown["last_seq"] == kept[-1].seq
+    assert shown["until"] == until
+
+
+def test_timeline_rounds_say_who_waited_for_what_and_how_long(recorded, nats_url, tmp_path):
+    timeline = build_timeline(_export(recorded, nats_url, tmp_path / "job.jsonl"))
+    assert timeline["decisions_source"] == "recorded"
+    rounds = timeline["rounds"]
+    assert len(rounds) == 2 + 2 * 3  # two initial pulls, then two per trainer step
+    assert all(r["outcome"] == "completed" for r in rounds)
+    waited = [r for r in rounds if r["waited_for"]]
+    assert waited and all(r["opened_by"] == "explorer/explorer-1" for r in waited)
+    assert all("trainer/trainer" in r["waited_for"][0] for r in waited)
+    assert all(r["duration_ms"] is not None and r["duration_ms"] >= 0 for r in rounds)
+    moved = [r for r in rounds if r["nbytes"]]
+    assert len(moved) == 6 and all(r["gbps"] > 0 for r in moved)
+    assert {m["status"] for m in timeline["members"] if m["role"] != "synchronizer"} == {"stopped"}
+
+
+def test_replay_json_prints_the_check_result(recorded, nats_url, capsys):
+    assert run_replay(job=recorded, nats=nats_url, file=None, until=None, check=True, as_json=True) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["check"]["ok"] is True
+    assert len(shown["rounds"]) == 8
+
+
+def test_load_export_names_file_and_line_of_bad_input(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    good = {"seq": 1, "time_ms": 5, "event": {"schema": 1, "kind": "round_timed_out",
+                                               "member": {"role": "synchronizer", "id": "s", "inc": 0},
+                                               "round": 1}}
+    path.write_text(json.dumps(good) + "\n" + json.dumps({**good, "seq": 2}) + "\n{oops\n")
+    with pytest.raises(ExportError, match=rf"{path}:3: not JSON"):
+        load_export(path)
+    path.write_text(json.dumps({**good, "event": {**good["event"], "kind": "weights_teleported"}}) + "\n")
+    with pytest.raises(ExportError, match=rf"{path}:1 \(seq 1\): bad event: unknown event kind"):
+        load_export(path)
+    path.write_text(json.dumps({"seq": 1, "event": good["event"]}) + "\n")
+    with pytest.raises(ExportError, match="missing time_ms"):
+        load_export(path)
+    with pytest.raises(ExportError, match="name the file"):
+        load_export(tmp_path / "events.csv")
+
+
+def test_replay_of_a_bad_file_exits_2_with_the_reason(tmp_path, nats_url, capsys):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("[1, 2]\n")
+    assert run_replay(job=None, nats=nats_url, file=path, until=None, check=True, as_json=False) == 2
+    assert f"{path}:1: expected an object" in capsys.readouterr().err
+
+
+def test_export_of_a_job_without_stream_is_a_clear_error(nats_url, job_name, tmp_path):
+    with pytest.raises(BusError, match="does not exist"):
+        asyncio.run(export_job(job_name, nats_url, tmp_path / "x.jsonl"))

@@ -1,0 +1,79 @@
+"""`rolectl status`: the members table of a job that is running on a real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from bus.connection import connect
+from bus.events import publish_heartbeat
+from bus.server import free_port
+from job_scenario import EXPLORERS, TRAINER, run_scripted_job, stop_task
+from roles.inspect import collect_status, print_status
+from sync_protocol import RunningStatus
+
+
+@pytest.fixture
+def running_job(nats_url: str, job_name: str) -> str:
+    """A job whose trainer and explorers are still up (they never said STOPPED)."""
+    asyncio.run(run_scripted_job(nats_url, job_name, steps=2, stop=False))
+    return job_name
+
+
+async def _beat(nats_url: str, job: str) -> None:
+    # The members' heartbeats: core NATS, what `status` uses for "last seen" between events.
+    async with connect(nats_url, job=job, role="trainer", member="beats") as conn:
+        while True:
+            for ref in (TRAINER, *EXPLORERS):
+                await publish_heartbeat(conn, ref, step=2, version=2, status=RunningStatus.RUNNING,
+                                        host=f"host-{ref.id}")
+            await asyncio.sleep(0.2)  # heartbeat period
+
+
+async def test_status_table_lists_every_member(running_job, nats_url, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # rich fits the table to the terminal; keep every cell whole
+    assert await print_status(running_job, nats_url) == 0
+    out = capsys.readouterr().out
+    for text in ("trainer", "explorer-0", "explorer-1", "sync-0", "host-explorer-1", "running",
+                 f"job {running_job}", "latest version 2"):
+        assert text in out, text
+
+
+async def test_status_json_has_role_status_step_version_host(running_job, nats_url, capsys):
+    assert await print_status(running_job, nats_url, as_json=True) == 0
+    shown = json.loads(capsys.readouterr().out)
+    rows = {m["key"]: m for m in shown["members"]}
+    assert set(rows) == {"trainer/trainer", "explorer/explorer-0", "explorer/explorer-1", "synchronizer/sync-0"}
+    trainer = rows["trainer/trainer"]
+    assert (trainer["role"], trainer["status"], trainer["step"], trainer["version"], trainer["host"]) == (
+        "trainer", "running", 2, 2, "host-trainer")
+    assert rows["explorer/explorer-1"]["version"] == 2
+    assert shown["latest"]["version"] == 2
+    assert all(m["last_seen_ms"] for m in rows.values())
+
+
+async def test_last_seen_follows_heartbeats(running_job, nats_url):
+    beats = asyncio.create_task(_beat(nats_url, running_job))
+    try:
+        observer, now_ms = await collect_status(running_job, nats_url, heartbeat_wait_s=10.0)
+    finally:
+        await stop_task(beats)
+    rows = {m["key"]: m for m in observer.members(now_ms)}
+    for ref in (TRAINER, *EXPLORERS):
+        assert ref.key in observer.heartbeats
+        assert rows[ref.key]["last_seen_ms"] == observer.heartbeats[ref.key]
+        assert rows[ref.key]["last_seen_ms"] > observer.state.members[ref.key].last_time_ms
+
+
+async def test_status_of_a_job_without_stream_exits_1(nats_url, job_name, capsys):
+    assert await print_status(job_name, nats_url) == 1
+    err = capsys.readouterr().err
+    assert "does not exist" in err and job_name in err
+
+
+async def test_status_with_nats_unreachable_exits_1(job_name, capsys):
+    url = f"nats://127.0.0.1:{free_port()}"
+    assert await print_status(job_name, url, connect_timeout=1.0) == 1
+    assert url in capsys.readouterr().err
