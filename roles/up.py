@@ -144,6 +144,10 @@ async def _supervise(cfg: JobConfig, server: NatsServer, config_path: Path, run_
         loop.add_signal_handler(sig, stop.set)
     try:
         async with connect(server.url, job=cfg.job, role="observer", member="up") as conn:
+            from bus.streams import ensure_event_stream, ensure_experience_stream
+
+            await ensure_event_stream(conn.js, conn.names)
+            await ensure_experience_stream(conn.js, conn.names)
             view = JobView(conn)
             await view.start(catch_up=False)
             if dashboard:
