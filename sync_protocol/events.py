@@ -186,6 +186,9 @@ class MemberRef:
     role: Role
     id: str
     incarnation: int = 0
+    # `role/id`: the member's name across incarnations. Derived once here, not per access: the
+    # reducer looks it up several times for every event it folds.
+    key: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", _enum_checker(Role)(self.role, "role"))
@@ -193,11 +196,7 @@ class MemberRef:
         if not self.id:
             raise DecodeError("field 'id' must be a non-empty string")
         _check_int(self.incarnation, "incarnation")
-
-    @property
-    def key(self) -> str:
-        """`role/id`: the member's name across incarnations."""
-        return f"{self.role.value}/{self.id}"
+        object.__setattr__(self, "key", f"{self.role.value}/{self.id}")
 
     def __str__(self) -> str:
         return f"{self.role.value}/{self.id}#{self.incarnation}"

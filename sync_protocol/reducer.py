@@ -33,7 +33,15 @@ from typing import Any, Callable, Iterable, Mapping
 
 from .boundaries import needs_reload
 from .config import SyncConfig
-from .enums import ReleaseReason, Role, RoundOutcome, RunningStatus, SyncMethod, SyncStyle
+from .enums import (
+    RENDEZVOUS_METHODS,
+    ReleaseReason,
+    Role,
+    RoundOutcome,
+    RunningStatus,
+    SyncMethod,
+    SyncStyle,
+)
 from .errors import IllegalEvent
 from .events import (
     Decision,
@@ -82,6 +90,8 @@ _EXPLORER = Role.EXPLORER
 _SYNCHRONIZER = Role.SYNCHRONIZER
 _WAITING = RoundPhase.WAITING
 _TRANSFERRING = RoundPhase.TRANSFERRING
+# `method in _RDV_METHODS` is an identity check; `method.is_rendezvous` hashes the Enum in Python
+_RDV_METHODS = tuple(m for m in SyncMethod if m in RENDEZVOUS_METHODS)
 
 
 # ==================================================================================================
@@ -154,20 +164,21 @@ PULL_POLICY: Mapping[SyncStyle, Trigger | None] = MappingProxyType({
     SyncStyle.FULLY_ASYNC: Trigger.NO_NEW_VERSION,
 })
 
-_MEMBERS = frozenset({_TRAINER, _EXPLORER})
-_ANYONE = frozenset(Role)
-SENDERS: Mapping[type[Event], frozenset[Role]] = MappingProxyType({
+# (tuples, not sets: membership is then an identity check; hashing an Enum calls Python code)
+_MEMBERS = (_TRAINER, _EXPLORER)
+_ANYONE = tuple(Role)
+SENDERS: Mapping[type[Event], tuple[Role, ...]] = MappingProxyType({
     JobConfigured: _ANYONE,
     MemberJoined: _ANYONE,
     StatusChanged: _ANYONE,  # a synchronizer's status is recorded, never part of a round
     StepFinished: _ANYONE,
-    VersionPublished: frozenset({_TRAINER}),
-    NoNewVersion: frozenset({_TRAINER}),
-    WeightsBroadcast: frozenset({_TRAINER}),
-    WeightsLoaded: frozenset({_EXPLORER}),
+    VersionPublished: (_TRAINER,),
+    NoNewVersion: (_TRAINER,),
+    WeightsBroadcast: (_TRAINER,),
+    WeightsLoaded: (_EXPLORER,),
     SyncFailed: _MEMBERS,
-    MemberExpired: frozenset({_SYNCHRONIZER}),  # clock events: the synchronizer's own
-    RoundTimedOut: frozenset({_SYNCHRONIZER}),
+    MemberExpired: (_SYNCHRONIZER,),  # clock events: the synchronizer's own
+    RoundTimedOut: (_SYNCHRONIZER,),
 })
 
 # Inputs whose sender need not be a joined, live member: the job's config, a join itself, and the
@@ -221,34 +232,50 @@ def reduce(state: State, recorded: Recorded) -> tuple[State, tuple[Decision, ...
     if seq <= state.last_seq:
         return state, ()
     event = recorded.event
-    cls = type(event)
-    handler = _HANDLERS.get(cls)
-    if handler is None:
-        cls = next((c for c in cls.__mro__ if c in _HANDLERS), None)
-        if cls is None:
-            if isinstance(event, Decision):
-                # decisions are derived from inputs, never inputs themselves
-                return _with_last_seq(state, seq), ()
-            raise IllegalEvent(
-                f"record {seq} holds {type(event).__name__}, which is neither an input event nor "
-                "a decision", event=event, seq=seq)
-        handler = _HANDLERS[cls]
+    route = _ROUTES.get(type(event))
+    if route is None:
+        route = _route_of_subclass(state, recorded)
+        if route is None:  # a recorded decision: derived from inputs, never an input itself
+            return _with_last_seq(state, seq), ()
+    handler, senders, needs_member = route
+    sender = event.member
     try:
-        sender = event.member
-        if sender.role not in SENDERS[cls]:
-            raise _illegal(event, f"only {_roles(SENDERS[cls])} may send {cls.__name__}",
+        if sender.role not in senders:
+            raise _illegal(event, f"only {_roles(senders)} may send {type(event).__name__}",
                            state.members.get(sender.key))
         tx = _Tx(state, seq, recorded.time_ms)
-        if cls in _NO_JOIN_NEEDED:
+        if not needs_member:
             handler(tx, event, None)
-        else:
-            member = _live_sender(state, event)
-            tx.update_member(member.ref.key, last_seq=seq, last_time_ms=recorded.time_ms)
-            handler(tx, event, tx.members[member.ref.key])
+            return tx.commit()
+        key = sender.key
+        member = state.members.get(key)
+        if member is None or member.ref.incarnation != sender.incarnation or not member.alive:
+            raise _not_live(event, member)
+        # the sender's own copy for this call; handlers update it in place (nobody else sees it yet)
+        values = member.__dict__.copy()
+        values["last_seq"] = seq
+        values["last_time_ms"] = recorded.time_ms
+        member = _new(MemberState)
+        _set(member, "__dict__", values)
+        tx.members[key] = member
+        tx.fresh_m.add(key)
+        handler(tx, event, member)
         return tx.commit()
     except IllegalEvent as exc:
         exc.seq = seq
         raise
+
+
+def _route_of_subclass(state: State, recorded: Recorded):
+    """The route for a subclass of a known input; None for a decision; IllegalEvent otherwise."""
+    event = recorded.event
+    for cls in type(event).__mro__:
+        if cls in _ROUTES:
+            return _ROUTES[cls]
+    if isinstance(event, Decision):
+        return None
+    raise IllegalEvent(f"record {recorded.seq} holds {type(event).__name__}, which is neither an "
+                       "input event nor a decision", event=event, seq=recorded.seq)
 
 
 def reduce_lenient(
@@ -495,7 +522,7 @@ def _open_round(tx: _Tx, opener: MemberState, participants: tuple[str, ...]) -> 
 
 
 def _apply(tx: _Tx, rnd: RoundState, trigger: Trigger) -> None:
-    kind = _RDV if rnd.method.is_rendezvous else _PULL
+    kind = _RDV if rnd.method in _RDV_METHODS else _PULL
     transition = ROUND_TRANSITIONS.get((kind, rnd.phase, trigger))
     if transition is None:  # a handler asked for a move the table does not have: a reducer bug
         raise AssertionError(f"no transition for {kind} round in {rnd.phase.value} on {trigger.value}")
@@ -553,7 +580,7 @@ def _start_transfer(tx: _Tx, rnd: RoundState) -> None:
 
 def _waiting_rendezvous_round(tx: _Tx) -> RoundState | None:
     for rnd in tx.rounds.values():
-        if rnd.phase is _WAITING and rnd.method.is_rendezvous:
+        if rnd.phase is _WAITING and rnd.method in _RDV_METHODS:
             return rnd
     return None
 
@@ -561,17 +588,18 @@ def _waiting_rendezvous_round(tx: _Tx) -> RoundState | None:
 def _settle_rendezvous(tx: _Tx, rnd: RoundState) -> None:
     """After someone arrived or left a gathering round: close it, start it, or keep waiting."""
     trainer_key = tx.f["trainer"]
-    if not any(key != trainer_key for key in rnd.participants):
+    participants = rnd.participants
+    if len(participants) == (1 if trainer_key in participants else 0):
         _apply(tx, rnd, Trigger.NO_EXPLORERS)
     elif not rnd.waiting:
         _apply(tx, rnd, Trigger.NOBODY_WAITING)
-    elif trainer_key in rnd.participants and len(rnd.waiting) == len(rnd.participants):
+    elif len(rnd.waiting) == len(participants) and trainer_key in participants:
         _apply(tx, rnd, Trigger.ALL_ARRIVED)
 
 
 def _request_sync(tx: _Tx, member: MemberState) -> None:
     """`member` just entered REQUIRE_SYNC (or did before the config was known)."""
-    if tx.f["config"].sync_method.is_rendezvous:
+    if tx.f["config"].sync_method in _RDV_METHODS:
         if member.ref.role is not _SYNCHRONIZER:
             _request_rendezvous(tx, member)
     elif member.ref.role is _EXPLORER:
@@ -629,7 +657,7 @@ def _leave(tx: _Tx, member: MemberState) -> None:
                 waiting=tuple(k for k in rnd.waiting if k != key),
                 participants=tuple(k for k in rnd.participants if k != key),
             )
-            if rnd.method.is_rendezvous:
+            if rnd.method in _RDV_METHODS:
                 _settle_rendezvous(tx, rnd)  # may now be complete without it
             elif not rnd.waiting:
                 _apply(tx, rnd, Trigger.NOBODY_WAITING)
@@ -653,7 +681,7 @@ def _report_done(tx: _Tx, event: WeightsLoaded | WeightsBroadcast, member: Membe
     """A participant finished its part of rendezvous round `event.round`."""
     rnd = tx.rounds.get(event.round)  # type: ignore[arg-type]
     key = member.ref.key
-    if rnd is None or not rnd.method.is_rendezvous:
+    if rnd is None or rnd.method not in _RDV_METHODS:
         raise _illegal(event, f"round {event.round} is not open", member)
     if rnd.phase is not _TRANSFERRING:
         raise _illegal(event, f"round {rnd.id} is still {rnd.phase.value} (no RendezvousReady yet)",
@@ -681,7 +709,7 @@ def _on_job_configured(tx: _Tx, event: JobConfigured, _: None) -> None:
         for key in list(tx.members):
             member = tx.members[key]  # re-read: an earlier request may have released it
             if member.alive and member.status is _REQUIRE_SYNC:
-                if (member.ref.role is _TRAINER and event.config.sync_method.is_rendezvous
+                if (member.ref.role is _TRAINER and event.config.sync_method in _RDV_METHODS
                         and not _valid_rendezvous(member.rendezvous)):
                     continue  # it cannot be met without an address; its next request will be
                 _request_sync(tx, member)
@@ -751,7 +779,7 @@ def _on_status_changed(tx: _Tx, event: StatusChanged, member: MemberState) -> No
         if rendezvous is not None and not _valid_rendezvous(rendezvous):
             raise _illegal(event, f"rendezvous {rendezvous!r} is not host:port", member)
         if (rendezvous is None and member.ref.role is _TRAINER and config is not None
-                and config.sync_method.is_rendezvous):
+                and config.sync_method in _RDV_METHODS):
             raise _illegal(event, f"a trainer asking for a {config.sync_method.value} sync must offer "
                            "a rendezvous host:port", member)
         member = tx.update_member(key, status=status, step=event.step, version=event.version,
@@ -781,11 +809,13 @@ def _on_version_published(tx: _Tx, event: VersionPublished, member: MemberState)
         tx.update_member(member.ref.key, version=event.version)
     if f["config"] is None:
         return
+    members = tx.members
     for rnd in list(tx.rounds.values()):
-        if rnd.method.is_rendezvous or rnd.phase is not _WAITING:
-            continue
-        if any(tx.members[key].version < event.version for key in rnd.waiting):
-            _apply(tx, rnd, Trigger.NEW_VERSION)
+        if rnd.phase is _WAITING and rnd.method not in _RDV_METHODS:
+            for key in rnd.waiting:
+                if members[key].version < event.version:
+                    _apply(tx, rnd, Trigger.NEW_VERSION)
+                    break
 
 
 def _on_no_new_version(tx: _Tx, event: NoNewVersion, member: MemberState) -> None:
@@ -802,10 +832,10 @@ def _on_weights_loaded(tx: _Tx, event: WeightsLoaded, member: MemberState) -> No
         raise _illegal(event, f"it already holds version {member.version} (versions never go down)",
                        member)
     config: SyncConfig | None = tx.f["config"]
-    if event.round is not None and config is not None and config.sync_method.is_rendezvous:
+    if event.round is not None and config is not None and config.sync_method in _RDV_METHODS:
         _report_done(tx, event, member)
     # pull rounds close when the member is released, so a round id here is only a label
-    tx.update_member(member.ref.key, version=event.version)
+    member.__dict__["version"] = event.version  # the sender's fresh copy (see `reduce`)
 
 
 def _on_weights_broadcast(tx: _Tx, event: WeightsBroadcast, member: MemberState) -> None:
@@ -824,9 +854,12 @@ def _on_sync_failed(tx: _Tx, event: SyncFailed, member: MemberState) -> None:
 def _on_step_finished(tx: _Tx, event: StepFinished, member: MemberState) -> None:
     # a step can finish with the weights it started with after newer ones were loaded in the
     # background (fully_async), so the held version is the larger of the two
-    version = event.version if event.version > member.version else member.version
-    tx.update_member(member.ref.key, step=event.step, version=version,
-                     metrics=_proxy(dict(event.metrics)) if event.metrics else _EMPTY_METRICS)
+    values = member.__dict__  # the sender's fresh copy (see `reduce`)
+    if event.version > values["version"]:
+        values["version"] = event.version
+    values["step"] = event.step
+    metrics = event.metrics
+    values["metrics"] = _proxy(dict(metrics)) if metrics else _EMPTY_METRICS
 
 
 def _on_member_expired(tx: _Tx, event: MemberExpired, _: None) -> None:
@@ -859,27 +892,29 @@ _HANDLERS: dict[type, Callable[[_Tx, Any, Any], None]] = {
 
 _EMPTY_METRICS: Mapping[str, float] = MappingProxyType({})
 
+# one lookup per input: (handler, roles allowed to send it, whether the sender must be a live member)
+_ROUTES: dict[type, tuple[Callable[[_Tx, Any, Any], None], tuple[Role, ...], bool]] = {
+    cls: (handler, SENDERS[cls], cls not in _NO_JOIN_NEEDED) for cls, handler in _HANDLERS.items()
+}
+
 
 # ==================================================================================================
 # Checks and messages
 
 
-def _live_sender(state: State, event: Event) -> MemberState:
-    """The sender's member state, if it is the current, joined, live incarnation."""
+def _not_live(event: Event, member: MemberState | None) -> IllegalEvent:
+    """Why the sender is not the current, joined, live incarnation of its member."""
     ref = event.member
-    member = state.members.get(ref.key)
     if member is None:
-        raise _illegal(event, f"{ref.key} never joined", None)
+        return _illegal(event, f"{ref.key} never joined", None)
     current = member.ref.incarnation
     if ref.incarnation < current:
-        raise _illegal(event, f"it is a stale incarnation: {member.ref} joined at seq "
-                       f"{member.joined_seq}", member)
+        return _illegal(event, f"it is a stale incarnation: {member.ref} joined at seq "
+                        f"{member.joined_seq}", member)
     if ref.incarnation > current:
-        raise _illegal(event, f"incarnation {ref.incarnation} never joined (last joined: "
-                       f"{member.ref})", member)
-    if not member.alive:
-        raise _illegal(event, "it already left the job; a restart must join again", member)
-    return member
+        return _illegal(event, f"incarnation {ref.incarnation} never joined (last joined: "
+                        f"{member.ref})", member)
+    return _illegal(event, "it already left the job; a restart must join again", member)
 
 
 def _valid_rendezvous(address: str | None) -> bool:
@@ -910,7 +945,7 @@ def _illegal(event: Event, why: str, member: MemberState | None) -> IllegalEvent
     )
 
 
-def _roles(roles: frozenset[Role]) -> str:
+def _roles(roles: tuple[Role, ...]) -> str:
     return " or ".join(sorted(r.value for r in roles))
 
 
