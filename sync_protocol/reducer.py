@@ -227,6 +227,9 @@ def reduce(state: State, recorded: Recorded) -> tuple[State, tuple[Decision, ...
 
     Raises `IllegalEvent` (with `seq` set) for an input not allowed in `state`; `state` itself is
     untouched and stays the valid current state.
+
+    Handlers receive the sender's MemberState as a copy made for this call alone, so they may
+    write its `__dict__` directly; every other object goes through `_Tx`'s copy-on-write helpers.
     """
     seq = recorded.seq
     if seq <= state.last_seq:
@@ -234,7 +237,7 @@ def reduce(state: State, recorded: Recorded) -> tuple[State, tuple[Decision, ...
     event = recorded.event
     route = _ROUTES.get(type(event))
     if route is None:
-        route = _route_of_subclass(state, recorded)
+        route = _route_of_subclass(recorded)
         if route is None:  # a recorded decision: derived from inputs, never an input itself
             return _with_last_seq(state, seq), ()
     handler, senders, needs_member = route
@@ -266,7 +269,7 @@ def reduce(state: State, recorded: Recorded) -> tuple[State, tuple[Decision, ...
         raise
 
 
-def _route_of_subclass(state: State, recorded: Recorded):
+def _route_of_subclass(recorded: Recorded):
     """The route for a subclass of a known input; None for a decision; IllegalEvent otherwise."""
     event = recorded.event
     for cls in type(event).__mro__:

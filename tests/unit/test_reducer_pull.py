@@ -9,7 +9,6 @@ from scenario import (
     E2,
     E3,
     T,
-    Job,
     configured,
     join,
     loaded,
