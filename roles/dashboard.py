@@ -1,0 +1,511 @@
+"""The live dashboard of a job: one page (server-sent events, no build step), a JSON snapshot at
+`/api/state`, and the same figures for Prometheus at `/metrics`.
+
+Theory of operation
+-------------------
+The dashboard is a read-only observer. It follows the job's stream with `read_events` and folds it
+with `roles.inspect.JobObserver` (the pure reducer, skipping illegal inputs like the synchronizer),
+listens to heartbeats for "last seen", and polls the nats-server monitoring endpoint (`/varz`,
+`/jsz`) for server health. Every change bumps a counter; each open page gets a fresh snapshot over
+server-sent events at most a few times a second. It never publishes anything.
+
+`start_dashboard()` runs inside the caller's event loop (`rolectl up` uses it);
+`serve_dashboard()` is the foreground `rolectl dashboard` command.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from roles.inspect import JobObserver
+
+__all__ = ["Dashboard", "DashboardHandle", "start_dashboard", "serve_dashboard", "default_monitor_url"]
+
+STATIC_DIR = Path(__file__).with_name("dashboard_static")
+_SSE_MIN_INTERVAL_S = 0.25  # at most 4 snapshots a second per page: enough to look live
+_SSE_KEEPALIVE_S = 15.0
+_MONITOR_PERIOD_S = 2.0
+_STREAM_RETRY_S = 0.5
+_ROUNDS_SHOWN = 60
+_LOG_SHOWN = 120
+_POINTS_SHOWN = 1500
+
+
+def default_monitor_url(nats_url: str) -> str:
+    """The monitoring URL a nats-server usually has: same host, port 8222."""
+    first = nats_url.split(",")[0].strip()
+    host = urlparse(first if "://" in first else f"nats://{first}").hostname or "127.0.0.1"
+    return f"http://{host}:8222"
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def _thin(points: list, limit: int = _POINTS_SHOWN) -> list:
+    """At most `limit` points, evenly spaced, always keeping the last one."""
+    if len(points) <= limit:
+        return points
+    step = len(points) / limit
+    out = [points[int(i * step)] for i in range(limit - 1)]
+    out.append(points[-1])
+    return out
+
+
+class Dashboard:
+    """The dashboard's model and background work: follow the stream, heartbeats, server health."""
+
+    def __init__(self, *, job: str, nats_url: str, monitor_url: str | None):
+        from bus.subjects import JobNames
+
+        self.job = job
+        self.names = JobNames(job)  # a bad job name fails here, before anything starts
+        self.nats_url = nats_url
+        self.monitor_url = monitor_url.rstrip("/") if monitor_url else None
+        self.observer = JobObserver(log_tail=_LOG_SHOWN)
+        self.connection = "connecting"
+        self.error: str | None = None
+        self.nats: dict[str, Any] = {"ok": None, "error": None if monitor_url else "no monitoring URL given"}
+        self.started_ms = _now_ms()
+        self.changes = 0
+        self._changed = asyncio.Condition()
+        self._tasks: list[asyncio.Task] = []
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._tasks.append(asyncio.create_task(self._follow(), name="dashboard-follow"))
+        if self.monitor_url:
+            self._tasks.append(asyncio.create_task(self._poll_monitor(), name="dashboard-monitor"))
+
+    async def aclose(self) -> None:
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            # Cancel again until it ends: asyncio.wait_for (inside nats-py) can swallow one cancel.
+            while not task.done():
+                task.cancel()
+                await asyncio.wait({task}, timeout=1.0)
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                task.result()
+
+    async def _bump(self) -> None:
+        async with self._changed:
+            self.changes += 1
+            self._changed.notify_all()
+
+    async def wait_change(self, seen: int, timeout: float) -> int:
+        """Wait until the model changed after `seen` (or `timeout`); returns the current counter."""
+
+        async def changed() -> None:
+            async with self._changed:
+                await self._changed.wait_for(lambda: self.changes != seen)
+
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(changed(), timeout)
+        return self.changes
+
+    # -- following the job -----------------------------------------------------------------------
+
+    async def _follow(self) -> None:
+        from bus.connection import connect
+        from bus.errors import BusError
+        from bus.events import last_sequence, read_events, subscribe_heartbeats
+
+        while True:
+            try:
+                async with connect(self.nats_url, job=self.job, role="synchronizer",
+                                   member=f"dashboard-{os.getpid()}") as conn:
+                    hb = await subscribe_heartbeats(conn, self._on_heartbeat)
+                    try:
+                        while True:  # the dashboard may start before any member created the stream
+                            try:
+                                await last_sequence(conn)
+                                break
+                            except BusError as exc:
+                                await self._set_connection("waiting for the job's stream", str(exc))
+                                await asyncio.sleep(_STREAM_RETRY_S)
+                        await self._set_connection("live", None)
+                        start = self.observer.state.last_seq + 1
+                        async with read_events(conn, from_seq=start, include_decisions=True) as reader:
+                            async for rec in reader:
+                                self.observer.apply(rec)
+                                await self._bump()
+                    finally:
+                        await hb.aclose()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # NATS away or the reader failed: show it, try again
+                await self._set_connection("reconnecting", f"{type(exc).__name__}: {exc}")
+                await asyncio.sleep(1.0)
+
+    async def _set_connection(self, state: str, error: str | None) -> None:
+        if (self.connection, self.error) != (state, error):
+            self.connection, self.error = state, error
+            await self._bump()
+
+    async def _on_heartbeat(self, hb) -> None:
+        self.observer.heartbeat(hb.member.key, _now_ms())
+        await self._bump()
+
+    async def _poll_monitor(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=_MONITOR_PERIOD_S)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            while True:
+                try:
+                    varz = await self._get(session, "/varz")
+                    jsz = await self._get(session, "/jsz?streams=true")
+                    self.nats = self._health(varz, jsz)
+                except Exception as exc:  # the server is away: say so on the page
+                    self.nats = {**self.nats, "ok": False,
+                                 "error": f"{self.monitor_url} unreachable ({type(exc).__name__}: {exc})"}
+                await self._bump()
+                await asyncio.sleep(_MONITOR_PERIOD_S)  # polling period of the monitoring endpoint
+
+    async def _get(self, session: aiohttp.ClientSession, path: str) -> dict[str, Any]:
+        async with session.get(f"{self.monitor_url}{path}") as resp:
+            resp.raise_for_status()
+            return await resp.json(content_type=None)
+
+    def _health(self, varz: dict[str, Any], jsz: dict[str, Any]) -> dict[str, Any]:
+        ours = {self.names.event_stream, self.names.experience_stream, f"OBJ_{self.names.weights_bucket}"}
+        streams = []
+        for account in jsz.get("account_details") or []:
+            for s in account.get("stream_detail") or []:
+                state = s.get("state") or {}
+                streams.append({"name": s.get("name"), "messages": state.get("messages", 0),
+                                "bytes": state.get("bytes", 0), "consumers": state.get("consumer_count", 0),
+                                "last_seq": state.get("last_seq", 0), "ours": s.get("name") in ours})
+        streams.sort(key=lambda s: (not s["ours"], s["name"] or ""))
+        keys = ("version", "uptime", "connections", "total_connections", "in_msgs", "out_msgs", "in_bytes",
+                "out_bytes", "slow_consumers", "mem", "cpu", "subscriptions")
+        return {
+            "ok": True,
+            "error": None,
+            "polled_ms": _now_ms(),
+            "server": {k: varz.get(k) for k in keys},
+            "jetstream": {k: jsz.get(k) for k in ("streams", "consumers", "messages", "bytes", "memory", "storage")},
+            "streams": streams,
+        }
+
+    # -- views -----------------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything the page renders, as plain JSON."""
+        obs = self.observer
+        now = _now_ms()
+        state = obs.state
+        rounds = [r.to_json() for r in list(obs.rounds.values())[-_ROUNDS_SHOWN:]]
+        closed = [r for r in obs.rounds.values() if r.outcome is not None]
+        outcomes: dict[str, int] = {}
+        for r in closed:
+            outcomes[r.outcome] = outcomes.get(r.outcome, 0) + 1
+        moved = [r for r in obs.rounds.values() if r.gbps]
+        transfers = [*(t for r in obs.rounds.values() for t in r.transfers if t.kind == "loaded"),
+                     *obs.background_transfers]
+        last_rate = next((r.gbps for r in reversed(moved)), None)
+        stale = obs.staleness[-1] if obs.staleness else None
+        latest = obs.latest()
+        published = obs.versions[-1] if obs.versions else None
+        latest["published_ms"] = published.time_ms if published and published.version == latest["version"] else None
+        trainer = state.trainer_state
+        return {
+            "job": self.job,
+            "now_ms": now,
+            "connection": {"state": self.connection, "error": self.error, "nats_url": self.nats_url},
+            "stream": {"last_seq": state.last_seq, "records": obs.records, "decisions": obs.decisions_recorded,
+                       "illegal": obs.illegal_total, "first_ms": obs.first_time_ms, "last_ms": obs.last_time_ms},
+            "config": state.config.to_mapping() if state.config else None,
+            "latest": latest,
+            "trainer": {"step": trainer.step, "version": trainer.version, "status": trainer.status.value,
+                        "metrics": dict(trainer.metrics)} if trainer else None,
+            "members": obs.members(now),
+            "rounds": rounds,
+            "rounds_summary": {"closed": len(closed), "open": len(state.rounds), "outcomes": outcomes,
+                               "total": len(obs.rounds)},
+            "versions": [vars(v) for v in list(obs.versions)[-30:]],
+            "throughput": {"bytes_loaded_total": obs.bytes_loaded_total, "last_gbps": last_rate,
+                           "transfers": len(transfers)},
+            "staleness": {"mean": stale[1] if stale else None, "dropped_total": stale[2] if stale else None,
+                          "series": _thin([[s, m, d] for s, m, d in obs.staleness])},
+            "series": {
+                "reward": _thin([[step, reward] for step, reward, _ in obs.reward]),
+                "sync_time": _thin([[r.id, r.duration_ms / 1000 if r.duration_ms is not None else None,
+                                     r.transfer_seconds] for r in closed]),
+            },
+            "log": [vars(line) for line in list(obs.log)[-_LOG_SHOWN:]],
+            "nats": self.nats,
+        }
+
+
+# --------------------------------------------------------------------------------------------------
+# Prometheus
+
+
+class _Collector:
+    """Reads the dashboard's model at scrape time (no metric objects to keep in step)."""
+
+    def __init__(self, dashboard: Dashboard):
+        self.d = dashboard
+
+    def collect(self):
+        obs = self.d.observer
+        state = obs.state
+        job = self.d.job
+        now = _now_ms()
+
+        def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"rolectl_{name}", doc, labels=("job", *labels))
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> CounterMetricFamily:
+            return CounterMetricFamily(f"rolectl_{name}", doc, labels=("job", *labels))
+
+        labels = ("role", "member")
+        step = gauge("member_step", "Last step a member reported", labels)
+        version = gauge("member_version", "Weights version a member holds (-1: none yet)", labels)
+        alive = gauge("member_alive", "1 while a member is in the job (not stopped or expired)", labels)
+        status = gauge("member_status", "1 for the member's current status", (*labels, "status"))
+        seen = gauge("member_last_seen_seconds", "Seconds since a member's last event or heartbeat", labels)
+        for row in obs.members(now):
+            lv = (job, row["role"], row["id"])
+            step.add_metric(lv, row["step"])
+            version.add_metric(lv, row["version"])
+            alive.add_metric(lv, 1 if row["alive"] else 0)
+            status.add_metric((*lv, row["status"]), 1)
+            if row["last_seen_ago_ms"] is not None:
+                seen.add_metric(lv, row["last_seen_ago_ms"] / 1000)
+        yield from (step, version, alive, status, seen)
+
+        latest = gauge("latest_version", "Newest weights version the trainer published")
+        latest.add_metric((job,), state.latest.version)
+        yield latest
+        published = counter("versions_published", "Weights versions published")
+        published.add_metric((job,), state.versions_published)
+        yield published
+
+        rounds_open = gauge("sync_rounds_open", "Sync rounds open now")
+        rounds_open.add_metric((job,), len(state.rounds))
+        yield rounds_open
+        closed = counter("sync_rounds_closed", "Sync rounds closed, by outcome", ("outcome",))
+        outcomes: dict[str, int] = {}
+        last_closed = None
+        for r in obs.rounds.values():
+            if r.outcome is not None:
+                outcomes[r.outcome] = outcomes.get(r.outcome, 0) + 1
+                last_closed = r
+        for outcome, n in sorted(outcomes.items()):
+            closed.add_metric((job, outcome), n)
+        yield closed
+        if last_closed is not None and last_closed.duration_ms is not None:
+            duration = gauge("sync_round_last_duration_seconds", "Open-to-close time of the last closed round")
+            duration.add_metric((job,), last_closed.duration_ms / 1000)
+            yield duration
+        moved = counter("sync_bytes", "Weight bytes loaded by explorers")
+        moved.add_metric((job,), obs.bytes_loaded_total)
+        yield moved
+        rate = next((r.gbps for r in reversed(obs.rounds.values()) if r.gbps), None)
+        if rate is not None:
+            g = gauge("sync_last_gbps", "Aggregate GB/s of the last round that moved weights")
+            g.add_metric((job,), rate)
+            yield g
+
+        if obs.reward:
+            g = gauge("trainer_reward_mean", "reward_mean of the trainer's last step")
+            g.add_metric((job,), obs.reward[-1][1])
+            yield g
+        if obs.staleness:
+            _, mean, dropped = obs.staleness[-1]
+            g = gauge("trainer_mean_staleness", "Mean staleness (versions) of the last train batch")
+            g.add_metric((job,), mean)
+            yield g
+            c = counter("trainer_dropped_stale", "Experiences the trainer dropped as too stale")
+            c.add_metric((job,), dropped)
+            yield c
+
+        records = counter("stream_records", "Records (events and decisions) the dashboard folded")
+        records.add_metric((job,), obs.records)
+        yield records
+        illegal = counter("illegal_events", "Inputs the reducer refused (skipped)")
+        illegal.add_metric((job,), obs.illegal_total)
+        yield illegal
+        last_seq = gauge("stream_last_seq", "Last stream sequence folded")
+        last_seq.add_metric((job,), state.last_seq)
+        yield last_seq
+
+        nats = self.d.nats
+        up = gauge("nats_up", "1 when the nats-server monitoring endpoint answered the last poll")
+        up.add_metric((job,), 1 if nats.get("ok") else 0)
+        yield up
+        if nats.get("ok"):
+            server = nats["server"]
+            for key, doc, cls in (("connections", "Client connections", gauge),
+                                  ("slow_consumers", "Slow consumers", counter),
+                                  ("in_msgs", "Messages received by the server", counter),
+                                  ("out_msgs", "Messages sent by the server", counter),
+                                  ("in_bytes", "Bytes received by the server", counter),
+                                  ("out_bytes", "Bytes sent by the server", counter)):
+                if server.get(key) is not None:
+                    m = cls(f"nats_{key}", doc)
+                    m.add_metric((job,), server[key])
+                    yield m
+            msgs = gauge("nats_stream_messages", "Messages stored in a stream", ("stream",))
+            size = gauge("nats_stream_bytes", "Bytes stored in a stream", ("stream",))
+            for s in nats["streams"]:
+                msgs.add_metric((job, s["name"]), s["messages"])
+                size.add_metric((job, s["name"]), s["bytes"])
+            yield from (msgs, size)
+            storage = gauge("nats_jetstream_storage_bytes", "JetStream file storage in use")
+            storage.add_metric((job,), nats["jetstream"].get("storage") or 0)
+            yield storage
+
+
+# --------------------------------------------------------------------------------------------------
+# HTTP
+
+
+def _app(dashboard: Dashboard) -> web.Application:
+    registry = CollectorRegistry(auto_describe=False)  # per app: several dashboards per process
+    registry.register(_Collector(dashboard))
+    app = web.Application()
+
+    async def index(_request: web.Request) -> web.StreamResponse:
+        return web.FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
+
+    async def state(_request: web.Request) -> web.Response:
+        return web.json_response(dashboard.snapshot(), dumps=_dumps)
+
+    async def metrics(_request: web.Request) -> web.Response:
+        body = generate_latest(registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def healthz(_request: web.Request) -> web.Response:
+        return web.json_response({"ok": True, "connection": dashboard.connection})
+
+    async def events(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+        await resp.prepare(request)
+        seen = -1
+        try:
+            while True:
+                if dashboard.changes != seen:
+                    seen = dashboard.changes
+                    await resp.write(f"data: {_dumps(dashboard.snapshot())}\n\n".encode())
+                    await asyncio.sleep(_SSE_MIN_INTERVAL_S)  # rate limit, not synchronisation
+                    continue
+                before = seen
+                now = await dashboard.wait_change(seen, _SSE_KEEPALIVE_S)
+                if now == before:
+                    await resp.write(b": keep-alive\n\n")
+        except ConnectionResetError:
+            pass  # the page went away
+        return resp
+
+    app.router.add_get("/", index)
+    app.router.add_get("/api/state", state)
+    app.router.add_get("/api/events", events)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_static("/static/", STATIC_DIR, append_version=False)
+    return app
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(_finite(value), separators=(",", ":"), default=str)
+
+
+def _finite(value: Any) -> Any:
+    """NaN and infinities become null: JSON has no spelling for them (a diverged loss has)."""
+    if isinstance(value, float):
+        return value if value == value and value not in (float("inf"), float("-inf")) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+@dataclass
+class DashboardHandle:
+    """A running dashboard: `url`, the model (`dashboard`), and `aclose()` (safe twice)."""
+
+    url: str
+    dashboard: Dashboard
+    _runner: web.AppRunner
+
+    async def aclose(self) -> None:
+        runner, self._runner = self._runner, None
+        if runner is None:
+            return
+        await self.dashboard.aclose()
+        await runner.cleanup()
+
+
+async def start_dashboard(*, job: str, nats_url: str, monitor_url: str | None, host: str = "127.0.0.1",
+                          port: int = 0) -> DashboardHandle:
+    """Serve the dashboard of `job` on `host:port` (0: a free port) inside the running event loop."""
+    dashboard = Dashboard(job=job, nats_url=nats_url, monitor_url=monitor_url)
+    runner = web.AppRunner(_app(dashboard), access_log=None, shutdown_timeout=1.0)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise OSError(f"cannot serve the dashboard on {host}:{port}: {exc.strerror or exc} "
+                      "(pick another --port / --dashboard-port, or 0 for a free one)") from None
+    bound = runner.addresses[0][1] if runner.addresses else port
+    dashboard.start()
+    shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
+    return DashboardHandle(url=f"http://{shown}:{bound}/", dashboard=dashboard, _runner=runner)
+
+
+def serve_dashboard(*, job: str, nats: str, host: str, port: int, monitor_url: str | None) -> int:
+    """`rolectl dashboard`: serve until Ctrl-C. 0 on a clean stop, 1 when it cannot start."""
+    import signal
+
+    from rich.console import Console
+
+    from bus.logging import setup_logging
+
+    setup_logging("warning")
+    console = Console(stderr=True)
+    monitor = monitor_url or default_monitor_url(nats)
+
+    async def main() -> int:
+        try:
+            handle = await start_dashboard(job=job, nats_url=nats, monitor_url=monitor, host=host, port=port)
+        except (OSError, ValueError) as exc:
+            console.print(f"rolectl dashboard: {exc}", style="red", markup=False, highlight=False, soft_wrap=True)
+            return 1
+        console.print(f"dashboard of job {job} at {handle.url} (NATS {nats}, monitoring {monitor}); "
+                      "Ctrl-C stops it", markup=False, highlight=False, soft_wrap=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, stop.set)
+        try:
+            await stop.wait()
+        finally:
+            await handle.aclose()
+        return 0
+
+    try:
+        return asyncio.run(main())
+    except KeyboardInterrupt:
+        return 0

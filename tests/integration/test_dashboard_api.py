@@ -1,0 +1,142 @@
+"""The dashboard's JSON snapshot, Prometheus figures and event feed, following a job on a real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from job_scenario import NBYTES, run_scripted_job
+from roles.dashboard import Dashboard, start_dashboard
+
+STEPS = 3
+
+
+async def _until(dashboard: Dashboard, predicate, what: str, timeout: float = 20.0) -> None:
+    """Wait for the dashboard's model to satisfy `predicate` (it signals every change)."""
+    deadline = time.monotonic() + timeout
+    while not predicate(dashboard):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"dashboard never showed {what} within {timeout} s")
+        await dashboard.wait_change(dashboard.changes, left)
+
+
+@pytest.fixture
+async def followed(nats_server, job_name):
+    """A dashboard started before the job existed, then the job ran (members left running)."""
+    handle = await start_dashboard(job=job_name, nats_url=nats_server.url, monitor_url=nats_server.monitor_url)
+    try:
+        await _until(handle.dashboard, lambda d: d.connection == "waiting for the job's stream", "the wait")
+        last = await run_scripted_job(nats_server.url, job_name, steps=STEPS, stop=False)
+        await _until(handle.dashboard, lambda d: d.observer.state.last_seq >= last, f"seq {last}")
+        # the dashboard's own connection is one the server counts (polled every 2 s)
+        await _until(handle.dashboard, lambda d: d.nats.get("ok") and d.nats["server"]["connections"] >= 1,
+                     "NATS health")
+        yield handle
+    finally:
+        await handle.aclose()
+
+
+async def _get(url: str) -> tuple[str, str]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+        async with session.get(url) as resp:
+            assert resp.status == 200, (url, resp.status)
+            return resp.headers["Content-Type"], await resp.text()
+
+
+async def test_api_state_has_members_versions_rounds_and_figures(followed, job_name):
+    _, body = await _get(followed.url + "api/state")
+    state = json.loads(body)
+    assert state["job"] == job_name and state["connection"]["state"] == "live"
+    members = {m["key"]: m for m in state["members"]}
+    assert {"trainer/trainer", "explorer/explorer-0", "explorer/explorer-1"} <= set(members)
+    assert members["trainer/trainer"]["host"] == "host-trainer"
+    assert all(members[k]["version"] == STEPS and members[k]["status"] == "running"
+               for k in ("trainer/trainer", "explorer/explorer-0", "explorer/explorer-1"))
+    assert state["latest"]["version"] == STEPS
+    assert sorted(state["latest"]["held_by"]) == ["explorer/explorer-0", "explorer/explorer-1", "trainer/trainer"]
+    assert len(state["rounds"]) == 2 + 2 * STEPS and state["rounds_summary"]["outcomes"] == {"completed": 2 + 2 * STEPS}
+    assert state["throughput"]["bytes_loaded_total"] == 2 * STEPS * NBYTES
+    assert state["throughput"]["last_gbps"] > 0
+    assert [p[0] for p in state["series"]["reward"]] == list(range(1, STEPS + 1))
+    assert state["series"]["reward"][-1][1] == pytest.approx(0.2 * STEPS)
+    assert len(state["series"]["sync_time"]) == 2 + 2 * STEPS
+    assert state["staleness"]["mean"] == 0.5 and state["staleness"]["dropped_total"] == STEPS // 2
+    assert state["log"][-1]["seq"] == state["stream"]["last_seq"]
+    nats = state["nats"]
+    assert nats["ok"] and nats["server"]["connections"] >= 1
+    ours = [s for s in nats["streams"] if s["ours"]]
+    assert any(s["name"].endswith("_EVENTS") and s["messages"] == state["stream"]["last_seq"] for s in ours)
+
+
+async def test_metrics_exports_the_same_figures(followed, job_name):
+    content_type, text = await _get(followed.url + "metrics")
+    assert content_type.startswith("text/plain")
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = dict(sample.labels)
+            assert labels.pop("job") == job_name
+            samples[(sample.name, tuple(sorted(labels.items())))] = sample.value
+
+    def value(name: str, **labels) -> float:
+        return samples[(name, tuple(sorted(labels.items())))]
+
+    assert value("rolectl_member_version", role="explorer", member="explorer-1") == STEPS
+    assert value("rolectl_member_step", role="trainer", member="trainer") == STEPS
+    assert value("rolectl_member_status", role="explorer", member="explorer-0", status="running") == 1
+    assert value("rolectl_member_alive", role="trainer", member="trainer") == 1
+    assert value("rolectl_latest_version") == STEPS
+    assert value("rolectl_sync_rounds_closed_total", outcome="completed") == 2 + 2 * STEPS
+    assert value("rolectl_sync_rounds_open") == 0
+    assert value("rolectl_sync_bytes_total") == 2 * STEPS * NBYTES
+    assert value("rolectl_sync_last_gbps") > 0
+    assert value("rolectl_trainer_reward_mean") == pytest.approx(0.2 * STEPS)
+    assert value("rolectl_trainer_mean_staleness") == 0.5
+    assert value("rolectl_trainer_dropped_stale_total") == STEPS // 2
+    assert value("rolectl_nats_up") == 1
+    assert value("rolectl_nats_connections") >= 1
+    assert any(name == "rolectl_nats_stream_messages" for name, _ in samples)
+
+
+async def test_event_feed_pushes_snapshots(followed, job_name):
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+        async with session.get(followed.url + "api/events") as resp:
+            assert resp.headers["Content-Type"].startswith("text/event-stream")
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if line.startswith("data: "):
+                    snapshot = json.loads(line[len("data: "):])
+                    break
+    assert snapshot["job"] == job_name and snapshot["latest"]["version"] == STEPS
+
+
+async def test_the_page_and_its_assets_are_served(followed):
+    content_type, html = await _get(followed.url)
+    assert content_type.startswith("text/html") and 'id="members"' in html and "/static/app.js" in html
+    for asset in ("static/app.js", "static/style.css"):
+        await _get(followed.url + asset)
+
+
+async def test_two_dashboards_in_one_process(nats_server, job_name):
+    # each has its own Prometheus registry: no "duplicated timeseries" clash
+    first = await start_dashboard(job=job_name, nats_url=nats_server.url, monitor_url=None)
+    second = await start_dashboard(job=job_name, nats_url=nats_server.url, monitor_url=None)
+    try:
+        for handle in (first, second):
+            _, text = await _get(handle.url + "metrics")
+            assert f'rolectl_nats_up{{job="{job_name}"}} 0.0' in text
+    finally:
+        await second.aclose()
+        await first.aclose()
+        await first.aclose()  # safe twice
+
+
+async def test_a_bad_job_name_is_refused_at_start(nats_server):
+    with pytest.raises(ValueError, match="invalid job name"):
+        await start_dashboard(job="no spaces please", nats_url=nats_server.url, monitor_url=None)
