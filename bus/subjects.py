@@ -31,6 +31,8 @@ class JobNames:
     - decisions   ``rft.<job>.sync.<round>``                  (in the job's event stream)
     - heartbeats  ``rft.<job>.hb.<role>.<member>``            (core NATS only: liveness, not history)
     - experiences ``rft.<job>.exp.<member>``                  (in the job's experience stream)
+    - weights     ``rft.<job>.w.<version>.c.<index>`` chunks, then ``rft.<job>.w.<version>.m`` (the
+      manifest, published last) in the job's weights stream
     """
 
     def __init__(self, job: str):
@@ -40,6 +42,7 @@ class JobNames:
         self.event_stream = f"RFT_{upper}_EVENTS"
         self.experience_stream = f"RFT_{upper}_EXP"
         self.weights_bucket = f"rft_{self.job}_weights"
+        self.weights_stream = f"RFT_{upper}_WEIGHTS"
         self.trainer_experience_durable = "trainer"
 
     # events -------------------------------------------------------------------------------------
@@ -76,3 +79,30 @@ class JobNames:
     @property
     def all_experiences(self) -> str:
         return f"{self.prefix}.exp.>"
+
+    # weights (object store transport) ------------------------------------------------------------
+    def weights_chunk(self, version: int, index: int) -> str:
+        return f"{self.prefix}.w.{int(version)}.c.{int(index)}"
+
+    def weights_chunks(self, version: int) -> str:
+        return f"{self.prefix}.w.{int(version)}.c.>"
+
+    def weights_manifest(self, version: int) -> str:
+        return f"{self.prefix}.w.{int(version)}.m"
+
+    def weights_version(self, version: int) -> str:
+        """Every subject of one version (chunks and manifest), for purging it."""
+        return f"{self.prefix}.w.{int(version)}.>"
+
+    @property
+    def all_weights_manifests(self) -> str:
+        return f"{self.prefix}.w.*.m"
+
+    @property
+    def all_weights_first_chunks(self) -> str:
+        """Chunk 0 of every version, complete or not: finds partial uploads to clean up."""
+        return f"{self.prefix}.w.*.c.0"
+
+    @property
+    def all_weights(self) -> str:
+        return f"{self.prefix}.w.>"
