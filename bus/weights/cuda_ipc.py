@@ -1,0 +1,286 @@
+"""CUDA IPC weight hand-over (SyncMethod.CUDA_IPC): a trainer and explorers on the same GPU share bucket memory.
+
+Theory of operation
+-------------------
+The trainer packs the weights into its own GPU bucket buffers (one dtype per bucket, as the
+torch.distributed transport plans them), kept and reused from one version to the next. It exports
+a CUDA IPC handle for each bucket (`UntypedStorage._share_cuda_()`: device, memory handle, sizes,
+offsets, the producer's ref-counter file and event) and sends them, with the tensor layout, as one
+msgpack message — never pickle — to each explorer through a channel the caller injects:
+
+- trainer: `send_handles(member, payload) -> reply` (the roles pass a NATS request/reply);
+- explorer: `recv_handles() -> HandleRequest(payload, reply)`.
+
+The explorer checks the layout (mismatch → CorruptWeights; it replies so, nothing is copied), maps
+each bucket (`UntypedStorage._new_shared_cuda`), copies into its own parameters, synchronizes,
+drops the mapping (which releases the producer's ref-count) and only then replies "done". The
+trainer returns from `send` once every explorer replied, so it never overwrites a bucket that is
+being read. A missing reply within `timeout` is PeerLost; the trainer then abandons its buckets
+(fresh ones next time) because a slow explorer may still be reading the old ones — torch's IPC
+ref-counting keeps that memory alive until the explorer lets go.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Mapping
+
+import msgpack
+import torch
+
+from sync_protocol import MemberRef, RendezvousReady, SyncMethod
+
+from ..logging import get_logger
+from .base import CorruptWeights, PeerLost, TransferError
+
+# Layout helpers shared with the broadcast transport, so both plan and check buckets the same way.
+from .torch_dist import _DTYPE_NAMES, DEFAULT_BUCKET_BYTES, _Header, _layout_mismatch, plan_buckets
+
+__all__ = ["CudaIpcTransport", "HandleRequest", "SendHandles", "RecvHandles", "DEFAULT_TIMEOUT_S"]
+
+DEFAULT_TIMEOUT_S = 30.0
+_SCHEMA = 1
+
+
+@dataclass(frozen=True, slots=True)
+class HandleRequest:
+    """What an explorer's channel yields: the trainer's message, and how to answer it once."""
+
+    payload: bytes
+    reply: Callable[[bytes], Awaitable[None]]
+
+
+SendHandles = Callable[[MemberRef, bytes], Awaitable[bytes]]
+RecvHandles = Callable[[], Awaitable[HandleRequest]]
+
+
+def _encode_offer(header: _Header, handles: list[tuple], sizes: list[int]) -> bytes:
+    doc = header.to_doc()
+    doc["handles"] = [list(h) for h in handles]
+    doc["sizes"] = sizes
+    return msgpack.packb(doc, use_bin_type=True)
+
+
+def _decode_offer(raw: bytes) -> tuple[_Header, list[tuple], list[int]]:
+    try:
+        doc = msgpack.unpackb(raw, raw=False)
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise CorruptWeights(f"unreadable IPC offer: {exc}") from None
+    header = _Header.from_doc(doc)  # dtypes, shapes, a plan covering every tensor once
+    try:
+        handles = [tuple(h) for h in doc["handles"]]
+        sizes = [int(n) for n in doc["sizes"]]
+        if len(handles) != len(header.buckets) or len(sizes) != len(header.buckets):
+            raise ValueError("one handle and one size per bucket expected")
+        for h in handles:
+            # (device, handle, size, offset, ref-counter handle, ref-counter offset, event, sync)
+            if len(h) != 8 or not isinstance(h[1], bytes):
+                raise ValueError("malformed IPC handle")
+        for bucket, n in zip(header.buckets, sizes):
+            if header.bucket_nbytes(bucket) != n:
+                raise ValueError("bucket size does not match its tensors")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptWeights(f"unreadable IPC offer: {exc}") from None
+    return header, handles, sizes
+
+
+def _check_method(ready: RendezvousReady) -> None:
+    if ready.method != SyncMethod.CUDA_IPC:
+        raise TransferError(f"round {ready.round} uses {ready.method}, not this transport's cuda_ipc")
+
+
+def _reply(ok: bool, *, error: str = "", message: str = "", nbytes: int = 0) -> bytes:
+    return msgpack.packb({"ok": ok, "error": error, "message": message, "nbytes": nbytes})
+
+
+class CudaIpcTransport:
+    """Rendezvous transport for roles sharing one GPU: buckets exported by CUDA IPC handles.
+
+    The trainer constructs it with `send_handles`, an explorer with `recv_handles`. Buckets are
+    `bucket_bytes` at most (one tensor larger than that is a bucket of its own). `timeout` bounds
+    the wait for each reply / request.
+    """
+
+    method = SyncMethod.CUDA_IPC
+
+    def __init__(
+        self,
+        *,
+        send_handles: SendHandles | None = None,
+        recv_handles: RecvHandles | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        log: Any = None,
+    ) -> None:
+        if bucket_bytes <= 0 or timeout <= 0:
+            raise ValueError("bucket_bytes and timeout must be positive")
+        self._send_handles = send_handles
+        self._recv_handles = recv_handles
+        self._bucket_bytes = bucket_bytes
+        self._timeout = timeout
+        self._log = log if log is not None else get_logger("rolectl.weights.cuda_ipc")
+        self._buckets: list[torch.Tensor] = []  # the trainer's, reused across versions
+        self._lock = asyncio.Lock()
+        self._closed = False
+
+    # ---- trainer ---------------------------------------------------------------------------------
+
+    async def send(self, ready: RendezvousReady, tensors: Mapping[str, torch.Tensor]) -> int:
+        """Pack `tensors` into the shared buckets, hand their IPC handles to every explorer of
+        `ready`, and return once each copied them (bytes of one copy)."""
+        if self._closed:
+            raise TransferError("transport is closed")
+        if self._send_handles is None:
+            raise TransferError("this CudaIpcTransport was built without send_handles (explorer side)")
+        _check_method(ready)
+        device = next((t.device for t in tensors.values() if t.is_cuda), None)
+        if device is None:
+            raise TransferError("CUDA IPC needs the trainer's tensors on a CUDA device")
+        layout = tuple((name, t.dtype, tuple(t.shape)) for name, t in tensors.items())
+        for name, dtype, _ in layout:
+            if dtype not in _DTYPE_NAMES:
+                raise TransferError(f"tensor {name!r} has dtype {dtype}, which cannot be sent")
+        plan = plan_buckets(layout, bucket_bytes=self._bucket_bytes, direct_min_bytes=self._bucket_bytes + 1)
+        header = _Header(round=ready.round, version=ready.version, epoch=ready.epoch, layout=layout,
+                         buckets=tuple(tuple(b) for b in plan))
+        sources = list(tensors.values())
+        async with self._lock:
+            started = time.monotonic()
+            handles, sizes = await asyncio.to_thread(self._pack_and_share, header, sources, device)
+            payload = _encode_offer(header, handles, sizes)
+            members = [p.member for p in ready.participants]
+            replies = await asyncio.gather(
+                *(asyncio.wait_for(self._send_handles(m, payload), self._timeout) for m in members),
+                return_exceptions=True,
+            )
+            failure = self._judge(replies, members, ready)
+            if failure is not None:
+                if isinstance(failure, PeerLost):
+                    # Someone may still be reading: never write into these buckets again.
+                    self._buckets = []
+                raise failure
+            nbytes = sum(sizes)
+            self._log.debug("weights.ipc_sent", round=ready.round, version=ready.version, nbytes=nbytes,
+                            explorers=len(members), seconds=round(time.monotonic() - started, 4))
+            return nbytes
+
+    def _pack_and_share(self, header: _Header, sources: list[torch.Tensor], device: torch.device):
+        with torch.cuda.device(device), torch.no_grad():
+            sizes = [header.bucket_nbytes(b) for b in header.buckets]
+            for k, n in enumerate(sizes):
+                if k < len(self._buckets) and self._buckets[k].numel() >= n and self._buckets[k].device == device:
+                    continue
+                buf = torch.empty(max(n, 1), dtype=torch.uint8, device=device)
+                if k < len(self._buckets):
+                    self._buckets[k] = buf
+                else:
+                    self._buckets.append(buf)
+            del self._buckets[len(sizes):]
+            for bucket, buf in zip(header.buckets, self._buckets):
+                offset = 0
+                for i in bucket:
+                    src = sources[i]
+                    n = src.numel() * src.element_size()
+                    buf[offset : offset + n].view(src.dtype).view(src.shape).copy_(src)
+                    offset += n
+            # The explorer reads with its own streams: every byte must be in place first.
+            torch.cuda.current_stream(device).synchronize()
+            handles = [tuple(buf.untyped_storage()._share_cuda_()) for buf in self._buckets]
+        return handles, sizes
+
+    def _judge(self, replies: list, members: list[MemberRef], ready: RendezvousReady) -> Exception | None:
+        for member, reply in zip(members, replies):
+            if isinstance(reply, asyncio.TimeoutError):
+                self._log.warning("weights.peer_lost", round=ready.round, member=str(member))
+                return PeerLost(f"round {ready.round}: {member} did not confirm within {self._timeout:g}s")
+            if isinstance(reply, BaseException):
+                return PeerLost(f"round {ready.round}: handing handles to {member} failed: {reply}")
+            try:
+                doc = msgpack.unpackb(reply, raw=False)
+                ok, error, message = bool(doc["ok"]), str(doc.get("error", "")), str(doc.get("message", ""))
+            except Exception as exc:  # noqa: BLE001 - a garbled reply is the peer's fault, typed below
+                return TransferError(f"round {ready.round}: unreadable reply from {member}: {exc}")
+            if not ok:
+                cls = CorruptWeights if error == "corrupt" else TransferError
+                return cls(f"round {ready.round}: {member} refused: {message}")
+        return None
+
+    # ---- explorer --------------------------------------------------------------------------------
+
+    async def receive(self, ready: RendezvousReady, me: MemberRef, into: Mapping[str, torch.Tensor]) -> int:
+        """Wait for the trainer's handles, copy every tensor into `into` in place, confirm; return bytes."""
+        if self._closed:
+            raise TransferError("transport is closed")
+        if self._recv_handles is None:
+            raise TransferError("this CudaIpcTransport was built without recv_handles (trainer side)")
+        _check_method(ready)
+        if not any(p.member == me for p in ready.participants):
+            raise TransferError(f"{me} is not a participant of round {ready.round}")
+        async with self._lock:
+            try:
+                request = await asyncio.wait_for(self._recv_handles(), self._timeout)
+            except asyncio.TimeoutError:
+                raise PeerLost(f"round {ready.round}: no handles from the trainer within {self._timeout:g}s") from None
+            started = time.monotonic()
+            try:
+                header, handles, sizes = _decode_offer(request.payload)
+                if (header.round, header.version) != (ready.round, ready.version):
+                    raise CorruptWeights(f"offer is round {header.round} version {header.version}, "
+                                         f"expected round {ready.round} version {ready.version}")
+                problem = _layout_mismatch(header, into)
+                if problem is not None:
+                    raise CorruptWeights(problem)
+            except CorruptWeights as exc:
+                self._log.warning("weights.layout_rejected", round=ready.round, problem=str(exc))
+                await request.reply(_reply(False, error="corrupt", message=str(exc)))
+                raise
+            try:
+                await asyncio.to_thread(self._copy_out, header, handles, sizes, into)
+            except Exception as exc:  # noqa: BLE001 - CUDA errors have no common type
+                await request.reply(_reply(False, error="transfer", message=str(exc)))
+                raise TransferError(f"round {ready.round}: reading the trainer's buckets failed: {exc}") from exc
+            nbytes = sum(sizes)
+            await request.reply(_reply(True, nbytes=nbytes))
+            self._log.debug("weights.ipc_received", round=ready.round, version=ready.version, nbytes=nbytes,
+                            seconds=round(time.monotonic() - started, 4))
+            return nbytes
+
+    @staticmethod
+    def _copy_out(header: _Header, handles: list[tuple], sizes: list[int], into: Mapping[str, torch.Tensor]) -> None:
+        dests = [into[name] for name, _, _ in header.layout]
+        with torch.no_grad():
+            for bucket, handle, nbytes in zip(header.buckets, handles, sizes):
+                if nbytes == 0:
+                    continue
+                storage = torch.UntypedStorage._new_shared_cuda(*handle)
+                raw = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (nbytes,), (1,))
+                offset = 0
+                devices = {storage.device}
+                for i in bucket:
+                    dst = dests[i]
+                    n = dst.numel() * dst.element_size()
+                    dst.copy_(raw[offset : offset + n].view(dst.dtype).view(dst.shape))
+                    offset += n
+                    if dst.is_cuda:
+                        devices.add(dst.device)
+                # The copies are queued, not done: finish them before letting the mapping go.
+                for device in devices:
+                    torch.cuda.synchronize(device)
+                del raw, storage  # unmaps, and releases the trainer's ref-count on this bucket
+
+    # ---- both ------------------------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """Drop the buckets (memory an explorer still maps is freed when it lets go); safe twice."""
+        self._closed = True
+        self._buckets = []
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.ipc_collect()
+
+    async def __aenter__(self) -> "CudaIpcTransport":
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.aclose()

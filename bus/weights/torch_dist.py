@@ -1,0 +1,825 @@
+"""torch.distributed weight broadcast (SyncMethod.NCCL): trainer rank 0 → every explorer rank, in a private group.
+
+Theory of operation
+-------------------
+A `RendezvousReady` decision names a group: `epoch`, `master_addr:master_port` (where the trainer's
+TCPStore listens), `world_size`, and each explorer's ranks `[rank_offset, rank_offset + ranks)`.
+The trainer is rank 0. An explorer with several local ranks (engine_num x tensor_parallel_size)
+joins once per local rank, each rank with its own process-group object and its own destination.
+
+The group is *ours*, never torch's default group: a `TCPStore` (trainer = master) plus a
+`ProcessGroupGloo` / `ProcessGroupNCCL` built directly on a `PrefixStore`, as vLLM's stateless
+process group does. The training engine's own `init_process_group` world is left alone.
+
+One group per epoch, reused by every round of that epoch. A round whose epoch (or address, or
+layout of ranks) differs re-forms it: explorers drop their old group before joining the new one,
+and the trainer drops its old group only after the new one formed, so explorers always tear down
+first. A failed collective drops the group at once; the synchronizer bumps the epoch after a failed
+transfer, and the next round forms a fresh group.
+
+A round on the wire:
+
+1. header length (int64) and header (JSON: round, version, names, dtypes, shapes, bucket plan);
+2. an all-reduce(MAX) of every rank's verdict on the header, so a rank whose destination layout
+   differs stops *everyone* before a data byte moves (CorruptWeights on all sides; nothing copied;
+   the group stays healthy);
+3. one broadcast per bucket, all as raw bytes (uint8), so any dtype travels, bf16 and fp8 included.
+
+Buckets hold one dtype each, up to `bucket_bytes`. A tensor of at least `direct_min_bytes` is a
+bucket of its own and is broadcast straight from / into the tensor when it is contiguous on the
+group's device (no packing copy: the big tensors are most of the bytes). Smaller tensors are packed
+into two scratch buffers that alternate, so packing bucket k+1 overlaps the broadcast of bucket k
+(and unpacking k-1 overlaps receiving k). Scratch buffers live as long as the group, so later
+rounds allocate nothing. With nccl every buffer is on the GPU: no host copy at all.
+
+Blocking calls (store, group formation, collectives) run on a per-group thread pool, one thread per
+local rank, so the event loop keeps serving heartbeats during a multi-second transfer.
+
+If a receive fails mid-transfer (PeerLost), the destination may hold part of the new version.
+Pass `atomic_receive=True` to land all buckets in a staging copy first (2x memory) when the engine
+must never see a mix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import ipaddress
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed import AllreduceOptions, BroadcastOptions, PrefixStore, ReduceOp, TCPStore
+
+from sync_protocol import MemberRef, RendezvousReady, SyncMethod
+
+from ..logging import get_logger
+from .base import CorruptWeights, PeerLost, TransferError
+from .pinned import PinnedStaging
+
+__all__ = [
+    "TorchDistTransport",
+    "Backend",
+    "DEFAULT_BUCKET_BYTES",
+    "DEFAULT_DIRECT_MIN_BYTES",
+    "DEFAULT_TIMEOUT_S",
+    "plan_buckets",
+]
+
+Backend = Literal["auto", "gloo", "nccl"]
+
+DEFAULT_BUCKET_BYTES = 512 << 20
+# From this size up a tensor is broadcast on its own, straight from/to its memory; smaller ones are
+# packed. Packing costs a memory copy on each side. On CPU (gloo) a copy is as slow as the loopback
+# wire itself while one more broadcast costs ~25 µs, so only tiny tensors are worth packing:
+# measured with benchmarks/weights_dist.py, 8 MiB ≈ 78 % of the raw broadcast, 1 MiB ≈ 90-97 %.
+# On GPUs (nccl) a device copy is ~10x faster than the wire and per-call latency dominates small
+# messages, so packing pays up to a larger size (a judgement, not yet measured here).
+DEFAULT_DIRECT_MIN_BYTES: dict[str, int] = {"gloo": 1 << 20, "nccl": 16 << 20}
+DEFAULT_TIMEOUT_S = 30.0
+
+_SCHEMA = 1
+_MAX_HEADER_BYTES = 64 << 20
+_STORE_PREFIX = "rolectl/weights"
+
+_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in (
+        "float64", "float32", "float16", "bfloat16", "complex64", "complex128",
+        "int64", "int32", "int16", "int8", "uint8", "bool",
+        "uint16", "uint32", "uint64",
+        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+    )
+    if isinstance(getattr(torch, name, None), torch.dtype)
+}
+_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+
+Layout = Sequence[tuple[str, torch.dtype, tuple[int, ...]]]
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def plan_buckets(layout: Layout, *, bucket_bytes: int, direct_min_bytes: int) -> list[list[int]]:
+    """Group tensor indices of `layout` into buckets: one dtype per bucket, at most `bucket_bytes`
+    each; a tensor of ≥ `direct_min_bytes` (or larger than a bucket) is a bucket of its own."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, (_, dtype, _) in enumerate(layout):
+        by_dtype.setdefault(dtype, []).append(i)
+    buckets: list[list[int]] = []
+    for dtype, indices in by_dtype.items():
+        current: list[int] = []
+        filled = 0
+        for i in indices:
+            nbytes = _numel(layout[i][2]) * dtype.itemsize
+            if nbytes >= direct_min_bytes or nbytes > bucket_bytes:
+                buckets.append([i])
+                continue
+            if current and filled + nbytes > bucket_bytes:
+                buckets.append(current)
+                current, filled = [], 0
+            current.append(i)
+            filled += nbytes
+        if current:
+            buckets.append(current)
+    return buckets
+
+
+# --------------------------------------------------------------------------------------------------
+# header: what rank 0 is about to send, checked by every receiver before a byte is copied
+
+
+@dataclass(frozen=True, slots=True)
+class _Header:
+    round: int
+    version: int
+    epoch: int
+    layout: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]
+    buckets: tuple[tuple[int, ...], ...]
+
+    def to_doc(self) -> dict[str, Any]:
+        """The header as plain data (JSON here; msgpack in the CUDA IPC offer)."""
+        return {
+            "schema": _SCHEMA,
+            "round": self.round,
+            "version": self.version,
+            "epoch": self.epoch,
+            "tensors": [[n, _DTYPE_NAMES[d], list(s)] for n, d, s in self.layout],
+            "buckets": [list(b) for b in self.buckets],
+        }
+
+    @classmethod
+    def from_doc(cls, doc: Any) -> "_Header":
+        """Validate plain data into a header, or raise CorruptWeights saying what is wrong."""
+        try:
+            if doc.get("schema") != _SCHEMA:
+                raise ValueError(f"header schema {doc.get('schema')!r}, expected {_SCHEMA}")
+            layout = []
+            for name, dtype_name, shape in doc["tensors"]:
+                if not isinstance(name, str) or dtype_name not in _DTYPES:
+                    raise ValueError(f"bad tensor entry {name!r} {dtype_name!r}")
+                if not all(isinstance(s, int) and s >= 0 for s in shape):
+                    raise ValueError(f"bad shape {shape!r} for {name!r}")
+                layout.append((name, _DTYPES[dtype_name], tuple(shape)))
+            buckets = tuple(tuple(int(i) for i in b) for b in doc["buckets"])
+            seen = sorted(i for b in buckets for i in b)
+            if seen != list(range(len(layout))):
+                raise ValueError("bucket plan does not cover every tensor exactly once")
+            for b in buckets:
+                if len({layout[i][1] for i in b}) != 1:
+                    raise ValueError("a bucket mixes dtypes")
+            return cls(
+                round=int(doc["round"]),
+                version=int(doc["version"]),
+                epoch=int(doc["epoch"]),
+                layout=tuple(layout),
+                buckets=buckets,
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CorruptWeights(f"unreadable weights header: {exc}") from None
+
+    def encode(self) -> bytes:
+        return json.dumps(self.to_doc(), separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> "_Header":
+        try:
+            doc = json.loads(raw)
+        except ValueError as exc:
+            raise CorruptWeights(f"unreadable weights header: {exc}") from None
+        return cls.from_doc(doc)
+
+    def bucket_nbytes(self, bucket: Sequence[int]) -> int:
+        return sum(_numel(self.layout[i][2]) * self.layout[i][1].itemsize for i in bucket)
+
+
+def _layout_mismatch(header: _Header, into: Mapping[str, torch.Tensor]) -> str | None:
+    """Why `into` cannot take the header's tensors, or None when names, dtypes and shapes match."""
+    sent = {name: (dtype, shape) for name, dtype, shape in header.layout}
+    problems = []
+    missing = sorted(set(sent) - set(into))
+    extra = sorted(set(into) - set(sent))
+    if missing:
+        problems.append(f"not in destination: {missing[:5]}")
+    if extra:
+        problems.append(f"not sent: {extra[:5]}")
+    for name, (dtype, shape) in sent.items():
+        dst = into.get(name)
+        if dst is not None and (dst.dtype != dtype or tuple(dst.shape) != shape):
+            problems.append(f"{name}: sent {_DTYPE_NAMES[dtype]}{list(shape)}, "
+                            f"destination {dst.dtype}{list(dst.shape)}")
+        if len(problems) >= 6:
+            break
+    return "; ".join(problems) or None
+
+
+# --------------------------------------------------------------------------------------------------
+# one local rank's link into the group, and the blocking round logic run on its thread
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor (no copy)."""
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def _contiguous_on(t: torch.Tensor, device: torch.device) -> bool:
+    return t.is_contiguous() and t.device == device
+
+
+class _CollectiveFailed(Exception):
+    """A collective or the group formation failed: the group is unusable."""
+
+
+@dataclass
+class _Link:
+    """One rank's process-group object and the scratch buffers it reuses round after round."""
+
+    rank: int
+    pg: Any
+    backend: str
+    device: torch.device
+    timeout: datetime.timedelta
+    staging: list[PinnedStaging | torch.Tensor | None] = field(default_factory=lambda: [None, None])
+
+    # ---- collectives -----------------------------------------------------------------------------
+
+    def _broadcast(self, t: torch.Tensor):
+        opts = BroadcastOptions()
+        opts.rootRank = 0
+        opts.rootTensor = 0
+        try:
+            return self.pg.broadcast([t], opts)
+        except Exception as exc:  # noqa: BLE001 - backend errors have no common type
+            raise _CollectiveFailed(f"broadcast: {exc}") from exc
+
+    def _wait(self, work) -> None:
+        try:
+            # With a timeout, nccl's wait blocks this thread (not just the stream) and raises
+            # instead of letting the watchdog kill the process; gloo honours it too.
+            work.wait(self.timeout)
+        except Exception as exc:  # noqa: BLE001
+            raise _CollectiveFailed(str(exc)) from exc
+
+    def _verdict(self, bad: bool) -> bool:
+        """All-reduce(MAX) of every rank's 'I reject this header': True when any rank rejected."""
+        flag = torch.tensor([1 if bad else 0], dtype=torch.int32, device=self.device)
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp.MAX
+        try:
+            work = self.pg.allreduce([flag], opts)
+        except Exception as exc:  # noqa: BLE001
+            raise _CollectiveFailed(f"allreduce: {exc}") from exc
+        self._wait(work)
+        return bool(flag.item())
+
+    # ---- scratch ---------------------------------------------------------------------------------
+
+    def scratch(self, slot: int, nbytes: int) -> torch.Tensor:
+        """Scratch buffer `slot` with at least `nbytes` (kept for later rounds)."""
+        if self.device.type == "cpu":
+            holder = self.staging[slot]
+            if not isinstance(holder, PinnedStaging):
+                holder = self.staging[slot] = PinnedStaging()
+            return holder.buffer(nbytes)
+        buf = self.staging[slot]
+        if not isinstance(buf, torch.Tensor) or buf.numel() < nbytes:
+            self.staging[slot] = None
+            buf = self.staging[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return buf[:nbytes]
+
+    def _sync_device(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    # ---- rank 0 ----------------------------------------------------------------------------------
+
+    def send_round(self, header: _Header, tensors: Sequence[torch.Tensor]) -> None:
+        raw = header.encode()
+        length = torch.tensor([len(raw)], dtype=torch.int64, device=self.device)
+        self._wait(self._broadcast(_as_bytes(length)))
+        body = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(self.device)
+        self._wait(self._broadcast(body))
+        if self._verdict(False):
+            raise CorruptWeights(
+                f"round {header.round}: an explorer rank rejected the layout of version "
+                f"{header.version} (see its log); nothing was sent"
+            )
+        with torch.no_grad():
+            pending = []
+            slot_work: list[Any] = [None, None]
+            slot = 0
+            for bucket in header.buckets:
+                nbytes = header.bucket_nbytes(bucket)
+                if nbytes == 0:
+                    continue
+                if len(bucket) == 1 and _contiguous_on(tensors[bucket[0]], self.device):
+                    pending.append(self._broadcast(_as_bytes(tensors[bucket[0]])))
+                    continue
+                if slot_work[slot] is not None:
+                    self._wait(slot_work[slot])  # its previous bucket is on the wire still
+                buf = self.scratch(slot, nbytes)
+                offset = 0
+                for i in bucket:
+                    src = tensors[i]
+                    n = src.numel() * src.element_size()
+                    buf[offset : offset + n].view(src.dtype).view(src.shape).copy_(src)
+                    offset += n
+                work = self._broadcast(buf)
+                pending.append(work)
+                slot_work[slot] = work
+                slot ^= 1
+            for work in pending:
+                self._wait(work)
+        self._sync_device()
+
+    # ---- receivers -------------------------------------------------------------------------------
+
+    def receive_round(
+        self, expect_round: int, expect_version: int, into: Mapping[str, torch.Tensor], atomic: bool, log: Any
+    ) -> int:
+        length = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._wait(self._broadcast(_as_bytes(length)))
+        size = int(length.item())
+        if not 0 < size <= _MAX_HEADER_BYTES:
+            # Not a header we can even receive: the ranks are out of step, the group is unusable.
+            raise _CollectiveFailed(f"garbled header length {size}")
+        problem: str | None = None
+        header: _Header | None = None
+        body = torch.empty(size, dtype=torch.uint8, device=self.device)
+        self._wait(self._broadcast(body))
+        try:
+            header = _Header.decode(body.cpu().numpy().tobytes())
+        except CorruptWeights as exc:
+            problem = str(exc)
+        if header is not None:
+            if (header.round, header.version) != (expect_round, expect_version):
+                problem = (f"sender is in round {header.round} version {header.version}, "
+                           f"this rank expects round {expect_round} version {expect_version}")
+            else:
+                problem = _layout_mismatch(header, into)
+        if problem is not None:
+            log.warning("weights.layout_rejected", rank=self.rank, problem=problem)
+        if self._verdict(problem is not None):
+            raise CorruptWeights(problem or "another rank rejected the layout; nothing was copied")
+        assert header is not None
+        dests = [into[name] for name, _, _ in header.layout]
+        with torch.no_grad():
+            return self._receive_buckets(header, dests, atomic)
+
+    def _receive_buckets(self, header: _Header, dests: list[torch.Tensor], atomic: bool) -> int:
+        total = 0
+        pending = []
+        # (work, bucket, buffer) waiting to be unpacked, per scratch slot (or all, when atomic)
+        unpack_later: list[tuple[Any, Sequence[int], torch.Tensor]] = []
+        slot_pending: list[tuple[Any, Sequence[int], torch.Tensor] | None] = [None, None]
+        slot = 0
+        if atomic:
+            staged_bytes = sum(header.bucket_nbytes(b) for b in header.buckets)
+            whole = self.scratch(0, staged_bytes)
+            cursor = 0
+        for bucket in header.buckets:
+            nbytes = header.bucket_nbytes(bucket)
+            total += nbytes
+            if nbytes == 0:
+                continue
+            if not atomic and len(bucket) == 1 and _contiguous_on(dests[bucket[0]], self.device):
+                pending.append(self._broadcast(_as_bytes(dests[bucket[0]])))
+                continue
+            if atomic:
+                buf = whole[cursor : cursor + nbytes]
+                cursor += nbytes
+                unpack_later.append((self._broadcast(buf), bucket, buf))
+                continue
+            if slot_pending[slot] is not None:
+                self._unpack(*slot_pending[slot], dests)
+            buf = self.scratch(slot, nbytes)
+            slot_pending[slot] = (self._broadcast(buf), bucket, buf)
+            slot ^= 1
+        for work in pending:
+            self._wait(work)
+        for entry in unpack_later + [p for p in slot_pending if p is not None]:
+            self._wait(entry[0])  # every byte is here before an atomic unpack begins
+        for entry in unpack_later + [p for p in slot_pending if p is not None]:
+            self._unpack(*entry, dests)
+        self._sync_device()
+        return total
+
+    def _unpack(self, work, bucket: Sequence[int], buf: torch.Tensor, dests: list[torch.Tensor]) -> None:
+        self._wait(work)
+        offset = 0
+        for i in bucket:
+            dst = dests[i]
+            n = dst.numel() * dst.element_size()
+            dst.copy_(buf[offset : offset + n].view(dst.dtype).view(dst.shape))
+            offset += n
+
+    def close(self, *, failed: bool) -> None:
+        # abort() unblocks nccl kernels stuck on a dead peer; shutdown() is the orderly way out.
+        try:
+            if failed and self.backend == "nccl":
+                self.pg.abort()
+            else:
+                self.pg.shutdown()
+        except Exception:  # noqa: BLE001 - best effort: the group is being thrown away anyway
+            pass
+        self.pg = None
+        self.staging = [None, None]
+
+
+# --------------------------------------------------------------------------------------------------
+# a formed group: store + links, keyed by what the decision said
+
+
+@dataclass
+class _Group:
+    key: tuple
+    epoch: int
+    backend: str
+    store: Any
+    links: list[_Link]
+    executor: ThreadPoolExecutor
+
+    def close(self, *, failed: bool) -> None:
+        for link in self.links:
+            link.close(failed=failed)
+        self.links = []
+        self.store = None
+        # Threads still stuck in a collective finish on their own (gloo timeout / nccl abort).
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _is_loopback(addr: str) -> bool:
+    if addr == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return False
+
+
+def _gloo_device(master_addr: str, interface: str | None):
+    # A loopback rendezvous means every rank is on this host: bind gloo to loopback too, which is
+    # also immune to a hostname that does not resolve. Otherwise honour GLOO_SOCKET_IFNAME, the
+    # variable torch's own init honours, then the host's default address.
+    interface = interface or os.environ.get("GLOO_SOCKET_IFNAME")
+    if interface:
+        return dist.ProcessGroupGloo.create_device(interface=interface.split(",")[0])
+    if _is_loopback(master_addr):
+        return dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
+    return dist.ProcessGroupGloo.create_default_device()
+
+
+def _new_backend(backend: str, store, rank: int, world_size: int, timeout: datetime.timedelta,
+                 master_addr: str, interface: str | None):
+    if backend == "gloo":
+        opts = dist.ProcessGroupGloo._Options()
+        opts._devices = [_gloo_device(master_addr, interface)]
+        opts._timeout = timeout
+        return dist.ProcessGroupGloo(store, rank, world_size, opts)
+    if backend == "nccl":
+        if not dist.is_nccl_available():
+            raise TransferError("backend nccl requested but this torch build has no NCCL")
+        opts = dist.ProcessGroupNCCL.Options()
+        # Our own timeout fires first (Work.wait(timeout)), then we abort(): the watchdog, whose
+        # default reaction is to kill the whole process, never gets to act on this group.
+        opts._timeout = timeout + datetime.timedelta(seconds=60)
+        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+    raise TransferError(f"unknown torch.distributed backend {backend!r}")
+
+
+# --------------------------------------------------------------------------------------------------
+# the transport
+
+
+class TorchDistTransport:
+    """Rendezvous transport over a private torch.distributed group (gloo on CPU, nccl on CUDA).
+
+    One object per member process. The trainer calls `send`; an explorer calls `receive` (with
+    `also_into` for its local ranks beyond the first). Use `async with` or call `aclose()`.
+
+    - `backend`: "auto" makes the trainer pick nccl when its tensors are on CUDA, else gloo;
+      explorers follow whatever the trainer announces in the store. Explicit values must agree.
+    - `bucket_bytes` / `direct_min_bytes`: see the module docstring; `direct_min_bytes=None` takes
+      the backend's default (`DEFAULT_DIRECT_MIN_BYTES`). Only the trainer's values matter: the
+      bucket plan travels in the header.
+    - `timeout`: seconds any one collective (and a peer's arrival) may take before `PeerLost`.
+    - `connect_timeout`: seconds to wait for the group to form (default: `timeout`).
+    - `atomic_receive`: stage every bucket before touching the destination (2x memory).
+    - `gloo_interface`: network interface for gloo (else GLOO_SOCKET_IFNAME, else the default).
+    """
+
+    method = SyncMethod.NCCL
+
+    def __init__(
+        self,
+        *,
+        backend: Backend = "auto",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        direct_min_bytes: int | None = None,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        connect_timeout: float | None = None,
+        atomic_receive: bool = False,
+        gloo_interface: str | None = None,
+        log: Any = None,
+    ) -> None:
+        if backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"backend must be auto, gloo or nccl, got {backend!r}")
+        if bucket_bytes <= 0 or timeout <= 0 or (direct_min_bytes is not None and direct_min_bytes <= 0):
+            raise ValueError("bucket_bytes, direct_min_bytes and timeout must be positive")
+        self._backend = backend
+        self._bucket_bytes = bucket_bytes
+        self._direct_min_bytes = direct_min_bytes
+        self._timeout = datetime.timedelta(seconds=timeout)
+        self._connect_timeout = datetime.timedelta(seconds=connect_timeout or timeout)
+        self._atomic = atomic_receive
+        self._interface = gloo_interface
+        self._log = log if log is not None else get_logger("rolectl.weights.torch_dist")
+        self._group: _Group | None = None
+        self._lock = asyncio.Lock()
+        self._closed = False
+        self.groups_formed = 0  # how many groups this object formed (tests and metrics read it)
+
+    # ---- public ----------------------------------------------------------------------------------
+
+    @property
+    def epoch(self) -> int | None:
+        """Epoch of the group currently formed, or None."""
+        return None if self._group is None else self._group.epoch
+
+    @property
+    def backend(self) -> str | None:
+        """Backend of the group currently formed (gloo / nccl), or None."""
+        return None if self._group is None else self._group.backend
+
+    async def send(self, ready: RendezvousReady, tensors: Mapping[str, torch.Tensor]) -> int:
+        """Trainer side (rank 0): broadcast `tensors` to every explorer rank of `ready`; return bytes.
+
+        Raises CorruptWeights when an explorer rejects the layout (nothing sent; the group stays),
+        PeerLost when a peer dies, hangs past `timeout`, or never joins (the group is dropped).
+        """
+        self._check_open()
+        _check_ready(ready)
+        layout = [(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
+        for name, dtype, _ in layout:
+            if dtype not in _DTYPE_NAMES:
+                raise TransferError(f"tensor {name!r} has dtype {dtype}, which cannot be sent")
+        sources = list(tensors.values())
+        backend = self._backend
+        if backend == "auto":
+            backend = "nccl" if sources and all(t.is_cuda for t in sources) else "gloo"
+        direct = self._direct_min_bytes or DEFAULT_DIRECT_MIN_BYTES[backend]
+        header = _Header(
+            round=ready.round,
+            version=ready.version,
+            epoch=ready.epoch,
+            layout=tuple(layout),
+            buckets=tuple(tuple(b) for b in plan_buckets(
+                layout, bucket_bytes=self._bucket_bytes, direct_min_bytes=direct)),
+        )
+        device = _rank0_device(backend, sources)
+        async with self._lock:
+            group = await self._ensure_group(ready, ranks=[0], devices=[device], backend=backend)
+            started = time.monotonic()
+            await self._run(group, [lambda link: link.send_round(header, sources)], ready)
+            nbytes = sum(header.bucket_nbytes(b) for b in header.buckets)
+            self._log.debug("weights.broadcast_sent", round=ready.round, version=ready.version,
+                            epoch=ready.epoch, nbytes=nbytes, seconds=round(time.monotonic() - started, 4))
+            return nbytes
+
+    async def receive(
+        self,
+        ready: RendezvousReady,
+        me: MemberRef,
+        into: Mapping[str, torch.Tensor],
+        *,
+        also_into: Sequence[Mapping[str, torch.Tensor]] = (),
+    ) -> int:
+        """Explorer side: receive the round's weights in place into `into` (local rank 0) and each
+        of `also_into` (local ranks 1.., one mapping per further rank, each with its own copy —
+        on nccl each on its own GPU). Return the bytes of one copy.
+
+        The number of destinations must equal the ranks `ready` assigns to `me`. Raises
+        CorruptWeights when the layout differs (nothing copied), PeerLost when the group breaks.
+        """
+        self._check_open()
+        _check_ready(ready)
+        assignment = next((p for p in ready.participants if p.member == me), None)
+        if assignment is None:
+            raise TransferError(f"{me} is not a participant of round {ready.round}")
+        dests = [into, *also_into]
+        if len(dests) != assignment.ranks:
+            raise TransferError(
+                f"{me} holds {assignment.ranks} ranks in round {ready.round} but gave "
+                f"{len(dests)} destinations (into + also_into)")
+        ranks = [assignment.rank_offset + j for j in range(assignment.ranks)]
+        async with self._lock:
+            backend, store = await self._join(ready)
+            devices = [_receiver_device(backend, d, j) for j, d in enumerate(dests)]
+            group = await self._ensure_group(ready, ranks=ranks, devices=devices, backend=backend, store=store)
+            started = time.monotonic()
+            results = await self._run(
+                group,
+                [(lambda link, d=d: link.receive_round(ready.round, ready.version, d, self._atomic, self._log))
+                 for d in dests],
+                ready,
+            )
+            self._log.debug("weights.broadcast_received", round=ready.round, version=ready.version,
+                            epoch=ready.epoch, ranks=len(dests), nbytes=results[0],
+                            seconds=round(time.monotonic() - started, 4))
+            return results[0]
+
+    async def aclose(self) -> None:
+        """Tear the group down; safe to call twice."""
+        self._closed = True
+        group, self._group = self._group, None
+        if group is not None:
+            await asyncio.to_thread(group.close, failed=False)
+
+    async def __aenter__(self) -> "TorchDistTransport":
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.aclose()
+
+    # ---- group lifecycle -------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransferError("transport is closed")
+
+    def _key(self, ready: RendezvousReady, ranks: list[int], backend: str) -> tuple:
+        return (*_group_place(ready), tuple(ranks), backend)
+
+    async def _join(self, ready: RendezvousReady) -> tuple[str, Any]:
+        """Explorer side: the backend rank 0 chose for this round's group, and a store client when
+        the group must be (re-)formed (None when the current group serves this round)."""
+        group = self._group
+        if group is not None and group.key[:4] == _group_place(ready):
+            return group.backend, None
+        # Joining a new group: the explorer leaves the old one first (before the trainer does).
+        await self._drop_group(failed=False)
+        store = await self._connect_store(ready, is_master=False)
+        try:
+            raw = await asyncio.to_thread(store.get, f"{_STORE_PREFIX}/{ready.epoch}/backend")
+        except Exception as exc:  # noqa: BLE001
+            raise PeerLost(f"epoch {ready.epoch}: trainer did not announce its group at "
+                           f"{ready.master_addr}:{ready.master_port}: {exc}") from None
+        backend = raw.decode()
+        if self._backend != "auto" and backend != self._backend:
+            raise TransferError(f"trainer formed a {backend} group, this explorer is set to {self._backend}")
+        return backend, store
+
+    async def _connect_store(self, ready: RendezvousReady, *, is_master: bool):
+        def connect():
+            return TCPStore(
+                ready.master_addr, ready.master_port, None, is_master, self._connect_timeout,
+                wait_for_workers=False,
+            )
+
+        try:
+            return await asyncio.to_thread(connect)
+        except Exception as exc:  # noqa: BLE001
+            where = f"{ready.master_addr}:{ready.master_port}"
+            if is_master:
+                raise TransferError(f"epoch {ready.epoch}: cannot listen on {where}: {exc}") from None
+            raise PeerLost(f"epoch {ready.epoch}: no trainer store at {where}: {exc}") from None
+
+    async def _ensure_group(self, ready: RendezvousReady, *, ranks: list[int], devices: list[torch.device],
+                            backend: str, store: Any = None) -> _Group:
+        key = self._key(ready, ranks, backend)
+        if self._group is not None and self._group.key == key:
+            return self._group
+        is_master = ranks == [0]
+        if is_master:
+            # Same port as the old group: it must go first or the new store cannot bind.
+            if self._group is not None and self._group.key[2] == ready.master_port:
+                await self._drop_group(failed=False)
+            store = await self._connect_store(ready, is_master=True)
+            await asyncio.to_thread(store.set, f"{_STORE_PREFIX}/{ready.epoch}/backend", backend)
+        elif store is None:
+            await self._drop_group(failed=False)
+            store = await self._connect_store(ready, is_master=False)
+        executor = ThreadPoolExecutor(max_workers=len(ranks), thread_name_prefix=f"weights-e{ready.epoch}")
+        loop = asyncio.get_running_loop()
+        timeout = self._connect_timeout
+
+        def form(j: int, rank: int, device: torch.device) -> _Link:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            # A store client is one socket, and gloo's rendezvous blocks on it in `wait`: local
+            # ranks forming at the same time each need their own client.
+            own = store if j == 0 else TCPStore(ready.master_addr, ready.master_port, None, False, timeout)
+            prefix = PrefixStore(f"{_STORE_PREFIX}/{ready.epoch}/pg", own)
+            pg = _new_backend(backend, prefix, rank, ready.world_size, timeout,
+                              ready.master_addr, self._interface)
+            if backend == "gloo":
+                # Formation used the (longer) connect timeout; collectives use the group timeout.
+                pg._set_default_timeout(self._timeout)
+            return _Link(rank=rank, pg=pg, backend=backend, device=device, timeout=self._timeout)
+
+        started = time.monotonic()
+        outcomes = await asyncio.gather(
+            *(loop.run_in_executor(executor, form, j, r, d) for j, (r, d) in enumerate(zip(ranks, devices))),
+            return_exceptions=True,
+        )
+        errors = [o for o in outcomes if isinstance(o, BaseException)]
+        if errors:
+            for o in outcomes:
+                if isinstance(o, _Link):
+                    o.close(failed=True)
+            executor.shutdown(wait=False)
+            self._log.warning("weights.group_failed", epoch=ready.epoch, ranks=ranks, error=str(errors[0]))
+            if isinstance(errors[0], TransferError):
+                raise errors[0]
+            raise PeerLost(f"epoch {ready.epoch}: group of {ready.world_size} did not form within "
+                           f"{self._connect_timeout.total_seconds():g}s: {errors[0]}") from None
+        group = _Group(key=key, epoch=ready.epoch, backend=backend, store=store, links=list(outcomes),
+                       executor=executor)
+        # The trainer leaves the old group only now: every explorer has joined the new one, so
+        # it has left the old one already (explorers tear down first).
+        await self._drop_group(failed=False)
+        self._group = group
+        self.groups_formed += 1
+        self._log.info("weights.group_formed", epoch=ready.epoch, backend=backend, ranks=ranks,
+                       world_size=ready.world_size, seconds=round(time.monotonic() - started, 3))
+        return group
+
+    async def _drop_group(self, *, failed: bool) -> None:
+        group, self._group = self._group, None
+        if group is not None:
+            await asyncio.to_thread(group.close, failed=failed)
+            self._log.info("weights.group_closed", epoch=group.epoch, failed=failed)
+
+    async def _run(self, group: _Group, jobs: list[Callable[[_Link], Any]], ready: RendezvousReady) -> list[Any]:
+        """Run one job per link on the group's threads; translate a broken collective into PeerLost."""
+        loop = asyncio.get_running_loop()
+
+        def on_thread(job, link: _Link):
+            if link.device.type == "cuda":
+                torch.cuda.set_device(link.device)
+            return job(link)
+
+        try:
+            outcomes = await asyncio.gather(
+                *(loop.run_in_executor(group.executor, on_thread, job, link) for job, link in zip(jobs, group.links)),
+                return_exceptions=True,
+            )
+        except asyncio.CancelledError:
+            # The threads cannot be cancelled and would leave the group out of step: drop it, so
+            # they fail out and the next round forms a fresh one.
+            if self._group is group:
+                self._group = None
+            loop.run_in_executor(None, lambda: group.close(failed=True))
+            raise
+        errors = [o for o in outcomes if isinstance(o, BaseException)]
+        if not errors:
+            return list(outcomes)
+        corrupt = [e for e in errors if isinstance(e, CorruptWeights)]
+        if corrupt and len(corrupt) == len(errors):
+            raise corrupt[0]  # a verdict every rank agreed on: the group is still in step
+        await self._drop_group(failed=True)
+        failure = next((e for e in errors if isinstance(e, _CollectiveFailed)), errors[0])
+        self._log.warning("weights.peer_lost", round=ready.round, epoch=ready.epoch, error=str(failure))
+        if isinstance(failure, _CollectiveFailed):
+            raise PeerLost(f"round {ready.round} epoch {ready.epoch}: group broke mid-transfer "
+                           f"(the destination may hold part of version {ready.version}): {failure}") from None
+        raise failure
+
+
+def _group_place(ready: RendezvousReady) -> tuple:
+    """What names a group in a decision: a new value of any of these means a new group."""
+    return (ready.epoch, ready.master_addr, ready.master_port, ready.world_size)
+
+
+def _check_ready(ready: RendezvousReady) -> None:
+    if ready.method != SyncMethod.NCCL:
+        raise TransferError(f"round {ready.round} uses {ready.method}, not this transport's nccl")
+    expected = 1 + sum(p.ranks for p in ready.participants)
+    if ready.world_size != expected:
+        raise TransferError(f"round {ready.round}: world_size {ready.world_size} but the participants "
+                            f"hold {expected} ranks (trainer included)")
+
+
+def _rank0_device(backend: str, sources: Sequence[torch.Tensor]) -> torch.device:
+    if backend == "gloo":
+        return torch.device("cpu")
+    cuda = next((t.device for t in sources if t.is_cuda), None)
+    return cuda if cuda is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def _receiver_device(backend: str, into: Mapping[str, torch.Tensor], local_rank: int) -> torch.device:
+    if backend == "gloo":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise TransferError("the trainer formed an nccl group but this explorer has no CUDA device")
+    cuda = next((t.device for t in into.values() if t.is_cuda), None)
+    return cuda if cuda is not None else torch.device("cuda", local_rank % torch.cuda.device_count())
