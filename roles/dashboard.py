@@ -128,7 +128,7 @@ class Dashboard:
 
         while True:
             try:
-                async with connect(self.nats_url, job=self.job, role="synchronizer",
+                async with connect(self.nats_url, job=self.job, role="observer",
                                    member=f"dashboard-{os.getpid()}") as conn:
                     hb = await subscribe_heartbeats(conn, self._on_heartbeat)
                     try:

@@ -458,7 +458,7 @@ async def collect_status(job: str, nats: str, *, heartbeat_wait_s: float | None 
     from bus.events import last_sequence, read_events, subscribe_heartbeats
 
     observer = JobObserver()
-    async with connect(nats, job=job, role="synchronizer", member=f"status-{os.getpid()}",
+    async with connect(nats, job=job, role="observer", member=f"status-{os.getpid()}",
                        connect_timeout=connect_timeout) as conn:
         all_beating = asyncio.Event()
 

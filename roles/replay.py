@@ -127,7 +127,7 @@ async def read_job(job: str, nats: str, *, connect_timeout: float = 5.0) -> list
     from bus.connection import connect
     from bus.events import last_sequence, read_events
 
-    async with connect(nats, job=job, role="synchronizer", member=f"export-{os.getpid()}",
+    async with connect(nats, job=job, role="observer", member=f"export-{os.getpid()}",
                        connect_timeout=connect_timeout) as conn:
         await last_sequence(conn)  # a clear error when the job has no stream
         async with read_events(conn, from_seq=1, include_decisions=True, stop_at_end=True) as reader:
