@@ -39,6 +39,7 @@ from sync_protocol import (
     RoundOpened,
     RoundTimedOut,
     RunningStatus,
+    RoundPhase,
     State,
     StatusChanged,
     StepFinished,
@@ -240,6 +241,8 @@ def member_rows(state: State, heartbeats: dict[str, int] | None = None, now_ms: 
     `last_seen_ms` is the later of that and its last recorded event.
     """
     heartbeats = heartbeats or {}
+    trainer = state.trainer_state
+    latest = max(state.latest.version, trainer.version if trainer else 0)
     order = {Role.TRAINER: 0, Role.EXPLORER: 1, Role.SYNCHRONIZER: 2}
     rows = []
     for m in sorted(state.members.values(), key=lambda m: (order.get(m.ref.role, 9), m.ref.id)):
@@ -256,7 +259,7 @@ def member_rows(state: State, heartbeats: dict[str, int] | None = None, now_ms: 
             "host": m.host,
             "last_seen_ms": last_seen,
             "last_seen_ago_ms": (now_ms - last_seen) if (now_ms is not None and last_seen) else None,
-            "has_latest": m.version >= state.latest.version and m.ref.role is not Role.SYNCHRONIZER,
+            "has_latest": m.version >= latest and m.ref.role is not Role.SYNCHRONIZER,
             "metrics": dict(m.metrics),
         })
     return rows
@@ -360,7 +363,9 @@ class JobObserver:
                 continue
             if rnd.is_rendezvous:
                 participants = list(rnd.participants)
-                waited_for = [k for k in rnd.participants if k not in rnd.waiting] or participants
+                # once everyone arrived (transferring) nobody is waited for any more
+                waited_for = ([k for k in rnd.participants if k not in rnd.waiting]
+                              if rnd.phase is RoundPhase.WAITING else [])
             else:
                 trainer = self.state.trainer or "trainer"
                 participants = list(rnd.waiting)
@@ -434,10 +439,14 @@ class JobObserver:
         return member_rows(self.state, self.heartbeats, now_ms)
 
     def latest(self) -> dict[str, Any]:
+        """The newest weights: the last published version, or for rendezvous methods (which move
+        weights by broadcast, never publishing) the version the trainer holds."""
         latest = self.state.latest
+        trainer = self.state.trainer_state
+        version = max(latest.version, trainer.version if trainer else 0)
         holders = [m.key for m in self.state.members.values()
-                   if m.ref.role is not Role.SYNCHRONIZER and m.version >= latest.version]
-        return {"version": latest.version, "step": latest.step,
+                   if m.ref.role is not Role.SYNCHRONIZER and m.version >= version]
+        return {"version": version, "step": latest.step if version == latest.version else trainer.step,
                 "method": latest.method.value if latest.method else None, "nbytes": latest.nbytes,
                 "location": latest.location, "digest": latest.digest, "held_by": holders}
 

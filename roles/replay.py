@@ -476,7 +476,7 @@ def _print_timeline(t: dict[str, Any]) -> None:
 
     rounds = Table(title="sync rounds", title_justify="left")
     for col in ("round", "opened (UTC)", "opened by", "method", "waited for", "participants",
-                "version", "waited", "outcome", "released", "moved"):
+                "version", "waited", "outcome", "released / met", "moved"):
         rounds.add_column(col, overflow="fold")
     colour = {"completed": "green", "no_new_version": "cyan", "timed_out": "red", "failed": "red",
               "trainer_stopped": "yellow", "abandoned": "yellow"}
@@ -487,6 +487,10 @@ def _print_timeline(t: dict[str, Any]) -> None:
         got = ", ".join(f"v{v}" for v in sorted(version))
         released = "\n".join(f"{_short(x['member'])}: {x['reason']}" + (f" v{x['version']}" if x["reload"] else "")
                              for x in r["releases"])
+        if r["rendezvous"]:
+            rdv = r["rendezvous"]
+            released = "\n".join(filter(None, [f"rendezvous epoch {rdv['epoch']}, world {rdv['world_size']} "
+                                                f"after {rdv['waited_ms'] / 1000:.3f} s", released]))
         moved = ""
         if r["nbytes"]:
             rate = f" @ {r['gbps']:.3f} GB/s" if r["gbps"] else ""
