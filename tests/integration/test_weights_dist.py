@@ -235,7 +235,8 @@ async def explorers():
 async def test_round_trip_is_bit_exact_to_two_explorers_of_two_ranks(explorers):
     port = free_port()
     ready = _ready(1, 7, 1, port, [2, 2])
-    procs = [await explorers(_spec(i, [ready], ranks=2)) for i in range(2)]
+    # Explorer 1 stages every bucket before touching its destination (atomic_receive).
+    procs = [await explorers(_spec(i, [ready], ranks=2, transport={"atomic_receive": i == 1})) for i in range(2)]
     sent = _state_dict(7)
     async with TorchDistTransport(timeout=5.0, connect_timeout=60.0, **SMALL) as trainer:
         nbytes = await trainer.send(ready, sent)
