@@ -1,0 +1,360 @@
+"""Pull weight transports against a real nats-server / real files: bit-exact round trips, corruption,
+partial uploads that never become visible, pruning, missing versions.
+
+The object store runs twice: over its plain data connection and over the nats-py fallback path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import nats
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from bus.subjects import JobNames
+from bus.weights.base import CorruptWeights, PullTransport, WeightsNotFound, WeightsRef
+from bus.weights.checkpoint import CheckpointTransport
+from bus.weights.object_store import ObjectStoreTransport
+
+KINDS = ["object_store", "object_store_nats_py", "checkpoint"]
+
+
+def small_state(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": torch.randn(64, 16, generator=g).bfloat16(),
+        "layers.0.attn.w": torch.randn(16, 16, generator=g),
+        "layers.0.attn.b": torch.randn(16, generator=g),
+        "layers.0.mlp.w": torch.randn(32, 16, generator=g).bfloat16(),
+        "position_ids": torch.arange(40, dtype=torch.int64),
+        "step": torch.tensor(7, dtype=torch.int64),  # 0-d
+        "scale": torch.tensor(1.25),  # 0-d float
+        "empty": torch.empty(0, 8),
+        "mask": torch.tensor([True, False, True, True]),
+    }
+
+
+def raw(t: torch.Tensor) -> bytes:
+    return bytes(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def assert_bit_exact(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(expected)
+    for name, t in expected.items():
+        assert got[name].dtype == t.dtype, name
+        assert got[name].shape == t.shape, name
+        assert raw(got[name]) == raw(t), name
+
+
+@pytest.fixture
+async def nc(nats_url):
+    client = await nats.connect(nats_url)
+    yield client
+    await client.close()
+
+
+def make_transport(kind: str, nc, job: str, tmp_path: Path, **kw) -> PullTransport:
+    if kind == "checkpoint":
+        kw.pop("chunk_size_os", None)
+        return CheckpointTransport(tmp_path / job, fsync=False, **kw)
+    chunk = kw.pop("chunk_size_os", None)
+    if chunk:
+        kw["chunk_size"] = chunk
+    return ObjectStoreTransport(nc, job, data_connection=(kind == "object_store"), **kw)
+
+
+@pytest.fixture(params=KINDS)
+def kind(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+async def transport(kind, nc, job_name, tmp_path):
+    # Small chunks, so even the small state spans many chunks and chunk boundaries split tensors.
+    t = make_transport(kind, nc, job_name, tmp_path, chunk_size=256, chunk_size_os=256)
+    yield t
+    await t.aclose()
+
+
+# round trips --------------------------------------------------------------------------------------
+
+
+async def test_round_trip_is_bit_exact(transport):
+    state = small_state()
+    ref = await transport.publish(1, state)
+    assert ref.version == 1 and ref.nbytes == sum(t.numel() * t.element_size() for t in state.values())
+    assert_bit_exact(state, await transport.fetch(ref))
+
+
+async def test_fetched_tensors_are_independent_of_the_sender(transport):
+    state = small_state()
+    ref = await transport.publish(1, state)
+    got = await transport.fetch(ref)
+    state["layers.0.attn.w"].zero_()
+    assert got["layers.0.attn.w"].abs().sum() > 0
+
+
+async def test_a_32_mib_state_round_trips(kind, nc, job_name, tmp_path):
+    if kind == "object_store_nats_py":
+        pytest.skip("the fallback path is covered by the small cases; keep the suite fast")
+    t = make_transport(kind, nc, job_name, tmp_path)
+    g = torch.Generator().manual_seed(1)
+    state = {
+        "w1": torch.randn(2048, 2048, generator=g),  # 16 MiB fp32
+        "w2": torch.randn(2048, 2048, generator=g).bfloat16(),  # 8 MiB
+        "ids": torch.arange(1024 * 1024, dtype=torch.int64),  # 8 MiB
+        "b": torch.randn(2048, generator=g),
+    }
+    ref = await t.publish(3, state)
+    assert ref.nbytes > 32 * 1024 * 1024
+    assert_bit_exact(state, await t.fetch(ref))
+
+
+async def test_explorers_fetch_the_same_version_concurrently(transport):
+    state = small_state()
+    ref = await transport.publish(2, state)
+    results = await asyncio.gather(*(transport.fetch(ref) for _ in range(4)))
+    for got in results:
+        assert_bit_exact(state, got)
+
+
+async def test_same_tensors_give_the_same_digest_in_both_transports(nc, job_name, tmp_path):
+    state = small_state()
+    os_ref = await ObjectStoreTransport(nc, job_name, chunk_size=4096).publish(1, state)
+    ck_ref = await CheckpointTransport(tmp_path, chunk_size=4096, fsync=False).publish(1, state)
+    assert os_ref.digest == ck_ref.digest
+
+
+# missing, pruned, republished -----------------------------------------------------------------------
+
+
+async def test_fetch_of_a_missing_version_is_weights_not_found(transport):
+    ghost = WeightsRef(version=42, location="nowhere", nbytes=0, digest="blake3:00")
+    with pytest.raises(WeightsNotFound, match="version 42"):
+        await transport.fetch(ghost)  # nothing ever published for this job
+    await transport.publish(1, small_state())
+    with pytest.raises(WeightsNotFound, match="version 42"):
+        await transport.fetch(ghost)
+
+
+async def test_prune_keeps_the_newest_k(kind, nc, job_name, tmp_path):
+    t = make_transport(kind, nc, job_name, tmp_path, keep=2)
+    refs = [await t.publish(v, small_state(v)) for v in range(1, 5)]
+    assert await t.versions() == [3, 4]  # publish prunes to keep=2
+    assert (await t.latest()).version == 4
+    assert await t.prune(1) == [3]
+    assert await t.versions() == [4]
+    with pytest.raises(WeightsNotFound):
+        await t.fetch(refs[2])
+    assert_bit_exact(small_state(4), await t.fetch(refs[3]))
+
+
+async def test_a_republished_version_invalidates_the_old_ref(transport):
+    old = await transport.publish(5, small_state(1))
+    new = await transport.publish(5, small_state(2))
+    assert old.digest != new.digest
+    with pytest.raises(WeightsNotFound, match="republished"):
+        await transport.fetch(old)
+    assert_bit_exact(small_state(2), await transport.fetch(new))
+
+
+async def test_latest_is_none_before_any_publish(transport):
+    assert await transport.latest() is None
+    assert await transport.versions() == []
+
+
+# corruption -----------------------------------------------------------------------------------------
+
+
+async def tamper_object_store(nc, t: ObjectStoreTransport, version: int, index: int, *, size_delta: int = 0):
+    """Replace stored chunk `index` with flipped bytes (same subject: one message per subject)."""
+    names = JobNames(t.names.job)
+    subject = names.weights_chunk(version, index)
+    msg = await nc.jetstream().get_last_msg(t.stream, subject)
+    data = bytearray(msg.data)
+    data[len(data) // 2] ^= 0xFF
+    data = bytes(data) + b"x" * size_delta if size_delta >= 0 else bytes(data[:size_delta])
+    await nc.jetstream().publish(subject, data, stream=t.stream)
+
+
+def tamper_checkpoint(t: CheckpointTransport, version: int, offset_from_end: int) -> None:
+    path = t.path_of(version)
+    data = bytearray(path.read_bytes())
+    data[len(data) - offset_from_end] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("size_delta", [0, 3, -3])
+async def test_a_corrupt_object_store_chunk_names_version_chunk_and_tensor(nc, job_name, tmp_path, size_delta):
+    for kind in ("object_store", "object_store_nats_py"):
+        t = make_transport(kind, nc, f"{job_name[:40]}-{len(kind)}", tmp_path, chunk_size_os=256)
+        state = small_state()
+        ref = await t.publish(4, state)
+        await tamper_object_store(nc, t, 4, 2, size_delta=size_delta)
+        with pytest.raises(CorruptWeights) as info:
+            await t.fetch(ref)
+        text = str(info.value)
+        assert "version 4 chunk 2 of" in text, text
+        assert "tensors " in text and "no tensors were returned" in text
+
+
+@pytest.mark.parametrize("kind", ["object_store", "object_store_nats_py"])
+async def test_one_chunk_per_request_still_finds_a_rewritten_chunk(nc, job_name, tmp_path, kind):
+    # The rewritten chunk sits after the manifest in the stream: only catch-up requests reach it.
+    t = make_transport(kind, nc, job_name, tmp_path, chunk_size_os=256, request_bytes=256, window_bytes=1024)
+    ref = await t.publish(4, small_state())
+    await tamper_object_store(nc, t, 4, 1)
+    with pytest.raises(CorruptWeights, match="version 4 chunk 1 of"):
+        await t.fetch(ref)
+
+
+@pytest.mark.parametrize("kind", ["object_store", "object_store_nats_py"])
+async def test_a_deleted_chunk_is_reported_missing(nc, job_name, tmp_path, kind):
+    t = make_transport(kind, nc, job_name, tmp_path, chunk_size_os=256, request_bytes=512, window_bytes=1024)
+    ref = await t.publish(4, small_state())
+    js = nc.jetstream()
+    msg = await js.get_last_msg(t.stream, t.names.weights_chunk(4, 3))
+    await js.delete_msg(t.stream, msg.seq)
+    with pytest.raises(CorruptWeights, match=r"version 4 chunks \[3\] are missing"):
+        await t.fetch(ref)
+
+
+async def test_a_corrupt_checkpoint_file_names_version_chunk_and_tensor(tmp_path):
+    t = CheckpointTransport(tmp_path, chunk_size=256, fsync=False)
+    ref = await t.publish(4, small_state())
+    tamper_checkpoint(t, 4, offset_from_end=10)  # inside the last chunk
+    with pytest.raises(CorruptWeights) as info:
+        await t.fetch(ref)
+    assert f"version 4 chunk {len(range(0, ref.nbytes, 256)) - 1} of" in str(info.value)
+    assert "digest mismatch" in str(info.value)
+
+
+async def test_a_truncated_checkpoint_file_is_corrupt(tmp_path):
+    t = CheckpointTransport(tmp_path, chunk_size=256, fsync=False)
+    ref = await t.publish(4, small_state())
+    path = t.path_of(4)
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(CorruptWeights, match="bytes, expected"):
+        await t.fetch(ref)
+
+
+async def test_a_corrupt_manifest_is_corrupt_weights(nc, job_name, tmp_path):
+    t = make_transport("object_store", nc, job_name, tmp_path)
+    ref = await t.publish(6, small_state())
+    await nc.jetstream().publish(t.names.weights_manifest(6), b'{"format": "rolectl-weights/1"}')
+    with pytest.raises(CorruptWeights, match="malformed manifest"):
+        await t.fetch(ref)
+
+
+async def test_checkpoint_files_are_standard_safetensors(tmp_path):
+    t = CheckpointTransport(tmp_path, fsync=False)
+    state = small_state()
+    await t.publish(1, state)
+    assert_bit_exact(state, load_file(t.path_of(1)))
+
+
+# partial uploads --------------------------------------------------------------------------------
+
+
+async def test_chunks_without_a_manifest_are_never_visible(nc, job_name, tmp_path):
+    t = make_transport("object_store", nc, job_name, tmp_path, chunk_size_os=256)
+    ref1 = await t.publish(1, small_state(1))
+    ref2 = await t.publish(2, small_state(2))
+    # A trainer that died after some chunks of version 3 (no manifest) and some of version 0.
+    js = nc.jetstream()
+    for version in (0, 3):
+        for index in range(3):
+            await js.publish(t.names.weights_chunk(version, index), b"\x00" * 256, stream=t.stream)
+    assert await t.versions() == [1, 2]
+    assert (await t.latest()).version == 2
+    with pytest.raises(WeightsNotFound, match="version 3"):
+        await t.fetch(WeightsRef(version=3, location="", nbytes=768, digest=ref2.digest))
+    # prune cleans the crashed upload older than the newest version, keeps a possible upload in progress
+    assert await t.prune(2) == []
+    info = await js.stream_info(t.stream, subjects_filter=t.names.all_weights_first_chunks)
+    assert sorted(info.state.subjects) == sorted(t.names.weights_chunk(v, 0) for v in (1, 2, 3))
+    assert_bit_exact(small_state(1), await t.fetch(ref1))
+
+
+_PUBLISHER = textwrap.dedent(
+    """
+    import asyncio, sys, torch, nats
+    from bus.weights.object_store import ObjectStoreTransport
+
+    async def main(url, job):
+        nc = await nats.connect(url)
+        # Tiny chunks and one chunk in flight: the upload takes long enough to be killed midway.
+        t = ObjectStoreTransport(nc, job, chunk_size=64 * 1024, window_bytes=64 * 1024)
+        await t.publish(9, {"w": torch.randn(16 * 1024 * 1024 // 4)})
+        print("FINISHED", flush=True)
+
+    asyncio.run(main(sys.argv[1], sys.argv[2]))
+    """
+)
+
+
+async def test_a_publisher_killed_mid_upload_leaves_nothing_visible(nc, nats_url, job_name, tmp_path):
+    t = make_transport("object_store", nc, job_name, tmp_path)
+    ref1 = await t.publish(1, small_state())
+    seen = asyncio.Event()
+
+    async def on_chunk(msg) -> None:
+        seen.set()
+
+    sub = await nc.subscribe(t.names.weights_chunks(9), cb=on_chunk)
+    await nc.flush()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _PUBLISHER, nats_url, job_name],
+        cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE,
+    )
+    try:
+        await asyncio.wait_for(seen.wait(), 60)  # the first chunk is on its way to the stream
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+        await sub.unsubscribe()
+    assert b"FINISHED" not in proc.stdout.read()
+    assert await t.versions() == [1]
+    assert (await t.latest()).version == 1
+    with pytest.raises(WeightsNotFound, match="version 9"):
+        await t.fetch(WeightsRef(version=9, location="", nbytes=0, digest=ref1.digest))
+
+
+async def test_a_checkpoint_temp_file_is_never_a_version(tmp_path):
+    t = CheckpointTransport(tmp_path, fsync=False)
+    ref = await t.publish(1, small_state())
+    # A writer that died while writing version 2 leaves only its temporary file.
+    partial = t.path_of(2).with_name(f".{t.path_of(2).name}.{os.getpid()}.dead.tmp")
+    partial.write_bytes(t.path_of(1).read_bytes()[:100])
+    assert await t.versions() == [1]
+    assert (await t.latest()).version == 1
+    with pytest.raises(WeightsNotFound, match="version 2"):
+        await t.fetch(WeightsRef(version=2, location=str(partial), nbytes=0, digest=ref.digest))
+    await t.publish(3, small_state())  # newer version: the dead temp file is garbage now
+    assert not partial.exists()
+
+
+# the interface ----------------------------------------------------------------------------------------
+
+
+async def test_transports_satisfy_the_pull_protocol(transport):
+    assert isinstance(transport, PullTransport)
+    await transport.aclose()
+    await transport.aclose()  # safe twice
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+async def test_fetch_to_cuda(transport):
+    state = small_state()
+    ref = await transport.publish(1, state)
+    got = await transport.fetch(ref, device="cuda")
+    assert all(t.device.type == "cuda" for t in got.values())
+    assert_bit_exact(state, {k: v.cpu() for k, v in got.items()})
