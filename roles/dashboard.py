@@ -38,7 +38,7 @@ __all__ = ["Dashboard", "DashboardHandle", "start_dashboard", "serve_dashboard",
 STATIC_DIR = Path(__file__).with_name("dashboard_static")
 _SSE_MIN_INTERVAL_S = 0.25  # at most 4 snapshots a second per page: enough to look live
 _SSE_KEEPALIVE_S = 15.0
-_MONITOR_PERIOD_S = 2.0
+_MONITOR_PERIOD_S = 1.0
 _STREAM_RETRY_S = 0.5
 _ROUNDS_SHOWN = 60
 _LOG_SHOWN = 120
@@ -182,7 +182,8 @@ class Dashboard:
             return await resp.json(content_type=None)
 
     def _health(self, varz: dict[str, Any], jsz: dict[str, Any]) -> dict[str, Any]:
-        ours = {self.names.event_stream, self.names.experience_stream, f"OBJ_{self.names.weights_bucket}"}
+        ours = {self.names.event_stream, self.names.experience_stream, f"OBJ_{self.names.weights_bucket}",
+                getattr(self.names, "weights_stream", None)}
         streams = []
         for account in jsz.get("account_details") or []:
             for s in account.get("stream_detail") or []:

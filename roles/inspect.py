@@ -372,8 +372,10 @@ class JobObserver:
                 waited_for = [f"{trainer} (a version newer than v{rnd.version})"]
             info = self._round_info.setdefault(rid, {})
             info["participants"] = participants
-            # whom it waited for: the union over its life (people arriving shrink the list)
-            info["waited_for"] = list(dict.fromkeys([*info.get("waited_for", []), *waited_for]))
+            if rnd.is_rendezvous:
+                # whom it waited for: the union over its life (members arriving shrink the list)
+                waited_for = list(dict.fromkeys([*info.get("waited_for", []), *waited_for]))
+            info["waited_for"] = waited_for
             view = self.rounds.get(rid)
             if view is not None:
                 view.waited_for, view.participants = list(info["waited_for"]), list(participants)

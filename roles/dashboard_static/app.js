@@ -55,7 +55,14 @@ function ticks(min, max, count) {
   const step = niceStep(max - min || 1, count);
   const out = [];
   for (let v = Math.ceil(min / step) * step; v <= max + step * 1e-9; v += step) out.push(+v.toFixed(10));
+  out.step = step;
   return out;
+}
+// Enough decimals that neighbouring ticks read differently (0.085, 0.09 rather than 0.09, 0.09).
+function tickFmt(step) {
+  let digits = 0; // the fewest decimals that write the step exactly
+  while (digits < 6 && Math.abs(Math.round(step * 10 ** digits) - step * 10 ** digits) > 1e-6) digits++;
+  return (v) => (Math.abs(v) >= 1e4 ? fmtNum(v) : v.toFixed(Math.min(6, digits)));
 }
 
 // series: [{name, color, points: [[x, y], ...], dots}], opts: {xLabel, yFmt, empty}
@@ -75,10 +82,11 @@ function lineChart(el, series, opts) {
   const yPad = (y1 - y0) * 0.08; y1 += yPad; if (!opts.zeroBased) y0 -= yPad;
   const X = (x) => m.l + ((x - x0) / (x1 - x0)) * (W - m.l - m.r);
   const Y = (y) => H - m.b - ((y - y0) / (y1 - y0)) * (H - m.t - m.b);
-  const yf = opts.yFmt || ((v) => fmtNum(v, 2));
+  const yt = ticks(y0, y1, 4);
+  const yf = opts.yFmt || tickFmt(yt.step);
   let svg = `<svg viewBox="0 0 ${W} ${H}" preserveAspectRatio="none" role="img">`;
   svg += `<g class="axis">`;
-  for (const t of ticks(y0, y1, 4)) {
+  for (const t of yt) {
     svg += `<line class="grid-line" x1="${m.l}" x2="${W - m.r}" y1="${Y(t)}" y2="${Y(t)}"/>`;
     svg += `<text x="${m.l - 6}" y="${Y(t) + 4}" text-anchor="end">${esc(yf(t))}</text>`;
   }
