@@ -3,7 +3,14 @@
 Theory of operation
 -------------------
 - **Storage.** One stream per job (`JobNames.weights_stream`, subjects ``rft.<job>.w.>``, one message
-  per subject, direct get allowed). Version N is chunk messages ``rft.<job>.w.N.c.<i>`` (raw stream
+  per subject, direct get allowed), in server memory by default. Measured in one run (256 MiB, this
+  2-core host): memory fetch 3.55 GB/s / publish 3.73 GB/s, file fetch 1.92 / publish 1.35 (the file
+  store re-reads and re-checksums whole blocks per message). Versions are transient: each is
+  superseded at the next sync and the trainer, who holds the weights, republishes. After a server
+  restart the store is empty until that next publish, and explorers keep the weights they have
+  (`WeightsNotFound`), never wrong ones. The cost is `keep` x model size of server RAM; pass
+  ``storage="file"`` where a late joiner must get weights right after a server restart, or the
+  server cannot spare the RAM. Version N is chunk messages ``rft.<job>.w.N.c.<i>`` (raw stream
   bytes, see `format`) followed by the manifest ``rft.<job>.w.N.m`` (layout, chunk digests, root
   digest, stream sequences of the chunks). The manifest is published only after every chunk is
   acknowledged as stored, and readers look a version up *by its manifest*, so a partial upload is
@@ -60,8 +67,9 @@ class ObjectStoreTransport:
     """Publish / fetch weight versions through a per-job JetStream stream (see module docstring).
 
     `nc` is a connected nats-py client; the transport makes its own JetStream context and never
-    closes `nc`. `storage` is "file" (survives a server restart: a late joiner still gets the latest
-    version) or "memory". `keep` versions survive the automatic prune after each publish.
+    closes `nc`. `storage` is "memory" (default: 2x faster here) or "file" (survives a server
+    restart; see the module docstring). `keep` versions survive the automatic prune after each
+    publish; `timeout` bounds every request and every wait for bytes.
     `data_connection=False` forces the nats-py path (slower; used where the plain data connection
     cannot be opened, and by tests to cover both paths).
     """
@@ -74,7 +82,7 @@ class ObjectStoreTransport:
         job: str,
         *,
         keep: int = 2,
-        storage: str = "file",
+        storage: str = "memory",
         replicas: int = 1,
         chunk_size: int | None = None,
         window_bytes: int = 32 * 1024 * 1024,
@@ -600,10 +608,9 @@ class _DataConnection:
         except OSError as exc:
             raise _NoDataConnection(f"cannot connect to {self._addr}: {exc}") from None
         self._sock = sock
+        # Socket buffers are left to TCP autotuning: a fixed SO_RCVBUF turns it off and is capped
+        # by net.core.rmem_max (208 KiB on many hosts); measured no better here at 4 MiB.
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.SOL_SOCKET, opt, 4 * 1024 * 1024)
         line = self._readline()
         if not line.startswith(b"INFO "):
             raise _NoDataConnection(f"server greeting is not INFO: {line[:80]!r}")

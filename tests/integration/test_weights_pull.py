@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from bus.server import NatsServer
 from bus.subjects import JobNames
 from bus.weights.base import CorruptWeights, PullTransport, WeightsNotFound, WeightsRef
 from bus.weights.checkpoint import CheckpointTransport
@@ -340,6 +341,46 @@ async def test_a_checkpoint_temp_file_is_never_a_version(tmp_path):
         await t.fetch(WeightsRef(version=2, location=str(partial), nbytes=0, digest=ref.digest))
     await t.publish(3, small_state())  # newer version: the dead temp file is garbage now
     assert not partial.exists()
+
+
+# storage and lifecycle ------------------------------------------------------------------------------
+
+
+async def test_file_storage_keeps_versions_across_a_server_restart(tmp_path):
+    server = NatsServer(store_dir=str(tmp_path / "nats"))
+    await asyncio.to_thread(server.start)
+    try:
+        client = await nats.connect(server.url)
+        t = ObjectStoreTransport(client, "restart", storage="file")
+        ref = await t.publish(1, small_state())
+        await client.close()
+        await asyncio.to_thread(server.stop)
+        await asyncio.to_thread(server.start)  # same port, same store
+        client = await nats.connect(server.url)
+        t = ObjectStoreTransport(client, "restart", storage="file")
+        assert (await t.latest()) == ref
+        assert_bit_exact(small_state(), await t.fetch(ref))
+        await client.close()
+    finally:
+        await asyncio.to_thread(server.stop)
+
+
+async def test_cancelling_a_blocked_transfer_aborts_its_data_connection(nc, job_name, tmp_path):
+    t = make_transport("object_store", nc, job_name, tmp_path)
+    ref = await t.publish(1, small_state())
+    loop = asyncio.get_running_loop()
+    blocked = asyncio.Event()
+
+    def work(conn):
+        loop.call_soon_threadsafe(blocked.set)
+        conn.next_message()  # nothing was asked for: blocks until the socket is aborted
+
+    task = asyncio.create_task(t._in_thread(work))
+    await asyncio.wait_for(blocked.wait(), 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 10)  # a hang here fails the test instead of the suite
+    assert_bit_exact(small_state(), await t.fetch(ref))
 
 
 # the interface ----------------------------------------------------------------------------------------

@@ -1,0 +1,563 @@
+"""Weight transfer benchmark: pull transports (object store, checkpoint) against this machine's limits.
+
+    python -m benchmarks.weights [--size-mb 256] [--explorers 4] [--repeat 5] [--json PATH] [--no-dist]
+
+Starts its own nats-server. A transformer-shaped state dict of `--size-mb` MiB (bf16 attention and
+MLP-down, fp32 MLP-up / norms / biases, int64 buffers) goes from the trainer (this process) to
+explorers, which are separate processes (like real explorers: own interpreter, own GIL). One timed
+fetch = manifest lookup + every byte received + every chunk digest checked + tensors ready.
+
+Limits, measured in the same run on the same bytes:
+- ``loopback_socket_gbps``: a plain TCP socket over loopback, sender thread ``sendall`` -> receiver
+  ``recv_into`` a preallocated, already-touched buffer (no protocol, no digest, no allocation);
+- ``host_memcpy_gbps``: one ``torch`` copy between two touched buffers;
+- ``page_cache_read_gbps``: ``readinto`` of a page-cached file into a touched buffer (the limit the
+  checkpoint transport is measured against);
+- ``stock_nats_object_store_gbps``: nats-py's own ObjectStore ``get`` of the same bytes (its ``put``
+  is reported too).
+
+Per transport: best single-explorer fetch (``gbps``, ``seconds``; median too), publish time, and with
+``--explorers K`` the time for K explorers fetching the same version at once (``fanout_seconds``,
+``fanout_ratio`` = fan-out / single, rounds alternate so background load hits both), and the
+receiver's peak RSS growth during a fetch (VmHWM reset through /proc/self/clear_refs). gbps is
+GB/s = 1e9 bytes of payload per second. ``object_store`` ``ratio_to_limit`` is against the loopback
+socket; ``checkpoint`` against the page-cache read.
+
+Adding a transport: put an ``async def bench(ctx: BenchContext) -> dict`` into ``TRANSPORT_BENCHES``
+(pull transports can reuse ``bench_pull`` with a worker factory in ``WORKER_FACTORIES``). If
+``benchmarks.weights_dist`` exists, its ``measure(size_mb, explorers)`` results are merged in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import torch
+
+__all__ = [
+    "BenchContext",
+    "TRANSPORT_BENCHES",
+    "WORKER_FACTORIES",
+    "build_state_dict",
+    "bench_pull",
+    "measure_limits",
+    "run",
+    "main",
+]
+
+_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _now() -> float:
+    # CLOCK_MONOTONIC is one clock for every process on the host: worker timestamps compare.
+    return time.clock_gettime(time.CLOCK_MONOTONIC)
+
+
+# the state dict ---------------------------------------------------------------------------------------
+
+
+def build_state_dict(size_mb: int, *, seed: int = 0) -> dict[str, torch.Tensor]:
+    """About `size_mb` MiB shaped like a small transformer, with bf16, fp32 and int64 tensors."""
+    layers = 8
+    # bytes per layer ~ 28 h^2: qkv bf16 6h^2, o bf16 2h^2, up fp32 16h^2, down bf16 8h^2 (- 4h^2 slack)
+    h = max(64, int(math.sqrt(size_mb * (1 << 20) / (32 * layers))) // 64 * 64)
+    gen = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {"embed.weight": _rand((8 * h, h), torch.bfloat16, gen)}
+    for i in range(layers):
+        p = f"layers.{i}"
+        out[f"{p}.attn.qkv.weight"] = _rand((3 * h, h), torch.bfloat16, gen)
+        out[f"{p}.attn.qkv.bias"] = _rand((3 * h,), torch.float32, gen)
+        out[f"{p}.attn.o.weight"] = _rand((h, h), torch.bfloat16, gen)
+        out[f"{p}.norm1.weight"] = _rand((h,), torch.float32, gen)
+        out[f"{p}.mlp.up.weight"] = _rand((4 * h, h), torch.float32, gen)
+        out[f"{p}.mlp.down.weight"] = _rand((h, 4 * h), torch.bfloat16, gen)
+        out[f"{p}.norm2.weight"] = _rand((h,), torch.float32, gen)
+        out[f"{p}.rotary.positions"] = torch.randint(0, 1 << 40, (h,), generator=gen, dtype=torch.int64)
+    out["step"] = torch.tensor(12345, dtype=torch.int64)
+    # top up to the exact size with an int64 buffer, so sizes compare across runs
+    missing = size_mb * (1 << 20) - _nbytes(out)
+    if missing >= 8:
+        out["token_counts"] = torch.randint(0, 1 << 40, (missing // 8,), generator=gen, dtype=torch.int64)
+    return out
+
+
+def _rand(shape, dtype, gen) -> torch.Tensor:
+    return torch.empty(shape, dtype=torch.float32).uniform_(-1, 1, generator=gen).to(dtype)
+
+
+def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _flat_bytes(tensors: dict[str, torch.Tensor]) -> memoryview:
+    """The state dict's bytes as one buffer (for the limit measurements)."""
+    from bus.weights.format import SourceBytes
+
+    source = SourceBytes(tensors)
+    buf = torch.empty(source.nbytes, dtype=torch.uint8)
+    view = memoryview(buf.numpy())
+    source.read_into(0, view)
+    return view
+
+
+# limits -------------------------------------------------------------------------------------------
+
+
+def _best_median(values: list[float]) -> dict[str, float]:
+    return {"best": min(values), "median": statistics.median(values)}
+
+
+def limit_host_memcpy(data: memoryview, repeat: int) -> list[float]:
+    src = torch.frombuffer(data, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.fill_(0)  # touched: no page faults in the timed copy
+    times = []
+    for _ in range(repeat):
+        t0 = _now()
+        dst.copy_(src)
+        times.append(_now() - t0)
+    return times
+
+
+def limit_loopback_socket(data: memoryview, repeat: int) -> list[float]:
+    """Seconds to move `data` over one loopback TCP connection into a touched buffer, per round."""
+    dst = bytearray(len(data))  # zero-filled, hence touched
+    view = memoryview(dst)
+    times = []
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+        for _ in range(repeat):
+            sender = threading.Thread(target=_send_all, args=(port, data))
+            t0 = _now()
+            sender.start()
+            conn, _ = listener.accept()
+            with conn:
+                got = 0
+                while got < len(view):
+                    n = conn.recv_into(view[got:])
+                    if not n:
+                        raise RuntimeError(f"loopback sender stopped after {got} bytes")
+                    got += n
+            times.append(_now() - t0)
+            sender.join()
+    if bytes(view[-4096:]) != bytes(data[-4096:]):
+        raise RuntimeError("loopback copy corrupted the data")
+    return times
+
+
+def _send_all(port: int, data: memoryview) -> None:
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(data)
+
+
+def limit_page_cache_read(data: memoryview, directory: str, repeat: int) -> list[float]:
+    path = Path(directory) / "limit-read.bin"
+    with open(path, "wb") as f:
+        f.write(data)
+    dst = bytearray(len(data))
+    view = memoryview(dst)
+    times = []
+    try:
+        for _ in range(repeat):
+            t0 = _now()
+            with open(path, "rb", buffering=0) as f:
+                pos = 0
+                while pos < len(view):
+                    n = f.readinto(view[pos:])
+                    if not n:
+                        break
+                    pos += n
+            times.append(_now() - t0)
+    finally:
+        path.unlink()
+    return times
+
+
+async def limit_stock_object_store(url: str, data: memoryview) -> dict[str, float]:
+    """nats-py's ObjectStore put and get of the same bytes (once each: the get is slow)."""
+    import nats
+
+    nc = await nats.connect(url)
+    try:
+        js = nc.jetstream()
+        store = await js.create_object_store("rolectl_bench_stock")
+        payload = bytes(data)
+        t0 = _now()
+        await store.put("weights", payload)
+        t1 = _now()
+        got = await store.get("weights")
+        t2 = _now()
+        if got.data != payload:
+            raise RuntimeError("stock object store returned different bytes")
+        await js.delete_object_store("rolectl_bench_stock")
+    finally:
+        await nc.close()
+    return {"put_seconds": t1 - t0, "get_seconds": t2 - t1}
+
+
+async def measure_limits(ctx: "BenchContext") -> None:
+    data = ctx.flat
+    n = len(data)
+    memcpy = limit_host_memcpy(data, ctx.repeat)
+    loop = limit_loopback_socket(data, ctx.repeat)
+    page = limit_page_cache_read(data, ctx.workdir, ctx.repeat)
+    ctx.progress(f"limits: memcpy {n / min(memcpy) / 1e9:.2f}, loopback {n / min(loop) / 1e9:.2f} GB/s; "
+                 "stock object store (slow)...")
+    stock = await limit_stock_object_store(ctx.url, data)
+    ctx.limits.update(
+        loopback_socket_gbps=n / min(loop) / 1e9,
+        stock_nats_object_store_gbps=n / stock["get_seconds"] / 1e9,
+        host_memcpy_gbps=n / min(memcpy) / 1e9,
+        page_cache_read_gbps=n / min(page) / 1e9,
+    )
+    ctx.details.update(
+        loopback_socket_seconds=_best_median(loop),
+        host_memcpy_seconds=_best_median(memcpy),
+        page_cache_read_seconds=_best_median(page),
+        stock_nats_object_store_put_gbps=n / stock["put_seconds"] / 1e9,
+        stock_nats_object_store_seconds=stock,
+    )
+
+
+# explorer worker processes ------------------------------------------------------------------------
+
+
+async def _object_store_worker(spec: dict) -> tuple[Any, Callable[[], Awaitable[None]]]:
+    import nats
+
+    from bus.weights.object_store import ObjectStoreTransport
+
+    nc = await nats.connect(spec["url"])
+    transport = ObjectStoreTransport(nc, spec["job"], storage=spec.get("storage", "memory"))
+
+    async def close() -> None:
+        await transport.aclose()
+        await nc.close()
+
+    return transport, close
+
+
+async def _checkpoint_worker(spec: dict) -> tuple[Any, Callable[[], Awaitable[None]]]:
+    from bus.weights.checkpoint import CheckpointTransport
+
+    transport = CheckpointTransport(spec["root"])
+    return transport, transport.aclose
+
+
+# name -> async factory(spec) -> (transport with .fetch, async close)
+WORKER_FACTORIES: dict[str, Callable[[dict], Awaitable[tuple[Any, Callable[[], Awaitable[None]]]]]] = {
+    "object_store": _object_store_worker,
+    "checkpoint": _checkpoint_worker,
+}
+
+
+def _rss_kib(field_name: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+async def _worker_main(spec: dict) -> None:
+    """An explorer: build the transport, then for each `fetch` line on stdin fetch and report."""
+    from bus.weights.base import WeightsRef
+
+    transport, close = await WORKER_FACTORIES[spec["factory"]](spec)
+    print(json.dumps({"ready": True}), flush=True)
+    try:
+        while True:
+            line = await asyncio.to_thread(sys.stdin.readline)
+            if not line or line.strip() == "quit":
+                return
+            ref = WeightsRef(**json.loads(line))
+            with contextlib.suppress(OSError):  # reset VmHWM to the current RSS (Linux >= 4.0)
+                Path("/proc/self/clear_refs").write_text("5")
+            rss0 = _rss_kib("VmRSS")
+            t0 = _now()
+            tensors = await transport.fetch(ref)
+            t1 = _now()
+            peak = _rss_kib("VmHWM")
+            got = sum(t.numel() * t.element_size() for t in tensors.values())
+            del tensors
+            print(json.dumps({"t0": t0, "t1": t1, "nbytes": got, "peak_kib": peak - rss0}), flush=True)
+    finally:
+        await close()
+
+
+class _Explorers:
+    """K worker processes for one transport; `fetch(k, ref)` has the first k fetch at once."""
+
+    def __init__(self, spec: dict, count: int):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(_ROOT), os.environ.get("PYTHONPATH", "")])}
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "benchmarks.weights", "--worker", json.dumps(spec)],
+                cwd=str(_ROOT), env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            )
+            for _ in range(count)
+        ]
+
+    async def ready(self) -> None:
+        for proc in self.procs:
+            await self._read(proc)
+
+    async def _read(self, proc) -> dict:
+        line = await asyncio.to_thread(proc.stdout.readline)
+        if not line:
+            raise RuntimeError(f"explorer worker {proc.pid} died (exit {proc.wait()}); see its stderr")
+        return json.loads(line)
+
+    async def fetch(self, k: int, ref) -> list[dict]:
+        body = json.dumps({"version": ref.version, "location": ref.location, "nbytes": ref.nbytes,
+                           "digest": ref.digest}) + "\n"
+        for proc in self.procs[:k]:
+            proc.stdin.write(body)
+            proc.stdin.flush()
+        results = [await self._read(proc) for proc in self.procs[:k]]
+        for r in results:
+            if r["nbytes"] != ref.nbytes:
+                raise RuntimeError(f"explorer got {r['nbytes']} bytes, expected {ref.nbytes}")
+        return results
+
+    def close(self) -> None:
+        for proc in self.procs:
+            with contextlib.suppress(OSError, ValueError):
+                proc.stdin.write("quit\n")
+                proc.stdin.close()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+# transports -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class BenchContext:
+    """Everything a transport bench needs; benches add to `limits` / `details` / `transports`."""
+
+    size_mb: int
+    explorers: int
+    repeat: int
+    url: str
+    workdir: str
+    state: dict[str, torch.Tensor]
+    flat: memoryview
+    limits: dict[str, float] = field(default_factory=dict)
+    details: dict[str, Any] = field(default_factory=dict)
+    transports: dict[str, dict[str, Any]] = field(default_factory=dict)
+    progress: Callable[[str], None] = print
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.flat)
+
+
+async def bench_pull(ctx: BenchContext, transport, worker_spec: dict, limit_key: str) -> dict:
+    """Publish `repeat` versions; after each, one explorer fetches, then K fetch at once."""
+    explorers = _Explorers(worker_spec, max(ctx.explorers, 1))
+    try:
+        await explorers.ready()
+        publish, single, fanout, peaks = [], [], [], []
+        for version in range(1, ctx.repeat + 1):
+            t0 = _now()
+            ref = await transport.publish(version, ctx.state)
+            publish.append(_now() - t0)
+            one = await explorers.fetch(1, ref)
+            single.append(one[0]["t1"] - one[0]["t0"])
+            peaks.append(one[0]["peak_kib"])
+            if ctx.explorers > 1:
+                many = await explorers.fetch(ctx.explorers, ref)
+                fanout.append(max(r["t1"] for r in many) - min(r["t0"] for r in many))
+                peaks += [r["peak_kib"] for r in many]
+    finally:
+        explorers.close()
+        await transport.aclose()
+    best = min(single)
+    out: dict[str, Any] = {
+        "gbps": ctx.nbytes / best / 1e9,
+        "seconds": best,
+        "median_seconds": statistics.median(single),
+        "median_gbps": ctx.nbytes / statistics.median(single) / 1e9,
+        "ratio_to_limit": ctx.nbytes / best / 1e9 / ctx.limits[limit_key],
+        "limit": limit_key,
+        "publish_seconds": min(publish),
+        "publish_gbps": ctx.nbytes / min(publish) / 1e9,
+        "end_to_end_seconds": min(publish) + best,
+        "receiver_peak_mib": max(peaks) / 1024,
+        "receiver_peak_over_model": max(peaks) * 1024 / ctx.nbytes,
+    }
+    if fanout:
+        out.update(
+            explorers=ctx.explorers,
+            fanout_seconds=min(fanout),
+            fanout_ratio=min(fanout) / best,
+            fanout_median_ratio=statistics.median(fanout) / statistics.median(single),
+        )
+    return out
+
+
+async def _bench_object_store(ctx: BenchContext, storage: str) -> dict:
+    import nats
+
+    from bus.weights.object_store import ObjectStoreTransport
+
+    job = f"bench-{storage}"
+    nc = await nats.connect(ctx.url)
+    try:
+        transport = ObjectStoreTransport(nc, job, storage=storage)
+        result = await bench_pull(
+            ctx, transport, {"factory": "object_store", "url": ctx.url, "job": job, "storage": storage},
+            "loopback_socket_gbps",
+        )
+        result.update(storage=storage, chunk_bytes=transport.chunk_size)
+        return result
+    finally:
+        await nc.close()
+
+
+async def bench_object_store(ctx: BenchContext) -> dict:
+    """The default configuration: memory storage."""
+    return await _bench_object_store(ctx, "memory")
+
+
+async def bench_object_store_file(ctx: BenchContext) -> dict:
+    """File storage (survives a server restart)."""
+    return await _bench_object_store(ctx, "file")
+
+
+async def bench_checkpoint(ctx: BenchContext) -> dict:
+    from bus.weights.checkpoint import CheckpointTransport
+
+    root = str(Path(ctx.workdir) / "checkpoints")
+    result = await bench_pull(
+        ctx, CheckpointTransport(root), {"factory": "checkpoint", "root": root}, "page_cache_read_gbps"
+    )
+    result["directory"] = root
+    return result
+
+
+TRANSPORT_BENCHES: dict[str, Callable[[BenchContext], Awaitable[dict]]] = {
+    "object_store": bench_object_store,
+    "object_store_file": bench_object_store_file,
+    "checkpoint": bench_checkpoint,
+}
+
+
+# the run --------------------------------------------------------------------------------------------
+
+
+async def run(size_mb: int, explorers: int, repeat: int, *, dist: bool = True,
+              only: list[str] | None = None, progress: Callable[[str], None] = print) -> dict:
+    from bus.server import NatsServer
+    from bus.weights.format import default_digest_algorithm
+
+    state = build_state_dict(size_mb)
+    with tempfile.TemporaryDirectory(prefix="rolectl-bench-") as workdir:
+        async with NatsServer(store_dir=str(Path(workdir) / "nats")) as server:
+            ctx = BenchContext(size_mb=size_mb, explorers=explorers, repeat=repeat, url=server.url,
+                               workdir=workdir, state=state, flat=_flat_bytes(state), progress=progress)
+            load_before = os.getloadavg()
+            await measure_limits(ctx)
+            for name, bench in TRANSPORT_BENCHES.items():
+                if only and name not in only:
+                    continue
+                progress(f"transport {name}...")
+                ctx.transports[name] = await bench(ctx)
+            load_after = os.getloadavg()
+    result: dict[str, Any] = {
+        "size_mb": size_mb,
+        "nbytes": ctx.nbytes,
+        "explorers": explorers,
+        "repeat": repeat,
+        "digest": default_digest_algorithm(),
+        "machine": {"cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": load_after},
+        "limits": ctx.limits,
+        "limit_details": ctx.details,
+        "transports": ctx.transports,
+    }
+    if dist:
+        try:
+            import benchmarks.weights_dist as weights_dist
+        except ImportError:
+            weights_dist = None
+        if weights_dist is not None:
+            progress("benchmarks.weights_dist.measure...")
+            limits, transports = await asyncio.to_thread(weights_dist.measure, size_mb, explorers)
+            result["limits"].update(limits)
+            result["transports"].update(transports)
+    return result
+
+
+def render(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"weights: {result['size_mb']} MiB to {result['explorers']} explorer(s), "
+                        f"digest {result['digest']}; GB/s = 1e9 B/s")
+    for col in ("what", "GB/s best", "s best", "GB/s median", "of limit", "publish GB/s", "fan-out s",
+                "fan-out / one", "recv peak MiB"):
+        table.add_column(col, justify="left" if col == "what" else "right")
+    for key, value in result["limits"].items():
+        table.add_row(f"limit {key.removesuffix('_gbps')}", f"{value:.2f}", *[""] * 7)
+    for name, t in result["transports"].items():
+        def fmt(key, spec):
+            return format(t[key], spec) if key in t else ""
+        table.add_row(
+            name, fmt("gbps", ".2f"), fmt("seconds", ".3f"), fmt("median_gbps", ".2f"),
+            format(t["ratio_to_limit"], ".0%") if "ratio_to_limit" in t else "",
+            fmt("publish_gbps", ".2f"), fmt("fanout_seconds", ".3f"), fmt("fanout_ratio", ".2f"),
+            fmt("receiver_peak_mib", ".0f"),
+        )
+    Console(width=160).print(table)
+    limits, transports = result["limits"], result["transports"]
+    if "object_store" in transports and limits.get("stock_nats_object_store_gbps"):
+        print(f"object_store vs stock nats-py ObjectStore get: "
+              f"{transports['object_store']['gbps'] / limits['stock_nats_object_store_gbps']:.0f}x")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.weights", description=__doc__.splitlines()[0])
+    parser.add_argument("--size-mb", type=int, default=256)
+    parser.add_argument("--explorers", type=int, default=1)
+    parser.add_argument("--repeat", type=int, default=5, help="timed rounds per transport (best and median)")
+    parser.add_argument("--json", help="write the results here as JSON")
+    parser.add_argument("--only", nargs="*", help=f"transports to run (of {', '.join(TRANSPORT_BENCHES)})")
+    parser.add_argument("--no-dist", action="store_true", help="skip benchmarks.weights_dist")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        asyncio.run(_worker_main(json.loads(args.worker)))
+        return
+    if args.size_mb <= 0 or args.explorers <= 0 or args.repeat <= 0:
+        parser.error("--size-mb, --explorers and --repeat must be positive")
+    result = asyncio.run(run(args.size_mb, args.explorers, args.repeat, dist=not args.no_dist, only=args.only,
+                             progress=lambda m: print(m, file=sys.stderr, flush=True)))
+    render(result)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
