@@ -115,9 +115,15 @@ def status(job: str, nats: str, as_json: bool) -> None:
               help="File to write (.jsonl for JSON lines, .msgpack for msgpack).")
 def export(job: str, nats: str, output: str) -> None:
     """Write a job's recorded events and decisions, with sequences and server timestamps."""
-    from roles.replay import export_job
+    from bus.errors import BusError
+    from bus.logging import setup_logging
+    from roles.replay import ExportError, export_job
 
-    n = asyncio.run(export_job(job, nats, Path(output)))
+    setup_logging("warning")
+    try:
+        n = asyncio.run(export_job(job, nats, Path(output)))
+    except (ExportError, BusError, ValueError) as exc:  # bad path, NATS away, no such job
+        raise click.ClickException(str(exc)) from None
     click.echo(f"wrote {n} records to {output}")
 
 
