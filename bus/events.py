@@ -43,6 +43,7 @@ from sync_protocol import (
     encode,
 )
 
+from .aio import raise_if_cancelling
 from .connection import BusConnection
 from .errors import BusClosed, BusError, PublishRejected
 
@@ -463,6 +464,7 @@ class EventReader:
         try:
             msgs = await self._sub.fetch(self.batch, timeout=self.poll_s)
         except asyncio.TimeoutError:
+            raise_if_cancelling()
             await self._check_consumer()
             return
         except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError) as exc:
@@ -476,6 +478,7 @@ class EventReader:
             self.conn.log.debug("bus.reader_fetch_failed", stream=self._stream, error=str(exc))
             await asyncio.sleep(min(self.poll_s, 0.5))
             return
+        raise_if_cancelling()
         self._buf.extend(msgs)
 
     async def _check_consumer(self) -> None:

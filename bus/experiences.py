@@ -25,6 +25,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from sync_protocol import MemberRef
 
+from .aio import raise_if_cancelling
 from .connection import BusConnection
 from .errors import AckFailed, BusClosed, BusError, MalformedExperience
 
@@ -323,6 +324,7 @@ class ExperienceReader:
             await self._ensure()
             msgs = await self._sub.fetch(max_batches, timeout=timeout)
         except asyncio.TimeoutError:
+            raise_if_cancelling()
             return []
         except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError) as exc:
             raise BusClosed(f"cannot fetch experiences: connection {self.conn.name} is closed") from exc
@@ -333,6 +335,7 @@ class ExperienceReader:
             await self.aclose()
             await asyncio.sleep(min(timeout, 1.0))
             return []
+        raise_if_cancelling()  # unacked messages are redelivered: nothing is lost by stopping here
         out = []
         for msg in msgs:
             meta = msg.metadata
