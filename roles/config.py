@@ -67,6 +67,9 @@ class TransportConfig:
     """Weight-transport knobs."""
 
     checkpoint_dir: str | None = None  # shared directory for sync_method=checkpoint
+    # Where the object store keeps weight chunks: "memory" fetches about 2x faster here; "file"
+    # survives a nats-server restart (a lost version only costs explorers one sync either way).
+    object_store_storage: str = "memory"
     bucket_size_mb: int = 512  # torch.distributed broadcast bucket size
     group_timeout_s: float = 60.0  # a dead peer mid-broadcast fails the transfer after this
 
@@ -134,6 +137,8 @@ def _check_field(section: str, f: dataclasses.Field, value: Any, problems: list)
         problems.append((where, f"must be null or an integer > 0, got {value!r}"))
     elif f.name in ("checkpoint_dir",) and value is not None and not isinstance(value, str):
         problems.append((where, f"must be a path string or null, got {value!r}"))
+    elif f.name == "object_store_storage" and value not in ("memory", "file"):
+        problems.append((where, f"must be memory or file, got {value!r}"))
     elif f.name == "stop_with_trainer" and not isinstance(value, bool):
         problems.append((where, f"must be true or false, got {value!r}"))
     elif f.name == "step_delay_s":

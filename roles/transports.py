@@ -19,11 +19,12 @@ def make_pull_transport(cfg: JobConfig, conn) -> PullTransport:
     if method is SyncMethod.MEMORY:
         from bus.weights.object_store import ObjectStoreTransport
 
-        return ObjectStoreTransport(conn.nc, job=cfg.job)
+        return ObjectStoreTransport(conn.nc, cfg.job, keep=cfg.trainer.keep_versions,
+                                    storage=cfg.transport.object_store_storage)
     if method is SyncMethod.CHECKPOINT:
         from bus.weights.checkpoint import CheckpointTransport
 
-        return CheckpointTransport(cfg.weights_checkpoint_dir)
+        return CheckpointTransport(cfg.weights_checkpoint_dir, keep=cfg.trainer.keep_versions)
     raise ValueError(f"{method.value} is not a pull method")
 
 
