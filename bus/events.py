@@ -22,7 +22,7 @@ import inspect
 import socket
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 import msgpack
 import nats.errors
@@ -35,10 +35,9 @@ from sync_protocol import (
     DecodeError,
     Event,
     MemberRef,
-    MemberReleased,
     Recorded,
-    Role,
     RunningStatus,
+    decision_identity,
     decode,
     encode,
 )
@@ -124,8 +123,8 @@ class EventPublisher:
 
 def decision_msg_id(decision: Decision) -> str:
     """`d/<round>/<kind>/<cause_seq>/<released member key or empty>`: equal for equal decisions."""
-    released = decision.released.key if isinstance(decision, MemberReleased) else ""
-    return f"d/{decision.round}/{decision.KIND}/{decision.cause_seq}/{released}"
+    kind, round_id, cause_seq, released = decision_identity(decision)
+    return f"d/{round_id}/{kind}/{cause_seq}/{released}"
 
 
 class DecisionPublisher:

@@ -32,8 +32,8 @@ from roles.inspect import JobObserver
 from sync_protocol import (
     Decision,
     DecodeError,
-    MemberReleased,
     Recorded,
+    decision_identity,
     from_plain,
     to_plain,
 )
@@ -295,12 +295,6 @@ def build_timeline(records: list[Recorded], until: int | _dt.datetime | str | No
 
 # --------------------------------------------------------------------------------------------------
 # --check
-
-
-def decision_identity(decision: Decision) -> tuple[str, int, int, str]:
-    """What makes two decisions "the same one": kind, round, cause_seq, released member."""
-    released = decision.released.key if isinstance(decision, MemberReleased) else ""
-    return (decision.KIND, decision.round, decision.cause_seq, released)
 
 
 @dataclass(frozen=True)

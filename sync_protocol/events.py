@@ -50,6 +50,7 @@ __all__ = [
     "DECISION_KINDS",
     "KINDS",
     "AnyEvent",
+    "decision_identity",
 ]
 
 
@@ -480,3 +481,10 @@ class Recorded:
     seq: int
     time_ms: int
     event: Event | Decision
+
+
+def decision_identity(decision: Decision) -> tuple[str, int, int, str]:
+    """What makes two decisions "the same one" (kind, round, cause, released member): replicas and
+    replay line decisions up by it, and the bus derives a decision's message id from it."""
+    released = decision.released.key if isinstance(decision, MemberReleased) else ""
+    return (decision.KIND, decision.round, decision.cause_seq, released)

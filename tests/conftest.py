@@ -32,3 +32,14 @@ def job_name(request) -> str:
     """A job name unique to this test (stream and subject names derive from it)."""
     base = "".join(c if c.isalnum() else "-" for c in request.node.name)[:40].strip("-")
     return f"t{os.getpid() % 10000}-{next(_counter)}-{base}"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_structlog():
+    """structlog's configuration is process-global: a test that points it at a captured stream
+    must not leave later tests writing to that (closed) stream."""
+    from bus.logging import setup_logging
+
+    setup_logging("info")  # stderr, one JSON line per event, as the roles log
+    yield
+    setup_logging("info")
