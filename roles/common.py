@@ -29,11 +29,12 @@ from sync_protocol import (
     Role,
     RunningStatus,
     StatusChanged,
+    WeightsBroadcast,
 )
 from sync_protocol.reducer import reduce
-from sync_protocol.state import State
+from sync_protocol.state import RoundPhase, State
 
-__all__ = ["new_incarnation", "JobView", "MemberSession", "install_stop_signals", "RoleStopped"]
+__all__ = ["new_incarnation", "JobView", "MemberSession", "install_stop_signals", "RoleStopped", "stop_task"]
 
 
 class RoleStopped(Exception):
@@ -62,6 +63,7 @@ class JobView:
         self.decisions: list[Recorded] = []
         self.inputs_seen = 0
         self.last_seq = 0
+        self.broadcast_version = 0  # the newest version a trainer reported broadcast (rendezvous)
         self._changed = asyncio.Condition()
         self._task: asyncio.Task | None = None
         self._log = log or structlog.get_logger()
@@ -86,6 +88,8 @@ class JobView:
                 self.decisions.append(rec)
             else:
                 self.inputs_seen += 1
+                if isinstance(rec.event, WeightsBroadcast):
+                    self.broadcast_version = max(self.broadcast_version, rec.event.version)
                 try:
                     self.state, _ = reduce(self.state, rec)
                 except ProtocolError as exc:
@@ -128,11 +132,7 @@ class JobView:
 
     async def aclose(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+            await stop_task(self._task, log=self._log)
             self._task = None
 
 
@@ -189,6 +189,26 @@ class MemberSession:
     async def publish(self, event: Event) -> int:
         return await self.publisher.publish(event)
 
+    async def settle_previous_round(self, timeout: float) -> None:
+        """Wait until no rendezvous round we take part in is still transferring.
+
+        A participant that reported its part of round N (WeightsLoaded / WeightsBroadcast) stays in
+        REQUIRE_SYNC until the last participant reports and the round closes; a REQUIRE_SYNC it
+        sends meanwhile is taken for a repeat of its round-N request and ignored, and the round's
+        close then sets it RUNNING: its next rendezvous would never gather. So the next request
+        goes out only once our view (the same fold as the synchronizer's) has the round closed.
+        """
+        key = self.me.key
+
+        def settled(view: JobView) -> bool:
+            return not any(r.phase is RoundPhase.TRANSFERRING and key in r.participants
+                           for r in view.state.rounds.values())
+
+        try:
+            await self.view.wait_for(settled, timeout=timeout, what="the previous round to close")
+        except TimeoutError:
+            self.log.warning("previous_round_not_closed", timeout=timeout)
+
     async def set_status(self, status: RunningStatus, *, rendezvous: str | None = None) -> int:
         self.status = status
         return await self.publish(
@@ -208,15 +228,30 @@ class MemberSession:
 
     async def __aexit__(self, *exc) -> None:
         if self._heartbeat_task is not None:
-            self._heartbeat_task.cancel()
-            try:
-                await self._heartbeat_task
-            except (asyncio.CancelledError, Exception):
-                pass
+            await stop_task(self._heartbeat_task, log=self.log)
         if self.view is not None:
             await self.view.aclose()
         if self._stack is not None:
             await self._stack.aclose()
+
+
+async def stop_task(task: asyncio.Task, *, log=None, poll_s: float = 0.5) -> None:
+    """Cancel `task` and wait until it has ended, cancelling again if a cancellation was lost.
+
+    Before Python 3.12, `asyncio.wait_for` returns the result instead of raising CancelledError
+    when the awaited future completes in the same loop iteration as the cancellation (nats-py's
+    `next_msg` awaits `wait_for(queue.get())`); the task then goes on as if never cancelled, and a
+    plain `task.cancel(); await task` waits for ever (a role that finished but never exits).
+    """
+    attempts = 0
+    while not task.done():
+        task.cancel()
+        attempts += 1
+        await asyncio.wait({task}, timeout=poll_s)
+    if attempts > 1 and log is not None:
+        log.info("task_cancel_repeated", task=task.get_name(), attempts=attempts)
+    if not task.cancelled() and task.exception() is not None and log is not None:
+        log.debug("task_ended_with_error", task=task.get_name(), error=str(task.exception()))
 
 
 def install_stop_signals(task: asyncio.Task) -> None:

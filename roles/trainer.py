@@ -59,8 +59,13 @@ class Trainer:
         self.last_sync_step = 0
         self.version = 0  # the base model
         self.dropped_stale = 0
-        self.unacked: list = []  # experience messages used since the last checkpoint
-        self.leftover: list = []  # experiences fetched but not yet trained on
+        # Experience messages fetched and not yet acked, by stream seq. One is acked only at a
+        # checkpoint that covers all its experiences, so a restart neither loses nor repeats any.
+        self.held: dict[int, object] = {}
+        self.leftover: list = []  # (seq, index, experience) fetched but not yet trained on
+        self.acked_at_save: set[int] = set()  # seqs the last checkpoint acks (the ack may be lost)
+        self.partial: dict[int, set[int]] = {}  # seq -> indices not trained as of the checkpoint
+        self.last_metrics: dict | None = None  # the saved step's StepFinished metrics
         self.answered_rounds: set[int] = set()
         self._resume()
 
@@ -74,6 +79,9 @@ class Trainer:
         self.last_sync_step = state["last_sync_step"]
         self.version = state["version"]
         self.dropped_stale = state.get("dropped_stale", 0)
+        self.acked_at_save = set(state.get("acked_seqs", ()))
+        self.partial = {int(seq): set(idx) for seq, idx in state.get("partial", {}).items()}
+        self.last_metrics = state.get("metrics")
 
     async def run(self) -> None:
         async with MemberSession(self.cfg, Role.TRAINER, self.member_id) as session:
@@ -81,11 +89,17 @@ class Trainer:
             self.log = session.log
             await session.view.start()
             latest = session.view.state.latest
+            previous = session.view.member(Role.TRAINER, self.member_id)
+            reported_step = previous.step if previous is not None else 0
             if latest.version > self.version:
                 # Announced after our last checkpoint was saved (we died between the two): it
                 # is the version of our current step, so it counts as synced.
                 self.version = latest.version
                 self.last_sync_step = max(self.last_sync_step, latest.step)
+            if self.sync.sync_method.is_rendezvous and session.view.broadcast_version > self.version:
+                # Likewise for a broadcast our previous incarnation sent after the checkpoint.
+                self.version = session.view.broadcast_version
+                self.last_sync_step = max(self.last_sync_step, self.version)
             session.step = self.engine.step
             session.version = self.version
             self.method = self.sync.sync_method
@@ -98,6 +112,13 @@ class Trainer:
             self.log.info("trainer_ready", step=self.engine.step, version=self.version,
                           method=self.method.value, style=self.sync.sync_style.value)
             try:
+                if self.engine.step > reported_step and self.last_metrics is not None:
+                    # We died between our checkpoint and its StepFinished: report the step now,
+                    # once (steps are reported after they are saved, so never twice).
+                    await self._step_finished(self.last_metrics)
+                if (self.engine.step > self.last_sync_step
+                        and self.sync.sync_style is not SyncStyle.EXPLORER_DRIVEN and await self.need_sync()):
+                    await self.sync_weight()  # ... and before syncing it: sync it now
                 await self.train()
             finally:
                 await self._cleanup()
@@ -115,14 +136,20 @@ class Trainer:
             metrics["mean_staleness"] = (
                 sum(self.version - e.model_version for e in batch) / len(batch) if batch else 0.0
             )
-            await self.s.publish(StepFinished(member=self.s.me, step=self.engine.step,
-                                              version=self.version, metrics=metrics))
-            self.log.info("train_step", step=self.engine.step, version=self.version,
-                          reward=round(metrics.get("reward_mean", 0.0), 4), loss=round(metrics.get("loss", 0.0), 4))
+            self.last_metrics = metrics
+            # Saved before it is reported: a restart resumes after the last reported step, never
+            # repeats one (a step saved but not reported is reported by the restart).
             if self.need_save():
                 await self.save_checkpoint()
+            await self._step_finished(metrics)
             if await self.need_sync():
                 await self.sync_weight()
+
+    async def _step_finished(self, metrics: dict) -> None:
+        await self.s.publish(StepFinished(member=self.s.me, step=self.engine.step,
+                                          version=self.version, metrics=metrics))
+        self.log.info("train_step", step=self.engine.step, version=self.version,
+                      reward=round(metrics.get("reward_mean", 0.0), 4), loss=round(metrics.get("loss", 0.0), 4))
 
     async def _sample(self):
         """Collect one step's experiences; while waiting, answer explorer-driven sync requests."""
@@ -132,19 +159,28 @@ class Trainer:
             await self._serve_sync_requests()
             received = await self.reader.fetch(max_batches=8, timeout=0.5)
             for msg in received:
-                self.unacked.append(msg)
-                for exp in msg.batch.experiences:
+                if msg.seq in self.held:  # redelivered while we hold it: keep the newer delivery
+                    self.held[msg.seq] = msg
+                    continue
+                if msg.seq in self.acked_at_save:  # trained and acked by our checkpoint; the ack was lost
+                    await msg.ack()
+                    continue
+                keep = self.partial.pop(msg.seq, None)  # part of it was trained before a restart
+                self.held[msg.seq] = msg
+                for index, exp in enumerate(msg.batch.experiences):
+                    if keep is not None and index not in keep:
+                        continue
                     if is_stale(exp.model_version, self.version, self.sync.max_staleness):
                         self.dropped_stale += 1
                     else:
-                        batch.append(exp)
+                        batch.append((msg.seq, index, exp))
             if not received and self._explorers_done():
                 # Nobody will produce more: train on what is left, or stop.
-                return batch or None
-            for msg in self.unacked:
+                return [exp for _, _, exp in batch] or None
+            for msg in self.held.values():
                 await msg.in_progress()  # keep held messages from being redelivered meanwhile
         self.leftover = batch[self.experiences_per_step:]
-        return batch[: self.experiences_per_step]
+        return [exp for _, _, exp in batch[: self.experiences_per_step]]
 
     def _explorers_done(self) -> bool:
         explorers = [m for m in self.s.view.state.members.values() if m.ref.role is Role.EXPLORER]
@@ -194,6 +230,7 @@ class Trainer:
         self.last_sync_step = step
 
     async def _sync_rendezvous(self, step: int) -> None:
+        await self.s.settle_previous_round(self.sync.sync_timeout)
         offer = f"{_advertised_host()}:{self.transport.offer_port()}"
         seq = await self.s.set_status(RunningStatus.REQUIRE_SYNC, rendezvous=offer)
         me = self.s.me
@@ -234,14 +271,23 @@ class Trainer:
         step = self.engine.step
         name = f"step-{step}"
         await asyncio.to_thread(self.engine.save_checkpoint, self.ckpt_dir / name)
+        # Messages whose experiences are all trained on are acked; the others (their rest is in
+        # `leftover`) stay held, and the checkpoint says which of their experiences remain.
+        partial: dict[int, list[int]] = {}
+        for seq, index, _ in self.leftover:
+            partial.setdefault(seq, []).append(index)
+        done = [msg for seq, msg in self.held.items() if seq not in partial]
         state = {"checkpoint": name, "step": step, "last_sync_step": self.last_sync_step,
-                 "version": self.version, "dropped_stale": self.dropped_stale}
+                 "version": self.version, "dropped_stale": self.dropped_stale,
+                 "metrics": self.last_metrics, "acked_seqs": [msg.seq for msg in done],
+                 "partial": {str(seq): indices for seq, indices in partial.items()}}
         # If we die after this but before publishing the version, the restart publishes it.
         _atomic_write_json(self.ckpt_dir / "trainer_state.json", state)
         _prune_checkpoints(self.ckpt_dir, keep=2)
         # Only now are the experiences of these steps safe: ack them.
-        acked, self.unacked = self.unacked, []
-        for msg in acked:
+        self.acked_at_save = {msg.seq for msg in done}
+        for msg in done:
+            del self.held[msg.seq]
             await msg.ack()
 
     async def _cleanup(self) -> None:

@@ -1,0 +1,375 @@
+"""Helpers of the end-to-end tests: job configs, `rolectl up` as a subprocess, a job whose roles the
+test starts and kills itself, and the decision check (recorded decisions = fold of recorded inputs).
+
+Everything is real: a real nats-server, every role its own OS process (`python -m roles.cli ...`).
+Nothing sleeps to synchronise: the tests wait for events in the job's stream, or poll a condition
+with a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from bus.connection import connect
+from bus.events import read_events
+from bus.server import NatsServer
+from bus.streams import ensure_event_stream, ensure_experience_stream
+from roles.config import JobConfig, load_config
+from roles.replay import check_decisions, load_export
+from sync_protocol import Decision, Event, Recorded, Role
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = Path(__file__).resolve().parent / "configs"
+
+__all__ = [
+    "ROOT",
+    "CONFIGS",
+    "job_config",
+    "UpRun",
+    "run_up",
+    "decision_problems",
+    "assert_decisions_replay",
+    "LiveJob",
+    "of_kind",
+    "trainer_steps",
+]
+
+
+# -- configs ---------------------------------------------------------------------------------------
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def job_config(tmp_path: Path, base: str = "small.yaml", *, job: str | None = None, **sections: Any) -> Path:
+    """Write `configs/<base>` with `sections` merged in (e.g. synchronizer={"sync_style": ...}) as
+    `<tmp_path>/job.yaml`, its run_dir under `tmp_path`. Returns the path."""
+    data = yaml.safe_load((CONFIGS / base).read_text())
+    data = _merge(data, sections)
+    data["run_dir"] = str(tmp_path / "runs")
+    if job is not None:
+        data["job"] = job
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    load_config(path)  # fail here, with the config's own message, rather than in a role
+    return path
+
+
+# -- rolectl up ------------------------------------------------------------------------------------
+
+@dataclass
+class UpRun:
+    rc: int
+    wall_s: float
+    summary: dict
+    records: list[Recorded]
+    output: str
+
+    def role_logs(self, lines: int = 25) -> str:
+        """The last lines of every role's log (for assertion messages)."""
+        run_dir = self.summary.get("run_dir")
+        if not run_dir:
+            return self.output[-4000:]
+        out = []
+        for log in sorted((Path(run_dir) / "logs").glob("*.log")):
+            with open(log, "rb") as fh:
+                tail = b"".join(deque(fh, maxlen=lines)).decode(errors="replace")
+            out.append(f"--- {log.name}\n{tail}")
+        return "\n".join(out)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out.extend(int(c) for c in (task / "children").read_text().split())
+        except OSError:
+            pass
+    return out
+
+
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        for child in _children(todo.pop()):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a process we started and every process it started (found by PID under /proc)."""
+    for pid in reversed(_descendants(proc.pid)):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+
+
+def run_up(config_path: Path, tmp_path: Path, *, timeout: float = 150.0, extra: tuple[str, ...] = ()) -> UpRun:
+    """`python -m roles.cli up --config ... --summary ... --no-dashboard` to its end (or `timeout`)."""
+    summary_path = tmp_path / "summary.json"
+    out_path = tmp_path / "up.out"
+    started = time.monotonic()
+    with open(out_path, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "roles.cli", "up", "--config", str(config_path),
+             "--summary", str(summary_path), "--no-dashboard", *extra],
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        )
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGINT)  # `up` stops its roles in order and writes the summary
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+            _kill_tree(proc)
+            rc = -1
+        finally:
+            if proc.poll() is None:
+                _kill_tree(proc)
+    wall = time.monotonic() - started
+    output = out_path.read_text(errors="replace")
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    records = load_export(summary["events_file"]) if summary.get("events_file") else []
+    if rc == -1:
+        raise AssertionError(f"rolectl up did not finish within {timeout} s\n{output[-4000:]}")
+    return UpRun(rc=rc, wall_s=wall, summary=summary, records=records, output=output)
+
+
+# -- the decision check ----------------------------------------------------------------------------
+
+def decision_problems(records: list[Recorded], *, allow_cut: bool = False) -> list[str]:
+    """Differences between the recorded decisions and those a fold of the recorded inputs computes
+    (`roles.replay.check_decisions`: identity (kind, round, cause_seq, released) and full content,
+    duplicates, order, missing). With `allow_cut`, a decision caused by the very last inputs and
+    not recorded (the recording ended first) is not a problem."""
+    return [m.describe() for m in check_decisions(records) if not (allow_cut and m.warning)]
+
+
+def assert_decisions_replay(records: list[Recorded], *, allow_cut: bool = False) -> None:
+    decisions = [r for r in records if isinstance(r.event, Decision)]
+    assert decisions, "no decision was recorded at all"
+    problems = decision_problems(records, allow_cut=allow_cut)
+    assert not problems, "recorded decisions differ from the fold of the recorded inputs:\n" + "\n".join(problems)
+
+
+def of_kind(records: list[Recorded], cls: type, *, role: Role | None = None, member: str | None = None) -> list[Recorded]:
+    out = []
+    for rec in records:
+        ev = rec.event
+        if not isinstance(ev, cls):
+            continue
+        if isinstance(ev, Event) and ((role is not None and ev.member.role is not role)
+                                      or (member is not None and ev.member.id != member)):
+            continue
+        out.append(rec)
+    return out
+
+
+def trainer_steps(records: list[Recorded]) -> list[int]:
+    from sync_protocol import StepFinished
+
+    return [r.event.step for r in of_kind(records, StepFinished, role=Role.TRAINER)]
+
+
+# -- a job whose processes the test starts and kills -----------------------------------------------
+
+@dataclass
+class _Proc:
+    member_id: str
+    role: str
+    popen: subprocess.Popen
+    log_path: Path
+
+
+@dataclass
+class LiveJob:
+    """A real nats-server (store under `tmp_path`) and role processes the test starts, kills (-9)
+    and restarts by PID, plus a live copy of the job's stream in `records`.
+
+    `async with LiveJob(tmp_path, config_path) as job:` — leaving the block kills every process it
+    started that is still running and stops the server, whatever happened in the test.
+    """
+
+    tmp_path: Path
+    config_path: Path
+    cfg: JobConfig = field(init=False)
+    records: list[Recorded] = field(default_factory=list)
+    procs: dict[str, list[_Proc]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.cfg = load_config(self.config_path)
+        self.logs = self.tmp_path / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.server = NatsServer(store_dir=str(self.tmp_path / "nats"),
+                                 log_file=str(self.logs / "nats-server.log"))
+        self._changed: asyncio.Condition | None = None
+        self._follower: asyncio.Task | None = None
+        self._conn_cm = None
+        self.conn = None
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    async def __aenter__(self) -> "LiveJob":
+        self._changed = asyncio.Condition()
+        await asyncio.to_thread(self.server.start)
+        try:
+            self._conn_cm = connect(self.url, job=self.cfg.job, role="observer", member="e2e-test")
+            self.conn = await self._conn_cm.__aenter__()
+            await ensure_event_stream(self.conn.js, self.conn.names)
+            await ensure_experience_stream(self.conn.js, self.conn.names)
+            self._follower = asyncio.create_task(self._follow(), name="e2e-follow")
+        except BaseException:
+            await self.__aexit__(None, None, None)
+            raise
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        for incarnations in self.procs.values():
+            for p in incarnations:
+                if p.popen.poll() is None:
+                    p.popen.kill()  # by PID: only processes this job started
+                    p.popen.wait()
+        if self._follower is not None:
+            self._follower.cancel()
+            await asyncio.gather(self._follower, return_exceptions=True)
+        if self.records:  # for the post-mortem: `rolectl replay --file <tmp>/events.jsonl`
+            from roles.replay import write_export
+
+            write_export(self.records, self.tmp_path / "events.jsonl", job=self.cfg.job)
+        if self._conn_cm is not None:
+            try:
+                await self._conn_cm.__aexit__(None, None, None)
+            except Exception:
+                pass
+        await asyncio.to_thread(self.server.stop)
+
+    async def _follow(self) -> None:
+        async with read_events(self.conn, from_seq=1, include_decisions=True) as reader:
+            async for rec in reader:
+                async with self._changed:
+                    self.records.append(rec)
+                    self._changed.notify_all()
+
+    # -- processes ---------------------------------------------------------------------------------
+    def start(self, role: str, member_id: str) -> subprocess.Popen:
+        """`python -m roles.cli start ROLE --config ... --nats URL --id MEMBER_ID` as a new process."""
+        n = len(self.procs.get(member_id, []))
+        log_path = self.logs / f"{member_id}.{n}.log"
+        env = dict(os.environ, PYTHONUNBUFFERED="1", ROLECTL_ADVERTISE_HOST="127.0.0.1")
+        with open(log_path, "ab") as out:
+            popen = subprocess.Popen(
+                [sys.executable, "-m", "roles.cli", "start", role, "--config", str(self.config_path),
+                 "--nats", self.url, "--id", member_id],
+                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            )
+        self.procs.setdefault(member_id, []).append(_Proc(member_id, role, popen, log_path))
+        return popen
+
+    def start_all(self) -> None:
+        self.start("sync", "sync-0")
+        self.start("trainer", "trainer")
+        for member_id in self.cfg.explorer_ids():
+            self.start("explorer", member_id)
+
+    def current(self, member_id: str) -> subprocess.Popen:
+        return self.procs[member_id][-1].popen
+
+    def kill9(self, member_id: str) -> float:
+        """SIGKILL the current process of `member_id`; returns the wall-clock time (epoch ms)."""
+        popen = self.current(member_id)
+        assert popen.poll() is None, f"{member_id} already exited with {popen.returncode}\n{self.log_tail(member_id)}"
+        popen.send_signal(signal.SIGKILL)
+        popen.wait()
+        return time.time() * 1000
+
+    def interrupt(self, member_id: str) -> None:
+        popen = self.current(member_id)
+        if popen.poll() is None:
+            popen.send_signal(signal.SIGINT)
+
+    async def wait_exit(self, member_id: str, timeout: float) -> int:
+        """The exit code of `member_id`'s current process, polled until `timeout` s."""
+        popen = self.current(member_id)
+        deadline = time.monotonic() + timeout
+        while popen.poll() is None:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{member_id} still running after {timeout} s\n{self.all_logs()}")
+            await asyncio.sleep(0.1)
+        return popen.returncode
+
+    async def wait_exits(self, member_ids: list[str], timeout: float) -> dict[str, int]:
+        deadline = time.monotonic() + timeout
+        return {m: await self.wait_exit(m, max(0.1, deadline - time.monotonic())) for m in member_ids}
+
+    def log_tail(self, member_id: str, lines: int = 30) -> str:
+        out = []
+        for p in self.procs.get(member_id, []):
+            with open(p.log_path, "rb") as fh:
+                out.append(f"--- {p.log_path.name}\n" + b"".join(deque(fh, maxlen=lines)).decode(errors="replace"))
+        return "\n".join(out)
+
+    def all_logs(self, lines: int = 20) -> str:
+        return "\n".join(self.log_tail(m, lines) for m in self.procs)
+
+    # -- the stream --------------------------------------------------------------------------------
+    async def wait_for(self, predicate: Callable[[list[Recorded]], Any], *, timeout: float, what: str) -> Any:
+        """Wait until `predicate(records)` is truthy (re-checked on every new record); return it."""
+
+        async def _wait():
+            async with self._changed:
+                while True:
+                    value = predicate(self.records)
+                    if value:
+                        return value
+                    await self._changed.wait()
+
+        try:
+            return await asyncio.wait_for(_wait(), timeout)
+        except asyncio.TimeoutError:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{self.all_logs()}") from None
+
+    async def wait_until(self, condition: Callable[[], Any], *, timeout: float, what: str, poll: float = 0.2) -> Any:
+        """Poll `condition()` (not tied to the stream, e.g. the server's view) until truthy."""
+        deadline = time.monotonic() + timeout
+        while True:
+            value = await condition() if asyncio.iscoroutinefunction(condition) else condition()
+            if value:
+                return value
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{self.all_logs()}")
+            await asyncio.sleep(poll)
+
+    async def stream_caught_up(self, timeout: float = 10.0) -> None:
+        """Wait until `records` holds everything the stream has right now."""
+        from bus.events import last_sequence
+
+        end = await last_sequence(self.conn)
+        await self.wait_for(lambda recs: recs and recs[-1].seq >= end, timeout=timeout,
+                            what=f"the stream up to seq {end}")

@@ -1,0 +1,98 @@
+"""`rolectl up` end to end: every sync style x weight method finishes, with two explorers of
+different speeds, and every run's recorded decisions are exactly a fold of its recorded inputs."""
+
+from __future__ import annotations
+
+
+import pytest
+
+from e2e_support import assert_decisions_replay, job_config, of_kind, run_up, trainer_steps
+from sync_protocol import (
+    MemberReleased,
+    RendezvousReady,
+    Role,
+    RoundOpened,
+    StepFinished,
+    VersionPublished,
+    WeightsBroadcast,
+)
+
+pytestmark = pytest.mark.e2e
+
+TOTAL_STEPS = 6
+
+
+def _check_run(run, *, method: str, style: str, engine_num: int) -> None:
+    s = run.summary
+    assert run.rc == 0, f"rolectl up exited {run.rc}: {s.get('exit_codes')}\n{run.role_logs()}"
+    assert s["exit_codes"] and all(code == 0 for code in s["exit_codes"].values()), s["exit_codes"]
+    assert s["trainer_steps"] == TOTAL_STEPS, (s, run.role_logs())
+    steps = trainer_steps(run.records)
+    assert steps == list(range(1, TOTAL_STEPS + 1)), f"trainer steps {steps}"
+    assert set(s["explorer_steps"]) == {"explorer-0", "explorer-1"}, s["explorer_steps"]
+    assert all(n >= 1 for n in s["explorer_steps"].values()), s["explorer_steps"]
+    # Every explorer-step's tasks were produced before the trainer could consume them.
+    explorer_finished = of_kind(run.records, StepFinished, role=Role.EXPLORER)
+    produced = sum(int(r.event.metrics["experiences"]) for r in explorer_finished)
+    trained = sum(int(r.event.metrics["num_experiences"]) for r in of_kind(run.records, StepFinished, role=Role.TRAINER))
+    assert 0 < trained <= produced, (trained, produced)
+    assert s["final_version"] > 0, s
+    assert_decisions_replay(run.records)
+
+    opened = [r.event for r in of_kind(run.records, RoundOpened)]
+    if method == "nccl":
+        readies = [r.event for r in of_kind(run.records, RendezvousReady)]
+        broadcasts = [r.event for r in of_kind(run.records, WeightsBroadcast)]
+        assert readies and broadcasts, "no rendezvous happened"
+        # every explorer rank in one group behind the trainer's rank 0
+        for d in readies:
+            assert all(p.ranks == engine_num for p in d.participants), d
+            assert d.world_size == 1 + engine_num * len(d.participants), d
+            assert [p.rank_offset for p in d.participants] == [1 + engine_num * i for i in range(len(d.participants))], d
+        if style != "trainer_driven":
+            # fixed / explorer_driven: every explorer waits at its boundaries, so both meet the
+            # trainer (trainer_driven: an explorer syncs only when the trainer is waiting, and a
+            # fast one may finish before the trainer ever waits)
+            full = [d for d in readies if {p.member.id for p in d.participants} == {"explorer-0", "explorer-1"}]
+            assert full, [d.participants for d in readies]
+        versions = [b.version for b in broadcasts]
+        assert versions == sorted(set(versions)) and versions[-1] == s["final_version"], versions
+    else:
+        published = [r.event.version for r in of_kind(run.records, VersionPublished)]
+        assert published and published == sorted(set(published)), published
+        assert published[-1] == s["final_version"]
+    if style == "explorer_driven":
+        # the explorers drive: every round is an explorer's request
+        assert opened and all(d.opened_by.role is Role.EXPLORER for d in opened), opened
+    if style == "fixed" and method != "nccl":
+        # pull + fixed: an explorer at its boundary waits for a version newer than its own
+        released = [r.event for r in of_kind(run.records, MemberReleased)]
+        assert any(d.reason.value == "new_version" and d.reload for d in released), released
+
+
+NCCL_ROWS = ["fixed", "explorer_driven", "trainer_driven"]
+PULL_ROWS = [(style, method) for method in ("memory", "checkpoint")
+             for style in ("fixed", "trainer_driven", "explorer_driven", "fully_async")]
+
+
+@pytest.mark.parametrize("style", NCCL_ROWS)
+def test_nccl_gloo_two_explorers_two_ranks(tmp_path, style):
+    config = job_config(
+        tmp_path, job=f"e2e-nccl-{style.replace('_', '-')}",
+        synchronizer={"sync_method": "nccl", "sync_style": style},
+        explorers={"engine_num": 2},
+        trainer={"total_steps": TOTAL_STEPS},
+    )
+    run = run_up(config, tmp_path, timeout=120)
+    _check_run(run, method="nccl", style=style, engine_num=2)
+
+
+@pytest.mark.parametrize(("style", "method"), PULL_ROWS)
+def test_pull_methods(tmp_path, style, method):
+    config = job_config(
+        tmp_path, job=f"e2e-{method}-{style.replace('_', '-')}",
+        synchronizer={"sync_method": method, "sync_style": style},
+        trainer={"total_steps": TOTAL_STEPS},
+    )
+    run = run_up(config, tmp_path, timeout=120)
+    _check_run(run, method=method, style=style, engine_num=1)
