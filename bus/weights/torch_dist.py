@@ -457,6 +457,7 @@ class _Link:
 @dataclass
 class _Group:
     key: tuple
+    port: int  # the trainer's store port this group was formed at
     epoch: int
     backend: str
     channels: int
@@ -683,7 +684,7 @@ class TorchDistTransport:
         """Explorer side: the backend and channel count rank 0 chose for this round's group, and a
         store client when the group must be (re-)formed (None when the current group serves)."""
         group = self._group
-        if group is not None and group.key[:4] == _group_place(ready):
+        if group is not None and group.key[:2] == _group_place(ready):
             return group.backend, group.channels, None
         # Joining a new group: the explorer leaves the old one first (before the trainer does).
         await self._drop_group(failed=False)
@@ -727,7 +728,7 @@ class TorchDistTransport:
         is_master = ranks == [0]
         if is_master:
             # Same port as the old group: it must go first or the new store cannot bind.
-            if self._group is not None and self._group.key[2] == ready.master_port:
+            if self._group is not None and self._group.port == ready.master_port:
                 await self._drop_group(failed=False)
             store = await self._connect_store(ready, is_master=True)
             announcement = json.dumps({"backend": backend, "channels": channels})
@@ -776,7 +777,7 @@ class TorchDistTransport:
                 raise errors[0]
             raise PeerLost(f"epoch {ready.epoch}: group of {ready.world_size} did not form within "
                            f"{self._connect_timeout.total_seconds():g}s: {errors[0]}") from None
-        group = _Group(key=key, epoch=ready.epoch, backend=backend, channels=channels, store=store, links=list(outcomes),
+        group = _Group(key=key, port=ready.master_port, epoch=ready.epoch, backend=backend, channels=channels, store=store, links=list(outcomes),
                        executor=executor)
         # The trainer leaves the old group only now: every explorer has joined the new one, so
         # it has left the old one already (explorers tear down first).
@@ -833,8 +834,14 @@ class TorchDistTransport:
 
 
 def _group_place(ready: RendezvousReady) -> tuple:
-    """What names a group in a decision: a new value of any of these means a new group."""
-    return (ready.epoch, ready.master_addr, ready.master_port, ready.world_size)
+    """What names a group in a decision: a new value of either means a new group.
+
+    The synchronizer starts a new epoch whenever the membership (incarnations and ranks included)
+    changes or a transfer failed, so within one epoch the formed group is still right, whatever
+    address the trainer offered for this round (it offers a fresh port each time, used only when
+    the epoch is new).
+    """
+    return (ready.epoch, ready.world_size)
 
 
 def _check_ready(ready: RendezvousReady) -> None:
