@@ -541,10 +541,11 @@ def _apply(tx: _Tx, rnd: RoundState, trigger: Trigger) -> None:
                 _member_released(tx, rnd.id, member, transition.release)
                 tx.update_member(key, status=_RUNNING)
     if rnd.phase is _TRANSFERRING:
-        # the transfer is over either way: everyone goes back to work (with the new weights when
-        # completed, with the old ones otherwise, like the reference)
+        # the transfer is over either way: everyone still in it goes back to work (with the new
+        # weights when completed, with the old ones otherwise, like the reference). Those who
+        # reported went back when they did, and may already be asking for the next round.
         for key in rnd.participants:
-            if members[key].alive:
+            if members[key].alive and key not in rnd.reported:
                 tx.update_member(key, status=_RUNNING)
     f = tx.f
     if transition.breaks_group:
@@ -649,7 +650,8 @@ def _leave(tx: _Tx, member: MemberState) -> None:
     is_trainer = member.ref.role is _TRAINER and key == tx.f["trainer"]
     for rnd in list(tx.rounds.values()):
         if rnd.phase is _TRANSFERRING:
-            if key in rnd.participants:
+            # one that already reported its part leaves nothing unfinished behind
+            if key in rnd.participants and key not in rnd.reported:
                 _apply(tx, rnd, Trigger.PARTICIPANT_LEFT)
         elif is_trainer:
             # explorers waiting for weights from a trainer that is gone are let go now
@@ -695,7 +697,11 @@ def _report_done(tx: _Tx, event: WeightsLoaded | WeightsBroadcast, member: Membe
         raise _illegal(event, f"round {rnd.id} transfers version {rnd.version}", member)
     if key in rnd.reported:
         return  # a repeated report changes nothing
-    rnd = tx.update_round(rnd.id, reported=rnd.reported + (key,))
+    rnd = tx.update_round(rnd.id, reported=rnd.reported + (key,),
+                          waiting=tuple(k for k in rnd.waiting if k != key))
+    # Its part is done: it is running again, so its next REQUIRE_SYNC is a new request (for the
+    # next round) even while slower peers are still receiving this one.
+    tx.update_member(key, status=_RUNNING)
     if len(rnd.reported) == len(rnd.participants):
         _apply(tx, rnd, Trigger.ALL_REPORTED)
 

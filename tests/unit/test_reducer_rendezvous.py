@@ -50,13 +50,14 @@ def _start(style: SyncStyle, method: SyncMethod = SyncMethod.NCCL) -> list:
 
 
 def _transfer_round_1() -> list:
-    """Round 1 is transferring version 1: everyone reports, it completes, the group is kept."""
+    """Round 1 is transferring version 1: everyone reports (and is running again at once), it
+    completes, the group is kept."""
     return [
         (loaded(E1, 1, round=1), [],
-         "t=require_sync@1 e1=require_sync@1 e2=require_sync@-1 | latest=0 | epoch=1 "
+         "t=require_sync@1 e1=running@1 e2=require_sync@-1 | latest=0 | epoch=1 "
          "| r1:transferring@1[reported:e1]/of[t,e1,e2]"),
         (broadcast(1, round=1), [],
-         "t=require_sync@1 e1=require_sync@1 e2=require_sync@-1 | latest=0 | epoch=1 "
+         "t=running@1 e1=running@1 e2=require_sync@-1 | latest=0 | epoch=1 "
          "| r1:transferring@1[reported:e1,t]/of[t,e1,e2]"),
         (loaded(E2, 1, round=1), ["closed r1 completed"],
          "t=running@1 e1=running@1 e2=running@1 | latest=0 | epoch=1 | -"),
@@ -122,10 +123,10 @@ def test_explorer_driven_rendezvous_trainer_answers_no_new_version_then_meets():
          "t=require_sync@1 e1=require_sync@-1 e2=require_sync@-1 | latest=0 | epoch=1 "
          "| r2:transferring@1[reported:]/of[t,e1,e2]"),
         (broadcast(1, round=2), [],
-         "t=require_sync@1 e1=require_sync@-1 e2=require_sync@-1 | latest=0 | epoch=1 "
+         "t=running@1 e1=require_sync@-1 e2=require_sync@-1 | latest=0 | epoch=1 "
          "| r2:transferring@1[reported:t]/of[t,e1,e2]"),
         (loaded(E2, 1, round=2), [],
-         "t=require_sync@1 e1=require_sync@-1 e2=require_sync@1 | latest=0 | epoch=1 "
+         "t=running@1 e1=require_sync@-1 e2=running@1 | latest=0 | epoch=1 "
          "| r2:transferring@1[reported:t,e2]/of[t,e1,e2]"),
         (loaded(E1, 1, round=2), ["closed r2 completed"],
          "t=running@1 e1=running@1 e2=running@1 | latest=0 | epoch=1 | -"),
@@ -340,3 +341,39 @@ def test_report_before_rendezvous_ready_is_illegal():
     job = _waiting_round_1()
     with pytest.raises(IllegalEvent, match="round 1 is still waiting"):
         job.feed(broadcast(1, round=1))
+
+
+def test_a_member_that_reported_may_ask_for_the_next_round_while_peers_still_receive():
+    """Regression (found end to end): a fast explorer that loaded round 1 asks again while the slow
+    one is still receiving. Its request opens round 2 — it is not taken for a repeat of its
+    round-1 request — and round 1's close does not reset it to running."""
+    script = _start(SyncStyle.FIXED) + [
+        (req(E1, 1, -1), ["opened r1 by e1 @-1"],
+         "t=running@0 e1=require_sync@-1 e2=running@-1 | latest=0 | epoch=0 "
+         "| r1:waiting[e1]/of[t,e1,e2]"),
+        (req(E2, 1, -1), [],
+         "t=running@0 e1=require_sync@-1 e2=require_sync@-1 | latest=0 | epoch=0 "
+         "| r1:waiting[e1,e2]/of[t,e1,e2]"),
+        (req(T, 1, 1), [READY_1],
+         "t=require_sync@1 e1=require_sync@-1 e2=require_sync@-1 | latest=0 | epoch=1 "
+         "| r1:transferring@1[reported:]/of[t,e1,e2]"),
+        (broadcast(1, round=1), [],
+         "t=running@1 e1=require_sync@-1 e2=require_sync@-1 | latest=0 | epoch=1 "
+         "| r1:transferring@1[reported:t]/of[t,e1,e2]"),
+        (loaded(E1, 1, round=1), [],
+         "t=running@1 e1=running@1 e2=require_sync@-1 | latest=0 | epoch=1 "
+         "| r1:transferring@1[reported:t,e1]/of[t,e1,e2]"),
+        (req(E1, 2, 1), ["opened r2 by e1 @1"],
+         "t=running@1 e1=require_sync@1 e2=require_sync@-1 | latest=0 | epoch=1 "
+         "| r1:transferring@1[reported:t,e1]/of[t,e1,e2] r2:waiting[e1]/of[t,e1,e2]"),
+        (loaded(E2, 1, round=1), ["closed r1 completed"],
+         "t=running@1 e1=require_sync@1 e2=running@1 | latest=0 | epoch=1 "
+         "| r2:waiting[e1]/of[t,e1,e2]"),
+        (req(E2, 2, 1), [],
+         "t=running@1 e1=require_sync@1 e2=require_sync@1 | latest=0 | epoch=1 "
+         "| r2:waiting[e1,e2]/of[t,e1,e2]"),
+        (req(T, 2, 2), ["ready r2 @2 epoch=1 world=4 e1:1+2 e2:3+1 at 10.0.0.1:29500"],
+         "t=require_sync@2 e1=require_sync@1 e2=require_sync@1 | latest=0 | epoch=1 "
+         "| r2:transferring@2[reported:]/of[t,e1,e2]"),
+    ]
+    run_script(script)
