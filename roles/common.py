@@ -32,7 +32,7 @@ from sync_protocol import (
     WeightsBroadcast,
 )
 from sync_protocol.reducer import reduce
-from sync_protocol.state import RoundPhase, State
+from sync_protocol.state import State
 
 __all__ = ["new_incarnation", "JobView", "MemberSession", "install_stop_signals", "RoleStopped", "stop_task"]
 
@@ -188,26 +188,6 @@ class MemberSession:
 
     async def publish(self, event: Event) -> int:
         return await self.publisher.publish(event)
-
-    async def settle_previous_round(self, timeout: float) -> None:
-        """Wait until no rendezvous round we take part in is still transferring.
-
-        A participant that reported its part of round N (WeightsLoaded / WeightsBroadcast) stays in
-        REQUIRE_SYNC until the last participant reports and the round closes; a REQUIRE_SYNC it
-        sends meanwhile is taken for a repeat of its round-N request and ignored, and the round's
-        close then sets it RUNNING: its next rendezvous would never gather. So the next request
-        goes out only once our view (the same fold as the synchronizer's) has the round closed.
-        """
-        key = self.me.key
-
-        def settled(view: JobView) -> bool:
-            return not any(r.phase is RoundPhase.TRANSFERRING and key in r.participants
-                           for r in view.state.rounds.values())
-
-        try:
-            await self.view.wait_for(settled, timeout=timeout, what="the previous round to close")
-        except TimeoutError:
-            self.log.warning("previous_round_not_closed", timeout=timeout)
 
     async def set_status(self, status: RunningStatus, *, rendezvous: str | None = None) -> int:
         self.status = status

@@ -165,8 +165,6 @@ class Explorer:
             await self._set_version(0, round_id=None, nbytes=0, seconds=0.0)
             return
         started = time.monotonic()
-        if self.method.is_rendezvous:
-            await self.s.settle_previous_round(self.sync.sync_timeout)
         seq = await self.s.set_status(RunningStatus.REQUIRE_SYNC)
         me = self.s.me
 

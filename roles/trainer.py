@@ -230,7 +230,6 @@ class Trainer:
         self.last_sync_step = step
 
     async def _sync_rendezvous(self, step: int) -> None:
-        await self.s.settle_previous_round(self.sync.sync_timeout)
         offer = f"{_advertised_host()}:{self.transport.offer_port()}"
         seq = await self.s.set_status(RunningStatus.REQUIRE_SYNC, rendezvous=offer)
         me = self.s.me
