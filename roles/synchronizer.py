@@ -44,17 +44,12 @@ from sync_protocol import (
     Role,
     RoundTimedOut,
     RunningStatus,
+    decision_identity,
 )
 from sync_protocol.reducer import reduce
 from sync_protocol.state import State
 
-__all__ = ["Synchronizer", "decision_key"]
-
-
-def decision_key(decision: Decision) -> tuple:
-    """The identity of a decision: what makes two replicas' decisions 'the same one'."""
-    released = decision.released.key if isinstance(decision, MemberReleased) else ""
-    return (decision.KIND, decision.round, decision.cause_seq, released)
+__all__ = ["Synchronizer"]
 
 
 class Synchronizer:
@@ -66,7 +61,7 @@ class Synchronizer:
         self.me = MemberRef(role=Role.SYNCHRONIZER, id=member_id, incarnation=new_incarnation())
         self.log = structlog.get_logger().bind(job=cfg.job, role="synchronizer", member=member_id)
         self.state = State.initial()
-        self.recorded: dict[tuple, int] = {}  # decision_key -> seq, for decisions already in the stream
+        self.recorded: dict[tuple, int] = {}  # decision_identity -> seq, for decisions already in the stream
         self.round_subject_seq: dict[int, int] = {}  # round -> last seq on its subject
         self.pending: list[Decision] = []  # computed during catch-up, published once caught up
         self.caught_up = False
@@ -113,7 +108,7 @@ class Synchronizer:
         pending, self.pending = self.pending, []
         published = 0
         for decision in pending:
-            if decision_key(decision) not in self.recorded:
+            if decision_identity(decision) not in self.recorded:
                 await self._publish_decision(decision)
                 published += 1
         self.log.info("caught_up", seq=self.state.last_seq, members=len(self.state.members),
@@ -123,7 +118,7 @@ class Synchronizer:
     async def _on_record(self, rec: Recorded) -> None:
         event = rec.event
         if isinstance(event, Decision):
-            key = decision_key(event)
+            key = decision_identity(event)
             self.recorded[key] = rec.seq
             self.round_subject_seq[event.round] = max(self.round_subject_seq.get(event.round, 0), rec.seq)
             return
@@ -138,7 +133,7 @@ class Synchronizer:
         for decision in decisions:
             if not self.caught_up:
                 self.pending.append(decision)
-            elif decision_key(decision) not in self.recorded:
+            elif decision_identity(decision) not in self.recorded:
                 await self._publish_decision(decision)
 
     async def _publish_decision(self, decision: Decision) -> None:

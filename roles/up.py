@@ -128,6 +128,7 @@ async def _supervise(cfg: JobConfig, server: NatsServer, config_path: Path, run_
                      summary_path, dashboard, dashboard_port, timeout_s) -> int:
     from bus.connection import connect
     from roles.common import JobView
+    from roles.replay import write_export
 
     logs = run_path / "logs"
     started = time.monotonic()
@@ -182,7 +183,7 @@ async def _supervise(cfg: JobConfig, server: NatsServer, config_path: Path, run_
             await _stop_all(everyone)
             records = await _read_all(conn)
             events_file = run_path / "events.jsonl"
-            _write_export(records, events_file)
+            write_export(records, events_file, job=cfg.job)
             summary = summarize(records, job=cfg.job)
             summary.update(nats_url=server.url, wall_s=round(time.monotonic() - started, 2),
                            run_dir=str(run_path), events_file=str(events_file),
@@ -217,14 +218,6 @@ async def _read_all(conn) -> list[Recorded]:
     from bus.events import read_events
 
     return [rec async for rec in read_events(conn, from_seq=1, include_decisions=True, stop_at_end=True)]
-
-
-def _write_export(records: list[Recorded], path: Path) -> None:
-    from sync_protocol import to_plain
-
-    with open(path, "w") as fh:
-        for rec in records:
-            fh.write(json.dumps({"seq": rec.seq, "time_ms": rec.time_ms, "event": to_plain(rec.event)}) + "\n")
 
 
 def _percentile(values: list[float], q: float) -> float | None:
