@@ -192,9 +192,7 @@ class ObjectStoreTransport:
             if not plan.done:
                 if self._data_connection_usable():
                     try:
-                        await self._in_thread(
-                            lambda conn: _fetch_raw(conn, self._nc.new_inbox(), self._direct_get_subject, plan)
-                        )
+                        await self._fetch_data_connection(plan)
                     except _NoDataConnection:
                         self._use_data_connection = False
                         await self._fetch_nats_py(plan)
@@ -367,6 +365,23 @@ class ObjectStoreTransport:
                 await future
             raise
 
+    async def _fetch_data_connection(self, plan: "_ChunkPlan") -> None:
+        """Fetch over data connections; if the server drops one (a slow consumer: more than its
+        max_pending queued for us, seen here when explorers starve for CPU), go on with the missing
+        chunks on a new connection with half the window, down to one chunk in flight."""
+        window = self._window_bytes
+        while True:
+            try:
+                await self._in_thread(
+                    lambda conn: _fetch_raw(conn, self._nc.new_inbox(), self._direct_get_subject, plan)
+                )
+                return
+            except _ConnectionLost:
+                if window <= plan.manifest.chunk_size:
+                    raise
+                window //= 2
+                plan.restart(window)
+
     # data plane: nats-py fallback -----------------------------------------------------------------
 
     async def _publish_nats_py(
@@ -468,7 +483,8 @@ class _ChunkPlan:
         self.received = bytearray(n)
         self.count = 0
         first = manifest.extra.get("first_seq")
-        self.next_seq = int(first) if first is not None else 1
+        self.first_seq = int(first) if first is not None else None
+        self.next_seq = self.first_seq if first is not None else 1
         self.planned_end = self.next_seq + n if first is not None else self.next_seq
         self.outstanding = 0
         self.max_seq = self.next_seq - 1
@@ -478,6 +494,18 @@ class _ChunkPlan:
     @property
     def done(self) -> bool:
         return self.count == len(self.bounds)
+
+    def restart(self, window_bytes: int) -> None:
+        """Plan again for a new connection: nothing outstanding, from the first missing chunk."""
+        chunk = max(self.manifest.chunk_size, 1)
+        self.per_request = max(1, min(self.per_request, window_bytes // chunk))
+        self.max_outstanding = max(1, window_bytes // (self.per_request * chunk))
+        self.outstanding = 0
+        self.catchup_progress = True
+        missing = [i for i, got in enumerate(self.received) if not got]
+        if self.first_seq is not None and missing:
+            # Exact when the chunks are contiguous in the stream; catch-up covers any that are not.
+            self.next_seq = min(self.next_seq, self.first_seq + missing[0])
 
     def _body(self, seq: int, batch: int) -> bytes:
         return json.dumps({"seq": seq, "batch": batch, "next_by_subj": self.filter_subject}).encode()
@@ -551,6 +579,10 @@ def _parse_ack(data: bytes, status: str | None, where: str, index: int) -> int:
 
 class _NoDataConnection(Exception):
     """A plain data connection cannot be used here; fall back to the nats-py client."""
+
+
+class _ConnectionLost(TransferError):
+    """The server closed the data connection mid-transfer."""
 
 
 def _data_endpoint(nc: Client) -> tuple[str, int, dict[str, str]] | None:
@@ -677,9 +709,9 @@ class _DataConnection:
         except OSError as exc:
             raise TransferError(f"data connection to {self._addr} failed: {exc}") from None
         if not got:
-            raise TransferError(
-                f"server {self._addr} closed the data connection (a slow consumer? then lower "
-                "window_bytes below the server's max_pending)"
+            raise _ConnectionLost(
+                f"server {self._addr} closed the data connection (a slow consumer even with one "
+                "chunk in flight? check the server's max_pending against its max_payload)"
             )
         return got
 

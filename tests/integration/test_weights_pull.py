@@ -7,6 +7,7 @@ The object store runs twice: over its plain data connection and over the nats-py
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -341,6 +342,23 @@ async def test_a_checkpoint_temp_file_is_never_a_version(tmp_path):
         await t.fetch(WeightsRef(version=2, location=str(partial), nbytes=0, digest=ref.digest))
     await t.publish(3, small_state())  # newer version: the dead temp file is garbage now
     assert not partial.exists()
+
+
+def test_after_a_lost_connection_the_plan_asks_again_for_missing_chunks_only():
+    from bus.weights.format import Destination, SourceBytes, build_manifest
+    from bus.weights.object_store import _ChunkPlan
+
+    source = SourceBytes({"w": torch.arange(1000, dtype=torch.int64)})  # 8000 bytes: 8 chunks
+    manifest = build_manifest(1, source, chunk_size=1000, extra={"first_seq": 11})
+    plan = _ChunkPlan(manifest, Destination(manifest.layout), "s.>", 2000, 4000, "here")
+    sent = [json.loads(b) for b in plan.requests()]
+    assert [(r["seq"], r["batch"]) for r in sent] == [(11, 2), (13, 2)]  # 4000-byte window
+    for index in (0, 1, 3):  # chunk 2 was on the wire when the server closed the connection
+        plan.received[index] = 1
+        plan.count += 1
+    plan.restart(2000)
+    again = [json.loads(b) for b in plan.requests()]
+    assert [(r["seq"], r["batch"]) for r in again] == [(13, 2)]  # half the window, from chunk 2
 
 
 # storage and lifecycle ------------------------------------------------------------------------------
