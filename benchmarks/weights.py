@@ -74,8 +74,8 @@ def _now() -> float:
 def build_state_dict(size_mb: int, *, seed: int = 0) -> dict[str, torch.Tensor]:
     """About `size_mb` MiB shaped like a small transformer, with bf16, fp32 and int64 tensors."""
     layers = 8
-    # bytes per layer ~ 28 h^2: qkv bf16 6h^2, o bf16 2h^2, up fp32 16h^2, down bf16 8h^2 (- 4h^2 slack)
-    h = max(64, int(math.sqrt(size_mb * (1 << 20) / (32 * layers))) // 64 * 64)
+    # bytes: per layer 32 h^2 (qkv bf16 6h^2, o bf16 2h^2, up fp32 16h^2, down bf16 8h^2) + embed 16 h^2
+    h = max(64, int(math.sqrt(size_mb * (1 << 20) / (32 * layers + 16))) // 64 * 64)
     gen = torch.Generator().manual_seed(seed)
     out: dict[str, torch.Tensor] = {"embed.weight": _rand((8 * h, h), torch.bfloat16, gen)}
     for i in range(layers):

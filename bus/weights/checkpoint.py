@@ -89,8 +89,7 @@ class CheckpointTransport:
         self._check_open()
         if not isinstance(version, int) or version < 0:
             raise ValueError(f"version must be an int >= 0 (the trainer step), got {version!r}")
-        source = SourceBytes(tensors)
-        ref = await asyncio.to_thread(self._write, version, source)
+        ref = await asyncio.to_thread(lambda: self._write(version, SourceBytes(tensors)))
         await self.prune(self.keep)
         return ref
 

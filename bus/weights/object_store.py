@@ -125,7 +125,8 @@ class ObjectStoreTransport:
         self._check_open()
         if not isinstance(version, int) or version < 0:
             raise ValueError(f"version must be an int >= 0 (the trainer step), got {version!r}")
-        source = SourceBytes(tensors)
+        # Off the event loop: device tensors are copied to host memory here.
+        source = await asyncio.to_thread(SourceBytes, tensors)
         await self._ensure_stream()
         # Leftovers of a crashed upload, or an older upload of the same version, must not mix in.
         await self._purge_version(version)
@@ -135,8 +136,9 @@ class ObjectStoreTransport:
         where = f"publish of version {version} to stream {self.stream}"
         if self._data_connection_usable():
             try:
+                inbox = self._nc.new_inbox()  # here, not in the thread: nats-py's NUID is not thread-safe
                 digests, seqs = await self._in_thread(
-                    lambda conn: _publish_raw(conn, self._nc.new_inbox(), source, bounds, subjects,
+                    lambda conn: _publish_raw(conn, inbox, source, bounds, subjects,
                                               self._algorithm, self._window(chunk_size), where),
                 )
             except _NoDataConnection:
@@ -371,10 +373,9 @@ class ObjectStoreTransport:
         chunks on a new connection with half the window, down to one chunk in flight."""
         window = self._window_bytes
         while True:
+            inbox = self._nc.new_inbox()  # here, not in the thread: nats-py's NUID is not thread-safe
             try:
-                await self._in_thread(
-                    lambda conn: _fetch_raw(conn, self._nc.new_inbox(), self._direct_get_subject, plan)
-                )
+                await self._in_thread(lambda conn: _fetch_raw(conn, inbox, self._direct_get_subject, plan))
                 return
             except _ConnectionLost:
                 if window <= plan.manifest.chunk_size:

@@ -96,6 +96,15 @@ async def test_round_trip_is_bit_exact(transport):
     assert_bit_exact(state, await transport.fetch(ref))
 
 
+async def test_an_empty_state_dict_round_trips(transport):
+    ref = await transport.publish(1, {})
+    assert ref.nbytes == 0
+    assert await transport.fetch(ref) == {}
+    only_empty = {"e": torch.empty(0, 3, dtype=torch.bfloat16)}
+    ref = await transport.publish(2, only_empty)
+    assert_bit_exact(only_empty, await transport.fetch(ref))
+
+
 async def test_fetched_tensors_are_independent_of_the_sender(transport):
     state = small_state()
     ref = await transport.publish(1, state)
