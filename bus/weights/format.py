@@ -33,7 +33,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from .base import CorruptWeights
+from .base import CorruptWeights, TransferError
 
 try:  # optional: ~4x faster than sha256 on this hardware; pyproject should list it
     import blake3 as _blake3
@@ -122,7 +122,7 @@ def _hasher(algorithm: str) -> Any:
         return DIGEST_ALGORITHMS[algorithm]()
     except KeyError:
         hint = " (pip install blake3)" if algorithm == "blake3" else ""
-        raise CorruptWeights(
+        raise TransferError(
             f"digest algorithm {algorithm!r} is not available in this process{hint}; "
             f"available: {', '.join(sorted(DIGEST_ALGORITHMS))}"
         ) from None

@@ -4,8 +4,9 @@ Theory of operation
 -------------------
 - **Storage.** One stream per job (`JobNames.weights_stream`, subjects ``rft.<job>.w.>``, one message
   per subject, direct get allowed), in server memory by default. Measured in one run (256 MiB, this
-  2-core host): memory fetch 3.55 GB/s / publish 3.73 GB/s, file fetch 1.92 / publish 1.35 (the file
-  store re-reads and re-checksums whole blocks per message). Versions are transient: each is
+  2-core host, `python -m benchmarks.weights`): memory fetch 3.93 GB/s / publish 3.85 GB/s, file
+  fetch 2.58 / publish 2.57; earlier runs 3.55 vs 1.92 (the file store re-reads and re-checksums
+  whole blocks per message). Versions are transient: each is
   superseded at the next sync and the trainer, who holds the weights, republishes. After a server
   restart the store is empty until that next publish, and explorers keep the weights they have
   (`WeightsNotFound`), never wrong ones. The cost is `keep` x model size of server RAM; pass
@@ -26,9 +27,12 @@ Theory of operation
   chunk passes the whole version is verified. On any failure the buffer is dropped: the caller gets
   `CorruptWeights` / `WeightsNotFound` / `TransferError` and no tensors.
 - **Data connection.** nats-py parses every inbound byte in Python 32 KiB at a time (measured here:
-  0.5-1.0 GB/s for direct gets, ordered push consumer 0.09 GB/s). Bulk bytes therefore go over a
-  second, plain NATS connection to the same server, driven from a worker thread with blocking
-  ``recv_into`` straight into the tensors (1.2-3.5 GB/s measured). It speaks the ordinary client
+  0.5-1.0 GB/s for direct gets, its ordered push consumer 0.09 GB/s). Bulk bytes therefore go over
+  a second, plain NATS connection to the same server, driven from a worker thread with blocking
+  ``recv_into`` straight into the tensors and hashing each piece while it is in cache (2.2-3.9 GB/s
+  measured, depending on background load; the loopback socket limit is 7-9 GB/s). On 2 cores the
+  fetch is CPU-bound: server ~0.8 core, receiver ~0.8 core, of which BLAKE3 is ~40 % and page
+  faults of the fresh buffer ~15 % (halved by huge pages, see `format.Destination`). It speaks the ordinary client
   protocol with the same credentials (user/password/token). Where it cannot be used (TLS, nkeys/JWT,
   websocket) the transport falls back to the nats-py connection for everything, same semantics.
 """

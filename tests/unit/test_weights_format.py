@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from bus.weights.base import CorruptWeights
+from bus.weights.base import CorruptWeights, TransferError
 from bus.weights.format import (
     DIGEST_ALGORITHMS,
     Destination,
@@ -175,6 +175,14 @@ def test_malformed_manifests_are_corrupt_with_the_reason(mutate, message):
     mutate(data)
     with pytest.raises(CorruptWeights, match=message):
         Manifest.from_json(data, where="here")
+
+
+def test_a_digest_algorithm_missing_here_says_what_to_install():
+    data = build_manifest(3, SourceBytes(mixed_state()), chunk_size=40).to_json()
+    data["algorithm"] = "blake3" if "blake3" not in DIGEST_ALGORITHMS else "md17"
+    with pytest.raises(TransferError, match="is not available in this process") as info:
+        Manifest.from_json(data, where="here")
+    assert type(info.value) is TransferError  # not corruption: this process lacks the library
 
 
 def test_manifest_that_is_not_json_is_corrupt():
