@@ -94,7 +94,10 @@ class CheckpointTransport:
         return ref
 
     async def fetch(self, ref: WeightsRef, *, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-        """Read `ref`'s file into fresh tensors, every chunk digest-checked; nothing on failure."""
+        """Read `ref`'s file into fresh tensors, every chunk digest-checked; nothing on failure.
+
+        On CPU the tensors are views into one fresh buffer, as with the object store.
+        """
         self._check_open()
         dest = await asyncio.to_thread(self._read, ref)
         return dest.tensors(device)

@@ -174,7 +174,11 @@ class ObjectStoreTransport:
         return ref
 
     async def fetch(self, ref: WeightsRef, *, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-        """Fetch `ref` into fresh tensors, every chunk digest-checked; nothing is returned on failure."""
+        """Fetch `ref` into fresh tensors, every chunk digest-checked; nothing is returned on failure.
+
+        On CPU the tensors are views into one fresh buffer (no copy after the socket); `clone()` a
+        tensor you keep on its own, or the whole buffer stays alive with it.
+        """
         self._check_open()
         manifest = await self._manifest(ref.version)
         if manifest is None:
