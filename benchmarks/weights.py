@@ -381,6 +381,7 @@ async def bench_pull(ctx: BenchContext, transport, worker_spec: dict, limit_key:
             t0 = _now()
             ref = await transport.publish(version, ctx.state)
             publish.append(_now() - t0)
+            await transport.prune(2)  # as the trainer does, untimed
             one = await explorers.fetch(1, ref)
             single.append(one[0]["t1"] - one[0]["t0"])
             peaks.append(one[0]["peak_kib"])

@@ -57,8 +57,8 @@ _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on the header size
 class CheckpointTransport:
     """Publish / fetch weight versions as safetensors files under `root_dir` (a shared filesystem).
 
-    `keep` versions survive the automatic prune after each publish. `fsync=False` skips the
-    durability syncs (tests, tmpfs); atomicity does not depend on it.
+    The publisher calls `prune` to bound the directory. `fsync=False` skips the durability syncs
+    (tests, tmpfs); atomicity does not depend on it.
     """
 
     method = SyncMethod.CHECKPOINT
@@ -67,15 +67,11 @@ class CheckpointTransport:
         self,
         root_dir: str | os.PathLike,
         *,
-        keep: int = 2,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         algorithm: str | None = None,
         fsync: bool = True,
     ):
-        if keep < 1:
-            raise ValueError(f"keep must be >= 1 (the newest version is always kept), got {keep}")
         self.root = Path(root_dir)
-        self.keep = keep
         self._chunk_size = chunk_size
         self._algorithm = algorithm or default_digest_algorithm()
         self._fsync = fsync
@@ -89,9 +85,7 @@ class CheckpointTransport:
         self._check_open()
         if not isinstance(version, int) or version < 0:
             raise ValueError(f"version must be an int >= 0 (the trainer step), got {version!r}")
-        ref = await asyncio.to_thread(lambda: self._write(version, SourceBytes(tensors)))
-        await self.prune(self.keep)
-        return ref
+        return await asyncio.to_thread(lambda: self._write(version, SourceBytes(tensors)))
 
     async def fetch(self, ref: WeightsRef, *, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
         """Read `ref`'s file into fresh tensors, every chunk digest-checked; nothing on failure.
@@ -117,7 +111,7 @@ class CheckpointTransport:
         """Complete versions on disk, oldest first (temporary files are not versions)."""
         return sorted(v for v, _ in await asyncio.to_thread(self._scan, _FINAL))
 
-    async def prune(self, keep: int) -> list[int]:
+    async def prune(self, keep: int = 2) -> list[int]:
         """Delete all but the newest `keep` versions, and temp files older than the newest version."""
         self._check_open()
         if keep < 0:

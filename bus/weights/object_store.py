@@ -9,7 +9,8 @@ Theory of operation
   whole blocks per message). Versions are transient: each is
   superseded at the next sync and the trainer, who holds the weights, republishes. After a server
   restart the store is empty until that next publish, and explorers keep the weights they have
-  (`WeightsNotFound`), never wrong ones. The cost is `keep` x model size of server RAM; pass
+  (`WeightsNotFound`), never wrong ones. The cost is K x model size of server RAM (K versions
+  kept by `prune`, 2 by default); pass
   ``storage="file"`` where a late joiner must get weights right after a server restart, or the
   server cannot spare the RAM. Version N is chunk messages ``rft.<job>.w.N.c.<i>`` (raw stream
   bytes, see `format`) followed by the manifest ``rft.<job>.w.N.m`` (layout, chunk digests, root
@@ -72,8 +73,8 @@ class ObjectStoreTransport:
 
     `nc` is a connected nats-py client; the transport makes its own JetStream context and never
     closes `nc`. `storage` is "memory" (default: 2x faster here) or "file" (survives a server
-    restart; see the module docstring). `keep` versions survive the automatic prune after each
-    publish; `timeout` bounds every request and every wait for bytes.
+    restart; see the module docstring). The publisher calls `prune` to bound storage; `timeout`
+    bounds every request and every wait for bytes.
     `data_connection=False` forces the nats-py path (slower; used where the plain data connection
     cannot be opened, and by tests to cover both paths).
     """
@@ -85,7 +86,6 @@ class ObjectStoreTransport:
         nc: Client,
         job: str,
         *,
-        keep: int = 2,
         storage: str = "memory",
         replicas: int = 1,
         chunk_size: int | None = None,
@@ -95,12 +95,9 @@ class ObjectStoreTransport:
         data_connection: bool = True,
         algorithm: str | None = None,
     ):
-        if keep < 1:
-            raise ValueError(f"keep must be >= 1 (the newest version is always kept), got {keep}")
         self._nc = nc
         self._js = nc.jetstream(timeout=timeout)
         self.names = JobNames(job)
-        self.keep = keep
         self._storage = StorageType(storage)
         self._replicas = replicas
         self._chunk_size = chunk_size
@@ -170,7 +167,6 @@ class ObjectStoreTransport:
             nbytes=manifest.nbytes,
             digest=manifest.digest,
         )
-        await self.prune(self.keep)
         return ref
 
     async def fetch(self, ref: WeightsRef, *, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
@@ -238,7 +234,7 @@ class ObjectStoreTransport:
         """Complete versions stored, oldest first (partial uploads have no manifest: not listed)."""
         return sorted(await self._versions_of(self.names.all_weights_manifests))
 
-    async def prune(self, keep: int) -> list[int]:
+    async def prune(self, keep: int = 2) -> list[int]:
         """Delete all but the newest `keep` complete versions (and older partial uploads)."""
         self._check_open()
         if keep < 0:

@@ -156,10 +156,12 @@ async def test_fetch_of_a_missing_version_is_weights_not_found(transport):
         await transport.fetch(ghost)
 
 
-async def test_prune_keeps_the_newest_k(kind, nc, job_name, tmp_path):
-    t = make_transport(kind, nc, job_name, tmp_path, keep=2)
+async def test_prune_keeps_the_newest_k(transport):
+    t = transport
     refs = [await t.publish(v, small_state(v)) for v in range(1, 5)]
-    assert await t.versions() == [3, 4]  # publish prunes to keep=2
+    assert await t.versions() == [1, 2, 3, 4]  # publishing never deletes
+    assert await t.prune() == [1, 2]  # default: keep 2
+    assert await t.versions() == [3, 4]
     assert (await t.latest()).version == 4
     assert await t.prune(1) == [3]
     assert await t.versions() == [4]
@@ -350,6 +352,7 @@ async def test_a_checkpoint_temp_file_is_never_a_version(tmp_path):
     with pytest.raises(WeightsNotFound, match="version 2"):
         await t.fetch(WeightsRef(version=2, location=str(partial), nbytes=0, digest=ref.digest))
     await t.publish(3, small_state())  # newer version: the dead temp file is garbage now
+    assert await t.prune(2) == []
     assert not partial.exists()
 
 
