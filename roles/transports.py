@@ -19,12 +19,12 @@ def make_pull_transport(cfg: JobConfig, conn) -> PullTransport:
     if method is SyncMethod.MEMORY:
         from bus.weights.object_store import ObjectStoreTransport
 
-        return ObjectStoreTransport(conn.nc, cfg.job, keep=cfg.trainer.keep_versions,
-                                    storage=cfg.transport.object_store_storage)
+        # The trainer prunes to `trainer.keep_versions` after each publish.
+        return ObjectStoreTransport(conn.nc, cfg.job, storage=cfg.transport.object_store_storage)
     if method is SyncMethod.CHECKPOINT:
         from bus.weights.checkpoint import CheckpointTransport
 
-        return CheckpointTransport(cfg.weights_checkpoint_dir, keep=cfg.trainer.keep_versions)
+        return CheckpointTransport(cfg.weights_checkpoint_dir)
     raise ValueError(f"{method.value} is not a pull method")
 
 
