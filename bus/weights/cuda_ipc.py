@@ -36,7 +36,7 @@ from ..logging import get_logger
 from .base import CorruptWeights, PeerLost, TransferError
 
 # Layout helpers shared with the broadcast transport, so both plan and check buckets the same way.
-from .torch_dist import _DTYPE_NAMES, DEFAULT_BUCKET_BYTES, _Header, _layout_mismatch, plan_buckets
+from .torch_dist import _DTYPE_NAMES, DEFAULT_BUCKET_BYTES, _Header, _layout_mismatch, pack_bucket, plan_buckets
 
 __all__ = ["CudaIpcTransport", "HandleRequest", "SendHandles", "RecvHandles", "DEFAULT_TIMEOUT_S"]
 
@@ -179,12 +179,7 @@ class CudaIpcTransport:
                     self._buckets.append(buf)
             del self._buckets[len(sizes):]
             for bucket, buf in zip(header.buckets, self._buckets):
-                offset = 0
-                for i in bucket:
-                    src = sources[i]
-                    n = src.numel() * src.element_size()
-                    buf[offset : offset + n].view(src.dtype).view(src.shape).copy_(src)
-                    offset += n
+                pack_bucket(buf, sources, bucket)
             # The explorer reads with its own streams: every byte must be in place first.
             torch.cuda.current_stream(device).synchronize()
             handles = [tuple(buf.untyped_storage()._share_cuda_()) for buf in self._buckets]

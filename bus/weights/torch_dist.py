@@ -67,6 +67,7 @@ from .pinned import PinnedStaging
 
 __all__ = [
     "TorchDistTransport",
+    "pack_bucket",
     "Backend",
     "DEFAULT_BUCKET_BYTES",
     "DEFAULT_DIRECT_MIN_BYTES",
@@ -142,6 +143,16 @@ def plan_buckets(layout: Layout, *, bucket_bytes: int, direct_min_bytes: int) ->
         if current:
             buckets.append(current)
     return buckets
+
+
+def pack_bucket(buf: torch.Tensor, tensors: Sequence[torch.Tensor], bucket: Sequence[int]) -> None:
+    """Copy the bucket's tensors (indices into `tensors`), back to back, into the flat byte buffer."""
+    offset = 0
+    for i in bucket:
+        src = tensors[i]
+        n = src.numel() * src.element_size()
+        buf[offset : offset + n].view(src.dtype).view(src.shape).copy_(src)
+        offset += n
 
 
 # --------------------------------------------------------------------------------------------------
@@ -339,12 +350,7 @@ class _Link:
                 if slot_work[slot] is not None:
                     self._wait(slot_work[slot])  # its previous bucket is on the wire still
                 buf = self.scratch(slot, nbytes)
-                offset = 0
-                for i in bucket:
-                    src = tensors[i]
-                    n = src.numel() * src.element_size()
-                    buf[offset : offset + n].view(src.dtype).view(src.shape).copy_(src)
-                    offset += n
+                pack_bucket(buf, tensors, bucket)
                 work = self._broadcast(buf, channel)
                 pending.append(work)
                 slot_work[slot] = work
