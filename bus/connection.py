@@ -212,6 +212,14 @@ class BusConnection:
             msg_id=msg_id,
         ) from last
 
+    async def unsubscribe_quietly(self, sub) -> None:
+        """Drop a subscription; nothing to do if the connection is already closed or going."""
+        if sub is not None and not self.nc.is_closed:
+            try:
+                await sub.unsubscribe()
+            except nats.errors.Error:
+                pass
+
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def aclose(self) -> None:

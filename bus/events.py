@@ -274,11 +274,7 @@ class HeartbeatSubscription:
 
     async def aclose(self) -> None:
         sub, self._sub = self._sub, None
-        if sub is not None and not self.conn.nc.is_closed:
-            try:
-                await sub.unsubscribe()
-            except nats.errors.Error:
-                pass
+        await self.conn.unsubscribe_quietly(sub)
 
     async def __aenter__(self) -> "HeartbeatSubscription":
         return self

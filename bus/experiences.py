@@ -359,11 +359,7 @@ class ExperienceReader:
     async def aclose(self) -> None:
         """Stop fetching (the durable consumer stays: unacked batches wait for the next trainer)."""
         sub, self._sub = self._sub, None
-        if sub is not None and not self.conn.nc.is_closed:
-            try:
-                await sub.unsubscribe()
-            except nats.errors.Error:
-                pass
+        await self.conn.unsubscribe_quietly(sub)
 
     async def __aenter__(self) -> "ExperienceReader":
         await self._ensure()
