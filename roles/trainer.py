@@ -91,11 +91,16 @@ class Trainer:
             latest = session.view.state.latest
             previous = session.view.member(Role.TRAINER, self.member_id)
             reported_step = previous.step if previous is not None else 0
-            if latest.version > self.version:
+            if latest.version > self.version and latest.step == self.engine.step:
                 # Announced after our last checkpoint was saved (we died between the two): it
                 # is the version of our current step, so it counts as synced.
                 self.version = latest.version
                 self.last_sync_step = max(self.last_sync_step, latest.step)
+            elif latest.version > self.version:
+                # With save_interval > 1 the steps after the checkpoint are trained again; the
+                # versions already announced for them are not announced a second time.
+                self.log.warning("resuming_behind_published_version", step=self.engine.step,
+                                 published=latest.version)
             if self.sync.sync_method.is_rendezvous and session.view.broadcast_version > self.version:
                 # Likewise for a broadcast our previous incarnation sent after the checkpoint.
                 self.version = session.view.broadcast_version
@@ -216,6 +221,10 @@ class Trainer:
         step = self.engine.step
         if self.method.is_rendezvous:
             await self._sync_rendezvous(step)
+        elif step > 0 and step <= self.s.view.state.latest.version:
+            # A restart from an older checkpoint trains these steps again; explorers already
+            # hold a newer version, and versions never go down.
+            self.log.info("version_already_published", step=step, latest=self.s.view.state.latest.version)
         elif step > 0:
             weights = self.engine.weights()
             ref = await self.transport.publish(step, weights)
