@@ -72,6 +72,10 @@ class JobNames:
     def all_heartbeats(self) -> str:
         return f"{self.prefix}.hb.>"
 
+    # CUDA IPC handle requests (core NATS request/reply, trainer -> explorer) ----------------------
+    def cuda_ipc(self, member: str) -> str:
+        return f"{self.prefix}.ipc.{member}"
+
     # experiences --------------------------------------------------------------------------------
     def experiences(self, member: str) -> str:
         return f"{self.prefix}.exp.{member}"

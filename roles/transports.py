@@ -71,7 +71,10 @@ async def make_rendezvous_transport(cfg: JobConfig, session) -> RendezvousAdapte
         from bus.weights.cuda_ipc import CudaIpcTransport, HandleRequest
 
         nc = session.conn.nc
-        subject_of = lambda member: f"rft.{cfg.job}.ipc.{member.id}"  # noqa: E731
+        names = session.conn.names
+
+        def subject_of(member: MemberRef) -> str:
+            return names.cuda_ipc(member.id)
 
         async def send_handles(member: MemberRef, payload: bytes) -> bytes:
             reply = await nc.request(subject_of(member), payload, timeout=timeout)
