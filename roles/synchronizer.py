@@ -178,10 +178,11 @@ class Synchronizer:
             if round_id in self._timeouts_sent:
                 continue
             if now_ms >= rnd.opened_at_ms + cfg.sync_timeout * 1000:
-                self._timeouts_sent.add(round_id)
                 self.log.warning("round_timed_out", round=round_id, sync_timeout=cfg.sync_timeout)
                 await self.events.publish(RoundTimedOut(member=self.me, round=round_id),
                                           msg_id=f"timeout/{round_id}")
+                # Marked only once recorded: a publish that failed is tried again next tick.
+                self._timeouts_sent.add(round_id)
 
     async def _check_members(self) -> None:
         now = time.monotonic()
@@ -196,12 +197,12 @@ class Synchronizer:
             last = self._last_seen.get(ident, self._started)
             silent = now - last
             if silent > cfg.heartbeat_expiry:
-                self._expired_sent.add(ident)
                 self.log.warning("member_expired", expired=str(member.ref), silent_for=round(silent, 2))
                 await self.events.publish(
                     MemberExpired(member=self.me, expired=member.ref, silent_for=round(silent, 3)),
                     msg_id=f"expired/{member.ref.key}#{member.ref.incarnation}",
                 )
+                self._expired_sent.add(ident)  # only once recorded, as above
 
 
 def _decision_fields(decision: Decision) -> dict:
