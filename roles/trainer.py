@@ -21,6 +21,7 @@ import socket
 import time
 from pathlib import Path
 
+from bus.errors import AckFailed
 from bus.experiences import ExperienceReader
 from bus.weights import TransferError
 from roles.common import MemberSession
@@ -63,8 +64,11 @@ class Trainer:
         # checkpoint that covers all its experiences, so a restart neither loses nor repeats any.
         self.held: dict[int, object] = {}
         self.leftover: list = []  # (seq, index, experience) fetched but not yet trained on
-        self.acked_at_save: set[int] = set()  # seqs the last checkpoint acks (the ack may be lost)
-        self.partial: dict[int, set[int]] = {}  # seq -> indices not trained as of the checkpoint
+        # Seqs a checkpoint marked trained whose ack is not confirmed (lost in a crash or refused):
+        # if one comes back it is acked, not trained again. Kept across saves until seen.
+        self.acked_at_save: set[int] = set()
+        # seq -> indices not trained as of the checkpoint, for messages not redelivered yet
+        self.partial: dict[int, set[int]] = {}
         self.last_metrics: dict | None = None  # the saved step's StepFinished metrics
         self.answered_rounds: set[int] = set()
         self._resume()
@@ -168,7 +172,7 @@ class Trainer:
                     self.held[msg.seq] = msg
                     continue
                 if msg.seq in self.acked_at_save:  # trained and acked by our checkpoint; the ack was lost
-                    await msg.ack()
+                    await self._ack(msg)
                     continue
                 keep = self.partial.pop(msg.seq, None)  # part of it was trained before a restart
                 self.held[msg.seq] = msg
@@ -281,22 +285,35 @@ class Trainer:
         await asyncio.to_thread(self.engine.save_checkpoint, self.ckpt_dir / name)
         # Messages whose experiences are all trained on are acked; the others (their rest is in
         # `leftover`) stay held, and the checkpoint says which of their experiences remain.
-        partial: dict[int, list[int]] = {}
+        # Messages of an earlier checkpoint not redelivered since the restart keep their record,
+        # or a save before their redelivery would have them trained again in full.
+        partial: dict[int, list[int]] = {seq: sorted(idx) for seq, idx in self.partial.items()}
         for seq, index, _ in self.leftover:
             partial.setdefault(seq, []).append(index)
         done = [msg for seq, msg in self.held.items() if seq not in partial]
         state = {"checkpoint": name, "step": step, "last_sync_step": self.last_sync_step,
                  "version": self.version, "dropped_stale": self.dropped_stale,
-                 "metrics": self.last_metrics, "acked_seqs": [msg.seq for msg in done],
+                 "metrics": self.last_metrics,
+                 "acked_seqs": sorted(self.acked_at_save | {msg.seq for msg in done}),
                  "partial": {str(seq): indices for seq, indices in partial.items()}}
         # If we die after this but before publishing the version, the restart publishes it.
         _atomic_write_json(self.ckpt_dir / "trainer_state.json", state)
         _prune_checkpoints(self.ckpt_dir, keep=2)
         # Only now are the experiences of these steps safe: ack them.
-        self.acked_at_save = {msg.seq for msg in done}
         for msg in done:
             del self.held[msg.seq]
+            if not await self._ack(msg):
+                self.acked_at_save.add(msg.seq)
+
+    async def _ack(self, msg) -> bool:
+        """Ack a trained message; an unconfirmed ack is logged, not fatal (it comes back and is acked)."""
+        try:
             await msg.ack()
+        except AckFailed as exc:
+            self.log.warning("experience_ack_failed", seq=msg.seq, error=str(exc))
+            return False
+        self.acked_at_save.discard(msg.seq)
+        return True
 
     async def _cleanup(self) -> None:
         """Final save, STOPPED, close transports. Runs on normal end, Ctrl-C and errors."""
