@@ -22,7 +22,7 @@ import zlib
 
 from bus.experiences import ExperienceBatch, ExperiencePublisher
 from bus.weights import TransferError, WeightsRef
-from roles.common import MemberSession
+from roles.common import MemberSession, stop_task
 from roles.config import JobConfig
 from roles.transports import make_pull_transport, make_rendezvous_transport
 from sync_protocol import (
@@ -273,8 +273,7 @@ class Explorer:
 
     async def _cleanup(self) -> None:
         if self._background is not None:
-            self._background.cancel()
-            await asyncio.gather(self._background, return_exceptions=True)
+            await stop_task(self._background, log=self.log)  # a plain cancel can be lost (see stop_task)
         self._save_state()
         try:
             await self.s.set_status(RunningStatus.STOPPED)
