@@ -30,7 +30,7 @@ from bus.events import (
     subscribe_heartbeats,
 )
 from bus.streams import ensure_event_stream, ensure_experience_stream
-from roles.common import new_incarnation
+from roles.common import new_incarnation, stop_task
 from roles.config import JobConfig
 from sync_protocol import (
     Decision,
@@ -99,9 +99,8 @@ class Synchronizer:
                     if not self.caught_up and rec.seq >= end:
                         await self._mark_caught_up()
             finally:
-                timers.cancel()
-                beats.cancel()
-                await asyncio.gather(timers, beats, return_exceptions=True)
+                await stop_task(timers, log=self.log)
+                await stop_task(beats, log=self.log)
 
     async def _mark_caught_up(self) -> None:
         self.caught_up = True
