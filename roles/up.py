@@ -31,6 +31,7 @@ from sync_protocol import (
     RunningStatus,
     StatusChanged,
     StepFinished,
+    VersionPublished,
     WeightsBroadcast,
     WeightsLoaded,
 )
@@ -252,7 +253,7 @@ def summarize(records: list[Recorded], *, job: str) -> dict:
             bytes_moved += ev.nbytes
             if ev.nbytes > 0:
                 syncs += 1
-        elif isinstance(ev, WeightsBroadcast):
+        elif isinstance(ev, (WeightsBroadcast, VersionPublished)):
             final_version = max(final_version, ev.version)
         elif isinstance(ev, StatusChanged) and ev.member.role is Role.EXPLORER:
             if ev.status is RunningStatus.REQUIRE_SYNC:
@@ -263,8 +264,6 @@ def summarize(records: list[Recorded], *, job: str) -> dict:
             for p in ev.participants:
                 if p.member in waiting_since:
                     waits_ms.append(rec.time_ms - waiting_since.pop(p.member))
-        if hasattr(ev, "version") and type(ev).__name__ == "VersionPublished":
-            final_version = max(final_version, ev.version)
     first, last = trainer_rewards[:5], trainer_rewards[-5:]
     return {
         "job": job,
