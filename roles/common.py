@@ -167,8 +167,12 @@ class MemberSession:
         self.conn = await self._stack.enter_async_context(
             connect(self.cfg.nats_url, job=self.cfg.job, role=self.role.value, member=self.member_id)
         )
-        await ensure_event_stream(self.conn.js, self.conn.names)
-        await ensure_experience_stream(self.conn.js, self.conn.names)
+        try:
+            await ensure_event_stream(self.conn.js, self.conn.names)
+            await ensure_experience_stream(self.conn.js, self.conn.names)
+        except BaseException:  # __aexit__ does not run when __aenter__ raises: close what we opened
+            await self._stack.aclose()
+            raise
         self.publisher = EventPublisher(self.conn, self.me)
         self.view = JobView(self.conn, log=self.log)
         return self
