@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from bus.connection import BusConnection, connect
+from bus.errors import BusError
 from bus.events import EventPublisher, publish_heartbeat, read_events
 from bus.streams import ensure_event_stream, ensure_experience_stream
 from roles.config import JobConfig
@@ -83,19 +84,28 @@ class JobView:
         return await last_sequence(self._conn)
 
     async def _follow(self) -> None:
-        async for rec in read_events(self._conn, from_seq=1, include_decisions=True):
-            if isinstance(rec.event, Decision):
-                self.decisions.append(rec)
-            else:
-                self.inputs_seen += 1
-                if isinstance(rec.event, WeightsBroadcast):
-                    self.broadcast_version = max(self.broadcast_version, rec.event.version)
-                try:
-                    self.state, _ = reduce(self.state, rec)
-                except ProtocolError as exc:
-                    # The synchronizer logs and rejects these too; the view just skips them.
-                    self._log.debug("view_skipped_event", seq=rec.seq, reason=str(exc))
-            self.last_seq = rec.seq
+        try:
+            async for rec in read_events(self._conn, from_seq=1, include_decisions=True):
+                if isinstance(rec.event, Decision):
+                    self.decisions.append(rec)
+                else:
+                    self.inputs_seen += 1
+                    if isinstance(rec.event, WeightsBroadcast):
+                        self.broadcast_version = max(self.broadcast_version, rec.event.version)
+                    try:
+                        self.state, _ = reduce(self.state, rec)
+                    except ProtocolError as exc:
+                        # The synchronizer logs and rejects these too; the view just skips them.
+                        self._log.debug("view_skipped_event", seq=rec.seq, reason=str(exc))
+                self.last_seq = rec.seq
+                async with self._changed:
+                    self._changed.notify_all()
+        except Exception as exc:
+            self._log.error("view_stopped_following", error=str(exc), last_seq=self.last_seq)
+            raise
+        finally:
+            # Wake the waiters: they see the view has stopped (wait_for raises) instead of
+            # waiting out their timeout (hours for a sync decision; for ever without one).
             async with self._changed:
                 self._changed.notify_all()
 
@@ -109,6 +119,10 @@ class JobView:
                     value = predicate(self)
                     if value:
                         return value
+                    if self._task is not None and self._task.done():
+                        cause = "it was closed" if self._task.cancelled() else str(self._task.exception())
+                        raise BusError(f"the job view stopped following the stream ({cause}); "
+                                       f"{what} can no longer be seen")
                     await self._changed.wait()
 
         try:
