@@ -129,8 +129,10 @@ class NatsServer:
         last_error: Exception | None = None
         while time.monotonic() < deadline:
             if self._proc is not None and self._proc.poll() is not None:
+                code = self._proc.returncode
+                self.stop()  # close the log, drop a temporary store
                 raise NatsServerError(
-                    f"nats-server exited with code {self._proc.returncode} while starting on "
+                    f"nats-server exited with code {code} while starting on "
                     f"{self.url} (port in use? see {self.log_file or 'its output'})"
                 )
             try:

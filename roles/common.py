@@ -4,6 +4,7 @@ view of the job (a local fold of the stream plus the synchronizer's recorded dec
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -11,12 +12,13 @@ import time
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import structlog
 
 from bus.connection import BusConnection, connect
 from bus.errors import BusError
-from bus.events import EventPublisher, publish_heartbeat, read_events
+from bus.events import EventPublisher, last_sequence, publish_heartbeat, read_events
 from bus.streams import ensure_event_stream, ensure_experience_stream
 from roles.config import JobConfig
 from sync_protocol import (
@@ -25,17 +27,17 @@ from sync_protocol import (
     JobConfigured,
     MemberJoined,
     MemberRef,
-    ProtocolError,
     Recorded,
     Role,
     RunningStatus,
     StatusChanged,
     WeightsBroadcast,
 )
-from sync_protocol.reducer import reduce
+from sync_protocol.reducer import reduce_lenient
 from sync_protocol.state import State
 
-__all__ = ["new_incarnation", "JobView", "MemberSession", "install_stop_signals", "RoleStopped", "stop_task"]
+__all__ = [
+    "write_json_atomic","new_incarnation", "JobView", "MemberSession", "install_stop_signals", "RoleStopped", "stop_task"]
 
 
 class RoleStopped(Exception):
@@ -68,38 +70,33 @@ class JobView:
         self._changed = asyncio.Condition()
         self._task: asyncio.Task | None = None
         self._log = log or structlog.get_logger()
-        self._caught_up = asyncio.Event()
 
     async def start(self, *, catch_up: bool = True) -> None:
         """Fold everything recorded so far (so the view is current), then follow live."""
-        end = await self._last_sequence()
+        end = await last_sequence(self._conn)
         self._task = asyncio.create_task(self._follow(), name="job-view")
         if catch_up and end > 0:
             await self.wait_for(lambda v: v.last_seq >= end, timeout=120.0, what=f"catch up to seq {end}")
-        self._caught_up.set()
-
-    async def _last_sequence(self) -> int:
-        from bus.events import last_sequence
 
         return await last_sequence(self._conn)
 
     async def _follow(self) -> None:
         try:
-            async for rec in read_events(self._conn, from_seq=1, include_decisions=True):
-                if isinstance(rec.event, Decision):
-                    self.decisions.append(rec)
-                else:
-                    self.inputs_seen += 1
-                    if isinstance(rec.event, WeightsBroadcast):
-                        self.broadcast_version = max(self.broadcast_version, rec.event.version)
-                    try:
-                        self.state, _ = reduce(self.state, rec)
-                    except ProtocolError as exc:
-                        # The synchronizer logs and rejects these too; the view just skips them.
-                        self._log.debug("view_skipped_event", seq=rec.seq, reason=str(exc))
-                self.last_seq = rec.seq
-                async with self._changed:
-                    self._changed.notify_all()
+            async with read_events(self._conn, from_seq=1, include_decisions=True) as reader:  # drops its consumer
+                async for rec in reader:
+                    if isinstance(rec.event, Decision):
+                        self.decisions.append(rec)
+                    else:
+                        self.inputs_seen += 1
+                        if isinstance(rec.event, WeightsBroadcast):
+                            self.broadcast_version = max(self.broadcast_version, rec.event.version)
+                        # Illegal inputs are skipped exactly as the synchronizer skips them.
+                        self.state, _, error = reduce_lenient(self.state, rec)
+                        if error is not None:
+                            self._log.debug("view_skipped_event", seq=rec.seq, reason=str(error))
+                    self.last_seq = rec.seq
+                    async with self._changed:
+                        self._changed.notify_all()
         except Exception as exc:
             self._log.error("view_stopped_following", error=str(exc), last_seq=self.last_seq)
             raise
@@ -140,6 +137,11 @@ class JobView:
             out.append(rec)
         out.reverse()
         return out
+
+    def all_gone(self, role: Role) -> bool:
+        """True when members of `role` have joined and none is alive any more."""
+        members = [m for m in self.state.members.values() if m.ref.role is role]
+        return bool(members) and not any(m.alive for m in members)
 
     def member(self, role: Role, member_id: str):
         return self.state.members.get(f"{role.value}/{member_id}")
@@ -207,6 +209,21 @@ class MemberSession:
     async def publish(self, event: Event) -> int:
         return await self.publisher.publish(event)
 
+    async def wait_decision(self, outcome: Callable[[JobView], object], *, what: str):
+        """Wait for the synchronizer's decision about our request; None if none ever comes.
+
+        The synchronizer answers by `sync_timeout` at the latest (a timed-out round releases us).
+        Silence beyond that (plus a grace period) means no synchronizer is running: withdraw the
+        request and go on with the weights we have, like the reference on a failed sync.
+        """
+        try:
+            return await self.view.wait_for(outcome, timeout=self.cfg.synchronizer.sync_timeout + 30,
+                                            what=what)
+        except TimeoutError as exc:
+            self.log.warning("sync_decision_timed_out", what=what, error=str(exc))
+            await self.set_status(RunningStatus.RUNNING)
+            return None
+
     async def set_status(self, status: RunningStatus, *, rendezvous: str | None = None) -> int:
         self.status = status
         return await self.publish(
@@ -260,3 +277,11 @@ def install_stop_signals(task: asyncio.Task) -> None:
             loop.add_signal_handler(sig, task.cancel)
         except (NotImplementedError, RuntimeError):  # not the main thread
             pass
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    """Write `data` as JSON so that a reader (or a restart after a crash) sees old or new, never half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 import zlib
 
 from bus.experiences import ExperienceBatch, ExperiencePublisher
 from bus.weights import TransferError, WeightsRef
-from roles.common import MemberSession, stop_task
+from roles.common import MemberSession, write_json_atomic, stop_task
 from roles.config import JobConfig
 from roles.transports import make_pull_transport, make_rendezvous_transport
 from sync_protocol import (
@@ -72,10 +71,8 @@ class Explorer:
             self.taskset.load_state_dict(state["taskset"])
 
     def _save_state(self) -> None:
-        self.state_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"explore_step": self.explore_step, "taskset": self.taskset.state_dict()}))
-        os.replace(tmp, self.state_file)
+        write_json_atomic(self.state_file, {"explore_step": self.explore_step,
+                                            "taskset": self.taskset.state_dict()})
 
     # -- setup -------------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -154,8 +151,7 @@ class Explorer:
         return any(r.opened_by.role is Role.TRAINER for r in self.s.view.state.rounds.values())
 
     def _trainer_stopped(self) -> bool:
-        trainers = [m for m in self.s.view.state.members.values() if m.ref.role is Role.TRAINER]
-        return bool(trainers) and not any(m.alive for m in trainers)
+        return self.s.view.all_gone(Role.TRAINER)
 
     async def sync_weight(self) -> None:
         if self.version < 0 and self.method.is_rendezvous:
@@ -177,11 +173,12 @@ class Explorer:
                     return d
             return None
 
-        decision = await self.s.view.wait_for(outcome, timeout=self.sync.sync_timeout + 30,
-                                              what="a sync decision")
+        decision = await self.s.wait_decision(outcome, what="a sync decision")
         waited = time.monotonic() - started
         self.sync_wait_s.append(waited)
         self.s.status = RunningStatus.RUNNING
+        if decision is None:
+            return  # no synchronizer: keep exploring with the weights we have
         if isinstance(decision, RendezvousReady):
             await self._receive_rendezvous(decision)
         elif decision.reason is ReleaseReason.NEW_VERSION:

@@ -94,10 +94,11 @@ class Synchronizer:
             timers = asyncio.create_task(self._timers(), name="timers")
             beats = asyncio.create_task(self._heartbeat(), name="heartbeat")
             try:
-                async for rec in read_events(conn, from_seq=1, include_decisions=True):
-                    await self._on_record(rec)
-                    if not self.caught_up and rec.seq >= end:
-                        await self._mark_caught_up()
+                async with read_events(conn, from_seq=1, include_decisions=True) as reader:  # drops its consumer
+                    async for rec in reader:
+                        await self._on_record(rec)
+                        if not self.caught_up and rec.seq >= end:
+                            await self._mark_caught_up()
             finally:
                 await stop_task(timers, log=self.log)
                 await stop_task(beats, log=self.log)

@@ -24,7 +24,7 @@ from pathlib import Path
 from bus.errors import AckFailed
 from bus.experiences import ExperienceReader
 from bus.weights import TransferError
-from roles.common import MemberSession
+from roles.common import MemberSession, write_json_atomic
 from roles.config import JobConfig
 from roles.transports import make_pull_transport, make_rendezvous_transport
 from sync_protocol import (
@@ -71,6 +71,7 @@ class Trainer:
         self.partial: dict[int, set[int]] = {}
         self.last_metrics: dict | None = None  # the saved step's StepFinished metrics
         self.answered_rounds: set[int] = set()
+        self._last_extend = 0.0
         self._resume()
 
     # -- setup -------------------------------------------------------------------------------------
@@ -186,14 +187,26 @@ class Trainer:
             if not received and self._explorers_done():
                 # Nobody will produce more: train on what is left, or stop.
                 return [exp for _, _, exp in batch] or None
-            for msg in self.held.values():
-                await msg.in_progress()  # keep held messages from being redelivered meanwhile
+            await self._extend_held()
         self.leftover = batch[self.experiences_per_step:]
         return [exp for _, _, exp in batch[: self.experiences_per_step]]
 
+    async def _extend_held(self) -> None:
+        """Tell the server we still work on the held messages (so they are not redelivered),
+        every third of ack_wait; a failure during a reconnect only means trying next time."""
+        now = time.monotonic()
+        if now - self._last_extend < self.cfg.buffer.ack_wait_s / 3:
+            return
+        self._last_extend = now
+        for msg in list(self.held.values()):
+            try:
+                await msg.in_progress()
+            except Exception as exc:  # nats errors while reconnecting; the next call retries
+                self.log.debug("in_progress_failed", seq=msg.seq, error=str(exc))
+                break
+
     def _explorers_done(self) -> bool:
-        explorers = [m for m in self.s.view.state.members.values() if m.ref.role is Role.EXPLORER]
-        return bool(explorers) and not any(m.alive for m in explorers)
+        return self.s.view.all_gone(Role.EXPLORER)
 
     async def _serve_sync_requests(self) -> None:
         """explorer_driven: an explorer's open round is our cue (the reference polls every 1 s)."""
@@ -256,8 +269,9 @@ class Trainer:
                     return d
             return None
 
-        decision = await self.s.view.wait_for(outcome, timeout=self.sync.sync_timeout + 30,
-                                              what="the rendezvous decision")
+        decision = await self.s.wait_decision(outcome, what="the rendezvous decision")
+        if decision is None:
+            return  # no synchronizer: keep training; explorers keep the weights they have
         if isinstance(decision, MemberReleased):
             self.log.info("rendezvous_released", reason=decision.reason.value, round=decision.round)
             self.s.status = RunningStatus.RUNNING
@@ -297,7 +311,7 @@ class Trainer:
                  "acked_seqs": sorted(self.acked_at_save | {msg.seq for msg in done}),
                  "partial": {str(seq): indices for seq, indices in partial.items()}}
         # If we die after this but before publishing the version, the restart publishes it.
-        _atomic_write_json(self.ckpt_dir / "trainer_state.json", state)
+        write_json_atomic(self.ckpt_dir / "trainer_state.json", state)
         _prune_checkpoints(self.ckpt_dir, keep=2)
         # Only now are the experiences of these steps safe: ack them.
         for msg in done:
@@ -326,7 +340,11 @@ class Trainer:
             await self.s.set_status(RunningStatus.STOPPED)
         except Exception as exc:
             self.log.error("stopped_not_published", error=str(exc))
-        await self.transport.aclose()
+        for closing in (self.transport.aclose, self.reader.aclose):
+            try:
+                await closing()
+            except Exception as exc:  # closing must not hide how the run ended
+                self.log.warning("close_failed", what=closing.__qualname__, error=str(exc))
         self.log.info("trainer_finished", step=self.engine.step, version=self.version,
                       dropped_stale=self.dropped_stale)
 
@@ -340,13 +358,6 @@ def _advertised_host() -> str:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
-
-
-def _atomic_write_json(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
 
 
 def _prune_checkpoints(root: Path, keep: int) -> None:
