@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from roles.common import stop_task
 from roles.inspect import JobObserver
 
 __all__ = ["Dashboard", "DashboardHandle", "start_dashboard", "serve_dashboard", "default_monitor_url"]
@@ -95,13 +96,7 @@ class Dashboard:
     async def aclose(self) -> None:
         tasks, self._tasks = self._tasks, []
         for task in tasks:
-            # Cancel again until it ends: asyncio.wait_for (inside nats-py) can swallow one cancel.
-            while not task.done():
-                task.cancel()
-                await asyncio.wait({task}, timeout=1.0)
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                task.result()
+            await stop_task(task)
 
     async def _bump(self) -> None:
         async with self._changed:

@@ -172,6 +172,9 @@ class Synchronizer:
                 self.log.warning("timer_check_failed", error=str(exc))
 
     async def _check_rounds(self) -> None:
+        # Deadlines are server time (when the round opened) plus sync_timeout, compared with our
+        # wall clock: hosts are expected to run NTP; skew shifts a timeout by that much, which is
+        # small against sync_timeout (minutes), and the recorded RoundTimedOut keeps replay exact.
         now_ms = time.time() * 1000
         cfg = self.state.config or self.sync_cfg
         for round_id, rnd in list(self.state.rounds.items()):

@@ -23,6 +23,7 @@ from rich.table import Table
 
 from bus.server import NatsServer, NatsServerError
 from roles.config import JobConfig
+from roles.inspect import member_status
 from sync_protocol import (
     MemberReleased,
     Recorded,
@@ -288,8 +289,7 @@ def _progress_table(cfg: JobConfig, view, processes: list[RoleProcess]) -> Table
     for member in sorted(view.state.members.values(), key=lambda m: (m.ref.role.value, m.ref.id)):
         proc = procs.get(member.ref.id) or procs.get("sync-0" if member.ref.role is Role.SYNCHRONIZER else "")
         reward = member.metrics.get("reward_mean") if member.metrics else None
-        status = member.status.value if member.alive else ("stopped" if member.status is RunningStatus.STOPPED else "expired")
-        table.add_row(member.ref.key, status, str(member.step), str(member.version),
+        table.add_row(member.ref.key, member_status(member), str(member.step), str(member.version),
                       f"{reward:.3f}" if reward is not None else "",
                       "running" if proc and proc.proc.poll() is None else (f"exit {proc.proc.returncode}" if proc else ""))
     return table
