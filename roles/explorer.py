@@ -61,7 +61,8 @@ class Explorer:
         self.version = -1  # no weights pulled yet (the engine holds the base model, version 0)
         self.sync_wait_s: list[float] = []
         self._background: asyncio.Task | None = None
-        self._pending_weights: tuple[int, dict] | None = None
+        # (version, tensors, nbytes, fetch seconds) fetched in the background, applied between steps
+        self._pending_weights: tuple[int, dict, int, float] | None = None
         self._resume()
 
     def _resume(self) -> None:
