@@ -56,6 +56,7 @@ __all__ = [
     "encode_heartbeat",
     "decode_heartbeat",
     "EventReader",
+    "read_all",
     "read_events",
     "last_sequence",
     "decision_msg_id",
@@ -546,6 +547,12 @@ class EventReader:
 
     async def __aexit__(self, *exc_info) -> None:
         await self.aclose()
+
+
+async def read_all(conn: BusConnection) -> list[Recorded]:
+    """Every record of the job's stream, events and decisions, up to its end as of now."""
+    async with read_events(conn, from_seq=1, include_decisions=True, stop_at_end=True) as reader:
+        return [rec async for rec in reader]
 
 
 def read_events(

@@ -125,13 +125,12 @@ def write_export(records: Iterable[Recorded], path: str | Path, *, job: str | No
 async def read_job(job: str, nats: str, *, connect_timeout: float = 5.0) -> list[Recorded]:
     """Every record of the job's stream up to its end as of now. Raises `bus.errors.BusError`."""
     from bus.connection import connect
-    from bus.events import last_sequence, read_events
+    from bus.events import last_sequence, read_all
 
     async with connect(nats, job=job, role="observer", member=f"export-{os.getpid()}",
                        connect_timeout=connect_timeout) as conn:
         await last_sequence(conn)  # a clear error when the job has no stream
-        async with read_events(conn, from_seq=1, include_decisions=True, stop_at_end=True) as reader:
-            return [rec async for rec in reader]
+        return await read_all(conn)
 
 
 async def export_job(job: str, nats: str, path: Path) -> int:

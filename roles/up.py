@@ -130,6 +130,7 @@ async def _supervise(cfg: JobConfig, server: NatsServer, config_path: Path, run_
                      summary_path, dashboard, dashboard_port, timeout_s) -> int:
     from bus.connection import connect
     from roles.common import JobView
+    from bus.events import read_all
     from roles.replay import write_export
 
     logs = run_path / "logs"
@@ -183,7 +184,7 @@ async def _supervise(cfg: JobConfig, server: NatsServer, config_path: Path, run_
                 console.print(f"[red]job {failed}[/]")
             # Let the synchronizer see the last events, then stop it and record the run.
             await _stop_all(everyone)
-            records = await _read_all(conn)
+            records = await read_all(conn)
             events_file = run_path / "events.jsonl"
             write_export(records, events_file, job=cfg.job)
             summary = summarize(records, job=cfg.job)
@@ -214,12 +215,6 @@ async def _stop_all(processes: list[RoleProcess], grace_s: float = 15.0) -> None
         if p.proc.poll() is None:
             p.proc.kill()
             p.proc.wait()
-
-
-async def _read_all(conn) -> list[Recorded]:
-    from bus.events import read_events
-
-    return [rec async for rec in read_events(conn, from_seq=1, include_decisions=True, stop_at_end=True)]
 
 
 def _percentile(values: list[float], q: float) -> float | None:
