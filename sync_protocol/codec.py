@@ -17,8 +17,11 @@ from .events import KINDS, Decision, Event, MemberRef, RankAssignment
 
 __all__ = ["SCHEMA_VERSION", "encode", "decode", "to_plain", "from_plain"]
 
-SCHEMA_VERSION = 1
-"""Bumped on any incompatible change; decoders reject newer schemas instead of guessing."""
+SCHEMA_VERSION = 2
+"""Bumped on any incompatible change; decoders reject newer schemas instead of guessing.
+
+2: `StatusChanged.final` (a member's last STOPPED). Schema-1 records still decode (the field
+defaults to False), so streams recorded by older builds replay."""
 
 
 def _plain(value: Any) -> Any:

@@ -19,7 +19,8 @@ class SyncConfig:
     Heartbeat period/expiry are in seconds; a member silent for `heartbeat_expiry` is declared
     expired (by an event) and leaves every round, instead of peers waiting `sync_timeout`.
     `max_staleness` bounds how many versions older than the trainer's an experience may be
-    (None = unbounded).
+    (None = unbounded). `snapshot_every`: the active synchronizer records a reducer snapshot every
+    so many stream records (0 = never), so restarts fold only the tail and the stream may be trimmed.
     """
 
     sync_method: SyncMethod = SyncMethod.NCCL
@@ -30,6 +31,7 @@ class SyncConfig:
     heartbeat_period: float = 1.0
     heartbeat_expiry: float = 5.0
     max_staleness: int | None = None
+    snapshot_every: int = 10_000
 
     def __post_init__(self) -> None:
         for name, enum_cls in (("sync_method", SyncMethod), ("sync_style", SyncStyle)):
@@ -116,6 +118,8 @@ def _problems(cfg: SyncConfig) -> list[tuple[str, str]]:
             ("heartbeat_expiry", f"must be longer than heartbeat_period ({cfg.heartbeat_period} s), "
              f"got {cfg.heartbeat_expiry!r}")
         )
+    if not _is_int(cfg.snapshot_every) or cfg.snapshot_every < 0:
+        problems.append(("snapshot_every", f"must be an integer >= 0 (0 = no snapshots), got {cfg.snapshot_every!r}"))
     if cfg.max_staleness is not None and (not _is_int(cfg.max_staleness) or cfg.max_staleness < 0):
         problems.append(("max_staleness", f"must be null or an integer >= 0, got {cfg.max_staleness!r}"))
     return problems

@@ -291,6 +291,10 @@ class StatusChanged(Event):
 
     A trainer entering REQUIRE_SYNC for a rendezvous method offers `rendezvous` = "host:port" where
     its rank 0 listens for the group it would form.
+
+    `final` marks a STOPPED that ends the member's work for good: the trainer trained its last
+    step, an explorer exhausted its task set. Any other STOPPED (Ctrl-C, a crash-time cleanup) is
+    a pause: a restart may follow, and nobody gives up on the member because of it.
     """
 
     KIND: ClassVar[str] = "status_changed"
@@ -298,6 +302,7 @@ class StatusChanged(Event):
     step: int
     version: int
     rendezvous: str | None = None
+    final: bool = False
 
 
 @_register

@@ -103,7 +103,7 @@ class Trigger(str, Enum):
 
     NEW_VERSION = "new_version"  # a version newer than the waiter's exists (published, or already)
     NO_NEW_VERSION = "no_new_version"  # the trainer has nothing newer, or the style never waits
-    TRAINER_LEFT = "trainer_left"  # the trainer stopped or expired (or was already gone)
+    TRAINER_LEFT = "trainer_left"  # the trainer finished its last step (or had when asked)
     TIMED_OUT = "timed_out"  # RoundTimedOut: the synchronizer's clock passed the deadline
     NOBODY_WAITING = "nobody_waiting"  # every waiter stopped, expired or withdrew
     NO_EXPLORERS = "no_explorers"  # a rendezvous round has no live explorer left to send to
@@ -154,9 +154,9 @@ ROUND_TRANSITIONS: Mapping[tuple[str, RoundPhase, Trigger], Transition] = Mappin
 })
 
 PULL_POLICY: Mapping[SyncStyle, Trigger | None] = MappingProxyType({
-    # An explorer asks for weights and nothing newer than its own exists yet (and the trainer is
-    # alive). None: the round stays open until a version is published, NoNewVersion, the trainer
-    # leaves, or the timeout. In explorer_driven style the RoundOpened is the trainer's cue.
+    # An explorer asks for weights and nothing newer than its own exists yet (and the trainer has
+    # not finished). None: the round stays open until a version is published, NoNewVersion, the
+    # trainer finishes, or the timeout (a trainer restart in between is waited through). In explorer_driven style the RoundOpened is the trainer's cue.
     SyncStyle.FIXED: None,
     SyncStyle.EXPLORER_DRIVEN: None,
     # The trainer drives when weights move: an explorer never waits for weights not yet produced.
@@ -191,7 +191,9 @@ TRIGGER_CAUSES: Mapping[Trigger, str] = MappingProxyType({
                          "(or the waiter holds nothing yet: -1) when it asks",
     Trigger.NO_NEW_VERSION: "the trainer's NoNewVersion; for a pull request in trainer_driven / "
                             "fully_async style, at once",
-    Trigger.TRAINER_LEFT: "the trainer stops, expires or restarts (or is already gone when asked)",
+    Trigger.TRAINER_LEFT: "the trainer finished: its final STOPPED after its last step (or it had "
+                          "finished when asked). A trainer that expires, restarts or stops before "
+                          "its last step is waited for: rounds stay open through its restart",
     Trigger.TIMED_OUT: "RoundTimedOut from the synchronizer's clock",
     Trigger.NOBODY_WAITING: "every waiter stopped, expired, restarted or went back to running",
     Trigger.NO_EXPLORERS: "no live explorer is left among the participants",
@@ -428,6 +430,11 @@ class _Tx:
         key = self.f["trainer"]
         return key is not None and not self.members[key].alive
 
+    def trainer_finished(self) -> bool:
+        """True when the trainer stopped for good after its last step (final STOPPED)."""
+        key = self.f["trainer"]
+        return key is not None and self.members[key].finished
+
     def live_trainer(self) -> MemberState | None:
         key = self.f["trainer"]
         if key is None:
@@ -616,7 +623,7 @@ def _request_pull(tx: _Tx, member: MemberState) -> None:
     rnd = _open_round(tx, member, (member.ref.key,))
     if tx.f["latest"].version > member.version or member.version == -1:
         _apply(tx, rnd, Trigger.NEW_VERSION)
-    elif tx.trainer_gone():
+    elif tx.trainer_finished():
         _apply(tx, rnd, Trigger.TRAINER_LEFT)
     else:
         trigger = PULL_POLICY[tx.f["config"].sync_style]
@@ -636,8 +643,10 @@ def _request_rendezvous(tx: _Tx, member: MemberState) -> None:
         )
         rnd = _open_round(tx, member, participants)
         if trainer is None and tx.trainer_gone():
-            _apply(tx, rnd, Trigger.TRAINER_LEFT)
-            return
+            if tx.trainer_finished():
+                _apply(tx, rnd, Trigger.TRAINER_LEFT)
+                return
+            # a trainer away (restarting) is waited for: its next incarnation joins this round
     elif key not in rnd.waiting:
         participants = rnd.participants if key in rnd.participants else rnd.participants + (key,)
         rnd = tx.update_round(rnd.id, waiting=rnd.waiting + (key,), participants=participants)
@@ -653,9 +662,12 @@ def _leave(tx: _Tx, member: MemberState) -> None:
             # one that already reported its part leaves nothing unfinished behind
             if key in rnd.participants and key not in rnd.reported:
                 _apply(tx, rnd, Trigger.PARTICIPANT_LEFT)
-        elif is_trainer:
-            # explorers waiting for weights from a trainer that is gone are let go now
+        elif is_trainer and member.finished:
+            # the trainer is done: nobody will publish again, let the waiting explorers go
             _apply(tx, rnd, Trigger.TRAINER_LEFT)
+        # A trainer that may come back (expired, restarted, stopped early) is waited for: a pull
+        # round waits for the next version; a gathering rendezvous drops it below and its next
+        # incarnation becomes a participant again when it joins.
         elif key in rnd.waiting or key in rnd.participants:
             rnd = tx.update_round(
                 rnd.id,
@@ -763,6 +775,7 @@ def _on_member_joined(tx: _Tx, event: MemberJoined, _: None) -> None:
         "last_time_ms": tx.time_ms,
         "rendezvous": None,
         "metrics": _EMPTY_METRICS,
+        "finished": False,
     })
     members[key] = member
     tx.fresh_m.add(key)
@@ -798,7 +811,7 @@ def _on_status_changed(tx: _Tx, event: StatusChanged, member: MemberState) -> No
             _request_sync(tx, member)
     elif status is _STOPPED:
         _leave(tx, tx.update_member(key, status=status, step=event.step, version=event.version,
-                                    alive=False))
+                                    alive=False, finished=event.final))
     else:
         tx.update_member(key, status=status, step=event.step, version=event.version)
         if config is not None and previous is _REQUIRE_SYNC:

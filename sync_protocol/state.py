@@ -88,6 +88,7 @@ class MemberState:
     last_time_ms: int = 0
     rendezvous: str | None = None
     metrics: Mapping[str, float] = field(default_factory=lambda: _EMPTY)
+    finished: bool = False  # it stopped for good (StatusChanged final): its work is done
 
     @property
     def key(self) -> str:

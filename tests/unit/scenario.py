@@ -83,7 +83,13 @@ def run(ref: MemberRef, step: int, version: int) -> StatusChanged:
 
 
 def stop(ref: MemberRef, step: int, version: int) -> StatusChanged:
+    """A STOPPED that is not final: Ctrl-C or a crash-time cleanup; a restart may follow."""
     return StatusChanged(member=ref, status=RunningStatus.STOPPED, step=step, version=version)
+
+
+def finish(ref: MemberRef, step: int, version: int) -> StatusChanged:
+    """The member's last STOPPED: its work is done (the trainer trained its last step)."""
+    return StatusChanged(member=ref, status=RunningStatus.STOPPED, step=step, version=version, final=True)
 
 
 def publish(version: int, method: SyncMethod = SyncMethod.MEMORY, by: MemberRef = T) -> VersionPublished:

@@ -10,6 +10,8 @@ from scenario import (
     E3,
     T,
     configured,
+    expired,
+    finish,
     join,
     loaded,
     no_new,
@@ -21,7 +23,7 @@ from scenario import (
     step_done,
     stop,
 )
-from sync_protocol import MemberReleased, ReleaseReason, SyncConfig, SyncMethod, SyncStyle
+from sync_protocol import MemberRef, MemberReleased, ReleaseReason, Role, SyncConfig, SyncMethod, SyncStyle
 
 PULL_METHODS = [SyncMethod.CHECKPOINT, SyncMethod.MEMORY]
 
@@ -76,7 +78,7 @@ def test_fixed_explorer_waits_for_the_next_version(method):
         (loaded(E1, 2, round=5), [], "t=running@2 e1=running@2 e2=running@1 | latest=2 | epoch=0 | -"),
         (loaded(E2, 2, round=6), [], "t=running@2 e1=running@2 e2=running@2 | latest=2 | epoch=0 | -"),
         # the trainer finished: a later request is answered at once instead of waiting
-        (stop(T, 2, 2), [], "t=stopped@2 e1=running@2 e2=running@2 | latest=2 | epoch=0 | -"),
+        (finish(T, 2, 2), [], "t=stopped@2 e1=running@2 e2=running@2 | latest=2 | epoch=0 | -"),
         (req(E1, 3, 2),
          ["opened r7 by e1 @2", "released r7 e1 trainer_stopped @2", "closed r7 trainer_stopped"],
          "t=stopped@2 e1=running@2 e2=running@2 | latest=2 | epoch=0 | -"),
@@ -221,15 +223,39 @@ def test_explorer_that_goes_back_to_running_withdraws_its_request():
 
 
 @pytest.mark.parametrize("method", PULL_METHODS)
-def test_trainer_stopping_releases_every_waiting_explorer(method):
+def test_trainer_finishing_releases_every_waiting_explorer(method):
     job = run_script(_start(method, SyncStyle.FIXED))
     job.feed(req(E1, 1, 0))
     job.feed(req(E2, 1, 0))
-    assert job.lines(stop(T, 1, 0)) == [
+    assert job.lines(finish(T, 1, 0)) == [
         "released r3 e1 trainer_stopped @0", "closed r3 trainer_stopped",
         "released r4 e2 trainer_stopped @0", "closed r4 trainer_stopped",
     ]
     assert snapshot(job.state) == "t=stopped@0 e1=running@0 e2=running@0 | latest=0 | epoch=0 | -"
+
+
+@pytest.mark.parametrize("leave", ["stop", "expire", "restart"])
+@pytest.mark.parametrize("method", PULL_METHODS)
+def test_waiting_explorers_wait_through_a_trainer_restart(method, leave):
+    """A trainer that stops early, expires or restarts may come back: waiting rounds stay open
+    and the restarted trainer's next version releases them."""
+    t_again = MemberRef(role=Role.TRAINER, id="t", incarnation=1)
+    job = run_script(_start(method, SyncStyle.FIXED))
+    job.feed(req(E1, 1, 0))
+    job.feed(req(E2, 1, 0))
+    gone = {"stop": stop(T, 1, 0), "expire": expired(T), "restart": join(t_again, version=0)}[leave]
+    assert job.lines(gone) == []
+    assert sorted(job.state.rounds) == [3, 4]
+    if leave != "restart":
+        # a request made while the trainer is away waits too (instead of "trainer_stopped")
+        job.feed(join(E3, version=0))
+        assert job.lines(req(E3, 1, 0)) == ["opened r5 by e3 @0"]
+        job.feed(join(t_again, version=0))
+    expected = ["released r3 e1 new_version @1 reload", "closed r3 completed",
+                "released r4 e2 new_version @1 reload", "closed r4 completed"]
+    if leave != "restart":
+        expected += ["released r5 e3 new_version @1 reload", "closed r5 completed"]
+    assert job.lines(publish(1, method, by=t_again)) == expected
 
 
 def test_explorer_stopping_while_waiting_abandons_its_round_without_release():

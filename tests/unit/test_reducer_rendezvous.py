@@ -14,6 +14,7 @@ from scenario import (
     configured,
     expired,
     failed,
+    finish,
     join,
     loaded,
     no_new,
@@ -219,11 +220,11 @@ def test_participant_stopping_mid_transfer_fails_the_round():
     assert snapshot(job.state) == "t=running@1 e1=running@1 e2=stopped@-1 | latest=0 | epoch=1!broken | -"
 
 
-def test_trainer_stopping_releases_waiting_explorers():
+def test_trainer_finishing_releases_waiting_explorers():
     job = run_script(_start(SyncStyle.FIXED))
     job.feed(req(E1, 1, -1))
     job.feed(req(E2, 1, -1))
-    assert job.lines(stop(T, 1, 1)) == [
+    assert job.lines(finish(T, 1, 1)) == [
         "released r1 e1 trainer_stopped @-1", "released r1 e2 trainer_stopped @-1",
         "closed r1 trainer_stopped",
     ]
@@ -233,10 +234,20 @@ def test_trainer_stopping_releases_waiting_explorers():
         "opened r2 by e1 @-1", "released r2 e1 trainer_stopped @-1", "closed r2 trainer_stopped"]
 
 
-def test_trainer_expiring_releases_waiting_explorers():
+@pytest.mark.parametrize("leave", ["stop", "expire"])
+def test_explorers_wait_for_a_trainer_that_left_before_finishing(leave):
+    """The round keeps gathering without the trainer; its next incarnation becomes a participant
+    when it joins and the rendezvous happens once it asks."""
+    t_again = MemberRef(role=Role.TRAINER, id="t", incarnation=1)
     job = run_script(_start(SyncStyle.FIXED))
+    job.feed(req(T, 1, 1))
     job.feed(req(E1, 1, -1))
-    assert job.lines(expired(T)) == ["released r1 e1 trainer_stopped @-1", "closed r1 trainer_stopped"]
+    assert job.lines(stop(T, 1, 1) if leave == "stop" else expired(T)) == []
+    assert job.state.rounds[1].participants == ("explorer/e1", "explorer/e2")
+    assert job.lines(req(E2, 1, -1)) == []  # everyone but the trainer: still gathering
+    assert job.lines(join(t_again, version=1, step=1)) == []
+    assert job.lines(req(t_again, 1, 1, "10.0.0.1:29500")) == [
+        "ready r1 @1 epoch=1 world=4 e1:1+2 e2:3+1 at 10.0.0.1:29500"]
 
 
 def test_trainer_is_released_when_every_explorer_left():

@@ -262,10 +262,11 @@ def test_restarted_explorer_replaces_its_old_incarnation():
     assert (member.ref, member.alive, member.version, member.joined_seq) == (E1_AGAIN, True, -1, job.seq)
 
 
-def test_restarted_trainer_releases_explorers_waiting_for_the_old_one():
+def test_explorers_waiting_for_the_old_trainer_wait_for_the_restarted_one():
     job = _job(req(E1, 1, 0))
-    assert job.lines(join(T_AGAIN)) == ["released r1 e1 trainer_stopped @0", "closed r1 trainer_stopped"]
+    assert job.lines(join(T_AGAIN)) == []
     assert job.state.trainer == "trainer/t" and job.state.trainer_state.ref == T_AGAIN
+    assert job.lines(publish(1, by=T_AGAIN)) == ["released r1 e1 new_version @1 reload", "closed r1 completed"]
 
 
 def test_new_trainer_id_may_join_after_the_old_one_stopped():
