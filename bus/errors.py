@@ -15,6 +15,7 @@ __all__ = [
     "PublishRejected",
     "AckFailed",
     "MalformedExperience",
+    "DecisionSuperseded",
 ]
 
 
@@ -89,3 +90,8 @@ class AckFailed(BusError):
 
 class MalformedExperience(BusError, ValueError):
     """Bytes on the experience subject are not a valid `ExperienceBatch` (or a newer schema)."""
+
+
+class DecisionSuperseded(PublishRejected):
+    """A decision was not stored because its round's subject holds a message this replica did not
+    know of (another replica's decision, or a foreign message): re-read the subject to decide."""

@@ -44,7 +44,7 @@ from sync_protocol import (
 
 from .aio import raise_if_cancelling
 from .connection import BusConnection
-from .errors import BusClosed, BusError, PublishRejected
+from .errors import BusClosed, BusError, DecisionSuperseded, PublishRejected
 
 __all__ = [
     "EventPublisher",
@@ -141,8 +141,9 @@ class DecisionPublisher:
 
         `expected_last_subject_seq` is the sequence of the last message on `rft.<job>.sync.<round>`
         this replica knows of (0 for a new round); `None` skips the check. `None` is returned when
-        the stream already holds this decision (same msg id) or holds something newer on the subject
-        (another replica published first): both mean "nothing to do", never an error.
+        the stream already holds this decision (same msg id). When the subject holds something newer
+        than expected, `DecisionSuperseded` is raised: `last_on_subject` tells whether it is this
+        decision (another replica was first) or something else (then publish again after it).
         """
         if not isinstance(decision, Decision):
             raise TypeError(f"DecisionPublisher publishes decisions, not {type(decision).__name__}")
@@ -162,14 +163,33 @@ class DecisionPublisher:
             )
         except PublishRejected as exc:
             if exc.err_code in _WRONG_LAST_SEQUENCE or "wrong last sequence" in exc.description.lower():
-                self.conn.log.info("bus.decision_superseded", subject=subject, msg_id=msg_id,
-                                   expected_last_subject_seq=expected_last_subject_seq, reason=exc.description)
-                return None
+                # Something this replica did not know of is on the subject: maybe this very decision
+                # from another replica, maybe junk. Only the caller can tell (`last_on_subject`).
+                raise DecisionSuperseded(
+                    f"decision {msg_id} not stored: {subject} holds a message after seq "
+                    f"{expected_last_subject_seq} ({exc.description})",
+                    subject=subject, msg_id=msg_id, code=exc.code, err_code=exc.err_code,
+                    description=exc.description) from exc
             raise
         if ack.duplicate:
             self.conn.log.info("bus.decision_duplicate", subject=subject, msg_id=msg_id, seq=ack.seq)
             return None
         return ack.seq
+
+
+    async def last_on_subject(self, round_id: int) -> tuple[int, Decision | None]:
+        """The last message on round `round_id`'s subject: its sequence, and the decision it holds
+        (None when it is not a decision that decodes: a foreign or malformed message)."""
+        subject = self.conn.names.decision(round_id)
+        try:
+            msg = await self.conn.js.get_last_msg(self.conn.names.event_stream, subject)
+        except nats.js.errors.NotFoundError:
+            return 0, None
+        try:
+            event = decode(msg.data)
+        except DecodeError:
+            return msg.seq, None
+        return msg.seq, event if isinstance(event, Decision) else None
 
 
 # --------------------------------------------------------------------------------------------------

@@ -251,6 +251,12 @@ class ReceivedBatch:
         """Still working on it: restart the ack-wait timer."""
         await self._msg.in_progress()
 
+    @property
+    def ack_subject(self) -> str:
+        """The JetStream ack subject of this delivery: any connection of the job may ack or nak
+        the batch through it (a restarted trainer gives back what its predecessor held)."""
+        return self._msg.reply
+
     def __repr__(self) -> str:
         return (f"<ReceivedBatch {self.batch.member}/{self.batch.explore_step} seq={self.seq} "
                 f"delivered={self.num_delivered}>")
@@ -355,6 +361,35 @@ class ExperienceReader:
                               time_ms=int(meta.timestamp.timestamp() * 1000), ack_timeout=self.ack_timeout)
             )
         return out
+
+    async def give_back(self, ack_subjects: list[str]) -> int:
+        """Nak deliveries a previous trainer process held (by their ack subjects), so the server
+        redelivers them now instead of after `ack_wait_s`. Returns how many were given back; a
+        subject that is not one of this consumer's ack subjects is skipped (naks of batches that
+        were acked since are ignored by the server)."""
+        given = 0
+        for subject in ack_subjects:
+            if not self._is_own_ack_subject(subject):
+                continue
+            try:
+                await self.conn.nc.publish(subject, b"-NAK")
+            except nats.errors.Error as exc:  # they still come back, after ack_wait
+                self.conn.log.info("bus.experience_give_back_failed", subject=subject, error=str(exc))
+                continue
+            given += 1
+        if given:
+            await self.conn.nc.flush(timeout=5)
+        return given
+
+    def _is_own_ack_subject(self, subject: object) -> bool:
+        # v1 `$JS.ACK.<stream>.<consumer>.<6 more>`, v2 `$JS.ACK.<domain>.<account>.<stream>.<consumer>...`
+        if not isinstance(subject, str):
+            return False
+        t = subject.split(".")
+        if t[:2] != ["$JS", "ACK"]:
+            return False
+        named = t[2:4] if len(t) == 9 else t[4:6]
+        return named == [self._stream, self.durable]
 
     async def aclose(self) -> None:
         """Stop fetching (the durable consumer stays: unacked batches wait for the next trainer)."""

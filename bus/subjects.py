@@ -44,6 +44,9 @@ class JobNames:
         self.weights_bucket = f"rft_{self.job}_weights"
         self.weights_stream = f"RFT_{upper}_WEIGHTS"
         self.trainer_experience_durable = "trainer"
+        # key-value buckets: the synchronizers' active/standby lease, and reducer snapshots
+        self.lease_bucket = f"rft_{self.job}_lease"
+        self.snapshot_bucket = f"rft_{self.job}_snapshots"
 
     # events -------------------------------------------------------------------------------------
     def event(self, role: Role | str, member: str, kind: str) -> str:

@@ -37,11 +37,22 @@ from sync_protocol.reducer import reduce_lenient
 from sync_protocol.state import State
 
 __all__ = [
-    "write_json_atomic","new_incarnation", "JobView", "MemberSession", "install_stop_signals", "RoleStopped", "stop_task"]
+    "write_json_atomic", "new_incarnation", "JobView", "MemberSession", "install_stop_signals",
+    "RoleStopped", "MemberRejoined", "JobIncomplete", "stop_task"]
 
 
 class RoleStopped(Exception):
     """Raised inside a role's loop when it was asked to stop (signal) so cleanup runs."""
+
+
+class MemberRejoined(Exception):
+    """The synchronizer expired this member while it was alive (it was cut off, or starved), and the
+    session joined again as a new incarnation: whatever it was waiting for must be asked again."""
+
+
+class JobIncomplete(Exception):
+    """The role ended before the job's work was done (the trainer short of `total_steps`, an
+    explorer that gave up on a trainer that never came back). The process exits non-zero."""
 
 
 def new_incarnation() -> int:
@@ -67,6 +78,9 @@ class JobView:
         self.inputs_seen = 0
         self.last_seq = 0
         self.broadcast_version = 0  # the newest version a trainer reported broadcast (rendezvous)
+        # role -> monotonic time since when every member of it has been gone without finishing
+        # (killed, expired, restarting): the roles' patience (trainer_grace_s...) counts from it
+        self._away_since: dict[Role, float] = {}
         self._changed = asyncio.Condition()
         self._task: asyncio.Task | None = None
         self._log = log or structlog.get_logger()
@@ -94,6 +108,7 @@ class JobView:
                         self.state, _, error = reduce_lenient(self.state, rec)
                         if error is not None:
                             self._log.debug("view_skipped_event", seq=rec.seq, reason=str(error))
+                        self._note_absences()
                     self.last_seq = rec.seq
                     async with self._changed:
                         self._changed.notify_all()
@@ -143,6 +158,26 @@ class JobView:
         members = [m for m in self.state.members.values() if m.ref.role is role]
         return bool(members) and not any(m.alive for m in members)
 
+    def all_finished(self, role: Role) -> bool:
+        """True when members of `role` have joined and every one stopped for good (final STOPPED):
+        their work is done. A member that was killed, expired or stopped early may come back."""
+        members = [m for m in self.state.members.values() if m.ref.role is role]
+        return bool(members) and all(m.finished for m in members)
+
+    def away_for(self, role: Role) -> float:
+        """Seconds (this process's clock) since every member of `role` went away without finishing;
+        0.0 while one is alive, or once all have finished."""
+        since = self._away_since.get(role)
+        return 0.0 if since is None else time.monotonic() - since
+
+    def _note_absences(self) -> None:
+        for role in (Role.TRAINER, Role.EXPLORER):
+            away = self.all_gone(role) and not self.all_finished(role)
+            if not away:
+                self._away_since.pop(role, None)
+            elif role not in self._away_since:
+                self._away_since[role] = time.monotonic()
+
     def member(self, role: Role, member_id: str):
         return self.state.members.get(f"{role.value}/{member_id}")
 
@@ -170,8 +205,10 @@ class MemberSession:
     publisher: EventPublisher | None = None
     view: JobView | None = None
     log: structlog.typing.FilteringBoundLogger | None = None
+    rejoins: int = 0  # times this process found itself expired and joined again
     _stack: AsyncExitStack | None = None
     _heartbeat_task: asyncio.Task | None = None
+    _rejoin_task: asyncio.Task | None = None
 
     @property
     def me(self) -> MemberRef:
@@ -203,32 +240,83 @@ class MemberSession:
         )
         self.status = RunningStatus.RUNNING
         self._heartbeat_task = asyncio.create_task(self._heartbeat(), name="heartbeat")
+        self._rejoin_task = asyncio.create_task(self._rejoin_when_expired(), name="rejoin")
         self.log.info("joined", step=step, version=version, incarnation=self.incarnation, seq=seq)
         return seq
 
     async def publish(self, event: Event) -> int:
         return await self.publisher.publish(event)
 
-    async def wait_decision(self, outcome: Callable[[JobView], object], *, what: str):
+    def expired(self, view: JobView) -> bool:
+        """True when the job's record says our current incarnation left, and we did not stop:
+        the synchronizer expired us (it could not hear us for `heartbeat_expiry`)."""
+        member = view.member(self.role, self.member_id)
+        return (member is not None and member.ref.incarnation == self.incarnation and not member.alive
+                and self.status is not RunningStatus.STOPPED)
+
+    async def _rejoin_when_expired(self) -> None:
+        """Expiry is not a death sentence: an expired member that is alive joins again as a new
+        incarnation, keeping its step and version, and carries on."""
+        while True:
+            await self.view.wait_for(self.expired, timeout=None, what="our own expiry")
+            old = self.me
+            self.incarnation = max(new_incarnation(), old.incarnation + 1)
+            self.publisher = EventPublisher(self.conn, self.me)
+            self.rejoins += 1
+            self.log.warning("rejoined_after_expiry", expired_incarnation=old.incarnation,
+                             incarnation=self.incarnation, step=self.step, version=self.version,
+                             rejoins=self.rejoins)
+            self.status = RunningStatus.RUNNING
+            await self.publish(JobConfigured(member=self.me, config=self.cfg.synchronizer))
+            await self.publish(MemberJoined(member=self.me, host=socket.gethostname(), pid=os.getpid(),
+                                            step=self.step, version=max(self.version, -1), ranks=self.ranks))
+
+    async def wait_decision(self, outcome: Callable[[JobView], object], *, what: str,
+                            give_up: Callable[[JobView], str | None] | None = None):
         """Wait for the synchronizer's decision about our request; None if none ever comes.
 
         The synchronizer answers by `sync_timeout` at the latest (a timed-out round releases us).
         Silence beyond that (plus a grace period) means no synchronizer is running: withdraw the
         request and go on with the weights we have, like the reference on a failed sync.
+        Raises `MemberRejoined` when we were expired meanwhile (ask again as the new incarnation),
+        and `JobIncomplete` when `give_up(view)` says why waiting is pointless (checked every few
+        seconds: it may depend on time alone, like a trainer gone longer than its grace).
         """
-        try:
-            return await self.view.wait_for(outcome, timeout=self.cfg.synchronizer.sync_timeout + 30,
-                                            what=what)
-        except TimeoutError as exc:
-            self.log.warning("sync_decision_timed_out", what=what, error=str(exc))
-            await self.set_status(RunningStatus.RUNNING)
-            return None
+        incarnation = self.incarnation
+        rejoined = object()
 
-    async def set_status(self, status: RunningStatus, *, rendezvous: str | None = None) -> int:
+        def decided(view: JobView):
+            if self.incarnation != incarnation:
+                return rejoined
+            return outcome(view)
+
+        deadline = time.monotonic() + self.cfg.synchronizer.sync_timeout + 30
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self.log.warning("sync_decision_timed_out", what=what,
+                                 waited_s=self.cfg.synchronizer.sync_timeout + 30)
+                await self.set_status(RunningStatus.RUNNING)
+                return None
+            try:
+                result = await self.view.wait_for(decided, timeout=min(remaining, 2.0), what=what)
+            except TimeoutError:
+                reason = give_up(self.view) if give_up is not None else None
+                if reason:
+                    await self.set_status(RunningStatus.RUNNING)
+                    raise JobIncomplete(reason) from None
+                continue
+            if result is rejoined:
+                raise MemberRejoined(f"expired while waiting for {what}; joined again as incarnation "
+                                     f"{self.incarnation}")
+            return result
+
+    async def set_status(self, status: RunningStatus, *, rendezvous: str | None = None,
+                         final: bool = False) -> int:
         self.status = status
         return await self.publish(
             StatusChanged(member=self.me, status=status, step=self.step, version=self.version,
-                          rendezvous=rendezvous)
+                          rendezvous=rendezvous, final=final)
         )
 
     async def _heartbeat(self) -> None:
@@ -242,6 +330,8 @@ class MemberSession:
             await asyncio.sleep(period)
 
     async def __aexit__(self, *exc) -> None:
+        if self._rejoin_task is not None:
+            await stop_task(self._rejoin_task, log=self.log)
         if self._heartbeat_task is not None:
             await stop_task(self._heartbeat_task, log=self.log)
         if self.view is not None:

@@ -38,6 +38,9 @@ class TrainerConfig:
     checkpoint_dir: str | None = None  # default: <run_dir>/<job>/trainer
     keep_versions: int = 2  # published weight versions kept in the object store / checkpoint dir
     train_batch_tasks: int | None = None  # tasks per train step; default: buffer.batch_size
+    # How long the trainer waits for explorers when every one of them is gone (expired, killed,
+    # restarting) before it gives up and ends the job as incomplete (non-zero exit).
+    explorer_grace_s: float = 300.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -51,7 +54,10 @@ class ExplorerConfig:
     # Extra seconds per explore step, per explorer index (cycled): real rollout engines differ in
     # speed, and the examples/tests use this to run explorers of different speeds.
     step_delay_s: tuple[float, ...] = (0.0,)
-    stop_with_trainer: bool = True  # stop exploring once the trainer has stopped (nobody consumes)
+    stop_with_trainer: bool = True  # stop exploring once the trainer has finished (nobody consumes)
+    # A trainer that went silent (killed, restarting, expired) is waited for this long before an
+    # explorer gives up (non-zero exit): long enough for a restart with imports and checkpoint load.
+    trainer_grace_s: float = 300.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -118,7 +124,7 @@ class JobConfig:
 _POSITIVE_INT = ("total_steps", "count", "engine_num", "tensor_parallel_size", "batch_size",
                  "keep_versions", "bucket_size_mb")
 _NON_NEGATIVE_INT = ("save_interval",)
-_POSITIVE_FLOAT = ("ack_wait_s", "group_timeout_s")
+_POSITIVE_FLOAT = ("ack_wait_s", "group_timeout_s", "trainer_grace_s", "explorer_grace_s")
 
 
 def _check_field(section: str, f: dataclasses.Field, value: Any, problems: list) -> Any:

@@ -9,7 +9,9 @@ Reads top to bottom like the reference explore loop:
 - fully_async with a pull method never blocks: new versions are fetched in the background and
   swapped in between steps;
 - every experience carries the version of the weights that produced it; STOPPED is published when
-  the task set is exhausted (or the trainer stopped), and the step is saved so a restart resumes.
+  the task set is exhausted (or the trainer finished), and the step is saved so a restart resumes;
+- a trainer that goes silent (killed, restarting, expired) is waited for, up to
+  `explorers.trainer_grace_s`; after that the explorer gives up and exits non-zero.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import zlib
 
 from bus.experiences import ExperienceBatch, ExperiencePublisher
 from bus.weights import TransferError, WeightsRef
-from roles.common import MemberSession, write_json_atomic, stop_task
+from roles.common import JobIncomplete, MemberRejoined, MemberSession, stop_task, write_json_atomic
 from roles.config import JobConfig
 from roles.transports import make_pull_transport, make_rendezvous_transport
 from sync_protocol import (
@@ -60,6 +62,7 @@ class Explorer:
         self.explore_step = 0
         self.version = -1  # no weights pulled yet (the engine holds the base model, version 0)
         self.sync_wait_s: list[float] = []
+        self.finished = False  # our work is done: the task set is exhausted or the trainer finished
         self._background: asyncio.Task | None = None
         # (version, tensors, nbytes, fetch seconds) fetched in the background, applied between steps
         self._pending_weights: tuple[int, dict, int, float] | None = None
@@ -104,10 +107,15 @@ class Explorer:
             tasks = self.taskset.next_batch()
             if tasks is None:
                 self.log.info("taskset_exhausted", step=self.explore_step)
+                self.finished = True
                 return
-            if self.cfg.explorers.stop_with_trainer and self._trainer_stopped():
-                self.log.info("trainer_stopped_stop_exploring", step=self.explore_step)
+            if self.cfg.explorers.stop_with_trainer and self.s.view.all_finished(Role.TRAINER):
+                self.log.info("trainer_finished_stop_exploring", step=self.explore_step)
+                self.finished = True
                 return
+            gone = self._trainer_gone_for_good(self.s.view)
+            if gone:
+                raise JobIncomplete(gone)
             started = time.monotonic()
             step = self.explore_step + 1
             experiences = await asyncio.to_thread(self._rollout, tasks, step)
@@ -151,10 +159,25 @@ class Explorer:
     def _trainer_waiting(self) -> bool:
         return any(r.opened_by.role is Role.TRAINER for r in self.s.view.state.rounds.values())
 
-    def _trainer_stopped(self) -> bool:
-        return self.s.view.all_gone(Role.TRAINER)
+    def _trainer_gone_for_good(self, view) -> str | None:
+        """Why we stop waiting for the trainer, once it has been away (not finished) longer than
+        `trainer_grace_s`; None while it is alive, finished, or within its grace."""
+        grace = self.cfg.explorers.trainer_grace_s
+        away = view.away_for(Role.TRAINER)
+        if away <= grace:
+            return None
+        return (f"the trainer has been gone for {away:.0f} s without finishing (explorers.trainer_grace_s "
+                f"= {grace:g}); restart it, or raise the grace if its restart takes longer")
 
     async def sync_weight(self) -> None:
+        """Ask for weights at a boundary; asked again if we were expired (and rejoined) meanwhile."""
+        while True:
+            try:
+                return await self._sync_weight_once()
+            except MemberRejoined as exc:
+                self.log.warning("sync_asked_again", reason=str(exc))
+
+    async def _sync_weight_once(self) -> None:
         if self.version < 0 and self.method.is_rendezvous:
             # The first sync of a rendezvous method is local: we hold the base model (version 0)
             # and meet the trainer's group at our first boundary. Waiting here instead would
@@ -174,7 +197,8 @@ class Explorer:
                     return d
             return None
 
-        decision = await self.s.wait_decision(outcome, what="a sync decision")
+        decision = await self.s.wait_decision(outcome, what="a sync decision",
+                                              give_up=self._trainer_gone_for_good)
         waited = time.monotonic() - started
         self.sync_wait_s.append(waited)
         self.s.status = RunningStatus.RUNNING
@@ -274,13 +298,13 @@ class Explorer:
             await stop_task(self._background, log=self.log)  # a plain cancel can be lost (see stop_task)
         self._save_state()
         try:
-            await self.s.set_status(RunningStatus.STOPPED)
+            await self.s.set_status(RunningStatus.STOPPED, final=self.finished)
         except Exception as exc:
             self.log.error("stopped_not_published", error=str(exc))
         await self.transport.aclose()
         waits = sorted(self.sync_wait_s)
-        self.log.info("explorer_finished", step=self.explore_step, version=self.engine.version,
-                      syncs=len(waits), sync_wait_p50_s=round(waits[len(waits) // 2], 3) if waits else None)
+        self.log.info("explorer_finished" if self.finished else "explorer_stopped_early",
+                      step=self.explore_step, version=self.engine.version, syncs=len(waits), sync_wait_p50_s=round(waits[len(waits) // 2], 3) if waits else None)
 
 
 def _explorer_index(member_id: str) -> int:

@@ -9,10 +9,16 @@ import structlog
 
 from bus.errors import BusError
 from bus.logging import setup_logging
-from roles.common import install_stop_signals
+from roles.common import JobIncomplete, install_stop_signals
 from roles.config import JobConfig
 
-__all__ = ["run_role", "default_member_id"]
+__all__ = ["run_role", "default_member_id", "EXIT_OK", "EXIT_ERROR", "EXIT_INCOMPLETE", "EXIT_INTERRUPTED"]
+
+# One table of exit codes for every role (and `rolectl up`):
+EXIT_OK = 0  # the role's work is done (the trainer trained total_steps; a synchronizer was stopped)
+EXIT_ERROR = 1  # it failed: a bug, an unreachable server, bad data it could not get past
+EXIT_INCOMPLETE = 3  # it ended before the job's work was done (e.g. gave up on a peer that never came back)
+EXIT_INTERRUPTED = 130  # Ctrl-C / SIGTERM before its work was done (a restart may resume it)
 
 
 def default_member_id(role: str) -> str:
@@ -52,13 +58,19 @@ def run_role(role: str, cfg: JobConfig, member_id: str | None = None) -> int:
     try:
         asyncio.run(main())
     except (KeyboardInterrupt, asyncio.CancelledError):
-        log.info("stopped_by_signal")
-        return 0
+        # A synchronizer has no end of its own: stopping it is how it ends. A trainer or explorer
+        # stopped before its work was done leaves the job unfinished, and says so.
+        code = EXIT_OK if role == "sync" else EXIT_INTERRUPTED
+        log.info("stopped_by_signal", exit_code=code)
+        return code
+    except JobIncomplete as exc:
+        log.error("job_incomplete", reason=str(exc), exit_code=EXIT_INCOMPLETE)
+        return EXIT_INCOMPLETE
     except BusError as exc:
         log.error("bus_error", error=str(exc))
-        return 1
+        return EXIT_ERROR
     except Exception as exc:
         log.exception("role_failed", error=str(exc))
-        return 1
+        return EXIT_ERROR
     log.info("role_exited")
-    return 0
+    return EXIT_OK

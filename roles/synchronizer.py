@@ -3,24 +3,37 @@
 Theory of operation
 -------------------
 The synchronizer holds no state of its own: on start it reads the job's stream from the first
-sequence, folds every input with the pure reducer, and compares the decisions it computes with
-those already recorded (a previous incarnation, or a replica, may have published them). Decisions
-not yet recorded are published once it has caught up. From then on it follows the stream live.
+sequence (or from the latest reducer snapshot), folds every input with the pure reducer, and
+compares the decisions it computes with those already recorded (a previous incarnation, or a
+replica, may have published them). From then on it follows the stream live.
+
+Any number of replicas may run. They all fold and compute; only the one holding the job's lease
+(a key in a JetStream KV bucket, renewed every heartbeat period, see `bus.lease`) publishes, so
+decisions are recorded once and in the order the reducer computed them. A standby keeps the
+decisions it computed until it sees them recorded; if the active one dies, the lease expires
+(`3 x heartbeat_period`) and a standby takes over, publishing whatever is still missing.
 
 Its clock never changes state directly. When a round passes its deadline or a member stops
-beating, it publishes `RoundTimedOut` / `MemberExpired` (with deterministic message ids, so two
-replicas publish them once) and only the reducer's reaction to those recorded events counts.
-Kill it at any moment: the next one replays and the job goes on.
+beating, the active replica publishes `RoundTimedOut` / `MemberExpired` (deterministic message
+ids) and only the reducer's reaction to those recorded events counts. Liveness is judged on
+evidence: a member is expired only when the synchronizer heard its *own* heartbeat come back more
+than `heartbeat_expiry` after that member's last sign of life — so a synchronizer that is cut off,
+reconnecting or starved of CPU expires nobody, and every member gets a full window after a
+reconnect.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 import time
+from collections import OrderedDict, deque
 
 import structlog
 
 from bus.connection import connect
+from bus.errors import DecisionSuperseded
 from bus.events import (
     DecisionPublisher,
     EventPublisher,
@@ -29,6 +42,8 @@ from bus.events import (
     read_events,
     subscribe_heartbeats,
 )
+from bus.lease import Lease
+from bus.snapshots import SnapshotStore
 from bus.streams import ensure_event_stream, ensure_experience_stream
 from roles.common import new_incarnation, stop_task
 from roles.config import JobConfig
@@ -51,6 +66,8 @@ from sync_protocol.state import State
 
 __all__ = ["Synchronizer"]
 
+_FOREIGN_RETRIES = 3  # junk on a round's subject: publish after it at most this many times
+
 
 class Synchronizer:
     """init → setup (connect, catch up) → loop (follow the stream, run timers) → cleanup."""
@@ -63,14 +80,25 @@ class Synchronizer:
         self.state = State.initial()
         self.recorded: dict[tuple, int] = {}  # decision_identity -> seq, for decisions already in the stream
         self.round_subject_seq: dict[int, int] = {}  # round -> last seq on its subject
-        self.pending: list[Decision] = []  # computed during catch-up, published once caught up
+        # decisions computed and not yet seen recorded, in the order computed: published once we
+        # are caught up and hold the lease (a standby keeps them until the active one records them)
+        self.pending: OrderedDict[tuple, Decision] = OrderedDict()
         self.caught_up = False
+        self.active = False
         self.rejected = 0
         self.decisions_published = 0
-        self._last_seen: dict[tuple[str, int], float] = {}  # (member key, incarnation) -> monotonic
+        self.lease_ttl_s = max(1.0, 3 * self.sync_cfg.heartbeat_period)
+        # liveness on evidence (monotonic seconds of this process)
+        self._last_seen: dict[tuple[str, int], float] = {}  # (member key, incarnation) -> last sign of life
+        self._started = time.monotonic()
+        self._connected_since: float | None = None  # None while cut off from the server
+        self._reconnects_seen = 0
+        self._own_beats: deque[float] = deque(maxlen=64)  # send times of our beats not heard back yet
+        self._heard_self_sent_at: float | None = None  # send time of the newest own beat heard back
         self._expired_sent: set[tuple[str, int]] = set()
         self._timeouts_sent: set[int] = set()
-        self._started = time.monotonic()
+        self._snapshot_seq = 0  # last_seq of the newest snapshot written or loaded
+        self._standby_of: str | None = None  # the active replica we last logged standing by for
 
     # -- setup -------------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -80,39 +108,84 @@ class Synchronizer:
             await ensure_experience_stream(conn.js, conn.names)
             self.events = EventPublisher(conn, self.me)
             self.decisions = DecisionPublisher(conn)
+            self.snapshots = SnapshotStore(conn)
+            self.lease = Lease(conn, bucket=conn.names.lease_bucket, key="synchronizer",
+                               holder=f"{self.me.id}#{self.me.incarnation}", ttl_s=self.lease_ttl_s)
+            self._connected_since = time.monotonic()
+            self._reconnects_seen = conn.reconnects
             await subscribe_heartbeats(conn, self._on_heartbeat)
+            from_seq = await self._load_snapshot()
             end = await last_sequence(conn)
-            self.log.info("catching_up", last_seq=end)
-            if end == 0:
+            self.log.info("catching_up", from_seq=from_seq, last_seq=end)
+            if end < from_seq:
                 await self._mark_caught_up()
             # Announce ourselves: the config we decide with, and that we are up (the dashboard
             # lists synchronizers too). Recorded like any input, so replay sees the same thing.
             await self.events.publish(JobConfigured(member=self.me, config=self.sync_cfg))
             await self.events.publish(
-                MemberJoined(member=self.me, host=_hostname(), pid=_pid(), step=0, version=0, ranks=0)
+                MemberJoined(member=self.me, host=socket.gethostname(), pid=os.getpid(), step=0, version=0, ranks=0)
             )
-            timers = asyncio.create_task(self._timers(), name="timers")
-            beats = asyncio.create_task(self._heartbeat(), name="heartbeat")
+            tasks = [asyncio.create_task(self._timers(), name="timers"),
+                     asyncio.create_task(self._heartbeat(), name="heartbeat"),
+                     asyncio.create_task(self._hold_lease(), name="lease")]
             try:
-                async with read_events(conn, from_seq=1, include_decisions=True) as reader:  # drops its consumer
+                async with read_events(conn, from_seq=from_seq, include_decisions=True) as reader:
                     async for rec in reader:
                         await self._on_record(rec)
                         if not self.caught_up and rec.seq >= end:
                             await self._mark_caught_up()
             finally:
-                await stop_task(timers, log=self.log)
-                await stop_task(beats, log=self.log)
+                for task in tasks:
+                    await stop_task(task, log=self.log)
+                if self.active:
+                    await self.lease.release()  # a standby takes over at once instead of after the ttl
+
+    async def _load_snapshot(self) -> int:
+        """Start from the newest reducer snapshot, if any: returns the first sequence to read."""
+        snapshot = await self.snapshots.latest()
+        if snapshot is None:
+            return 1
+        self.state = snapshot.state
+        self.round_subject_seq = dict(snapshot.round_subject_seq)
+        self._snapshot_seq = snapshot.state.last_seq
+        self.log.info("snapshot_loaded", seq=snapshot.state.last_seq, members=len(snapshot.state.members),
+                      open_rounds=len(snapshot.state.rounds))
+        return snapshot.state.last_seq + 1
 
     async def _mark_caught_up(self) -> None:
         self.caught_up = True
-        pending, self.pending = self.pending, []
-        published = 0
-        for decision in pending:
-            if decision_identity(decision) not in self.recorded:
-                await self._publish_decision(decision)
-                published += 1
+        published = await self._publish_pending()
         self.log.info("caught_up", seq=self.state.last_seq, members=len(self.state.members),
-                      open_rounds=len(self.state.rounds), republished=published)
+                      open_rounds=len(self.state.rounds), republished=published, active=self.active)
+
+    async def _publish_pending(self) -> int:
+        """Publish, in order, what the fold computed and the stream does not hold yet (when we
+        are the active replica and caught up)."""
+        published = 0
+        while self.pending and self.active and self.caught_up:
+            key, decision = next(iter(self.pending.items()))
+            if not await self._publish_decision(decision):
+                break  # lost the lease meanwhile: the rest waits
+            self.pending.pop(key, None)
+            published += 1
+        return published
+
+    # -- the lease ---------------------------------------------------------------------------------
+    async def _hold_lease(self) -> None:
+        """Renew (or try to take) the lease every third of its ttl; take over or step down."""
+        while True:
+            held = await self.lease.acquire_or_renew()
+            if held and not self.active:
+                self.active = True
+                self.log.info("became_active", lease_ttl_s=self.lease_ttl_s, pending=len(self.pending))
+                await self._publish_pending()
+            elif not held and self.active:
+                self.active = False
+                self.log.warning("stepped_down", holder=self.lease.current_holder)
+            elif not held and self.lease.current_holder != self._standby_of:
+                self._standby_of = self.lease.current_holder
+                self.log.info("standby", active=self._standby_of)
+            await asyncio.sleep(self.lease_ttl_s / 3)
 
     # -- loop --------------------------------------------------------------------------------------
     async def _on_record(self, rec: Recorded) -> None:
@@ -120,6 +193,7 @@ class Synchronizer:
         if isinstance(event, Decision):
             key = decision_identity(event)
             self.recorded[key] = rec.seq
+            self.pending.pop(key, None)
             self.round_subject_seq[event.round] = max(self.round_subject_seq.get(event.round, 0), rec.seq)
             return
         self._last_seen[(event.member.key, event.member.incarnation)] = time.monotonic()
@@ -131,39 +205,96 @@ class Synchronizer:
                              reason=str(exc))
             return
         for decision in decisions:
-            if not self.caught_up:
-                self.pending.append(decision)
-            elif decision_identity(decision) not in self.recorded:
-                await self._publish_decision(decision)
+            key = decision_identity(decision)
+            if key not in self.recorded:
+                self.pending[key] = decision
+        await self._publish_pending()
+        if self.active and self.caught_up and not self.pending:
+            await self._maybe_snapshot()
 
-    async def _publish_decision(self, decision: Decision) -> None:
-        expected = self.round_subject_seq.get(decision.round, 0)
-        seq = await self.decisions.publish(decision, expected_last_subject_seq=expected)
-        if seq is not None:
-            self.round_subject_seq[decision.round] = max(expected, seq)
-            self.decisions_published += 1
-        self.log.info("decision", kind=decision.KIND, round=decision.round, cause_seq=decision.cause_seq,
-                      seq=seq, **_decision_fields(decision))
+    async def _publish_decision(self, decision: Decision) -> bool:
+        """Publish one decision; False when we no longer hold the lease (it stays pending)."""
+        for _ in range(_FOREIGN_RETRIES + 1):
+            if not self.lease.held:
+                self.active = False
+                self.log.warning("stepped_down", reason="lease not renewed in time", pending=len(self.pending))
+                return False
+            expected = self.round_subject_seq.get(decision.round, 0)
+            try:
+                seq = await self.decisions.publish(decision, expected_last_subject_seq=expected)
+            except DecisionSuperseded:
+                last_seq, there = await self.decisions.last_on_subject(decision.round)
+                if there is not None and decision_identity(there) == decision_identity(decision):
+                    seq = None  # another replica recorded this very decision: nothing to do
+                else:
+                    # Not this decision: another one we have not read yet, or junk. Publish after it
+                    # (a decision is never dropped because of what someone else put there).
+                    self.log.warning("decision_subject_had_foreign_message", round=decision.round,
+                                     seq=last_seq, decodes_as=type(there).__name__ if there else "nothing")
+                    self.round_subject_seq[decision.round] = max(expected, last_seq)
+                    continue
+            if seq is not None:
+                self.round_subject_seq[decision.round] = max(expected, seq)
+                self.decisions_published += 1
+            self.log.info("decision", kind=decision.KIND, round=decision.round, cause_seq=decision.cause_seq,
+                          seq=seq, **_decision_fields(decision))
+            return True
+        self.log.error("decision_not_published", round=decision.round, kind=decision.KIND,
+                       reason=f"the round's subject kept changing under us {_FOREIGN_RETRIES + 1} times")
+        return True
 
+    async def _maybe_snapshot(self) -> None:
+        every = self.sync_cfg.snapshot_every
+        if every and self.state.last_seq - self._snapshot_seq >= every:
+            open_rounds = {r: s for r, s in self.round_subject_seq.items() if r in self.state.rounds}
+            if await self.snapshots.save(self.state, open_rounds):
+                self._snapshot_seq = self.state.last_seq
+                self.log.info("snapshot_saved", seq=self.state.last_seq)
+
+    # -- liveness ----------------------------------------------------------------------------------
     def _on_heartbeat(self, heartbeat) -> None:
         member = heartbeat.member
-        self._last_seen[(member.key, member.incarnation)] = time.monotonic()
+        now = time.monotonic()
+        self._last_seen[(member.key, member.incarnation)] = now
+        if member == self.me and self._own_beats:
+            # our own beat came back: we can hear the job as of when it was sent
+            self._heard_self_sent_at = self._own_beats.popleft()
 
     async def _heartbeat(self) -> None:
-        """Replicas beat too, so a peer synchronizer does not declare us expired."""
+        """Replicas beat too, so a peer synchronizer does not declare us expired; and hearing our
+        own beats come back is the evidence that silence from others means something."""
         while True:
             try:
+                self._own_beats.append(time.monotonic())
                 await publish_heartbeat(self.conn, self.me, step=0, version=0, status=RunningStatus.RUNNING)
             except Exception as exc:
                 self.log.warning("heartbeat_failed", error=str(exc))
             await asyncio.sleep(self.sync_cfg.heartbeat_period)
 
+    def _note_connection(self) -> bool:
+        """Track when we (re)connected; False while cut off from the server."""
+        conn = self.conn
+        if not conn.is_connected:
+            if self._connected_since is not None:
+                self.log.warning("cut_off_no_expiry", reason="disconnected from the server")
+            self._connected_since = None
+            return False
+        if self._connected_since is None or conn.reconnects != self._reconnects_seen:
+            # back: what we did not hear meanwhile proves nothing; everyone gets a full window
+            self._connected_since = time.monotonic()
+            self._reconnects_seen = conn.reconnects
+            self._own_beats.clear()
+            self._heard_self_sent_at = None
+            self.log.info("reconnected_liveness_reset", expiry_window_s=self.sync_cfg.heartbeat_expiry)
+        return True
+
     async def _timers(self) -> None:
-        """Turn the clock into events: round deadlines and member expiry."""
+        """Turn the clock into events: round deadlines and member expiry (active replica only)."""
         period = min(0.25, self.sync_cfg.heartbeat_period / 2)
         while True:
             await asyncio.sleep(period)
-            if not self.caught_up:
+            connected = self._note_connection()
+            if not (self.caught_up and self.active and connected):
                 continue
             try:
                 await self._check_rounds()
@@ -188,17 +319,20 @@ class Synchronizer:
                 self._timeouts_sent.add(round_id)
 
     async def _check_members(self) -> None:
-        now = time.monotonic()
+        horizon = self._heard_self_sent_at
+        if horizon is None:
+            return  # we have not heard ourselves since (re)connecting: no evidence about anyone
         cfg = self.state.config or self.sync_cfg
+        baseline = max(self._started, self._connected_since or horizon)
         for member in list(self.state.members.values()):
             if not member.alive or member.ref == self.me:
                 continue
             ident = (member.ref.key, member.ref.incarnation)
             if ident in self._expired_sent:
                 continue
-            # A member we have not heard from since we started gets one full expiry window.
-            last = self._last_seen.get(ident, self._started)
-            silent = now - last
+            # A member not heard since we started or reconnected gets one full window from then.
+            last = max(self._last_seen.get(ident, baseline), baseline)
+            silent = horizon - last
             if silent > cfg.heartbeat_expiry:
                 self.log.warning("member_expired", expired=str(member.ref), silent_for=round(silent, 2))
                 await self.events.publish(
@@ -217,15 +351,3 @@ def _decision_fields(decision: Decision) -> dict:
     if isinstance(decision, MemberReleased):
         out["released"] = str(decision.released)
     return out
-
-
-def _hostname() -> str:
-    import socket
-
-    return socket.gethostname()
-
-
-def _pid() -> int:
-    import os
-
-    return os.getpid()

@@ -9,7 +9,11 @@ Reads top to bottom like the reference train loop (init → setup → train → 
   was trained since the last sync);
 - a checkpoint (model, optimizer, step, last synced step) is saved *before* the version is
   announced and before experiences are acked, so a restart neither repeats nor skips a version and
-  loses no experience.
+  loses no experience; the ack subjects of the batches it holds are written down as they arrive,
+  so a restart gives them back to the stream at once instead of after `ack_wait_s`;
+- the job ends when `total_steps` are trained (a final STOPPED); a trainer that cannot get there
+  (every explorer finished its task set, or gone longer than `trainer.explorer_grace_s`) ends
+  with a non-zero exit, saying why.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from pathlib import Path
 from bus.errors import AckFailed
 from bus.experiences import ExperienceReader
 from bus.weights import TransferError
-from roles.common import MemberSession, write_json_atomic
+from roles.common import JobIncomplete, MemberRejoined, MemberSession, write_json_atomic
 from roles.config import JobConfig
 from roles.transports import make_pull_transport, make_rendezvous_transport
 from sync_protocol import (
@@ -71,7 +75,13 @@ class Trainer:
         self.partial: dict[int, set[int]] = {}
         self.last_metrics: dict | None = None  # the saved step's StepFinished metrics
         self.answered_rounds: set[int] = set()
+        self.end_reason = ""
+        self._why_no_more = ""
         self._last_extend = 0.0
+        # Ack subjects of the batches we hold, on disk: a restart naks them so the stream hands
+        # them out at once (the server would otherwise keep them for ack_wait_s).
+        self.held_file = self.ckpt_dir / "held_batches.json"
+        self._held_written: frozenset[int] = frozenset()
         self._resume()
 
     # -- setup -------------------------------------------------------------------------------------
@@ -118,6 +128,7 @@ class Trainer:
             else:
                 self.transport = make_pull_transport(self.cfg, session.conn)
             self.reader = ExperienceReader(session.conn, ack_wait_s=self.cfg.buffer.ack_wait_s)
+            await self._give_back_predecessors_batches()
             await session.join(step=self.engine.step, version=self.version)
             self.log.info("trainer_ready", step=self.engine.step, version=self.version,
                           method=self.method.value, style=self.sync.sync_style.value)
@@ -132,13 +143,41 @@ class Trainer:
                 await self.train()
             finally:
                 await self._cleanup()
+            if self.engine.step < self.total_steps:
+                raise JobIncomplete(self.end_reason)
 
     # -- loop --------------------------------------------------------------------------------------
+    async def _give_back_predecessors_batches(self) -> None:
+        """Nak the batches a previous incarnation held (fetched, not acked) so they come back now."""
+        if not self.held_file.exists():
+            return
+        try:
+            held = json.loads(self.held_file.read_text())
+        except (OSError, ValueError) as exc:
+            self.log.warning("held_batches_unreadable", file=str(self.held_file), error=str(exc))
+            return
+        given = await self.reader.give_back([item["ack"] for item in held.get("batches", ())])
+        if given:
+            self.log.info("predecessor_batches_given_back", batches=given)
+
+    def _record_held(self) -> None:
+        """Write down the ack subjects of the batches we hold (only when the set changed)."""
+        seqs = frozenset(self.held)
+        if seqs == self._held_written:
+            return
+        write_json_atomic(self.held_file, {"batches": [
+            {"seq": seq, "ack": msg.ack_subject} for seq, msg in sorted(self.held.items())]})
+        self._held_written = seqs
+
     async def train(self) -> None:
+        self.end_reason = f"trained {self.total_steps} steps"
         while self.engine.step < self.total_steps:
             batch = await self._sample()
             if batch is None:
-                self.log.info("no_more_experiences", step=self.engine.step)
+                self.end_reason = (f"no more experiences after step {self.engine.step} of "
+                                   f"{self.total_steps}: {self._why_no_more}")
+                self.log.error("no_more_experiences", step=self.engine.step, total_steps=self.total_steps,
+                               reason=self._why_no_more)
                 break
             metrics = await asyncio.to_thread(self.engine.train_step, batch, current_version=self.version)
             self.s.step = self.engine.step
@@ -184,6 +223,7 @@ class Trainer:
                         self.dropped_stale += 1
                     else:
                         batch.append((msg.seq, index, exp))
+            self._record_held()
             if not received and self._explorers_done():
                 # Nobody will produce more: train on what is left, or stop.
                 return [exp for _, _, exp in batch] or None
@@ -206,7 +246,19 @@ class Trainer:
                 break
 
     def _explorers_done(self) -> bool:
-        return self.s.view.all_gone(Role.EXPLORER)
+        """Nobody will produce more experiences: every explorer finished its task set, or all are
+        gone (killed, expired) and none came back within `trainer.explorer_grace_s`."""
+        view = self.s.view
+        if view.all_finished(Role.EXPLORER):
+            self._why_no_more = ("every explorer finished its task set (explorers.total_steps x count "
+                                 "tasks are fewer than total_steps x train_batch_tasks)")
+            return True
+        away, grace = view.away_for(Role.EXPLORER), self.cfg.trainer.explorer_grace_s
+        if away > grace:
+            self._why_no_more = (f"every explorer has been gone for {away:.0f} s without finishing "
+                                 f"(trainer.explorer_grace_s = {grace:g})")
+            return True
+        return False
 
     async def _serve_sync_requests(self) -> None:
         """explorer_driven: an explorer's open round is our cue (the reference polls every 1 s)."""
@@ -256,6 +308,13 @@ class Trainer:
         self.last_sync_step = step
 
     async def _sync_rendezvous(self, step: int) -> None:
+        while True:
+            try:
+                return await self._sync_rendezvous_once(step)
+            except MemberRejoined as exc:
+                self.log.warning("sync_asked_again", reason=str(exc))
+
+    async def _sync_rendezvous_once(self, step: int) -> None:
         offer = f"{_advertised_host()}:{self.transport.offer_port()}"
         seq = await self.s.set_status(RunningStatus.REQUIRE_SYNC, rendezvous=offer)
         me = self.s.me
@@ -318,6 +377,7 @@ class Trainer:
             del self.held[msg.seq]
             if not await self._ack(msg):
                 self.acked_at_save.add(msg.seq)
+        self._record_held()
 
     async def _ack(self, msg) -> bool:
         """Ack a trained message; an unconfirmed ack is logged, not fatal (it comes back and is acked)."""
@@ -336,8 +396,10 @@ class Trainer:
                 await self.save_checkpoint()
         except Exception as exc:
             self.log.error("final_save_failed", error=str(exc))
+        finished = self.engine.step >= self.total_steps
         try:
-            await self.s.set_status(RunningStatus.STOPPED)
+            # final: the job is done, explorers may stop; otherwise a restart is expected
+            await self.s.set_status(RunningStatus.STOPPED, final=finished)
         except Exception as exc:
             self.log.error("stopped_not_published", error=str(exc))
         for closing in (self.transport.aclose, self.reader.aclose):
@@ -345,8 +407,8 @@ class Trainer:
                 await closing()
             except Exception as exc:  # closing must not hide how the run ended
                 self.log.warning("close_failed", what=closing.__qualname__, error=str(exc))
-        self.log.info("trainer_finished", step=self.engine.step, version=self.version,
-                      dropped_stale=self.dropped_stale)
+        self.log.info("trainer_finished" if finished else "trainer_stopped_early", step=self.engine.step,
+                      total_steps=self.total_steps, version=self.version, dropped_stale=self.dropped_stale)
 
 
 def _advertised_host() -> str:

@@ -24,7 +24,9 @@ from rich.table import Table
 from bus.server import NatsServer, NatsServerError
 from roles.config import JobConfig
 from roles.inspect import member_status
+from roles.runner import EXIT_ERROR, EXIT_INCOMPLETE
 from sync_protocol import (
+    MemberJoined,
     MemberReleased,
     Recorded,
     RendezvousReady,
@@ -97,7 +99,8 @@ def _write_config(cfg: JobConfig, path: Path) -> None:
 def run_up(cfg: JobConfig, *, explorers: int | None = None, summary_path: str | None = None,
            dashboard: bool = True, dashboard_port: int = 0, run_dir: str | None = None,
            timeout_s: float | None = None) -> int:
-    """Run the job to its end; return 0 when every role finished cleanly, 1 otherwise."""
+    """Run the job to its end; the exit code follows `roles.runner`: 0 the job completed, 3 it ended
+    short of its last step (every process may have exited 0), 1 a role failed, 130 interrupted."""
     from bus.logging import setup_logging
 
     setup_logging("warning")
@@ -176,11 +179,11 @@ async def _supervise(cfg: JobConfig, server: NatsServer, config_path: Path, run_
                         break
                     await asyncio.sleep(0.5)  # refresh cadence of the progress table
             if isinstance(failed, RoleProcess):
-                exit_code = 1
+                exit_code = failed.proc.returncode if failed.proc.returncode > 0 else EXIT_ERROR
                 console.print(f"[red]{failed.name} exited with code {failed.proc.returncode}[/]; last log lines:")
                 console.print(failed.tail(), markup=False, highlight=False)
             elif failed:
-                exit_code = 1
+                exit_code = EXIT_ERROR
                 console.print(f"[red]job {failed}[/]")
             # Let the synchronizer see the last events, then stop it and record the run.
             await _stop_all(everyone)
@@ -188,6 +191,9 @@ async def _supervise(cfg: JobConfig, server: NatsServer, config_path: Path, run_
             events_file = run_path / "events.jsonl"
             write_export(records, events_file, job=cfg.job)
             summary = summarize(records, job=cfg.job)
+            if exit_code == 0 and not summary["complete"]:
+                exit_code = EXIT_INCOMPLETE  # every process exited 0 and still the job fell short
+                console.print(f"[red]job incomplete:[/] {summary['end_reason']}")
             summary.update(nats_url=server.url, wall_s=round(time.monotonic() - started, 2),
                            run_dir=str(run_path), events_file=str(events_file),
                            exit_codes={p.name: p.proc.returncode for p in everyone})
@@ -235,6 +241,8 @@ def summarize(records: list[Recorded], *, job: str) -> dict:
     bytes_moved = 0
     waiting_since: dict = {}
     waits_ms: list[float] = []
+    produced = trained = dropped_stale = 0
+    trainer_stop: StatusChanged | None = None  # the trainer's last STOPPED
     for rec in records:
         ev = rec.event
         if isinstance(ev, StepFinished):
@@ -242,8 +250,14 @@ def summarize(records: list[Recorded], *, job: str) -> dict:
                 trainer_steps = max(trainer_steps, ev.step)
                 if "reward_mean" in ev.metrics:
                     trainer_rewards.append(ev.metrics["reward_mean"])
+                trained += int(ev.metrics.get("num_experiences", 0))
+                dropped_stale = max(dropped_stale, int(ev.metrics.get("dropped_stale_total", 0)))
             elif ev.member.role is Role.EXPLORER:
                 explorer_steps[ev.member.id] = max(explorer_steps.get(ev.member.id, 0), ev.step)
+                produced += int(ev.metrics.get("experiences", 0))
+        if (isinstance(ev, StatusChanged) and ev.member.role is Role.TRAINER
+                and ev.status is RunningStatus.STOPPED):
+            trainer_stop = ev
         elif isinstance(ev, WeightsLoaded):
             final_version = max(final_version, ev.version)
             bytes_moved += ev.nbytes
@@ -261,8 +275,13 @@ def summarize(records: list[Recorded], *, job: str) -> dict:
                 if p.member in waiting_since:
                     waits_ms.append(rec.time_ms - waiting_since.pop(p.member))
     first, last = trainer_rewards[:5], trainer_rewards[-5:]
+    complete = trainer_stop is not None and trainer_stop.final
     return {
         "job": job,
+        "complete": complete,
+        "end_reason": _end_reason(trainer_stop, trainer_steps,
+                                  any(isinstance(r.event, MemberJoined) and r.event.member.role is Role.TRAINER
+                                      for r in records)),
         "trainer_steps": trainer_steps,
         "explorer_steps": explorer_steps,
         "syncs": syncs,
@@ -270,10 +289,26 @@ def summarize(records: list[Recorded], *, job: str) -> dict:
         "reward_first": round(statistics.fmean(first), 4) if first else None,
         "reward_last": round(statistics.fmean(last), 4) if last else None,
         "weights_bytes_moved": bytes_moved,
+        # every experience produced is trained or dropped as too stale; what is left over was
+        # produced after the trainer had what it needed (explorers stop with the trainer)
+        "experiences_produced": produced,
+        "experiences_trained": trained,
+        "experiences_dropped_stale": dropped_stale,
         "sync_wait_ms": {"p50": _percentile(waits_ms, 0.5), "p99": _percentile(waits_ms, 0.99),
                          "count": len(waits_ms)},
         "events": len(records),
     }
+
+
+def _end_reason(trainer_stop: StatusChanged | None, trainer_steps: int, trainer_joined: bool) -> str:
+    if trainer_stop is not None and trainer_stop.final:
+        return f"the trainer finished its last step ({trainer_steps})"
+    if trainer_stop is not None:
+        return (f"the trainer stopped at step {trainer_stop.step} before its last step "
+                "(see its log for why)")
+    if trainer_joined:
+        return f"the trainer never stopped cleanly (killed, or still running) after step {trainer_steps}"
+    return "no trainer joined the job"
 
 
 def _progress_table(cfg: JobConfig, view, processes: list[RoleProcess]) -> Table:
@@ -292,7 +327,8 @@ def _progress_table(cfg: JobConfig, view, processes: list[RoleProcess]) -> Table
 
 def _summary_table(summary: dict) -> Table:
     table = Table(title="run summary", show_header=False)
-    for key in ("job", "trainer_steps", "explorer_steps", "syncs", "final_version", "reward_first",
-                "reward_last", "weights_bytes_moved", "sync_wait_ms", "wall_s", "run_dir"):
+    for key in ("job", "complete", "end_reason", "trainer_steps", "explorer_steps", "syncs", "final_version",
+                "reward_first", "reward_last", "experiences_produced", "experiences_trained",
+                "experiences_dropped_stale", "weights_bytes_moved", "sync_wait_ms", "wall_s", "run_dir"):
         table.add_row(key, json.dumps(summary.get(key)))
     return table

@@ -6,6 +6,8 @@ import asyncio
 
 import pytest
 
+from bus.errors import DecisionSuperseded
+
 from bus.connection import connect
 from bus.events import (
     DecisionPublisher,
@@ -176,7 +178,7 @@ async def test_garbage_on_an_event_subject_is_skipped_and_counted(conn):
     assert reader.malformed == 3
 
 
-async def test_decision_second_replica_gets_none_and_stream_keeps_one_copy(nats_url, job_name):
+async def test_decision_second_replica_is_told_what_the_subject_holds(nats_url, job_name):
     async with connect(nats_url, job=job_name, role="synchronizer", member="s0") as a, \
             connect(nats_url, job=job_name, role="synchronizer", member="s1") as b:
         await ensure_event_stream(a.js, a.names)
@@ -188,16 +190,27 @@ async def test_decision_second_replica_gets_none_and_stream_keeps_one_copy(nats_
         # Same decision again (the msg id dedups), and a racing different one (expected seq is stale).
         assert await replica_b.publish(opened, expected_last_subject_seq=0) is None
         racing = RoundClosed(round=1, cause_seq=4, outcome=RoundOutcome.TIMED_OUT)
-        assert await replica_b.publish(racing, expected_last_subject_seq=0) is None
+        with pytest.raises(DecisionSuperseded):
+            await replica_b.publish(racing, expected_last_subject_seq=0)
+        assert await replica_b.last_on_subject(1) == (seq, opened)
         # The next decision on the round, chained on the first: accepted once.
         released = MemberReleased(round=1, cause_seq=6, released=EXPLORER, reason=ReleaseReason.NEW_VERSION,
                                   version=1, reload=True, location="v1")
         seq2 = await replica_b.publish(released, expected_last_subject_seq=seq)
         assert seq2 is not None and seq2 > seq
         assert await replica_a.publish(released, expected_last_subject_seq=seq) is None
+        # junk on the subject: it is no decision, so the replica publishes after it
+        await a.nc.publish(a.names.decision(1), b"junk")
+        await a.nc.flush()
+        closed = RoundClosed(round=1, cause_seq=6, outcome=RoundOutcome.COMPLETED)
+        with pytest.raises(DecisionSuperseded):
+            await replica_a.publish(closed, expected_last_subject_seq=seq2)
+        junk_seq, decision = await replica_a.last_on_subject(1)
+        assert junk_seq > seq2 and decision is None
+        assert await replica_a.publish(closed, expected_last_subject_seq=junk_seq) is not None
 
         records = await _collect(read_events(a, stop_at_end=True))
-    assert [r.event for r in records] == [opened, released]
+    assert [r.event for r in records] == [opened, released, closed]
 
 
 def test_decision_msg_id_names_round_kind_cause_and_released_member():

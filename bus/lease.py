@@ -1,0 +1,112 @@
+"""A lease in a JetStream key-value bucket: at most one holder at a time, lost when not renewed.
+
+Synchronizer replicas use it to pick the one that publishes (active/standby): every replica folds
+the stream and computes the same decisions, only the holder publishes them, so decisions are
+recorded once and in the order the reducer computed them.
+
+The bucket's `ttl` is the lease: the holder rewrites the key (compare-and-set on its revision)
+every `renew_every_s`; if it dies the server removes the key `ttl_s` after its last write and the
+first standby to `create` it becomes the holder. A holder counts itself as holding only while its
+last renewal is younger than `ttl_s * SAFETY` — a process that was paused (GC, SIGSTOP, a starved
+event loop) steps down before it can publish beside the new holder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import nats.errors
+import nats.js.errors
+from nats.js.api import KeyValueConfig, StorageType
+
+from .connection import BusConnection
+from .errors import BusError
+
+__all__ = ["Lease", "SAFETY"]
+
+SAFETY = 0.7  # fraction of the ttl a holder trusts its last renewal for
+
+
+class Lease:
+    """One lease `key` in bucket `bucket`, held by `holder` (a string naming the process)."""
+
+    def __init__(self, conn: BusConnection, *, bucket: str, key: str, holder: str, ttl_s: float,
+                 replicas: int = 1):
+        if ttl_s < 1.0:
+            raise ValueError(f"a lease ttl below 1 s ({ttl_s}) is shorter than the server's expiry tick")
+        self.conn = conn
+        self.bucket = bucket
+        self.key = key
+        self.holder = holder
+        self.ttl_s = ttl_s
+        self.replicas = replicas
+        self.revision: int | None = None  # our key revision while we hold it
+        self.renewed_at = 0.0  # monotonic time of our last successful create/update
+        self.current_holder: str | None = None  # who holds it, as last read (None: nobody / unknown)
+        self._kv = None
+
+    async def _bucket(self):
+        if self._kv is None:
+            try:
+                self._kv = await self.conn.js.create_key_value(KeyValueConfig(
+                    bucket=self.bucket, ttl=self.ttl_s, history=1, storage=StorageType.FILE,
+                    replicas=self.replicas, description=f"rolectl lease {self.key}"))
+            except nats.js.errors.BadRequestError:
+                # exists with another config (an older ttl): use it as it is
+                self._kv = await self.conn.js.key_value(self.bucket)
+        return self._kv
+
+    @property
+    def held(self) -> bool:
+        """True while we hold the lease and our last renewal is recent enough to trust."""
+        return self.revision is not None and time.monotonic() - self.renewed_at < self.ttl_s * SAFETY
+
+    async def acquire_or_renew(self) -> bool:
+        """Renew the lease if we hold it, else try to take it; True when we hold it afterwards.
+
+        Transient errors (a reconnect, a leader election) leave the state as it was: a holder
+        then stops being `held` on its own once its last renewal is too old.
+        """
+        try:
+            kv = await self._bucket()
+            if self.revision is not None:
+                try:
+                    self.revision = await kv.update(self.key, self.holder.encode(), last=self.revision)
+                except nats.js.errors.KeyWrongLastSequenceError:
+                    # it expired (we were too slow) and maybe someone else took it
+                    self.revision = None
+                    return await self._take(kv)
+                self.renewed_at = time.monotonic()
+                self.current_holder = self.holder
+                return True
+            return await self._take(kv)
+        except (asyncio.TimeoutError, nats.errors.Error, nats.js.errors.Error, BusError) as exc:
+            self.conn.log.info("bus.lease_unreachable", bucket=self.bucket, key=self.key, error=str(exc))
+            return self.held
+
+    async def _take(self, kv) -> bool:
+        started = time.monotonic()
+        try:
+            self.revision = await kv.create(self.key, self.holder.encode())
+        except nats.js.errors.KeyWrongLastSequenceError:
+            self.revision = None
+            try:
+                entry = await kv.get(self.key)
+                self.current_holder = entry.value.decode(errors="replace") if entry.value else None
+            except nats.js.errors.KeyNotFoundError:
+                self.current_holder = None
+            return False
+        self.renewed_at = started
+        self.current_holder = self.holder
+        return True
+
+    async def release(self) -> None:
+        """Give the lease up now (a clean stop), so a standby takes over without waiting `ttl_s`."""
+        if self.revision is None or self._kv is None:
+            return
+        revision, self.revision = self.revision, None
+        try:
+            await self._kv.delete(self.key, last=revision)
+        except (asyncio.TimeoutError, nats.errors.Error, nats.js.errors.Error) as exc:
+            self.conn.log.info("bus.lease_release_failed", bucket=self.bucket, key=self.key, error=str(exc))

@@ -1,0 +1,89 @@
+"""Reducer snapshots in a JetStream key-value bucket (`rft_<job>_snapshots`, key `latest`).
+
+The active synchronizer writes one every `synchronizer.snapshot_every` records; synchronizers,
+members' job views and `rolectl replay` start from the newest one and fold the stream's tail. The
+bytes are `sync_protocol.snapshot.encode_state` (msgpack with a schema version; no pickle). A
+snapshot that does not decode is ignored with a warning: the fold then starts from the stream's
+first record, as it would with no snapshot at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import nats.errors
+import nats.js.errors
+from nats.js.api import KeyValueConfig, StorageType
+
+from sync_protocol import DecodeError
+from sync_protocol.snapshot import decode_state, encode_state
+from sync_protocol.state import State
+
+from .connection import BusConnection
+
+__all__ = ["Snapshot", "SnapshotStore"]
+
+_KEY = "latest"
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A folded state as of `state.last_seq`, with the last sequence on each open round's subject."""
+
+    state: State
+    round_subject_seq: dict[int, int]
+
+
+class SnapshotStore:
+    def __init__(self, conn: BusConnection, *, replicas: int = 1):
+        self.conn = conn
+        self.bucket = conn.names.snapshot_bucket
+        self.replicas = replicas
+        self._kv = None
+
+    async def _bucket(self, *, create: bool):
+        if self._kv is None:
+            if create:
+                try:
+                    self._kv = await self.conn.js.create_key_value(KeyValueConfig(
+                        bucket=self.bucket, history=2, storage=StorageType.FILE, replicas=self.replicas,
+                        description=f"rolectl job {self.conn.names.job}: reducer snapshots"))
+                except nats.js.errors.BadRequestError:
+                    self._kv = await self.conn.js.key_value(self.bucket)
+            else:
+                self._kv = await self.conn.js.key_value(self.bucket)
+        return self._kv
+
+    async def save(self, state: State, round_subject_seq: dict[int, int]) -> bool:
+        """Store a snapshot; False (logged) when it could not be stored — snapshots are an
+        optimisation, a failed one only means the next restart folds a longer tail."""
+        payload = encode_state(state, extra={"round_subject_seq": {str(k): v for k, v in round_subject_seq.items()}})
+        if len(payload) > self.conn.nc.max_payload:
+            self.conn.log.warning("bus.snapshot_too_large", bytes=len(payload), max_payload=self.conn.nc.max_payload)
+            return False
+        try:
+            kv = await self._bucket(create=True)
+            await kv.put(_KEY, payload)
+        except (asyncio.TimeoutError, nats.errors.Error) as exc:
+            self.conn.log.info("bus.snapshot_not_saved", bucket=self.bucket, error=str(exc))
+            return False
+        return True
+
+    async def latest(self) -> Snapshot | None:
+        """The newest snapshot, or None (no bucket, no snapshot yet, or one that does not decode)."""
+        try:
+            kv = await self._bucket(create=False)
+            entry = await kv.get(_KEY)
+        except (nats.js.errors.NotFoundError, nats.js.errors.BucketNotFoundError):
+            return None
+        except (asyncio.TimeoutError, nats.errors.Error) as exc:
+            self.conn.log.warning("bus.snapshot_unreadable", bucket=self.bucket, error=str(exc))
+            return None
+        try:
+            state, extra = decode_state(entry.value or b"")
+            rounds = {int(k): int(v) for k, v in dict(extra.get("round_subject_seq") or {}).items()}
+        except (DecodeError, ValueError, TypeError) as exc:
+            self.conn.log.warning("bus.snapshot_ignored", bucket=self.bucket, reason=str(exc))
+            return None
+        return Snapshot(state=state, round_subject_seq=rounds)
