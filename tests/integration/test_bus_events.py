@@ -187,18 +187,22 @@ async def test_decision_second_replica_is_told_what_the_subject_holds(nats_url, 
 
         seq = await replica_a.publish(opened, expected_last_subject_seq=0)
         assert seq is not None
-        # Same decision again (the msg id dedups), and a racing different one (expected seq is stale).
-        assert await replica_b.publish(opened, expected_last_subject_seq=0) is None
-        racing = RoundClosed(round=1, cause_seq=4, outcome=RoundOutcome.TIMED_OUT)
-        with pytest.raises(DecisionSuperseded):
-            await replica_b.publish(racing, expected_last_subject_seq=0)
-        assert await replica_b.last_on_subject(1) == (seq, opened)
+        # The same decision again, and a racing different one: the expected subject sequence is
+        # stale for both; re-reading the subject tells the replica which case it is.
+        for again in (opened, RoundClosed(round=1, cause_seq=4, outcome=RoundOutcome.TIMED_OUT)):
+            with pytest.raises(DecisionSuperseded):
+                await replica_b.publish(again, expected_last_subject_seq=0)
+            assert await replica_b.last_on_subject(1) == (seq, opened)
+        # Without the subject check the msg id dedups the same decision
+        assert await replica_b.publish(opened, expected_last_subject_seq=None) is None
         # The next decision on the round, chained on the first: accepted once.
         released = MemberReleased(round=1, cause_seq=6, released=EXPLORER, reason=ReleaseReason.NEW_VERSION,
                                   version=1, reload=True, location="v1")
         seq2 = await replica_b.publish(released, expected_last_subject_seq=seq)
         assert seq2 is not None and seq2 > seq
-        assert await replica_a.publish(released, expected_last_subject_seq=seq) is None
+        with pytest.raises(DecisionSuperseded):  # replica a did not know b recorded it
+            await replica_a.publish(released, expected_last_subject_seq=seq)
+        assert await replica_a.last_on_subject(1) == (seq2, released)
         # junk on the subject: it is no decision, so the replica publishes after it
         await a.nc.publish(a.names.decision(1), b"junk")
         await a.nc.flush()
