@@ -126,11 +126,13 @@ class Explorer:
                                                            experiences=tuple(experiences)))
             self.explore_step = step
             self.s.step = step
-            self._save_state()
             reward = sum(e.reward for e in experiences) / max(len(experiences), 1)
+            # Reported before it is saved: a restart in between explores the step again (its
+            # batch is deduplicated by msg id) and reports it again; counts are per (member, step).
             await self.s.publish(StepFinished(member=self.s.me, step=step, version=self.engine.version,
                                               metrics={"reward_mean": reward, "experiences": float(len(experiences)),
                                                        "seconds": time.monotonic() - started}))
+            self._save_state()
             self.log.info("explore_step", step=step, version=self.engine.version, reward=round(reward, 4))
             if self.need_sync():
                 await self.sync_weight()

@@ -346,6 +346,36 @@ def _diff_fields(recorded: Decision, computed: Decision) -> tuple[str, Any, Any]
     return None
 
 
+@dataclass(frozen=True)
+class JobOutcome:
+    """How a recorded job ended: `complete` (the trainer's final STOPPED after its last step),
+    `incomplete` (the trainer is gone without finishing), or `running` (the trainer is alive)."""
+
+    status: str
+    reason: str
+
+    @property
+    def complete(self) -> bool:
+        return self.status == "complete"
+
+
+def job_outcome(records: list[Recorded]) -> JobOutcome:
+    """Fold the records (as the synchronizer does) and say how the job stands or ended."""
+    state = State.initial()
+    for rec in sorted(records, key=lambda r: r.seq):
+        state, _, _ = reduce_lenient(state, rec)
+    trainer = state.trainer_state
+    if trainer is None:
+        return JobOutcome("incomplete", "no trainer joined the job")
+    if trainer.finished:
+        return JobOutcome("complete", f"the trainer finished its last step ({trainer.step})")
+    if trainer.alive:
+        return JobOutcome("running", f"the trainer is running (step {trainer.step})")
+    how = ("stopped before its last step (see its log for why)" if trainer.status.value == "stopped"
+           else "was expired (killed, or cut off) and did not come back")
+    return JobOutcome("incomplete", f"the trainer {how}, after step {trainer.step}")
+
+
 def check_decisions(records: list[Recorded]) -> list[Mismatch]:
     """Recompute every decision from the recorded inputs and compare with the recorded decisions.
 
@@ -413,8 +443,9 @@ def _load(job: str | None, nats: str, file: str | Path | None) -> list[Recorded]
 
 def run_replay(*, job: str | None, nats: str, file: str | Path | None, until: str | None, check: bool,
                as_json: bool) -> int:
-    """`rolectl replay`: 0 when fine (and, with `check`, every decision matches), 1 on a mismatch,
-    2 when the input cannot be read (bad file, NATS unreachable, unknown job, bad --until)."""
+    """`rolectl replay`: 0 when fine (and, with `check`, every decision matches and the job did not
+    end short of its last step), 1 on a mismatch or an incomplete job, 2 when the input cannot be
+    read (bad file, NATS unreachable, unknown job, bad --until)."""
     from rich.console import Console
 
     from bus.errors import BusError
@@ -434,10 +465,14 @@ def run_replay(*, job: str | None, nats: str, file: str | Path | None, until: st
     timeline["source"] = str(file) if file is not None else f"job {job} on {nats}"
     mismatches = check_decisions(records) if check else []
     errors = [m for m in mismatches if not m.warning]
+    outcome = job_outcome(records)
+    # a job that ended short of its last step is a failed job, even when every decision matches
+    failed = bool(errors) or (check and moment is None and outcome.status == "incomplete")
     if as_json:
+        timeline["outcome"] = {"status": outcome.status, "reason": outcome.reason}
         if check:
             timeline["check"] = {
-                "ok": not errors,
+                "ok": not failed,
                 "mismatches": [{**vars(m), "identity": list(m.identity), "message": m.describe()}
                                for m in mismatches],
             }
@@ -447,7 +482,9 @@ def run_replay(*, job: str | None, nats: str, file: str | Path | None, until: st
         _print_timeline(timeline)
         if check:
             _print_check(records, mismatches)
-    return 1 if errors else 0
+        style = {"complete": "green", "running": "yellow"}.get(outcome.status, "bold red")
+        err.print(f"job {outcome.status}: {outcome.reason}", style=style, highlight=False, markup=False)
+    return 1 if failed else 0
 
 
 def _print_timeline(t: dict[str, Any]) -> None:

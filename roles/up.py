@@ -24,9 +24,9 @@ from rich.table import Table
 from bus.server import NatsServer, NatsServerError
 from roles.config import JobConfig
 from roles.inspect import member_status
+from roles.replay import job_outcome
 from roles.runner import EXIT_ERROR, EXIT_INCOMPLETE
 from sync_protocol import (
-    MemberJoined,
     MemberReleased,
     Recorded,
     RendezvousReady,
@@ -241,8 +241,9 @@ def summarize(records: list[Recorded], *, job: str) -> dict:
     bytes_moved = 0
     waiting_since: dict = {}
     waits_ms: list[float] = []
-    produced = trained = dropped_stale = 0
-    trainer_stop: StatusChanged | None = None  # the trainer's last STOPPED
+    produced: dict[tuple[str, int], int] = {}  # (explorer, explore step) -> experiences (a step
+    trained: dict[int, int] = {}  # trainer step -> experiences        reported twice counts once)
+    dropped_stale = 0
     for rec in records:
         ev = rec.event
         if isinstance(ev, StepFinished):
@@ -250,14 +251,11 @@ def summarize(records: list[Recorded], *, job: str) -> dict:
                 trainer_steps = max(trainer_steps, ev.step)
                 if "reward_mean" in ev.metrics:
                     trainer_rewards.append(ev.metrics["reward_mean"])
-                trained += int(ev.metrics.get("num_experiences", 0))
+                trained[ev.step] = int(ev.metrics.get("num_experiences", 0))
                 dropped_stale = max(dropped_stale, int(ev.metrics.get("dropped_stale_total", 0)))
             elif ev.member.role is Role.EXPLORER:
                 explorer_steps[ev.member.id] = max(explorer_steps.get(ev.member.id, 0), ev.step)
-                produced += int(ev.metrics.get("experiences", 0))
-        if (isinstance(ev, StatusChanged) and ev.member.role is Role.TRAINER
-                and ev.status is RunningStatus.STOPPED):
-            trainer_stop = ev
+                produced[(ev.member.id, ev.step)] = int(ev.metrics.get("experiences", 0))
         elif isinstance(ev, WeightsLoaded):
             final_version = max(final_version, ev.version)
             bytes_moved += ev.nbytes
@@ -275,13 +273,11 @@ def summarize(records: list[Recorded], *, job: str) -> dict:
                 if p.member in waiting_since:
                     waits_ms.append(rec.time_ms - waiting_since.pop(p.member))
     first, last = trainer_rewards[:5], trainer_rewards[-5:]
-    complete = trainer_stop is not None and trainer_stop.final
+    outcome = job_outcome(records)
     return {
         "job": job,
-        "complete": complete,
-        "end_reason": _end_reason(trainer_stop, trainer_steps,
-                                  any(isinstance(r.event, MemberJoined) and r.event.member.role is Role.TRAINER
-                                      for r in records)),
+        "complete": outcome.complete,
+        "end_reason": outcome.reason,
         "trainer_steps": trainer_steps,
         "explorer_steps": explorer_steps,
         "syncs": syncs,
@@ -291,24 +287,13 @@ def summarize(records: list[Recorded], *, job: str) -> dict:
         "weights_bytes_moved": bytes_moved,
         # every experience produced is trained or dropped as too stale; what is left over was
         # produced after the trainer had what it needed (explorers stop with the trainer)
-        "experiences_produced": produced,
-        "experiences_trained": trained,
+        "experiences_produced": sum(produced.values()),
+        "experiences_trained": sum(trained.values()),
         "experiences_dropped_stale": dropped_stale,
         "sync_wait_ms": {"p50": _percentile(waits_ms, 0.5), "p99": _percentile(waits_ms, 0.99),
                          "count": len(waits_ms)},
         "events": len(records),
     }
-
-
-def _end_reason(trainer_stop: StatusChanged | None, trainer_steps: int, trainer_joined: bool) -> str:
-    if trainer_stop is not None and trainer_stop.final:
-        return f"the trainer finished its last step ({trainer_steps})"
-    if trainer_stop is not None:
-        return (f"the trainer stopped at step {trainer_stop.step} before its last step "
-                "(see its log for why)")
-    if trainer_joined:
-        return f"the trainer never stopped cleanly (killed, or still running) after step {trainer_steps}"
-    return "no trainer joined the job"
 
 
 def _progress_table(cfg: JobConfig, view, processes: list[RoleProcess]) -> Table:

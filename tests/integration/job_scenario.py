@@ -169,7 +169,9 @@ async def _script(job: ScriptedJob, cfg, *, steps: int, stop: bool) -> None:
         versions[fast.key] = released.version
         await job.wait_closed(released.round)
     if stop:
-        await job.publish(StatusChanged(member=TRAINER, status=RunningStatus.STOPPED, step=steps, version=steps))
+        # the trainer trained its last step: the job is complete
+        await job.publish(StatusChanged(member=TRAINER, status=RunningStatus.STOPPED, step=steps, version=steps,
+                                        final=True))
         for e in EXPLORERS:
             await job.publish(StatusChanged(member=e, status=RunningStatus.STOPPED, step=steps,
-                                            version=versions[e.key]))
+                                            version=versions[e.key], final=True))

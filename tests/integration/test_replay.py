@@ -200,3 +200,30 @@ def test_replay_of_a_bad_file_exits_2_with_the_reason(tmp_path, nats_url, capsys
 def test_export_of_a_job_without_stream_is_a_clear_error(nats_url, job_name, tmp_path):
     with pytest.raises(BusError, match="does not exist"):
         asyncio.run(export_job(job_name, nats_url, tmp_path / "x.jsonl"))
+
+
+@pytest.mark.parametrize("ending", ["stopped_early", "expired"])
+def test_check_fails_a_job_whose_trainer_never_finished(recorded, nats_url, tmp_path, capsys, ending):
+    """Every decision matches, yet the trainer's last STOPPED is not final (or it was expired and
+    never came back): the job ended short of its last step, and --check says so with exit 1."""
+    from sync_protocol import MemberExpired, MemberRef, Recorded, Role, StatusChanged
+
+    records = _export(recorded, nats_url, tmp_path / "job.jsonl")
+    trainer_stop = next(r for r in records if isinstance(r.event, StatusChanged)
+                        and r.event.member.role is Role.TRAINER and r.event.final)
+    if ending == "stopped_early":
+        changed = Recorded(seq=trainer_stop.seq, time_ms=trainer_stop.time_ms,
+                           event=StatusChanged(member=trainer_stop.event.member, status=trainer_stop.event.status,
+                                               step=trainer_stop.event.step, version=trainer_stop.event.version))
+    else:
+        clock = MemberRef(role=Role.SYNCHRONIZER, id="sync-x", incarnation=1)
+        changed = Recorded(seq=trainer_stop.seq, time_ms=trainer_stop.time_ms,
+                           event=MemberExpired(member=clock, expired=trainer_stop.event.member, silent_for=9.0))
+    edited = [changed if r.seq == trainer_stop.seq else r for r in records]
+    path = tmp_path / "short.jsonl"
+    write_export(edited, path, job=recorded)
+    assert run_replay(job=None, nats=nats_url, file=path, until=None, check=True, as_json=False) == 1
+    assert "job incomplete: the trainer" in capsys.readouterr().err
+    # the unedited recording is a complete job
+    assert run_replay(job=None, nats=nats_url, file=tmp_path / "job.jsonl", until=None, check=True,
+                      as_json=False) == 0

@@ -306,7 +306,9 @@ async def test_a_peer_killed_mid_broadcast_is_peer_lost_quickly_and_the_next_epo
         started = time.monotonic()
         with pytest.raises(PeerLost):
             await trainer.send(first, _state_dict(1, "many"))
-        assert time.monotonic() - started < timeout + 5
+        # found by the group timeout, not hung: the bound includes forming the group and the
+        # transfer up to the kill, which on a loaded machine take a while
+        assert time.monotonic() - started < 3 * timeout + 15
         assert trainer.epoch is None  # the broken group was dropped
         assert await victim.finish() == -signal.SIGKILL
         lost = await survivor.result()
