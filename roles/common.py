@@ -19,6 +19,7 @@ import structlog
 from bus.connection import BusConnection, connect
 from bus.errors import BusError
 from bus.events import EventPublisher, last_sequence, publish_heartbeat, read_events
+from bus.snapshots import SnapshotStore
 from bus.streams import ensure_event_stream, ensure_experience_stream
 from roles.config import JobConfig
 from sync_protocol import (
@@ -85,18 +86,28 @@ class JobView:
         self._task: asyncio.Task | None = None
         self._log = log or structlog.get_logger()
 
-    async def start(self, *, catch_up: bool = True) -> None:
-        """Fold everything recorded so far (so the view is current), then follow live."""
+    async def start(self, *, catch_up: bool = True, from_snapshot: bool = True) -> int:
+        """Fold everything recorded so far (from the newest reducer snapshot, if there is one, plus
+        the stream after it), then follow live. Returns the stream's last sequence at start."""
         end = await last_sequence(self._conn)
-        self._task = asyncio.create_task(self._follow(), name="job-view")
-        if catch_up and end > 0:
+        from_seq = 1
+        if from_snapshot:
+            snapshot = await SnapshotStore(self._conn).latest()
+            if snapshot is not None and snapshot.state.last_seq <= end:
+                self.state = snapshot.state
+                self.last_seq = snapshot.state.last_seq
+                # what a trainer broadcast before the snapshot: the explorers hold it now
+                self.broadcast_version = max((m.version for m in snapshot.state.explorers(alive_only=False)),
+                                             default=0)
+                from_seq = snapshot.state.last_seq + 1
+        self._task = asyncio.create_task(self._follow(from_seq), name="job-view")
+        if catch_up and end >= from_seq:
             await self.wait_for(lambda v: v.last_seq >= end, timeout=120.0, what=f"catch up to seq {end}")
+        return end
 
-        return await last_sequence(self._conn)
-
-    async def _follow(self) -> None:
+    async def _follow(self, from_seq: int = 1) -> None:
         try:
-            async with read_events(self._conn, from_seq=1, include_decisions=True) as reader:  # drops its consumer
+            async with read_events(self._conn, from_seq=from_seq, include_decisions=True) as reader:
                 async for rec in reader:
                     if isinstance(rec.event, Decision):
                         self.decisions.append(rec)

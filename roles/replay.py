@@ -359,9 +359,10 @@ class JobOutcome:
         return self.status == "complete"
 
 
-def job_outcome(records: list[Recorded]) -> JobOutcome:
-    """Fold the records (as the synchronizer does) and say how the job stands or ended."""
-    state = State.initial()
+def job_outcome(records: list[Recorded], start: State | None = None) -> JobOutcome:
+    """Fold the records (as the synchronizer does; from snapshot `start` if given) and say how the
+    job stands or ended."""
+    state = start or State.initial()
     for rec in sorted(records, key=lambda r: r.seq):
         state, _, _ = reduce_lenient(state, rec)
     trainer = state.trainer_state
@@ -376,14 +377,19 @@ def job_outcome(records: list[Recorded]) -> JobOutcome:
     return JobOutcome("incomplete", f"the trainer {how}, after step {trainer.step}")
 
 
-def check_decisions(records: list[Recorded]) -> list[Mismatch]:
+def check_decisions(records: list[Recorded], start: State | None = None) -> list[Mismatch]:
     """Recompute every decision from the recorded inputs and compare with the recorded decisions.
 
+    From a reducer snapshot `start` (a trimmed stream), only the records after it are folded, and
+    recorded decisions caused by inputs the snapshot already holds are not checked.
     Returns the mismatches (and warnings) sorted by stream sequence; empty when all agree.
     """
     records = sorted(records, key=lambda r: r.seq)
+    if start is not None:
+        records = [r for r in records if r.seq > start.last_seq and not (
+            isinstance(r.event, Decision) and r.event.cause_seq <= start.last_seq)]
     computed: list[Decision] = []
-    state = State.initial()
+    state = start or State.initial()
     for rec in records:
         if isinstance(rec.event, Decision):
             continue
@@ -435,10 +441,29 @@ def check_decisions(records: list[Recorded]) -> list[Mismatch]:
 # `rolectl replay`
 
 
-def _load(job: str | None, nats: str, file: str | Path | None) -> list[Recorded]:
+def _load(job: str | None, nats: str, file: str | Path | None) -> tuple[list[Recorded], State | None]:
+    """The records, and the reducer snapshot to fold them from when the job's stream no longer
+    starts at its first record (trimmed by age or size): None when the records are complete."""
     if file is not None:
-        return load_export(file)
-    return asyncio.run(read_job(job, nats))
+        return load_export(file), None
+    return asyncio.run(read_job_from_snapshot(job, nats))
+
+
+async def read_job_from_snapshot(job: str, nats: str) -> tuple[list[Recorded], State | None]:
+    from bus.connection import connect
+    from bus.events import last_sequence, read_all
+    from bus.snapshots import SnapshotStore
+
+    async with connect(nats, job=job, role="observer", member=f"replay-{os.getpid()}") as conn:
+        await last_sequence(conn)  # a clear error when the job has no stream
+        records = await read_all(conn)
+        if not records or records[0].seq <= 1:
+            return records, None
+        snapshot = await SnapshotStore(conn).latest()
+        if snapshot is None or snapshot.state.last_seq + 1 < records[0].seq:
+            raise ExportError(f"the stream of job {job} starts at seq {records[0].seq} (trimmed) and no "
+                              "snapshot covers what was trimmed: the job's state cannot be rebuilt")
+        return records, snapshot.state
 
 
 def run_replay(*, job: str | None, nats: str, file: str | Path | None, until: str | None, check: bool,
@@ -455,7 +480,7 @@ def run_replay(*, job: str | None, nats: str, file: str | Path | None, until: st
     err = Console(stderr=True)
     try:
         moment = parse_until(until)
-        records = _load(job, nats, file)
+        records, start = _load(job, nats, file)
     except (ExportError, BusError, ValueError) as exc:
         err.print(f"rolectl replay: {exc}", style="red", highlight=False, markup=False, soft_wrap=True)
         return 2
@@ -463,9 +488,9 @@ def run_replay(*, job: str | None, nats: str, file: str | Path | None, until: st
     timeline = build_timeline(records)
     timeline["until"] = until
     timeline["source"] = str(file) if file is not None else f"job {job} on {nats}"
-    mismatches = check_decisions(records) if check else []
+    mismatches = check_decisions(records, start) if check else []
     errors = [m for m in mismatches if not m.warning]
-    outcome = job_outcome(records)
+    outcome = job_outcome(records, start)
     # a job that ended short of its last step is a failed job, even when every decision matches
     failed = bool(errors) or (check and moment is None and outcome.status == "incomplete")
     if as_json:

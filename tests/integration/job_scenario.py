@@ -101,7 +101,8 @@ async def stop_task(task: asyncio.Task) -> None:
         task.result()
 
 
-async def run_scripted_job(nats_url: str, job: str, *, steps: int = 4, stop: bool = True) -> int:
+async def run_scripted_job(nats_url: str, job: str, *, steps: int = 4, stop: bool = True,
+                           snapshot_every: int | None = None) -> int:
     """Run the scripted job to its end; returns the stream's last sequence number.
 
     Each trainer step publishes a version; explorer-0 syncs every step (usually finding the new
@@ -110,7 +111,8 @@ async def run_scripted_job(nats_url: str, job: str, *, steps: int = 4, stop: boo
     cfg = parse_config({
         "job": job, "nats_url": nats_url,
         "synchronizer": {"sync_method": "memory", "sync_style": "fixed", "sync_interval": 1,
-                         "heartbeat_expiry": 600, "sync_timeout": 600},
+                         "heartbeat_expiry": 600, "sync_timeout": 600,
+                         **({"snapshot_every": snapshot_every} if snapshot_every is not None else {})},
     })
     sync = Synchronizer(cfg, "sync-0")
     async with connect(nats_url, job=job, role="trainer", member="script") as conn:
