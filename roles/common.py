@@ -271,16 +271,20 @@ class MemberSession:
         while True:
             await self.view.wait_for(self.expired, timeout=None, what="our own expiry")
             old = self.me
-            self.incarnation = max(new_incarnation(), old.incarnation + 1)
-            self.publisher = EventPublisher(self.conn, self.me)
+            new = MemberRef(role=self.role, id=self.member_id,
+                            incarnation=max(new_incarnation(), old.incarnation + 1))
+            # Joined first, switched after: anything this process says from now on comes from an
+            # incarnation already in the record (a waiter asking again must not overtake the join).
+            publisher = EventPublisher(self.conn, new)
+            await publisher.publish(JobConfigured(member=new, config=self.cfg.synchronizer))
+            await publisher.publish(MemberJoined(member=new, host=socket.gethostname(), pid=os.getpid(),
+                                                 step=self.step, version=self.version, ranks=self.ranks))
+            self.incarnation, self.publisher = new.incarnation, publisher
+            self.status = RunningStatus.RUNNING
             self.rejoins += 1
             self.log.warning("rejoined_after_expiry", expired_incarnation=old.incarnation,
                              incarnation=self.incarnation, step=self.step, version=self.version,
                              rejoins=self.rejoins)
-            self.status = RunningStatus.RUNNING
-            await self.publish(JobConfigured(member=self.me, config=self.cfg.synchronizer))
-            await self.publish(MemberJoined(member=self.me, host=socket.gethostname(), pid=os.getpid(),
-                                            step=self.step, version=max(self.version, -1), ranks=self.ranks))
 
     async def wait_decision(self, outcome: Callable[[JobView], object], *, what: str,
                             give_up: Callable[[JobView], str | None] | None = None):
