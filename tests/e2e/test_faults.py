@@ -128,8 +128,9 @@ async def test_explorer_kill9_trainer_goes_on(tmp_path, method):
         expired = await job.wait_for(
             lambda recs: [r for r in of_kind(recs, MemberExpired) if r.event.expired.id == victim],
             timeout=expiry + 15, what=f"MemberExpired for {victim}")
-        # expired within the expiry (plus the timer's tick and process scheduling), never sync_timeout
-        assert expired[0].time_ms - killed_ms < (expiry + 3) * 1000, expired[0].time_ms - killed_ms
+        # expired on the heartbeat clock, not by sync_timeout (300 s): the bound leaves room for a
+        # loaded machine (the timer's tick, our own heartbeat's round trip, process scheduling)
+        assert expired[0].time_ms - killed_ms < (4 * expiry + 10) * 1000, expired[0].time_ms - killed_ms
 
         await _finish(job, ["trainer", survivor], timeout=120)
         assert trainer_steps(job.records) == list(range(1, total + 1))
@@ -259,7 +260,8 @@ async def test_peer_dies_mid_broadcast_nccl(tmp_path):
             lambda recs: [r for r in of_kind(recs, RoundClosed) if r.event.round == doomed.round],
             timeout=30, what=f"round {doomed.round} to close")
         assert closed[0].event.outcome.value in ("failed", "timed_out"), closed[0].event
-        assert closed[0].time_ms - killed_ms < 15_000, "the failed round was not detected promptly"
+        # by the group timeout / expiry, not sync_timeout (300 s), even on a loaded machine
+        assert closed[0].time_ms - killed_ms < 40_000, "the failed round was not detected promptly"
 
         await _finish(job, ["trainer", survivor], timeout=120)
         records = job.records
