@@ -15,6 +15,7 @@ from typing import Any, Mapping
 
 import yaml
 
+from bus.connection import parse_server_urls
 from bus.subjects import check_name
 from sync_protocol import ConfigError, SyncConfig
 
@@ -24,6 +25,7 @@ __all__ = [
     "ExplorerConfig",
     "BufferConfig",
     "TransportConfig",
+    "NatsConfig",
     "load_config",
     "parse_config",
 ]
@@ -75,6 +77,15 @@ class TransportConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class NatsConfig:
+    """How the job uses its NATS servers (the URLs themselves are the top-level `nats_url`)."""
+
+    # Copies of the event, experience and weight streams: 1 on a single server, 3 on a 3-node
+    # cluster (any one node may then be lost). An existing stream with more is accepted.
+    replicas: int = 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class JobConfig:
     """One RL job: its name, where NATS is, and each role's settings."""
 
@@ -87,6 +98,7 @@ class JobConfig:
     explorers: ExplorerConfig = field(default_factory=ExplorerConfig)
     buffer: BufferConfig = field(default_factory=BufferConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
+    nats: NatsConfig = field(default_factory=NatsConfig)
     model: Mapping[str, Any] = field(default_factory=dict)  # engine settings (roles.engines)
     source: str | None = None  # the file it was loaded from
 
@@ -116,7 +128,7 @@ class JobConfig:
 # -- validation ------------------------------------------------------------------------------------
 
 _POSITIVE_INT = ("total_steps", "count", "engine_num", "tensor_parallel_size", "batch_size",
-                 "keep_versions", "bucket_size_mb")
+                 "keep_versions", "bucket_size_mb", "replicas")
 _NON_NEGATIVE_INT = ("save_interval",)
 _POSITIVE_FLOAT = ("ack_wait_s", "group_timeout_s")
 
@@ -211,6 +223,9 @@ def parse_config(data: Any, *, source: str | None = None) -> JobConfig:
     explorers = _section(ExplorerConfig, data.get("explorers"), "explorers", problems)
     buffer = _section(BufferConfig, data.get("buffer"), "buffer", problems)
     transport = _section(TransportConfig, data.get("transport"), "transport", problems)
+    nats = _section(NatsConfig, data.get("nats"), "nats", problems)
+    if isinstance(nats.replicas, int) and nats.replicas > 5:
+        problems.append(("nats.replicas", f"must be at most 5 (JetStream's limit), got {nats.replicas}"))
 
     model = data.get("model") or {}
     if not isinstance(model, Mapping):
@@ -222,6 +237,11 @@ def parse_config(data: Any, *, source: str | None = None) -> JobConfig:
     for key in ("nats_url", "run_dir", "log_level"):
         if key in data and not isinstance(data[key], str):
             problems.append((key, f"must be a string, got {data[key]!r}"))
+    if isinstance(data.get("nats_url"), str):
+        try:
+            parse_server_urls(data["nats_url"])
+        except ValueError as exc:
+            problems.append(("nats_url", str(exc)))
     if isinstance(data.get("log_level"), str) and data["log_level"].lower() not in (
         "debug", "info", "warning", "error"
     ):
@@ -237,6 +257,7 @@ def parse_config(data: Any, *, source: str | None = None) -> JobConfig:
         explorers=explorers,
         buffer=buffer,
         transport=transport,
+        nats=nats,
         model=dict(model),
         source=source,
         **extra,
