@@ -381,14 +381,22 @@ async def _open(
 
     conn = BusConnection(nc, url=url, names=names, role=role, member=member, log=log, last_server=last_server)
     # A server without JetStream accepts the connection but cannot hold any stream: say so now.
+    # A cluster that just lost its meta leader answers 503 / times out for a few seconds: retried.
     remaining = max(0.5, connect_timeout - (time.monotonic() - started))
+    js_check = nc.jetstream(timeout=max(0.25, min(2.0, remaining / 2)))
     try:
-        await asyncio.wait_for(conn.js.account_info(), remaining)
+        await asyncio.wait_for(
+            retry_transient(js_check.account_info, what="JetStream account info", retry_for=remaining), remaining
+        )
     except Exception as exc:
+        if isinstance(exc, RetriesExhausted):
+            exc = exc.last or exc
         await _discard(nc)
         raise BusUnavailable(
             f"the NATS server at {url} answers but JetStream does not ({_describe(exc)}). "
-            f"Run nats-server with JetStream enabled (`-js`), e.g. `rolectl server`.",
+            f"Run nats-server with JetStream enabled (`-js`), e.g. `rolectl server`"
+            + (", and keep a majority of its nodes up (a cluster without one cannot store anything)."
+               if len(servers) > 1 else "."),
             url=url,
             cause=exc,
         ) from exc
