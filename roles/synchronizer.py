@@ -76,8 +76,8 @@ class Synchronizer:
     async def run(self) -> None:
         async with connect(self.cfg.nats_url, job=self.cfg.job, role="synchronizer", member=self.me.id) as conn:
             self.conn = conn
-            await ensure_event_stream(conn.js, conn.names)
-            await ensure_experience_stream(conn.js, conn.names)
+            await ensure_event_stream(conn.js, conn.names, replicas=self.cfg.nats.replicas)
+            await ensure_experience_stream(conn.js, conn.names, replicas=self.cfg.nats.replicas)
             self.events = EventPublisher(conn, self.me)
             self.decisions = DecisionPublisher(conn)
             await subscribe_heartbeats(conn, self._on_heartbeat)
