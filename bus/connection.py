@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 import urllib.parse
-from typing import Any, Mapping
+from typing import Any, Awaitable, Mapping
 
 import nats
 import nats.errors
@@ -152,6 +152,14 @@ class BusConnection:
         """Return once the connection is down (at once if it is); `asyncio.TimeoutError` after `timeout`."""
         await asyncio.wait_for(self._wait_for(lambda: not self._up), timeout)
 
+    async def wait_reconnected(self, after: int) -> None:
+        """Return once the connection has reconnected more than `after` times (compare `reconnects`)."""
+        await self._wait_for(lambda: self.reconnects > after)
+
+    def reconnect_signal(self) -> Awaitable[None]:
+        """An awaitable that finishes at the next reconnect (for `retry_transient(interrupt=...)`)."""
+        return self.wait_reconnected(after=self.reconnects)
+
     async def _wait_for(self, predicate) -> None:
         async with self._state:
             await self._state.wait_for(predicate)
@@ -229,7 +237,7 @@ class BusConnection:
         try:
             return await retry_transient(
                 publish_once, what=where, retry_for=retry_for, is_closed=lambda: self.nc.is_closed,
-                transient=transient, log=self.log,
+                transient=transient, interrupt=self.reconnect_signal, log=self.log,
             )
         except BusClosed as exc:
             raise BusClosed(f"cannot publish to {subject}: connection {self.name} to {self.url} is closed") from exc

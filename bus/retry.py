@@ -68,6 +68,7 @@ async def retry_transient(
     is_closed: Callable[[], bool] = lambda: False,
     transient: Callable[[BaseException], bool] = is_transient,
     before_retry: Callable[[BaseException], Awaitable[Any]] | None = None,
+    interrupt: Callable[[], Awaitable[Any]] | None = None,
     log: Any = None,
 ) -> T:
     """`await call()`; on a transient failure wait a jittered, growing delay and call again, for up
@@ -75,8 +76,11 @@ async def retry_transient(
 
     A non-transient exception propagates unchanged, at once. `is_closed()` true (the connection was
     closed for good) raises `BusClosed`. `before_retry(exc)` runs before each new attempt (e.g. to
-    re-create a stream a restarted in-memory server lost). The caller makes `call` idempotent (a
-    publish keeps its `Nats-Msg-Id`).
+    re-create a stream a restarted in-memory server lost). `interrupt()`, made before each attempt,
+    is an awaitable that finishes when that attempt is hopeless (`BusConnection.reconnect_signal`:
+    the connection reconnected, so a request sent before the outage will never be answered); the
+    attempt is then cancelled and retried at once instead of waiting out its timeout. The caller
+    makes `call` idempotent (a publish keeps its `Nats-Msg-Id`).
     """
     deadline = time.monotonic() + retry_for
     attempt = 0
@@ -85,7 +89,10 @@ async def retry_transient(
             raise BusClosed(f"{what}: the connection is closed")
         attempt += 1
         try:
-            return await call()
+            return await _attempt(call, interrupt)
+        except _Interrupted as exc:
+            last = exc
+            continue  # the connection is back: no backoff
         except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError) as exc:
             raise BusClosed(f"{what}: the connection is closing") from exc
         except Exception as exc:
@@ -104,6 +111,29 @@ async def retry_transient(
             except Exception as exc:  # the repair itself hit the outage: the next attempt tells
                 if not transient(exc):
                     raise
+
+
+class _Interrupted(Exception):
+    """An attempt abandoned because the connection reconnected under it."""
+
+    def __str__(self) -> str:
+        return "the connection reconnected while waiting for an answer"
+
+
+async def _attempt(call: Callable[[], Awaitable[T]], interrupt: Callable[[], Awaitable[Any]] | None) -> T:
+    if interrupt is None:
+        return await call()
+    stop = asyncio.ensure_future(interrupt())
+    work = asyncio.ensure_future(call())
+    try:
+        await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        work.cancel()  # no-op when done
+        stop.cancel()
+        await asyncio.gather(work, stop, return_exceptions=True)
+    if work.cancelled():
+        raise _Interrupted()
+    return work.result()
 
 
 def describe(exc: BaseException | None) -> str:

@@ -21,7 +21,7 @@ def make_pull_transport(cfg: JobConfig, conn) -> PullTransport:
 
         # The trainer prunes to `trainer.keep_versions` after each publish.
         return ObjectStoreTransport(conn.nc, cfg.job, storage=cfg.transport.object_store_storage,
-                                    replicas=cfg.nats.replicas)
+                                    replicas=cfg.nats.replicas, reconnected=conn.reconnect_signal)
     if method is SyncMethod.CHECKPOINT:
         from bus.weights.checkpoint import CheckpointTransport
 

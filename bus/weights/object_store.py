@@ -45,7 +45,7 @@ import contextlib
 import json
 import socket
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Awaitable, Callable, Mapping
 
 import torch
 from nats.aio.client import Client
@@ -77,6 +77,8 @@ class ObjectStoreTransport:
     closes `nc`. `storage` is "memory" (default: 2x faster here) or "file" (survives a server
     restart; see the module docstring). The publisher calls `prune` to bound storage; `timeout`
     bounds every request and every wait for bytes.
+    `reconnected` (e.g. `BusConnection.reconnect_signal`) lets a publish or fetch caught by an
+    outage start again as soon as the connection is back, instead of after `api_timeout`.
     `data_connection=False` forces the nats-py path (slower; used where the plain data connection
     cannot be opened, and by tests to cover both paths).
     """
@@ -98,9 +100,15 @@ class ObjectStoreTransport:
         algorithm: str | None = None,
         publish_retry_s: float = 300.0,
         fetch_retry_s: float = 60.0,
+        api_timeout: float = 5.0,
+        reconnected: Callable[[], Awaitable[Any]] | None = None,
     ):
         self._nc = nc
-        self._js = nc.jetstream(timeout=timeout)
+        # Control-plane requests (stream info, purge, manifest lookups) get a short timeout of their
+        # own: one in flight when the server dies is never answered, and the retry should come
+        # after seconds, not after the bulk-transfer `timeout`.
+        self._api_timeout = min(api_timeout, timeout)
+        self._js = nc.jetstream(timeout=self._api_timeout)
         self.names = JobNames(job)
         self._storage = StorageType(storage)
         self._replicas = replicas
@@ -110,6 +118,7 @@ class ObjectStoreTransport:
         self._timeout = timeout
         self._use_data_connection = data_connection
         self._algorithm = algorithm or default_digest_algorithm()
+        self._reconnected = reconnected
         self._publish_retry_s = publish_retry_s
         self._fetch_retry_s = fetch_retry_s
         self._stream_ready = False
@@ -301,7 +310,7 @@ class ObjectStoreTransport:
             return await retry_transient(
                 call, what=what, retry_for=retry_for, is_closed=lambda: self._nc.is_closed,
                 transient=lambda exc: isinstance(exc, _Transient) or is_transient(exc),
-                before_retry=before_retry,
+                before_retry=before_retry, interrupt=self._reconnected,
             )
         except RetriesExhausted as exc:
             raise TransferError(str(exc)) from exc.last
@@ -373,7 +382,7 @@ class ObjectStoreTransport:
         """The stored manifest of `version` (verified against its own root digest), or None."""
         subject = self.names.weights_manifest(version)
         try:
-            msg = await self._nc.request(f"{self._direct_get_subject}.{subject}", b"", timeout=self._timeout)
+            msg = await self._nc.request(f"{self._direct_get_subject}.{subject}", b"", timeout=self._api_timeout)
         except NoRespondersError:
             # No stream answers: none was ever made (nothing published yet), a restarted in-memory
             # server lost it, or a restarting server is still recovering it (then: retry).
@@ -384,7 +393,7 @@ class ObjectStoreTransport:
             raise _StreamGone(f"stream {self.stream} exists but no server answers direct gets yet") from None
         except NatsTimeoutError:
             raise _Transient(
-                f"no answer from {self._direct_get_subject} within {self._timeout} s looking up "
+                f"no answer from {self._direct_get_subject} within {self._api_timeout} s looking up "
                 f"version {version}; is the server overloaded or restarting?"
             ) from None
         status = (msg.headers or {}).get("Status")

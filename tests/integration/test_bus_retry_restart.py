@@ -89,6 +89,37 @@ async def test_retry_helper_gives_up_after_its_budget_naming_the_operation(own_s
         assert elapsed < 10, elapsed  # bounded: budget plus at most one attempt's timeout
 
 
+async def test_a_request_lost_in_an_outage_is_retried_at_reconnect_not_after_its_timeout(own_server):
+    """A request in flight when the server dies is never answered; with `interrupt` the helper
+    abandons it when the connection is back and asks again at once."""
+    async with connect(own_server.url, job="retry-interrupt", role="observer", member="o") as conn:
+        got_first = asyncio.Event()
+
+        async def responder(msg):
+            got_first.set()
+            if conn.reconnects >= 1:  # only answers after the outage
+                await msg.respond(b"pong")
+
+        await conn.nc.subscribe("retry.interrupt.ping", cb=responder)
+        attempts = 0
+
+        async def ping():
+            nonlocal attempts
+            attempts += 1
+            return await conn.nc.request("retry.interrupt.ping", b"", timeout=60)
+
+        started = time.monotonic()
+        asking = asyncio.create_task(retry_transient(ping, what="ping", retry_for=120,
+                                                     interrupt=conn.reconnect_signal))
+        await asyncio.wait_for(got_first.wait(), 10)  # the first request reached the responder
+        await asyncio.to_thread(own_server.kill)
+        await asyncio.to_thread(own_server.start)
+        reply = await asyncio.wait_for(asking, 60)
+        assert reply.data == b"pong"
+        assert attempts == 2
+        assert time.monotonic() - started < 30, "waited out the lost request's timeout"
+
+
 async def test_a_non_transient_error_is_raised_at_once(nats_url, job_name):
     async with connect(nats_url, job=job_name, role="observer", member="o") as conn:
         calls = 0
