@@ -3,16 +3,22 @@
 Theory of operation
 -------------------
 - **Storage.** One stream per job (`JobNames.weights_stream`, subjects ``rft.<job>.w.>``, one message
-  per subject, direct get allowed), in server memory by default. Measured in one run (256 MiB, this
-  2-core host, `python -m benchmarks.weights`): memory fetch 3.93 GB/s / publish 3.85 GB/s, file
-  fetch 2.58 / publish 2.57; earlier runs 3.55 vs 1.92 (the file store re-reads and re-checksums
-  whole blocks per message). Versions are transient: each is
-  superseded at the next sync and the trainer, who holds the weights, republishes. After a server
-  restart the store is empty until that next publish, and explorers keep the weights they have
-  (`WeightsNotFound`), never wrong ones. The cost is K x model size of server RAM (K versions
-  kept by `prune`, 2 by default); pass
-  ``storage="file"`` where a late joiner must get weights right after a server restart, or the
-  server cannot spare the RAM. Version N is chunk messages ``rft.<job>.w.N.c.<i>`` (raw stream
+  per subject, direct get allowed, `replicas` copies on a cluster), in server memory or in files
+  (`storage`; a job's config defaults to file). Measured (256 MiB, this 2-core host, `python -m
+  benchmarks.weights`): memory fetch 3.93 GB/s / publish 3.85 GB/s, file fetch 2.58 / publish 2.57
+  in one run; on a loaded host at 64 MiB memory 0.21 vs file 0.15 GB/s median fetch (the file store
+  re-reads and re-checksums whole blocks per message). Versions are transient: each is superseded
+  at the next sync and the trainer, who holds the weights, republishes.
+- **Restarts.** Every publish, fetch and prune goes through `bus.retry`: timeouts, "no responders",
+  a dropped data connection and "no stream listens on this subject" are retried (publish for
+  `publish_retry_s`, 300 s; fetch and prune for `fetch_retry_s`, 60 s), and an attempt caught by an
+  outage starts again as soon as the connection is back (`reconnected`). File storage keeps every
+  version across a server restart. Memory storage loses them: the first publish after the restart
+  re-creates the stream (the trainer never fails for it), and a fetch of a version published
+  before the restart raises `WeightsNotFound` saying so; the explorer keeps the weights it has
+  until the next version (never wrong ones). Memory costs K x model size of server RAM (K versions
+  kept by `prune`, 2 by default).
+- **Layout.** Version N is chunk messages ``rft.<job>.w.N.c.<i>`` (raw stream
   bytes, see `format`) followed by the manifest ``rft.<job>.w.N.m`` (layout, chunk digests, root
   digest, stream sequences of the chunks). The manifest is published only after every chunk is
   acknowledged as stored, and readers look a version up *by its manifest*, so a partial upload is
@@ -74,9 +80,10 @@ class ObjectStoreTransport:
     """Publish / fetch weight versions through a per-job JetStream stream (see module docstring).
 
     `nc` is a connected nats-py client; the transport makes its own JetStream context and never
-    closes `nc`. `storage` is "memory" (default: 2x faster here) or "file" (survives a server
-    restart; see the module docstring). The publisher calls `prune` to bound storage; `timeout`
-    bounds every request and every wait for bytes.
+    closes `nc`. `storage` is "memory" (this class's default, used by tests and benchmarks; up
+    to ~1.4x faster here) or "file" (a job config's default: keeps versions across a server restart;
+    see the module docstring). The publisher calls `prune` to bound storage; `timeout` bounds every
+    wait for bulk bytes, `api_timeout` every control request.
     `reconnected` (e.g. `BusConnection.reconnect_signal`) lets a publish or fetch caught by an
     outage start again as soon as the connection is back, instead of after `api_timeout`.
     `data_connection=False` forces the nats-py path (slower; used where the plain data connection
