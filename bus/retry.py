@@ -88,11 +88,11 @@ async def retry_transient(
         if is_closed():
             raise BusClosed(f"{what}: the connection is closed")
         attempt += 1
+        interrupted = False
         try:
             return await _attempt(call, interrupt)
         except _Interrupted as exc:
-            last = exc
-            continue  # the connection is back: no backoff
+            last, interrupted = exc, True
         except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError) as exc:
             raise BusClosed(f"{what}: the connection is closing") from exc
         except Exception as exc:
@@ -104,7 +104,8 @@ async def retry_transient(
             raise RetriesExhausted(what=what, attempts=attempt, seconds=retry_for, last=last) from last
         if log is not None:
             log.debug("bus.retry", what=what, attempt=attempt, error=describe(last))
-        await asyncio.sleep(min(remaining, backoff_delay(attempt - 1)))
+        if not interrupted:  # after a reconnect the server is back: ask again at once
+            await asyncio.sleep(min(remaining, backoff_delay(attempt - 1)))
         if before_retry is not None:
             try:
                 await before_retry(last)
