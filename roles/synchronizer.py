@@ -104,13 +104,14 @@ class Synchronizer:
     async def run(self) -> None:
         async with connect(self.cfg.nats_url, job=self.cfg.job, role="synchronizer", member=self.me.id) as conn:
             self.conn = conn
-            await ensure_event_stream(conn.js, conn.names)
-            await ensure_experience_stream(conn.js, conn.names)
+            await ensure_event_stream(conn.js, conn.names, replicas=self.cfg.nats.replicas)
+            await ensure_experience_stream(conn.js, conn.names, replicas=self.cfg.nats.replicas)
             self.events = EventPublisher(conn, self.me)
             self.decisions = DecisionPublisher(conn)
-            self.snapshots = SnapshotStore(conn)
+            self.snapshots = SnapshotStore(conn, replicas=self.cfg.nats.replicas)
             self.lease = Lease(conn, bucket=conn.names.lease_bucket, key="synchronizer",
-                               holder=f"{self.me.id}#{self.me.incarnation}", ttl_s=self.lease_ttl_s)
+                               holder=f"{self.me.id}#{self.me.incarnation}", ttl_s=self.lease_ttl_s,
+                               replicas=self.cfg.nats.replicas)
             self._connected_since = time.monotonic()
             self._reconnects_seen = conn.reconnects
             await subscribe_heartbeats(conn, self._on_heartbeat)

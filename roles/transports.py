@@ -20,7 +20,8 @@ def make_pull_transport(cfg: JobConfig, conn) -> PullTransport:
         from bus.weights.object_store import ObjectStoreTransport
 
         # The trainer prunes to `trainer.keep_versions` after each publish.
-        return ObjectStoreTransport(conn.nc, cfg.job, storage=cfg.transport.object_store_storage)
+        return ObjectStoreTransport(conn.nc, cfg.job, storage=cfg.transport.object_store_storage,
+                                    replicas=cfg.nats.replicas, reconnected=conn.reconnect_signal)
     if method is SyncMethod.CHECKPOINT:
         from bus.weights.checkpoint import CheckpointTransport
 

@@ -153,8 +153,8 @@ async def _supervise(cfg: JobConfig, server: NatsServer, config_path: Path, run_
         async with connect(server.url, job=cfg.job, role="observer", member="up") as conn:
             from bus.streams import ensure_event_stream, ensure_experience_stream
 
-            await ensure_event_stream(conn.js, conn.names)
-            await ensure_experience_stream(conn.js, conn.names)
+            await ensure_event_stream(conn.js, conn.names, replicas=cfg.nats.replicas)
+            await ensure_experience_stream(conn.js, conn.names, replicas=cfg.nats.replicas)
             view = JobView(conn)
             await view.start(catch_up=False)
             if dashboard:

@@ -3,16 +3,22 @@
 Theory of operation
 -------------------
 - **Storage.** One stream per job (`JobNames.weights_stream`, subjects ``rft.<job>.w.>``, one message
-  per subject, direct get allowed), in server memory by default. Measured in one run (256 MiB, this
-  2-core host, `python -m benchmarks.weights`): memory fetch 3.93 GB/s / publish 3.85 GB/s, file
-  fetch 2.58 / publish 2.57; earlier runs 3.55 vs 1.92 (the file store re-reads and re-checksums
-  whole blocks per message). Versions are transient: each is
-  superseded at the next sync and the trainer, who holds the weights, republishes. After a server
-  restart the store is empty until that next publish, and explorers keep the weights they have
-  (`WeightsNotFound`), never wrong ones. The cost is K x model size of server RAM (K versions
-  kept by `prune`, 2 by default); pass
-  ``storage="file"`` where a late joiner must get weights right after a server restart, or the
-  server cannot spare the RAM. Version N is chunk messages ``rft.<job>.w.N.c.<i>`` (raw stream
+  per subject, direct get allowed, `replicas` copies on a cluster), in server memory or in files
+  (`storage`; a job's config defaults to file). Measured (256 MiB, this 2-core host, `python -m
+  benchmarks.weights`): memory fetch 3.93 GB/s / publish 3.85 GB/s, file fetch 2.58 / publish 2.57
+  in one run; on a loaded host at 64 MiB memory 0.21 vs file 0.15 GB/s median fetch (the file store
+  re-reads and re-checksums whole blocks per message). Versions are transient: each is superseded
+  at the next sync and the trainer, who holds the weights, republishes.
+- **Restarts.** Every publish, fetch and prune goes through `bus.retry`: timeouts, "no responders",
+  a dropped data connection and "no stream listens on this subject" are retried (publish for
+  `publish_retry_s`, 300 s; fetch and prune for `fetch_retry_s`, 60 s), and an attempt caught by an
+  outage starts again as soon as the connection is back (`reconnected`). File storage keeps every
+  version across a server restart. Memory storage loses them: the first publish after the restart
+  re-creates the stream (the trainer never fails for it), and a fetch of a version published
+  before the restart raises `WeightsNotFound` saying so; the explorer keeps the weights it has
+  until the next version (never wrong ones). Memory costs K x model size of server RAM (K versions
+  kept by `prune`, 2 by default).
+- **Layout.** Version N is chunk messages ``rft.<job>.w.N.c.<i>`` (raw stream
   bytes, see `format`) followed by the manifest ``rft.<job>.w.N.m`` (layout, chunk digests, root
   digest, stream sequences of the chunks). The manifest is published only after every chunk is
   acknowledged as stored, and readers look a version up *by its manifest*, so a partial upload is
@@ -45,7 +51,7 @@ import contextlib
 import json
 import socket
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Awaitable, Callable, Mapping
 
 import torch
 from nats.aio.client import Client
@@ -56,6 +62,8 @@ from nats.js.errors import NotFoundError
 
 from sync_protocol import SyncMethod
 
+from ..errors import BusClosed, RetriesExhausted
+from ..retry import is_transient, retry_transient
 from ..subjects import JobNames
 from .base import CorruptWeights, TransferError, WeightsNotFound, WeightsRef
 from .format import Destination, Manifest, SourceBytes, build_manifest, default_digest_algorithm, digest_bytes
@@ -72,9 +80,12 @@ class ObjectStoreTransport:
     """Publish / fetch weight versions through a per-job JetStream stream (see module docstring).
 
     `nc` is a connected nats-py client; the transport makes its own JetStream context and never
-    closes `nc`. `storage` is "memory" (default: 2x faster here) or "file" (survives a server
-    restart; see the module docstring). The publisher calls `prune` to bound storage; `timeout`
-    bounds every request and every wait for bytes.
+    closes `nc`. `storage` is "memory" (this class's default, used by tests and benchmarks; up
+    to ~1.4x faster here) or "file" (a job config's default: keeps versions across a server restart;
+    see the module docstring). The publisher calls `prune` to bound storage; `timeout` bounds every
+    wait for bulk bytes, `api_timeout` every control request.
+    `reconnected` (e.g. `BusConnection.reconnect_signal`) lets a publish or fetch caught by an
+    outage start again as soon as the connection is back, instead of after `api_timeout`.
     `data_connection=False` forces the nats-py path (slower; used where the plain data connection
     cannot be opened, and by tests to cover both paths).
     """
@@ -94,9 +105,17 @@ class ObjectStoreTransport:
         timeout: float = 30.0,
         data_connection: bool = True,
         algorithm: str | None = None,
+        publish_retry_s: float = 300.0,
+        fetch_retry_s: float = 60.0,
+        api_timeout: float = 5.0,
+        reconnected: Callable[[], Awaitable[Any]] | None = None,
     ):
         self._nc = nc
-        self._js = nc.jetstream(timeout=timeout)
+        # Control-plane requests (stream info, purge, manifest lookups) get a short timeout of their
+        # own: one in flight when the server dies is never answered, and the retry should come
+        # after seconds, not after the bulk-transfer `timeout`.
+        self._api_timeout = min(api_timeout, timeout)
+        self._js = nc.jetstream(timeout=self._api_timeout)
         self.names = JobNames(job)
         self._storage = StorageType(storage)
         self._replicas = replicas
@@ -106,6 +125,9 @@ class ObjectStoreTransport:
         self._timeout = timeout
         self._use_data_connection = data_connection
         self._algorithm = algorithm or default_digest_algorithm()
+        self._reconnected = reconnected
+        self._publish_retry_s = publish_retry_s
+        self._fetch_retry_s = fetch_retry_s
         self._stream_ready = False
         self._closed = False
 
@@ -128,6 +150,18 @@ class ObjectStoreTransport:
             raise ValueError(f"version must be an int >= 0 (the trainer step), got {version!r}")
         # Off the event loop: device tensors are copied to host memory here.
         source = await asyncio.to_thread(SourceBytes, tensors)
+
+        async def stream_lost(exc: BaseException) -> None:
+            # A restarted in-memory server lost the stream: look it up (and re-create it) again.
+            self._stream_ready = False
+
+        return await self._retrying(
+            lambda: self._publish_once(version, source), what=f"publish of version {version} to stream {self.stream}",
+            retry_for=self._publish_retry_s, before_retry=stream_lost,
+        )
+
+    async def _publish_once(self, version: int, source: SourceBytes) -> WeightsRef:
+        self._check_connected()
         await self._ensure_stream()
         # Leftovers of a crashed upload, or an older upload of the same version, must not mix in.
         await self._purge_version(version)
@@ -176,6 +210,13 @@ class ObjectStoreTransport:
         tensor you keep on its own, or the whole buffer stays alive with it.
         """
         self._check_open()
+        return await self._retrying(
+            lambda: self._fetch_once(ref, device), what=f"fetch of version {ref.version} from stream {self.stream}",
+            retry_for=self._fetch_retry_s,
+        )
+
+    async def _fetch_once(self, ref: WeightsRef, device: str | torch.device) -> dict[str, torch.Tensor]:
+        self._check_connected()
         manifest = await self._manifest(ref.version)
         if manifest is None:
             raise WeightsNotFound(
@@ -239,6 +280,10 @@ class ObjectStoreTransport:
         self._check_open()
         if keep < 0:
             raise ValueError(f"keep must be >= 0, got {keep}")
+        return await self._retrying(lambda: self._prune_once(keep), what=f"prune of stream {self.stream}",
+                                    retry_for=self._fetch_retry_s)
+
+    async def _prune_once(self, keep: int) -> list[int]:
         complete = await self.versions()
         doomed = complete[: max(len(complete) - keep, 0)]
         # A partial upload older than the newest complete version is a crashed publish: clean it.
@@ -264,6 +309,24 @@ class ObjectStoreTransport:
     @property
     def _direct_get_subject(self) -> str:
         return f"{_API}.DIRECT.GET.{self.stream}"
+
+    async def _retrying(self, call, *, what: str, retry_for: float, before_retry=None):
+        """`call()` through `bus.retry.retry_transient`: a server restart or a leader election costs
+        a stall, not the caller; a TransferError names the last failure if it lasts `retry_for` s."""
+        try:
+            return await retry_transient(
+                call, what=what, retry_for=retry_for, is_closed=lambda: self._nc.is_closed,
+                transient=lambda exc: isinstance(exc, _Transient) or is_transient(exc),
+                before_retry=before_retry, interrupt=self._reconnected,
+            )
+        except RetriesExhausted as exc:
+            raise TransferError(str(exc)) from exc.last
+        except BusClosed as exc:
+            raise TransferError(f"{what}: the NATS connection is closed") from exc
+
+    def _check_connected(self) -> None:
+        if not self._nc.is_connected:
+            raise _Transient("the NATS connection is reconnecting")
 
     def _check_open(self) -> None:
         if self._closed:
@@ -291,6 +354,8 @@ class ObjectStoreTransport:
             try:
                 await self._js.add_stream(config)
             except Exception as exc:  # noqa: BLE001 - re-raised as our typed error with the reason
+                if is_transient(exc):
+                    raise  # e.g. not enough cluster nodes up yet for the replicas: retried
                 raise TransferError(
                     f"could not create weights stream {self.stream}: {exc}; is JetStream enabled "
                     "on the server (nats-server -js)?"
@@ -324,13 +389,19 @@ class ObjectStoreTransport:
         """The stored manifest of `version` (verified against its own root digest), or None."""
         subject = self.names.weights_manifest(version)
         try:
-            msg = await self._nc.request(f"{self._direct_get_subject}.{subject}", b"", timeout=self._timeout)
+            msg = await self._nc.request(f"{self._direct_get_subject}.{subject}", b"", timeout=self._api_timeout)
         except NoRespondersError:
-            return None  # no stream yet: nothing was ever published for this job
+            # No stream answers: none was ever made (nothing published yet), a restarted in-memory
+            # server lost it, or a restarting server is still recovering it (then: retry).
+            try:
+                await self._js.stream_info(self.stream)
+            except NotFoundError:
+                return None
+            raise _StreamGone(f"stream {self.stream} exists but no server answers direct gets yet") from None
         except NatsTimeoutError:
-            raise TransferError(
-                f"no answer from {self._direct_get_subject} within {self._timeout} s looking up "
-                f"version {version}; is the server overloaded?"
+            raise _Transient(
+                f"no answer from {self._direct_get_subject} within {self._api_timeout} s looking up "
+                f"version {version}; is the server overloaded or restarting?"
             ) from None
         status = (msg.headers or {}).get("Status")
         if status == "404":
@@ -353,6 +424,8 @@ class ObjectStoreTransport:
         """Run `work` on a fresh data connection in a worker thread; cancellation aborts the socket."""
         endpoint = _data_endpoint(self._nc)
         if endpoint is None:
+            if not self._nc.is_connected:
+                raise _Transient("the NATS connection is reconnecting")
             raise _NoDataConnection("client options rule out a plain connection")
         host, port, auth = endpoint
         conn = _DataConnection(host, port, auth, timeout=self._timeout)
@@ -453,7 +526,7 @@ class ObjectStoreTransport:
         try:
             return await asyncio.wait_for(awaitable, self._timeout)
         except asyncio.TimeoutError:
-            raise TransferError(f"{what}: nothing for {self._timeout} s; is the server overloaded?") from None
+            raise _Transient(f"{what}: nothing for {self._timeout} s; is the server overloaded or restarting?") from None
 
 
 # shared fetch logic -------------------------------------------------------------------------------
@@ -537,7 +610,7 @@ class _ChunkPlan:
             self.outstanding -= 1
             return
         if status == "503":
-            raise TransferError(f"{self.where}: no responder for direct get (stream deleted?)")
+            raise _StreamGone(f"{self.where}: no responder for direct get (stream gone, or server restarting)")
         raise TransferError(f"{self.where}: direct get failed with status {status}: {dict(headers)}")
 
     def target(self, headers: Mapping[str, str], size: int) -> memoryview | None:
@@ -569,7 +642,7 @@ class _ChunkPlan:
 
 def _parse_ack(data: bytes, status: str | None, where: str, index: int) -> int:
     if status == "503":
-        raise TransferError(f"{where}: chunk {index}: no stream listens on its subject (deleted?)")
+        raise _StreamGone(f"{where}: chunk {index}: no stream listens on its subject (server restarted?)")
     try:
         ack = json.loads(data)
     except ValueError:
@@ -586,8 +659,18 @@ class _NoDataConnection(Exception):
     """A plain data connection cannot be used here; fall back to the nats-py client."""
 
 
-class _ConnectionLost(TransferError):
+class _Transient(TransferError):
+    """A failure a restarting server or an electing cluster causes; the whole publish / fetch is
+    tried again (`bus.retry`), and only if that keeps failing does the caller see a TransferError."""
+
+
+class _ConnectionLost(_Transient):
     """The server closed the data connection mid-transfer."""
+
+
+class _StreamGone(_Transient):
+    """No stream listens on the weights subjects: a restarted in-memory server lost it (publish
+    re-creates it), or a restarting server has not recovered it yet."""
 
 
 def _data_endpoint(nc: Client) -> tuple[str, int, dict[str, str]] | None:
@@ -643,7 +726,8 @@ class _DataConnection:
         try:
             sock = socket.create_connection(self._addr, timeout=self._timeout)
         except OSError as exc:
-            raise _NoDataConnection(f"cannot connect to {self._addr}: {exc}") from None
+            # Refused or timed out: the server is away (restarting), not unsuitable; retried.
+            raise _Transient(f"cannot open a data connection to {self._addr}: {exc}") from None
         self._sock = sock
         # Socket buffers are left to TCP autotuning: a fixed SO_RCVBUF turns it off and is capped
         # by net.core.rmem_max (208 KiB on many hosts); measured no better here at 4 MiB.
@@ -698,9 +782,9 @@ class _DataConnection:
                         views[0] = head[sent:]
                         sent = 0
         except socket.timeout:
-            raise TransferError(f"data connection to {self._addr}: send stalled for {self._timeout} s") from None
+            raise _Transient(f"data connection to {self._addr}: send stalled for {self._timeout} s") from None
         except OSError as exc:
-            raise TransferError(f"data connection to {self._addr} failed while sending: {exc}") from None
+            raise _Transient(f"data connection to {self._addr} failed while sending: {exc}") from None
 
     # reading --------------------------------------------------------------------------------------
 
@@ -708,11 +792,11 @@ class _DataConnection:
         try:
             got = self._sock.recv_into(view)
         except socket.timeout:
-            raise TransferError(
+            raise _Transient(
                 f"data connection to {self._addr}: no bytes for {self._timeout} s; is the server overloaded?"
             ) from None
         except OSError as exc:
-            raise TransferError(f"data connection to {self._addr} failed: {exc}") from None
+            raise _Transient(f"data connection to {self._addr} failed: {exc}") from None
         if not got:
             raise _ConnectionLost(
                 f"server {self._addr} closed the data connection (a slow consumer even with one "
