@@ -53,6 +53,7 @@ from .aio import raise_if_cancelling
 from .connection import BusConnection
 from .errors import BusClosed, BusError, PublishRejected
 from .logging import LogBudget
+from .streams import explain_refusal
 from .subjects import identity_problem
 
 __all__ = [
@@ -120,9 +121,13 @@ class EventPublisher:
         if msg_id is None:
             msg_id = self.next_msg_id()
         subject = self.conn.names.event(self.member.role, self.member.id, event.KIND)
-        ack = await self.conn.publish_acked(
-            subject, encode(event), msg_id=msg_id, ack_timeout=self.ack_timeout, retry_for=self.retry_for
-        )
+        payload = encode(event)
+        try:
+            ack = await self.conn.publish_acked(
+                subject, payload, msg_id=msg_id, ack_timeout=self.ack_timeout, retry_for=self.retry_for
+            )
+        except PublishRejected as exc:
+            raise explain_refusal(exc, self.conn.names.event_stream, len(payload)) from exc
         if ack.duplicate:
             self.conn.log.debug("bus.event_duplicate", subject=subject, msg_id=msg_id, seq=ack.seq)
         return ack.seq
@@ -175,6 +180,9 @@ class DecisionPublisher:
                 self.conn.log.info("bus.decision_superseded", subject=subject, msg_id=msg_id,
                                    expected_last_subject_seq=expected_last_subject_seq, reason=exc.description)
                 return None
+            refusal = explain_refusal(exc, self.conn.names.event_stream, 0)
+            if refusal is not exc:
+                raise refusal from exc
             raise
         if ack.duplicate:
             self.conn.log.info("bus.decision_duplicate", subject=subject, msg_id=msg_id, seq=ack.seq)

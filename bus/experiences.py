@@ -35,8 +35,9 @@ from sync_protocol import MemberRef
 
 from .aio import raise_if_cancelling
 from .connection import BusConnection
-from .errors import AckFailed, BusClosed, BusError, MalformedExperience
+from .errors import AckFailed, BusClosed, BusError, MalformedExperience, PublishRejected
 from .logging import LogBudget
+from .streams import explain_refusal
 
 __all__ = [
     "Experience",
@@ -282,9 +283,13 @@ class ExperiencePublisher:
         if batch.member != self.member:
             raise ValueError(f"batch of member {batch.member!r} given to the publisher of {self.member!r}")
         msg_id = experience_msg_id(self.member, batch.explore_step)
-        ack = await self.conn.publish_acked(
-            self.subject, encode_batch(batch), msg_id=msg_id, ack_timeout=self.ack_timeout, retry_for=self.retry_for
-        )
+        payload = encode_batch(batch)
+        try:
+            ack = await self.conn.publish_acked(
+                self.subject, payload, msg_id=msg_id, ack_timeout=self.ack_timeout, retry_for=self.retry_for
+            )
+        except PublishRejected as exc:
+            raise explain_refusal(exc, self.conn.names.experience_stream, len(payload)) from exc
         if ack.duplicate:
             self.conn.log.info("bus.experience_duplicate", subject=self.subject, msg_id=msg_id, seq=ack.seq)
         return ack.seq

@@ -312,6 +312,8 @@ class ObjectStoreTransport:
                 storage=self._storage,
                 num_replicas=self._replicas,
                 max_msgs_per_subject=1,  # a rewritten chunk replaces the old one (and implies direct get)
+                # Chunks and manifests are at most max_payload (publish checks): nothing bigger is ours.
+                max_msg_size=self._nc.max_payload,
                 allow_direct=True,
                 discard=DiscardPolicy.OLD,
                 description=f"rolectl weights of job {self.names.job} (object store transport)",
