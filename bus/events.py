@@ -12,6 +12,13 @@
   optionally stopping at the end that existed when reading began. It is an "ordered consumer" built
   on an ephemeral pull consumer: any gap in delivery (a lost pull response, a server restart that
   took the in-memory consumer with it) re-creates the consumer just after the last sequence seen.
+- **Verified identity.** A record counts only if its subject says what its payload says: an input
+  event on `rft.<job>.evt.<role>.<member>.<kind>` must name that role, member and kind; a decision
+  must be on `rft.<job>.sync.<its round>`. The reader rejects anything else before it reaches a
+  fold (`identity_problem`), counts it (`reader.rejected`) and logs it at a bounded rate; the same
+  holds for a heartbeat whose payload names another member than its subject. With per-member
+  publish permissions on the server (`rolectl auth init`), the subject is the credential, so a
+  member cannot speak for another.
 """
 
 from __future__ import annotations
@@ -45,6 +52,9 @@ from sync_protocol import (
 from .aio import raise_if_cancelling
 from .connection import BusConnection
 from .errors import BusClosed, BusError, DecisionSuperseded, PublishRejected
+from .logging import LogBudget
+from .streams import explain_refusal
+from .subjects import identity_problem
 
 __all__ = [
     "EventPublisher",
@@ -60,6 +70,7 @@ __all__ = [
     "read_events",
     "last_sequence",
     "decision_msg_id",
+    "identity_problem",
     "HEARTBEAT_SCHEMA",
 ]
 
@@ -110,9 +121,13 @@ class EventPublisher:
         if msg_id is None:
             msg_id = self.next_msg_id()
         subject = self.conn.names.event(self.member.role, self.member.id, event.KIND)
-        ack = await self.conn.publish_acked(
-            subject, encode(event), msg_id=msg_id, ack_timeout=self.ack_timeout, retry_for=self.retry_for
-        )
+        payload = encode(event)
+        try:
+            ack = await self.conn.publish_acked(
+                subject, payload, msg_id=msg_id, ack_timeout=self.ack_timeout, retry_for=self.retry_for
+            )
+        except PublishRejected as exc:
+            raise explain_refusal(exc, self.conn.names.event_stream, len(payload)) from exc
         if ack.duplicate:
             self.conn.log.debug("bus.event_duplicate", subject=subject, msg_id=msg_id, seq=ack.seq)
         return ack.seq
@@ -170,6 +185,9 @@ class DecisionPublisher:
                     f"{expected_last_subject_seq} ({exc.description})",
                     subject=subject, msg_id=msg_id, code=exc.code, err_code=exc.err_code,
                     description=exc.description) from exc
+            refusal = explain_refusal(exc, self.conn.names.event_stream, 0)
+            if refusal is not exc:
+                raise refusal from exc
             raise
         if ack.duplicate:
             self.conn.log.info("bus.decision_duplicate", subject=subject, msg_id=msg_id, seq=ack.seq)
@@ -269,21 +287,31 @@ async def publish_heartbeat(
 
 
 class HeartbeatSubscription:
-    """A live heartbeat subscription: `malformed` counts skipped messages; `aclose()` unsubscribes."""
+    """A live heartbeat subscription: `malformed` counts messages that did not decode, `forged`
+    those whose payload names another member than their subject; both are skipped and logged at a
+    bounded rate. `aclose()` unsubscribes."""
 
     def __init__(self, conn: BusConnection, callback: Callable[[Heartbeat], Any]):
         self.conn = conn
         self.callback = callback
         self.malformed = 0
+        self.forged = 0
         self.received = 0
         self._sub = None
+        self._malformed_log = LogBudget(conn.log, "bus.heartbeat_malformed")
+        self._forged_log = LogBudget(conn.log, "bus.heartbeat_forged")
 
     async def _on_msg(self, msg: Msg) -> None:
         try:
             hb = decode_heartbeat(msg.data)
         except DecodeError as exc:
             self.malformed += 1
-            self.conn.log.warning("bus.heartbeat_malformed", subject=msg.subject, reason=str(exc))
+            self._malformed_log.warn(subject=msg.subject, reason=str(exc))
+            return
+        if msg.subject != self.conn.names.heartbeat(hb.member.role, hb.member.id):
+            self.forged += 1
+            self._forged_log.warn(subject=msg.subject, claimed=str(hb.member),
+                                  reason="heartbeat payload names another member than its subject")
             return
         self.received += 1
         try:
@@ -357,8 +385,9 @@ def _start_time(value: _dt.datetime | int | float) -> _dt.datetime:
 class EventReader:
     """Async iterator of `Recorded` events and decisions, in stream order. See `read_events()`.
 
-    Attributes: `malformed` (messages skipped because they did not decode), `last_seq` (stream
-    sequence of the last message consumed, decoded or not).
+    Attributes: `malformed` (messages skipped because they did not decode), `rejected` (records
+    skipped because their subject does not vouch for their payload, see `identity_problem`),
+    `last_seq` (stream sequence of the last message consumed, decoded or not).
     """
 
     def __init__(
@@ -369,6 +398,7 @@ class EventReader:
         from_time: _dt.datetime | int | float | None = None,
         include_decisions: bool = True,
         stop_at_end: bool = False,
+        verify_identity: bool = True,
         batch: int = 256,
         poll_s: float = 5.0,
     ):
@@ -381,7 +411,12 @@ class EventReader:
         self.stop_at_end = stop_at_end
         self.batch = batch
         self.poll_s = poll_s
+        self.verify_identity = verify_identity
         self.malformed = 0
+        self.rejected = 0
+        self._malformed_log = LogBudget(conn.log, "bus.event_malformed")
+        self._rejected_log = LogBudget(conn.log, "bus.event_rejected")
+        self._skipped_in_a_row = 0
         self.last_seq = 0
         self.end_seq: int | None = None
         self._stream = conn.names.event_stream
@@ -549,9 +584,16 @@ class EventReader:
             event = decode(msg.data)
         except DecodeError as exc:
             self.malformed += 1
-            self.conn.log.warning("bus.event_malformed", subject=msg.subject, seq=d.stream_seq, reason=str(exc))
+            self._malformed_log.warn(subject=msg.subject, seq=d.stream_seq, reason=str(exc))
             return None
-        return Recorded(seq=d.stream_seq, time_ms=d.time_ns // 1_000_000, event=event)
+        if self.verify_identity:
+            problem = identity_problem(msg.subject, event)
+            if problem is not None:
+                self.rejected += 1
+                self._rejected_log.warn(subject=msg.subject, seq=d.stream_seq, reason=problem,
+                                        rejected_total=self.rejected)
+                return None
+        return Recorded(seq=d.stream_seq, time_ms=d.time_ns // 1_000_000, event=event, subject=msg.subject)
 
     # -- iteration -------------------------------------------------------------------------------
 
@@ -567,7 +609,12 @@ class EventReader:
             while self._buf and not self._done:
                 record = await self._accept(self._buf.popleft())
                 if record is not None:
+                    self._skipped_in_a_row = 0
                     return record
+                self._skipped_in_a_row += 1
+                if self._skipped_in_a_row % 64 == 0:
+                    # A run of junk must not hold the event loop: heartbeats share it.
+                    await asyncio.sleep(0)
             if self._done:
                 await self.aclose()
                 raise StopAsyncIteration
@@ -587,9 +634,14 @@ class EventReader:
         await self.aclose()
 
 
-async def read_all(conn: BusConnection) -> list[Recorded]:
-    """Every record of the job's stream, events and decisions, up to its end as of now."""
-    async with read_events(conn, from_seq=1, include_decisions=True, stop_at_end=True) as reader:
+async def read_all(conn: BusConnection, *, verify_identity: bool = True) -> list[Recorded]:
+    """Every record of the job's stream, events and decisions, up to its end as of now.
+
+    `verify_identity=False` keeps records whose subject does not vouch for their payload (an
+    export keeps the evidence; `rolectl replay --check` then names them).
+    """
+    async with read_events(conn, from_seq=1, include_decisions=True, stop_at_end=True,
+                           verify_identity=verify_identity) as reader:
         return [rec async for rec in reader]
 
 
@@ -600,6 +652,7 @@ def read_events(
     from_time: _dt.datetime | int | float | None = None,
     include_decisions: bool = True,
     stop_at_end: bool = False,
+    verify_identity: bool = True,
 ) -> EventReader:
     """Read the job's event stream as `Recorded(seq, time_ms, event)`, in order.
 
@@ -607,13 +660,16 @@ def read_events(
     (a datetime, or epoch milliseconds as in `Recorded.time_ms`), or at the beginning. With
     `include_decisions=False` only input events are read. With `stop_at_end=True` iteration ends
     after the last message that existed when reading began; otherwise it follows the stream live.
-    Malformed messages are logged, counted in `reader.malformed` and skipped.
+    Malformed messages are counted in `reader.malformed` and skipped; records whose subject does
+    not vouch for their payload (`identity_problem`) are counted in `reader.rejected` and skipped
+    unless `verify_identity=False`. Both are logged at a bounded rate (`bus.logging.LogBudget`).
+    Every record carries the subject it was recorded on.
 
     Use as `async with read_events(conn, ...) as reader: async for rec in reader: ...` so the
     server-side consumer is deleted when you stop early.
     """
-    return EventReader(conn, from_seq=from_seq, from_time=from_time,
-                       include_decisions=include_decisions, stop_at_end=stop_at_end)
+    return EventReader(conn, from_seq=from_seq, from_time=from_time, include_decisions=include_decisions,
+                       stop_at_end=stop_at_end, verify_identity=verify_identity)
 
 
 async def last_sequence(conn: BusConnection) -> int:

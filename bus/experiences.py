@@ -5,6 +5,12 @@ Wire format: a msgpack map with a schema version. Token ids travel as raw little
 and logprobs as little-endian float32 bytes (4 bytes a token instead of msgpack's up to 9, and no
 per-element decoding); no pickle anywhere. Logprobs are therefore rounded to float32 on the way.
 
+Validation: bytes from the wire reach the model only as a batch that decodes (`decode_batch`) *and*
+fits the trainer's engine (`validate_batch` with its `ExperienceLimits`: token ids in the vocabulary,
+the prompt length it trains on, response and logprob lengths that agree, finite rewards and logprobs,
+whole groups of `group_size`) and was published on its sender's own subject. The trainer's reader
+terminates anything else (`msg.term()`: never redelivered), counts it and names the sender.
+
 Delivery: at least once. A batch is stored once per (explorer, explore step) thanks to its msg id
 `exp/<member>/<explore_step>`; the trainer's durable consumer redelivers anything not acked within
 `ack_wait_s` (a trainer that died mid-step gets those batches again after it restarts).
@@ -13,6 +19,8 @@ Delivery: at least once. A batch is stored once per (explorer, explore step) tha
 from __future__ import annotations
 
 import asyncio
+import math
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,11 +35,15 @@ from sync_protocol import MemberRef
 
 from .aio import raise_if_cancelling
 from .connection import BusConnection
-from .errors import AckFailed, BusClosed, BusError, MalformedExperience
+from .errors import AckFailed, BusClosed, BusError, MalformedExperience, PublishRejected
+from .logging import LogBudget
+from .streams import explain_refusal
 
 __all__ = [
     "Experience",
     "ExperienceBatch",
+    "ExperienceLimits",
+    "validate_batch",
     "EXPERIENCE_SCHEMA",
     "encode_batch",
     "decode_batch",
@@ -66,6 +78,76 @@ class ExperienceBatch:
     explore_step: int
     model_version: int
     experiences: tuple[Experience, ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExperienceLimits:
+    """What a train engine can take (`TrainEngine.experience_limits`); `validate_batch` checks it.
+
+    `prompt_length` is the one prompt length the engine trains on (None: any); responses hold at
+    most `max_response_length` tokens, each in `response_tokens` when given (tokens the policy may
+    sample; another one has probability zero and an infinite loss); every group of a batch holds
+    exactly `group_size` responses (advantages are group-relative).
+    """
+
+    vocab_size: int
+    prompt_length: int | None
+    max_response_length: int
+    group_size: int
+    response_tokens: frozenset[int] | None = None
+
+
+def _finite(values: tuple[float, ...]) -> bool:
+    return all(math.isfinite(v) for v in values)
+
+
+def validate_batch(batch: ExperienceBatch, limits: ExperienceLimits) -> None:
+    """Raise `MalformedExperience` naming the batch, the experience and the rule it breaks, if
+    `batch` does not fit `limits`. A batch that passes cannot crash or poison the engine."""
+    where = f"experience batch {batch.member}/{batch.explore_step}"
+    if not batch.experiences:
+        raise MalformedExperience(f"{where}: holds no experience")
+    if batch.model_version < 0:
+        raise MalformedExperience(f"{where}: model_version {batch.model_version} < 0")
+    ids: set[str] = set()
+    for i, exp in enumerate(batch.experiences):
+        w = f"{where} experience {i} ({exp.id!r})"
+        if exp.id in ids:
+            raise MalformedExperience(f"{w}: id repeated within the batch")
+        ids.add(exp.id)
+        if exp.model_version < 0 or exp.model_version > batch.model_version:
+            raise MalformedExperience(f"{w}: model_version {exp.model_version} outside 0..{batch.model_version} "
+                                      "(the batch's version)")
+        if limits.prompt_length is not None and len(exp.prompt) != limits.prompt_length:
+            raise MalformedExperience(f"{w}: prompt has {len(exp.prompt)} tokens, the engine trains on "
+                                      f"{limits.prompt_length}")
+        if not exp.prompt:
+            raise MalformedExperience(f"{w}: empty prompt")
+        if len(exp.response) > limits.max_response_length:
+            raise MalformedExperience(f"{w}: response has {len(exp.response)} tokens, more than the "
+                                      f"engine's {limits.max_response_length}")
+        if len(exp.logprobs) != len(exp.response):
+            raise MalformedExperience(f"{w}: {len(exp.logprobs)} logprobs for {len(exp.response)} response tokens")
+        for part in ("prompt", "response"):
+            tokens = getattr(exp, part)
+            bad = [t for t in tokens if not 0 <= t < limits.vocab_size]
+            if bad:
+                raise MalformedExperience(f"{w}: {part} token {bad[0]} outside the vocabulary "
+                                          f"[0, {limits.vocab_size})")
+        if limits.response_tokens is not None:
+            bad = [t for t in exp.response if t not in limits.response_tokens]
+            if bad:
+                raise MalformedExperience(f"{w}: response token {bad[0]} is not one the policy samples")
+        if not math.isfinite(exp.reward):
+            raise MalformedExperience(f"{w}: reward {exp.reward} is not finite")
+        if not _finite(exp.logprobs):
+            raise MalformedExperience(f"{w}: a logprob is not finite")
+    sizes = Counter(exp.group for exp in batch.experiences)
+    wrong = {g: n for g, n in sizes.items() if n != limits.group_size}
+    if wrong:
+        group, n = next(iter(wrong.items()))
+        raise MalformedExperience(f"{where}: group {group!r} has {n} responses, the engine's group size is "
+                                  f"{limits.group_size}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -201,9 +283,13 @@ class ExperiencePublisher:
         if batch.member != self.member:
             raise ValueError(f"batch of member {batch.member!r} given to the publisher of {self.member!r}")
         msg_id = experience_msg_id(self.member, batch.explore_step)
-        ack = await self.conn.publish_acked(
-            self.subject, encode_batch(batch), msg_id=msg_id, ack_timeout=self.ack_timeout, retry_for=self.retry_for
-        )
+        payload = encode_batch(batch)
+        try:
+            ack = await self.conn.publish_acked(
+                self.subject, payload, msg_id=msg_id, ack_timeout=self.ack_timeout, retry_for=self.retry_for
+            )
+        except PublishRejected as exc:
+            raise explain_refusal(exc, self.conn.names.experience_stream, len(payload)) from exc
         if ack.duplicate:
             self.conn.log.info("bus.experience_duplicate", subject=self.subject, msg_id=msg_id, seq=ack.seq)
         return ack.seq
@@ -269,7 +355,9 @@ class ExperienceReader:
     (default 300 s: longer than a training step, short enough that a restarted trainer does not wait
     long for what its previous incarnation held). Call `in_progress()` on batches held longer.
     `max_ack_pending` bounds how many batches may be out unacked at once. `malformed` counts batches
-    that did not decode; they are logged and terminated (never redelivered).
+    that did not decode; with `limits`, `invalid` counts batches that decode but do not fit the
+    engine (`validate_batch`) or were sent on another member's subject. Both are terminated (never
+    redelivered) and logged, naming the sender, at a bounded rate; `rejected` is their sum.
     """
 
     def __init__(
@@ -280,15 +368,41 @@ class ExperienceReader:
         ack_wait_s: float = 300.0,
         max_ack_pending: int = 1024,
         ack_timeout: float = 5.0,
+        limits: ExperienceLimits | None = None,
     ):
         self.conn = conn
         self.durable = durable or conn.names.trainer_experience_durable
+        self.limits = limits
+        self.invalid = 0
+        self._rejected_log = LogBudget(conn.log, "bus.experience_rejected")
         self.ack_wait_s = ack_wait_s
         self.max_ack_pending = max_ack_pending
         self.ack_timeout = ack_timeout
         self.malformed = 0
         self._stream = conn.names.experience_stream
         self._sub = None
+
+    @property
+    def rejected(self) -> int:
+        """Batches refused so far (malformed or invalid): none of them reached the model."""
+        return self.malformed + self.invalid
+
+    def _problem(self, msg: Msg) -> tuple[ExperienceBatch | None, str | None, str | None]:
+        """(batch, None, None) for a good batch, else (None, which counter, why)."""
+        try:
+            batch = decode_batch(msg.data)
+        except MalformedExperience as exc:
+            return None, "malformed", str(exc)
+        if self.limits is None:
+            return batch, None, None
+        if msg.subject != self.conn.names.experiences(batch.member):
+            return None, "invalid", (f"batch claims to be from {batch.member!r} but was published on "
+                                     f"{msg.subject}")
+        try:
+            validate_batch(batch, self.limits)
+        except MalformedExperience as exc:
+            return None, "invalid", str(exc)
+        return batch, None, None
 
     async def _ensure(self) -> None:
         if self._sub is not None:
@@ -345,12 +459,12 @@ class ExperienceReader:
         out = []
         for msg in msgs:
             meta = msg.metadata
-            try:
-                batch = decode_batch(msg.data)
-            except MalformedExperience as exc:
-                self.malformed += 1
-                self.conn.log.warning("bus.experience_malformed", subject=msg.subject, seq=meta.sequence.stream,
-                                      reason=str(exc))
+            batch, counter, reason = self._problem(msg)
+            if batch is None:
+                setattr(self, counter, getattr(self, counter) + 1)
+                self._rejected_log.warn(sender=msg.subject.rsplit(".", 1)[-1], subject=msg.subject,
+                                        seq=meta.sequence.stream, what=counter, reason=reason,
+                                        rejected_total=self.rejected)
                 try:
                     await msg.term()
                 except nats.errors.Error:

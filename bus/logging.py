@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import logging as _stdlib_logging
 import sys
-from typing import Any, TextIO
+import time
+from typing import Any, Callable, TextIO
 
 import structlog
 
-__all__ = ["setup_logging", "get_logger", "bind_context", "clear_context"]
+__all__ = ["setup_logging", "get_logger", "bind_context", "clear_context", "LogBudget"]
 
 _LEVELS = {"debug": 10, "info": 20, "warning": 30, "warn": 30, "error": 40, "critical": 50}
 
@@ -68,3 +69,38 @@ def bind_context(**context: Any) -> None:
 def clear_context() -> None:
     """Forget everything `bind_context()` bound in this task."""
     structlog.contextvars.clear_contextvars()
+
+
+class LogBudget:
+    """Log the first `burst` occurrences of a warning in full, then at most one summary line per
+    `interval_s` (how many were left out, and the latest one's fields).
+
+    For warnings that a sender controls (malformed or forged records): a flood of junk must cost a
+    few log lines, not a log line per message (10,000 junk events once wrote a 10 MB log).
+    `clock` is injectable for tests (seconds, monotonic).
+    """
+
+    def __init__(self, log: Any, event: str, *, burst: int = 10, interval_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.log = log
+        self.event = event
+        self.burst = burst
+        self.interval_s = interval_s
+        self.clock = clock
+        self.count = 0  # every occurrence, logged or not
+        self.suppressed = 0  # left out since the last line
+        self._last_line = float("-inf")
+
+    def warn(self, **fields: Any) -> None:
+        self.count += 1
+        now = self.clock()
+        if self.count <= self.burst:
+            self._last_line = now
+            self.log.warning(self.event, **fields)
+            return
+        self.suppressed += 1
+        if now - self._last_line >= self.interval_s:
+            self.log.warning(f"{self.event}_suppressed", suppressed=self.suppressed, total=self.count,
+                             interval_s=self.interval_s, latest=fields)
+            self.suppressed = 0
+            self._last_line = now

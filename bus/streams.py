@@ -13,6 +13,21 @@
 Both use file storage and `replicas` copies (1 by default; 3 on a 3-node cluster, so losing a node
 loses nothing). An existing stream with at least the requested replicas is accepted. Their duplicate windows make `Nats-Msg-Id` dedup work: events are retried
 within seconds (120 s window); a restarted explorer may re-publish a step minutes later (1 h window).
+
+**Bounded.** Anyone who may publish on a job's subjects could otherwise fill the server's disk. Both
+streams cap the size of one message (`max_msg_size`) and their total (`max_bytes`), and refuse
+what does not fit (`DiscardPolicy.NEW`): history is never dropped silently to make room, and a full
+stream is a clear error (`StreamFull`, saying how to raise the limit) instead. The defaults are sized
+from measured bytes per step (`python -m benchmarks.stream_bytes`, quickstart: 2 explorers, 50
+steps): 4,783 event bytes (14.4 events) per trainer step, the largest event 475 bytes, one explorer
+batch (32 tasks x 16 responses) 83,167 bytes. So 64 KiB per event is 100x the largest; 64 MiB of
+events is ~14,000 quickstart steps (a 64-explorer job, ~1.6 KB per explorer step, ~650 steps); 8 MiB
+per batch is 100x the quickstart's, and 64 MiB of experiences is ~800 quickstart batches waiting for
+the trainer. Why not more: the server *reserves* every stream's max_bytes against its JetStream
+store (`max_file_store`, by default 75 % of the free disk) when the stream is created, so one server
+holds only so many jobs' worth of limits. Size a long or wide job's streams on the server before it
+starts (`nats stream add`/`edit`, or `ensure_event_stream(max_bytes=...)`): limits are checked on
+creation only, an existing stream's own limits are never taken for a mismatch.
 """
 
 from __future__ import annotations
@@ -23,7 +38,7 @@ import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig, StreamInfo
 
-from .errors import BusError, RetriesExhausted, StreamMismatch
+from .errors import BusError, PublishRejected, RetriesExhausted, StreamMismatch
 from .retry import describe, is_transient, retry_transient
 from .subjects import JobNames
 
@@ -34,12 +49,47 @@ __all__ = [
     "experience_stream_config",
     "DEFAULT_EVENT_MAX_AGE_S",
     "DEFAULT_EXPERIENCE_MAX_AGE_S",
+    "DEFAULT_EVENT_MAX_MSG_SIZE",
+    "DEFAULT_EVENT_MAX_BYTES",
+    "DEFAULT_EXPERIENCE_MAX_MSG_SIZE",
+    "DEFAULT_EXPERIENCE_MAX_BYTES",
+    "StreamFull",
+    "explain_refusal",
 ]
 
 DEFAULT_EVENT_MAX_AGE_S = 7 * 24 * 3600.0
 DEFAULT_EXPERIENCE_MAX_AGE_S = 7 * 24 * 3600.0
+DEFAULT_EVENT_MAX_MSG_SIZE = 64 * 1024
+DEFAULT_EVENT_MAX_BYTES = 64 * 1024**2
+DEFAULT_EXPERIENCE_MAX_MSG_SIZE = 8 * 1024**2
+DEFAULT_EXPERIENCE_MAX_BYTES = 64 * 1024**2
 _STREAM_EXISTS_ERR = 10058  # "stream name already in use with a different configuration"
 _REPLICAS_NOT_SUPPORTED_ERR = 10074  # "replicas > 1 not supported in non-clustered mode"
+_MAX_BYTES_EXCEEDED = 10077  # JSStreamStoreFailedF: "maximum bytes exceeded" (discard new)
+_MSG_TOO_BIG = 10054  # JSStreamMessageExceedsMaximumErr: "message size exceeds maximum allowed"
+
+
+class StreamFull(PublishRejected):
+    """A stream refused a message because it is at its `max_bytes` (or the message is over its
+    `max_msg_size`). Says which stream, which limit and how to raise it."""
+
+
+def explain_refusal(exc: PublishRejected, stream: str, payload_bytes: int) -> PublishRejected:
+    """`exc` rephrased as a `StreamFull` when a stream limit refused the message, else `exc`."""
+    description = (exc.description or "").lower()
+    if exc.err_code == _MAX_BYTES_EXCEEDED or "maximum bytes" in description:
+        what = (f"stream {stream} is full: it holds its max_bytes limit and refuses new messages rather "
+                "than drop recorded ones. Raise the limit on the server "
+                f"(`nats stream edit {stream} --max-bytes <bytes>`; rolectl's default is sized in "
+                "bus/streams.py from measured bytes per step), or find who fills it (`rolectl replay`)")
+    elif exc.err_code == _MSG_TOO_BIG or "message size exceeds" in description:
+        what = (f"a {payload_bytes}-byte message is over stream {stream}'s max_msg_size; send smaller "
+                f"messages or raise it (`nats stream edit {stream} --max-msg-size <bytes>`)")
+    else:
+        return exc
+    return StreamFull(f"{what} (on {exc.subject}: {exc.description}, err_code {exc.err_code})",
+                      subject=exc.subject, msg_id=exc.msg_id, code=exc.code, err_code=exc.err_code,
+                      description=exc.description)
 
 
 def event_stream_config(
@@ -48,6 +98,8 @@ def event_stream_config(
     max_age_s: float = DEFAULT_EVENT_MAX_AGE_S,
     duplicate_window_s: float = 120.0,
     replicas: int = 1,
+    max_msg_size: int = DEFAULT_EVENT_MAX_MSG_SIZE,
+    max_bytes: int = DEFAULT_EVENT_MAX_BYTES,
 ) -> StreamConfig:
     """The event stream's configuration (what `ensure_event_stream` creates or expects)."""
     return StreamConfig(
@@ -56,7 +108,9 @@ def event_stream_config(
         subjects=list(names.event_stream_subjects),
         retention=RetentionPolicy.LIMITS,
         storage=StorageType.FILE,
-        discard=DiscardPolicy.OLD,
+        discard=DiscardPolicy.NEW,  # full: refuse, never drop history
+        max_msg_size=max_msg_size,
+        max_bytes=max_bytes,
         max_age=max_age_s,
         duplicate_window=duplicate_window_s,
         num_replicas=replicas,
@@ -68,8 +122,9 @@ def experience_stream_config(
     *,
     max_age_s: float = DEFAULT_EXPERIENCE_MAX_AGE_S,
     duplicate_window_s: float = 3600.0,
-    max_bytes: int = -1,
+    max_bytes: int = DEFAULT_EXPERIENCE_MAX_BYTES,
     replicas: int = 1,
+    max_msg_size: int = DEFAULT_EXPERIENCE_MAX_MSG_SIZE,
 ) -> StreamConfig:
     """The experience stream's configuration (what `ensure_experience_stream` creates or expects)."""
     return StreamConfig(
@@ -78,9 +133,10 @@ def experience_stream_config(
         subjects=[names.all_experiences],
         retention=RetentionPolicy.WORK_QUEUE,
         storage=StorageType.FILE,
-        discard=DiscardPolicy.OLD,
+        discard=DiscardPolicy.NEW,  # full: the explorer is told, no unread rollout is dropped
         max_age=max_age_s,
         max_bytes=max_bytes,
+        max_msg_size=max_msg_size,
         duplicate_window=duplicate_window_s,
         num_replicas=replicas,
     )
@@ -93,10 +149,13 @@ async def ensure_event_stream(
     max_age_s: float = DEFAULT_EVENT_MAX_AGE_S,
     duplicate_window_s: float = 120.0,
     replicas: int = 1,
+    max_msg_size: int = DEFAULT_EVENT_MAX_MSG_SIZE,
+    max_bytes: int = DEFAULT_EVENT_MAX_BYTES,
 ) -> StreamInfo:
     """Create the job's event stream, or check the existing one matches (`StreamMismatch` if not)."""
     config = event_stream_config(
-        names, max_age_s=max_age_s, duplicate_window_s=duplicate_window_s, replicas=replicas
+        names, max_age_s=max_age_s, duplicate_window_s=duplicate_window_s, replicas=replicas,
+        max_msg_size=max_msg_size, max_bytes=max_bytes,
     )
     return await _ensure(js, config)
 
@@ -107,8 +166,9 @@ async def ensure_experience_stream(
     *,
     max_age_s: float = DEFAULT_EXPERIENCE_MAX_AGE_S,
     duplicate_window_s: float = 3600.0,
-    max_bytes: int = -1,
+    max_bytes: int = DEFAULT_EXPERIENCE_MAX_BYTES,
     replicas: int = 1,
+    max_msg_size: int = DEFAULT_EXPERIENCE_MAX_MSG_SIZE,
 ) -> StreamInfo:
     """Create the job's experience stream, or check the existing one matches (`StreamMismatch` if not)."""
     config = experience_stream_config(
@@ -117,6 +177,7 @@ async def ensure_experience_stream(
         duplicate_window_s=duplicate_window_s,
         max_bytes=max_bytes,
         replicas=replicas,
+        max_msg_size=max_msg_size,
     )
     return await _ensure(js, config)
 
@@ -186,8 +247,7 @@ def _differences(want: StreamConfig, got: StreamConfig) -> list[tuple[str, objec
         a, b = float(getattr(want, name) or 0), float(getattr(got, name) or 0)
         if not math.isclose(a, b, rel_tol=0, abs_tol=1e-3):
             out.append((f"{name} (s)", a, b))
-    if want.max_bytes is not None and (want.max_bytes or -1) != (got.max_bytes or -1):
-        out.append(("max_bytes", want.max_bytes, got.max_bytes))
+    # max_bytes / max_msg_size are not compared: the operator may size a stream otherwise.
     # More replicas than asked for is more safety, not a mismatch (an operator may pre-create R3).
     if (got.num_replicas or 1) < (want.num_replicas or 1):
         out.append(("num_replicas (at least)", want.num_replicas or 1, got.num_replicas or 1))

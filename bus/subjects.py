@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import re
 
-from sync_protocol import Role
+from sync_protocol import Decision, Event, Role
 
 __all__ = [
     "check_name",
+    "identity_problem",
     "JobNames",
 ]
 
@@ -113,3 +114,31 @@ class JobNames:
     @property
     def all_weights(self) -> str:
         return f"{self.prefix}.w.>"
+
+
+def identity_problem(subject: str, event: Event | Decision) -> str | None:
+    """Why `event` may not be recorded on `subject`, or None when the subject vouches for it.
+
+    Inputs belong on `rft.<job>.evt.<role>.<member>.<kind>` naming the payload's member role, id
+    and kind; decisions on `rft.<job>.sync.<round>` naming the payload's round. (Job and member
+    names are single NATS tokens, so splitting on dots is exact.)
+    """
+    tokens = subject.split(".")
+    where = tokens[2] if len(tokens) > 2 and tokens[0] == "rft" else None
+    if isinstance(event, Decision):
+        if where != "sync":
+            return f"decision {event.KIND} published on {subject}, outside the job's .sync. subjects"
+        if len(tokens) != 4 or tokens[3] != str(event.round):
+            return f"decision {event.KIND} for round {event.round} published on {subject}"
+        return None
+    if where != "evt":
+        return f"input event {event.KIND} published on {subject}, not on an .evt. subject"
+    if len(tokens) != 6:
+        return f"input event {event.KIND} on malformed subject {subject}"
+    role, member, kind = tokens[3:6]
+    claimed = event.member
+    if (role, member) != (claimed.role.value, claimed.id):
+        return f"{event.KIND} claims to be from {claimed.key} but was published on {subject}"
+    if kind != event.KIND:
+        return f"{event.KIND} published on {subject}, the subject of kind {kind!r}"
+    return None

@@ -7,12 +7,16 @@ File formats (`export_job` writes, `load_export` reads; the suffix picks):
   is `sync_protocol.to_plain(event)`;
 - ``.msgpack``: a stream of msgpack maps with the same keys.
 
-``subject`` is optional on reading (older exports and `rolectl up` may omit it).
+``subject`` is the subject the stream recorded the message on (not one derived from its payload:
+the subject is the evidence of who published it). It is optional on reading (older exports).
 
 `check_decisions` is the strongest test of the core: the synchronizer is stateless, so its decisions
 must be a pure function of the inputs before them. It folds the recorded inputs with the reducer
 (skipping illegal ones as the synchronizer does), lines the recomputed decisions up with the recorded
-ones by identity (kind, round, cause_seq, released member) and reports the first difference.
+ones by identity (kind, round, cause_seq, released member) and reports the first difference. A record
+whose subject does not vouch for its payload (`bus.subjects.identity_problem`: a member speaking for
+another, a decision outside `.sync.`) is a failure too, named by its sequence; it is left out of the
+fold, as the live reader leaves it out.
 """
 
 from __future__ import annotations
@@ -76,7 +80,10 @@ def _suffix(path: Path) -> str:
 
 
 def _subject(job: str | None, rec: Recorded) -> str | None:
-    # Records from `read_events` carry no subject; it is a pure function of the event and the job.
+    # The recorded subject when the reader gave one; else (records built in memory) the subject the
+    # event belongs on, a pure function of the event and the job.
+    if rec.subject is not None:
+        return rec.subject
     if job is None:
         return None
     from bus.subjects import JobNames
@@ -130,7 +137,8 @@ async def read_job(job: str, nats: str, *, connect_timeout: float = 5.0) -> list
     async with connect(nats, job=job, role="observer", member=f"export-{os.getpid()}",
                        connect_timeout=connect_timeout) as conn:
         await last_sequence(conn)  # a clear error when the job has no stream
-        return await read_all(conn)
+        # Forged records are kept, with their real subject: they are evidence, and --check names them.
+        return await read_all(conn, verify_identity=False)
 
 
 async def export_job(job: str, nats: str, path: Path) -> int:
@@ -161,7 +169,10 @@ def _record(row: Any, where: str) -> Recorded:
         event = from_plain(row["event"])
     except DecodeError as exc:
         raise ExportError(f"{where} (seq {row['seq']}): bad event: {exc}") from None
-    return Recorded(seq=row["seq"], time_ms=row["time_ms"], event=event)
+    subject = row.get("subject")
+    if subject is not None and not isinstance(subject, str):
+        raise ExportError(f"{where} (seq {row['seq']}): subject must be a string, got {subject!r}")
+    return Recorded(seq=row["seq"], time_ms=row["time_ms"], event=event, subject=subject)
 
 
 def load_export(path: str | Path) -> list[Recorded]:
@@ -302,7 +313,8 @@ class Mismatch:
 
     `kind`: "field" (same decision, a field differs), "unexpected" (recorded, never recomputed),
     "missing" (recomputed, never recorded), "order" (both exist, recorded out of order),
-    "duplicate" (recorded twice). `seq` is the recorded stream sequence (for "missing": the seq of
+    "duplicate" (recorded twice), "subject" (a record whose subject does not vouch for its payload;
+    `recorded` says why). `seq` is the recorded stream sequence (for "missing": the seq of
     the input that causes it). `warning` is True for a decision the recording was plausibly cut
     before (caused by one of the last inputs, no later decision recorded): not a failure.
     """
@@ -319,6 +331,8 @@ class Mismatch:
         kind, rnd, cause, released = self.identity
         who = f" for {released}" if released else ""
         name = f"{kind} of round {rnd}{who} (caused by seq {cause})"
+        if self.kind == "subject":
+            return f"seq {self.seq}: {self.recorded} (a forged or misplaced record; readers reject it)"
         if self.kind == "field":
             return (f"seq {self.seq}: {name}: field {self.field!r} recorded {self.recorded!r} "
                     f"but the reducer computes {self.recomputed!r}")
@@ -363,7 +377,8 @@ def job_outcome(records: list[Recorded], start: State | None = None) -> JobOutco
     """Fold the records (as the synchronizer does; from snapshot `start` if given) and say how the
     job stands or ended."""
     state = start or State.initial()
-    for rec in sorted(records, key=lambda r: r.seq):
+    verified, _ = _verified(sorted(records, key=lambda r: r.seq))  # a forged "finished" counts for nothing
+    for rec in verified:
         state, _, _ = reduce_lenient(state, rec)
     trainer = state.trainer_state
     if trainer is None:
@@ -385,6 +400,12 @@ def check_decisions(records: list[Recorded], start: State | None = None) -> list
     Returns the mismatches (and warnings) sorted by stream sequence; empty when all agree.
     """
     records = sorted(records, key=lambda r: r.seq)
+    out: list[Mismatch] = []
+    records, forged = _verified(records)
+    for rec, problem in forged:
+        ev = rec.event
+        out.append(Mismatch("subject", rec.seq, (ev.KIND, getattr(ev, "round", None) or 0, rec.seq, ""),
+                            recorded=problem))
     if start is not None:
         records = [r for r in records if r.seq > start.last_seq and not (
             isinstance(r.event, Decision) and r.event.cause_seq <= start.last_seq)]
@@ -400,7 +421,6 @@ def check_decisions(records: list[Recorded], start: State | None = None) -> list
     index = {}
     for i, d in enumerate(computed):
         index.setdefault(decision_identity(d), i)
-    out: list[Mismatch] = []
     seen: dict[tuple, int] = {}
     matched: list[tuple[int, int]] = []  # (recorded seq, computed index), in recorded order
     for seq, d in recorded:
@@ -435,6 +455,20 @@ def check_decisions(records: list[Recorded], start: State | None = None) -> list
         out.append(Mismatch("missing", d.cause_seq, ident, recomputed=to_plain(d), warning=cut_off))
     out.sort(key=lambda m: (m.seq, m.warning))
     return out
+
+
+def _verified(records: list[Recorded]) -> tuple[list[Recorded], list[tuple[Recorded, str]]]:
+    """The records the live reader would fold, and the rejected ones with the reason."""
+    from bus.subjects import identity_problem
+
+    kept, forged = [], []
+    for rec in records:
+        problem = identity_problem(rec.subject, rec.event) if rec.subject is not None else None
+        if problem is None:
+            kept.append(rec)
+        else:
+            forged.append((rec, problem))
+    return kept, forged
 
 
 # --------------------------------------------------------------------------------------------------
@@ -485,7 +519,7 @@ def run_replay(*, job: str | None, nats: str, file: str | Path | None, until: st
         err.print(f"rolectl replay: {exc}", style="red", highlight=False, markup=False, soft_wrap=True)
         return 2
     records = cut(records, moment)
-    timeline = build_timeline(records)
+    timeline = build_timeline(_verified(records)[0])  # the state members saw: forged records left out
     timeline["until"] = until
     timeline["source"] = str(file) if file is not None else f"job {job} on {nats}"
     mismatches = check_decisions(records, start) if check else []

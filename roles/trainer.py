@@ -68,6 +68,9 @@ class Trainer:
         # checkpoint that covers all its experiences, so a restart neither loses nor repeats any.
         self.held: dict[int, object] = {}
         self.leftover: list = []  # (seq, index, experience) fetched but not yet trained on
+        # (seq, index, experience) of the step being trained: not trained until train_step returns,
+        # so a save after a failed step (the final save in _cleanup) must not ack them.
+        self.in_step: list = []
         # Seqs a checkpoint marked trained whose ack is not confirmed (lost in a crash or refused):
         # if one comes back it is acked, not trained again. Kept across saves until seen.
         self.acked_at_save: set[int] = set()
@@ -77,6 +80,9 @@ class Trainer:
         self.answered_rounds: set[int] = set()
         self.end_reason = ""
         self._why_no_more = ""
+        # Versions the stream announced (ours, and the latest at start): prune keeps the newest of
+        # these and nothing else, so junk with a high version number never pushes them out.
+        self.announced_versions: set[int] = set()
         self._last_extend = 0.0
         # Ack subjects of the batches we hold, on disk: a restart naks them so the stream hands
         # them out at once (the server would otherwise keep them for ack_wait_s).
@@ -104,6 +110,8 @@ class Trainer:
             self.log = session.log
             await session.view.start()
             latest = session.view.state.latest
+            if latest.version > 0:
+                self.announced_versions.add(latest.version)
             previous = session.view.member(Role.TRAINER, self.member_id)
             reported_step = previous.step if previous is not None else 0
             if latest.version > self.version and latest.step == self.engine.step:
@@ -127,7 +135,9 @@ class Trainer:
                 self.transport = await make_rendezvous_transport(self.cfg, session)
             else:
                 self.transport = make_pull_transport(self.cfg, session.conn)
-            self.reader = ExperienceReader(session.conn, ack_wait_s=self.cfg.buffer.ack_wait_s)
+            # Batches that do not fit the engine are refused (terminated, counted) before training.
+            self.reader = ExperienceReader(session.conn, ack_wait_s=self.cfg.buffer.ack_wait_s,
+                                           limits=self.engine.experience_limits)
             await self._give_back_predecessors_batches()
             await session.join(step=self.engine.step, version=self.version)
             self.log.info("trainer_ready", step=self.engine.step, version=self.version,
@@ -180,6 +190,8 @@ class Trainer:
                                reason=self._why_no_more)
                 break
             metrics = await asyncio.to_thread(self.engine.train_step, batch, current_version=self.version)
+            self.in_step = []  # trained: the next save may ack them
+            self._guard_metrics(metrics)
             self.s.step = self.engine.step
             metrics["dropped_stale_total"] = float(self.dropped_stale)
             metrics["mean_staleness"] = (
@@ -193,6 +205,13 @@ class Trainer:
             await self._step_finished(metrics)
             if await self.need_sync():
                 await self.sync_weight()
+
+    def _guard_metrics(self, metrics: dict) -> None:
+        """Count what never reached the model: refused batches, skipped non-finite updates."""
+        metrics["experiences_rejected"] = float(self.reader.rejected)
+        if metrics.get("updates_skipped_nonfinite"):
+            self.log.warning("nonfinite_update_skipped", step=self.engine.step,
+                             updates=int(metrics["updates_skipped_nonfinite"]))
 
     async def _step_finished(self, metrics: dict) -> None:
         await self.s.publish(StepFinished(member=self.s.me, step=self.engine.step,
@@ -226,10 +245,12 @@ class Trainer:
             self._record_held()
             if not received and self._explorers_done():
                 # Nobody will produce more: train on what is left, or stop.
+                self.in_step = batch
                 return [exp for _, _, exp in batch] or None
             await self._extend_held()
         self.leftover = batch[self.experiences_per_step:]
-        return [exp for _, _, exp in batch[: self.experiences_per_step]]
+        self.in_step = batch[: self.experiences_per_step]
+        return [exp for _, _, exp in self.in_step]
 
     async def _extend_held(self) -> None:
         """Tell the server we still work on the held messages (so they are not redelivered),
@@ -302,7 +323,9 @@ class Trainer:
                                                   nbytes=ref.nbytes, digest=ref.digest))
             self.version = step
             self.s.version = step
-            pruned = await self.transport.prune(self.cfg.trainer.keep_versions)
+            self.announced_versions.add(step)
+            pruned = await self.transport.prune(self.cfg.trainer.keep_versions,
+                                                announced=self.announced_versions)
             self.log.info("version_published", version=step, nbytes=ref.nbytes,
                           seconds=round(time.monotonic() - started, 3), pruned=pruned)
         self.last_sync_step = step
@@ -361,7 +384,7 @@ class Trainer:
         # Messages of an earlier checkpoint not redelivered since the restart keep their record,
         # or a save before their redelivery would have them trained again in full.
         partial: dict[int, list[int]] = {seq: sorted(idx) for seq, idx in self.partial.items()}
-        for seq, index, _ in self.leftover:
+        for seq, index, _ in self.leftover + self.in_step:  # fetched, not trained: not acked
             partial.setdefault(seq, []).append(index)
         done = [msg for seq, msg in self.held.items() if seq not in partial]
         state = {"checkpoint": name, "step": step, "last_sync_step": self.last_sync_step,

@@ -481,11 +481,16 @@ AnyEvent = Union[Event, Decision]
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Recorded:
-    """An event as the stream recorded it: its sequence number and the server's timestamp (ms)."""
+    """An event as the stream recorded it: its sequence number and the server's timestamp (ms).
+
+    `subject` is the subject it was recorded on, where the reader knows it (the bus reader and
+    exports do); it is evidence about the record, not part of its meaning, so equality ignores it.
+    """
 
     seq: int
     time_ms: int
     event: Event | Decision
+    subject: str | None = field(default=None, compare=False)
 
 
 def decision_identity(decision: Decision) -> tuple[str, int, int, str]:

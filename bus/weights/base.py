@@ -14,7 +14,7 @@ rendezvous transports check tensor names/dtypes/shapes against the sender's head
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Protocol, runtime_checkable
+from typing import Iterable, Mapping, Protocol, runtime_checkable
 
 import torch
 
@@ -69,8 +69,10 @@ class PullTransport(Protocol):
     async def fetch(self, ref: WeightsRef, *, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
         """Fetch `ref` into freshly allocated tensors, verifying the digest before returning."""
 
-    async def prune(self, keep: int) -> list[int]:
-        """Delete all but the newest `keep` versions; return the deleted versions."""
+    async def prune(self, keep: int, *, announced: Iterable[int] | None = None) -> list[int]:
+        """Delete all but the newest `keep` versions; return the deleted versions. With `announced`
+        (the versions the event stream announced) keep the newest `keep` of those and delete any
+        other stored version, so junk with a high version number never pushes real ones out."""
 
     async def aclose(self) -> None:
         """Release resources; safe to call twice."""

@@ -28,7 +28,7 @@ import re
 import secrets
 import struct
 from pathlib import Path
-from typing import Mapping
+from typing import Iterable, Mapping
 
 import torch
 
@@ -111,12 +111,19 @@ class CheckpointTransport:
         """Complete versions on disk, oldest first (temporary files are not versions)."""
         return sorted(v for v, _ in await asyncio.to_thread(self._scan, _FINAL))
 
-    async def prune(self, keep: int = 2) -> list[int]:
-        """Delete all but the newest `keep` versions, and temp files older than the newest version."""
+    async def prune(self, keep: int = 2, *, announced: Iterable[int] | None = None) -> list[int]:
+        """Delete all but the newest `keep` versions, and temp files older than the newest version.
+
+        With `announced` (the versions the event stream announced), keep the newest `keep` of those
+        and delete every other version file, whatever its number.
+        """
         self._check_open()
         if keep < 0:
             raise ValueError(f"keep must be >= 0, got {keep}")
-        return await asyncio.to_thread(self._prune, keep)
+        kept = None
+        if announced is not None:
+            kept = set(sorted(set(announced))[-keep:]) if keep else set()
+        return await asyncio.to_thread(self._prune, keep, kept)
 
     async def aclose(self) -> None:
         self._closed = True
@@ -258,9 +265,13 @@ class CheckpointTransport:
                 out.append((int(m.group(1)), self.root / name))
         return out
 
-    def _prune(self, keep: int) -> list[int]:
+    def _prune(self, keep: int, kept: set[int] | None = None) -> list[int]:
         complete = sorted(self._scan(_FINAL))
-        doomed = complete[: max(len(complete) - keep, 0)]
+        if kept is not None:
+            doomed = [(v, path) for v, path in complete if v not in kept]
+            complete = [(v, path) for v, path in complete if v in kept]
+        else:
+            doomed = complete[: max(len(complete) - keep, 0)]
         for _, path in doomed:
             path.unlink(missing_ok=True)
         newest = complete[-1][0] if complete else -1

@@ -23,6 +23,13 @@ Theory of operation
   digest, stream sequences of the chunks). The manifest is published only after every chunk is
   acknowledged as stored, and readers look a version up *by its manifest*, so a partial upload is
   never visible. Re-publishing a version first purges its subjects.
+- **Junk.** Anyone allowed to publish on ``rft.<job>.w.>`` can store junk there. A manifest that
+  does not parse (or is not for its subject's version, or fails its own root digest) is not a
+  version: `versions`/`latest` skip it and count it in `junk_manifests`. `prune(keep, announced=...)`
+  keeps only the newest `keep` of the versions announced in the event stream and removes everything
+  else, so junk with high version numbers never pushes real versions out. (Only server permissions,
+  see `rolectl auth init`, stop junk from *replacing* a stored manifest; a fetch then fails its
+  digest check and the explorer keeps its weights.)
 - **Publish.** Chunks are `nc.max_payload` bytes; many are in flight at once (`window_bytes`), acks
   are gathered as they come, never one round trip per chunk. Each chunk goes out as the tensors' own
   memory (scatter-gather `sendmsg`), hashed as it is sent.
@@ -51,7 +58,7 @@ import contextlib
 import json
 import socket
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any, Awaitable, Callable, Iterable, Mapping
 
 import torch
 from nats.aio.client import Client
@@ -130,6 +137,7 @@ class ObjectStoreTransport:
         self._fetch_retry_s = fetch_retry_s
         self._stream_ready = False
         self._closed = False
+        self.junk_manifests = 0  # manifests seen that are not versions (unparsable, mislabelled)
 
     # public API -----------------------------------------------------------------------------------
 
@@ -261,7 +269,7 @@ class ObjectStoreTransport:
         """The newest complete version (one whose manifest is stored), or None."""
         self._check_open()
         for version in reversed(await self.versions()):
-            manifest = await self._manifest(version)
+            manifest = await self._parsed_manifest(version)
             if manifest is not None:
                 return WeightsRef(
                     version=version,
@@ -272,18 +280,39 @@ class ObjectStoreTransport:
         return None
 
     async def versions(self) -> list[int]:
-        """Complete versions stored, oldest first (partial uploads have no manifest: not listed)."""
-        return sorted(await self._versions_of(self.names.all_weights_manifests))
+        """Complete versions stored, oldest first: those whose manifest parses and checks out
+        (partial uploads have no manifest, junk has no valid one: neither is listed)."""
+        out = []
+        for version in sorted(await self._versions_of(self.names.all_weights_manifests)):
+            if await self._parsed_manifest(version) is not None:
+                out.append(version)
+        return out
 
-    async def prune(self, keep: int = 2) -> list[int]:
-        """Delete all but the newest `keep` complete versions (and older partial uploads)."""
+    async def prune(self, keep: int = 2, *, announced: Iterable[int] | None = None) -> list[int]:
+        """Delete all but the newest `keep` versions; return the deleted ones, oldest first.
+
+        With `announced` (the versions the event stream announced; what the trainer passes), the
+        newest `keep` of them are kept and every other version in the stream is deleted: older
+        ones, crashed uploads and junk, whatever its version number. Call it only from the one
+        publisher, after announcing (an upload in progress would be deleted too). Without it, the
+        newest `keep` complete versions are kept (and older partial uploads deleted).
+        """
         self._check_open()
         if keep < 0:
             raise ValueError(f"keep must be >= 0, got {keep}")
-        return await self._retrying(lambda: self._prune_once(keep), what=f"prune of stream {self.stream}",
-                                    retry_for=self._fetch_retry_s)
+        announced = None if announced is None else list(announced)  # read once, retried maybe twice
+        return await self._retrying(lambda: self._prune_once(keep, announced),
+                                    what=f"prune of stream {self.stream}", retry_for=self._fetch_retry_s)
 
-    async def _prune_once(self, keep: int) -> list[int]:
+    async def _prune_once(self, keep: int, announced: Iterable[int] | None) -> list[int]:
+        if announced is not None:
+            kept = set(sorted(set(announced))[-keep:]) if keep else set()
+            stored = set(await self._versions_of(self.names.all_weights_manifests))
+            stored |= set(await self._versions_of(self.names.all_weights_first_chunks))
+            doomed = sorted(stored - kept)
+            for version in doomed:
+                await self._purge_version(version)
+            return doomed
         complete = await self.versions()
         doomed = complete[: max(len(complete) - keep, 0)]
         # A partial upload older than the newest complete version is a crashed publish: clean it.
@@ -347,6 +376,8 @@ class ObjectStoreTransport:
                 storage=self._storage,
                 num_replicas=self._replicas,
                 max_msgs_per_subject=1,  # a rewritten chunk replaces the old one (and implies direct get)
+                # Chunks and manifests are at most max_payload (publish checks): nothing bigger is ours.
+                max_msg_size=self._nc.max_payload,
                 allow_direct=True,
                 discard=DiscardPolicy.OLD,
                 description=f"rolectl weights of job {self.names.job} (object store transport)",
@@ -384,6 +415,14 @@ class ObjectStoreTransport:
             if token.isdigit():
                 out.append(int(token))
         return out
+
+    async def _parsed_manifest(self, version: int) -> Manifest | None:
+        """`_manifest(version)`, with junk (unparsable or mislabelled) counted and taken as absent."""
+        try:
+            return await self._manifest(version)
+        except CorruptWeights:
+            self.junk_manifests += 1
+            return None
 
     async def _manifest(self, version: int) -> Manifest | None:
         """The stored manifest of `version` (verified against its own root digest), or None."""

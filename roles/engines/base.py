@@ -20,7 +20,7 @@ from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
 from torch import Tensor
 
-from bus.experiences import Experience
+from bus.experiences import Experience, ExperienceLimits
 
 __all__ = ["Task", "TaskSet", "TrainEngine", "RolloutEngine", "WeightsMismatch"]
 
@@ -65,8 +65,15 @@ class TrainEngine(Protocol):
     group_size: int
     """Responses sampled per task; the trainer sizes its batches as tasks x group_size."""
 
+    experience_limits: ExperienceLimits
+    """What `train_step` can take (vocabulary, prompt and response lengths, group size): the trainer
+    refuses any batch from the wire that does not fit, before it reaches the engine."""
+
     def train_step(self, experiences: Sequence[Experience], *, current_version: int) -> dict[str, float]:
         """One optimizer step on `experiences`; returns metrics (at least `loss` and `reward_mean`).
+
+        An update whose loss or gradient is not finite is skipped (the weights stay as they were)
+        and counted in the metric `updates_skipped_nonfinite`; the step still counts.
 
         `current_version` is the version the trainer holds before this step; experiences tagged with
         older versions are off-policy by `current_version - model_version` steps.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from bus.experiences import Experience
+from bus.experiences import Experience, ExperienceLimits
 
 from .base import Task, WeightsMismatch
 from .grpo import clipped_policy_loss, group_advantages
@@ -149,6 +150,13 @@ class TinyTrainEngine:
         self.policy = config.build_policy()
         self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=config.lr)
         self.group_size = config.group_size
+        self.experience_limits = ExperienceLimits(
+            vocab_size=VOCAB_SIZE,
+            prompt_length=config.prompt_length,
+            max_response_length=config.max_response_length,
+            group_size=config.group_size,
+            response_tokens=frozenset(RESPONSE_TOKENS),
+        )
         self.step = 0
 
     def train_step(self, experiences: Sequence[Experience], *, current_version: int) -> dict[str, float]:
@@ -175,6 +183,7 @@ class TinyTrainEngine:
         group_order = list(dict.fromkeys(e.group for e in experiences))
         num_minibatches = min(self.config.minibatches, len(group_order))
         losses, grad_norms, all_stats = [], [], []
+        skipped = 0
         for minibatch in range(num_minibatches):
             # Whole groups per minibatch, so each minibatch is balanced around zero advantage.
             groups = set(group_order[minibatch::num_minibatches])
@@ -191,22 +200,28 @@ class TinyTrainEngine:
             )
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            grad_norms.append(
-                float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.config.max_grad_norm))
-            )
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.config.max_grad_norm))
+            if not (math.isfinite(float(loss.detach())) and math.isfinite(grad_norm)):
+                # One NaN/inf update would poison every later version (and the explorers sampling
+                # with it): drop this update, keep the weights and the optimizer state.
+                self.optimizer.zero_grad(set_to_none=True)
+                skipped += 1
+                continue
             self.optimizer.step()
+            grad_norms.append(grad_norm)
             losses.append(float(loss.detach()))
             all_stats.append(stats)
-        stats = {key: sum(s[key] for s in all_stats) / len(all_stats) for key in all_stats[0]}
+        stats = {key: sum(s[key] for s in all_stats) / len(all_stats) for key in all_stats[0]} if all_stats else {}
         self.step += 1
 
         staleness = [current_version - e.model_version for e in experiences]
         return {
-            "loss": sum(losses) / len(losses),
+            "loss": sum(losses) / len(losses) if losses else 0.0,
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std(correction=0)),
             "reward_max": float(rewards.max()),
-            "grad_norm": max(grad_norms),
+            "grad_norm": max(grad_norms, default=0.0),
+            "updates_skipped_nonfinite": float(skipped),
             "staleness_mean": sum(staleness) / len(staleness),
             "staleness_max": float(max(staleness)),
             "response_length_mean": float(mask.sum(dim=1).float().mean()),

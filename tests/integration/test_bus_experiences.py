@@ -167,3 +167,39 @@ async def test_garbage_on_the_experience_subject_is_terminated_and_counted(conn)
         await r.ack()
     info = await conn.js.stream_info(conn.names.experience_stream)
     assert info.state.messages == 0  # terminated garbage is not kept for redelivery
+
+
+async def test_batches_that_do_not_fit_the_engine_are_terminated_counted_and_name_the_sender(conn):
+    from bus.experiences import ExperienceLimits
+
+    limits = ExperienceLimits(vocab_size=200_000, prompt_length=4, max_response_length=3, group_size=2)
+
+    def good(step: int) -> ExperienceBatch:
+        batch = _batch(step)
+        return dataclass_replace(batch, experiences=tuple(dataclass_replace(e, response=(7, 8, 9))
+                                                          for e in batch.experiences))
+
+    pub = ExperiencePublisher(conn, "e0")
+    await pub.publish(good(1))
+    bad = good(2)
+    nan_reward = dataclass_replace(bad.experiences[0], reward=float("nan"))
+    await pub.publish(dataclass_replace(bad, experiences=(nan_reward, bad.experiences[1])))
+    # A batch of e0's published on e1's subject: schema-valid, but not e1's to send.
+    await conn.js.publish(conn.names.experiences("e1"), encode_batch(good(3)))
+    await pub.publish(good(4))
+
+    reader = ExperienceReader(conn, ack_wait_s=1.0, limits=limits)
+    got = await reader.fetch(10, timeout=5)
+
+    assert [r.batch.explore_step for r in got] == [1, 4]
+    assert (reader.invalid, reader.malformed, reader.rejected) == (2, 0, 2)
+    for r in got:
+        await r.ack()
+    info = await conn.js.stream_info(conn.names.experience_stream)
+    assert info.state.messages == 0  # terminated: never redelivered, never trained
+
+
+def dataclass_replace(obj, **changes):
+    import dataclasses
+
+    return dataclasses.replace(obj, **changes)

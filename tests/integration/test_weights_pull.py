@@ -430,3 +430,40 @@ async def test_fetch_to_cuda(transport):
     got = await transport.fetch(ref, device="cuda")
     assert all(t.device.type == "cuda" for t in got.values())
     assert_bit_exact(state, {k: v.cpu() for k, v in got.items()})
+
+
+# junk on the weight subjects ----------------------------------------------------------------------
+
+
+async def test_junk_manifests_are_never_versions_and_never_push_real_ones_out(nc, job_name, tmp_path):
+    t = make_transport("object_store", nc, job_name, tmp_path, chunk_size_os=256)
+    refs = {v: await t.publish(v, small_state(v)) for v in (1, 2, 3)}
+    js = nc.jetstream()
+    # Junk with high version numbers: not JSON, a JSON object that is no manifest, a valid
+    # manifest of version 2 filed under version 999999 (mislabelled), and a lone junk chunk.
+    await js.publish(t.names.weights_manifest(1_000_000), b"\xc1 junk", stream=t.stream)
+    await js.publish(t.names.weights_manifest(1_000_001), b'{"format": "rolectl-weights/1"}', stream=t.stream)
+    stored_2 = await nc.request(f"$JS.API.DIRECT.GET.{t.stream}.{t.names.weights_manifest(2)}", b"", timeout=5)
+    await js.publish(t.names.weights_manifest(999_999), stored_2.data, stream=t.stream)
+    await js.publish(t.names.weights_chunk(5_000_000, 0), b"\x00" * 256, stream=t.stream)
+
+    assert await t.versions() == [1, 2, 3]  # junk never counts as a version
+    assert (await t.latest()).version == 3
+    assert t.junk_manifests >= 3
+
+    # Pruning by the announced versions keeps the newest announced ones and removes all junk.
+    assert await t.prune(2, announced=[1, 2, 3]) == [1, 999_999, 1_000_000, 1_000_001, 5_000_000]
+    info = await js.stream_info(t.stream, subjects_filter=t.names.all_weights)
+    versions_left = {int(s.split(".")[3]) for s in info.state.subjects}
+    assert versions_left == {2, 3}
+    for v in (2, 3):
+        assert_bit_exact(small_state(v), await t.fetch(refs[v]))
+
+
+async def test_prune_by_announced_versions_on_a_checkpoint_directory(tmp_path):
+    t = CheckpointTransport(tmp_path, chunk_size=256, fsync=False)
+    for v in (1, 2, 3, 7):
+        await t.publish(v, small_state(v))
+    # 7 was never announced (a stray file): it neither counts among the kept nor survives.
+    assert await t.prune(2, announced=[1, 2, 3]) == [1, 7]
+    assert await t.versions() == [2, 3]
