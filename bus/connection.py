@@ -16,6 +16,7 @@ retries with the same `Nats-Msg-Id` so a retried publish is stored once.
 from __future__ import annotations
 
 import asyncio
+import collections
 import random
 import socket
 import time
@@ -32,6 +33,7 @@ from sync_protocol import Role
 
 from .errors import BusClosed, BusUnavailable, PublishFailed, PublishRejected
 from .logging import get_logger
+from .security import ClientSecurity, SecurityError, redact
 from .subjects import JobNames, check_name
 
 __all__ = ["BusConnection", "connect", "DEFAULT_CONNECT_TIMEOUT"]
@@ -65,7 +67,7 @@ def _describe(exc: BaseException | None) -> str:
         return f"host name not resolved ({exc})"
     if isinstance(exc, (asyncio.TimeoutError, nats.errors.TimeoutError)):
         return "timed out"
-    text = str(exc) or type(exc).__name__
+    text = redact(str(exc)) or type(exc).__name__
     return f"{type(exc).__name__}: {text}"
 
 
@@ -76,10 +78,13 @@ class BusConnection:
     call twice and under cancellation.
     """
 
-    def __init__(self, nc: NatsClient, *, url: str, names: JobNames, role: Role, member: str, log: Any):
+    def __init__(self, nc: NatsClient, *, url: str, names: JobNames, role: Role, member: str, log: Any,
+                 security: ClientSecurity | None = None):
         self.nc = nc
         self.js: JetStreamContext = nc.jetstream()
-        self.url = url
+        self.url = redact(url)  # for messages and logs: never the password
+        self.security = security or ClientSecurity()
+        self.permission_denials: collections.deque[str] = collections.deque(maxlen=32)
         self.names = names
         self.role = role
         self.member = member
@@ -126,14 +131,28 @@ class BusConnection:
 
     async def _on_reconnected(self) -> None:
         self.reconnects += 1
-        server = self.nc.connected_url.netloc if self.nc.connected_url else self.url
+        server = _host_port(self.nc) or self.url
         self.log.info("bus.reconnected", url=self.url, server=server, reconnects=self.reconnects)
         await self._set_up(True)
 
     async def _on_error(self, exc: Exception) -> None:
+        if "permissions violation" in str(exc).lower():
+            # The server refused something this identity may not do; the request itself only
+            # times out, so keep the server's words for the error that explains it.
+            self.permission_denials.append(str(exc))
+            self.log.warning("bus.permission_denied", identity=self.security.identity, error=str(exc))
+            return
         # While reconnecting every failed attempt lands here; that is expected noise, not a warning.
         level = self.log.debug if self.nc.is_reconnecting else self.log.warning
         level("bus.error", url=self.url, error=_describe(exc))
+
+    def denied(self, subject_prefix: str) -> str | None:
+        """The server's last permission-violation message about a subject starting with
+        `subject_prefix`, if any (nats-py reports them only to the error callback)."""
+        for text in reversed(self.permission_denials):
+            if subject_prefix in text:
+                return text
+        return None
 
     async def _on_closed(self) -> None:
         self.log.info("bus.closed", url=self.url)
@@ -266,11 +285,22 @@ class BusConnection:
 
 
 async def _open(
-    url: str, *, job: str, role: Role | str, member: str, connect_timeout: float
+    url: str, *, job: str, role: Role | str, member: str, connect_timeout: float,
+    security: ClientSecurity | None,
 ) -> BusConnection:
     names = JobNames(job)
     role = Role.parse(role)
     check_name(member, "member id")
+    # Explicit settings win; ROLECTL_NATS_* fill what they leave unset.
+    security = (security or ClientSecurity()).over(ClientSecurity.from_env())
+    shown = redact(url)
+    try:
+        security.check()
+        options = security.connect_options(names.job)
+    except (SecurityError, OSError, ValueError) as exc:  # ssl errors are OSErrors
+        raise BusUnavailable(
+            f"cannot connect to {shown} for job {names.job!r}: {exc}", url=shown, cause=exc
+        ) from exc
     log = get_logger("rolectl.bus", job=names.job, role=role.value, member=member)
     failures: list[BaseException] = []
     conn: BusConnection | None = None
@@ -314,6 +344,7 @@ async def _open(
                 reconnect_to_server_handler=_reconnect_choice,
                 connect_timeout=max(0.5, min(2.0, connect_timeout)),
                 drain_timeout=int(_DRAIN_TIMEOUT_S),
+                **options,
             ),
             connect_timeout,
         )
@@ -324,14 +355,13 @@ async def _open(
         await _discard(nc)
         cause = failures[-1] if failures else (None if isinstance(exc, asyncio.TimeoutError) else exc)
         raise BusUnavailable(
-            f"cannot reach a NATS server at {url} for job {names.job!r} within {connect_timeout:g} s: "
-            f"{_describe(cause)}. Start one with `rolectl server` (or `rolectl up`), or pass "
-            f"--nats URL pointing at a running nats-server with JetStream.",
-            url=url,
+            f"cannot reach a NATS server at {shown} for job {names.job!r} within {connect_timeout:g} s "
+            f"({security.describe()}): {_describe(cause)}. {_hint(cause)}",
+            url=shown,
             cause=cause,
-        ) from cause
+        ) from None
 
-    conn = BusConnection(nc, url=url, names=names, role=role, member=member, log=log)
+    conn = BusConnection(nc, url=url, names=names, role=role, member=member, log=log, security=security)
     # A server without JetStream accepts the connection but cannot hold any stream: say so now.
     remaining = max(0.5, connect_timeout - (time.monotonic() - started))
     try:
@@ -339,13 +369,31 @@ async def _open(
     except Exception as exc:
         await _discard(nc)
         raise BusUnavailable(
-            f"the NATS server at {url} answers but JetStream does not ({_describe(exc)}). "
-            f"Run nats-server with JetStream enabled (`-js`), e.g. `rolectl server`.",
-            url=url,
+            f"the NATS server at {shown} answers but JetStream does not ({_describe(exc)}). "
+            f"Run nats-server with JetStream enabled (`-js`), e.g. `rolectl server`; with per-identity "
+            f"permissions, the identity {security.identity!r} needs $JS.API.INFO.",
+            url=shown,
             cause=exc,
-        ) from exc
-    log.info("bus.connected", url=url, server=nc.connected_url.netloc if nc.connected_url else url)
+        ) from None
+    log.info("bus.connected", url=shown, server=_host_port(nc), identity=security.identity)
     return conn
+
+
+def _host_port(nc: NatsClient) -> str | None:
+    uri = nc.connected_url
+    return f"{uri.hostname}:{uri.port}" if uri is not None else None
+
+
+def _hint(cause: BaseException | None) -> str:
+    text = str(cause or "").lower()
+    if "authorization" in text or "authentication" in text:
+        return ("The server refused the credentials: pass the identity's file with --creds FILE "
+                "(or ROLECTL_NATS_CREDS / nats.creds), as written by `rolectl auth init`.")
+    if "certificate" in text or "ssl" in text or "tls" in text:
+        return ("TLS failed: pass the CA that signed the server's certificate with --tls-ca FILE "
+                "(or ROLECTL_NATS_TLS_CA / nats.tls_ca), e.g. ca.pem from `rolectl auth init`.")
+    return ("Start one with `rolectl server` (or `rolectl up`), or pass --nats URL pointing at a "
+            "running nats-server with JetStream.")
 
 
 async def _discard(nc: NatsClient) -> None:
@@ -381,11 +429,14 @@ def connect(
     role: Role | str,
     member: str,
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+    security: ClientSecurity | None = None,
 ) -> _Connect:
     """Connect member `member` (of `role`, in `job`) to the NATS server at `url`.
 
     The connection is named `<job>/<role>/<member>` (visible in the server's /connz). Raises
     `BusUnavailable` if no server with JetStream answers within `connect_timeout` seconds; once
-    connected it reconnects for ever.
+    connected it reconnects for ever. `security` (credential and TLS files) defaults to the
+    ROLECTL_NATS_* environment variables; URL passwords never appear in logs or errors.
     """
-    return _Connect(url=url, job=job, role=role, member=member, connect_timeout=connect_timeout)
+    return _Connect(url=url, job=job, role=role, member=member, connect_timeout=connect_timeout,
+                    security=security)

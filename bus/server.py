@@ -66,6 +66,9 @@ class NatsServer:
     log_file: str | None = None
     extra_args: list[str] = field(default_factory=list)
     ready_timeout: float = 20.0
+    # A complete nats-server config (e.g. `rolectl auth init`'s, with TLS and identities): used as
+    # is (its own JetStream store), with `host`/`port`/`http_port` saying where it listens.
+    config_file: str | None = None
 
     _proc: subprocess.Popen | None = field(default=None, init=False, repr=False)
     _tmp_store: tempfile.TemporaryDirectory | None = field(default=None, init=False, repr=False)
@@ -91,6 +94,11 @@ class NatsServer:
         if self.running:
             return self
         binary = find_nats_server()
+        if self.config_file is not None:
+            if not (self.port and self.http_port):
+                raise NatsServerError("a server run from a config file needs its port and http_port")
+            self._launch([binary, "-c", self.config_file, *self.extra_args])
+            return self
         if not self.port:
             self.port = free_port(self.host)
         if not self.http_port:
@@ -114,6 +122,10 @@ class NatsServer:
             "-js",
             *self.extra_args,
         ]
+        self._launch(args)
+        return self
+
+    def _launch(self, args: list[str]) -> None:
         if self.log_file:
             self._log_handle = open(self.log_file, "ab")
             out = self._log_handle
@@ -121,7 +133,6 @@ class NatsServer:
             out = subprocess.DEVNULL
         self._proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
         self._wait_ready()
-        return self
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.ready_timeout

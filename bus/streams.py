@@ -32,12 +32,17 @@ __all__ = [
     "event_stream_config",
     "experience_stream_config",
     "DEFAULT_EVENT_MAX_AGE_S",
+    "PROVISION_HINT",
     "DEFAULT_EXPERIENCE_MAX_AGE_S",
 ]
 
 DEFAULT_EVENT_MAX_AGE_S = 7 * 24 * 3600.0
 DEFAULT_EXPERIENCE_MAX_AGE_S = 7 * 24 * 3600.0
 _STREAM_EXISTS_ERR = 10058  # "stream name already in use with a different configuration"
+PROVISION_HINT = (
+    "run `rolectl provision --config JOB.yaml` with the admin identity (--creds DIR/admin.nk) "
+    "first: with per-identity permissions only admin creates streams"
+)
 
 
 def event_stream_config(
@@ -127,6 +132,13 @@ async def _ensure(js: JetStreamContext, config: StreamConfig) -> StreamInfo:
     except nats.js.errors.NotFoundError:
         try:
             return await js.add_stream(config)
+        except nats.errors.TimeoutError as exc:
+            # A create this identity may not send is dropped by the server (a permissions
+            # violation reported to the error callback) and only times out here.
+            raise BusError(
+                f"stream {config.name} does not exist and could not be created (no answer: this "
+                f"identity may not create streams, or JetStream is not ready); {PROVISION_HINT}"
+            ) from exc
         except nats.js.errors.APIError as exc:
             if exc.err_code != _STREAM_EXISTS_ERR:
                 raise BusError(
@@ -137,7 +149,8 @@ async def _ensure(js: JetStreamContext, config: StreamConfig) -> StreamInfo:
             info = await js.stream_info(config.name)
     except nats.errors.TimeoutError as exc:
         raise BusError(
-            f"no answer from JetStream about stream {config.name}: is the server up and JetStream enabled?"
+            f"no answer from JetStream about stream {config.name}: is the server up and JetStream "
+            f"enabled, and may this identity read stream info ($JS.API.STREAM.INFO.{config.name})?"
         ) from exc
     differences = _differences(config, info.config)
     if differences:

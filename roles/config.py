@@ -15,6 +15,7 @@ from typing import Any, Mapping
 
 import yaml
 
+from bus.security import ClientSecurity
 from bus.subjects import check_name
 from sync_protocol import ConfigError, SyncConfig
 
@@ -75,6 +76,21 @@ class TransportConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class NatsConfig:
+    """How clients reach NATS securely: paths of credential and TLS files (never secrets inline).
+    Flags (--creds, --tls-ca, --tls-cert, --tls-key) and ROLECTL_NATS_* variables override them."""
+
+    creds: str | None = None  # <identity>.nk / .creds / .crt (+ .key), by extension
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+    @property
+    def security(self) -> ClientSecurity:
+        return ClientSecurity(creds=self.creds, tls_ca=self.tls_ca, tls_cert=self.tls_cert, tls_key=self.tls_key)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class JobConfig:
     """One RL job: its name, where NATS is, and each role's settings."""
 
@@ -87,6 +103,7 @@ class JobConfig:
     explorers: ExplorerConfig = field(default_factory=ExplorerConfig)
     buffer: BufferConfig = field(default_factory=BufferConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
+    nats: NatsConfig = field(default_factory=NatsConfig)
     model: Mapping[str, Any] = field(default_factory=dict)  # engine settings (roles.engines)
     source: str | None = None  # the file it was loaded from
 
@@ -135,7 +152,7 @@ def _check_field(section: str, f: dataclasses.Field, value: Any, problems: list)
         problems.append((where, f"must be a number > 0, got {value!r}"))
     elif f.name == "train_batch_tasks" and value is not None and not (is_int and value > 0):
         problems.append((where, f"must be null or an integer > 0, got {value!r}"))
-    elif f.name in ("checkpoint_dir",) and value is not None and not isinstance(value, str):
+    elif f.name in ("checkpoint_dir", "creds", "tls_ca", "tls_cert", "tls_key") and value is not None and not isinstance(value, str):
         problems.append((where, f"must be a path string or null, got {value!r}"))
     elif f.name == "object_store_storage" and value not in ("memory", "file"):
         problems.append((where, f"must be memory or file, got {value!r}"))
@@ -211,6 +228,12 @@ def parse_config(data: Any, *, source: str | None = None) -> JobConfig:
     explorers = _section(ExplorerConfig, data.get("explorers"), "explorers", problems)
     buffer = _section(BufferConfig, data.get("buffer"), "buffer", problems)
     transport = _section(TransportConfig, data.get("transport"), "transport", problems)
+    nats = _section(NatsConfig, data.get("nats"), "nats", problems)
+    if source is not None:  # relative credential paths are relative to the config file
+        base = Path(source).resolve().parent
+        nats = dataclasses.replace(nats, **{
+            f.name: str(base / getattr(nats, f.name)) for f in fields(NatsConfig) if getattr(nats, f.name)
+        })
 
     model = data.get("model") or {}
     if not isinstance(model, Mapping):
@@ -237,6 +260,7 @@ def parse_config(data: Any, *, source: str | None = None) -> JobConfig:
         explorers=explorers,
         buffer=buffer,
         transport=transport,
+        nats=nats,
         model=dict(model),
         source=source,
         **extra,

@@ -28,6 +28,8 @@ from typing import Any, Iterable
 
 import msgpack
 
+from bus.security import redact
+
 from roles.inspect import JobObserver
 from sync_protocol import (
     Decision,
@@ -122,18 +124,18 @@ def write_export(records: Iterable[Recorded], path: str | Path, *, job: str | No
     return n
 
 
-async def read_job(job: str, nats: str, *, connect_timeout: float = 5.0) -> list[Recorded]:
+async def read_job(job: str, nats: str, *, connect_timeout: float = 5.0, security=None) -> list[Recorded]:
     """Every record of the job's stream up to its end as of now. Raises `bus.errors.BusError`."""
     from bus.connection import connect
     from bus.events import last_sequence, read_all
 
     async with connect(nats, job=job, role="observer", member=f"export-{os.getpid()}",
-                       connect_timeout=connect_timeout) as conn:
+                       connect_timeout=connect_timeout, security=security) as conn:
         await last_sequence(conn)  # a clear error when the job has no stream
         return await read_all(conn)
 
 
-async def export_job(job: str, nats: str, path: Path) -> int:
+async def export_job(job: str, nats: str, path: Path, *, security=None) -> int:
     """Write the job's recorded events and decisions (stream seq, server time, subject) to `path`.
 
     The suffix picks the format (.jsonl or .msgpack). Returns the number of records written.
@@ -141,7 +143,7 @@ async def export_job(job: str, nats: str, path: Path) -> int:
     """
     path = Path(path)
     _suffix(path)  # fail before reading a long stream
-    records = await read_job(job, nats)
+    records = await read_job(job, nats, security=security)
     return write_export(records, path, job=job)
 
 
@@ -405,14 +407,14 @@ def check_decisions(records: list[Recorded]) -> list[Mismatch]:
 # `rolectl replay`
 
 
-def _load(job: str | None, nats: str, file: str | Path | None) -> list[Recorded]:
+def _load(job: str | None, nats: str, file: str | Path | None, security=None) -> list[Recorded]:
     if file is not None:
         return load_export(file)
-    return asyncio.run(read_job(job, nats))
+    return asyncio.run(read_job(job, nats, security=security))
 
 
 def run_replay(*, job: str | None, nats: str, file: str | Path | None, until: str | None, check: bool,
-               as_json: bool) -> int:
+               as_json: bool, security=None) -> int:
     """`rolectl replay`: 0 when fine (and, with `check`, every decision matches), 1 on a mismatch,
     2 when the input cannot be read (bad file, NATS unreachable, unknown job, bad --until)."""
     from rich.console import Console
@@ -424,14 +426,14 @@ def run_replay(*, job: str | None, nats: str, file: str | Path | None, until: st
     err = Console(stderr=True)
     try:
         moment = parse_until(until)
-        records = _load(job, nats, file)
+        records = _load(job, nats, file, security)
     except (ExportError, BusError, ValueError) as exc:
         err.print(f"rolectl replay: {exc}", style="red", highlight=False, markup=False, soft_wrap=True)
         return 2
     records = cut(records, moment)
     timeline = build_timeline(records)
     timeline["until"] = until
-    timeline["source"] = str(file) if file is not None else f"job {job} on {nats}"
+    timeline["source"] = str(file) if file is not None else f"job {job} on {redact(nats)}"
     mismatches = check_decisions(records) if check else []
     errors = [m for m in mismatches if not m.warning]
     if as_json:
