@@ -79,7 +79,9 @@ def server_permissions(job: str, identity: str, role: str) -> dict:
     weights_read = [f"{_API}.DIRECT.GET.{w}", f"{_API}.DIRECT.GET.{w}.>"]
     inbox = f"{inbox_prefix(job, identity)}.>"
     if role == "admin":
-        return {"publish": [f"{_API}.>", f"{n.prefix}.>"], "subscribe": [f"{n.prefix}.>", inbox]}
+        # admin provisions and repairs streams; it publishes no job subject (decisions come only
+        # from synchronizer identities).
+        return {"publish": [f"{_API}.>"], "subscribe": [f"{n.prefix}.>", inbox]}
     if role == "observer":
         return {"publish": _reader_api(n), "subscribe": [n.all_heartbeats, inbox]}
     own = [f"{n.prefix}.evt.{role}.{identity}.>", n.heartbeat(role, identity)]
