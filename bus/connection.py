@@ -149,8 +149,9 @@ class BusConnection:
     def denied(self, subject_prefix: str) -> str | None:
         """The server's last permission-violation message about a subject starting with
         `subject_prefix`, if any (nats-py reports them only to the error callback)."""
+        wanted = subject_prefix.lower()  # nats-py lower-cases the server's -ERR text
         for text in reversed(self.permission_denials):
-            if subject_prefix in text:
+            if wanted in text.lower():
                 return text
         return None
 
@@ -353,7 +354,10 @@ async def _open(
         raise
     except Exception as exc:  # asyncio.TimeoutError included
         await _discard(nc)
-        cause = failures[-1] if failures else (None if isinstance(exc, asyncio.TimeoutError) else exc)
+        # Retries end with whatever the last attempt met (often a bare EOF); a refused credential
+        # or certificate from any attempt is what the operator must fix.
+        telling = [f for f in failures if _hint(f) != _hint(None)]
+        cause = (telling or failures or [None if isinstance(exc, asyncio.TimeoutError) else exc])[-1]
         raise BusUnavailable(
             f"cannot reach a NATS server at {shown} for job {names.job!r} within {connect_timeout:g} s "
             f"({security.describe()}): {_describe(cause)}. {_hint(cause)}",
