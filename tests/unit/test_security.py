@@ -176,3 +176,27 @@ def test_only_synchronizers_publish_decisions_and_each_member_only_its_own_event
             assert own == []
         else:
             assert own == [f"rft.demo.evt.{role}.{identity}.>"]
+
+
+# -- the README says what the code does --------------------------------------------------------------
+
+def test_readme_secure_deployment_lists_every_identity_and_the_options_that_exist():
+    import re
+    from pathlib import Path
+
+    from roles.cli import main
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("\n## Secure deployment\n", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `([a-z<>\-]+)` \|", section, flags=re.M)
+    generic = {re.sub(r"-\d+$", lambda m: "-<i>" if "explorer" in i else "-<k>", i) for i, _ in identities(2, 2)}
+    assert set(rows) == generic
+    for identity in generic:
+        assert f"`{identity}.nk`" in section, f"the README does not name {identity}'s credential file"
+    for command, flag in [("start", "--creds"), ("provision", "--creds"), ("status", "--tls-ca"),
+                          ("export", "--tls-cert"), ("replay", "--tls-key"), ("dashboard", "--creds"),
+                          ("up", "--auth-dir"), ("server", "--config")]:
+        assert flag in {o for p in main.commands[command].params for o in p.opts}, (command, flag)
+    auth_init = main.commands["auth"].commands["init"]
+    for flag in re.findall(r"(--[a-z-]+)", section.split("rolectl auth init", 1)[1].split("\n", 1)[0]):
+        assert flag in {o for p in auth_init.params for o in p.opts}, flag
