@@ -297,6 +297,14 @@ async def _open(
     shown = redact(url)
     try:
         security.check()
+        if role is not Role.OBSERVER and security.identity not in (None, member):
+            # The server lets an identity publish only under its own name: fail now, clearly,
+            # rather than with a permissions violation on the first event.
+            raise SecurityError(
+                f"member id {member!r} does not match the credential's identity {security.identity!r} "
+                f"({security.creds}): run the {role.value} with --id {security.identity}, or give it "
+                f"{member}'s credential"
+            )
         options = security.connect_options(names.job)
     except (SecurityError, OSError, ValueError) as exc:  # ssl errors are OSErrors
         raise BusUnavailable(

@@ -81,6 +81,8 @@ def start(role: str, config_path: str, member_id: str | None, nats: str | None, 
     from roles.runner import run_role
 
     cfg = _load(config_path, nats, security)
+    # With a credential the member is its identity (the server allows nothing else).
+    member_id = member_id or cfg.nats.security.identity
     sys.exit(run_role(role, cfg, member_id))
 
 

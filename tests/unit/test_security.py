@@ -200,3 +200,13 @@ def test_readme_secure_deployment_lists_every_identity_and_the_options_that_exis
     auth_init = main.commands["auth"].commands["init"]
     for flag in re.findall(r"(--[a-z-]+)", section.split("rolectl auth init", 1)[1].split("\n", 1)[0]):
         assert flag in {o for p in auth_init.params for o in p.opts}, flag
+
+
+async def test_a_member_whose_id_is_not_its_credential_identity_is_told_which_id_to_use(tmp_path):
+    from bus.connection import connect
+    from bus.errors import BusUnavailable
+
+    made = init_auth_dir(tmp_path / "a", job="j", explorers=1)
+    with pytest.raises(BusUnavailable, match="--id explorer-0"):
+        await connect("tls://127.0.0.1:1", job="j", role="trainer", member="trainer",
+                      security=made.security("explorer-0"), connect_timeout=1)
