@@ -336,32 +336,42 @@ async def _open(
 
     nc = NatsClient()
     started = time.monotonic()
-    try:
-        await asyncio.wait_for(
-            nc.connect(
-                servers=[url],
-                name=f"{names.job}/{role.value}/{member}",
-                error_cb=on_error,
-                disconnected_cb=on_disconnected,
-                reconnected_cb=on_reconnected,
-                closed_cb=on_closed,
-                allow_reconnect=True,
-                max_reconnect_attempts=-1,
-                # First connect: nats-py retries every reconnect_time_wait until our wait_for
-                # gives up; after that the jittered handler paces reconnects.
-                reconnect_time_wait=0.25,
-                reconnect_to_server_handler=_reconnect_choice,
-                connect_timeout=max(0.5, min(2.0, connect_timeout)),
-                drain_timeout=int(_DRAIN_TIMEOUT_S),
-                **options,
-            ),
-            connect_timeout,
+    connecting = asyncio.ensure_future(
+        nc.connect(
+            servers=[url],
+            name=f"{names.job}/{role.value}/{member}",
+            error_cb=on_error,
+            disconnected_cb=on_disconnected,
+            reconnected_cb=on_reconnected,
+            closed_cb=on_closed,
+            allow_reconnect=True,
+            max_reconnect_attempts=-1,
+            # First connect: nats-py retries every reconnect_time_wait until we give up; after
+            # that the jittered handler paces reconnects.
+            reconnect_time_wait=0.25,
+            reconnect_to_server_handler=_reconnect_choice,
+            connect_timeout=max(0.5, min(2.0, connect_timeout)),
+            drain_timeout=int(_DRAIN_TIMEOUT_S),
+            **options,
         )
+    )
+    try:
+        # Not wait_for: it waits without bound for the cancelled connect to end, and nats-py's
+        # connect loop can swallow the cancellation (its _close() catches CancelledError while it
+        # waits for the reconnect task) and go on retrying: a refused nkey then hung for ever.
+        done, _ = await asyncio.wait({connecting}, timeout=connect_timeout)
+        if not done:
+            connecting.cancel()
+            await asyncio.wait({connecting}, timeout=_DRAIN_TIMEOUT_S)
+            raise asyncio.TimeoutError()
+        connecting.result()
     except asyncio.CancelledError:
+        connecting.cancel()
         await asyncio.shield(_discard(nc))
         raise
     except Exception as exc:  # asyncio.TimeoutError included
         await _discard(nc)
+        connecting.cancel()  # again, now that the client is closed and its loop can end
         # Retries end with whatever the last attempt met (often a bare EOF); a refused credential
         # or certificate from any attempt is what the operator must fix.
         telling = [f for f in failures if _hint(f) != _hint(None)]
@@ -409,8 +419,9 @@ def _hint(cause: BaseException | None) -> str:
 
 
 async def _discard(nc: NatsClient) -> None:
+    # Bounded: a client whose TLS or auth handshake failed mid-way can wait on its reader for ever.
     try:
-        await nc.close()
+        await asyncio.wait_for(nc.close(), _DRAIN_TIMEOUT_S)
     except Exception:
         pass
 

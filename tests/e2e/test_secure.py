@@ -126,12 +126,17 @@ async def test_a_secured_job_denies_every_forbidden_action_and_still_finishes(tm
         await job.stream_caught_up()
         records = list(job.records)
 
-        # The CLI, as observer, over TLS: replay --check reads the live stream and agrees.
-        replay = subprocess.run(
-            [sys.executable, "-m", "roles.cli", "replay", "--job", JOB, "--nats", job.url, "--check",
-             "--creds", str(auth_dir.credential("observer")), "--tls-ca", str(auth_dir.ca)],
-            cwd=ROOT, capture_output=True, text=True, timeout=60,
-        )
+        # The CLI, as observer, over TLS: replay --check reads the live stream and agrees; status
+        # and export read it too.
+        observer = ["--nats", job.url, "--creds", str(auth_dir.credential("observer")), "--tls-ca", str(auth_dir.ca)]
+
+        def cli(*args: str) -> subprocess.CompletedProcess:
+            return subprocess.run([sys.executable, "-m", "roles.cli", *args, *observer],
+                                  cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+        replay = cli("replay", "--job", JOB, "--check")
+        status = cli("status", "--job", JOB, "--json")
+        export = cli("export", "--job", JOB, "-o", str(tmp_path / "export.jsonl"))
     assert intact["event_max_msgs"] in (-1, 0, None) and intact["events"] > 0
     assert intact["consumer"] == "trainer"
     assert intact["streams"] == sorted([f"RFT_{JOB.upper()}_EVENTS", f"RFT_{JOB.upper()}_EXP",
@@ -140,6 +145,10 @@ async def test_a_secured_job_denies_every_forbidden_action_and_still_finishes(tm
     assert sorted(set(trainer_steps(records))) == list(range(1, TOTAL_STEPS + 1))
     assert_decisions_replay(records)
     assert replay.returncode == 0, replay.stdout + replay.stderr
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert "trainer" in status.stdout
+    assert export.returncode == 0, export.stdout + export.stderr
+    assert len((tmp_path / "export.jsonl").read_text().splitlines()) >= len(records)
 
 
 def test_rolectl_up_with_an_auth_dir_runs_the_job_secured(tmp_path, auth_dir):

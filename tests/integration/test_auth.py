@@ -104,3 +104,28 @@ async def test_members_cannot_create_streams_and_say_to_run_provision_which_admi
                        security=auth.security("explorer-0")) as conn:
         info = await ensure_event_stream(conn.js, conn.names)  # exists now: only checked
         assert info.config.name == conn.names.event_stream
+
+
+async def test_rolectl_server_runs_the_config_auth_init_wrote(tmp_path):
+    import time
+
+    auth = init_auth_dir(tmp_path / "auth", job=JOB, explorers=1, port=free_port(), http_port=free_port())
+    proc = subprocess.Popen([sys.executable, "-m", "roles.cli", "server", "--config", str(auth.server_conf)],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with urllib.request.urlopen(f"{auth.monitor_url}/healthz", timeout=1) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                assert proc.poll() is None, f"rolectl server exited with {proc.returncode}"
+                assert time.monotonic() < deadline, "rolectl server --config never became healthy"
+                time.sleep(0.1)  # polling the health endpoint, bounded by the deadline
+        async with connect(auth.url, job=JOB, role="observer", member="probe",
+                           security=auth.security("observer")) as conn:
+            assert (await conn.js.account_info()) is not None
+    finally:
+        proc.terminate()  # by PID: the nats-server rolectl exec'd into
+        proc.wait(timeout=20)
