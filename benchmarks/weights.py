@@ -242,7 +242,12 @@ async def _object_store_worker(spec: dict) -> tuple[Any, Callable[[], Awaitable[
 
     from bus.weights.object_store import ObjectStoreTransport
 
-    nc = await nats.connect(spec["url"])
+    options = {}
+    if spec.get("security"):  # TLS + nkey identity (the secured object store bench)
+        from bus.security import ClientSecurity
+
+        options = ClientSecurity(**spec["security"]).connect_options(spec["job"])
+    nc = await nats.connect(spec["url"], **options)
     transport = ObjectStoreTransport(nc, spec["job"], storage=spec.get("storage", "memory"))
 
     async def close() -> None:
@@ -445,6 +450,41 @@ async def bench_object_store_file(ctx: BenchContext) -> dict:
     return await _bench_object_store(ctx, "file")
 
 
+async def bench_object_store_secure(ctx: BenchContext) -> dict:
+    """Memory storage on a server from `rolectl auth init` (TLS, nkeys, least privilege): admin
+    makes the stream, the trainer identity publishes, explorer identities fetch (the nats-py data
+    path: the plain data connection cannot carry TLS or nkey signatures)."""
+    import nats
+
+    from bus.auth import init_auth_dir
+    from bus.server import NatsServer, free_port
+    from bus.weights.object_store import ObjectStoreTransport
+
+    job = "bench-secure"
+    auth = init_auth_dir(Path(ctx.workdir) / "auth", job=job, explorers=1, port=free_port(),
+                         http_port=free_port(), store_dir=str(Path(ctx.workdir) / "nats-secure"))
+    async with NatsServer(config_file=str(auth.server_conf), port=auth.port, http_port=auth.http_port):
+        admin = await nats.connect(auth.url, **auth.security("admin").connect_options(job))
+        try:
+            await ObjectStoreTransport(admin, job).ensure_stream()
+        finally:
+            await admin.close()
+        nc = await nats.connect(auth.url, **auth.security("trainer").connect_options(job))
+        try:
+            transport = ObjectStoreTransport(nc, job)
+            explorer = auth.security("explorer-0")
+            result = await bench_pull(
+                ctx, transport,
+                {"factory": "object_store", "url": auth.url, "job": job,
+                 "security": {"creds": explorer.creds, "tls_ca": explorer.tls_ca}},
+                "loopback_socket_gbps",
+            )
+            result.update(storage="memory", chunk_bytes=transport.chunk_size, tls=True, nkeys=True)
+            return result
+        finally:
+            await nc.close()
+
+
 async def bench_checkpoint(ctx: BenchContext) -> dict:
     from bus.weights.checkpoint import CheckpointTransport
 
@@ -459,6 +499,7 @@ async def bench_checkpoint(ctx: BenchContext) -> dict:
 TRANSPORT_BENCHES: dict[str, Callable[[BenchContext], Awaitable[dict]]] = {
     "object_store": bench_object_store,
     "object_store_file": bench_object_store_file,
+    "object_store_secure": bench_object_store_secure,
     "checkpoint": bench_checkpoint,
 }
 

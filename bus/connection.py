@@ -17,6 +17,7 @@ the same `Nats-Msg-Id` so a retried publish is stored once.
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 import urllib.parse
 from typing import Any, Awaitable, Mapping
@@ -33,6 +34,7 @@ from sync_protocol import Role
 from .errors import BusClosed, BusUnavailable, PublishFailed, PublishRejected, RetriesExhausted
 from .logging import get_logger
 from .retry import backoff_delay, describe, is_transient, retry_transient
+from .security import ClientSecurity, SecurityError, redact
 from .subjects import JobNames, check_name
 
 __all__ = ["BusConnection", "connect", "parse_server_urls", "DEFAULT_CONNECT_TIMEOUT"]
@@ -97,7 +99,8 @@ def _backoff_delay(reconnects: int) -> float:
     return backoff_delay(reconnects, base=_RECONNECT_BASE_S, cap=_RECONNECT_MAX_S)
 
 
-_describe = describe
+def _describe(exc: BaseException | None) -> str:
+    return redact(describe(exc))  # an error may quote a URL with its password
 
 
 class BusConnection:
@@ -108,10 +111,12 @@ class BusConnection:
     """
 
     def __init__(self, nc: NatsClient, *, url: str, names: JobNames, role: Role, member: str, log: Any,
-                 last_server: list[str] | None = None):
+                 last_server: list[str] | None = None, security: ClientSecurity | None = None):
         self.nc = nc
         self.js: JetStreamContext = nc.jetstream()
-        self.url = url
+        self.url = redact(url)  # for messages and logs: never the password
+        self.security = security or ClientSecurity()
+        self.permission_denials: collections.deque[str] = collections.deque(maxlen=32)
         self.names = names
         self.role = role
         self.member = member
@@ -184,9 +189,24 @@ class BusConnection:
         await self._set_up(True)
 
     async def _on_error(self, exc: Exception) -> None:
+        if "permissions violation" in str(exc).lower():
+            # The server refused something this identity may not do; the request itself only
+            # times out, so keep the server's words for the error that explains it.
+            self.permission_denials.append(str(exc))
+            self.log.warning("bus.permission_denied", identity=self.security.identity, error=str(exc))
+            return
         # While reconnecting every failed attempt lands here; that is expected noise, not a warning.
         level = self.log.debug if self.nc.is_reconnecting else self.log.warning
         level("bus.error", url=self.url, error=_describe(exc))
+
+    def denied(self, subject_prefix: str) -> str | None:
+        """The server's last permission-violation message about a subject starting with
+        `subject_prefix`, if any (nats-py reports them only to the error callback)."""
+        wanted = subject_prefix.lower()  # nats-py lower-cases the server's -ERR text
+        for text in reversed(self.permission_denials):
+            if wanted in text.lower():
+                return text
+        return None
 
     async def _on_closed(self) -> None:
         self.log.info("bus.closed", url=self.url)
@@ -318,13 +338,32 @@ class BusConnection:
 
 
 async def _open(
-    url: str, *, job: str, role: Role | str, member: str, connect_timeout: float
+    url: str, *, job: str, role: Role | str, member: str, connect_timeout: float,
+    security: ClientSecurity | None = None,
 ) -> BusConnection:
     names = JobNames(job)
     role = Role.parse(role)
     check_name(member, "member id")
     servers = parse_server_urls(url)
     last_server: list[str] = []
+    # Explicit settings win; ROLECTL_NATS_* fill what they leave unset.
+    security = (security or ClientSecurity()).over(ClientSecurity.from_env())
+    shown = redact(url)
+    try:
+        security.check()
+        if role is not Role.OBSERVER and security.identity not in (None, member):
+            # The server lets an identity publish only under its own name: fail now, clearly,
+            # rather than with a permissions violation on the first event.
+            raise SecurityError(
+                f"member id {member!r} does not match the credential's identity {security.identity!r} "
+                f"({security.creds}): run the {role.value} with --id {security.identity}, or give it "
+                f"{member}'s credential"
+            )
+        options = security.connect_options(names.job)
+    except (SecurityError, OSError, ValueError) as exc:  # ssl errors are OSErrors
+        raise BusUnavailable(
+            f"cannot connect to {shown} for job {names.job!r}: {exc}", url=shown, cause=exc
+        ) from exc
     log = get_logger("rolectl.bus", job=names.job, role=role.value, member=member)
     failures: list[BaseException] = []
     conn: BusConnection | None = None
@@ -351,43 +390,58 @@ async def _open(
 
     nc = NatsClient()
     started = time.monotonic()
-    try:
-        await asyncio.wait_for(
-            nc.connect(
-                servers=servers,
-                # Randomized order spreads a job's members over a cluster's nodes.
-                dont_randomize=False,
-                name=f"{names.job}/{role.value}/{member}",
-                error_cb=on_error,
-                disconnected_cb=on_disconnected,
-                reconnected_cb=on_reconnected,
-                closed_cb=on_closed,
-                allow_reconnect=True,
-                max_reconnect_attempts=-1,
-                # First connect: nats-py retries every reconnect_time_wait until our wait_for
-                # gives up; after that the jittered handler paces reconnects.
-                reconnect_time_wait=0.25,
-                reconnect_to_server_handler=_reconnect_chooser(last_server),
-                connect_timeout=max(0.5, min(2.0, connect_timeout)),
-                drain_timeout=int(_DRAIN_TIMEOUT_S),
-            ),
-            connect_timeout,
+    connecting = asyncio.ensure_future(
+        nc.connect(
+            servers=servers,
+            # Randomized order spreads a job's members over a cluster's nodes.
+            dont_randomize=False,
+            name=f"{names.job}/{role.value}/{member}",
+            error_cb=on_error,
+            disconnected_cb=on_disconnected,
+            reconnected_cb=on_reconnected,
+            closed_cb=on_closed,
+            allow_reconnect=True,
+            max_reconnect_attempts=-1,
+            # First connect: nats-py retries every reconnect_time_wait until we give up; after
+            # that the jittered handler paces reconnects.
+            reconnect_time_wait=0.25,
+            reconnect_to_server_handler=_reconnect_chooser(last_server),
+            connect_timeout=max(0.5, min(2.0, connect_timeout)),
+            drain_timeout=int(_DRAIN_TIMEOUT_S),
+            **options,
         )
+    )
+    try:
+        # Not wait_for: it waits without bound for the cancelled connect to end, and nats-py's
+        # connect loop can swallow the cancellation (its _close() catches CancelledError while it
+        # waits for the reconnect task) and go on retrying: a refused nkey then hung for ever.
+        done, _ = await asyncio.wait({connecting}, timeout=connect_timeout)
+        if not done:
+            connecting.cancel()
+            await asyncio.wait({connecting}, timeout=_DRAIN_TIMEOUT_S)
+            raise asyncio.TimeoutError()
+        connecting.result()
     except asyncio.CancelledError:
+        connecting.cancel()
         await asyncio.shield(_discard(nc))
         raise
     except Exception as exc:  # asyncio.TimeoutError included
         await _discard(nc)
-        cause = failures[-1] if failures else (None if isinstance(exc, asyncio.TimeoutError) else exc)
+        connecting.cancel()  # again, now that the client is closed and its loop can end
+        # Retries end with whatever the last attempt met (often a bare EOF); a refused credential
+        # or certificate from any attempt is what the operator must fix.
+        telling = [f for f in failures if _hint(f) != _hint(None)]
+        cause = (telling or failures or [None if isinstance(exc, asyncio.TimeoutError) else exc])[-1]
         raise BusUnavailable(
-            f"cannot reach {'any NATS server of' if len(servers) > 1 else 'a NATS server at'} {url} for job {names.job!r} within {connect_timeout:g} s: "
-            f"{_describe(cause)}. Start one with `rolectl server` (or `rolectl up`), or pass "
-            f"--nats URL pointing at a running nats-server with JetStream.",
-            url=url,
+            f"cannot reach {'any NATS server of' if len(servers) > 1 else 'a NATS server at'} {shown} "
+            f"for job {names.job!r} within {connect_timeout:g} s ({security.describe()}): "
+            f"{_describe(cause)}. {_hint(cause)}",
+            url=shown,
             cause=cause,
-        ) from cause
+        ) from None
 
-    conn = BusConnection(nc, url=url, names=names, role=role, member=member, log=log, last_server=last_server)
+    conn = BusConnection(nc, url=url, names=names, role=role, member=member, log=log, last_server=last_server,
+                         security=security)
     # A server without JetStream accepts the connection but cannot hold any stream: say so now.
     # A cluster that just lost its meta leader answers 503 / times out for a few seconds: retried.
     remaining = max(0.5, connect_timeout - (time.monotonic() - started))
@@ -401,20 +455,39 @@ async def _open(
             exc = exc.last or exc
         await _discard(nc)
         raise BusUnavailable(
-            f"the NATS server at {url} answers but JetStream does not ({_describe(exc)}). "
+            f"the NATS server at {shown} answers but JetStream does not ({_describe(exc)}). "
             f"Run nats-server with JetStream enabled (`-js`), e.g. `rolectl server`"
-            + (", and keep a majority of its nodes up (a cluster without one cannot store anything)."
-               if len(servers) > 1 else "."),
-            url=url,
+            + ("; keep a majority of a cluster's nodes up (a cluster without one cannot store anything)"
+               if len(servers) > 1 else "")
+            + f"; with per-identity permissions, the identity {security.identity!r} needs $JS.API.INFO.",
+            url=shown,
             cause=exc,
-        ) from exc
-    log.info("bus.connected", url=url, server=nc.connected_url.netloc if nc.connected_url else url)
+        ) from None
+    log.info("bus.connected", url=shown, server=_host_port(nc), identity=security.identity)
     return conn
 
 
+def _host_port(nc: NatsClient) -> str | None:
+    uri = nc.connected_url
+    return f"{uri.hostname}:{uri.port}" if uri is not None else None
+
+
+def _hint(cause: BaseException | None) -> str:
+    text = str(cause or "").lower()
+    if "authorization" in text or "authentication" in text:
+        return ("The server refused the credentials: pass the identity's file with --creds FILE "
+                "(or ROLECTL_NATS_CREDS / nats.creds), as written by `rolectl auth init`.")
+    if "certificate" in text or "ssl" in text or "tls" in text:
+        return ("TLS failed: pass the CA that signed the server's certificate with --tls-ca FILE "
+                "(or ROLECTL_NATS_TLS_CA / nats.tls_ca), e.g. ca.pem from `rolectl auth init`.")
+    return ("Start one with `rolectl server` (or `rolectl up`), or pass --nats URL pointing at a "
+            "running nats-server with JetStream.")
+
+
 async def _discard(nc: NatsClient) -> None:
+    # Bounded: a client whose TLS or auth handshake failed mid-way can wait on its reader for ever.
     try:
-        await nc.close()
+        await asyncio.wait_for(nc.close(), _DRAIN_TIMEOUT_S)
     except Exception:
         pass
 
@@ -445,6 +518,7 @@ def connect(
     role: Role | str,
     member: str,
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+    security: ClientSecurity | None = None,
 ) -> _Connect:
     """Connect member `member` (of `role`, in `job`) to the NATS server at `url`.
 
@@ -453,6 +527,8 @@ def connect(
     (one that has failed least, not the one just lost) with jittered backoff. A malformed list
     raises `ValueError` naming the bad entry. The connection is named `<job>/<role>/<member>` (visible in the server's /connz). Raises
     `BusUnavailable` if no server with JetStream answers within `connect_timeout` seconds; once
-    connected it reconnects for ever.
+    connected it reconnects for ever. `security` (credential and TLS files) defaults to the
+    ROLECTL_NATS_* environment variables; URL passwords never appear in logs or errors.
     """
-    return _Connect(url=url, job=job, role=role, member=member, connect_timeout=connect_timeout)
+    return _Connect(url=url, job=job, role=role, member=member, connect_timeout=connect_timeout,
+                    security=security)

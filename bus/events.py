@@ -495,7 +495,9 @@ class EventReader:
                 await sub.unsubscribe()
             except Exception:
                 pass
-        if name is not None:
+        # Only admin may delete consumers under per-identity permissions; other identities' reader
+        # consumers go away by inactive_threshold (a denied delete would only time out).
+        if name is not None and self.conn.security.may_delete_consumers:
             try:
                 await asyncio.wait_for(self.conn.js.delete_consumer(self._stream, name), 2.0)
             except Exception:  # gone already, or the server is away: inactive_threshold cleans up

@@ -23,9 +23,20 @@ from nats.js.api import KeyValueConfig, StorageType
 from .connection import BusConnection
 from .errors import BusError
 
-__all__ = ["Lease", "SAFETY"]
+__all__ = ["Lease", "SAFETY", "ensure_lease_bucket"]
 
 SAFETY = 0.7  # fraction of the ttl a holder trusts its last renewal for
+
+
+async def ensure_lease_bucket(conn: BusConnection, bucket: str, *, ttl_s: float, replicas: int = 1):
+    """Create the lease bucket (a KV whose entries live `ttl_s` after their last write), or return
+    the existing one; with per-identity permissions `rolectl provision` (admin) makes it."""
+    try:
+        return await conn.js.create_key_value(KeyValueConfig(
+            bucket=bucket, ttl=ttl_s, history=1, storage=StorageType.FILE, replicas=replicas,
+            description="rolectl synchronizer lease"))
+    except nats.js.errors.BadRequestError:
+        return await conn.js.key_value(bucket)  # exists with another ttl: use it as it is
 
 
 class Lease:
@@ -49,12 +60,11 @@ class Lease:
     async def _bucket(self):
         if self._kv is None:
             try:
-                self._kv = await self.conn.js.create_key_value(KeyValueConfig(
-                    bucket=self.bucket, ttl=self.ttl_s, history=1, storage=StorageType.FILE,
-                    replicas=self.replicas, description=f"rolectl lease {self.key}"))
-            except nats.js.errors.BadRequestError:
-                # exists with another config (an older ttl): use it as it is
+                # provisioned already (`rolectl provision`, or an earlier replica): use it as it is
                 self._kv = await self.conn.js.key_value(self.bucket)
+            except nats.js.errors.BucketNotFoundError:
+                self._kv = await ensure_lease_bucket(self.conn, self.bucket, ttl_s=self.ttl_s,
+                                                     replicas=self.replicas)
         return self._kv
 
     @property

@@ -14,6 +14,8 @@ from typing import Any, Callable, TextIO
 
 import structlog
 
+from .security import redact
+
 __all__ = ["setup_logging", "get_logger", "bind_context", "clear_context", "LogBudget"]
 
 _LEVELS = {"debug": 10, "info": 20, "warning": 30, "warn": 30, "error": 40, "critical": 50}
@@ -45,6 +47,7 @@ def setup_logging(level: str | int = "info", *, json: bool = True, stream: TextI
             structlog.processors.TimeStamper(fmt="iso", utc=True, key="ts"),
             structlog.processors.StackInfoRenderer(),
             structlog.processors.format_exc_info,
+            _redact_urls,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level_no),
@@ -54,6 +57,20 @@ def setup_logging(level: str | int = "info", *, json: bool = True, stream: TextI
     )
     # Libraries that log through the stdlib (nats-py, aiohttp) stay quiet below warnings.
     _stdlib_logging.basicConfig(level=max(level_no, _stdlib_logging.WARNING), stream=stream or sys.stderr)
+    # asyncio warns on every TLS connection nats-py closes (its protocol's eof_received returns
+    # True, which TLS ignores): noise, not a problem.
+    asyncio_log = _stdlib_logging.getLogger("asyncio")
+    if _ignore_tls_eof not in asyncio_log.filters:
+        asyncio_log.addFilter(_ignore_tls_eof)
+
+
+def _ignore_tls_eof(record: _stdlib_logging.LogRecord) -> bool:
+    return "eof_received() has no effect when using ssl" not in record.getMessage()
+
+
+def _redact_urls(_logger: Any, _method: str, event: dict) -> dict:
+    """Mask URL passwords in every string of the event (messages, bound URLs, tracebacks)."""
+    return {k: (redact(v) if isinstance(v, str) and "@" in v else v) for k, v in event.items()}
 
 
 def get_logger(name: str = "rolectl", **context: Any) -> Any:

@@ -71,6 +71,9 @@ class NatsServer:
     ready_timeout: float = 20.0
     server_name: str | None = None
     extra_config: str = ""  # appended to the generated config file (e.g. a `cluster { ... }` block)
+    # A complete nats-server config (e.g. `rolectl auth init`'s, with TLS and identities): used as
+    # is (its own JetStream store), with `host`/`port`/`http_port` saying where it listens.
+    config_file: str | None = None
 
     _proc: subprocess.Popen | None = field(default=None, init=False, repr=False)
     _tmp_store: tempfile.TemporaryDirectory | None = field(default=None, init=False, repr=False)
@@ -97,6 +100,11 @@ class NatsServer:
         if self.running:
             return self
         binary = find_nats_server()
+        if self.config_file is not None:
+            if not (self.port and self.http_port):
+                raise NatsServerError("a server run from a config file needs its port and http_port")
+            self._launch([binary, "-c", self.config_file, *self.extra_args], wait=wait)
+            return self
         if not self.port:
             self.port = free_port(self.host)
         if not self.http_port:
@@ -122,6 +130,10 @@ class NatsServer:
             "-js",
             *self.extra_args,
         ]
+        self._launch(args, wait=wait)
+        return self
+
+    def _launch(self, args: list[str], *, wait: bool) -> None:
         if self.log_file:
             self._log_handle = open(self.log_file, "ab")
             out = self._log_handle
@@ -130,7 +142,6 @@ class NatsServer:
         self._proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
         if wait:
             self.wait_ready()
-        return self
 
     def wait_ready(self, *, js_enabled_only: bool = True) -> None:
         """Wait until /healthz says 200: JetStream enabled, or (`js_enabled_only=False`) fully

@@ -44,16 +44,23 @@ class SnapshotStore:
 
     async def _bucket(self, *, create: bool):
         if self._kv is None:
-            if create:
-                try:
-                    self._kv = await self.conn.js.create_key_value(KeyValueConfig(
-                        bucket=self.bucket, history=2, storage=StorageType.FILE, replicas=self.replicas,
-                        description=f"rolectl job {self.conn.names.job}: reducer snapshots"))
-                except nats.js.errors.BadRequestError:
-                    self._kv = await self.conn.js.key_value(self.bucket)
-            else:
+            try:
                 self._kv = await self.conn.js.key_value(self.bucket)
+            except nats.js.errors.BucketNotFoundError:
+                if not create:
+                    raise
+                self._kv = await self.ensure_bucket()
         return self._kv
+
+    async def ensure_bucket(self):
+        """Create the snapshot bucket, or return the existing one (`rolectl provision` makes it
+        under per-identity permissions; otherwise the first synchronizer that saves does)."""
+        try:
+            return await self.conn.js.create_key_value(KeyValueConfig(
+                bucket=self.bucket, history=2, storage=StorageType.FILE, replicas=self.replicas,
+                description=f"rolectl job {self.conn.names.job}: reducer snapshots"))
+        except nats.js.errors.BadRequestError:
+            return await self.conn.js.key_value(self.bucket)
 
     async def save(self, state: State, round_subject_seq: dict[int, int]) -> bool:
         """Store a snapshot; False (logged) when it could not be stored — snapshots are an

@@ -48,6 +48,7 @@ __all__ = [
     "event_stream_config",
     "experience_stream_config",
     "DEFAULT_EVENT_MAX_AGE_S",
+    "PROVISION_HINT",
     "DEFAULT_EXPERIENCE_MAX_AGE_S",
     "DEFAULT_EVENT_MAX_MSG_SIZE",
     "DEFAULT_EVENT_MAX_BYTES",
@@ -90,6 +91,12 @@ def explain_refusal(exc: PublishRejected, stream: str, payload_bytes: int) -> Pu
     return StreamFull(f"{what} (on {exc.subject}: {exc.description}, err_code {exc.err_code})",
                       subject=exc.subject, msg_id=exc.msg_id, code=exc.code, err_code=exc.err_code,
                       description=exc.description)
+
+
+PROVISION_HINT = (
+    "run `rolectl provision --config JOB.yaml` with the admin identity (--creds DIR/admin.nk) "
+    "first: with per-identity permissions only admin creates streams"
+)
 
 
 def event_stream_config(
@@ -199,6 +206,13 @@ async def _ensure(js: JetStreamContext, config: StreamConfig, *, retry_for: floa
             pass
         try:
             return await js.add_stream(config)
+        except nats.errors.TimeoutError as exc:
+            # A create this identity may not send is dropped by the server (a permissions
+            # violation reported to the error callback) and only times out here.
+            raise BusError(
+                f"stream {config.name} does not exist and could not be created (no answer: this "
+                f"identity may not create streams, or JetStream is not ready); {PROVISION_HINT}"
+            ) from exc
         except nats.js.errors.APIError as exc:
             if exc.err_code == _STREAM_EXISTS_ERR:
                 # Another member created it between our lookup and our create: verify theirs.
@@ -221,8 +235,9 @@ async def _ensure(js: JetStreamContext, config: StreamConfig, *, retry_for: floa
     except RetriesExhausted as exc:
         raise BusError(
             f"no usable answer from JetStream about stream {config.name} for {retry_for:g} s "
-            f"(last: {describe(exc.last)}): is the server up with JetStream, and (replicas {replicas}) "
-            "are enough cluster nodes up?"
+            f"(last: {describe(exc.last)}): is the server up with JetStream, (replicas {replicas}) are "
+            f"enough cluster nodes up, and may this identity read stream info "
+            f"($JS.API.STREAM.INFO.{config.name})?"
         ) from exc.last
     differences = _differences(config, info.config)
     if differences:

@@ -13,8 +13,38 @@ __all__ = ["main"]
 ROLE_NAMES = ("trainer", "explorer", "sync")
 
 
-def _load(config_path: str, nats: str | None):
-    from roles.config import load_config
+def client_options(command):
+    """--creds / --tls-ca / --tls-cert / --tls-key: files, never secrets on the command line."""
+    file = click.Path(exists=True, dir_okay=False)
+    for flag, env, text in reversed([
+        ("--creds", "ROLECTL_NATS_CREDS",
+         "Credential file of this identity: nkey seed (.nk), NATS JWT creds (.creds) or client certificate (.crt, key in .key)."),
+        ("--tls-ca", "ROLECTL_NATS_TLS_CA", "CA file that signed the server's certificate."),
+        ("--tls-cert", "ROLECTL_NATS_TLS_CERT", "Client certificate (mTLS), with --tls-key."),
+        ("--tls-key", "ROLECTL_NATS_TLS_KEY", "Client certificate's key."),
+    ]):
+        command = click.option(flag, type=file, default=None, help=f"{text} [env {env}]")(command)
+    return command
+
+
+def _security(creds=None, tls_ca=None, tls_cert=None, tls_key=None, *, config=None):
+    """Flags over ROLECTL_NATS_* variables over the config's `nats:` section; checked now."""
+    from bus.security import ClientSecurity, SecurityError
+
+    resolved = ClientSecurity(creds=creds, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key).over(
+        ClientSecurity.from_env().over(config)
+    )
+    try:
+        resolved.check()
+    except SecurityError as exc:
+        raise click.ClickException(str(exc)) from None
+    return resolved
+
+
+def _load(config_path: str, nats: str | None, security_flags: dict | None = None):
+    import dataclasses
+
+    from roles.config import NatsConfig, load_config
     from sync_protocol import ConfigError
 
     try:
@@ -23,6 +53,9 @@ def _load(config_path: str, nats: str | None):
         raise click.ClickException(str(exc)) from None
     if nats:
         cfg = cfg.with_overrides(nats_url=nats)
+    if security_flags is not None:
+        security = _security(**security_flags, config=cfg.nats.security)
+        cfg = cfg.with_overrides(nats=NatsConfig(**dataclasses.asdict(security)))
     return cfg
 
 
@@ -42,11 +75,14 @@ def main() -> None:
               help="Job YAML (see examples/).")
 @click.option("--id", "member_id", default=None, help="Member id (default: trainer / explorer-0 / sync-<pid>).")
 @click.option("--nats", default=None, help="NATS URL(s), comma-separated; overrides the config's nats_url.")
-def start(role: str, config_path: str, member_id: str | None, nats: str | None) -> None:
+@client_options
+def start(role: str, config_path: str, member_id: str | None, nats: str | None, **security) -> None:
     """Run one ROLE (trainer, explorer or sync) in the foreground. Ctrl-C stops it cleanly."""
     from roles.runner import run_role
 
-    cfg = _load(config_path, nats)
+    cfg = _load(config_path, nats, security)
+    # With a credential the member is its identity (the server allows nothing else).
+    member_id = member_id or cfg.nats.security.identity
     sys.exit(run_role(role, cfg, member_id))
 
 
@@ -57,15 +93,82 @@ def start(role: str, config_path: str, member_id: str | None, nats: str | None) 
 @click.option("--dashboard/--no-dashboard", default=True, help="Serve the live dashboard (default on).")
 @click.option("--dashboard-port", type=int, default=0, help="Dashboard port (default: a free one).")
 @click.option("--run-dir", default=None, help="Where role logs and checkpoints go (default: config run_dir).")
-def up(config_path, explorers, summary, dashboard, dashboard_port, run_dir) -> None:
+@click.option("--auth-dir", default=None, type=click.Path(exists=True, file_okay=False),
+              help="Run secured with what `rolectl auth init` wrote there: its nats-server.conf (TLS, "
+                   "identities), admin provisions the streams, each role connects as its own identity.")
+def up(config_path, explorers, summary, dashboard, dashboard_port, run_dir, auth_dir) -> None:
     """Run a whole job on this machine: an embedded nats-server and every role as its own process."""
     from roles.up import run_up
 
     cfg = _load(config_path, None)
+    auth = None
+    if auth_dir:
+        from bus.auth import read_auth_dir
+
+        try:
+            auth = read_auth_dir(auth_dir)
+        except ValueError as exc:
+            raise click.ClickException(str(exc)) from None
     sys.exit(
         run_up(cfg, explorers=explorers, summary_path=summary, dashboard=dashboard,
-               dashboard_port=dashboard_port, run_dir=run_dir)
+               dashboard_port=dashboard_port, run_dir=run_dir, auth=auth)
     )
+
+
+@main.command()
+@click.option("--config", "config_path", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="Job YAML: the job's name, sync method and storage decide which streams to make.")
+@click.option("--nats", default=None, help="NATS URL(s), comma-separated; overrides the config's nats_url.")
+@client_options
+def provision(config_path: str, nats: str | None, **security) -> None:
+    """Create (or check) the job's streams; run it as the admin identity before the roles start."""
+    from bus.errors import BusError
+    from bus.logging import setup_logging
+    from roles.provision import provision_job
+
+    setup_logging("warning")
+    cfg = _load(config_path, nats, security)
+    try:
+        streams = asyncio.run(provision_job(cfg))
+    except BusError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"job {cfg.job}: streams ready: {', '.join(streams)}")
+
+
+@main.group()
+def auth() -> None:
+    """Secure deployments: TLS, one identity per member, least privilege."""
+
+
+@auth.command("init")
+@click.option("--dir", "directory", required=True, type=click.Path(file_okay=False),
+              help="Where to write the CA, server certificate, nats-server.conf and one credential per identity.")
+@click.option("--job", required=True, help="The job these identities may reach (and no other).")
+@click.option("--explorers", type=click.IntRange(min=1), required=True, help="Explorer identities: explorer-0..N-1.")
+@click.option("--synchronizers", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Synchronizer identities: sync-0..K-1.")
+@click.option("--host", "hosts", multiple=True, help="Name or IP the server certificate is valid for "
+              "(repeat; default 127.0.0.1 and localhost). Non-loopback hosts make the server listen on 0.0.0.0.")
+@click.option("--port", type=click.IntRange(1, 65535), default=4222, show_default=True)
+@click.option("--http-port", type=click.IntRange(1, 65535), default=8222, show_default=True,
+              help="Monitoring port (loopback only: it has no authentication).")
+@click.option("--store-dir", default=None, help="JetStream store (default: DIR/jetstream).")
+def auth_init(directory, job, explorers, synchronizers, hosts, port, http_port, store_dir) -> None:
+    """Write everything a secure deployment of one job needs (see DIR/README afterwards)."""
+    import shlex
+
+    from bus.auth import init_auth_dir
+
+    command = "rolectl auth init " + " ".join(shlex.quote(a) for a in sys.argv[3:])
+    try:
+        made = init_auth_dir(directory, job=job, explorers=explorers, synchronizers=synchronizers,
+                             hosts=list(hosts) or ["127.0.0.1", "localhost"], port=port,
+                             http_port=http_port, store_dir=store_dir, command=command)
+    except (ValueError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"wrote {made.path}: nats-server.conf, ca.pem, server.pem/.key, one .nk per identity "
+               f"(trainer, explorer-0..{explorers - 1}, sync-0..{synchronizers - 1}, observer, admin); "
+               f"see {made.path / 'README'}")
 
 
 @main.command()
@@ -78,16 +181,31 @@ def up(config_path, explorers, summary, dashboard, dashboard_port, run_dir) -> N
 @click.option("--cluster", "cluster_size", type=click.IntRange(min=1), default=None,
               help="Run a local JetStream cluster of N nodes on free ports (with routes between them) "
                    "instead of one server.")
-def server(port: int, http_port: int, store_dir: str | None, host: str, cluster_size: int | None) -> None:
+@click.option("--config", "config_file", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="Run nats-server with this config as is (e.g. DIR/nats-server.conf from `rolectl auth init`).")
+def server(port: int, http_port: int, store_dir: str | None, host: str, cluster_size: int | None,
+           config_file: str | None) -> None:
     """Run an embedded nats-server with JetStream (or a local cluster) in the foreground (development).
 
     With --cluster N the first line printed is the comma-separated client URL list to pass as
     --nats; STORE_DIR/cluster.json lists each node's name, client URL, monitoring URL and pid.
     """
+    import os
     import signal
     import threading
 
     from click.core import ParameterSource
+
+    from bus.server import find_nats_server
+
+    if config_file:
+        if cluster_size is not None:
+            raise click.UsageError("--config runs one server from its own config; drop --cluster")
+        try:
+            binary = find_nats_server()
+        except NatsServerError as exc:
+            raise click.ClickException(str(exc)) from None
+        os.execv(binary, [binary, "-c", config_file])
 
     from bus.server import NatsCluster, NatsServer, NatsServerError
 
@@ -129,11 +247,12 @@ def server(port: int, http_port: int, store_dir: str | None, host: str, cluster_
 @click.option("--job", required=True)
 @click.option("--nats", default="nats://127.0.0.1:4222", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def status(job: str, nats: str, as_json: bool) -> None:
+@client_options
+def status(job: str, nats: str, as_json: bool, **security) -> None:
     """Members of a job (role, id, status, step, version, last seen), read from its stream."""
     from roles.inspect import print_status
 
-    sys.exit(asyncio.run(print_status(job, nats, as_json=as_json)))
+    sys.exit(asyncio.run(print_status(job, nats, as_json=as_json, security=_security(**security))))
 
 
 @main.command()
@@ -141,7 +260,8 @@ def status(job: str, nats: str, as_json: bool) -> None:
 @click.option("--nats", default="nats://127.0.0.1:4222", show_default=True)
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
               help="File to write (.jsonl for JSON lines, .msgpack for msgpack).")
-def export(job: str, nats: str, output: str) -> None:
+@client_options
+def export(job: str, nats: str, output: str, **security) -> None:
     """Write a job's recorded events and decisions, with sequences and server timestamps."""
     from bus.errors import BusError
     from bus.logging import setup_logging
@@ -149,7 +269,7 @@ def export(job: str, nats: str, output: str) -> None:
 
     setup_logging("warning")
     try:
-        n = asyncio.run(export_job(job, nats, Path(output)))
+        n = asyncio.run(export_job(job, nats, Path(output), security=_security(**security)))
     except (ExportError, BusError, ValueError) as exc:  # bad path, NATS away, no such job
         raise click.ClickException(str(exc)) from None
     click.echo(f"wrote {n} records to {output}")
@@ -163,13 +283,15 @@ def export(job: str, nats: str, output: str) -> None:
 @click.option("--until", default=None, help="Stop at this stream sequence (int) or time (ISO 8601).")
 @click.option("--check", is_flag=True, help="Recompute every decision and compare with the recorded one.")
 @click.option("--json", "as_json", is_flag=True, help="Print the timeline as JSON.")
-def replay(job, nats, file_, until, check, as_json) -> None:
+@client_options
+def replay(job, nats, file_, until, check, as_json, **security) -> None:
     """Fold a job's events into a readable timeline; with --check, verify every decision."""
     from roles.replay import run_replay
 
     if (job is None) == (file_ is None):
         raise click.UsageError("give exactly one of --job or --file")
-    sys.exit(run_replay(job=job, nats=nats, file=file_, until=until, check=check, as_json=as_json))
+    sys.exit(run_replay(job=job, nats=nats, file=file_, until=until, check=check, as_json=as_json,
+                        security=_security(**security)))
 
 
 @main.command()
@@ -178,11 +300,13 @@ def replay(job, nats, file_, until, check, as_json) -> None:
 @click.option("--port", type=int, default=8080, show_default=True)
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--monitor-url", default=None, help="nats-server monitoring URL (default: same host, port 8222).")
-def dashboard(job, nats, port, host, monitor_url) -> None:
+@client_options
+def dashboard(job, nats, port, host, monitor_url, **security) -> None:
     """Serve the live dashboard of a job (members, versions, rounds, NATS health, /metrics)."""
     from roles.dashboard import serve_dashboard
 
-    sys.exit(serve_dashboard(job=job, nats=nats, host=host, port=port, monitor_url=monitor_url))
+    sys.exit(serve_dashboard(job=job, nats=nats, host=host, port=port, monitor_url=monitor_url,
+                             security=_security(**security)))
 
 
 if __name__ == "__main__":

@@ -229,7 +229,8 @@ class MemberSession:
         self.log = structlog.get_logger().bind(job=self.cfg.job, role=self.role.value, member=self.member_id)
         self._stack = AsyncExitStack()
         self.conn = await self._stack.enter_async_context(
-            connect(self.cfg.nats_url, job=self.cfg.job, role=self.role.value, member=self.member_id)
+            connect(self.cfg.nats_url, job=self.cfg.job, role=self.role.value, member=self.member_id,
+                    security=self.cfg.nats.security)
         )
         try:
             await ensure_event_stream(self.conn.js, self.conn.names, replicas=self.cfg.nats.replicas)

@@ -16,6 +16,7 @@ from typing import Any, Mapping
 import yaml
 
 from bus.connection import parse_server_urls
+from bus.security import ClientSecurity
 from bus.subjects import check_name
 from sync_protocol import ConfigError, SyncConfig
 
@@ -86,11 +87,21 @@ class TransportConfig:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class NatsConfig:
-    """How the job uses its NATS servers (the URLs themselves are the top-level `nats_url`)."""
+    """How the job uses its NATS servers (the URLs themselves are the top-level `nats_url`) and
+    how clients reach them securely: paths of credential and TLS files (never secrets inline).
+    Flags (--creds, --tls-ca, --tls-cert, --tls-key) and ROLECTL_NATS_* variables override them."""
 
     # Copies of the event, experience and weight streams: 1 on a single server, 3 on a 3-node
     # cluster (any one node may then be lost). An existing stream with more is accepted.
     replicas: int = 1
+    creds: str | None = None  # <identity>.nk / .creds / .crt (+ .key), by extension
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+    @property
+    def security(self) -> ClientSecurity:
+        return ClientSecurity(creds=self.creds, tls_ca=self.tls_ca, tls_cert=self.tls_cert, tls_key=self.tls_key)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -155,7 +166,7 @@ def _check_field(section: str, f: dataclasses.Field, value: Any, problems: list)
         problems.append((where, f"must be a number > 0, got {value!r}"))
     elif f.name == "train_batch_tasks" and value is not None and not (is_int and value > 0):
         problems.append((where, f"must be null or an integer > 0, got {value!r}"))
-    elif f.name in ("checkpoint_dir",) and value is not None and not isinstance(value, str):
+    elif f.name in ("checkpoint_dir", "creds", "tls_ca", "tls_cert", "tls_key") and value is not None and not isinstance(value, str):
         problems.append((where, f"must be a path string or null, got {value!r}"))
     elif f.name == "object_store_storage" and value not in ("memory", "file"):
         problems.append((where, f"must be memory or file, got {value!r}"))
@@ -234,6 +245,11 @@ def parse_config(data: Any, *, source: str | None = None) -> JobConfig:
     nats = _section(NatsConfig, data.get("nats"), "nats", problems)
     if isinstance(nats.replicas, int) and nats.replicas > 5:
         problems.append(("nats.replicas", f"must be at most 5 (JetStream's limit), got {nats.replicas}"))
+    if source is not None:  # relative credential paths are relative to the config file
+        base = Path(source).resolve().parent
+        nats = dataclasses.replace(nats, **{
+            f.name: str(base / getattr(nats, f.name)) for f in fields(NatsConfig) if f.name != "replicas" and getattr(nats, f.name)
+        })
 
     model = data.get("model") or {}
     if not isinstance(model, Mapping):

@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from bus.security import redact
 from roles.common import stop_task
 from roles.inspect import JobObserver
 
@@ -70,12 +71,14 @@ def _thin(points: list, limit: int = _POINTS_SHOWN) -> list:
 class Dashboard:
     """The dashboard's model and background work: follow the stream, heartbeats, server health."""
 
-    def __init__(self, *, job: str, nats_url: str, monitor_url: str | None):
+    def __init__(self, *, job: str, nats_url: str, monitor_url: str | None, security=None):
         from bus.subjects import JobNames
 
         self.job = job
         self.names = JobNames(job)  # a bad job name fails here, before anything starts
-        self.nats_url = nats_url
+        self._connect_url = nats_url
+        self.nats_url = redact(nats_url)  # what the page and /api/state show
+        self.security = security
         self.monitor_url = monitor_url.rstrip("/") if monitor_url else None
         self.observer = JobObserver(log_tail=_LOG_SHOWN)
         self.connection = "connecting"
@@ -123,8 +126,8 @@ class Dashboard:
 
         while True:
             try:
-                async with connect(self.nats_url, job=self.job, role="observer",
-                                   member=f"dashboard-{os.getpid()}") as conn:
+                async with connect(self._connect_url, job=self.job, role="observer",
+                                   member=f"dashboard-{os.getpid()}", security=self.security) as conn:
                     hb = await subscribe_heartbeats(conn, self._on_heartbeat)
                     try:
                         while True:  # the dashboard may start before any member created the stream
@@ -150,7 +153,7 @@ class Dashboard:
 
     async def _set_connection(self, state: str, error: str | None) -> None:
         if (self.connection, self.error) != (state, error):
-            self.connection, self.error = state, error
+            self.connection, self.error = state, redact(error) if error else error
             await self._bump()
 
     async def _on_heartbeat(self, hb) -> None:
@@ -452,9 +455,9 @@ class DashboardHandle:
 
 
 async def start_dashboard(*, job: str, nats_url: str, monitor_url: str | None, host: str = "127.0.0.1",
-                          port: int = 0) -> DashboardHandle:
+                          port: int = 0, security=None) -> DashboardHandle:
     """Serve the dashboard of `job` on `host:port` (0: a free port) inside the running event loop."""
-    dashboard = Dashboard(job=job, nats_url=nats_url, monitor_url=monitor_url)
+    dashboard = Dashboard(job=job, nats_url=nats_url, monitor_url=monitor_url, security=security)
     runner = web.AppRunner(_app(dashboard), access_log=None, shutdown_timeout=1.0)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
@@ -470,7 +473,8 @@ async def start_dashboard(*, job: str, nats_url: str, monitor_url: str | None, h
     return DashboardHandle(url=f"http://{shown}:{bound}/", dashboard=dashboard, _runner=runner)
 
 
-def serve_dashboard(*, job: str, nats: str, host: str, port: int, monitor_url: str | None) -> int:
+def serve_dashboard(*, job: str, nats: str, host: str, port: int, monitor_url: str | None,
+                    security=None) -> int:
     """`rolectl dashboard`: serve until Ctrl-C. 0 on a clean stop, 1 when it cannot start."""
     import signal
 
@@ -484,11 +488,12 @@ def serve_dashboard(*, job: str, nats: str, host: str, port: int, monitor_url: s
 
     async def main() -> int:
         try:
-            handle = await start_dashboard(job=job, nats_url=nats, monitor_url=monitor, host=host, port=port)
+            handle = await start_dashboard(job=job, nats_url=nats, monitor_url=monitor, host=host, port=port,
+                                           security=security)
         except (OSError, ValueError) as exc:
             console.print(f"rolectl dashboard: {exc}", style="red", markup=False, highlight=False, soft_wrap=True)
             return 1
-        console.print(f"dashboard of job {job} at {handle.url} (NATS {nats}, monitoring {monitor}); "
+        console.print(f"dashboard of job {job} at {handle.url} (NATS {redact(nats)}, monitoring {monitor}); "
                       "Ctrl-C stops it", markup=False, highlight=False, soft_wrap=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

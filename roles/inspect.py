@@ -458,7 +458,7 @@ class JobObserver:
 
 
 async def collect_status(job: str, nats: str, *, heartbeat_wait_s: float | None = None,
-                         connect_timeout: float = 5.0) -> tuple[JobObserver, int]:
+                         connect_timeout: float = 5.0, security=None) -> tuple[JobObserver, int]:
     """Read the job's stream to its current end and listen briefly for heartbeats.
 
     Returns the observer and the local time (ms) the snapshot was taken. Raises `bus.errors.BusError`
@@ -470,7 +470,7 @@ async def collect_status(job: str, nats: str, *, heartbeat_wait_s: float | None 
 
     observer = JobObserver()
     async with connect(nats, job=job, role="observer", member=f"status-{os.getpid()}",
-                       connect_timeout=connect_timeout) as conn:
+                       connect_timeout=connect_timeout, security=security) as conn:
         all_beating = asyncio.Event()
 
         def on_heartbeat(hb) -> None:
@@ -505,7 +505,8 @@ def _every_live_member_beat(observer: JobObserver) -> bool:
     return bool(live) and all(k in observer.heartbeats for k in live)
 
 
-async def print_status(job: str, nats: str, *, as_json: bool = False, connect_timeout: float = 5.0) -> int:
+async def print_status(job: str, nats: str, *, as_json: bool = False, connect_timeout: float = 5.0,
+                       security=None) -> int:
     """Print a table (or JSON) of the job's members; 0 on success, 1 when NATS or the job is missing."""
     from rich.console import Console
     from rich.table import Table
@@ -516,7 +517,7 @@ async def print_status(job: str, nats: str, *, as_json: bool = False, connect_ti
     setup_logging("warning")  # stdout is for the table (and JSON); logs go to stderr
     err = Console(stderr=True)
     try:
-        observer, now_ms = await collect_status(job, nats, connect_timeout=connect_timeout)
+        observer, now_ms = await collect_status(job, nats, connect_timeout=connect_timeout, security=security)
     except BusError as exc:
         err.print(f"rolectl status: {exc}", style="red", highlight=False, markup=False, soft_wrap=True)
         return 1

@@ -32,6 +32,8 @@ from typing import Any, Iterable
 
 import msgpack
 
+from bus.security import redact
+
 from roles.inspect import JobObserver
 from sync_protocol import (
     Decision,
@@ -129,19 +131,19 @@ def write_export(records: Iterable[Recorded], path: str | Path, *, job: str | No
     return n
 
 
-async def read_job(job: str, nats: str, *, connect_timeout: float = 5.0) -> list[Recorded]:
+async def read_job(job: str, nats: str, *, connect_timeout: float = 5.0, security=None) -> list[Recorded]:
     """Every record of the job's stream up to its end as of now. Raises `bus.errors.BusError`."""
     from bus.connection import connect
     from bus.events import last_sequence, read_all
 
     async with connect(nats, job=job, role="observer", member=f"export-{os.getpid()}",
-                       connect_timeout=connect_timeout) as conn:
+                       connect_timeout=connect_timeout, security=security) as conn:
         await last_sequence(conn)  # a clear error when the job has no stream
         # Forged records are kept, with their real subject: they are evidence, and --check names them.
         return await read_all(conn, verify_identity=False)
 
 
-async def export_job(job: str, nats: str, path: Path) -> int:
+async def export_job(job: str, nats: str, path: Path, *, security=None) -> int:
     """Write the job's recorded events and decisions (stream seq, server time, subject) to `path`.
 
     The suffix picks the format (.jsonl or .msgpack). Returns the number of records written.
@@ -149,7 +151,7 @@ async def export_job(job: str, nats: str, path: Path) -> int:
     """
     path = Path(path)
     _suffix(path)  # fail before reading a long stream
-    records = await read_job(job, nats)
+    records = await read_job(job, nats, security=security)
     return write_export(records, path, job=job)
 
 
@@ -475,20 +477,22 @@ def _verified(records: list[Recorded]) -> tuple[list[Recorded], list[tuple[Recor
 # `rolectl replay`
 
 
-def _load(job: str | None, nats: str, file: str | Path | None) -> tuple[list[Recorded], State | None]:
+def _load(job: str | None, nats: str, file: str | Path | None,
+          security=None) -> tuple[list[Recorded], State | None]:
     """The records, and the reducer snapshot to fold them from when the job's stream no longer
     starts at its first record (trimmed by age or size): None when the records are complete."""
     if file is not None:
         return load_export(file), None
-    return asyncio.run(read_job_from_snapshot(job, nats))
+    return asyncio.run(read_job_from_snapshot(job, nats, security=security))
 
 
-async def read_job_from_snapshot(job: str, nats: str) -> tuple[list[Recorded], State | None]:
+async def read_job_from_snapshot(job: str, nats: str, *, security=None) -> tuple[list[Recorded], State | None]:
     from bus.connection import connect
     from bus.events import last_sequence, read_all
     from bus.snapshots import SnapshotStore
 
-    async with connect(nats, job=job, role="observer", member=f"replay-{os.getpid()}") as conn:
+    async with connect(nats, job=job, role="observer", member=f"replay-{os.getpid()}",
+                       security=security) as conn:
         await last_sequence(conn)  # a clear error when the job has no stream
         records = await read_all(conn)
         if not records or records[0].seq <= 1:
@@ -501,7 +505,7 @@ async def read_job_from_snapshot(job: str, nats: str) -> tuple[list[Recorded], S
 
 
 def run_replay(*, job: str | None, nats: str, file: str | Path | None, until: str | None, check: bool,
-               as_json: bool) -> int:
+               as_json: bool, security=None) -> int:
     """`rolectl replay`: 0 when fine (and, with `check`, every decision matches and the job did not
     end short of its last step), 1 on a mismatch or an incomplete job, 2 when the input cannot be
     read (bad file, NATS unreachable, unknown job, bad --until)."""
@@ -514,14 +518,14 @@ def run_replay(*, job: str | None, nats: str, file: str | Path | None, until: st
     err = Console(stderr=True)
     try:
         moment = parse_until(until)
-        records, start = _load(job, nats, file)
+        records, start = _load(job, nats, file, security)
     except (ExportError, BusError, ValueError) as exc:
         err.print(f"rolectl replay: {exc}", style="red", highlight=False, markup=False, soft_wrap=True)
         return 2
     records = cut(records, moment)
     timeline = build_timeline(_verified(records)[0])  # the state members saw: forged records left out
     timeline["until"] = until
-    timeline["source"] = str(file) if file is not None else f"job {job} on {nats}"
+    timeline["source"] = str(file) if file is not None else f"job {job} on {redact(nats)}"
     mismatches = check_decisions(records, start) if check else []
     errors = [m for m in mismatches if not m.warning]
     outcome = job_outcome(records, start)

@@ -102,7 +102,8 @@ class Synchronizer:
 
     # -- setup -------------------------------------------------------------------------------------
     async def run(self) -> None:
-        async with connect(self.cfg.nats_url, job=self.cfg.job, role="synchronizer", member=self.me.id) as conn:
+        async with connect(self.cfg.nats_url, job=self.cfg.job, role="synchronizer", member=self.me.id,
+                           security=self.cfg.nats.security) as conn:
             self.conn = conn
             await ensure_event_stream(conn.js, conn.names, replicas=self.cfg.nats.replicas)
             await ensure_experience_stream(conn.js, conn.names, replicas=self.cfg.nats.replicas)

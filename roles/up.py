@@ -21,6 +21,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from bus.auth import AuthDir
+from bus.security import redact
 from bus.server import NatsServer, NatsServerError
 from roles.config import JobConfig
 from roles.inspect import member_status
@@ -65,10 +67,13 @@ class RoleProcess:
             return "(no log)"
 
 
-def _spawn(role: str, member_id: str, config_path: Path, nats_url: str, logs: Path) -> RoleProcess:
+def _spawn(role: str, member_id: str, config_path: Path, nats_url: str, logs: Path,
+           auth: AuthDir | None = None) -> RoleProcess:
     log_path = logs / f"{member_id}.log"
     out = open(log_path, "ab")
     env = dict(os.environ, PYTHONUNBUFFERED="1", ROLECTL_ADVERTISE_HOST="127.0.0.1")
+    if auth is not None:  # its own identity, by file path in the environment (never argv)
+        env.update(auth.security(member_id).as_env())
     proc = subprocess.Popen(
         [sys.executable, "-m", "roles.cli", "start", role, "--config", str(config_path),
          "--nats", nats_url, "--id", member_id],
@@ -98,31 +103,48 @@ def _write_config(cfg: JobConfig, path: Path) -> None:
 
 def run_up(cfg: JobConfig, *, explorers: int | None = None, summary_path: str | None = None,
            dashboard: bool = True, dashboard_port: int = 0, run_dir: str | None = None,
-           timeout_s: float | None = None) -> int:
+           timeout_s: float | None = None, auth: AuthDir | None = None) -> int:
     """Run the job to its end; the exit code follows `roles.runner`: 0 the job completed, 3 it ended
-    short of its last step (every process may have exited 0), 1 a role failed, 130 interrupted."""
+    short of its last step (every process may have exited 0), 1 a role failed, 130 interrupted.
+
+    With `auth` (what `rolectl auth init` wrote) the server runs from its nats-server.conf (TLS, one
+    identity per member), admin provisions the streams and each role connects as itself."""
     from bus.logging import setup_logging
 
     setup_logging("warning")
+    if explorers is not None:
+        cfg = dataclasses.replace(cfg, explorers=dataclasses.replace(cfg.explorers, count=explorers))
+    if auth is not None:
+        problem = _auth_mismatch(cfg, auth)
+        if problem:
+            console.print(f"[red]rolectl up --auth-dir {auth.path}:[/] {problem}", highlight=False)
+            return 2
     stamp = time.strftime("%Y%m%d-%H%M%S")
     base = Path(run_dir or cfg.run_dir).resolve()
     run_path = base / f"{cfg.job}-{stamp}-{os.getpid()}"
     (run_path / "logs").mkdir(parents=True, exist_ok=True)
-    if explorers is not None:
-        cfg = dataclasses.replace(cfg, explorers=dataclasses.replace(cfg.explorers, count=explorers))
-    server = NatsServer(store_dir=str(run_path / "nats"), log_file=str(run_path / "logs" / "nats-server.log"))
+    if auth is None:
+        server = NatsServer(store_dir=str(run_path / "nats"), log_file=str(run_path / "logs" / "nats-server.log"))
+    else:  # the store stays per run, so a second run of the same job starts from an empty stream
+        conf = run_path / "nats-server.conf"
+        conf.write_text(auth.server_conf_with_store(run_path / "nats"))
+        server = NatsServer(config_file=str(conf), host="127.0.0.1", port=auth.port,
+                            http_port=auth.http_port, log_file=str(run_path / "logs" / "nats-server.log"))
     try:
         server.start()
     except NatsServerError as exc:
         console.print(f"[red]cannot start the embedded nats-server:[/] {exc}")
         return 1
-    cfg = dataclasses.replace(cfg, nats_url=server.url, run_dir=str(run_path))
+    url = server.url if auth is None else auth.url
+    cfg = dataclasses.replace(cfg, nats_url=url, run_dir=str(run_path))
     config_path = run_path / "job.yaml"
     _write_config(cfg, config_path)
-    console.print(f"[bold]rolectl up[/] job [cyan]{cfg.job}[/]: nats {server.url}, run dir {run_path}")
+    secured = "" if auth is None else f" (TLS, identities from {auth.path})"
+    console.print(f"[bold]rolectl up[/] job [cyan]{cfg.job}[/]: nats {url}{secured}, run dir {run_path}")
     try:
         return asyncio.run(_supervise(cfg, server, config_path, run_path, summary_path=summary_path,
-                                      dashboard=dashboard, dashboard_port=dashboard_port, timeout_s=timeout_s))
+                                      dashboard=dashboard, dashboard_port=dashboard_port, timeout_s=timeout_s,
+                                      auth=auth))
     except KeyboardInterrupt:
         return 130
     finally:
@@ -130,17 +152,29 @@ def run_up(cfg: JobConfig, *, explorers: int | None = None, summary_path: str | 
 
 
 async def _supervise(cfg: JobConfig, server: NatsServer, config_path: Path, run_path: Path, *,
-                     summary_path, dashboard, dashboard_port, timeout_s) -> int:
+                     summary_path, dashboard, dashboard_port, timeout_s, auth: AuthDir | None = None) -> int:
     from bus.connection import connect
+    from bus.errors import BusError
     from roles.common import JobView
     from bus.events import read_all
     from roles.replay import write_export
 
     logs = run_path / "logs"
     started = time.monotonic()
-    sync = _spawn("sync", "sync-0", config_path, server.url, logs)
-    trainer = _spawn("trainer", "trainer", config_path, server.url, logs)
-    explorers = [_spawn("explorer", e, config_path, server.url, logs) for e in cfg.explorer_ids()]
+    url = cfg.nats_url
+    observer = auth.security("observer") if auth is not None else None
+    if auth is not None:  # only admin may create streams: make them before any role needs them
+        from roles.provision import provision_job
+
+        try:
+            streams = await provision_job(cfg, security=auth.security("admin"))
+        except BusError as exc:
+            console.print(f"[red]provisioning the job's streams as admin failed:[/] {exc}", highlight=False)
+            return 1
+        console.print(f"provisioned as admin: {', '.join(streams)}", highlight=False)
+    sync = _spawn("sync", "sync-0", config_path, url, logs, auth)
+    trainer = _spawn("trainer", "trainer", config_path, url, logs, auth)
+    explorers = [_spawn("explorer", e, config_path, url, logs, auth) for e in cfg.explorer_ids()]
     workers = [trainer, *explorers]
     everyone = [sync, *workers]
     handle = None
@@ -150,7 +184,7 @@ async def _supervise(cfg: JobConfig, server: NatsServer, config_path: Path, run_
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        async with connect(server.url, job=cfg.job, role="observer", member="up") as conn:
+        async with connect(url, job=cfg.job, role="observer", member="up", security=observer) as conn:
             from bus.streams import ensure_event_stream, ensure_experience_stream
 
             await ensure_event_stream(conn.js, conn.names, replicas=cfg.nats.replicas)
@@ -161,7 +195,7 @@ async def _supervise(cfg: JobConfig, server: NatsServer, config_path: Path, run_
                 try:
                     from roles.dashboard import start_dashboard
 
-                    handle = await start_dashboard(job=cfg.job, nats_url=server.url,
+                    handle = await start_dashboard(job=cfg.job, nats_url=url, security=observer,
                                                    monitor_url=server.monitor_url, port=dashboard_port)
                     console.print(f"dashboard: [link={handle.url}]{handle.url}[/link]")
                 except Exception as exc:  # the job matters more than its window
@@ -194,7 +228,7 @@ async def _supervise(cfg: JobConfig, server: NatsServer, config_path: Path, run_
             if exit_code == 0 and not summary["complete"]:
                 exit_code = EXIT_INCOMPLETE  # every process exited 0 and still the job fell short
                 console.print(f"[red]job incomplete:[/] {summary['end_reason']}")
-            summary.update(nats_url=server.url, wall_s=round(time.monotonic() - started, 2),
+            summary.update(nats_url=redact(url), secured=auth is not None, wall_s=round(time.monotonic() - started, 2),
                            run_dir=str(run_path), events_file=str(events_file),
                            exit_codes={p.name: p.proc.returncode for p in everyone})
             (run_path / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -221,6 +255,17 @@ async def _stop_all(processes: list[RoleProcess], grace_s: float = 15.0) -> None
         if p.proc.poll() is None:
             p.proc.kill()
             p.proc.wait()
+
+
+def _auth_mismatch(cfg: JobConfig, auth: AuthDir) -> str | None:
+    """Why the identities in `auth` cannot run `cfg`, or None."""
+    if cfg.job != auth.job:
+        return (f"its identities are for job {auth.job!r} but the config's job is {cfg.job!r}: "
+                f"run `rolectl auth init --dir DIR --job {cfg.job} ...` for this job")
+    if cfg.explorers.count > auth.explorers:
+        return (f"the job runs {cfg.explorers.count} explorers but there are identities for "
+                f"{auth.explorers}: run `rolectl auth init` again with --explorers {cfg.explorers.count}")
+    return None
 
 
 def _percentile(values: list[float], q: float) -> float | None:

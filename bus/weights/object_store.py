@@ -364,6 +364,10 @@ class ObjectStoreTransport:
     def _window(self, chunk_size: int) -> int:
         return max(1, self._window_bytes // max(chunk_size, 1))
 
+    async def ensure_stream(self) -> None:
+        """Create the weights stream, or check the existing one (what `rolectl provision` does)."""
+        await self._ensure_stream()
+
     async def _ensure_stream(self) -> None:
         if self._stream_ready:
             return
@@ -388,8 +392,9 @@ class ObjectStoreTransport:
                 if is_transient(exc):
                     raise  # e.g. not enough cluster nodes up yet for the replicas: retried
                 raise TransferError(
-                    f"could not create weights stream {self.stream}: {exc}; is JetStream enabled "
-                    "on the server (nats-server -js)?"
+                    f"could not create weights stream {self.stream}: {exc or type(exc).__name__}; is "
+                    "JetStream enabled on the server (nats-server -js)? With per-identity permissions "
+                    "only admin creates streams: run `rolectl provision` with the admin identity first"
                 ) from exc
         else:
             if not info.config.allow_direct or info.config.max_msgs_per_subject != 1:

@@ -213,10 +213,15 @@ class LiveJob:
 
     `async with LiveJob(tmp_path, config_path) as job:` — leaving the block kills every process it
     started that is still running and stops the server, whatever happened in the test.
+
+    With `auth` (what `rolectl auth init` wrote) the server runs from its config (TLS, one nkey
+    identity per member), `admin` provisions the streams, the test follows the stream as
+    `observer`, and every role connects as its own identity (files passed in the environment).
     """
 
     tmp_path: Path
     config_path: Path
+    auth: Any = None  # bus.auth.AuthDir
     cfg: JobConfig = field(init=False)
     records: list[Recorded] = field(default_factory=list)
     procs: dict[str, list[_Proc]] = field(default_factory=dict)
@@ -225,8 +230,14 @@ class LiveJob:
         self.cfg = load_config(self.config_path)
         self.logs = self.tmp_path / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
-        self.server = NatsServer(store_dir=str(self.tmp_path / "nats"),
-                                 log_file=str(self.logs / "nats-server.log"))
+        if self.auth is None:
+            self.server = NatsServer(store_dir=str(self.tmp_path / "nats"),
+                                     log_file=str(self.logs / "nats-server.log"))
+        else:
+            conf = self.tmp_path / "nats-server.conf"
+            conf.write_text(self.auth.server_conf_with_store(self.tmp_path / "nats"))
+            self.server = NatsServer(config_file=str(conf), port=self.auth.port, http_port=self.auth.http_port,
+                                     log_file=str(self.logs / "nats-server.log"))
         self._changed: asyncio.Condition | None = None
         self._follower: asyncio.Task | None = None
         self._conn_cm = None
@@ -234,13 +245,22 @@ class LiveJob:
 
     @property
     def url(self) -> str:
-        return self.server.url
+        return self.server.url if self.auth is None else self.auth.url
+
+    def security(self, identity: str):
+        """`identity`'s client settings (None without auth)."""
+        return None if self.auth is None else self.auth.security(identity)
 
     async def __aenter__(self) -> "LiveJob":
         self._changed = asyncio.Condition()
         await asyncio.to_thread(self.server.start)
         try:
-            self._conn_cm = connect(self.url, job=self.cfg.job, role="observer", member="e2e-test")
+            if self.auth is not None:
+                from roles.provision import provision_job
+
+                await provision_job(self.cfg, security=self.security("admin"), url=self.url)
+            self._conn_cm = connect(self.url, job=self.cfg.job, role="observer", member="e2e-test",
+                                    security=self.security("observer"))
             self.conn = await self._conn_cm.__aenter__()
             await ensure_event_stream(self.conn.js, self.conn.names)
             await ensure_experience_stream(self.conn.js, self.conn.names)
@@ -283,6 +303,8 @@ class LiveJob:
         n = len(self.procs.get(member_id, []))
         log_path = self.logs / f"{member_id}.{n}.log"
         env = dict(os.environ, PYTHONUNBUFFERED="1", ROLECTL_ADVERTISE_HOST="127.0.0.1")
+        if self.auth is not None:
+            env.update(self.auth.security(member_id).as_env())
         with open(log_path, "ab") as out:
             popen = subprocess.Popen(
                 [sys.executable, "-m", "roles.cli", "start", role, "--config", str(self.config_path),

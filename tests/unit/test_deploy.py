@@ -25,22 +25,45 @@ def test_nats_server_accepts_the_shipped_config(name):
     assert "is valid" in result.stdout + result.stderr
 
 
-def test_nats_server_accepts_the_tls_and_per_role_users_config(tmp_path):
-    # The config points at /etc/nats/tls; make a throwaway CA-signed pair and point it here.
-    key, crt = tmp_path / "server.key", tmp_path / "server.crt"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-subj", "/CN=localhost", "-keyout", str(key), "-out", str(crt)],
-                   check=True, capture_output=True, timeout=60)
+_AUTH_DIR = "/etc/rolectl/auth"
+
+
+def test_the_shipped_secure_config_is_what_auth_init_writes():
+    """deploy/nats/auth-tls.conf is `rolectl auth init`'s output (the command is in its header):
+    re-rendering it with its own public nkeys gives the same text, so permissions cannot drift."""
+    from bus.auth import parse_header, parse_nkeys, render_server_conf
+
     text = (DEPLOY / "nats" / "auth-tls.conf").read_text()
-    text = (text.replace("/etc/nats/tls/server.crt", str(crt))
-                .replace("/etc/nats/tls/server.key", str(key))
-                .replace("/etc/nats/tls/ca.crt", str(crt)))
+    job, explorers, synchronizers = parse_header(text)
+    command = next(line for line in text.splitlines() if line.startswith("# Written by: "))[len("# Written by: "):]
+    rendered = render_server_conf(
+        job=job, explorers=explorers, synchronizers=synchronizers, nkeys=parse_nkeys(text),
+        port=4222, http_port=8222, listen_host="0.0.0.0", cert_file=f"{_AUTH_DIR}/server.pem",
+        key_file=f"{_AUTH_DIR}/server.key", store_dir="/var/lib/nats/jetstream", command=command,
+    )
+    assert text == rendered
+
+
+def test_nats_server_accepts_the_shipped_secure_config(tmp_path):
+    # The config points at /etc/rolectl/auth; make real certificates with auth init and point it here.
+    from bus.auth import init_auth_dir
+
+    made = init_auth_dir(tmp_path / "auth", job="demo", explorers=1)
+    text = (DEPLOY / "nats" / "auth-tls.conf").read_text()
+    text = text.replace(_AUTH_DIR, str(made.path)).replace("/var/lib/nats/jetstream", str(tmp_path / "js"))
     conf = tmp_path / "auth-tls.conf"
     conf.write_text(text)
-    env = {"TRAINER_PASSWORD": "t", "EXPLORER_PASSWORD": "e", "SYNC_PASSWORD": "s", "OBSERVER_PASSWORD": "o",
-           "PATH": "/usr/bin:/bin"}
-    result = _nats_config_test(conf, env)
+    result = _nats_config_test(conf)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_systemd_and_kubernetes_files_pass_credentials_by_file_in_the_environment():
+    from bus.security import ENV_VARS
+
+    for path in (DEPLOY / "systemd" / "rolectl@.service", DEPLOY / "k8s" / "rolectl.yaml"):
+        text = path.read_text()
+        for var in (ENV_VARS["creds"], ENV_VARS["tls_ca"]):
+            assert var in text, f"{path.name} does not say how to pass {var}"
 
 
 def test_kubernetes_manifest_runs_every_role_with_rolectl():

@@ -1,0 +1,47 @@
+"""`rolectl provision`: create (or check) a job's streams with the admin identity, before any role runs.
+
+Under per-identity permissions (`rolectl auth init`) only `admin` may create, update, purge or delete
+streams, so members only check that the streams exist; this is what creates them, with exactly the
+configuration the roles expect.
+"""
+
+from __future__ import annotations
+
+from bus.connection import connect
+from bus.lease import ensure_lease_bucket
+from bus.snapshots import SnapshotStore
+from bus.security import ClientSecurity
+from bus.streams import ensure_event_stream, ensure_experience_stream
+from roles.config import JobConfig
+from sync_protocol import SyncMethod
+
+__all__ = ["provision_job"]
+
+
+async def provision_job(cfg: JobConfig, *, security: ClientSecurity | None = None,
+                        url: str | None = None) -> list[str]:
+    """Create or verify the job's event, experience and (object store method) weights streams;
+    return their names. Raises `bus.errors.BusError` (e.g. `StreamMismatch`)."""
+    async with connect(url or cfg.nats_url, job=cfg.job, role="observer", member="provision",
+                       security=security if security is not None else cfg.nats.security) as conn:
+        replicas = cfg.nats.replicas
+        streams = [
+            (await ensure_event_stream(conn.js, conn.names, replicas=replicas)).config.name,
+            (await ensure_experience_stream(conn.js, conn.names, replicas=replicas)).config.name,
+        ]
+        # the synchronizers' lease and the reducer snapshots (key-value buckets)
+        lease_ttl_s = max(1.0, 3 * cfg.synchronizer.heartbeat_period)  # as roles.synchronizer uses it
+        await ensure_lease_bucket(conn, conn.names.lease_bucket, ttl_s=lease_ttl_s, replicas=replicas)
+        await SnapshotStore(conn, replicas=replicas).ensure_bucket()
+        streams += [f"KV_{conn.names.lease_bucket}", f"KV_{conn.names.snapshot_bucket}"]
+        if cfg.synchronizer.sync_method is SyncMethod.MEMORY:
+            from bus.weights.object_store import ObjectStoreTransport
+
+            weights = ObjectStoreTransport(conn.nc, cfg.job, storage=cfg.transport.object_store_storage)
+            try:
+                await weights.ensure_stream()
+            finally:
+                await weights.aclose()
+            streams.append(weights.stream)
+        conn.log.info("provisioned", streams=streams)
+        return streams
