@@ -129,3 +129,27 @@ async def test_rolectl_server_runs_the_config_auth_init_wrote(tmp_path):
     finally:
         proc.terminate()  # by PID: the nats-server rolectl exec'd into
         proc.wait(timeout=20)
+
+
+async def test_the_dashboard_follows_a_secured_job_as_observer(secured, tmp_path):
+    import asyncio
+
+    from roles.config import load_config
+    from roles.dashboard import start_dashboard
+    from roles.provision import provision_job
+
+    auth, server = secured
+    config = tmp_path / "job.yaml"
+    config.write_text(f"job: {JOB}\nsynchronizer: {{sync_method: memory}}\n")
+    await provision_job(load_config(config), security=auth.security("admin"), url=auth.url)  # idempotent
+    handle = await start_dashboard(job=JOB, nats_url=auth.url, monitor_url=server.monitor_url,
+                                   security=auth.security("observer"))
+    try:
+        dashboard = handle.dashboard
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 20
+        while dashboard.connection != "live":
+            assert loop.time() < deadline, f"dashboard never went live: {dashboard.connection} {dashboard.error}"
+            await dashboard.wait_change(dashboard.changes, deadline - loop.time())
+    finally:
+        await handle.aclose()
