@@ -96,6 +96,8 @@ def _write_config(cfg: JobConfig, path: Path) -> None:
         "explorers": {**dataclasses.asdict(cfg.explorers), "step_delay_s": list(cfg.explorers.step_delay_s)},
         "buffer": dataclasses.asdict(cfg.buffer),
         "transport": dataclasses.asdict(cfg.transport),
+        # stream replicas; credentials reach each role through its environment, never this file
+        "nats": {"replicas": cfg.nats.replicas},
         "model": dict(cfg.model),
     }
     path.write_text(yaml.safe_dump(data, sort_keys=False))

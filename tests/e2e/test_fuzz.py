@@ -129,12 +129,10 @@ async def _inject(job: LiveJob, rng: random.Random, *, on_live_rounds: bool) -> 
 
 @pytest.mark.parametrize("on_live_rounds", [
     False,
-    # Junk on the subjects of rounds to come makes this branch's synchronizer take "wrong last
-    # sequence" for "another replica published it" and drop real decisions (explorers then wait
-    # for sync_timeout). The synchronizer's fix (issue #10 item 6, second half) is on main; strict:
-    # once it is merged this passes and the marker must go.
-    pytest.param(True, marks=pytest.mark.xfail(strict=True, reason="needs the synchronizer's re-read on "
-                                                                   "wrong last sequence (main, issue #10)")),
+    # Junk on the subjects of rounds to come: the synchronizer's publish meets "wrong last
+    # sequence", re-reads the round's subject, finds no decision of its own there and publishes
+    # after the junk (it used to take the junk for another replica's decision and drop its own).
+    True,
 ], ids=["decision-junk-elsewhere", "decision-junk-on-live-rounds"])
 async def test_junk_on_every_subject_of_a_running_job(tmp_path, on_live_rounds):
     config = job_config(tmp_path, job="fuzz", synchronizer={"sync_method": "memory"},
