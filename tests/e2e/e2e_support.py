@@ -44,6 +44,8 @@ __all__ = [
     "LiveJob",
     "of_kind",
     "trainer_steps",
+    "last_trainer_step",
+    "stream_experiences",
 ]
 
 
@@ -194,6 +196,28 @@ def trainer_steps(records: list[Recorded]) -> list[int]:
     from sync_protocol import StepFinished
 
     return [r.event.step for r in of_kind(records, StepFinished, role=Role.TRAINER)]
+
+
+def last_trainer_step(records: list[Recorded]) -> int:
+    steps = trainer_steps(records)
+    return steps[-1] if steps else 0
+
+
+async def stream_experiences(job: "LiveJob") -> int:
+    """Experiences still stored in the job's experience stream (not acked by the trainer)."""
+    from bus.experiences import decode_batch
+
+    js = job.conn.js
+    name = job.conn.names.experience_stream
+    info = await js.stream_info(name)
+    total = 0
+    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        try:
+            msg = await js.get_msg(name, seq)
+        except Exception:  # acked (deleted) or never there
+            continue
+        total += len(decode_batch(msg.data).experiences)
+    return total
 
 
 # -- a job whose processes the test starts and kills -----------------------------------------------
@@ -349,6 +373,10 @@ class LiveJob:
     async def wait_exits(self, member_ids: list[str], timeout: float) -> dict[str, int]:
         deadline = time.monotonic() + timeout
         return {m: await self.wait_exit(m, max(0.1, deadline - time.monotonic())) for m in member_ids}
+
+    async def all_exit_zero(self, member_ids: list[str], timeout: float) -> None:
+        codes = await self.wait_exits(member_ids, timeout)
+        assert all(code == 0 for code in codes.values()), f"exit codes {codes}\n{self.all_logs()}"
 
     def log_tail(self, member_id: str, lines: int = 30) -> str:
         out = []

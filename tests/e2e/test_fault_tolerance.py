@@ -10,7 +10,15 @@ import random
 
 import pytest
 
-from e2e_support import LiveJob, assert_decisions_replay, decision_problems, job_config, of_kind, trainer_steps
+from e2e_support import (
+    LiveJob,
+    assert_decisions_replay,
+    decision_problems,
+    job_config,
+    last_trainer_step,
+    of_kind,
+    trainer_steps,
+)
 from roles.up import summarize
 from sync_protocol import Decision, MemberExpired, MemberJoined, Role, StatusChanged
 
@@ -19,14 +27,8 @@ pytestmark = pytest.mark.e2e
 EXPLORERS = ["explorer-0", "explorer-1"]
 
 
-def _last_trainer_step(records) -> int:
-    steps = trainer_steps(records)
-    return steps[-1] if steps else 0
 
 
-async def _all_exit_zero(job: LiveJob, members: list[str], timeout: float) -> None:
-    codes = await job.wait_exits(members, timeout)
-    assert all(code == 0 for code in codes.values()), f"exit codes {codes}\n{job.all_logs()}"
 
 
 async def _stop_synchronizers(job: LiveJob, ids: list[str]) -> None:
@@ -74,12 +76,12 @@ async def test_random_kill9_of_every_role_job_completes(tmp_path, seed):
     async with LiveJob(tmp_path, config) as job:
         job.start_all()
         for victim, step in zip(victims, at_steps):
-            await job.wait_for(lambda recs: _last_trainer_step(recs) >= step, timeout=120,
+            await job.wait_for(lambda recs: last_trainer_step(recs) >= step, timeout=120,
                                what=f"trainer step {step}")
             job.kill9(victim)
             role = {"trainer": "trainer", "sync-0": "sync"}.get(victim, "explorer")
             job.start(role, victim)
-        await _all_exit_zero(job, ["trainer", *EXPLORERS], timeout=180)
+        await job.all_exit_zero(["trainer", *EXPLORERS], timeout=180)
         await _stop_synchronizers(job, ["sync-0"])
         summary = _check_outcome(job, total)
         records = job.records
@@ -111,7 +113,7 @@ async def test_expired_but_alive_member_rejoins_and_carries_on(tmp_path):
     async with LiveJob(tmp_path, config) as job:
         job.start_all()
         victim = "explorer-1"
-        await job.wait_for(lambda recs: _last_trainer_step(recs) >= 2, timeout=120, what="trainer step 2")
+        await job.wait_for(lambda recs: last_trainer_step(recs) >= 2, timeout=120, what="trainer step 2")
         job.current(victim).send_signal(signal.SIGSTOP)
         try:
             await job.wait_for(lambda recs: [r for r in of_kind(recs, MemberExpired) if r.event.expired.id == victim],
@@ -122,7 +124,7 @@ async def test_expired_but_alive_member_rejoins_and_carries_on(tmp_path):
             lambda recs: [r for r in of_kind(recs, MemberJoined, member=victim)][1:], timeout=30,
             what=f"{victim} to join again")
         assert rejoined[0].event.step >= 1 and rejoined[0].event.version >= 0, rejoined[0].event
-        await _all_exit_zero(job, ["trainer", *EXPLORERS], timeout=180)
+        await job.all_exit_zero(["trainer", *EXPLORERS], timeout=180)
         await _stop_synchronizers(job, ["sync-0"])
         _check_outcome(job, total)
         assert "rejoined_after_expiry" in job.log_tail(victim, lines=400)
@@ -146,7 +148,7 @@ async def test_two_synchronizers_active_killed_standby_takes_over(tmp_path):
         job.start("trainer", "trainer")
         for member in EXPLORERS:
             job.start("explorer", member)
-        await job.wait_for(lambda recs: _last_trainer_step(recs) >= 3, timeout=120, what="trainer step 3")
+        await job.wait_for(lambda recs: last_trainer_step(recs) >= 3, timeout=120, what="trainer step 3")
         kv = await job.conn.js.key_value(job.conn.names.lease_bucket)
         holder = (await kv.get("synchronizer")).value.decode()
         active = holder.split("#")[0]
@@ -155,7 +157,7 @@ async def test_two_synchronizers_active_killed_standby_takes_over(tmp_path):
         killed_at = len(job.records)
         await job.wait_for(lambda recs: any(isinstance(r.event, Decision) for r in recs[killed_at:]),
                            timeout=20, what="a decision after the active synchronizer died")
-        await _all_exit_zero(job, ["trainer", *EXPLORERS], timeout=180)
+        await job.all_exit_zero(["trainer", *EXPLORERS], timeout=180)
         await _stop_synchronizers(job, [standby])
         _check_outcome(job, total)
         assert "became_active" in job.log_tail(standby, lines=2000)

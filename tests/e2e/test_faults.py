@@ -9,7 +9,16 @@ import signal
 import pytest
 
 from roles.replay import check_decisions
-from e2e_support import LiveJob, assert_decisions_replay, decision_problems, job_config, of_kind, trainer_steps
+from e2e_support import (
+    LiveJob,
+    assert_decisions_replay,
+    decision_problems,
+    job_config,
+    last_trainer_step,
+    of_kind,
+    stream_experiences,
+    trainer_steps,
+)
 from sync_protocol import (
     Decision,
     MemberExpired,
@@ -31,14 +40,8 @@ pytestmark = pytest.mark.e2e
 EXPLORERS = ["explorer-0", "explorer-1"]
 
 
-def _last_trainer_step(records) -> int:
-    steps = trainer_steps(records)
-    return steps[-1] if steps else 0
 
 
-async def _finish(job: LiveJob, members: list[str], timeout: float) -> None:
-    codes = await job.wait_exits(members, timeout)
-    assert all(code == 0 for code in codes.values()), f"exit codes {codes}\n{job.all_logs()}"
 
 
 async def _replay_clean(job: LiveJob) -> None:
@@ -69,7 +72,7 @@ async def test_synchronizer_kill9_and_restart(tmp_path, method):
     async with LiveJob(tmp_path, config) as job:
         job.start_all()
         # Mid-run: the trainer has trained a few steps.
-        await job.wait_for(lambda recs: _last_trainer_step(recs) >= 2, timeout=90, what="trainer step 2")
+        await job.wait_for(lambda recs: last_trainer_step(recs) >= 2, timeout=90, what="trainer step 2")
         job.kill9("sync-0")
 
         # Without a synchronizer the job stalls on a decision the fold says is due.
@@ -79,8 +82,8 @@ async def test_synchronizer_kill9_and_restart(tmp_path, method):
 
         job.start("sync", "sync-0")
         restarted_at = len(job.records)
-        await _finish(job, ["trainer", *EXPLORERS], timeout=120)
-        assert _last_trainer_step(job.records) == total
+        await job.all_exit_zero(["trainer", *EXPLORERS], timeout=120)
+        assert last_trainer_step(job.records) == total
         assert trainer_steps(job.records) == list(range(1, total + 1))
         # the restarted synchronizer published the decision that was due, and the job went on
         later = [r for r in job.records[restarted_at:] if isinstance(r.event, Decision)]
@@ -132,7 +135,7 @@ async def test_explorer_kill9_trainer_goes_on(tmp_path, method):
         # loaded machine (the timer's tick, our own heartbeat's round trip, process scheduling)
         assert expired[0].time_ms - killed_ms < (4 * expiry + 10) * 1000, expired[0].time_ms - killed_ms
 
-        await _finish(job, ["trainer", survivor], timeout=120)
+        await job.all_exit_zero(["trainer", survivor], timeout=120)
         assert trainer_steps(job.records) == list(range(1, total + 1))
         assert job.current(victim).returncode == -signal.SIGKILL
         records = job.records
@@ -176,10 +179,10 @@ async def test_trainer_kill9_and_restart(tmp_path, method):
     )
     async with LiveJob(tmp_path, config) as job:
         job.start_all()
-        await job.wait_for(lambda recs: _last_trainer_step(recs) >= 3, timeout=90, what="trainer step 3")
+        await job.wait_for(lambda recs: last_trainer_step(recs) >= 3, timeout=90, what="trainer step 3")
         job.kill9("trainer")
         job.start("trainer", "trainer")
-        await _finish(job, ["trainer", *EXPLORERS], timeout=150)
+        await job.all_exit_zero(["trainer", *EXPLORERS], timeout=150)
         records = job.records
         incarnations = [r.event.member.incarnation for r in of_kind(records, MemberJoined, role=Role.TRAINER)]
         assert len(incarnations) == 2 and incarnations[0] < incarnations[1], incarnations
@@ -196,26 +199,11 @@ async def test_trainer_kill9_and_restart(tmp_path, method):
         # no experience lost: what explorers produced was trained on, or is still in the stream
         produced = sum(int(r.event.metrics["experiences"]) for r in of_kind(records, StepFinished, role=Role.EXPLORER))
         trained = sum(int(r.event.metrics["num_experiences"]) for r in steps)
-        left = await _stream_experiences(job)
+        left = await stream_experiences(job)
         assert produced == trained + left, f"produced {produced}, trained {trained}, left in the stream {left}"
         await _replay_clean(job)
 
 
-async def _stream_experiences(job: LiveJob) -> int:
-    """Experiences still stored in the job's experience stream (not acked by the trainer)."""
-    from bus.experiences import decode_batch
-
-    js = job.conn.js
-    name = job.conn.names.experience_stream
-    info = await js.stream_info(name)
-    total = 0
-    for seq in range(info.state.first_seq, info.state.last_seq + 1):
-        try:
-            msg = await js.get_msg(name, seq)
-        except Exception:  # acked (deleted) or never there
-            continue
-        total += len(decode_batch(msg.data).experiences)
-    return total
 
 
 # -- a peer dies mid-broadcast ---------------------------------------------------------------------
@@ -263,7 +251,7 @@ async def test_peer_dies_mid_broadcast_nccl(tmp_path):
         # by the group timeout / expiry, not sync_timeout (300 s), even on a loaded machine
         assert closed[0].time_ms - killed_ms < 40_000, "the failed round was not detected promptly"
 
-        await _finish(job, ["trainer", survivor], timeout=120)
+        await job.all_exit_zero(["trainer", survivor], timeout=120)
         records = job.records
         assert trainer_steps(records) == list(range(1, total + 1))
         failures = of_kind(records, SyncFailed)

@@ -14,7 +14,16 @@ import pytest
 from bus.connection import connect
 from bus.server import NatsCluster
 from bus.streams import ensure_event_stream, ensure_experience_stream
-from e2e_support import LiveJob, assert_decisions_replay, decision_problems, job_config, of_kind, trainer_steps
+from e2e_support import (
+    LiveJob,
+    assert_decisions_replay,
+    decision_problems,
+    job_config,
+    last_trainer_step,
+    of_kind,
+    stream_experiences,
+    trainer_steps,
+)
 from sync_protocol import Role, StepFinished
 
 pytestmark = pytest.mark.e2e
@@ -34,9 +43,6 @@ def _config(tmp_path, job: str, **sections):
     )
 
 
-def _last_trainer_step(records) -> int:
-    steps = trainer_steps(records)
-    return steps[-1] if steps else 0
 
 
 def _all_logs_say(job: LiveJob, text: str, members: list[str]) -> bool:
@@ -48,21 +54,6 @@ def _all_logs_say(job: LiveJob, text: str, members: list[str]) -> bool:
     return True
 
 
-async def _stream_experiences(job: LiveJob) -> int:
-    """Experiences still stored in the job's experience stream (not acked by the trainer)."""
-    from bus.experiences import decode_batch
-
-    js = job.conn.js
-    name = job.conn.names.experience_stream
-    info = await js.stream_info(name)
-    total = 0
-    for seq in range(info.state.first_seq, info.state.last_seq + 1):
-        try:
-            msg = await js.get_msg(name, seq)
-        except Exception:  # acked (deleted) or never there
-            continue
-        total += len(decode_batch(msg.data).experiences)
-    return total
 
 
 async def _assert_complete(job: LiveJob) -> None:
@@ -74,7 +65,7 @@ async def _assert_complete(job: LiveJob) -> None:
     assert trainer_steps(records) == list(range(1, TOTAL + 1)), f"trainer steps {trainer_steps(records)}"
     produced = sum(int(r.event.metrics["experiences"]) for r in of_kind(records, StepFinished, role=Role.EXPLORER))
     trained = sum(int(r.event.metrics["num_experiences"]) for r in of_kind(records, StepFinished, role=Role.TRAINER))
-    left = await _stream_experiences(job)
+    left = await stream_experiences(job)
     assert produced == trained + left, f"produced {produced}, trained {trained}, left in the stream {left}"
     # Stop the synchronizer once it published every decision the fold computes; then compare.
     await job.wait_for(lambda recs: not decision_problems(recs), timeout=30,
@@ -101,7 +92,7 @@ async def test_nats_server_kill9_and_restart_mid_job(tmp_path, storage):
     config = _config(tmp_path, f"e2e-server-restart-{storage}", transport={"object_store_storage": storage})
     async with LiveJob(tmp_path, config) as job:
         job.start_all()
-        await job.wait_for(lambda recs: _last_trainer_step(recs) >= 3, timeout=120, what="trainer step 3")
+        await job.wait_for(lambda recs: last_trainer_step(recs) >= 3, timeout=120, what="trainer step 3")
         await asyncio.to_thread(job.server.kill)
         await job.wait_until(lambda: _all_logs_say(job, "bus.disconnected", ["sync-0", "trainer", *EXPLORERS]),
                              timeout=30, what="every role to notice the server is gone")
@@ -134,7 +125,7 @@ async def test_cluster_job_survives_losing_the_event_stream_leader(tmp_path):
         async with job:
             assert job.url.count(",") == 2
             job.start_all()
-            await job.wait_for(lambda recs: _last_trainer_step(recs) >= 3, timeout=120, what="trainer step 3")
+            await job.wait_for(lambda recs: last_trainer_step(recs) >= 3, timeout=120, what="trainer step 3")
             leader = cluster.stream_leader(event_stream)
             assert leader is not None, "no leader of the event stream on the monitoring endpoint"
             cluster.kill_node(cluster.index_of(leader))
