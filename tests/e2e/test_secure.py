@@ -58,6 +58,10 @@ def _forbidden(names, identity: str) -> list[tuple[str, str, bytes]]:
         ("read another job's stream info", f"{api}.STREAM.INFO.RFT_OTHER_EVENTS", b""),
         ("read another job's events", f"{api}.CONSUMER.CREATE.RFT_OTHER_EVENTS.x", b"{}"),
         ("publish in another job", "rft.other.evt.trainer.trainer.version", b"x"),
+        ("take the synchronizers' lease", f"$KV.{names.lease_bucket}.synchronizer", b"explorer-0#1"),
+        ("write a reducer snapshot", f"$KV.{names.snapshot_bucket}.latest", b"x"),
+        ("delete the lease bucket", f"{api}.STREAM.DELETE.KV_{names.lease_bucket}", b""),
+        ("purge the snapshot bucket", f"{api}.STREAM.PURGE.KV_{names.snapshot_bucket}", b"{}"),
     ]
     if identity == "observer":  # read-only: not even its "own" subjects
         actions += [
@@ -139,8 +143,11 @@ async def test_a_secured_job_denies_every_forbidden_action_and_still_finishes(tm
         export = cli("export", "--job", JOB, "-o", str(tmp_path / "export.jsonl"))
     assert intact["event_max_msgs"] in (-1, 0, None) and intact["events"] > 0
     assert intact["consumer"] == "trainer"
+    # exactly what admin provisioned: the three streams and the two key-value buckets (lease,
+    # snapshots); nothing an attacker created, nothing deleted
     assert intact["streams"] == sorted([f"RFT_{JOB.upper()}_EVENTS", f"RFT_{JOB.upper()}_EXP",
-                                        f"RFT_{JOB.upper()}_WEIGHTS"])
+                                        f"RFT_{JOB.upper()}_WEIGHTS", f"KV_rft_{JOB}_lease",
+                                        f"KV_rft_{JOB}_snapshots"])
     assert trainer_steps(records)[-1] == TOTAL_STEPS
     assert sorted(set(trainer_steps(records))) == list(range(1, TOTAL_STEPS + 1))
     assert_decisions_replay(records)
