@@ -90,6 +90,8 @@ def _write_config(cfg: JobConfig, path: Path) -> None:
         "buffer": dataclasses.asdict(cfg.buffer),
         "transport": dataclasses.asdict(cfg.transport),
         "model": dict(cfg.model),
+        "data": cfg.data,
+        "algorithm": cfg.algorithm,
     }
     path.write_text(yaml.safe_dump(data, sort_keys=False))
 
@@ -131,6 +133,7 @@ async def _supervise(cfg: JobConfig, server: NatsServer, config_path: Path, run_
     from bus.connection import connect
     from roles.common import JobView
     from bus.events import read_all
+    from roles.engines import engine_summary
     from roles.replay import write_export
 
     logs = run_path / "logs"
@@ -191,6 +194,7 @@ async def _supervise(cfg: JobConfig, server: NatsServer, config_path: Path, run_
             summary.update(nats_url=server.url, wall_s=round(time.monotonic() - started, 2),
                            run_dir=str(run_path), events_file=str(events_file),
                            exit_codes={p.name: p.proc.returncode for p in everyone})
+            summary.update(engine_summary(cfg.model, records))
             (run_path / "summary.json").write_text(json.dumps(summary, indent=2))
             if summary_path:
                 Path(summary_path).write_text(json.dumps(summary, indent=2))
@@ -292,7 +296,7 @@ def _progress_table(cfg: JobConfig, view, processes: list[RoleProcess]) -> Table
 
 def _summary_table(summary: dict) -> Table:
     table = Table(title="run summary", show_header=False)
-    for key in ("job", "trainer_steps", "explorer_steps", "syncs", "final_version", "reward_first",
+    for key in ("job", "engines", "model_parameters", "trainer_steps", "explorer_steps", "syncs", "final_version", "reward_first",
                 "reward_last", "weights_bytes_moved", "sync_wait_ms", "wall_s", "run_dir"):
         table.add_row(key, json.dumps(summary.get(key)))
     return table
