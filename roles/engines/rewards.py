@@ -12,7 +12,7 @@ Built-ins:
   position, divided by the longer of the two lengths (partial credit; extra items cost credit).
 - `math`: a math-answer verifier: the response's final answer (the last `\\boxed{...}`, else the text
   after the last "answer is"/"####", else the last number) equals the answer as a number or fraction
-  (`0.5` = `1/2` = `\\frac{1}{2}`), or as normalised text when either is not a number.
+  (`0.5` = `1/2` = `\\frac{1}{2}`), or as text (case and whitespace ignored) when either is not a number.
 - `format`: 1 when the response is one line of whitespace-separated tokens with no stray characters
   (letters, digits, `.,-/`), else 0: checks the shape, not the content.
 """
@@ -115,7 +115,7 @@ def math_answer(response: str, answer: str) -> float:
     got, want = _as_number(final), _as_number(reference)
     if got is not None and want is not None:
         return 1.0 if got == want else 0.0
-    return 1.0 if _normalise(final).lower() == _normalise(reference).lower() else 0.0
+    return 1.0 if "".join(final.split()).lower() == "".join(reference.split()).lower() else 0.0
 
 
 _ONE_LINE_OF_ITEMS = re.compile(r"[A-Za-z0-9.,\-/]+( [A-Za-z0-9.,\-/]+)*")
