@@ -69,6 +69,10 @@ class VLLMRolloutEngine:
                       logprobs_mode="processed_logprobs")
         kwargs.update(config.vllm)
         self.llm = LLM(**kwargs)
+        # vLLM's CPU attention checks that the calling thread runs as many OpenMP threads as it set up
+        # (it lowers torch's count for serving); the explorer calls us from a worker thread, whose
+        # OpenMP thread count is its own, so every call sets it first.
+        self._torch_threads = torch.get_num_threads()
         self.group_size = config.group_size
         self.rollout_metrics: dict[str, float] = {}
         self.version = 0
@@ -77,6 +81,7 @@ class VLLMRolloutEngine:
         return self._buffers
 
     def load_weights(self, tensors: Mapping[str, Tensor], version: int) -> None:
+        torch.set_num_threads(self._torch_threads)
         check_weights(self.member, self._buffers, tensors, version, self.version)
         with torch.no_grad():
             for name, own in self._buffers.items():
@@ -90,6 +95,7 @@ class VLLMRolloutEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        torch.set_num_threads(self._torch_threads)
         prompts = [TokensPrompt(prompt_token_ids=list(task.prompt)) for task in tasks]
         params = [SamplingParams(n=self.group_size, temperature=self.config.temperature, top_p=1.0, top_k=0,
                                  max_tokens=self.config.max_new_tokens, logprobs=0,
