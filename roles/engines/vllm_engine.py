@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -68,11 +69,11 @@ class VLLMRolloutEngine:
                       worker_extension_cls=f"{__name__}.WeightReloadExtension",
                       logprobs_mode="processed_logprobs")
         kwargs.update(config.vllm)
-        self.llm = LLM(**kwargs)
-        # vLLM's CPU attention checks that the calling thread runs as many OpenMP threads as it set up
-        # (it lowers torch's count for serving); the explorer calls us from a worker thread, whose
-        # OpenMP thread count is its own, so every call sets it first.
-        self._torch_threads = torch.get_num_threads()
+        # Every call into vLLM runs on this one thread. On CPU, vLLM binds OpenMP threads when it starts
+        # and its attention kernels check that the calling thread runs as many as were bound (a
+        # different thread, such as the explorer's `to_thread` workers, fails that check and aborts).
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"vllm-{member}")
+        self.llm = self._thread.submit(LLM, **kwargs).result()
         self.group_size = config.group_size
         self.rollout_metrics: dict[str, float] = {}
         self.version = 0
@@ -81,28 +82,29 @@ class VLLMRolloutEngine:
         return self._buffers
 
     def load_weights(self, tensors: Mapping[str, Tensor], version: int) -> None:
-        torch.set_num_threads(self._torch_threads)
         check_weights(self.member, self._buffers, tensors, version, self.version)
         with torch.no_grad():
             for name, own in self._buffers.items():
                 if tensors[name].data_ptr() != own.data_ptr():  # else it was received in place
                     own.copy_(tensors[name])
+        self._thread.submit(self._reload).result()
+        self.version = version
+
+    def _reload(self) -> None:
         self.llm.collective_rpc("rolectl_reload_weights", args=(list(self._buffers.items()),))
         self.llm.reset_prefix_cache()
-        self.version = version
 
     def rollout(self, tasks: Sequence[Task], *, explore_step: int) -> list[Experience]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        torch.set_num_threads(self._torch_threads)
         prompts = [TokensPrompt(prompt_token_ids=list(task.prompt)) for task in tasks]
         params = [SamplingParams(n=self.group_size, temperature=self.config.temperature, top_p=1.0, top_k=0,
                                  max_tokens=self.config.max_new_tokens, logprobs=0,
                                  seed=task_seed(self.config.seed, self.member, explore_step, i),
                                  stop_token_ids=[self.eos_id] if self.eos_id is not None else None)
                   for i in range(len(tasks))]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = self._thread.submit(self.llm.generate, prompts, params, use_tqdm=False).result()
         rows, texts, answers = [], [], []
         for task_idx, (task, output) in enumerate(zip(tasks, outputs)):
             group = f"{self.member}-{explore_step}-{task_idx}"
