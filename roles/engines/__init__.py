@@ -236,8 +236,8 @@ def engine_config_problems(sections: EngineSections) -> list[tuple[str, str]]:
         problems.append(("model.rollout_engine", f"unknown rollout engine {names['explorer']!r}; known: {rollouts}"))
     if problems:
         return problems
-    if names["trainer"] == "tiny" and names["explorer"] != "tiny" or names["explorer"] == "tiny" != names["trainer"]:
-        return [("model.rollout_engine", "the tiny engine pairs only with itself")]
+    if "tiny" in names.values() and names["trainer"] != names["explorer"]:
+        return [("model.rollout_engine", "the tiny engine pairs only with itself (its task is token ids, not text)")]
     problems = train.problems(sections)
     if rollout is not train:
         problems += rollout.problems(sections)
