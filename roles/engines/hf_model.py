@@ -175,6 +175,12 @@ def ensure_model(config: HFModelConfig, *, data_path: str | None = None) -> Path
     and explorers started at once) each build the same bytes from the seed; the first rename wins.
     """
     path = Path(config.path)
+    marker = path / _BUILD_MARKER
+    if config.build is not None and marker.is_file():
+        built = json.loads(marker.read_text())["build"]
+        if built != {**_BUILD_DEFAULTS, **config.build}:
+            raise ValueError(f"model.path {path} holds a model built with {built}, not model.build "
+                             f"{dict(config.build)}; delete {path} or point model.path elsewhere")
     if (path / "config.json").is_file() or config.build is None:
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model.path {path}: no Hugging Face model there (config.json missing)")

@@ -146,3 +146,15 @@ def test_every_engine_problem_is_reported_at_once(model_dir, tmp_path):
     with pytest.raises(ConfigError) as info:
         parse_config({"job": "bad", "model": {"engine": "tiny"}, "data": data_section()})
     assert {p for p, _ in info.value.problems} == {"data"}
+
+
+def test_a_model_path_built_with_other_settings_is_refused(model_dir):
+    from llm_support import BUILD
+
+    from roles.engines.hf_model import ensure_model, hf_model_config_from_mapping
+
+    section = {k: v for k, v in model_section(model_dir).items() if k != "engine"}
+    assert ensure_model(hf_model_config_from_mapping(section)) == model_dir  # same settings: reused
+    other = hf_model_config_from_mapping({**section, "build": {**BUILD, "seed": 1}})
+    with pytest.raises(ValueError, match="built with .* delete"):
+        ensure_model(other)
