@@ -119,6 +119,8 @@ class JobConfig:
     transport: TransportConfig = field(default_factory=TransportConfig)
     nats: NatsConfig = field(default_factory=NatsConfig)
     model: Mapping[str, Any] = field(default_factory=dict)  # engine settings (roles.engines)
+    data: Mapping[str, Any] | None = None  # task file and rewards (hf / vllm engines)
+    algorithm: Mapping[str, Any] | None = None  # verl advantage estimator and policy loss (hf trainer)
     source: str | None = None  # the file it was loaded from
 
     @property
@@ -205,13 +207,14 @@ def _section(cls, data: Any, name: str, problems: list) -> Any:
         return cls()
 
 
-def _model_problems(model: Mapping[str, Any]) -> list[tuple[str, str]]:
-    # The engine owns its settings; ask it (TODO(lead): wire once roles.engines lands).
-    try:
-        from roles.engines import model_config_problems
-    except ImportError:
-        return []
-    return model_config_problems(model)
+def _engine_problems(model: Mapping[str, Any], data: Any, algorithm: Any, explorers: ExplorerConfig
+                     ) -> list[tuple[str, str]]:
+    # Each engine owns its sections (model, data, algorithm) and reports their problems by path.
+    from roles.engines import EngineSections, engine_config_problems
+
+    return engine_config_problems(EngineSections(model=model, data=data, algorithm=algorithm,
+                                                 explorer_count=explorers.count,
+                                                 tensor_parallel_size=explorers.tensor_parallel_size))
 
 
 def parse_config(data: Any, *, source: str | None = None) -> JobConfig:
@@ -252,11 +255,12 @@ def parse_config(data: Any, *, source: str | None = None) -> JobConfig:
         })
 
     model = data.get("model") or {}
-    if not isinstance(model, Mapping):
-        problems.append(("model", f"must be a mapping, got {type(model).__name__}"))
-        model = {}
-    else:
-        problems.extend(("model." + k, why) for k, why in _model_problems(model))
+    engine_sections = {key: data.get(key) for key in ("data", "algorithm")}
+    for key, value in (("model", model), *engine_sections.items()):
+        if value is not None and not isinstance(value, Mapping):
+            problems.append((key, f"must be a mapping, got {type(value).__name__}"))
+    if all(v is None or isinstance(v, Mapping) for v in (model, *engine_sections.values())):
+        problems.extend(_engine_problems(model, engine_sections["data"], engine_sections["algorithm"], explorers))
 
     for key in ("nats_url", "run_dir", "log_level"):
         if key in data and not isinstance(data[key], str):
@@ -283,6 +287,8 @@ def parse_config(data: Any, *, source: str | None = None) -> JobConfig:
         transport=transport,
         nats=nats,
         model=dict(model),
+        data=dict(engine_sections["data"]) if engine_sections["data"] is not None else None,
+        algorithm=dict(engine_sections["algorithm"]) if engine_sections["algorithm"] is not None else None,
         source=source,
         **extra,
     )

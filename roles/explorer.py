@@ -51,12 +51,12 @@ class Explorer:
         self.member_id = member_id
         index = _explorer_index(member_id)
         self.step_delay_s = cfg.explorers.step_delay_s[index % len(cfg.explorers.step_delay_s)]
-        self.engine = make_rollout_engine(cfg.model, member_id)
+        self.engine = make_rollout_engine(cfg, member_id)
         # Further local ranks (engine_num x tensor_parallel_size > 1) each hold their own copy of
         # the weights, as separate rollout engines (or tensor-parallel shards) would.
         ranks = cfg.explorers.engine_num * cfg.explorers.tensor_parallel_size
-        self.extra_ranks = [make_rollout_engine(cfg.model, f"{member_id}-r{r}") for r in range(1, ranks)]
-        self.taskset = make_taskset(cfg.model, seed=index, total_batches=cfg.explorers.total_steps,
+        self.extra_ranks = [make_rollout_engine(cfg, f"{member_id}-r{r}") for r in range(1, ranks)]
+        self.taskset = make_taskset(cfg, seed=index, total_batches=cfg.explorers.total_steps,
                                     batch_size=cfg.buffer.batch_size)
         self.state_file = cfg.job_dir / member_id / "explorer_state.json"
         self.explore_step = 0
@@ -131,7 +131,8 @@ class Explorer:
             # batch is deduplicated by msg id) and reports it again; counts are per (member, step).
             await self.s.publish(StepFinished(member=self.s.me, step=step, version=self.engine.version,
                                               metrics={"reward_mean": reward, "experiences": float(len(experiences)),
-                                                       "seconds": time.monotonic() - started}))
+                                                       "seconds": time.monotonic() - started,
+                                                       **self.engine.rollout_metrics}))
             self._save_state()
             self.log.info("explore_step", step=step, version=self.engine.version, reward=round(reward, 4))
             if self.need_sync():

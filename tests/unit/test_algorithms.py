@@ -1,0 +1,95 @@
+"""verl's core_algos as the hf trainer uses them, and the tiny engine's own loss checked against verl's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from roles.engines.algorithms import AlgorithmConfig, VerlAlgorithm, algorithm_config_problems
+from roles.engines.grpo import clipped_policy_loss, group_advantages
+
+
+def batch(seed: int = 0, rows: int = 12, width: int = 6):
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(rows, width, generator=g) * 3
+    new = old + (torch.rand(rows, width, generator=g) - 0.5) * 0.8  # ratios within e^±0.4: no dual clip
+    lengths = torch.randint(1, width + 1, (rows,), generator=g)
+    mask = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
+    rewards = torch.rand(rows, generator=g)
+    groups = [f"g{i // 4}" for i in range(rows)]
+    return old, new, mask, rewards, groups
+
+
+def test_the_tiny_loss_equals_verls_vanilla_policy_loss():
+    from verl.trainer.ppo import core_algos
+
+    old, new, mask, rewards, groups = batch()
+    advantages = group_advantages(rewards, groups)
+    ours, stats = clipped_policy_loss(new, old, advantages, mask, clip_eps=0.2)
+    algorithm = VerlAlgorithm(AlgorithmConfig(clip_ratio=0.2), group_size=4)
+    theirs, metrics = algorithm.policy_loss(old, new, advantages.unsqueeze(-1) * mask, mask,
+                                            batch_num_tokens=int(mask.sum()), global_batch_size=len(mask))
+    assert float(ours) == pytest.approx(float(theirs), abs=1e-6)
+    assert core_algos.get_policy_loss_fn("vanilla") is algorithm.policy_loss_fn
+    assert "actor/pg_clipfrac" in metrics and metrics["actor/pg_clipfrac"] > 0
+
+
+def test_the_tiny_advantages_are_verls_grpo_with_the_population_std():
+    from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
+
+    _, _, mask, rewards, groups = batch(seed=1)
+    token_rewards = torch.zeros(mask.shape)
+    token_rewards[:, 0] = rewards
+    centred, _ = compute_grpo_outcome_advantage(token_rewards, torch.ones(mask.shape), np.array(groups),
+                                                norm_adv_by_std_in_grpo=False)
+    ours = group_advantages(rewards, groups)
+    for group in set(groups):
+        rows = [i for i, g in enumerate(groups) if g == group]
+        population_std = rewards[rows].std(correction=0)
+        assert (ours[rows] * (population_std + 1e-6)).tolist() == pytest.approx(centred[rows, 0].tolist(), abs=1e-6)
+
+
+def test_outcome_advantages_sit_on_every_response_token_and_nowhere_else():
+    _, _, mask, rewards, groups = batch(seed=2)
+    advantages = VerlAlgorithm(AlgorithmConfig(), group_size=4).advantages(rewards, mask, groups)
+    assert advantages.shape == mask.shape
+    assert torch.all(advantages[~mask] == 0)
+    for row in range(len(mask)):
+        values = advantages[row, mask[row]]
+        assert torch.allclose(values, values[0].expand_as(values))
+    # verl's GRPO: (r - group mean) / (sample std + eps)
+    first = [i for i, g in enumerate(groups) if g == "g0"]
+    expected = (rewards[first] - rewards[first].mean()) / (rewards[first].std() + 1e-6)
+    assert advantages[first, 0].tolist() == pytest.approx(expected.tolist(), abs=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_micro_batches_add_up_to_the_whole_minibatch(mode):
+    old, new, mask, rewards, groups = batch(seed=3)
+    algorithm = VerlAlgorithm(AlgorithmConfig(loss_agg_mode=mode), group_size=4)
+    advantages = algorithm.advantages(rewards, mask, groups)
+    whole = dict(batch_num_tokens=int(mask.sum()), global_batch_size=len(mask))
+    full, _ = algorithm.policy_loss(old, new, advantages, mask, **whole)
+    parts = sum(algorithm.policy_loss(old[s], new[s], advantages[s], mask[s], **whole)[0]
+                for s in (slice(0, 5), slice(5, 12)))
+    assert float(parts) == pytest.approx(float(full), abs=1e-6)
+
+
+def test_kl_loss_uses_verls_estimator():
+    from verl.trainer.ppo.core_algos import kl_penalty
+
+    old, new, mask, _, _ = batch(seed=4)
+    algorithm = VerlAlgorithm(AlgorithmConfig(kl_coef=0.1, kl_penalty="low_var_kl"), group_size=4)
+    got = algorithm.kl_loss(new, old, mask, batch_num_tokens=int(mask.sum()), global_batch_size=len(mask))
+    expected = (kl_penalty(new, old, "low_var_kl") * mask).sum() / mask.sum()
+    assert float(got) == pytest.approx(float(expected), abs=1e-6) and float(got) > 0
+
+
+def test_algorithm_problems_name_verls_registries():
+    problems = dict(algorithm_config_problems({"advantage": "gae", "policy_loss": "nope", "clip_ratio": -1,
+                                               "clip_ratio_c": 1.0, "kl_penalty": "x", "speed": 3}))
+    assert set(problems) == {"algorithm.advantage", "algorithm.policy_loss", "algorithm.clip_ratio",
+                             "algorithm.clip_ratio_c", "algorithm.kl_penalty", "algorithm.speed"}
+    assert "vanilla" in problems["algorithm.policy_loss"] and "gspo" in problems["algorithm.policy_loss"]
+    assert algorithm_config_problems({"advantage": "rloo", "policy_loss": "gspo"}) == []
