@@ -81,14 +81,16 @@ def test_nccl_gloo_two_explorers_two_ranks(tmp_path, style):
         # steps may all finish before a trainer that is slow to start ever waits (then no version
         # moves). Explorers that explore until the trainer has finished cannot miss its rounds,
         # whatever the relative speed of the processes.
-        explorers.update(total_steps=100_000, stop_with_trainer=True)
+        # They pause between steps (a sleep, not a synchronisation: it only keeps explorers that
+        # explore for as long as the trainer trains from starving it of CPU on a loaded machine).
+        explorers.update(total_steps=100_000, stop_with_trainer=True, step_delay_s=[0.3, 0.4])
     config = job_config(
         tmp_path, job=f"e2e-nccl-{style.replace('_', '-')}",
         synchronizer={"sync_method": "nccl", "sync_style": style},
         explorers=explorers,
         trainer={"total_steps": TOTAL_STEPS},
     )
-    run = run_up(config, tmp_path, timeout=120)
+    run = run_up(config, tmp_path, timeout=300)  # a bound on "hung", not on speed
     _check_run(run, method="nccl", style=style, engine_num=2)
 
 
@@ -99,5 +101,5 @@ def test_pull_methods(tmp_path, style, method):
         synchronizer={"sync_method": method, "sync_style": style},
         trainer={"total_steps": TOTAL_STEPS},
     )
-    run = run_up(config, tmp_path, timeout=120)
+    run = run_up(config, tmp_path, timeout=300)  # a bound on "hung", not on speed
     _check_run(run, method=method, style=style, engine_num=1)

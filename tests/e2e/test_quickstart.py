@@ -10,7 +10,7 @@ pytestmark = pytest.mark.e2e
 
 
 def test_quickstart_learns(tmp_path, record_property):
-    run = run_up(ROOT / "examples" / "quickstart.yaml", tmp_path, timeout=180,
+    run = run_up(ROOT / "examples" / "quickstart.yaml", tmp_path, timeout=400,
                  extra=("--run-dir", str(tmp_path / "runs")))
     s = run.summary
     figures = {k: s.get(k) for k in ("wall_s", "trainer_steps", "explorer_steps", "final_version",
