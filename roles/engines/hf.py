@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import os
 import zlib
 from pathlib import Path
@@ -22,7 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from bus.experiences import Experience
+from bus.experiences import Experience, ExperienceLimits
 
 from .algorithms import AlgorithmConfig, VerlAlgorithm
 from .base import Task, WeightsMismatch
@@ -115,6 +116,12 @@ class HFTrainEngine:
         self.group_size = config.group_size
         self.vocab_size = int(self.model.config.vocab_size)
         self.num_parameters = parameter_count(self.model)
+        # What a batch must fit before it reaches the model (bus.experiences.validate_batch): ids in
+        # the vocabulary, responses no longer than the rollouts generate, whole groups.
+        self.experience_limits = ExperienceLimits(
+            vocab_size=self.vocab_size, prompt_length=None, max_response_length=config.max_new_tokens,
+            group_size=config.group_size)
+        self.updates_skipped_nonfinite = 0
         self.step = 0
 
     def train_step(self, experiences: Sequence[Experience], *, current_version: int) -> dict[str, float]:
@@ -161,7 +168,13 @@ class HFTrainEngine:
                 loss.backward()
                 minibatch_loss += float(loss.detach())
                 pg_metrics.append(metrics)
-            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)))
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm))
+            if not (math.isfinite(minibatch_loss) and math.isfinite(grad_norm)):
+                # a non-finite loss or gradient would poison the weights: skip this update, count it
+                self.optimizer.zero_grad(set_to_none=True)
+                self.updates_skipped_nonfinite += 1
+                continue
+            grad_norms.append(grad_norm)
             self.optimizer.step()
             losses.append(minibatch_loss)
         self.step += 1
@@ -169,11 +182,12 @@ class HFTrainEngine:
                     for key in pg_metrics[0] if isinstance(pg_metrics[0][key], (int, float))}
         staleness = [current_version - e.model_version for e in experiences]
         return {
-            "loss": sum(losses) / len(losses),
+            "loss": sum(losses) / len(losses) if losses else 0.0,
+            "updates_skipped_nonfinite": float(self.updates_skipped_nonfinite),
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std(correction=0)),
             "reward_max": float(rewards.max()),
-            "grad_norm": max(grad_norms),
+            "grad_norm": max(grad_norms, default=0.0),
             "staleness_mean": sum(staleness) / len(staleness),
             "staleness_max": float(max(staleness)),
             "response_length_mean": float(mask.sum(dim=1).float().mean()),
