@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from bus.server import NatsServer
+from bus.server import NatsServer, free_port
 
 _counter = itertools.count()
 
@@ -17,6 +17,16 @@ def nats_server(tmp_path_factory) -> NatsServer:
     """One real nats-server with JetStream for the whole session; tests isolate by job name."""
     store = tmp_path_factory.mktemp("nats-store")
     server = NatsServer(store_dir=str(store), log_file=str(store / "nats.log"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def own_server(tmp_path) -> NatsServer:
+    """A private nats-server on a fixed port and store, for tests that restart or kill it (a
+    restart would disturb the session's shared one)."""
+    server = NatsServer(store_dir=str(tmp_path / "store"), port=free_port(), log_file=str(tmp_path / "nats.log"))
     server.start()
     yield server
     server.stop()

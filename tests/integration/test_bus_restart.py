@@ -4,25 +4,13 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
-
 from bus.connection import connect
 from bus.events import EventPublisher, EventReader, read_events
 from bus.experiences import ExperienceBatch, ExperiencePublisher, ExperienceReader
-from bus.server import NatsServer, free_port
 from bus.streams import ensure_event_stream, ensure_experience_stream
 from sync_protocol import MemberRef, StepFinished
 
 ME = MemberRef(role="trainer", id="t0", incarnation=0)
-
-
-@pytest.fixture
-def own_server(tmp_path):
-    """A private server (the restart would disturb the session one), on a fixed port and store."""
-    server = NatsServer(store_dir=str(tmp_path / "store"), port=free_port(), log_file=str(tmp_path / "nats.log"))
-    server.start()
-    yield server
-    server.stop()
 
 
 async def test_restart_keeps_history_and_clients_reconnect_and_carry_on(own_server):

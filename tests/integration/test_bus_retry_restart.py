@@ -18,7 +18,7 @@ from bus.errors import BusError, RetriesExhausted
 from bus.events import EventPublisher, read_all
 from bus.experiences import ExperienceBatch, ExperiencePublisher
 from bus.retry import is_transient, retry_transient
-from bus.server import NatsServer, free_port
+from bus.server import NatsServer
 from bus.streams import ensure_event_stream, ensure_experience_stream
 from bus.weights.base import WeightsNotFound
 from bus.weights.object_store import ObjectStoreTransport
@@ -35,14 +35,6 @@ def state(seed: int) -> dict[str, torch.Tensor]:
 def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
-
-@pytest.fixture
-def own_server(tmp_path):
-    """A private server on a fixed port and store (a restart would disturb the session one)."""
-    server = NatsServer(store_dir=str(tmp_path / "store"), port=free_port(), log_file=str(tmp_path / "nats.log"))
-    server.start()
-    yield server
-    server.stop()
 
 
 async def _restart_after_first_failure(server: NatsServer, failed: asyncio.Event) -> None:
