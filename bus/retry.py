@@ -46,9 +46,19 @@ def backoff_delay(attempt: int, *, base: float = _BACKOFF_BASE_S, cap: float = _
     return delay / 2 + random.uniform(0, delay / 2)
 
 
+# A stream at a limit answers 503 too, but waiting will not make room: those are final (the
+# publisher turns them into `StreamFull`, saying which limit and how to raise it).
+STREAM_LIMIT_ERR_CODES = frozenset({
+    10077,  # maximum bytes exceeded (DiscardPolicy.NEW)
+    10054,  # message size exceeds the stream's max_msg_size
+})
+
+
 def is_transient(exc: BaseException) -> bool:
     """True for failures a restarting server or an electing cluster causes (see module docstring)."""
     if isinstance(exc, (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError)):
+        return False
+    if isinstance(exc, nats.js.errors.APIError) and exc.err_code in STREAM_LIMIT_ERR_CODES:
         return False
     if isinstance(exc, (ConnectionError, asyncio.TimeoutError, nats.errors.TimeoutError, nats.errors.NoRespondersError,
                         nats.js.errors.NoStreamResponseError, nats.js.errors.ServiceUnavailableError)):

@@ -247,19 +247,38 @@ class NatsCluster:
             return self
         if self.size < 1:
             raise NatsServerError(f"a cluster needs at least 1 node, got size={self.size}")
-        if not self.nodes:
+        planned_here = not self.nodes
+        if planned_here:
             self._plan()
         if self.log_dir:
             Path(self.log_dir).mkdir(parents=True, exist_ok=True)
         try:
-            for node in self.nodes:
-                node.start(wait=False)
-            for node in self.nodes:
-                node.wait_ready(js_enabled_only=False)
+            self._start_nodes()
+        except NatsServerError as exc:
+            if not planned_here:
+                self.stop()
+                raise
+            # Free ports are picked, released, then bound by the nodes: another process may take
+            # one in between (a route port lost that way keeps the cluster from ever forming).
+            # Once, with fresh ports; a second failure is reported as it is.
+            self.stop()
+            self.nodes.clear()
+            self._plan()
+            try:
+                self._start_nodes()
+            except BaseException:
+                self.stop()
+                raise NatsServerError(f"{exc}; and again with fresh ports") from exc
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _start_nodes(self) -> None:
+        for node in self.nodes:
+            node.start(wait=False)
+        for node in self.nodes:
+            node.wait_ready(js_enabled_only=False)
 
     def _plan(self) -> None:
         if self.store_dir is None:
