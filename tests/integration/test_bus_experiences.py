@@ -141,6 +141,30 @@ async def test_batches_of_a_dead_trainer_are_redelivered_to_the_next(nats_url, j
     assert all(r.num_delivered == 2 for r in got)
 
 
+async def test_a_restarted_trainer_gets_its_predecessors_batches_back_at_once(nats_url, job_name, conn):
+    """The dead trainer's held batches come back on the new one's nak of their ack subjects,
+    long before ack_wait (here 600 s: without the give-back the test would time out)."""
+    for step in (1, 2):
+        await ExperiencePublisher(conn, "e0").publish(_batch(step))
+    async with connect(nats_url, job=job_name, role="trainer", member="t0") as first:
+        held = await ExperienceReader(first, ack_wait_s=600).fetch(10, timeout=5)
+        ack_subjects = [r.ack_subject for r in held]
+    assert len(ack_subjects) == 2
+
+    async with connect(nats_url, job=job_name, role="trainer", member="t0") as second:
+        reader = ExperienceReader(second, ack_wait_s=600)
+        assert await reader.fetch(10, timeout=0.5) == []  # still held by the dead one
+        assert await reader.give_back(ack_subjects + ["$JS.ACK.OTHER.trainer.1.9.9.0.0", "junk"]) == 2
+        got: list = []
+        async def until_both() -> None:
+            while len(got) < 2:
+                got.extend(await reader.fetch(10, timeout=1.0))
+        await asyncio.wait_for(until_both(), 20)
+        for r in got:
+            await r.ack()
+    assert sorted(r.batch.explore_step for r in got) == [1, 2]
+
+
 async def test_nak_gives_a_batch_back_at_once(conn):
     await ExperiencePublisher(conn, "e0").publish(_batch(1))
     reader = ExperienceReader(conn, ack_wait_s=30)
