@@ -93,6 +93,12 @@ class Lease:
             return await self._take(kv)
         except (asyncio.TimeoutError, nats.errors.Error, nats.js.errors.Error, BusError) as exc:
             self.conn.log.info("bus.lease_unreachable", bucket=self.bucket, key=self.key, error=str(exc))
+            if self.revision is not None and self.conn.is_connected:
+                # We hold it and the store itself cannot answer (its stream is electing a leader,
+                # or lost with a cluster node): nobody else can take it from that store either, so
+                # keep deciding rather than stall the job. The next answer settles it (a key that
+                # expired meanwhile fails our compare-and-set and we step down if someone took it).
+                self.renewed_at = time.monotonic()
             return self.held
 
     async def _take(self, kv) -> bool:
