@@ -98,7 +98,7 @@ def start(role: str, config_path: str, member_id: str | None, nats: str | None, 
                    "identities), admin provisions the streams, each role connects as its own identity.")
 def up(config_path, explorers, summary, dashboard, dashboard_port, run_dir, auth_dir) -> None:
     """Run a whole job on this machine: an embedded nats-server and every role as its own process."""
-    from roles.up import run_up
+    from roles.launch.local import run_up
 
     cfg = _load(config_path, None)
     auth = None
@@ -250,7 +250,7 @@ def server(port: int, http_port: int, store_dir: str | None, host: str, cluster_
 @client_options
 def status(job: str, nats: str, as_json: bool, **security) -> None:
     """Members of a job (role, id, status, step, version, last seen), read from its stream."""
-    from roles.inspect import print_status
+    from roles.observe.observer import print_status
 
     sys.exit(asyncio.run(print_status(job, nats, as_json=as_json, security=_security(**security))))
 
@@ -265,7 +265,7 @@ def export(job: str, nats: str, output: str, **security) -> None:
     """Write a job's recorded events and decisions, with sequences and server timestamps."""
     from bus.errors import BusError
     from bus.logging import setup_logging
-    from roles.replay import ExportError, export_job
+    from roles.observe.replay import ExportError, export_job
 
     setup_logging("warning")
     try:
@@ -286,7 +286,7 @@ def export(job: str, nats: str, output: str, **security) -> None:
 @client_options
 def replay(job, nats, file_, until, check, as_json, **security) -> None:
     """Fold a job's events into a readable timeline; with --check, verify every decision."""
-    from roles.replay import run_replay
+    from roles.observe.replay import run_replay
 
     if (job is None) == (file_ is None):
         raise click.UsageError("give exactly one of --job or --file")
@@ -303,7 +303,7 @@ def replay(job, nats, file_, until, check, as_json, **security) -> None:
 @client_options
 def dashboard(job, nats, port, host, monitor_url, **security) -> None:
     """Serve the live dashboard of a job (members, versions, rounds, NATS health, /metrics)."""
-    from roles.dashboard import serve_dashboard
+    from roles.observe.dashboard import serve_dashboard
 
     sys.exit(serve_dashboard(job=job, nats=nats, host=host, port=port, monitor_url=monitor_url,
                              security=_security(**security)))

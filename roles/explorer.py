@@ -23,7 +23,7 @@ import zlib
 
 from bus.experiences import ExperienceBatch, ExperiencePublisher
 from bus.weights import TransferError, WeightsRef
-from roles.common import JobIncomplete, MemberRejoined, MemberSession, stop_task, write_json_atomic
+from roles.session import JobIncomplete, MemberRejoined, MemberSession, stop_task, write_json_atomic
 from roles.config import JobConfig
 from roles.transports import make_pull_transport, make_rendezvous_transport
 from sync_protocol import (

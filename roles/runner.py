@@ -9,7 +9,7 @@ import structlog
 
 from bus.errors import BusError
 from bus.logging import setup_logging
-from roles.common import JobIncomplete, install_stop_signals
+from roles.session import JobIncomplete, install_stop_signals
 from roles.config import JobConfig
 
 __all__ = ["run_role", "default_member_id", "EXIT_OK", "EXIT_ERROR", "EXIT_INCOMPLETE", "EXIT_INTERRUPTED"]

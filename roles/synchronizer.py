@@ -45,7 +45,7 @@ from bus.events import (
 from bus.lease import Lease
 from bus.snapshots import SnapshotStore
 from bus.streams import ensure_event_stream, ensure_experience_stream
-from roles.common import new_incarnation, stop_task
+from roles.session import new_incarnation, stop_task
 from roles.config import JobConfig
 from sync_protocol import (
     Decision,

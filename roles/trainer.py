@@ -28,7 +28,7 @@ from pathlib import Path
 from bus.errors import AckFailed
 from bus.experiences import ExperienceReader
 from bus.weights import TransferError
-from roles.common import JobIncomplete, MemberRejoined, MemberSession, write_json_atomic
+from roles.session import JobIncomplete, MemberRejoined, MemberSession, write_json_atomic
 from roles.config import JobConfig
 from roles.transports import make_pull_transport, make_rendezvous_transport
 from sync_protocol import (

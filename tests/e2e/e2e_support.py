@@ -27,7 +27,7 @@ from bus.events import read_events
 from bus.server import NatsServer
 from bus.streams import ensure_event_stream, ensure_experience_stream
 from roles.config import JobConfig, load_config
-from roles.replay import check_decisions, load_export
+from roles.observe.replay import check_decisions, load_export
 from sync_protocol import Decision, Event, Recorded, Role
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -166,7 +166,7 @@ def run_up(config_path: Path, tmp_path: Path, *, timeout: float = 150.0, extra: 
 
 def decision_problems(records: list[Recorded], *, allow_cut: bool = False) -> list[str]:
     """Differences between the recorded decisions and those a fold of the recorded inputs computes
-    (`roles.replay.check_decisions`: identity (kind, round, cause_seq, released) and full content,
+    (`roles.observe.replay.check_decisions`: identity (kind, round, cause_seq, released) and full content,
     duplicates, order, missing). With `allow_cut`, a decision caused by the very last inputs and
     not recorded (the recording ended first) is not a problem."""
     return [m.describe() for m in check_decisions(records) if not (allow_cut and m.warning)]
@@ -304,7 +304,7 @@ class LiveJob:
             self._follower.cancel()
             await asyncio.gather(self._follower, return_exceptions=True)
         if self.records:  # for the post-mortem: `rolectl replay --file <tmp>/events.jsonl`
-            from roles.replay import write_export
+            from roles.observe.replay import write_export
 
             write_export(self.records, self.tmp_path / "events.jsonl", job=self.cfg.job)
         if self._conn_cm is not None:

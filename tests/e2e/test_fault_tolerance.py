@@ -19,7 +19,7 @@ from e2e_support import (
     of_kind,
     trainer_steps,
 )
-from roles.up import summarize
+from roles.launch.local import summarize
 from sync_protocol import Decision, MemberExpired, MemberJoined, Role, StatusChanged
 
 pytestmark = pytest.mark.e2e

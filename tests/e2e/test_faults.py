@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from roles.replay import check_decisions
+from roles.observe.replay import check_decisions
 from e2e_support import (
     LiveJob,
     assert_decisions_replay,

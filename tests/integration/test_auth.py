@@ -135,7 +135,7 @@ async def test_the_dashboard_follows_a_secured_job_as_observer(secured, tmp_path
     import asyncio
 
     from roles.config import load_config
-    from roles.dashboard import start_dashboard
+    from roles.observe.dashboard import start_dashboard
     from roles.provision import provision_job
 
     auth, server = secured

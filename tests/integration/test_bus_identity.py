@@ -15,7 +15,7 @@ from bus.events import EventPublisher, publish_heartbeat, read_all, read_events,
 from bus.logging import setup_logging
 from bus.streams import ensure_event_stream
 from bus.subjects import identity_problem
-from roles.replay import check_decisions, export_job, load_export, run_replay
+from roles.observe.replay import check_decisions, export_job, load_export, run_replay
 from sync_protocol import (
     MemberRef,
     RoundClosed,

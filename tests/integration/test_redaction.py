@@ -14,7 +14,7 @@ import pytest
 from bus.connection import connect
 from bus.errors import BusUnavailable
 from bus.server import NatsServer
-from roles.dashboard import start_dashboard
+from roles.observe.dashboard import start_dashboard
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = "hunter2-sEcReT"

@@ -11,7 +11,7 @@ import pytest
 
 from bus.errors import BusError
 from job_scenario import run_scripted_job
-from roles.replay import (
+from roles.observe.replay import (
     ExportError,
     build_timeline,
     check_decisions,

@@ -9,8 +9,8 @@ from bus.connection import connect
 from bus.events import read_all
 from bus.snapshots import SnapshotStore
 from job_scenario import run_scripted_job
-from roles.common import JobView
-from roles.replay import run_replay
+from roles.session import JobView
+from roles.observe.replay import run_replay
 from sync_protocol.reducer import fold_lenient
 
 

@@ -25,8 +25,8 @@ from bus.auth import AuthDir
 from bus.security import redact
 from bus.server import NatsServer, NatsServerError
 from roles.config import JobConfig
-from roles.inspect import member_status
-from roles.replay import job_outcome
+from roles.observe.observer import member_status
+from roles.observe.replay import job_outcome
 from roles.runner import EXIT_ERROR, EXIT_INCOMPLETE
 from sync_protocol import (
     MemberReleased,
@@ -159,10 +159,10 @@ async def _supervise(cfg: JobConfig, server: NatsServer, config_path: Path, run_
                      summary_path, dashboard, dashboard_port, timeout_s, auth: AuthDir | None = None) -> int:
     from bus.connection import connect
     from bus.errors import BusError
-    from roles.common import JobView
+    from roles.session import JobView
     from bus.events import read_all
     from roles.engines import engine_summary
-    from roles.replay import write_export
+    from roles.observe.replay import write_export
 
     logs = run_path / "logs"
     started = time.monotonic()
@@ -198,7 +198,7 @@ async def _supervise(cfg: JobConfig, server: NatsServer, config_path: Path, run_
             await view.start(catch_up=False)
             if dashboard:
                 try:
-                    from roles.dashboard import start_dashboard
+                    from roles.observe.dashboard import start_dashboard
 
                     handle = await start_dashboard(job=cfg.job, nats_url=url, security=observer,
                                                    monitor_url=server.monitor_url, port=dashboard_port)

@@ -4,7 +4,7 @@
 Theory of operation
 -------------------
 The dashboard is a read-only observer. It follows the job's stream with `read_events` and folds it
-with `roles.inspect.JobObserver` (the pure reducer, skipping illegal inputs like the synchronizer),
+with `roles.observe.observer.JobObserver` (the pure reducer, skipping illegal inputs like the synchronizer),
 listens to heartbeats for "last seen", and polls the nats-server monitoring endpoint (`/varz`,
 `/jsz`) for server health. Every change bumps a counter; each open page gets a fresh snapshot over
 server-sent events at most a few times a second. It never publishes anything.
@@ -32,8 +32,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from bus.security import redact
-from roles.common import stop_task
-from roles.inspect import JobObserver
+from roles.session import stop_task
+from roles.observe.observer import JobObserver
 
 __all__ = ["Dashboard", "DashboardHandle", "start_dashboard", "serve_dashboard", "default_monitor_url"]
 

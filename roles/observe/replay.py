@@ -34,7 +34,7 @@ import msgpack
 
 from bus.security import redact
 
-from roles.inspect import JobObserver
+from roles.observe.observer import JobObserver
 from sync_protocol import (
     Decision,
     DecodeError,

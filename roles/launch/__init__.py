@@ -1,0 +1,1 @@
+"""How a job's processes are placed and supervised: launchers behind one seam (local processes today)."""
