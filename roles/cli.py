@@ -96,11 +96,42 @@ def start(role: str, config_path: str, member_id: str | None, nats: str | None, 
 @click.option("--auth-dir", default=None, type=click.Path(exists=True, file_okay=False),
               help="Run secured with what `rolectl auth init` wrote there: its nats-server.conf (TLS, "
                    "identities), admin provisions the streams, each role connects as its own identity.")
-def up(config_path, explorers, summary, dashboard, dashboard_port, run_dir, auth_dir) -> None:
-    """Run a whole job on this machine: an embedded nats-server and every role as its own process."""
+@click.option("--launcher", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="local: every role a process on this machine. ray: every role a Ray actor in one "
+                   "placement group (needs `pip install 'rolectl[ray]'`).")
+@click.option("--ray-address", default=None,
+              help="With --launcher ray: the cluster (auto, HOST:PORT or ray://HOST:10001; default $RAY_ADDRESS, "
+                   "else a local Ray sized for the job).")
+@click.option("--nats", default=None,
+              help="With --launcher ray: use this NATS (URLs reachable from every node) instead of a "
+                   "nats-server started as an actor on the head node.")
+@click.option("--max-restarts", type=click.IntRange(min=0), default=3, show_default=True,
+              help="With --launcher ray: how often Ray restarts a role that crashed before the job fails.")
+def up(config_path, explorers, summary, dashboard, dashboard_port, run_dir, auth_dir, launcher, ray_address,
+       nats, max_restarts) -> None:
+    """Run a whole job: a nats-server and every role as its own process, on this machine
+    (--launcher local) or as actors on a Ray cluster (--launcher ray). Prints a summary at the end;
+    exits 0 when the job completed, 3 when it ended short of its last step, 1 when a role failed."""
+    cfg = _load(config_path, None)
+    if launcher == "ray":
+        given = [flag for flag, value in (("--auth-dir", auth_dir),) if value]
+        if given:
+            raise click.UsageError(f"{given[0]} is not supported with --launcher ray yet; run secured jobs "
+                                   "with the local launcher or start the roles yourself (README, Secure deployment)")
+        from roles.launch.ray import RayLaunchError, RayUnavailable, run_up_ray
+
+        try:
+            code = run_up_ray(cfg, ray_address=ray_address, nats=nats, explorers=explorers, summary_path=summary,
+                              dashboard=dashboard, dashboard_port=dashboard_port, run_dir=run_dir,
+                              max_restarts=max_restarts)
+        except (RayUnavailable, RayLaunchError) as exc:
+            raise click.ClickException(str(exc)) from None
+        sys.exit(code)
+    given = [flag for flag, value in (("--ray-address", ray_address), ("--nats", nats)) if value]
+    if given:
+        raise click.UsageError(f"{' and '.join(given)} apply to --launcher ray only")
     from roles.launch.local import run_up
 
-    cfg = _load(config_path, None)
     auth = None
     if auth_dir:
         from bus.auth import read_auth_dir

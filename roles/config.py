@@ -44,6 +44,10 @@ class TrainerConfig:
     # How long the trainer waits for explorers when every one of them is gone (expired, killed,
     # restarting) before it gives up and ends the job as incomplete (non-zero exit).
     explorer_grace_s: float = 300.0
+    # What its process is given under `rolectl up --launcher ray` (its placement-group bundle);
+    # Ray sets CUDA_VISIBLE_DEVICES to the GPUs it reserved. Ignored by the local launcher.
+    num_gpus: int = 0
+    num_cpus: int = 1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -61,6 +65,10 @@ class ExplorerConfig:
     # A trainer that went silent (killed, restarting, expired) is waited for this long before an
     # explorer gives up (non-zero exit): long enough for a restart with imports and checkpoint load.
     trainer_grace_s: float = 300.0
+    # Under `rolectl up --launcher ray`, each explorer's bundle: num_cpus CPUs and, with use_gpus,
+    # engine_num x tensor_parallel_size GPUs (CUDA_VISIBLE_DEVICES set by Ray). Ignored locally.
+    num_cpus: int = 1
+    use_gpus: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -149,8 +157,8 @@ class JobConfig:
 # -- validation ------------------------------------------------------------------------------------
 
 _POSITIVE_INT = ("total_steps", "count", "engine_num", "tensor_parallel_size", "batch_size",
-                 "keep_versions", "bucket_size_mb", "replicas")
-_NON_NEGATIVE_INT = ("save_interval",)
+                 "keep_versions", "bucket_size_mb", "replicas", "num_cpus")
+_NON_NEGATIVE_INT = ("save_interval", "num_gpus")
 _POSITIVE_FLOAT = ("ack_wait_s", "group_timeout_s", "trainer_grace_s", "explorer_grace_s")
 
 
@@ -172,7 +180,7 @@ def _check_field(section: str, f: dataclasses.Field, value: Any, problems: list)
         problems.append((where, f"must be a path string or null, got {value!r}"))
     elif f.name == "object_store_storage" and value not in ("memory", "file"):
         problems.append((where, f"must be memory or file, got {value!r}"))
-    elif f.name == "stop_with_trainer" and not isinstance(value, bool):
+    elif f.name in ("stop_with_trainer", "use_gpus") and not isinstance(value, bool):
         problems.append((where, f"must be true or false, got {value!r}"))
     elif f.name == "step_delay_s":
         if isinstance(value, (int, float)) and not isinstance(value, bool):

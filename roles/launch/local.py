@@ -25,6 +25,7 @@ from bus.auth import AuthDir
 from bus.security import redact
 from bus.server import NatsServer, NatsServerError
 from roles.config import JobConfig
+from roles.launch.base import Launcher, RoleHandle
 from roles.observe.observer import member_status
 from roles.observe.replay import job_outcome
 from roles.runner import EXIT_ERROR, EXIT_INCOMPLETE
@@ -41,14 +42,14 @@ from sync_protocol import (
     WeightsLoaded,
 )
 
-__all__ = ["run_up", "summarize", "RoleProcess"]
+__all__ = ["run_up", "supervise", "summarize", "write_config", "LocalLauncher", "RoleProcess"]
 
 console = Console(stderr=True)
 
 
 @dataclasses.dataclass
 class RoleProcess:
-    """One role running as a child process, its output going to a log file."""
+    """One role running as a child process of `up`, its output going to a log file."""
 
     role: str
     member_id: str
@@ -59,32 +60,69 @@ class RoleProcess:
     def name(self) -> str:
         return self.member_id
 
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
+
+    @property
+    def restarts(self) -> int:
+        return 0  # a local role that crashes fails the job (`--launcher ray` restarts it)
+
     def tail(self, lines: int = 15) -> str:
-        try:
-            with open(self.log_path, "rb") as fh:
-                return b"".join(deque(fh, maxlen=lines)).decode(errors="replace")
-        except OSError:
-            return "(no log)"
+        return tail_file(self.log_path, lines)
 
 
-def _spawn(role: str, member_id: str, config_path: Path, nats_url: str, logs: Path,
-           auth: AuthDir | None = None) -> RoleProcess:
-    log_path = logs / f"{member_id}.log"
-    out = open(log_path, "ab")
-    env = dict(os.environ, PYTHONUNBUFFERED="1", ROLECTL_ADVERTISE_HOST="127.0.0.1")
-    if auth is not None:  # its own identity, by file path in the environment (never argv)
-        env.update(auth.security(member_id).as_env())
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "roles.cli", "start", role, "--config", str(config_path),
-         "--nats", nats_url, "--id", member_id],
-        stdout=out, stderr=subprocess.STDOUT, env=env,
-        start_new_session=True,  # Ctrl-C in the terminal reaches `up`, which stops children in order
-    )
-    out.close()
-    return RoleProcess(role=role, member_id=member_id, log_path=log_path, proc=proc)
+def tail_file(path: Path, lines: int = 15) -> str:
+    try:
+        with open(path, "rb") as fh:
+            return b"".join(deque(fh, maxlen=lines)).decode(errors="replace")
+    except OSError:
+        return "(no log)"
 
 
-def _write_config(cfg: JobConfig, path: Path) -> None:
+@dataclasses.dataclass
+class LocalLauncher:
+    """Every role as an OS process on this machine, logs under `<run dir>/logs`."""
+
+    config_path: Path
+    nats_url: str
+    logs: Path
+    auth: AuthDir | None = None
+    name: str = "local"
+
+    def start(self, role: str, member_id: str) -> RoleProcess:
+        log_path = self.logs / f"{member_id}.log"
+        out = open(log_path, "ab")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", ROLECTL_ADVERTISE_HOST="127.0.0.1")
+        if self.auth is not None:  # its own identity, by file path in the environment (never argv)
+            env.update(self.auth.security(member_id).as_env())
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "roles.cli", "start", role, "--config", str(self.config_path),
+             "--nats", self.nats_url, "--id", member_id],
+            stdout=out, stderr=subprocess.STDOUT, env=env,
+            start_new_session=True,  # Ctrl-C in the terminal reaches `up`, which stops children in order
+        )
+        out.close()
+        return RoleProcess(role=role, member_id=member_id, log_path=log_path, proc=proc)
+
+    async def stop_all(self, handles: list[RoleProcess], grace_s: float = 15.0) -> None:
+        """SIGINT (roles publish STOPPED), then SIGKILL after a grace period."""
+        for p in handles:
+            if p.proc.poll() is None:
+                p.proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + grace_s
+        for p in handles:
+            while p.proc.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            if p.proc.poll() is None:
+                p.proc.kill()
+                p.proc.wait()
+
+
+def write_config(cfg: JobConfig, path: Path) -> None:
     """The effective config every role of this run reads (nats URL and run dir filled in)."""
     data = {
         "job": cfg.job,
@@ -142,21 +180,26 @@ def run_up(cfg: JobConfig, *, explorers: int | None = None, summary_path: str | 
     url = server.url if auth is None else auth.url
     cfg = dataclasses.replace(cfg, nats_url=url, run_dir=str(run_path))
     config_path = run_path / "job.yaml"
-    _write_config(cfg, config_path)
+    write_config(cfg, config_path)
     secured = "" if auth is None else f" (TLS, identities from {auth.path})"
     console.print(f"[bold]rolectl up[/] job [cyan]{cfg.job}[/]: nats {url}{secured}, run dir {run_path}")
     try:
-        return asyncio.run(_supervise(cfg, server, config_path, run_path, summary_path=summary_path,
-                                      dashboard=dashboard, dashboard_port=dashboard_port, timeout_s=timeout_s,
-                                      auth=auth))
+        launcher = LocalLauncher(config_path=config_path, nats_url=url, logs=run_path / "logs", auth=auth)
+        return asyncio.run(supervise(cfg, launcher, run_path, monitor_url=server.monitor_url,
+                                     summary_path=summary_path, dashboard=dashboard,
+                                     dashboard_port=dashboard_port, timeout_s=timeout_s, auth=auth))
     except KeyboardInterrupt:
         return 130
     finally:
         server.stop()
 
 
-async def _supervise(cfg: JobConfig, server: NatsServer, config_path: Path, run_path: Path, *,
-                     summary_path, dashboard, dashboard_port, timeout_s, auth: AuthDir | None = None) -> int:
+async def supervise(cfg: JobConfig, launcher: Launcher, run_path: Path, *, monitor_url: str | None,
+                    summary_path, dashboard, dashboard_port, timeout_s, auth: AuthDir | None = None,
+                    extra_summary: dict | None = None) -> int:
+    """Start every role through `launcher`, show progress until the job ends (every worker exited
+    0, one role failed, Ctrl-C or `timeout_s`), stop everyone, export the stream and write the summary.
+    The same for every launcher: only how roles are started, watched and stopped differs."""
     from bus.connection import connect
     from bus.errors import BusError
     from roles.session import JobView
@@ -164,7 +207,6 @@ async def _supervise(cfg: JobConfig, server: NatsServer, config_path: Path, run_
     from roles.engines import engine_summary
     from roles.observe.replay import write_export
 
-    logs = run_path / "logs"
     started = time.monotonic()
     url = cfg.nats_url
     observer = auth.security("observer") if auth is not None else None
@@ -177,9 +219,9 @@ async def _supervise(cfg: JobConfig, server: NatsServer, config_path: Path, run_
             console.print(f"[red]provisioning the job's streams as admin failed:[/] {exc}", highlight=False)
             return 1
         console.print(f"provisioned as admin: {', '.join(streams)}", highlight=False)
-    sync = _spawn("sync", "sync-0", config_path, url, logs, auth)
-    trainer = _spawn("trainer", "trainer", config_path, url, logs, auth)
-    explorers = [_spawn("explorer", e, config_path, url, logs, auth) for e in cfg.explorer_ids()]
+    sync = launcher.start("sync", "sync-0")
+    trainer = launcher.start("trainer", "trainer")
+    explorers = [launcher.start("explorer", e) for e in cfg.explorer_ids()]
     workers = [trainer, *explorers]
     everyone = [sync, *workers]
     handle = None
@@ -201,7 +243,7 @@ async def _supervise(cfg: JobConfig, server: NatsServer, config_path: Path, run_
                     from roles.observe.dashboard import start_dashboard
 
                     handle = await start_dashboard(job=cfg.job, nats_url=url, security=observer,
-                                                   monitor_url=server.monitor_url, port=dashboard_port)
+                                                   monitor_url=monitor_url, port=dashboard_port)
                     console.print(f"dashboard: [link={handle.url}]{handle.url}[/link]")
                 except Exception as exc:  # the job matters more than its window
                     console.print(f"[yellow]dashboard not started:[/] {exc}")
@@ -210,22 +252,22 @@ async def _supervise(cfg: JobConfig, server: NatsServer, config_path: Path, run_
                       transient=not console.is_terminal) as live:
                 while True:
                     live.update(_progress_table(cfg, view, everyone))
-                    failed = next((p for p in everyone if p.proc.poll() not in (None, 0)), None)
-                    if failed or all(p.proc.poll() == 0 for p in workers):
+                    failed = next((p for p in everyone if p.poll() not in (None, 0)), None)
+                    if failed or all(p.poll() == 0 for p in workers):
                         break
                     if stop.is_set() or (timeout_s and time.monotonic() - started > timeout_s):
                         failed = "stopped" if stop.is_set() else "timeout"
                         break
                     await asyncio.sleep(0.5)  # refresh cadence of the progress table
-            if isinstance(failed, RoleProcess):
-                exit_code = failed.proc.returncode if failed.proc.returncode > 0 else EXIT_ERROR
-                console.print(f"[red]{failed.name} exited with code {failed.proc.returncode}[/]; last log lines:")
+            if failed is not None and not isinstance(failed, str):
+                exit_code = failed.returncode if failed.returncode > 0 else EXIT_ERROR
+                console.print(f"[red]{failed.name} exited with code {failed.returncode}[/]; last log lines:")
                 console.print(failed.tail(), markup=False, highlight=False)
             elif failed:
                 exit_code = EXIT_ERROR
                 console.print(f"[red]job {failed}[/]")
             # Let the synchronizer see the last events, then stop it and record the run.
-            await _stop_all(everyone)
+            await launcher.stop_all(everyone)
             records = await read_all(conn)
             events_file = run_path / "events.jsonl"
             write_export(records, events_file, job=cfg.job)
@@ -235,7 +277,9 @@ async def _supervise(cfg: JobConfig, server: NatsServer, config_path: Path, run_
                 console.print(f"[red]job incomplete:[/] {summary['end_reason']}")
             summary.update(nats_url=redact(url), secured=auth is not None, wall_s=round(time.monotonic() - started, 2),
                            run_dir=str(run_path), events_file=str(events_file),
-                           exit_codes={p.name: p.proc.returncode for p in everyone})
+                           launcher=launcher.name, exit_codes={p.name: p.returncode for p in everyone},
+                           restarts={p.name: p.restarts for p in everyone if p.restarts})
+            summary.update(extra_summary or {})
             summary.update(engine_summary(cfg.model, records))
             (run_path / "summary.json").write_text(json.dumps(summary, indent=2))
             if summary_path:
@@ -243,24 +287,10 @@ async def _supervise(cfg: JobConfig, server: NatsServer, config_path: Path, run_
             console.print(_summary_table(summary))
             await view.aclose()
     finally:
-        await _stop_all(everyone)
+        await launcher.stop_all(everyone)
         if handle is not None:
             await handle.aclose()
     return exit_code
-
-
-async def _stop_all(processes: list[RoleProcess], grace_s: float = 15.0) -> None:
-    """SIGINT (roles publish STOPPED), then SIGKILL after a grace period."""
-    for p in processes:
-        if p.proc.poll() is None:
-            p.proc.send_signal(signal.SIGINT)
-    deadline = time.monotonic() + grace_s
-    for p in processes:
-        while p.proc.poll() is None and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        if p.proc.poll() is None:
-            p.proc.kill()
-            p.proc.wait()
 
 
 def _auth_mismatch(cfg: JobConfig, auth: AuthDir) -> str | None:
@@ -347,7 +377,7 @@ def summarize(records: list[Recorded], *, job: str) -> dict:
     }
 
 
-def _progress_table(cfg: JobConfig, view, processes: list[RoleProcess]) -> Table:
+def _progress_table(cfg: JobConfig, view, processes: list[RoleHandle]) -> Table:
     table = Table(title=f"job {cfg.job} · latest version {view.state.latest.version}", expand=False)
     for col in ("member", "status", "step", "version", "reward", "process"):
         table.add_column(col)
@@ -357,7 +387,7 @@ def _progress_table(cfg: JobConfig, view, processes: list[RoleProcess]) -> Table
         reward = member.metrics.get("reward_mean") if member.metrics else None
         table.add_row(member.ref.key, member_status(member), str(member.step), str(member.version),
                       f"{reward:.3f}" if reward is not None else "",
-                      "running" if proc and proc.proc.poll() is None else (f"exit {proc.proc.returncode}" if proc else ""))
+                      "running" if proc and proc.poll() is None else (f"exit {proc.returncode}" if proc else ""))
     return table
 
 
@@ -366,6 +396,6 @@ def _summary_table(summary: dict) -> Table:
     for key in ("job", "complete", "end_reason", "engines", "model_parameters", "trainer_steps", "explorer_steps",
                 "syncs", "final_version", "reward_first", "reward_last", "experiences_produced",
                 "experiences_trained", "experiences_dropped_stale", "weights_bytes_moved", "sync_wait_ms",
-                "wall_s", "run_dir"):
+                "wall_s", "launcher", "restarts", "run_dir"):
         table.add_row(key, json.dumps(summary.get(key)))
     return table

@@ -1,0 +1,183 @@
+"""`rolectl up --launcher ray` on a real local Ray head (one per module, explicit CPUs, usage stats
+off): the quickstart submitted with `ray job submit` learns as it does locally; kill -9 of the
+trainer's role process mid-job makes Ray restart its actor and the job completes with every step
+trained once; a second `up` of a running job is refused."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from bus.server import free_port
+from e2e_support import ROOT, LiveJob, assert_decisions_replay, job_config, last_trainer_step, trainer_steps
+from roles.observe.replay import load_export
+
+pytestmark = pytest.mark.e2e
+
+RAY_CLI = str(Path(sys.executable).with_name("ray"))
+# Usage stats off; token auth off (Ray 2.60 turns it on; this head listens on loopback only); and the
+# raylet waits longer for its agents to report their ports than its 15 s default, which a loaded
+# 2-core machine exceeds.
+RAY_ENV = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
+RAY_SYSTEM_CONFIG = {"raylet_start_wait_time_s": 120, "agent_register_timeout_ms": 300_000}
+
+
+class RayHead:
+    """`ray start --head --block` as our own process group: torn down by its PID, never `ray stop`
+    (which would stop every Ray on the machine)."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.gcs_port, self.dashboard_port = free_port(), free_port()
+        self.log = tmp / "ray-head.log"
+        args = [RAY_CLI, "start", "--head", "--block", "--num-cpus", "4", "--num-gpus", "0",
+                "--node-ip-address", "127.0.0.1", "--port", str(self.gcs_port),
+                "--include-dashboard", "true", "--dashboard-host", "127.0.0.1",
+                "--dashboard-port", str(self.dashboard_port),
+                # every port explicit: no clash with another Ray on this machine, and the raylet
+                # does not wait (and time out, on a loaded machine) for its agents to report theirs
+                *(arg for flag in ("--dashboard-agent-listen-port", "--dashboard-agent-grpc-port",
+                                   "--runtime-env-agent-port", "--ray-client-server-port", "--metrics-export-port",
+                                   "--node-manager-port", "--object-manager-port")
+                  for arg in (flag, str(free_port()))),
+                "--disable-usage-stats", "--system-config", json.dumps(RAY_SYSTEM_CONFIG),
+                "--temp-dir", str(tmp / "ray")]
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=RAY_ENV,
+                                         start_new_session=True)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.gcs_port}"
+
+    @property
+    def dashboard(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
+
+    def wait_ready(self, timeout: float = 180) -> None:
+        """The job server answers (it starts last): then the GCS and the raylet are up too."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"ray start exited {self.proc.returncode}\n{self.log.read_text()[-3000:]}"
+            try:
+                with urllib.request.urlopen(f"{self.dashboard}/api/jobs/", timeout=5) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)  # polling an HTTP endpoint that is not up yet; bounded by the deadline
+        raise AssertionError(f"Ray head not ready after {timeout} s\n{self.log.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # `ray start --block` stops what it started
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # our own session: raylet, workers, role processes
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory):
+    head = RayHead(tmp_path_factory.mktemp("rayhead"))
+    try:
+        head.wait_ready()
+        yield head
+    finally:
+        head.stop()
+
+
+def _up_args(config: Path, tmp_path: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "roles.cli", "up", "--launcher", "ray", "--config", str(config),
+            "--summary", str(tmp_path / "summary.json"), "--no-dashboard", "--run-dir", str(tmp_path / "runs"),
+            *extra]
+
+
+def test_ray_job_submit_runs_the_quickstart_and_it_learns(ray_head, tmp_path, record_property):
+    """`ray job submit -- <venv python> -m roles.cli up --launcher ray ...`: the entrypoint finds the
+    cluster through RAY_ADDRESS, as a user's would."""
+    started = time.monotonic()
+    result = subprocess.run(
+        [RAY_CLI, "job", "submit", "--address", ray_head.dashboard, "--",
+         *_up_args(ROOT / "examples" / "quickstart.yaml", tmp_path)],
+        capture_output=True, text=True, env=RAY_ENV, timeout=480, cwd=ROOT)
+    wall = time.monotonic() - started
+    output = result.stdout + result.stderr
+    summary_file = tmp_path / "summary.json"
+    assert summary_file.exists(), f"no summary (exit {result.returncode})\n{output[-5000:]}"
+    s = json.loads(summary_file.read_text())
+    figures = {k: s.get(k) for k in ("wall_s", "trainer_steps", "explorer_steps", "final_version",
+                                      "reward_first", "reward_last", "sync_wait_ms")}
+    for key, value in {**figures, "submit_wall_s": round(wall, 1)}.items():
+        record_property(key, value)
+    print(f"quickstart via ray job submit: submit wall {wall:.1f} s, {figures}")
+    assert result.returncode == 0 and "succeeded" in output, output[-5000:]
+    assert s["launcher"] == "ray" and s["complete"], s
+    assert set(s["exit_codes"].values()) == {0}, s["exit_codes"]
+    assert s["trainer_steps"] == 50 and s["final_version"] == 50, figures
+    assert s["explorer_steps"] == {"explorer-0": 50, "explorer-1": 50}, figures
+    assert s["reward_last"] >= s["reward_first"] + 0.3, figures
+    assert_decisions_replay(load_export(s["events_file"]))
+
+
+def _actor_role_pid(head: RayHead, job: str, member: str) -> int:
+    """The PID of the role process the named actor runs (asked of the actor, through Ray)."""
+    code = ("import ray; ray.init(address=%r, namespace='rolectl', logging_level='ERROR'); "
+            "print(ray.get(ray.get_actor(%r).pid.remote(), timeout=60))" % (head.address, f"{job}/{member}"))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=RAY_ENV, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+async def test_kill9_of_a_role_process_ray_restarts_it_and_the_job_completes(ray_head, tmp_path):
+    total = 10
+    config = job_config(
+        tmp_path, job="e2e-ray-kill",
+        synchronizer={"sync_method": "memory", "sync_style": "fixed", "sync_timeout": 300,
+                      "heartbeat_period": 0.4, "heartbeat_expiry": 2.0},
+        trainer={"total_steps": total, "save_interval": 1, "train_batch_tasks": 8},
+        explorers={"total_steps": total, "step_delay_s": [0.0, 0.1], "trainer_grace_s": 120},
+        buffer={"ack_wait_s": 60},  # longer than the test: the killed trainer's batches come back by nak
+    )
+    async with LiveJob(tmp_path, config) as job:  # our nats-server (`--nats`), its stream followed live
+        with open(tmp_path / "up.out", "wb") as out:
+            up = subprocess.Popen(_up_args(config, tmp_path, "--ray-address", ray_head.address, "--nats", job.url),
+                                  stdout=out, stderr=subprocess.STDOUT, env=RAY_ENV, cwd=ROOT)
+        try:
+            await job.wait_for(lambda recs: last_trainer_step(recs) >= 3, timeout=240, what="trainer step 3")
+            # The same job again while it runs: refused by name, before it touches anything.
+            second = await asyncio.to_thread(
+                subprocess.run, _up_args(config, tmp_path / "second", "--ray-address", ray_head.address,
+                                         "--nats", job.url),
+                capture_output=True, text=True, env=RAY_ENV, timeout=120, cwd=ROOT)
+            assert second.returncode == 1 and "already running on this Ray cluster" in second.stderr, second.stderr
+            pid = await asyncio.to_thread(_actor_role_pid, ray_head, "e2e-ray-kill", "trainer")
+            os.kill(pid, signal.SIGKILL)
+            rc = await asyncio.to_thread(up.wait, 400)
+        finally:
+            if up.poll() is None:
+                up.send_signal(signal.SIGINT)  # `up` tears down its actors
+                await asyncio.to_thread(up.wait, 60)
+        output = (tmp_path / "up.out").read_text(errors="replace")
+        assert rc == 0, output[-5000:]
+        s = json.loads((tmp_path / "summary.json").read_text())
+        assert s["launcher"] == "ray" and s["complete"], s
+        assert s["restarts"] == {"trainer": 1}, s["restarts"]
+        records = load_export(s["events_file"])
+        assert trainer_steps(records) == list(range(1, total + 1)), trainer_steps(records)
+        assert_decisions_replay(records)
+        trainer_log = (Path(s["run_dir"]) / "logs" / "trainer.log").read_text(errors="replace")
+        assert "trainer incarnation 1" in trainer_log and f"exited with code -{int(signal.SIGKILL)}" in trainer_log

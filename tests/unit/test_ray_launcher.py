@@ -1,0 +1,93 @@
+"""`rolectl up --launcher ray` before any cluster: the bundles it asks for, the config fields they
+come from, the flags it refuses, and the message when Ray is not installed."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from roles.cli import main
+from roles.config import load_config, parse_config
+from roles.launch.base import Launcher, RoleHandle
+from roles.launch.local import LocalLauncher
+from roles.launch.ray import INSTALL_HINT, actor_name, role_bundles
+from sync_protocol import ConfigError
+
+QUICKSTART = "examples/quickstart.yaml"
+
+
+def _cfg(**sections):
+    return parse_config({"job": "j", "model": {"engine": "tiny"}, **sections})
+
+
+def test_bundles_follow_the_config_in_start_order():
+    cfg = _cfg(trainer={"num_gpus": 2, "num_cpus": 4},
+               explorers={"count": 2, "num_cpus": 2, "use_gpus": True, "engine_num": 2, "tensor_parallel_size": 2})
+    assert role_bundles(cfg) == [
+        ("sync", "sync-0", {"CPU": 1.0}),
+        ("trainer", "trainer", {"CPU": 4.0, "GPU": 2.0}),
+        ("explorer", "explorer-0", {"CPU": 2.0, "GPU": 4.0}),  # engine_num x tensor_parallel_size
+        ("explorer", "explorer-1", {"CPU": 2.0, "GPU": 4.0}),
+    ]
+
+
+def test_cpu_only_job_asks_for_no_gpu():
+    bundles = role_bundles(load_config(QUICKSTART))
+    assert [b for _, _, b in bundles] == [{"CPU": 1.0}] * 4
+
+
+@pytest.mark.parametrize("section, field, value, says", [
+    ("trainer", "num_gpus", -1, "integer >= 0"),
+    ("trainer", "num_cpus", 0, "integer > 0"),
+    ("explorers", "num_cpus", 1.5, "integer > 0"),
+    ("explorers", "use_gpus", "yes", "true or false"),
+])
+def test_bad_resource_fields_are_named(section, field, value, says):
+    with pytest.raises(ConfigError) as info:
+        _cfg(**{section: {field: value}})
+    assert f"{section}.{field}" in str(info.value) and says in str(info.value)
+
+
+def test_actor_names_are_per_job():
+    assert actor_name("quickstart", "trainer") != actor_name("other", "trainer")
+
+
+def test_the_local_launcher_is_behind_the_seam(tmp_path):
+    launcher = LocalLauncher(config_path=tmp_path / "job.yaml", nats_url="nats://127.0.0.1:1", logs=tmp_path)
+    assert isinstance(launcher, Launcher) and launcher.name == "local"
+
+
+def test_missing_ray_names_the_extra_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now fails as on a machine without it
+    result = CliRunner().invoke(main, ["up", "--launcher", "ray", "--config", QUICKSTART, "--no-dashboard"])
+    assert result.exit_code == 1, result.output
+    assert INSTALL_HINT in result.output and "--launcher ray needs Ray" in result.output
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--ray-address", "auto"], "--ray-address apply to --launcher ray only"),
+    (["--nats", "nats://x:4222"], "--nats apply to --launcher ray only"),
+    (["--launcher", "ray", "--auth-dir", "."], "--auth-dir is not supported with --launcher ray"),
+])
+def test_flags_that_do_not_fit_the_launcher_are_refused(args, says):
+    result = CliRunner().invoke(main, ["up", "--config", QUICKSTART, *args])
+    assert result.exit_code == 2, result.output
+    assert says in result.output
+
+
+def test_up_help_documents_the_launchers():
+    text = CliRunner().invoke(main, ["up", "--help"]).output
+    for flag in ("--launcher [local|ray]", "--ray-address", "--nats", "--max-restarts"):
+        assert flag in text
+
+
+def test_role_handle_protocol_is_what_the_supervisor_uses():
+    import inspect
+
+    from roles.launch import local
+
+    source = inspect.getsource(local.supervise)
+    assert ".proc" not in source  # the supervisor sees RoleHandles only, whatever the launcher
+    assert {"poll", "returncode", "restarts", "tail", "name"} <= set(dir(RoleHandle))
