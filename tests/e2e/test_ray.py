@@ -1,16 +1,18 @@
 """`rolectl up --launcher ray` on a real local Ray head (one per module, explicit CPUs, usage stats
 off): the quickstart submitted with `ray job submit` learns as it does locally; kill -9 of the
 trainer's role process mid-job makes Ray restart its actor and the job completes with every step
-trained once; a second `up` of a running job is refused."""
+trained once; `up` of a job that is already on the cluster is refused."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -27,7 +29,8 @@ RAY_CLI = str(Path(sys.executable).with_name("ray"))
 # Usage stats off; token auth off (Ray 2.60 turns it on; this head listens on loopback only); and the
 # raylet waits longer for its agents to report their ports than its 15 s default, which a loaded
 # 2-core machine exceeds.
-RAY_ENV = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
+RAY_ENV = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1",
+               RAY_agent_register_timeout_ms="300000", RAY_raylet_start_wait_time_s="120")
 RAY_SYSTEM_CONFIG = {"raylet_start_wait_time_s": 120, "agent_register_timeout_ms": 300_000}
 
 
@@ -38,6 +41,8 @@ class RayHead:
     def __init__(self, tmp: Path) -> None:
         self.gcs_port, self.dashboard_port = free_port(), free_port()
         self.log = tmp / "ray-head.log"
+        # Ray's session dir holds unix sockets (107-byte paths at most): a short one, not pytest's tmp.
+        self.temp_dir = Path(tempfile.mkdtemp(prefix="rolectl-ray-", dir="/tmp"))
         args = [RAY_CLI, "start", "--head", "--block", "--num-cpus", "4", "--num-gpus", "0",
                 "--node-ip-address", "127.0.0.1", "--port", str(self.gcs_port),
                 "--include-dashboard", "true", "--dashboard-host", "127.0.0.1",
@@ -49,7 +54,7 @@ class RayHead:
                                    "--node-manager-port", "--object-manager-port")
                   for arg in (flag, str(free_port()))),
                 "--disable-usage-stats", "--system-config", json.dumps(RAY_SYSTEM_CONFIG),
-                "--temp-dir", str(tmp / "ray")]
+                "--temp-dir", str(self.temp_dir)]
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=RAY_ENV,
                                          start_new_session=True)
@@ -62,11 +67,14 @@ class RayHead:
     def dashboard(self) -> str:
         return f"http://127.0.0.1:{self.dashboard_port}"
 
-    def wait_ready(self, timeout: float = 180) -> None:
-        """The job server answers (it starts last): then the GCS and the raylet are up too."""
+    def wait_ready(self, timeout: float = 240) -> None:
+        """`ray start` said the node is up (GCS and raylet registered) and the job server answers."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"ray start exited {self.proc.returncode}\n{self.log.read_text()[-3000:]}"
+            if "Ray runtime started" not in self.log.read_text(errors="replace"):
+                time.sleep(0.5)  # polling a log line; bounded by the deadline
+                continue
             try:
                 with urllib.request.urlopen(f"{self.dashboard}/api/jobs/", timeout=5) as resp:
                     if resp.status == 200:
@@ -88,6 +96,7 @@ class RayHead:
         except ProcessLookupError:
             pass
         self.proc.wait()
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +152,7 @@ def _actor_role_pid(head: RayHead, job: str, member: str) -> int:
 
 
 async def test_kill9_of_a_role_process_ray_restarts_it_and_the_job_completes(ray_head, tmp_path):
-    total = 10
+    total = 12
     config = job_config(
         tmp_path, job="e2e-ray-kill",
         synchronizer={"sync_method": "memory", "sync_style": "fixed", "sync_timeout": 300,
@@ -157,14 +166,10 @@ async def test_kill9_of_a_role_process_ray_restarts_it_and_the_job_completes(ray
             up = subprocess.Popen(_up_args(config, tmp_path, "--ray-address", ray_head.address, "--nats", job.url),
                                   stdout=out, stderr=subprocess.STDOUT, env=RAY_ENV, cwd=ROOT)
         try:
-            await job.wait_for(lambda recs: last_trainer_step(recs) >= 3, timeout=240, what="trainer step 3")
-            # The same job again while it runs: refused by name, before it touches anything.
-            second = await asyncio.to_thread(
-                subprocess.run, _up_args(config, tmp_path / "second", "--ray-address", ray_head.address,
-                                         "--nats", job.url),
-                capture_output=True, text=True, env=RAY_ENV, timeout=120, cwd=ROOT)
-            assert second.returncode == 1 and "already running on this Ray cluster" in second.stderr, second.stderr
+            # Asked while the trainer cannot have finished (it is at step 1 of 12): the same process at step 3.
+            await job.wait_for(lambda recs: last_trainer_step(recs) >= 1, timeout=240, what="trainer step 1")
             pid = await asyncio.to_thread(_actor_role_pid, ray_head, "e2e-ray-kill", "trainer")
+            await job.wait_for(lambda recs: last_trainer_step(recs) >= 3, timeout=240, what="trainer step 3")
             os.kill(pid, signal.SIGKILL)
             rc = await asyncio.to_thread(up.wait, 400)
         finally:
@@ -181,3 +186,24 @@ async def test_kill9_of_a_role_process_ray_restarts_it_and_the_job_completes(ray
         assert_decisions_replay(records)
         trainer_log = (Path(s["run_dir"]) / "logs" / "trainer.log").read_text(errors="replace")
         assert "trainer incarnation 1" in trainer_log and f"exited with code -{int(signal.SIGKILL)}" in trainer_log
+
+
+def test_up_of_a_job_already_on_the_cluster_is_refused(ray_head, tmp_path):
+    """The job's name is held by its job actor for as long as its `up` runs: here this test holds it."""
+    import ray
+
+    from roles.launch.ray import JobActor, actor_name
+
+    config = job_config(tmp_path, job="e2e-ray-taken")
+    ray.init(address=ray_head.address, namespace="rolectl", logging_level="ERROR", log_to_driver=False)
+    try:
+        holder = ray.remote(JobActor).options(name=actor_name("e2e-ray-taken", "job"), num_cpus=0).remote()
+        ray.get(holder.stop_nats.remote(), timeout=120)  # created and answering
+        result = subprocess.run(_up_args(config, tmp_path, "--ray-address", ray_head.address),
+                                capture_output=True, text=True, env=RAY_ENV, timeout=180, cwd=ROOT)
+        assert result.returncode == 1, result.stdout + result.stderr
+        assert "job 'e2e-ray-taken' is already running on this Ray cluster" in result.stderr, result.stderr
+        assert not (tmp_path / "runs").exists()  # refused before it made anything
+        ray.get(holder.stop_nats.remote(), timeout=30)  # and the holder was left alone
+    finally:
+        ray.shutdown()
