@@ -82,9 +82,12 @@ except (OSError, AttributeError):  # not Linux
     _prctl = None
 
 
-def _die_with_parent() -> None:
-    """In the role process, between fork and exec: be SIGKILLed when the thread that started it
-    (the actor's watcher, alive as long as the actor) dies, so a killed actor leaves no orphan."""
+def _prepare_role_process() -> None:
+    """In the role process, between fork and exec: take no blocked signals along (a Ray worker
+    thread blocks SIGINT, and a role that never sees it cannot publish STOPPED), and be SIGKILLed
+    when the thread that started it (the actor's watcher, alive as long as the actor) dies, so a
+    killed actor leaves no orphan."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
     if _prctl is not None:
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
@@ -132,7 +135,7 @@ class RoleActor:
                 self._proc = subprocess.Popen(
                     [sys.executable, "-m", "roles.cli", "start", self.role, "--config", str(self.config_path),
                      "--nats", self.nats_url, "--id", self.member_id],
-                    stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
+                    stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_prepare_role_process)
         except BaseException as exc:
             self._spawn_error = exc
             return

@@ -181,6 +181,7 @@ async def test_kill9_of_a_role_process_ray_restarts_it_and_the_job_completes(ray
         s = json.loads((tmp_path / "summary.json").read_text())
         assert s["launcher"] == "ray" and s["complete"], s
         assert s["restarts"] == {"trainer": 1}, s["restarts"]
+        assert set(s["exit_codes"].values()) == {0}, s["exit_codes"]  # the synchronizer stopped by SIGINT too
         records = load_export(s["events_file"])
         assert trainer_steps(records) == list(range(1, total + 1)), trainer_steps(records)
         assert_decisions_replay(records)
