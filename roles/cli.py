@@ -250,7 +250,7 @@ def server(port: int, http_port: int, store_dir: str | None, host: str, cluster_
 @client_options
 def status(job: str, nats: str, as_json: bool, **security) -> None:
     """Members of a job (role, id, status, step, version, last seen), read from its stream."""
-    from roles.observe.observer import print_status
+    from roles.observe.status import print_status
 
     sys.exit(asyncio.run(print_status(job, nats, as_json=as_json, security=_security(**security))))
 

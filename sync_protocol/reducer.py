@@ -950,11 +950,7 @@ def _valid_rendezvous(address: str | None) -> bool:
 
 
 def _member_status(member: MemberState | None) -> str:
-    if member is None:
-        return "not joined"
-    if member.alive:
-        return member.status.value
-    return "stopped" if member.status is _STOPPED else "expired"
+    return "not joined" if member is None else member.condition
 
 
 def _illegal(event: Event, why: str, member: MemberState | None) -> IllegalEvent:
