@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from bus.experiences import Experience, ExperienceLimits
+from sync_protocol.experience import Experience, ExperienceLimits
 
 from .base import Task, WeightsMismatch
 from .grpo import clipped_policy_loss, group_advantages
