@@ -287,12 +287,24 @@ class ReceivedBatch:
             ) from exc
 
     async def nak(self, delay: float | None = None) -> None:
-        """Give the batch back for redelivery (after `delay` seconds if given)."""
-        await self._msg.nak(delay=delay)
+        """Give the batch back for redelivery (after `delay` seconds if given). `AckFailed` when
+        the server cannot be told (it hands the batch out again after the ack wait anyway)."""
+        try:
+            await self._msg.nak(delay=delay)
+        except nats.errors.MsgAlreadyAckdError:
+            return
+        except (asyncio.TimeoutError, nats.errors.Error) as exc:
+            raise AckFailed(f"nak of experience batch {self.batch.member}/{self.batch.explore_step} (seq "
+                            f"{self.seq}) not sent ({exc}); it is redelivered after the consumer's ack wait") from exc
 
     async def in_progress(self) -> None:
-        """Still working on it: restart the ack-wait timer."""
-        await self._msg.in_progress()
+        """Still working on it: restart the ack-wait timer. `AckFailed` when the server cannot be
+        told (a reconnect): try again later, before the ack wait runs out."""
+        try:
+            await self._msg.in_progress()
+        except (asyncio.TimeoutError, nats.errors.Error) as exc:
+            raise AckFailed(f"in-progress of experience batch {self.batch.member}/{self.batch.explore_step} "
+                            f"(seq {self.seq}) not sent ({exc}); its ack wait was not extended") from exc
 
     @property
     def ack_subject(self) -> str:

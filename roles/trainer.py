@@ -262,7 +262,7 @@ class Trainer:
         for msg in list(self.held.values()):
             try:
                 await msg.in_progress()
-            except Exception as exc:  # nats errors while reconnecting; the next call retries
+            except AckFailed as exc:  # the server is away (reconnecting); the next call retries
                 self.log.debug("in_progress_failed", seq=msg.seq, error=str(exc))
                 break
 

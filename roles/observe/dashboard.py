@@ -180,8 +180,7 @@ class Dashboard:
             return await resp.json(content_type=None)
 
     def _health(self, varz: dict[str, Any], jsz: dict[str, Any]) -> dict[str, Any]:
-        ours = {self.names.event_stream, self.names.experience_stream, f"OBJ_{self.names.weights_bucket}",
-                getattr(self.names, "weights_stream", None)}
+        ours = {self.names.event_stream, self.names.experience_stream, self.names.weights_stream}
         streams = []
         for account in jsz.get("account_details") or []:
             for s in account.get("stream_detail") or []:

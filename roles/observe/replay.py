@@ -32,6 +32,7 @@ from typing import Any, Iterable
 
 import msgpack
 
+from bus.files import atomic_path
 from bus.security import redact
 
 from roles.observe.observer import JobObserver, JobOutcome
@@ -113,23 +114,21 @@ def write_export(records: Iterable[Recorded], path: str | Path, *, job: str | No
     """Write records to `path` (.jsonl or .msgpack) atomically; returns how many were written."""
     path = Path(path)
     suffix = _suffix(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     n = 0
     try:
-        if suffix == ".jsonl":
-            with open(tmp, "w", encoding="utf-8") as fh:
-                for rec in records:
-                    fh.write(json.dumps(_row(rec, job), separators=(",", ":")) + "\n")
-                    n += 1
-        else:
-            packer = msgpack.Packer(use_bin_type=True)
-            with open(tmp, "wb") as fh:
-                for rec in records:
-                    fh.write(packer.pack(_row(rec, job)))
-                    n += 1
-        os.replace(tmp, path)  # a reader never sees half a file
+        with atomic_path(path) as tmp:  # a reader never sees half a file
+            if suffix == ".jsonl":
+                with open(tmp, "w", encoding="utf-8") as fh:
+                    for rec in records:
+                        fh.write(json.dumps(_row(rec, job), separators=(",", ":")) + "\n")
+                        n += 1
+            else:
+                packer = msgpack.Packer(use_bin_type=True)
+                with open(tmp, "wb") as fh:
+                    for rec in records:
+                        fh.write(packer.pack(_row(rec, job)))
+                        n += 1
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise ExportError(f"cannot write {path}: {exc.strerror or exc}") from None
     return n
 
