@@ -287,9 +287,9 @@ SUMMARY_SHOWN = ("job", "complete", "end_reason", "engines", "model_parameters",
 def _summary_table(summary: dict) -> Table:
     """The summary's figures, each beside what it counts (a sync, a load and a wait are not one thing)."""
     table = Table(title="run summary", show_header=False)
-    table.add_column("figure")
-    table.add_column("value", overflow="fold")
-    table.add_column("what it counts", style="dim", overflow="fold")
+    table.add_column("figure", no_wrap=True)
+    table.add_column("value", overflow="fold", ratio=1)
+    table.add_column("what it counts", style="dim", no_wrap=True)
     for key in SUMMARY_SHOWN:
         table.add_row(key, json.dumps(summary.get(key)), SUMMARY_MEANINGS.get(key, ""))
     return table

@@ -246,15 +246,12 @@ class JobOutcome:
 # What each figure of `JobObserver.summary()` counts: `rolectl up` prints it beside the figure, so
 # no two counts that look alike (syncs, loads, waits) are read as the same thing.
 SUMMARY_MEANINGS: dict[str, str] = {
-    "syncs": "sync rounds completed (new weights reached every waiter)",
-    "rounds": "sync rounds closed, by outcome",
-    "weight_loads": "times an explorer loaded weights (in a round or in the background)",
-    "sync_wait_ms": "explorer waits, from asking (require_sync) to its answer, by the answer",
-    "final_version": "newest weights version published, broadcast or loaded",
-    "weights_bytes_moved": "bytes of weights explorers loaded",
-    "experiences_produced": "experiences the explorers reported producing",
-    "experiences_trained": "experiences the trainer trained on",
-    "experiences_dropped_stale": "experiences dropped as older than the staleness bound",
+    "syncs": "rounds completed",
+    "rounds": "rounds closed, by outcome",
+    "weight_loads": "explorer loads with bytes",
+    "sync_wait_ms": "explorer ask → answer",
+    "weights_bytes_moved": "bytes explorers loaded",
+    "experiences_dropped_stale": "past the staleness bound",
 }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import io
 import json
 import os
 import re
@@ -13,8 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from rich.console import Console
+
 from bus.errors import BusError
 from job_scenario import run_scripted_job
+from roles.launch.local import _summary_table
+from roles.observe.observer import SUMMARY_MEANINGS
 from roles.observe.replay import (
     ExportError,
     build_timeline,
@@ -204,6 +209,14 @@ def test_summary_counts_a_sync_as_the_reducer_does_and_names_every_other_count(r
     loaded = [r.event for r in records if type(r.event).__name__ == "WeightsLoaded" and r.event.nbytes > 0]
     assert summary["weight_loads"] == len(loaded) == 6  # one per trainer step per explorer
     assert summary["complete"] and summary["trainer_steps"] == 3
+    # `rolectl up` prints each count beside what it counts, within 80 columns
+    console = Console(width=80, file=io.StringIO(), record=True)
+    console.print(_summary_table(summary))
+    lines = console.export_text().splitlines()
+    assert all(len(line) <= 80 for line in lines)
+    for key in ("syncs", "rounds", "weight_loads", "sync_wait_ms"):
+        row = next(line for line in lines if line.startswith(f"│ {key} "))
+        assert SUMMARY_MEANINGS[key] in row, row
 
 
 def test_replay_json_prints_the_check_result(recorded, nats_url, capsys):
