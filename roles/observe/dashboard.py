@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,8 +31,14 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from rich.console import Console
 
+from bus.connection import connect
+from bus.errors import BusError
+from bus.events import last_sequence, read_events, subscribe_heartbeats
+from bus.logging import setup_logging
 from bus.security import redact
+from bus.subjects import JobNames
 from roles.session import stop_task
 from roles.observe.observer import JobObserver
 
@@ -72,8 +79,6 @@ class Dashboard:
     """The dashboard's model and background work: follow the stream, heartbeats, server health."""
 
     def __init__(self, *, job: str, nats_url: str, monitor_url: str | None, security=None):
-        from bus.subjects import JobNames
-
         self.job = job
         self.names = JobNames(job)  # a bad job name fails here, before anything starts
         self._connect_url = nats_url
@@ -120,10 +125,6 @@ class Dashboard:
     # -- following the job -----------------------------------------------------------------------
 
     async def _follow(self) -> None:
-        from bus.connection import connect
-        from bus.errors import BusError
-        from bus.events import last_sequence, read_events, subscribe_heartbeats
-
         while True:
             try:
                 async with connect(self._connect_url, job=self.job, role="observer",
@@ -475,12 +476,6 @@ async def start_dashboard(*, job: str, nats_url: str, monitor_url: str | None, h
 def serve_dashboard(*, job: str, nats: str, host: str, port: int, monitor_url: str | None,
                     security=None) -> int:
     """`rolectl dashboard`: serve until Ctrl-C. 0 on a clean stop, 1 when it cannot start."""
-    import signal
-
-    from rich.console import Console
-
-    from bus.logging import setup_logging
-
     setup_logging("warning")
     console = Console(stderr=True)
     monitor = monitor_url or default_monitor_url(nats)

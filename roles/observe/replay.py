@@ -31,9 +31,16 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import msgpack
+from rich.console import Console
 
+from bus.connection import connect
+from bus.errors import BusError
+from bus.events import last_sequence, read_all
 from bus.files import atomic_path
+from bus.logging import setup_logging
 from bus.security import redact
+from bus.snapshots import SnapshotStore
+from bus.subjects import JobNames, identity_problem
 
 from roles.observe.observer import JobObserver, JobOutcome
 from sync_protocol import (
@@ -92,8 +99,6 @@ def _subject(job: str | None, rec: Recorded) -> str | None:
         return rec.subject
     if job is None:
         return None
-    from bus.subjects import JobNames
-
     names = JobNames(job)
     event = rec.event
     if isinstance(event, Decision):
@@ -135,9 +140,6 @@ def write_export(records: Iterable[Recorded], path: str | Path, *, job: str | No
 
 async def read_job(job: str, nats: str, *, connect_timeout: float = 5.0, security=None) -> list[Recorded]:
     """Every record of the job's stream up to its end as of now. Raises `bus.errors.BusError`."""
-    from bus.connection import connect
-    from bus.events import last_sequence, read_all
-
     async with connect(nats, job=job, role="observer", member=f"export-{os.getpid()}",
                        connect_timeout=connect_timeout, security=security) as conn:
         await last_sequence(conn)  # a clear error when the job has no stream
@@ -443,8 +445,6 @@ def check_decisions(records: list[Recorded], start: State | None = None) -> list
 
 def _verified(records: list[Recorded]) -> tuple[list[Recorded], list[tuple[Recorded, str]]]:
     """The records the live reader would fold, and the rejected ones with the reason."""
-    from bus.subjects import identity_problem
-
     kept, forged = [], []
     for rec in records:
         problem = identity_problem(rec.subject, rec.event) if rec.subject is not None else None
@@ -469,10 +469,6 @@ def _load(job: str | None, nats: str, file: str | Path | None,
 
 
 async def read_job_from_snapshot(job: str, nats: str, *, security=None) -> tuple[list[Recorded], State | None]:
-    from bus.connection import connect
-    from bus.events import last_sequence, read_all
-    from bus.snapshots import SnapshotStore
-
     async with connect(nats, job=job, role="observer", member=f"replay-{os.getpid()}",
                        security=security) as conn:
         await last_sequence(conn)  # a clear error when the job has no stream
@@ -491,11 +487,6 @@ def run_replay(*, job: str | None, nats: str, file: str | Path | None, until: st
     """`rolectl replay`: 0 when fine (and, with `check`, every decision matches and the job did not
     end short of its last step), 1 on a mismatch or an incomplete job, 2 when the input cannot be
     read (bad file, NATS unreachable, unknown job, bad --until)."""
-    from rich.console import Console
-
-    from bus.errors import BusError
-    from bus.logging import setup_logging
-
     setup_logging("warning")  # stdout is for the timeline (and JSON); logs go to stderr
     err = Console(stderr=True)
     try:
@@ -556,8 +547,6 @@ def _round_line(r: dict[str, Any], show_method: bool) -> tuple[str, str]:
 
 
 def _print_timeline(t: dict[str, Any]) -> None:
-    from rich.console import Console
-
     out = Console()
     cfg = t["config"] or {}
     _line(out, f"replay {t['source']}: {t['records']} records, seq {t['first_seq']}..{t['last_seq']}", "bold")
@@ -614,8 +603,6 @@ def _seen(member: dict[str, Any]) -> str:
 
 
 def _print_check(records: list[Recorded], mismatches: list[Mismatch]) -> None:
-    from rich.console import Console
-
     out = Console()
     decisions = sum(isinstance(r.event, Decision) for r in records)
     errors = [m for m in mismatches if not m.warning]
