@@ -209,10 +209,9 @@ class Dashboard:
         now = _now_ms()
         state = obs.state
         rounds = [r.to_json() for r in list(obs.rounds.values())[-_ROUNDS_SHOWN:]]
-        closed = [r for r in obs.rounds.values() if r.outcome is not None]
-        outcomes: dict[str, int] = {}
-        for r in closed:
-            outcomes[r.outcome] = outcomes.get(r.outcome, 0) + 1
+        # every round closed since the start (the kept `rounds` are only the newest few thousand)
+        outcomes = dict(sorted(obs.round_outcomes.items()))
+        closed = [r for r in obs.rounds.values() if r.outcome is not None]  # the kept ones, for the chart
         moved = [r for r in obs.rounds.values() if r.gbps]
         transfers = [*(t for r in obs.rounds.values() for t in r.transfers if t.kind == "loaded"),
                      *obs.background_transfers]
@@ -234,7 +233,7 @@ class Dashboard:
                         "metrics": dict(trainer.metrics)} if trainer else None,
             "members": obs.members(now),
             "rounds": rounds,
-            "rounds_summary": {"closed": len(closed), "open": len(state.rounds), "outcomes": outcomes,
+            "rounds_summary": {"closed": sum(outcomes.values()), "open": len(state.rounds), "outcomes": outcomes,
                                "total": len(obs.rounds)},
             "versions": [vars(v) for v in list(obs.versions)[-30:]],
             "throughput": {"bytes_loaded_total": obs.bytes_loaded_total, "last_gbps": last_rate,
@@ -300,13 +299,12 @@ class _Collector:
         rounds_open.add_metric((job,), len(state.rounds))
         yield rounds_open
         closed = counter("sync_rounds_closed", "Sync rounds closed, by outcome", ("outcome",))
-        outcomes: dict[str, int] = {}
         last_closed = None
         for r in obs.rounds.values():
             if r.outcome is not None:
-                outcomes[r.outcome] = outcomes.get(r.outcome, 0) + 1
                 last_closed = r
-        for outcome, n in sorted(outcomes.items()):
+        # a counter never goes down: every round closed since the start, not the kept ones only
+        for outcome, n in sorted(obs.round_outcomes.items()):
             closed.add_metric((job, outcome), n)
         yield closed
         if last_closed is not None and last_closed.duration_ms is not None:
