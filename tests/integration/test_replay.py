@@ -19,7 +19,10 @@ from rich.console import Console
 from bus.errors import BusError
 from job_scenario import run_scripted_job
 from roles.launch.local import _summary_table
-from roles.observe.observer import SUMMARY_MEANINGS
+from prometheus_client import CollectorRegistry
+
+from roles.observe.dashboard import Dashboard, _Collector
+from roles.observe.observer import SUMMARY_MEANINGS, JobObserver
 from roles.observe.replay import (
     ExportError,
     build_timeline,
@@ -217,6 +220,18 @@ def test_summary_counts_a_sync_as_the_reducer_does_and_names_every_other_count(r
     for key in ("syncs", "rounds", "weight_loads", "sync_wait_ms"):
         row = next(line for line in lines if line.startswith(f"│ {key} "))
         assert SUMMARY_MEANINGS[key] in row, row
+
+
+def test_the_dashboard_counts_every_closed_round_not_only_the_kept_ones(recorded, nats_url, tmp_path):
+    records = _export(recorded, nats_url, tmp_path / "job.jsonl")
+    dashboard = Dashboard(job=recorded, nats_url=nats_url, monitor_url=None)
+    dashboard.observer = JobObserver(max_rounds=2).extend(records)  # keeps 2 of the 8 rounds
+    assert len(dashboard.observer.rounds) == 2
+    assert dashboard.snapshot()["rounds_summary"]["outcomes"] == {"completed": 8}
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector(dashboard))
+    assert registry.get_sample_value("rolectl_sync_rounds_closed_total",
+                                     {"job": recorded, "outcome": "completed"}) == 8
 
 
 def test_replay_json_prints_the_check_result(recorded, nats_url, capsys):
