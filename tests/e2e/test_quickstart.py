@@ -19,7 +19,6 @@ def test_quickstart_learns(tmp_path, record_property):
         record_property(key, value)
     print(f"quickstart: {figures}")
     assert run.rc == 0, f"exit {run.rc}: {s.get('exit_codes')}\n{run.role_logs()}"
-    assert run.wall_s < 180, run.wall_s
     assert s["trainer_steps"] == 50 and s["final_version"] == 50, figures
     assert s["explorer_steps"] == {"explorer-0": 50, "explorer-1": 50}, figures
     assert s["reward_last"] >= s["reward_first"] + 0.3, figures
