@@ -482,7 +482,11 @@ def _load(job: str | None, nats: str, file: str | Path | None,
     """The records, and the reducer snapshot to fold them from when the job's stream no longer
     starts at its first record (trimmed by age or size): None when the records are complete."""
     if file is not None:
-        return load_export(file), None
+        records = load_export(file)
+        if not records:  # nothing to replay is not a replay that passed
+            raise ExportError(f"{file} holds no records: write one with `rolectl export --job JOB -o FILE` "
+                              "(or use the events.jsonl in a `rolectl up` run directory)")
+        return records, None
     return asyncio.run(read_job_from_snapshot(job, nats, security=security))
 
 
