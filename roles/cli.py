@@ -318,8 +318,10 @@ def export(job: str, nats: str, output: str, **security) -> None:
     setup_logging("warning")
     try:
         n = asyncio.run(export_job(job, nats, Path(output), security=_security(**security)))
-    except (ExportError, BusError, ValueError) as exc:  # bad path, NATS away, no such job
+    except BusError as exc:  # NATS away, no such job: exit 1 as every command
         raise click.ClickException(str(exc)) from None
+    except (ExportError, ValueError) as exc:  # a bad output path or job name: exit 2
+        raise InputError(str(exc)) from None
     click.echo(f"wrote {n} records to {output}")
 
 

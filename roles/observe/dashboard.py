@@ -60,15 +60,19 @@ async def _preflight(job: str, nats_url: str, monitor_url: str, *, monitor_given
     The page keeps retrying either way; this is for the person at the console, who otherwise saw
     only the URLs and an empty page."""
     from bus.connection import connect
+    from bus.errors import BusError
 
     problems = []
     try:
         async with connect(nats_url, job=job, role="observer", member=f"dashboard-{os.getpid()}",
                            connect_timeout=3.0, security=security):
             pass
+    except BusError as exc:  # its message says where, why and what to run
+        problems.append(f"{exc} The dashboard keeps trying meanwhile.")
     except Exception as exc:
-        problems.append(f"NATS at {redact(nats_url)} does not answer ({exc}). Start one (`rolectl server`, or "
-                        "`rolectl up` prints its URL) or pass --nats URL; the dashboard keeps trying meanwhile")
+        problems.append(f"NATS at {redact(nats_url)} does not answer ({type(exc).__name__}: {exc}). Start one "
+                        "(`rolectl server`, or `rolectl up` prints its URL) or pass --nats URL; the dashboard "
+                        "keeps trying meanwhile")
     try:
         timeout = aiohttp.ClientTimeout(total=3.0)
         async with aiohttp.ClientSession(timeout=timeout) as session:
