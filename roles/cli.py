@@ -94,15 +94,15 @@ def main() -> None:
               help="Job YAML (see examples/).")
 @click.option("--id", "member_id", default=None, help="Member id (default: trainer / explorer-0 / sync-<pid>).")
 @click.option("--nats", default=None, help="NATS URL(s), comma-separated; overrides the config's nats_url.")
-@click.option("--resume", "start_mode", flag_value="resume",
+@click.option("--resume", is_flag=True,
               help="Continue from the saved state in the run dir even if the job's stream does not know this member.")
-@click.option("--fresh", "start_mode", flag_value="fresh",
+@click.option("--fresh", is_flag=True,
               help="Discard this member's saved state in the run dir and start from step 0.")
 @click.option("--log-format", type=click.Choice(["auto", "console", "json"]), default="auto", show_default=True,
               help="console: aligned text for people; json: one object per line for files and log shippers; "
                    "auto: console on a terminal, json otherwise.")
 @client_options
-def start(role: str, config_path: str, member_id: str | None, nats: str | None, start_mode: str | None,
+def start(role: str, config_path: str, member_id: str | None, nats: str | None, resume: bool, fresh: bool,
           log_format: str, **security) -> None:
     """Run one ROLE (trainer, explorer or sync) in the foreground. Ctrl-C stops it cleanly.
 
@@ -113,6 +113,9 @@ def start(role: str, config_path: str, member_id: str | None, nats: str | None, 
     from roles.resume import StartMode
     from roles.runner import run_role
 
+    if resume and fresh:
+        raise click.UsageError("--resume continues from the saved state, --fresh discards it: give one")
+    start_mode = "resume" if resume else "fresh" if fresh else None
     if start_mode and role == "sync":
         raise click.UsageError(f"--{start_mode} applies to a trainer or an explorer; a synchronizer saves no state")
     cfg = _load(config_path, nats, security)

@@ -99,6 +99,11 @@ def test_start_with_an_invalid_member_id_is_a_usage_error_not_a_traceback():
     assert "Traceback" not in result.output
 
 
+def test_start_refuses_resume_with_fresh():
+    result = _run("start", "trainer", "--config", str(ROOT / "examples" / "quickstart.yaml"), "--resume", "--fresh")
+    assert result.exit_code == EXIT_USAGE and "give one" in result.output
+
+
 def test_start_sync_refuses_resume_flags():
     result = _run("start", "sync", "--config", str(ROOT / "examples" / "quickstart.yaml"), "--fresh")
     assert result.exit_code == EXIT_USAGE and "saves no state" in result.output
