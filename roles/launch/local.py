@@ -72,7 +72,7 @@ def _spawn(role: str, member_id: str, config_path: Path, nats_url: str, logs: Pa
         env.update(auth.security(member_id).as_env())
     proc = subprocess.Popen(
         [sys.executable, "-m", "roles.cli", "start", role, "--config", str(config_path),
-         "--nats", nats_url, "--id", member_id],
+         "--nats", nats_url, "--id", member_id, "--log-format", "json"],
         stdout=out, stderr=subprocess.STDOUT, env=env,
         start_new_session=True,  # Ctrl-C in the terminal reaches `up`, which stops children in order
     )
@@ -111,7 +111,9 @@ def run_up(cfg: JobConfig, *, explorers: int | None = None, summary_path: str | 
     identity per member), admin provisions the streams and each role connects as itself."""
     setup_logging("warning")
     if explorers is not None:
-        cfg = dataclasses.replace(cfg, explorers=dataclasses.replace(cfg.explorers, count=explorers))
+        cfg, note = cfg.with_explorer_count(explorers)
+        if note:
+            console.print(f"[yellow]--explorers {explorers}:[/] {note}", highlight=False)
     if auth is not None:
         problem = _auth_mismatch(cfg, auth)
         if problem:
@@ -138,7 +140,8 @@ def run_up(cfg: JobConfig, *, explorers: int | None = None, summary_path: str | 
     config_path = run_path / "job.yaml"
     _write_config(cfg, config_path)
     secured = "" if auth is None else f" (TLS, identities from {auth.path})"
-    console.print(f"[bold]rolectl up[/] job [cyan]{cfg.job}[/]: nats {url}{secured}, run dir {run_path}")
+    console.print(f"[bold]rolectl up[/] job [cyan]{cfg.job}[/]: nats {url}{secured} (monitoring {server.monitor_url}), "
+                  f"run dir {run_path}")
     try:
         return asyncio.run(_supervise(cfg, server, config_path, run_path, summary_path=summary_path,
                                       dashboard=dashboard, dashboard_port=dashboard_port, timeout_s=timeout_s,

@@ -61,6 +61,39 @@ def default_monitor_url(nats_url: str) -> str:
     return f"http://{host}:8222"
 
 
+async def _preflight(job: str, nats_url: str, monitor_url: str, *, monitor_given: bool, security=None) -> list[str]:
+    """What is wrong with where the dashboard looks, each with what to do (empty: both answer).
+
+    The page keeps retrying either way; this is for the person at the console, who otherwise saw
+    only the URLs and an empty page."""
+    from bus.connection import connect
+    from bus.errors import BusError
+
+    problems = []
+    try:
+        async with connect(nats_url, job=job, role="observer", member=f"dashboard-{os.getpid()}",
+                           connect_timeout=3.0, security=security):
+            pass
+    except BusError as exc:  # its message says where, why and what to run
+        problems.append(f"{exc} The dashboard keeps trying meanwhile.")
+    except Exception as exc:
+        problems.append(f"NATS at {redact(nats_url)} does not answer ({type(exc).__name__}: {exc}). Start one "
+                        "(`rolectl server`, or `rolectl up` prints its URL) or pass --nats URL; the dashboard "
+                        "keeps trying meanwhile")
+    try:
+        timeout = aiohttp.ClientTimeout(total=3.0)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            async with session.get(f"{monitor_url.rstrip('/')}/varz") as resp:
+                resp.raise_for_status()
+    except Exception as exc:
+        why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        guess = "" if monitor_given else " (the default guess: the --nats host, port 8222)"
+        problems.append(f"no nats-server monitoring at {monitor_url}{guess}: {why}. Pass --monitor-url "
+                        "http://HOST:PORT: `rolectl server` prints it (its --http-port), `rolectl up` prints it "
+                        "on its first line; the NATS health panel stays empty until then")
+    return problems
+
+
 def _now_ms() -> int:
     return time.time_ns() // 1_000_000
 
@@ -487,6 +520,8 @@ def serve_dashboard(*, job: str, nats: str, host: str, port: int, monitor_url: s
             return 1
         console.print(f"dashboard of job {job} at {handle.url} (NATS {redact(nats)}, monitoring {monitor}); "
                       "Ctrl-C stops it", markup=False, highlight=False, soft_wrap=True)
+        for problem in await _preflight(job, nats, monitor, monitor_given=monitor_url is not None, security=security):
+            console.print(f"warning: {problem}", style="yellow", markup=False, highlight=False, soft_wrap=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

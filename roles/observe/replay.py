@@ -464,7 +464,11 @@ def _load(job: str | None, nats: str, file: str | Path | None,
     """The records, and the reducer snapshot to fold them from when the job's stream no longer
     starts at its first record (trimmed by age or size): None when the records are complete."""
     if file is not None:
-        return load_export(file), None
+        records = load_export(file)
+        if not records:  # nothing to replay is not a replay that passed
+            raise ExportError(f"{file} holds no records: write one with `rolectl export --job JOB -o FILE` "
+                              "(or use the events.jsonl in a `rolectl up` run directory)")
+        return records, None
     return asyncio.run(read_job_from_snapshot(job, nats, security=security))
 
 
@@ -485,14 +489,18 @@ async def read_job_from_snapshot(job: str, nats: str, *, security=None) -> tuple
 def run_replay(*, job: str | None, nats: str, file: str | Path | None, until: str | None, check: bool,
                as_json: bool, security=None) -> int:
     """`rolectl replay`: 0 when fine (and, with `check`, every decision matches and the job did not
-    end short of its last step), 1 on a mismatch or an incomplete job, 2 when the input cannot be
-    read (bad file, NATS unreachable, unknown job, bad --until)."""
+    end short of its last step), 1 on a mismatch or an incomplete job or when NATS or the job cannot
+    be reached (as every command: roles.runner.EXIT_CODES), 2 when the input is wrong (a bad or empty
+    file, a bad --until, a job name that cannot be one)."""
     setup_logging("warning")  # stdout is for the timeline (and JSON); logs go to stderr
     err = Console(stderr=True)
     try:
         moment = parse_until(until)
         records, start = _load(job, nats, file, security)
-    except (ExportError, BusError, ValueError) as exc:
+    except BusError as exc:
+        err.print(f"rolectl replay: {exc}", style="red", highlight=False, markup=False, soft_wrap=True)
+        return 1
+    except (ExportError, ValueError) as exc:
         err.print(f"rolectl replay: {exc}", style="red", highlight=False, markup=False, soft_wrap=True)
         return 2
     records = cut(records, moment)

@@ -335,7 +335,9 @@ async def test_a_hung_peer_is_peer_lost_after_the_timeout_not_a_hang(explorers):
             await trainer.send(rounds[1], _state_dict(2))
         elapsed = time.monotonic() - started
     hung.proc.send_signal(signal.SIGCONT)
-    assert timeout * 0.5 < elapsed < timeout + 5
+    # not before the timeout (a hung peer looks alive until then), and not a hang: the upper
+    # bound leaves room for a loaded machine
+    assert timeout * 0.5 < elapsed < timeout + 30, elapsed
 
 
 def test_staging_buffer_is_reused_across_rounds_and_grows_with_headroom():
