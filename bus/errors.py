@@ -1,4 +1,5 @@
-"""The bus's exception tree: every NATS failure leaves `bus` as one of these, never as a nats-py error.
+"""The bus's exception tree, one root (`BusError`): every failure leaves `bus` as one of these, never
+as a nats-py error — NATS connections and streams, the embedded server, and weight transfers alike.
 
 Each message says what was wrong, where (URL, subject, stream) and what to do about it, so a log
 line alone is enough to act on.
@@ -17,6 +18,11 @@ __all__ = [
     "AckFailed",
     "MalformedExperience",
     "DecisionSuperseded",
+    "NatsServerError",
+    "TransferError",
+    "CorruptWeights",
+    "WeightsNotFound",
+    "PeerLost",
 ]
 
 
@@ -105,7 +111,8 @@ class RetriesExhausted(BusError):
 
 
 class AckFailed(BusError):
-    """The server did not confirm an ack: the message will be redelivered after its ack wait."""
+    """The server did not confirm an ack, nak or in-progress: the message will be redelivered
+    after its ack wait."""
 
 
 class MalformedExperience(BusError, ValueError):
@@ -115,3 +122,23 @@ class MalformedExperience(BusError, ValueError):
 class DecisionSuperseded(PublishRejected):
     """A decision was not stored because its round's subject holds a message this replica did not
     know of (another replica's decision, or a foreign message): re-read the subject to decide."""
+
+
+class NatsServerError(BusError):
+    """The embedded server could not be found, started or stopped."""
+
+
+class TransferError(BusError):
+    """A weight transfer failed; the caller keeps the weights it had."""
+
+
+class CorruptWeights(TransferError):
+    """Bytes arrived but do not match their header or digest. No tensor was handed out."""
+
+
+class WeightsNotFound(TransferError):
+    """The announced version is not (or no longer) stored."""
+
+
+class PeerLost(TransferError):
+    """A peer of a rendezvous group died or timed out mid-transfer."""

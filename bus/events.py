@@ -681,6 +681,6 @@ async def last_sequence(conn: BusConnection) -> int:
     except nats.js.errors.NotFoundError as exc:
         raise BusError(
             f"stream {conn.names.event_stream} does not exist on {conn.url}: no member of job "
-            f"{conn.names.job!r} has started yet (ensure_event_stream)"
+            f"{conn.names.job!r} has started on this server yet; check the job name and --nats"
         ) from exc
     return info.state.last_seq

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -32,6 +31,7 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from sync_protocol import MemberRef
+from sync_protocol.experience import Experience, ExperienceBatch, ExperienceLimits
 
 from .aio import raise_if_cancelling
 from .connection import BusConnection
@@ -52,49 +52,6 @@ __all__ = [
     "ExperienceReader",
     "ReceivedBatch",
 ]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Experience:
-    """One sampled response to one task, tagged with the weights version that produced it.
-
-    `group` ties together the responses to the same prompt (group-relative advantages need it).
-    """
-
-    id: str
-    group: str
-    prompt: tuple[int, ...]
-    response: tuple[int, ...]
-    logprobs: tuple[float, ...]
-    reward: float
-    model_version: int
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ExperienceBatch:
-    """What one explorer publishes after one explore step."""
-
-    member: str
-    explore_step: int
-    model_version: int
-    experiences: tuple[Experience, ...] = field(default_factory=tuple)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ExperienceLimits:
-    """What a train engine can take (`TrainEngine.experience_limits`); `validate_batch` checks it.
-
-    `prompt_length` is the one prompt length the engine trains on (None: any); responses hold at
-    most `max_response_length` tokens, each in `response_tokens` when given (tokens the policy may
-    sample; another one has probability zero and an infinite loss); every group of a batch holds
-    exactly `group_size` responses (advantages are group-relative).
-    """
-
-    vocab_size: int
-    prompt_length: int | None
-    max_response_length: int
-    group_size: int
-    response_tokens: frozenset[int] | None = None
 
 
 def _finite(values: tuple[float, ...]) -> bool:
@@ -330,12 +287,24 @@ class ReceivedBatch:
             ) from exc
 
     async def nak(self, delay: float | None = None) -> None:
-        """Give the batch back for redelivery (after `delay` seconds if given)."""
-        await self._msg.nak(delay=delay)
+        """Give the batch back for redelivery (after `delay` seconds if given). `AckFailed` when
+        the server cannot be told (it hands the batch out again after the ack wait anyway)."""
+        try:
+            await self._msg.nak(delay=delay)
+        except nats.errors.MsgAlreadyAckdError:
+            return
+        except (asyncio.TimeoutError, nats.errors.Error) as exc:
+            raise AckFailed(f"nak of experience batch {self.batch.member}/{self.batch.explore_step} (seq "
+                            f"{self.seq}) not sent ({exc}); it is redelivered after the consumer's ack wait") from exc
 
     async def in_progress(self) -> None:
-        """Still working on it: restart the ack-wait timer."""
-        await self._msg.in_progress()
+        """Still working on it: restart the ack-wait timer. `AckFailed` when the server cannot be
+        told (a reconnect): try again later, before the ack wait runs out."""
+        try:
+            await self._msg.in_progress()
+        except (asyncio.TimeoutError, nats.errors.Error) as exc:
+            raise AckFailed(f"in-progress of experience batch {self.batch.member}/{self.batch.explore_step} "
+                            f"(seq {self.seq}) not sent ({exc}); its ack wait was not extended") from exc
 
     @property
     def ack_subject(self) -> str:

@@ -22,11 +22,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .errors import NatsServerError
+
 __all__ = ["NatsServerError", "NatsServer", "NatsCluster", "find_nats_server", "free_port"]
-
-
-class NatsServerError(RuntimeError):
-    """The embedded server could not be found, started or stopped."""
 
 
 def find_nats_server() -> str:

@@ -47,6 +47,8 @@ __all__ = [
     "ensure_experience_stream",
     "event_stream_config",
     "experience_stream_config",
+    "weights_stream_config",
+    "stream_differences",
     "DEFAULT_EVENT_MAX_AGE_S",
     "PROVISION_HINT",
     "DEFAULT_EXPERIENCE_MAX_AGE_S",
@@ -149,6 +151,25 @@ def experience_stream_config(
     )
 
 
+def weights_stream_config(names: JobNames, *, storage: StorageType, replicas: int, max_msg_size: int) -> StreamConfig:
+    """The object store transport's stream: one message per chunk subject (a rewritten chunk
+    replaces the old one), read by direct get; chunks and manifests are at most `max_msg_size`
+    (the server's max_payload), so nothing bigger is ours."""
+    return StreamConfig(
+        name=names.weights_stream,
+        description=f"rolectl weights of job {names.job} (object store transport)",
+        subjects=[names.all_weights],
+        retention=RetentionPolicy.LIMITS,
+        storage=storage,
+        discard=DiscardPolicy.OLD,
+        max_msgs_per_subject=1,
+        max_msg_size=max_msg_size,
+        allow_direct=True,
+        duplicate_window=120.0,  # the server's default, stated so an existing stream compares equal
+        num_replicas=replicas,
+    )
+
+
 async def ensure_event_stream(
     js: JetStreamContext,
     names: JobNames,
@@ -239,7 +260,7 @@ async def _ensure(js: JetStreamContext, config: StreamConfig, *, retry_for: floa
             f"enough cluster nodes up, and may this identity read stream info "
             f"($JS.API.STREAM.INFO.{config.name})?"
         ) from exc.last
-    differences = _differences(config, info.config)
+    differences = stream_differences(config, info.config)
     if differences:
         raise StreamMismatch(config.name, differences)
     return info
@@ -249,8 +270,9 @@ def _plain(value):
     return value.value if hasattr(value, "value") else value
 
 
-def _differences(want: StreamConfig, got: StreamConfig) -> list[tuple[str, object, object]]:
-    """Every field we set that the existing stream has otherwise, as (field, expected, found)."""
+def stream_differences(want: StreamConfig, got: StreamConfig) -> list[tuple[str, object, object]]:
+    """Every field we set that the existing stream has otherwise, as (field, expected, found): the
+    one rule every stream of a job is checked by (events, experiences, weights)."""
     out: list[tuple[str, object, object]] = []
     if sorted(want.subjects or []) != sorted(got.subjects or []):
         out.append(("subjects", sorted(want.subjects or []), sorted(got.subjects or [])))
@@ -262,6 +284,10 @@ def _differences(want: StreamConfig, got: StreamConfig) -> list[tuple[str, objec
         a, b = float(getattr(want, name) or 0), float(getattr(got, name) or 0)
         if not math.isclose(a, b, rel_tol=0, abs_tol=1e-3):
             out.append((f"{name} (s)", a, b))
+    for name in ("allow_direct", "max_msgs_per_subject"):  # what the object store's reads rely on
+        a, b = getattr(want, name), getattr(got, name)
+        if a is not None and a != b:
+            out.append((name, a, b))
     # max_bytes / max_msg_size are not compared: the operator may size a stream otherwise.
     # More replicas than asked for is more safety, not a mismatch (an operator may pre-create R3).
     if (got.num_replicas or 1) < (want.num_replicas or 1):

@@ -42,7 +42,6 @@ class JobNames:
         self.prefix = f"rft.{self.job}"
         self.event_stream = f"RFT_{upper}_EVENTS"
         self.experience_stream = f"RFT_{upper}_EXP"
-        self.weights_bucket = f"rft_{self.job}_weights"
         self.weights_stream = f"RFT_{upper}_WEIGHTS"
         self.trainer_experience_durable = "trainer"
         # key-value buckets: the synchronizers' active/standby lease, and reducer snapshots

@@ -13,6 +13,25 @@ __all__ = ["main"]
 ROLE_NAMES = ("trainer", "explorer", "sync")
 
 
+class InputError(click.ClickException):
+    """The command did not start: a bad config, input file or port (exit 2, as click's usage errors)."""
+
+    exit_code = 2
+
+
+def _port_taken(host: str, port: int) -> bool:
+    """True when `port` on `host` cannot be bound now (another process listens there)."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
 def client_options(command):
     """--creds / --tls-ca / --tls-cert / --tls-key: files, never secrets on the command line."""
     file = click.Path(exists=True, dir_okay=False)
@@ -37,7 +56,7 @@ def _security(creds=None, tls_ca=None, tls_cert=None, tls_key=None, *, config=No
     try:
         resolved.check()
     except SecurityError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise InputError(str(exc)) from None
     return resolved
 
 
@@ -50,7 +69,7 @@ def _load(config_path: str, nats: str | None, security_flags: dict | None = None
     try:
         cfg = load_config(config_path)
     except ConfigError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise InputError(str(exc)) from None
     if nats:
         cfg = cfg.with_overrides(nats_url=nats)
     if security_flags is not None:
@@ -75,20 +94,47 @@ def main() -> None:
               help="Job YAML (see examples/).")
 @click.option("--id", "member_id", default=None, help="Member id (default: trainer / explorer-0 / sync-<pid>).")
 @click.option("--nats", default=None, help="NATS URL(s), comma-separated; overrides the config's nats_url.")
+@click.option("--resume", is_flag=True,
+              help="Continue from the saved state in the run dir even if the job's stream does not know this member.")
+@click.option("--fresh", is_flag=True,
+              help="Discard this member's saved state in the run dir and start from step 0.")
+@click.option("--log-format", type=click.Choice(["auto", "console", "json"]), default="auto", show_default=True,
+              help="console: aligned text for people; json: one object per line for files and log shippers; "
+                   "auto: console on a terminal, json otherwise.")
 @client_options
-def start(role: str, config_path: str, member_id: str | None, nats: str | None, **security) -> None:
-    """Run one ROLE (trainer, explorer or sync) in the foreground. Ctrl-C stops it cleanly."""
+def start(role: str, config_path: str, member_id: str | None, nats: str | None, resume: bool, fresh: bool,
+          log_format: str, **security) -> None:
+    """Run one ROLE (trainer, explorer or sync) in the foreground. Ctrl-C stops it cleanly.
+
+    A trainer or explorer that finds saved state resumes from it when the job's stream records its
+    previous incarnation (a restart); otherwise it refuses (exit 2) until told --resume or --fresh.
+    """
+    from bus.subjects import check_name
+    from roles.resume import StartMode
     from roles.runner import run_role
 
+    if resume and fresh:
+        raise click.UsageError("--resume continues from the saved state, --fresh discards it: give one")
+    start_mode = "resume" if resume else "fresh" if fresh else None
+    if start_mode and role == "sync":
+        raise click.UsageError(f"--{start_mode} applies to a trainer or an explorer; a synchronizer saves no state")
     cfg = _load(config_path, nats, security)
     # With a credential the member is its identity (the server allows nothing else).
     member_id = member_id or cfg.nats.security.identity
-    sys.exit(run_role(role, cfg, member_id))
+    if member_id is not None:
+        try:
+            check_name(member_id, "member id")
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--id") from None
+    log_json = log_format == "json" or (log_format == "auto" and not sys.stderr.isatty())
+    sys.exit(run_role(role, cfg, member_id, start_mode=StartMode(start_mode or "auto"), log_json=log_json))
 
 
 @main.command()
 @click.option("--config", "config_path", required=True, type=click.Path(exists=True, dir_okay=False))
-@click.option("--explorers", type=int, default=None, help="Number of explorers (overrides the config).")
+@click.option("--explorers", type=click.IntRange(min=1), default=None,
+              help="Number of explorers (overrides the config). A train_batch_tasks of one round "
+                   "(count x buffer.batch_size) is scaled with it; otherwise it is kept, with a note.")
 @click.option("--summary", type=click.Path(dir_okay=False), default=None, help="Write a JSON summary here.")
 @click.option("--dashboard/--no-dashboard", default=True, help="Serve the live dashboard (default on).")
 @click.option("--dashboard-port", type=int, default=0, help="Dashboard port (default: a free one).")
@@ -203,9 +249,10 @@ def auth_init(directory, job, explorers, synchronizers, hosts, port, http_port, 
 
 
 @main.command()
-@click.option("--port", type=int, default=4222, show_default=True, help="Client port (single server).")
-@click.option("--http-port", type=int, default=8222, show_default=True, help="Monitoring port (single server).")
-@click.option("--store-dir", default=None,
+@click.option("--port", type=click.IntRange(1, 65535), default=4222, show_default=True, help="Client port (single server).")
+@click.option("--http-port", type=click.IntRange(1, 65535), default=8222, show_default=True,
+              help="Monitoring port (single server); give it to `rolectl dashboard --monitor-url`.")
+@click.option("--store-dir", default=None, type=click.Path(file_okay=False),
               help="JetStream store (default: a temporary directory); a cluster keeps one per node under it "
                    "and writes cluster.json there.")
 @click.option("--host", default="127.0.0.1", show_default=True)
@@ -227,7 +274,7 @@ def server(port: int, http_port: int, store_dir: str | None, host: str, cluster_
 
     from click.core import ParameterSource
 
-    from bus.server import find_nats_server
+    from bus.server import NatsCluster, NatsServer, NatsServerError, find_nats_server
 
     if config_file:
         if cluster_size is not None:
@@ -238,8 +285,6 @@ def server(port: int, http_port: int, store_dir: str | None, host: str, cluster_
             raise click.ClickException(str(exc)) from None
         os.execv(binary, [binary, "-c", config_file])
 
-    from bus.server import NatsCluster, NatsServer, NatsServerError
-
     ctx = click.get_current_context()
     if cluster_size is not None:
         given = [f"--{name.replace('_', '-')}" for name in ("port", "http_port")
@@ -249,6 +294,10 @@ def server(port: int, http_port: int, store_dir: str | None, host: str, cluster_
                                    "for every node (see cluster.json)")
         srv = NatsCluster(size=cluster_size, host=host, store_dir=store_dir)
     else:
+        for flag, value in (("--port", port), ("--http-port", http_port)):
+            if _port_taken(host, value):
+                raise InputError(f"{flag} {value}: {host}:{value} is already in use (another nats-server? "
+                                 f"`rolectl server` twice?); pass a free {flag}, or stop what listens there")
         srv = NatsServer(host=host, port=port, http_port=http_port, store_dir=store_dir)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -256,6 +305,8 @@ def server(port: int, http_port: int, store_dir: str | None, host: str, cluster_
         srv.start()
     except NatsServerError as exc:
         raise click.ClickException(str(exc)) from None
+    except OSError as exc:  # the store directory cannot be made or written
+        raise InputError(f"--store-dir {store_dir}: {exc.strerror or exc} ({exc.filename or store_dir})") from None
     try:
         if isinstance(srv, NatsCluster):
             described = srv.write_description()
@@ -281,7 +332,7 @@ def server(port: int, http_port: int, store_dir: str | None, host: str, cluster_
 @client_options
 def status(job: str, nats: str, as_json: bool, **security) -> None:
     """Members of a job (role, id, status, step, version, last seen), read from its stream."""
-    from roles.observe.observer import print_status
+    from roles.observe.status import print_status
 
     sys.exit(asyncio.run(print_status(job, nats, as_json=as_json, security=_security(**security))))
 
@@ -301,8 +352,10 @@ def export(job: str, nats: str, output: str, **security) -> None:
     setup_logging("warning")
     try:
         n = asyncio.run(export_job(job, nats, Path(output), security=_security(**security)))
-    except (ExportError, BusError, ValueError) as exc:  # bad path, NATS away, no such job
+    except BusError as exc:  # NATS away, no such job: exit 1 as every command
         raise click.ClickException(str(exc)) from None
+    except (ExportError, ValueError) as exc:  # a bad output path or job name: exit 2
+        raise InputError(str(exc)) from None
     click.echo(f"wrote {n} records to {output}")
 
 

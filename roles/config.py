@@ -153,6 +153,34 @@ class JobConfig:
     def with_overrides(self, **changes: Any) -> "JobConfig":
         return dataclasses.replace(self, **changes)
 
+    def with_explorer_count(self, count: int) -> tuple["JobConfig", str | None]:
+        """This job with `count` explorers, and a note for the user (None when nothing else changes).
+
+        A round of exploration makes `count x buffer.batch_size` tasks. A config whose
+        `trainer.train_batch_tasks` equals its own `explorers.count x buffer.batch_size` means "one
+        train step per round" (the examples say so), so it is scaled with the count: left at the old
+        value, 3 explorers on the quickstart made the trainer reach its last step on two thirds of
+        what they produced, with ever staler batches. Any other value is kept, with a note of what it
+        now means and how to change it.
+        """
+        if count < 1:
+            raise ConfigError([("explorers.count", f"must be an integer > 0, got {count!r}")])
+        old = self.explorers.count
+        cfg = dataclasses.replace(self, explorers=dataclasses.replace(self.explorers, count=count))
+        if count == old:
+            return cfg, None
+        batch = self.buffer.batch_size
+        tasks = self.trainer.train_batch_tasks
+        if tasks == old * batch:
+            cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, train_batch_tasks=count * batch))
+            return cfg, (f"trainer.train_batch_tasks {tasks} -> {count * batch} (= {count} explorers x "
+                         f"{batch} tasks): still one train step per round of exploration, as with {old}")
+        per_step = tasks or batch
+        return cfg, (f"trainer.train_batch_tasks stays {per_step}"
+                     f"{'' if tasks else ' (unset: one explorer batch)'}: a round of {count} explorers makes "
+                     f"{count * batch} tasks, {count * batch / per_step:g} train steps' worth. For one train "
+                     f"step per round set trainer.train_batch_tasks: {count * batch} in the config")
+
 
 # -- validation ------------------------------------------------------------------------------------
 
@@ -195,11 +223,26 @@ def _check_field(section: str, f: dataclasses.Field, value: Any, problems: list)
     return value
 
 
+def _yaml_kind(value: Any) -> str:
+    """What a YAML value is, in YAML's words (not Python's: a user never wrote a "NoneType")."""
+    if value is None:
+        return "nothing (an empty value)"
+    if isinstance(value, bool):
+        return f"a boolean ({value!r})"
+    if isinstance(value, (int, float)):
+        return f"a number ({value!r})"
+    if isinstance(value, str):
+        return f"a string ({value!r})"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    return type(value).__name__
+
+
 def _section(cls, data: Any, name: str, problems: list) -> Any:
     if data is None:
         return cls()
     if not isinstance(data, Mapping):
-        problems.append((name, f"must be a mapping, got {type(data).__name__}"))
+        problems.append((name, f"must be a mapping (indented `key: value` lines), got {_yaml_kind(data)}"))
         return cls()
     known = {f.name: f for f in fields(cls)}
     values = {}
@@ -230,7 +273,11 @@ def parse_config(data: Any, *, source: str | None = None) -> JobConfig:
     where = source or "config"
     problems: list[tuple[str, str]] = []
     if not isinstance(data, Mapping):
-        raise ConfigError([("(top level)", f"must be a mapping, got {type(data).__name__}")], where=where)
+        if data is None:
+            raise ConfigError([("(file)", "is empty: a job config is a YAML mapping with at least `job: NAME` "
+                                          "(see examples/quickstart.yaml)")], where=where)
+        raise ConfigError([("(top level)", f"must be a mapping of sections (`job: NAME`, `trainer:` ...), got "
+                                           f"{_yaml_kind(data)} (see examples/quickstart.yaml)")], where=where)
     top_known = {f.name for f in fields(JobConfig)} - {"source"}
     for key in data:
         if key not in top_known:
@@ -266,7 +313,7 @@ def parse_config(data: Any, *, source: str | None = None) -> JobConfig:
     engine_sections = {key: data.get(key) for key in ("data", "algorithm")}
     for key, value in (("model", model), *engine_sections.items()):
         if value is not None and not isinstance(value, Mapping):
-            problems.append((key, f"must be a mapping, got {type(value).__name__}"))
+            problems.append((key, f"must be a mapping (indented `key: value` lines), got {_yaml_kind(value)}"))
     if all(v is None or isinstance(v, Mapping) for v in (model, *engine_sections.values())):
         problems.extend(_engine_problems(model, engine_sections["data"], engine_sections["algorithm"], explorers))
 

@@ -22,9 +22,11 @@ import time
 import zlib
 
 from bus.experiences import ExperienceBatch, ExperiencePublisher
+from bus.security import redact
 from bus.weights import TransferError, WeightsRef
 from roles.session import JobIncomplete, MemberRejoined, MemberSession, stop_task, write_json_atomic
 from roles.config import JobConfig
+from roles.resume import SavedState, StartMode, decide_resume
 from roles.transports import make_pull_transport, make_rendezvous_transport
 from sync_protocol import (
     MemberReleased,
@@ -43,7 +45,7 @@ __all__ = ["Explorer"]
 
 
 class Explorer:
-    def __init__(self, cfg: JobConfig, member_id: str):
+    def __init__(self, cfg: JobConfig, member_id: str, *, start_mode: StartMode = StartMode.AUTO):
         from roles.engines import make_rollout_engine, make_taskset
 
         self.cfg = cfg
@@ -66,13 +68,22 @@ class Explorer:
         self._background: asyncio.Task | None = None
         # (version, tensors, nbytes, fetch seconds) fetched in the background, applied between steps
         self._pending_weights: tuple[int, dict, int, float] | None = None
-        self._resume()
+        self.start_mode = start_mode  # resumed or not in run(), once the stream says whether this is a restart
 
-    def _resume(self) -> None:
-        if self.state_file.exists():
-            state = json.loads(self.state_file.read_text())
+    def _resume_or_start_fresh(self, view) -> None:
+        """Resume from the saved step if this is a restart (see roles.resume), else start at 0."""
+        state = json.loads(self.state_file.read_text()) if self.state_file.exists() else None
+        saved = SavedState(self.state_file, state["explore_step"] if state else None)
+        recorded = view.member(Role.EXPLORER, self.member_id)
+        if decide_resume(self.start_mode, saved, recorded, job=self.cfg.job, member=self.member_id,
+                         where=redact(self.cfg.nats_url)):
+            self.log.warning("resuming_from_saved_state", path=str(self.state_file), step=saved.step,
+                             recorded_step=recorded.step if recorded else None, mode=self.start_mode.value)
             self.explore_step = state["explore_step"]
             self.taskset.load_state_dict(state["taskset"])
+        elif state is not None:
+            self.state_file.unlink()
+            self.log.warning("discarded_saved_state", path=str(self.state_file), step=saved.step)
 
     def _save_state(self) -> None:
         write_json_atomic(self.state_file, {"explore_step": self.explore_step,
@@ -85,6 +96,7 @@ class Explorer:
             self.s = session
             self.log = session.log
             await session.view.start()
+            self._resume_or_start_fresh(session.view)
             self.method = self.sync.sync_method
             if self.method.is_rendezvous:
                 self.transport = await make_rendezvous_transport(self.cfg, session)
@@ -305,9 +317,10 @@ class Explorer:
         except Exception as exc:
             self.log.error("stopped_not_published", error=str(exc))
         await self.transport.aclose()
-        waits = sorted(self.sync_wait_s)
+        # how often it waited, and for how long at most; percentiles are the run summary's (one fold)
         self.log.info("explorer_finished" if self.finished else "explorer_stopped_early",
-                      step=self.explore_step, version=self.engine.version, syncs=len(waits), sync_wait_p50_s=round(waits[len(waits) // 2], 3) if waits else None)
+                      step=self.explore_step, version=self.engine.version, sync_waits=len(self.sync_wait_s),
+                      sync_wait_max_s=round(max(self.sync_wait_s), 3) if self.sync_wait_s else None)
 
 
 def _explorer_index(member_id: str) -> int:

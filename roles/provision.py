@@ -37,7 +37,9 @@ async def provision_job(cfg: JobConfig, *, security: ClientSecurity | None = Non
         if cfg.synchronizer.sync_method is SyncMethod.MEMORY:
             from bus.weights.object_store import ObjectStoreTransport
 
-            weights = ObjectStoreTransport(conn.nc, cfg.job, storage=cfg.transport.object_store_storage)
+            # the replicas the roles ask for: the weights stream is checked as strictly as the others
+            weights = ObjectStoreTransport(conn.nc, cfg.job, storage=cfg.transport.object_store_storage,
+                                           replicas=replicas)
             try:
                 await weights.ensure_stream()
             finally:

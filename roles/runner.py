@@ -9,25 +9,40 @@ import structlog
 
 from bus.errors import BusError
 from bus.logging import setup_logging
-from roles.session import JobIncomplete, install_stop_signals
 from roles.config import JobConfig
+from roles.resume import StartMode, StartRefused
+from roles.session import JobIncomplete, install_stop_signals
 
-__all__ = ["run_role", "default_member_id", "EXIT_OK", "EXIT_ERROR", "EXIT_INCOMPLETE", "EXIT_INTERRUPTED"]
+__all__ = ["run_role", "default_member_id", "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE", "EXIT_INCOMPLETE",
+           "EXIT_INTERRUPTED", "EXIT_CODES"]
 
-# One table of exit codes for every role (and `rolectl up`):
-EXIT_OK = 0  # the role's work is done (the trainer trained total_steps; a synchronizer was stopped)
-EXIT_ERROR = 1  # it failed: a bug, an unreachable server, bad data it could not get past
+# One table of exit codes for every rolectl command (roles, `up`, `server`, `replay`, ...); the
+# README's "Exit codes" table is checked against it by tests/unit/test_cli_errors.py.
+EXIT_OK = 0  # the work is done (the trainer trained total_steps; a synchronizer or server was stopped)
+EXIT_ERROR = 1  # it failed: a bug, an unreachable server, bad data it could not get past, a failed --check
+EXIT_USAGE = 2  # it did not start: a bad flag, config or input file, or a start that would not do what was meant
 EXIT_INCOMPLETE = 3  # it ended before the job's work was done (e.g. gave up on a peer that never came back)
 EXIT_INTERRUPTED = 130  # Ctrl-C / SIGTERM before its work was done (a restart may resume it)
+EXIT_CODES = {
+    EXIT_OK: "done: the job (or the command) finished its work; a stopped synchronizer or server",
+    EXIT_ERROR: "failed: a role crashed, the server could not be reached, `replay --check` found a difference",
+    EXIT_USAGE: "did not start: bad flag, config or input file, a busy port, saved state of another run",
+    EXIT_INCOMPLETE: "ended short: the job stopped before its last step (a peer never came back)",
+    EXIT_INTERRUPTED: "interrupted: Ctrl-C / SIGTERM before the work was done (a restart resumes)",
+}
 
 
 def default_member_id(role: str) -> str:
     return {"trainer": "trainer", "explorer": "explorer-0"}.get(role, f"sync-{os.getpid()}")
 
 
-def run_role(role: str, cfg: JobConfig, member_id: str | None = None) -> int:
-    """Run `role` until it finishes; return the process exit code (0 finished or stopped, 1 error)."""
-    setup_logging(cfg.log_level)
+def run_role(role: str, cfg: JobConfig, member_id: str | None = None, *, start_mode: StartMode = StartMode.AUTO,
+             log_json: bool = True) -> int:
+    """Run `role` until it finishes; return the process exit code (see EXIT_CODES).
+
+    `start_mode` says what a trainer or explorer does with saved state (see roles.resume);
+    `log_json` picks one JSON object per line (files, log shippers) over aligned console text."""
+    setup_logging(cfg.log_level, json=log_json)
     # Each role process gets a share of a machine that also runs its peers: one intra-op thread
     # avoids oversubscription (the torch default is one thread per core, per process).
     import torch
@@ -38,11 +53,11 @@ def run_role(role: str, cfg: JobConfig, member_id: str | None = None) -> int:
     if role == "trainer":
         from roles.trainer import Trainer
 
-        runner = Trainer(cfg, member_id)
+        runner = Trainer(cfg, member_id, start_mode=start_mode)
     elif role == "explorer":
         from roles.explorer import Explorer
 
-        runner = Explorer(cfg, member_id)
+        runner = Explorer(cfg, member_id, start_mode=start_mode)
     elif role == "sync":
         from roles.synchronizer import Synchronizer
 
@@ -63,6 +78,9 @@ def run_role(role: str, cfg: JobConfig, member_id: str | None = None) -> int:
         code = EXIT_OK if role == "sync" else EXIT_INTERRUPTED
         log.info("stopped_by_signal", exit_code=code)
         return code
+    except StartRefused as exc:
+        log.error("start_refused", reason=str(exc), exit_code=EXIT_USAGE)
+        return EXIT_USAGE
     except JobIncomplete as exc:
         log.error("job_incomplete", reason=str(exc), exit_code=EXIT_INCOMPLETE)
         return EXIT_INCOMPLETE

@@ -4,7 +4,6 @@ view of the job (a local fold of the stream plus the synchronizer's recorded dec
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import socket
@@ -12,12 +11,12 @@ import time
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import structlog
 
 from bus.connection import BusConnection, connect
 from bus.errors import BusError
+from bus.files import write_json_atomic  # re-exported: the roles write their state with it
 from bus.events import EventPublisher, last_sequence, publish_heartbeat, read_events
 from bus.snapshots import SnapshotStore
 from bus.streams import ensure_event_stream, ensure_experience_stream
@@ -384,10 +383,3 @@ def install_stop_signals(task: asyncio.Task) -> None:
         except (NotImplementedError, RuntimeError):  # not the main thread
             pass
 
-
-def write_json_atomic(path: Path, data: dict) -> None:
-    """Write `data` as JSON so that a reader (or a restart after a crash) sees old or new, never half."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)

@@ -21,15 +21,18 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import socket
 import time
 from pathlib import Path
 
 from bus.errors import AckFailed
 from bus.experiences import ExperienceReader
+from bus.security import redact
 from bus.weights import TransferError
 from roles.session import JobIncomplete, MemberRejoined, MemberSession, write_json_atomic
 from roles.config import JobConfig
+from roles.resume import SavedState, StartMode, decide_resume
 from roles.transports import make_pull_transport, make_rendezvous_transport
 from sync_protocol import (
     MemberReleased,
@@ -49,7 +52,7 @@ __all__ = ["Trainer"]
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig, member_id: str = "trainer"):
+    def __init__(self, cfg: JobConfig, member_id: str = "trainer", *, start_mode: StartMode = StartMode.AUTO):
         from roles.engines import make_train_engine
 
         self.cfg = cfg
@@ -88,14 +91,25 @@ class Trainer:
         # them out at once (the server would otherwise keep them for ack_wait_s).
         self.held_file = self.ckpt_dir / "held_batches.json"
         self._held_written: frozenset[int] = frozenset()
-        self._resume()
+        self.start_mode = start_mode  # resumed or not in run(), once the stream says whether this is a restart
 
     # -- setup -------------------------------------------------------------------------------------
-    def _resume(self) -> None:
+    def _resume_or_start_fresh(self, view) -> None:
+        """Resume from the saved checkpoint if this is a restart (see roles.resume), else start at 0."""
         state_file = self.ckpt_dir / "trainer_state.json"
-        if not state_file.exists():
-            return
-        state = json.loads(state_file.read_text())
+        state = json.loads(state_file.read_text()) if state_file.exists() else None
+        saved = SavedState(state_file, state["step"] if state else None)
+        recorded = view.member(Role.TRAINER, self.member_id)
+        if decide_resume(self.start_mode, saved, recorded, job=self.cfg.job, member=self.member_id,
+                         where=redact(self.cfg.nats_url)):
+            self.log.warning("resuming_from_checkpoint", path=str(state_file), step=saved.step,
+                             recorded_step=recorded.step if recorded else None, mode=self.start_mode.value)
+            self._resume(state)
+        elif state is not None:
+            shutil.rmtree(self.ckpt_dir)
+            self.log.warning("discarded_saved_state", path=str(self.ckpt_dir), step=saved.step)
+
+    def _resume(self, state: dict) -> None:
         self.engine.load_checkpoint(self.ckpt_dir / state["checkpoint"])
         self.last_sync_step = state["last_sync_step"]
         self.version = state["version"]
@@ -109,6 +123,7 @@ class Trainer:
             self.s = session
             self.log = session.log
             await session.view.start()
+            self._resume_or_start_fresh(session.view)
             latest = session.view.state.latest
             if latest.version > 0:
                 self.announced_versions.add(latest.version)
@@ -262,7 +277,7 @@ class Trainer:
         for msg in list(self.held.values()):
             try:
                 await msg.in_progress()
-            except Exception as exc:  # nats errors while reconnecting; the next call retries
+            except AckFailed as exc:  # the server is away (reconnecting); the next call retries
                 self.log.debug("in_progress_failed", seq=msg.seq, error=str(exc))
                 break
 

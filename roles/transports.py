@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
-from bus.server import free_port
-from bus.weights.base import PullTransport
+from bus.weights.base import PullTransport, RendezvousTransport
 from roles.config import JobConfig
-from sync_protocol import MemberRef, RendezvousReady, SyncMethod
+from sync_protocol import MemberRef, SyncMethod
 
-__all__ = ["make_pull_transport", "make_rendezvous_transport", "RendezvousAdapter"]
+__all__ = ["make_pull_transport", "make_rendezvous_transport"]
 
 
 def make_pull_transport(cfg: JobConfig, conn) -> PullTransport:
@@ -29,45 +27,15 @@ def make_pull_transport(cfg: JobConfig, conn) -> PullTransport:
     raise ValueError(f"{method.value} is not a pull method")
 
 
-class RendezvousAdapter:
-    """A rendezvous transport plus what the roles need around it: the port a trainer offers for
-    the next group, and (explorers) extra local ranks to receive into."""
-
-    def __init__(self, transport: Any, method: SyncMethod):
-        self.transport = transport
-        self.method = method
-
-    def offer_port(self) -> int:
-        # A fresh port per offer: used only when the decision starts a new group epoch (the
-        # current group is reused otherwise), so a stale TCPStore port is never reused.
-        return free_port("0.0.0.0")
-
-    async def send(self, ready: RendezvousReady, tensors) -> int:
-        return await self.transport.send(ready, tensors)
-
-    async def receive(self, ready: RendezvousReady, me: MemberRef, into, *, also_into=()) -> int:
-        if self.method is SyncMethod.NCCL:
-            return await self.transport.receive(ready, me, into, also_into=also_into)
-        nbytes = await self.transport.receive(ready, me, into)
-        for extra in also_into:  # one GPU: the other local ranks copy from the first
-            for name, tensor in extra.items():
-                tensor.copy_(into[name])
-        return nbytes
-
-    async def aclose(self) -> None:
-        await self.transport.aclose()
-
-
-async def make_rendezvous_transport(cfg: JobConfig, session) -> RendezvousAdapter:
+async def make_rendezvous_transport(cfg: JobConfig, session) -> RendezvousTransport:
     """torch.distributed broadcast (`nccl`: nccl on GPUs, gloo on CPU) or CUDA IPC (`cuda_ipc`)."""
     method = cfg.synchronizer.sync_method
     timeout = cfg.transport.group_timeout_s
     if method is SyncMethod.NCCL:
         from bus.weights.torch_dist import TorchDistTransport
 
-        transport = TorchDistTransport(bucket_bytes=cfg.transport.bucket_size_mb * 1024 * 1024,
-                                       timeout=timeout, log=session.log)
-        return RendezvousAdapter(transport, method)
+        return TorchDistTransport(bucket_bytes=cfg.transport.bucket_size_mb * 1024 * 1024,
+                                  timeout=timeout, log=session.log)
     if method is SyncMethod.CUDA_IPC:
         from bus.weights.cuda_ipc import CudaIpcTransport, HandleRequest
 
@@ -92,8 +60,7 @@ async def make_rendezvous_transport(cfg: JobConfig, session) -> RendezvousAdapte
         if session.role.value == "explorer":
             # Subscribed before the explorer can appear in any rendezvous decision.
             await nc.subscribe(subject_of(session.me), cb=on_request)
-        transport = CudaIpcTransport(send_handles=send_handles, recv_handles=recv_handles,
-                                     bucket_bytes=cfg.transport.bucket_size_mb * 1024 * 1024,
-                                     timeout=timeout, log=session.log)
-        return RendezvousAdapter(transport, method)
+        return CudaIpcTransport(send_handles=send_handles, recv_handles=recv_handles,
+                                bucket_bytes=cfg.transport.bucket_size_mb * 1024 * 1024,
+                                timeout=timeout, log=session.log)
     raise ValueError(f"{method.value} is not a rendezvous method")

@@ -230,10 +230,6 @@ class _Validated:
             if checked is not value:
                 object.__setattr__(self, name, checked)
 
-    def fields_dict(self) -> dict[str, Any]:
-        """Field values as a plain dict (nested objects kept as objects)."""
-        return {name: getattr(self, name) for name, _ in self._specs}
-
 
 def _register(cls):
     cls._specs = tuple((f.name, _CHECKERS[f.type if isinstance(f.type, str) else f.type.__name__])

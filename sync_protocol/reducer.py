@@ -65,7 +65,7 @@ from .events import (
     WeightsBroadcast,
     WeightsLoaded,
 )
-from .state import GroupState, LatestVersion, MemberState, RoundPhase, RoundState, State
+from .state import GroupState, LatestVersion, MemberState, RoundPhase, RoundState, State, evolve
 
 __all__ = [
     "reduce",
@@ -257,11 +257,7 @@ def reduce(state: State, recorded: Recorded) -> tuple[State, tuple[Decision, ...
         if member is None or member.ref.incarnation != sender.incarnation or not member.alive:
             raise _not_live(event, member)
         # the sender's own copy for this call; handlers update it in place (nobody else sees it yet)
-        values = member.__dict__.copy()
-        values["last_seq"] = seq
-        values["last_time_ms"] = recorded.time_ms
-        member = _new(MemberState)
-        _set(member, "__dict__", values)
+        member = evolve(member, last_seq=seq, last_time_ms=recorded.time_ms)
         tx.members[key] = member
         tx.fresh_m.add(key)
         handler(tx, event, member)
@@ -347,11 +343,7 @@ _proxy = MappingProxyType
 
 
 def _with_last_seq(state: State, seq: int) -> State:
-    values = state.__dict__.copy()
-    values["last_seq"] = seq
-    new = _new(State)
-    _set(new, "__dict__", values)
-    return new
+    return evolve(state, last_seq=seq)
 
 
 class _Tx:
@@ -391,10 +383,7 @@ class _Tx:
         if key in self.fresh_m:
             member.__dict__.update(changes)
             return member
-        values = member.__dict__.copy()
-        values.update(changes)
-        member = _new(MemberState)
-        _set(member, "__dict__", values)
+        member = evolve(member, **changes)
         self.members[key] = member
         self.fresh_m.add(key)
         return member
@@ -414,10 +403,7 @@ class _Tx:
         if round_id in self.fresh_r:
             rnd.__dict__.update(changes)
             return rnd
-        values = rnd.__dict__.copy()
-        values.update(changes)
-        rnd = _new(RoundState)
-        _set(rnd, "__dict__", values)
+        rnd = evolve(rnd, **changes)
         self._writable_rounds()[round_id] = rnd
         self.fresh_r.add(round_id)
         return rnd
@@ -950,11 +936,7 @@ def _valid_rendezvous(address: str | None) -> bool:
 
 
 def _member_status(member: MemberState | None) -> str:
-    if member is None:
-        return "not joined"
-    if member.alive:
-        return member.status.value
-    return "stopped" if member.status is _STOPPED else "expired"
+    return "not joined" if member is None else member.condition
 
 
 def _illegal(event: Event, why: str, member: MemberState | None) -> IllegalEvent:

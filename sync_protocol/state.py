@@ -98,6 +98,14 @@ class MemberState:
     def role(self) -> Role:
         return self.ref.role
 
+    @property
+    def condition(self) -> str:
+        """What a person is told: running / require_sync / stopped, or expired (gone without saying
+        STOPPED). The one wording the reducer's errors, `rolectl status` and the dashboard share."""
+        if self.alive:
+            return self.status.value
+        return "stopped" if self.status is RunningStatus.STOPPED else "expired"
+
 
 @dataclass(frozen=True)
 class RoundState:

@@ -14,11 +14,13 @@ rendezvous transports check tensor names/dtypes/shapes against the sender's head
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Protocol, runtime_checkable
+from typing import Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 
 from sync_protocol import MemberRef, RendezvousReady, SyncMethod
+
+from ..errors import CorruptWeights, PeerLost, TransferError, WeightsNotFound  # the bus's one tree
 
 __all__ = [
     "WeightsRef",
@@ -29,22 +31,6 @@ __all__ = [
     "PullTransport",
     "RendezvousTransport",
 ]
-
-
-class TransferError(RuntimeError):
-    """A weight transfer failed; the caller keeps the weights it had."""
-
-
-class CorruptWeights(TransferError):
-    """Bytes arrived but do not match their header or digest. No tensor was handed out."""
-
-
-class WeightsNotFound(TransferError):
-    """The announced version is not (or no longer) stored."""
-
-
-class PeerLost(TransferError):
-    """A peer of a rendezvous group died or timed out mid-transfer."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -80,17 +66,26 @@ class PullTransport(Protocol):
 
 @runtime_checkable
 class RendezvousTransport(Protocol):
-    """torch.distributed / CUDA IPC: every participant of a `RendezvousReady` takes part at once."""
+    """torch.distributed / CUDA IPC: every participant of a `RendezvousReady` takes part at once.
+
+    This is everything a role calls: the trainer offers a port and sends, an explorer receives into
+    its first local rank and `also_into` the others (one mapping per further rank)."""
 
     method: SyncMethod
+
+    def offer_port(self) -> int:
+        """A port this host can bind for the next group's rendezvous (the trainer announces it in
+        its REQUIRE_SYNC; used only when the decision starts a new group epoch)."""
 
     async def send(self, ready: RendezvousReady, tensors: Mapping[str, torch.Tensor]) -> int:
         """Trainer side (rank 0): send `tensors` to the round's group; return bytes sent."""
 
     async def receive(
-        self, ready: RendezvousReady, me: MemberRef, into: Mapping[str, torch.Tensor]
+        self, ready: RendezvousReady, me: MemberRef, into: Mapping[str, torch.Tensor], *,
+        also_into: Sequence[Mapping[str, torch.Tensor]] = (),
     ) -> int:
-        """Explorer side: receive the round's weights into `into` (copied in place); return bytes."""
+        """Explorer side: receive the round's weights into `into` and each of `also_into` (copied
+        in place); return the bytes of one copy."""
 
     async def aclose(self) -> None:
         """Tear the group down (explorers before the trainer); safe to call twice."""

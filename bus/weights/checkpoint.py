@@ -25,7 +25,6 @@ import asyncio
 import json
 import os
 import re
-import secrets
 import struct
 from pathlib import Path
 from typing import Iterable, Mapping
@@ -34,6 +33,7 @@ import torch
 
 from sync_protocol import SyncMethod
 
+from ..files import atomic_path
 from .base import CorruptWeights, TransferError, WeightsNotFound, WeightsRef
 from .format import (
     DEFAULT_CHUNK_SIZE,
@@ -168,20 +168,11 @@ class CheckpointTransport:
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-len(blob) % 8)  # safetensors pads the header so the data is 8-aligned
         final = self.path_of(version)
-        temp = final.with_name(f".{final.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-        try:
-            with open(temp, "wb", buffering=0) as f:
-                _write_all(f, [struct.pack("<Q", len(blob)), blob])
-                for a, b in bounds:
-                    _write_all(f, source.segments(a, b))
-                if self._fsync:
-                    os.fsync(f.fileno())
-            os.replace(temp, final)  # atomic: readers see the old file or the whole new one
-        except BaseException:
-            temp.unlink(missing_ok=True)
-            raise
-        if self._fsync:
-            _fsync_dir(self.root)
+        # atomic: readers see the old file or the whole new one (durable too, unless fsync=False)
+        with atomic_path(final, fsync=self._fsync) as temp, open(temp, "wb", buffering=0) as f:
+            _write_all(f, [struct.pack("<Q", len(blob)), blob])
+            for a, b in bounds:
+                _write_all(f, source.segments(a, b))
         return WeightsRef(version=version, location=str(final.resolve()), nbytes=layout.nbytes, digest=digest)
 
     def _read_manifest(self, path: Path, f=None) -> Manifest:
@@ -298,9 +289,4 @@ def _read_into(f, view: memoryview) -> int:
     return pos
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 import msgpack
 import torch
@@ -33,10 +33,11 @@ import torch
 from sync_protocol import MemberRef, RendezvousReady, SyncMethod
 
 from ..logging import get_logger
+from ..server import free_port
 from .base import CorruptWeights, PeerLost, TransferError
 
 # Layout helpers shared with the broadcast transport, so both plan and check buckets the same way.
-from .torch_dist import _DTYPE_NAMES, DEFAULT_BUCKET_BYTES, _Header, _layout_mismatch, pack_bucket, plan_buckets
+from .buckets import DEFAULT_BUCKET_BYTES, BucketHeader, can_send, layout_mismatch, pack_bucket, plan_buckets
 
 __all__ = ["CudaIpcTransport", "HandleRequest", "SendHandles", "RecvHandles", "DEFAULT_TIMEOUT_S"]
 
@@ -56,19 +57,19 @@ SendHandles = Callable[[MemberRef, bytes], Awaitable[bytes]]
 RecvHandles = Callable[[], Awaitable[HandleRequest]]
 
 
-def _encode_offer(header: _Header, handles: list[tuple], sizes: list[int]) -> bytes:
+def _encode_offer(header: BucketHeader, handles: list[tuple], sizes: list[int]) -> bytes:
     doc = header.to_doc()
     doc["handles"] = [list(h) for h in handles]
     doc["sizes"] = sizes
     return msgpack.packb(doc, use_bin_type=True)
 
 
-def _decode_offer(raw: bytes) -> tuple[_Header, list[tuple], list[int]]:
+def _decode_offer(raw: bytes) -> tuple[BucketHeader, list[tuple], list[int]]:
     try:
         doc = msgpack.unpackb(raw, raw=False)
     except (ValueError, msgpack.UnpackException) as exc:
         raise CorruptWeights(f"unreadable IPC offer: {exc}") from None
-    header = _Header.from_doc(doc)  # dtypes, shapes, a plan covering every tensor once
+    header = BucketHeader.from_doc(doc)  # dtypes, shapes, a plan covering every tensor once
     try:
         handles = [tuple(h) for h in doc["handles"]]
         sizes = [int(n) for n in doc["sizes"]]
@@ -127,6 +128,11 @@ class CudaIpcTransport:
 
     # ---- trainer ---------------------------------------------------------------------------------
 
+    def offer_port(self) -> int:
+        # Nothing binds it (handles travel over NATS), but a rendezvous names an address: the
+        # reducer checks every REQUIRE_SYNC of a rendezvous method carries one.
+        return free_port("0.0.0.0")
+
     async def send(self, ready: RendezvousReady, tensors: Mapping[str, torch.Tensor]) -> int:
         """Pack `tensors` into the shared buckets, hand their IPC handles to every explorer of
         `ready`, and return once each copied them (bytes of one copy)."""
@@ -140,10 +146,10 @@ class CudaIpcTransport:
             raise TransferError("CUDA IPC needs the trainer's tensors on a CUDA device")
         layout = tuple((name, t.dtype, tuple(t.shape)) for name, t in tensors.items())
         for name, dtype, _ in layout:
-            if dtype not in _DTYPE_NAMES:
+            if not can_send(dtype):
                 raise TransferError(f"tensor {name!r} has dtype {dtype}, which cannot be sent")
         plan = plan_buckets(layout, bucket_bytes=self._bucket_bytes, direct_min_bytes=self._bucket_bytes + 1)
-        header = _Header(round=ready.round, version=ready.version, epoch=ready.epoch, layout=layout,
+        header = BucketHeader(round=ready.round, version=ready.version, epoch=ready.epoch, layout=layout,
                          buckets=tuple(tuple(b) for b in plan))
         sources = list(tensors.values())
         async with self._lock:
@@ -166,7 +172,7 @@ class CudaIpcTransport:
                             explorers=len(members), seconds=round(time.monotonic() - started, 4))
             return nbytes
 
-    def _pack_and_share(self, header: _Header, sources: list[torch.Tensor], device: torch.device):
+    def _pack_and_share(self, header: BucketHeader, sources: list[torch.Tensor], device: torch.device):
         with torch.cuda.device(device), torch.no_grad():
             sizes = [header.bucket_nbytes(b) for b in header.buckets]
             for k, n in enumerate(sizes):
@@ -204,8 +210,18 @@ class CudaIpcTransport:
 
     # ---- explorer --------------------------------------------------------------------------------
 
-    async def receive(self, ready: RendezvousReady, me: MemberRef, into: Mapping[str, torch.Tensor]) -> int:
-        """Wait for the trainer's handles, copy every tensor into `into` in place, confirm; return bytes."""
+    async def receive(self, ready: RendezvousReady, me: MemberRef, into: Mapping[str, torch.Tensor], *,
+                      also_into: Sequence[Mapping[str, torch.Tensor]] = ()) -> int:
+        """Wait for the trainer's handles, copy every tensor into `into` in place, confirm; return
+        bytes. One GPU: the other local ranks (`also_into`) copy from `into` afterwards."""
+        nbytes = await self._receive(ready, me, into)
+        with torch.no_grad():
+            for extra in also_into:
+                for name, tensor in extra.items():
+                    tensor.copy_(into[name])
+        return nbytes
+
+    async def _receive(self, ready: RendezvousReady, me: MemberRef, into: Mapping[str, torch.Tensor]) -> int:
         if self._closed:
             raise TransferError("transport is closed")
         if self._recv_handles is None:
@@ -224,7 +240,7 @@ class CudaIpcTransport:
                 if (header.round, header.version) != (ready.round, ready.version):
                     raise CorruptWeights(f"offer is round {header.round} version {header.version}, "
                                          f"expected round {ready.round} version {ready.version}")
-                problem = _layout_mismatch(header, into)
+                problem = layout_mismatch(header, into)
                 if problem is not None:
                     raise CorruptWeights(problem)
             except CorruptWeights as exc:
@@ -243,7 +259,7 @@ class CudaIpcTransport:
             return nbytes
 
     @staticmethod
-    def _copy_out(header: _Header, handles: list[tuple], sizes: list[int], into: Mapping[str, torch.Tensor]) -> None:
+    def _copy_out(header: BucketHeader, handles: list[tuple], sizes: list[int], into: Mapping[str, torch.Tensor]) -> None:
         dests = [into[name] for name, _, _ in header.layout]
         with torch.no_grad():
             for bucket, handle, nbytes in zip(header.buckets, handles, sizes):

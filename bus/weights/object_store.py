@@ -64,13 +64,14 @@ import torch
 from nats.aio.client import Client
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
-from nats.js.api import DiscardPolicy, StorageType, StreamConfig
+from nats.js.api import StorageType
 from nats.js.errors import NotFoundError
 
 from sync_protocol import SyncMethod
 
 from ..errors import BusClosed, RetriesExhausted
 from ..retry import is_transient, retry_transient
+from ..streams import stream_differences, weights_stream_config
 from ..subjects import JobNames
 from .base import CorruptWeights, TransferError, WeightsNotFound, WeightsRef
 from .format import Destination, Manifest, SourceBytes, build_manifest, default_digest_algorithm, digest_bytes
@@ -374,18 +375,8 @@ class ObjectStoreTransport:
         try:
             info = await self._js.stream_info(self.stream)
         except NotFoundError:
-            config = StreamConfig(
-                name=self.stream,
-                subjects=[self.names.all_weights],
-                storage=self._storage,
-                num_replicas=self._replicas,
-                max_msgs_per_subject=1,  # a rewritten chunk replaces the old one (and implies direct get)
-                # Chunks and manifests are at most max_payload (publish checks): nothing bigger is ours.
-                max_msg_size=self._nc.max_payload,
-                allow_direct=True,
-                discard=DiscardPolicy.OLD,
-                description=f"rolectl weights of job {self.names.job} (object store transport)",
-            )
+            config = weights_stream_config(self.names, storage=self._storage, replicas=self._replicas,
+                                           max_msg_size=self._nc.max_payload)
             try:
                 await self._js.add_stream(config)
             except Exception as exc:  # noqa: BLE001 - re-raised as our typed error with the reason
@@ -397,12 +388,13 @@ class ObjectStoreTransport:
                     "only admin creates streams: run `rolectl provision` with the admin identity first"
                 ) from exc
         else:
-            if not info.config.allow_direct or info.config.max_msgs_per_subject != 1:
-                raise TransferError(
-                    f"stream {self.stream} exists with allow_direct={info.config.allow_direct}, "
-                    f"max_msgs_per_subject={info.config.max_msgs_per_subject}; the object store "
-                    "transport needs allow_direct=true and max_msgs_per_subject=1: delete the stream"
-                )
+            want = weights_stream_config(self.names, storage=self._storage, replicas=self._replicas,
+                                         max_msg_size=self._nc.max_payload)
+            differences = stream_differences(want, info.config)
+            if differences:  # the same rule as the job's other streams
+                detail = "; ".join(f"{name}: expected {a!r}, found {b!r}" for name, a, b in differences)
+                raise TransferError(f"stream {self.stream} exists with a different configuration ({detail}); "
+                                    "delete it (it holds only weights, republished on the next step)")
         self._stream_ready = True
 
     async def _purge_version(self, version: int) -> None:

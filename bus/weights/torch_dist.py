@@ -62,7 +62,9 @@ from torch.distributed import AllreduceOptions, BroadcastOptions, PrefixStore, R
 from sync_protocol import MemberRef, RendezvousReady, SyncMethod
 
 from ..logging import get_logger
+from ..server import free_port
 from .base import CorruptWeights, PeerLost, TransferError
+from .buckets import DEFAULT_BUCKET_BYTES, BucketHeader, can_send, layout_mismatch, pack_bucket, plan_buckets
 from .pinned import PinnedStaging
 
 __all__ = [
@@ -78,7 +80,6 @@ __all__ = [
 
 Backend = Literal["auto", "gloo", "nccl"]
 
-DEFAULT_BUCKET_BYTES = 512 << 20
 # From this size up a tensor is broadcast on its own, straight from/to its memory; smaller ones are
 # packed. Packing costs a memory copy on each side. On CPU (gloo) a copy is as slow as the loopback
 # wire itself while one more broadcast costs ~25 µs, so only tiny tensors are worth packing:
@@ -94,154 +95,8 @@ DEFAULT_DIRECT_MIN_BYTES: dict[str, int] = {"gloo": 1 << 20, "nccl": 16 << 20}
 DEFAULT_CHANNELS: dict[str, int] = {"gloo": 2, "nccl": 1}
 DEFAULT_TIMEOUT_S = 30.0
 
-_SCHEMA = 1
 _MAX_HEADER_BYTES = 64 << 20
 _STORE_PREFIX = "rolectl/weights"
-
-_DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name)
-    for name in (
-        "float64", "float32", "float16", "bfloat16", "complex64", "complex128",
-        "int64", "int32", "int16", "int8", "uint8", "bool",
-        "uint16", "uint32", "uint64",
-        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
-    )
-    if isinstance(getattr(torch, name, None), torch.dtype)
-}
-_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
-
-Layout = Sequence[tuple[str, torch.dtype, tuple[int, ...]]]
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def plan_buckets(layout: Layout, *, bucket_bytes: int, direct_min_bytes: int) -> list[list[int]]:
-    """Group tensor indices of `layout` into buckets: one dtype per bucket, at most `bucket_bytes`
-    each; a tensor of ≥ `direct_min_bytes` (or larger than a bucket) is a bucket of its own."""
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, (_, dtype, _) in enumerate(layout):
-        by_dtype.setdefault(dtype, []).append(i)
-    buckets: list[list[int]] = []
-    for dtype, indices in by_dtype.items():
-        current: list[int] = []
-        filled = 0
-        for i in indices:
-            nbytes = _numel(layout[i][2]) * dtype.itemsize
-            if nbytes >= direct_min_bytes or nbytes > bucket_bytes:
-                buckets.append([i])
-                continue
-            if current and filled + nbytes > bucket_bytes:
-                buckets.append(current)
-                current, filled = [], 0
-            current.append(i)
-            filled += nbytes
-        if current:
-            buckets.append(current)
-    return buckets
-
-
-def pack_bucket(buf: torch.Tensor, tensors: Sequence[torch.Tensor], bucket: Sequence[int]) -> None:
-    """Copy the bucket's tensors (indices into `tensors`), back to back, into the flat byte buffer."""
-    offset = 0
-    for i in bucket:
-        src = tensors[i]
-        n = src.numel() * src.element_size()
-        buf[offset : offset + n].view(src.dtype).view(src.shape).copy_(src)
-        offset += n
-
-
-# --------------------------------------------------------------------------------------------------
-# header: what rank 0 is about to send, checked by every receiver before a byte is copied
-
-
-@dataclass(frozen=True, slots=True)
-class _Header:
-    round: int
-    version: int
-    epoch: int
-    layout: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]
-    buckets: tuple[tuple[int, ...], ...]
-
-    def to_doc(self) -> dict[str, Any]:
-        """The header as plain data (JSON here; msgpack in the CUDA IPC offer)."""
-        return {
-            "schema": _SCHEMA,
-            "round": self.round,
-            "version": self.version,
-            "epoch": self.epoch,
-            "tensors": [[n, _DTYPE_NAMES[d], list(s)] for n, d, s in self.layout],
-            "buckets": [list(b) for b in self.buckets],
-        }
-
-    @classmethod
-    def from_doc(cls, doc: Any) -> "_Header":
-        """Validate plain data into a header, or raise CorruptWeights saying what is wrong."""
-        try:
-            if doc.get("schema") != _SCHEMA:
-                raise ValueError(f"header schema {doc.get('schema')!r}, expected {_SCHEMA}")
-            layout = []
-            for name, dtype_name, shape in doc["tensors"]:
-                if not isinstance(name, str) or dtype_name not in _DTYPES:
-                    raise ValueError(f"bad tensor entry {name!r} {dtype_name!r}")
-                if not all(isinstance(s, int) and s >= 0 for s in shape):
-                    raise ValueError(f"bad shape {shape!r} for {name!r}")
-                layout.append((name, _DTYPES[dtype_name], tuple(shape)))
-            buckets = tuple(tuple(int(i) for i in b) for b in doc["buckets"])
-            seen = sorted(i for b in buckets for i in b)
-            if seen != list(range(len(layout))):
-                raise ValueError("bucket plan does not cover every tensor exactly once")
-            for b in buckets:
-                if len({layout[i][1] for i in b}) != 1:
-                    raise ValueError("a bucket mixes dtypes")
-            return cls(
-                round=int(doc["round"]),
-                version=int(doc["version"]),
-                epoch=int(doc["epoch"]),
-                layout=tuple(layout),
-                buckets=buckets,
-            )
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise CorruptWeights(f"unreadable weights header: {exc}") from None
-
-    def encode(self) -> bytes:
-        return json.dumps(self.to_doc(), separators=(",", ":")).encode()
-
-    @classmethod
-    def decode(cls, raw: bytes) -> "_Header":
-        try:
-            doc = json.loads(raw)
-        except ValueError as exc:
-            raise CorruptWeights(f"unreadable weights header: {exc}") from None
-        return cls.from_doc(doc)
-
-    def bucket_nbytes(self, bucket: Sequence[int]) -> int:
-        return sum(_numel(self.layout[i][2]) * self.layout[i][1].itemsize for i in bucket)
-
-
-def _layout_mismatch(header: _Header, into: Mapping[str, torch.Tensor]) -> str | None:
-    """Why `into` cannot take the header's tensors, or None when names, dtypes and shapes match."""
-    sent = {name: (dtype, shape) for name, dtype, shape in header.layout}
-    problems = []
-    missing = sorted(set(sent) - set(into))
-    extra = sorted(set(into) - set(sent))
-    if missing:
-        problems.append(f"not in destination: {missing[:5]}")
-    if extra:
-        problems.append(f"not sent: {extra[:5]}")
-    for name, (dtype, shape) in sent.items():
-        dst = into.get(name)
-        if dst is not None and (dst.dtype != dtype or tuple(dst.shape) != shape):
-            problems.append(f"{name}: sent {_DTYPE_NAMES[dtype]}{list(shape)}, "
-                            f"destination {dst.dtype}{list(dst.shape)}")
-        if len(problems) >= 6:
-            break
-    return "; ".join(problems) or None
-
 
 # --------------------------------------------------------------------------------------------------
 # one local rank's link into the group, and the blocking round logic run on its thread
@@ -323,7 +178,7 @@ class _Link:
 
     # ---- rank 0 ----------------------------------------------------------------------------------
 
-    def send_round(self, header: _Header, tensors: Sequence[torch.Tensor]) -> None:
+    def send_round(self, header: BucketHeader, tensors: Sequence[torch.Tensor]) -> None:
         raw = header.encode()
         length = torch.tensor([len(raw)], dtype=torch.int64, device=self.device)
         self._wait(self._broadcast(_as_bytes(length)))
@@ -371,11 +226,11 @@ class _Link:
             # Not a header we can even receive: the ranks are out of step, the group is unusable.
             raise _CollectiveFailed(f"garbled header length {size}")
         problem: str | None = None
-        header: _Header | None = None
+        header: BucketHeader | None = None
         body = torch.empty(size, dtype=torch.uint8, device=self.device)
         self._wait(self._broadcast(body))
         try:
-            header = _Header.decode(body.cpu().numpy().tobytes())
+            header = BucketHeader.decode(body.cpu().numpy().tobytes())
         except CorruptWeights as exc:
             problem = str(exc)
         if header is not None:
@@ -383,7 +238,7 @@ class _Link:
                 problem = (f"sender is in round {header.round} version {header.version}, "
                            f"this rank expects round {expect_round} version {expect_version}")
             else:
-                problem = _layout_mismatch(header, into)
+                problem = layout_mismatch(header, into)
         if problem is not None:
             log.warning("weights.layout_rejected", rank=self.rank, problem=problem)
         if self._verdict(problem is not None):
@@ -393,7 +248,7 @@ class _Link:
         with torch.no_grad():
             return self._receive_buckets(header, dests, atomic)
 
-    def _receive_buckets(self, header: _Header, dests: list[torch.Tensor], atomic: bool) -> int:
+    def _receive_buckets(self, header: BucketHeader, dests: list[torch.Tensor], atomic: bool) -> int:
         total = 0
         pending = []
         # (work, bucket, buffer) waiting to be unpacked, per scratch slot (or all, when atomic)
@@ -585,6 +440,11 @@ class TorchDistTransport:
         """Backend of the group currently formed (gloo / nccl), or None."""
         return None if self._group is None else self._group.backend
 
+    def offer_port(self) -> int:
+        # A fresh port per offer: used only when the decision starts a new group epoch (the
+        # current group is reused otherwise), so a stale TCPStore port is never reused.
+        return free_port("0.0.0.0")
+
     async def send(self, ready: RendezvousReady, tensors: Mapping[str, torch.Tensor]) -> int:
         """Trainer side (rank 0): broadcast `tensors` to every explorer rank of `ready`; return bytes.
 
@@ -595,7 +455,7 @@ class TorchDistTransport:
         _check_ready(ready)
         layout = [(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
         for name, dtype, _ in layout:
-            if dtype not in _DTYPE_NAMES:
+            if not can_send(dtype):
                 raise TransferError(f"tensor {name!r} has dtype {dtype}, which cannot be sent")
         sources = list(tensors.values())
         backend = self._backend
@@ -603,7 +463,7 @@ class TorchDistTransport:
             backend = "nccl" if sources and all(t.is_cuda for t in sources) else "gloo"
         direct = self._direct_min_bytes or DEFAULT_DIRECT_MIN_BYTES[backend]
         channels = self._channels or DEFAULT_CHANNELS[backend]
-        header = _Header(
+        header = BucketHeader(
             round=ready.round,
             version=ready.version,
             epoch=ready.epoch,

@@ -14,7 +14,6 @@ import copy
 import dataclasses
 import json
 import math
-import os
 import zlib
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -23,7 +22,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from bus.experiences import Experience, ExperienceLimits
+from bus.files import atomic_path
+from sync_protocol.experience import Experience, ExperienceLimits
 
 from .algorithms import AlgorithmConfig, VerlAlgorithm
 from .base import Task, WeightsMismatch
@@ -319,6 +319,5 @@ class HFRolloutEngine:
 
 
 def _atomic_write(final: Path, write) -> None:
-    tmp = final.with_name(final.name + ".tmp")
-    write(str(tmp))
-    os.replace(tmp, final)
+    with atomic_path(final) as tmp:
+        write(str(tmp))

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -18,7 +17,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from bus.experiences import Experience, ExperienceLimits
+from bus.files import atomic_path
+from sync_protocol.experience import Experience, ExperienceLimits
 
 from .base import Task, WeightsMismatch
 from .grpo import clipped_policy_loss, group_advantages
@@ -361,6 +361,5 @@ class TinyRolloutEngine:
 
 
 def _atomic_write(final: Path, write) -> None:
-    tmp = final.with_name(final.name + ".tmp")
-    write(str(tmp))
-    os.replace(tmp, final)
+    with atomic_path(final) as tmp:
+        write(str(tmp))

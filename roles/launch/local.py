@@ -9,7 +9,6 @@ import dataclasses
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -22,25 +21,22 @@ from rich.live import Live
 from rich.table import Table
 
 from bus.auth import AuthDir
+from bus.connection import BusConnection, connect
+from bus.errors import BusError
+from bus.events import read_all, read_events
+from bus.logging import setup_logging
 from bus.security import redact
 from bus.server import NatsServer, NatsServerError
+from bus.streams import ensure_event_stream, ensure_experience_stream
 from roles.config import JobConfig
 from roles.launch.base import Launcher, RoleHandle
-from roles.observe.observer import member_status
-from roles.observe.replay import job_outcome
+from roles.observe.dashboard import start_dashboard
+from roles.observe.observer import SUMMARY_MEANINGS, JobObserver, member_status
+from roles.observe.replay import summarize, write_export
+from roles.provision import provision_job
 from roles.runner import EXIT_ERROR, EXIT_INCOMPLETE
-from sync_protocol import (
-    MemberReleased,
-    Recorded,
-    RendezvousReady,
-    Role,
-    RunningStatus,
-    StatusChanged,
-    StepFinished,
-    VersionPublished,
-    WeightsBroadcast,
-    WeightsLoaded,
-)
+from roles.session import stop_task
+from sync_protocol import Role
 
 __all__ = ["run_up", "supervise", "summarize", "write_config", "LocalLauncher", "RoleProcess"]
 
@@ -101,7 +97,7 @@ class LocalLauncher:
             env.update(self.auth.security(member_id).as_env())
         proc = subprocess.Popen(
             [sys.executable, "-m", "roles.cli", "start", role, "--config", str(self.config_path),
-             "--nats", self.nats_url, "--id", member_id],
+             "--nats", self.nats_url, "--id", member_id, "--log-format", "json"],
             stdout=out, stderr=subprocess.STDOUT, env=env,
             start_new_session=True,  # Ctrl-C in the terminal reaches `up`, which stops children in order
         )
@@ -151,11 +147,11 @@ def run_up(cfg: JobConfig, *, explorers: int | None = None, summary_path: str | 
 
     With `auth` (what `rolectl auth init` wrote) the server runs from its nats-server.conf (TLS, one
     identity per member), admin provisions the streams and each role connects as itself."""
-    from bus.logging import setup_logging
-
     setup_logging("warning")
     if explorers is not None:
-        cfg = dataclasses.replace(cfg, explorers=dataclasses.replace(cfg.explorers, count=explorers))
+        cfg, note = cfg.with_explorer_count(explorers)
+        if note:
+            console.print(f"[yellow]--explorers {explorers}:[/] {note}", highlight=False)
     if auth is not None:
         problem = _auth_mismatch(cfg, auth)
         if problem:
@@ -182,7 +178,8 @@ def run_up(cfg: JobConfig, *, explorers: int | None = None, summary_path: str | 
     config_path = run_path / "job.yaml"
     write_config(cfg, config_path)
     secured = "" if auth is None else f" (TLS, identities from {auth.path})"
-    console.print(f"[bold]rolectl up[/] job [cyan]{cfg.job}[/]: nats {url}{secured}, run dir {run_path}")
+    console.print(f"[bold]rolectl up[/] job [cyan]{cfg.job}[/]: nats {url}{secured} (monitoring {server.monitor_url}), "
+                  f"run dir {run_path}")
     try:
         launcher = LocalLauncher(config_path=config_path, nats_url=url, logs=run_path / "logs", auth=auth)
         return asyncio.run(supervise(cfg, launcher, run_path, monitor_url=server.monitor_url,
@@ -200,19 +197,12 @@ async def supervise(cfg: JobConfig, launcher: Launcher, run_path: Path, *, monit
     """Start every role through `launcher`, show progress until the job ends (every worker exited
     0, one role failed, Ctrl-C or `timeout_s`), stop everyone, export the stream and write the summary.
     The same for every launcher: only how roles are started, watched and stopped differs."""
-    from bus.connection import connect
-    from bus.errors import BusError
-    from roles.session import JobView
-    from bus.events import read_all
-    from roles.engines import engine_summary
-    from roles.observe.replay import write_export
+    from roles.engines import engine_summary  # here: it loads torch, which only `up` needs
 
     started = time.monotonic()
     url = cfg.nats_url
     observer = auth.security("observer") if auth is not None else None
     if auth is not None:  # only admin may create streams: make them before any role needs them
-        from roles.provision import provision_job
-
         try:
             streams = await provision_job(cfg, security=auth.security("admin"))
         except BusError as exc:
@@ -232,16 +222,12 @@ async def supervise(cfg: JobConfig, launcher: Launcher, run_path: Path, *, monit
         loop.add_signal_handler(sig, stop.set)
     try:
         async with connect(url, job=cfg.job, role="observer", member="up", security=observer) as conn:
-            from bus.streams import ensure_event_stream, ensure_experience_stream
-
             await ensure_event_stream(conn.js, conn.names, replicas=cfg.nats.replicas)
             await ensure_experience_stream(conn.js, conn.names, replicas=cfg.nats.replicas)
-            view = JobView(conn)
-            await view.start(catch_up=False)
+            view = JobObserver(log_tail=0)
+            following = asyncio.create_task(_follow(conn, view), name="up-follow")
             if dashboard:
                 try:
-                    from roles.observe.dashboard import start_dashboard
-
                     handle = await start_dashboard(job=cfg.job, nats_url=url, security=observer,
                                                    monitor_url=monitor_url, port=dashboard_port)
                     console.print(f"dashboard: [link={handle.url}]{handle.url}[/link]")
@@ -285,7 +271,7 @@ async def supervise(cfg: JobConfig, launcher: Launcher, run_path: Path, *, monit
             if summary_path:
                 Path(summary_path).write_text(json.dumps(summary, indent=2))
             console.print(_summary_table(summary))
-            await view.aclose()
+            await stop_task(following)
     finally:
         await launcher.stop_all(everyone)
         if handle is not None:
@@ -304,81 +290,15 @@ def _auth_mismatch(cfg: JobConfig, auth: AuthDir) -> str | None:
     return None
 
 
-def _percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    index = min(len(values) - 1, max(0, round(q * (len(values) - 1))))
-    return values[index]
+async def _follow(conn: BusConnection, observer: JobObserver) -> None:
+    """Fold the job's stream into `observer` as it grows (the progress table reads it)."""
+    async with read_events(conn, from_seq=1, include_decisions=True) as reader:
+        async for rec in reader:
+            observer.apply(rec)
 
 
-def summarize(records: list[Recorded], *, job: str) -> dict:
-    """The run's figures, computed from the recorded stream alone (so a replay gives the same)."""
-    trainer_rewards: list[float] = []
-    trainer_steps = 0
-    explorer_steps: dict[str, int] = {}
-    final_version = 0
-    syncs = 0
-    bytes_moved = 0
-    waiting_since: dict = {}
-    waits_ms: list[float] = []
-    produced: dict[tuple[str, int], int] = {}  # (explorer, explore step) -> experiences (a step
-    trained: dict[int, int] = {}  # trainer step -> experiences        reported twice counts once)
-    dropped_stale = 0
-    for rec in records:
-        ev = rec.event
-        if isinstance(ev, StepFinished):
-            if ev.member.role is Role.TRAINER:
-                trainer_steps = max(trainer_steps, ev.step)
-                if "reward_mean" in ev.metrics:
-                    trainer_rewards.append(ev.metrics["reward_mean"])
-                trained[ev.step] = int(ev.metrics.get("num_experiences", 0))
-                dropped_stale = max(dropped_stale, int(ev.metrics.get("dropped_stale_total", 0)))
-            elif ev.member.role is Role.EXPLORER:
-                explorer_steps[ev.member.id] = max(explorer_steps.get(ev.member.id, 0), ev.step)
-                produced[(ev.member.id, ev.step)] = int(ev.metrics.get("experiences", 0))
-        elif isinstance(ev, WeightsLoaded):
-            final_version = max(final_version, ev.version)
-            bytes_moved += ev.nbytes
-            if ev.nbytes > 0:
-                syncs += 1
-        elif isinstance(ev, (WeightsBroadcast, VersionPublished)):
-            final_version = max(final_version, ev.version)
-        elif isinstance(ev, StatusChanged) and ev.member.role is Role.EXPLORER:
-            if ev.status is RunningStatus.REQUIRE_SYNC:
-                waiting_since[ev.member] = rec.time_ms
-        elif isinstance(ev, MemberReleased) and ev.released in waiting_since:
-            waits_ms.append(rec.time_ms - waiting_since.pop(ev.released))
-        elif isinstance(ev, RendezvousReady):
-            for p in ev.participants:
-                if p.member in waiting_since:
-                    waits_ms.append(rec.time_ms - waiting_since.pop(p.member))
-    first, last = trainer_rewards[:5], trainer_rewards[-5:]
-    outcome = job_outcome(records)
-    return {
-        "job": job,
-        "complete": outcome.complete,
-        "end_reason": outcome.reason,
-        "trainer_steps": trainer_steps,
-        "explorer_steps": explorer_steps,
-        "syncs": syncs,
-        "final_version": final_version,
-        "reward_first": round(statistics.fmean(first), 4) if first else None,
-        "reward_last": round(statistics.fmean(last), 4) if last else None,
-        "weights_bytes_moved": bytes_moved,
-        # every experience produced is trained or dropped as too stale; what is left over was
-        # produced after the trainer had what it needed (explorers stop with the trainer)
-        "experiences_produced": sum(produced.values()),
-        "experiences_trained": sum(trained.values()),
-        "experiences_dropped_stale": dropped_stale,
-        "sync_wait_ms": {"p50": _percentile(waits_ms, 0.5), "p99": _percentile(waits_ms, 0.99),
-                         "count": len(waits_ms)},
-        "events": len(records),
-    }
-
-
-def _progress_table(cfg: JobConfig, view, processes: list[RoleHandle]) -> Table:
-    table = Table(title=f"job {cfg.job} · latest version {view.state.latest.version}", expand=False)
+def _progress_table(cfg: JobConfig, view: JobObserver, processes: list[RoleHandle]) -> Table:
+    table = Table(title=f"job {cfg.job} · latest version {view.latest()['version']}", expand=False)
     for col in ("member", "status", "step", "version", "reward", "process"):
         table.add_column(col)
     procs = {p.member_id: p for p in processes}
@@ -387,15 +307,22 @@ def _progress_table(cfg: JobConfig, view, processes: list[RoleHandle]) -> Table:
         reward = member.metrics.get("reward_mean") if member.metrics else None
         table.add_row(member.ref.key, member_status(member), str(member.step), str(member.version),
                       f"{reward:.3f}" if reward is not None else "",
-                      "running" if proc and proc.poll() is None else (f"exit {proc.returncode}" if proc else ""))
+                      "running" if proc and proc.proc.poll() is None else (f"exit {proc.proc.returncode}" if proc else ""))
     return table
 
 
+SUMMARY_SHOWN = ("job", "complete", "end_reason", "engines", "model_parameters", "trainer_steps", "explorer_steps",
+                 "syncs", "rounds", "weight_loads", "final_version", "reward_first", "reward_last",
+                 "experiences_produced", "experiences_trained", "experiences_dropped_stale", "weights_bytes_moved",
+                 "sync_wait_ms", "wall_s", "run_dir")
+
+
 def _summary_table(summary: dict) -> Table:
+    """The summary's figures, each beside what it counts (a sync, a load and a wait are not one thing)."""
     table = Table(title="run summary", show_header=False)
-    for key in ("job", "complete", "end_reason", "engines", "model_parameters", "trainer_steps", "explorer_steps",
-                "syncs", "final_version", "reward_first", "reward_last", "experiences_produced",
-                "experiences_trained", "experiences_dropped_stale", "weights_bytes_moved", "sync_wait_ms",
-                "wall_s", "launcher", "restarts", "run_dir"):
-        table.add_row(key, json.dumps(summary.get(key)))
+    table.add_column("figure", no_wrap=True)
+    table.add_column("value", overflow="fold", ratio=1)
+    table.add_column("what it counts", style="dim", no_wrap=True)
+    for key in SUMMARY_SHOWN:
+        table.add_row(key, json.dumps(summary.get(key)), SUMMARY_MEANINGS.get(key, ""))
     return table

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,8 +31,14 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from rich.console import Console
 
+from bus.connection import connect
+from bus.errors import BusError
+from bus.events import last_sequence, read_events, subscribe_heartbeats
+from bus.logging import setup_logging
 from bus.security import redact
+from bus.subjects import JobNames
 from roles.session import stop_task
 from roles.observe.observer import JobObserver
 
@@ -54,6 +61,39 @@ def default_monitor_url(nats_url: str) -> str:
     return f"http://{host}:8222"
 
 
+async def _preflight(job: str, nats_url: str, monitor_url: str, *, monitor_given: bool, security=None) -> list[str]:
+    """What is wrong with where the dashboard looks, each with what to do (empty: both answer).
+
+    The page keeps retrying either way; this is for the person at the console, who otherwise saw
+    only the URLs and an empty page."""
+    from bus.connection import connect
+    from bus.errors import BusError
+
+    problems = []
+    try:
+        async with connect(nats_url, job=job, role="observer", member=f"dashboard-{os.getpid()}",
+                           connect_timeout=3.0, security=security):
+            pass
+    except BusError as exc:  # its message says where, why and what to run
+        problems.append(f"{exc} The dashboard keeps trying meanwhile.")
+    except Exception as exc:
+        problems.append(f"NATS at {redact(nats_url)} does not answer ({type(exc).__name__}: {exc}). Start one "
+                        "(`rolectl server`, or `rolectl up` prints its URL) or pass --nats URL; the dashboard "
+                        "keeps trying meanwhile")
+    try:
+        timeout = aiohttp.ClientTimeout(total=3.0)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            async with session.get(f"{monitor_url.rstrip('/')}/varz") as resp:
+                resp.raise_for_status()
+    except Exception as exc:
+        why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        guess = "" if monitor_given else " (the default guess: the --nats host, port 8222)"
+        problems.append(f"no nats-server monitoring at {monitor_url}{guess}: {why}. Pass --monitor-url "
+                        "http://HOST:PORT: `rolectl server` prints it (its --http-port), `rolectl up` prints it "
+                        "on its first line; the NATS health panel stays empty until then")
+    return problems
+
+
 def _now_ms() -> int:
     return time.time_ns() // 1_000_000
 
@@ -72,8 +112,6 @@ class Dashboard:
     """The dashboard's model and background work: follow the stream, heartbeats, server health."""
 
     def __init__(self, *, job: str, nats_url: str, monitor_url: str | None, security=None):
-        from bus.subjects import JobNames
-
         self.job = job
         self.names = JobNames(job)  # a bad job name fails here, before anything starts
         self._connect_url = nats_url
@@ -120,10 +158,6 @@ class Dashboard:
     # -- following the job -----------------------------------------------------------------------
 
     async def _follow(self) -> None:
-        from bus.connection import connect
-        from bus.errors import BusError
-        from bus.events import last_sequence, read_events, subscribe_heartbeats
-
         while True:
             try:
                 async with connect(self._connect_url, job=self.job, role="observer",
@@ -180,8 +214,7 @@ class Dashboard:
             return await resp.json(content_type=None)
 
     def _health(self, varz: dict[str, Any], jsz: dict[str, Any]) -> dict[str, Any]:
-        ours = {self.names.event_stream, self.names.experience_stream, f"OBJ_{self.names.weights_bucket}",
-                getattr(self.names, "weights_stream", None)}
+        ours = {self.names.event_stream, self.names.experience_stream, self.names.weights_stream}
         streams = []
         for account in jsz.get("account_details") or []:
             for s in account.get("stream_detail") or []:
@@ -209,10 +242,9 @@ class Dashboard:
         now = _now_ms()
         state = obs.state
         rounds = [r.to_json() for r in list(obs.rounds.values())[-_ROUNDS_SHOWN:]]
-        closed = [r for r in obs.rounds.values() if r.outcome is not None]
-        outcomes: dict[str, int] = {}
-        for r in closed:
-            outcomes[r.outcome] = outcomes.get(r.outcome, 0) + 1
+        # every round closed since the start (the kept `rounds` are only the newest few thousand)
+        outcomes = dict(sorted(obs.round_outcomes.items()))
+        closed = [r for r in obs.rounds.values() if r.outcome is not None]  # the kept ones, for the chart
         moved = [r for r in obs.rounds.values() if r.gbps]
         transfers = [*(t for r in obs.rounds.values() for t in r.transfers if t.kind == "loaded"),
                      *obs.background_transfers]
@@ -234,7 +266,7 @@ class Dashboard:
                         "metrics": dict(trainer.metrics)} if trainer else None,
             "members": obs.members(now),
             "rounds": rounds,
-            "rounds_summary": {"closed": len(closed), "open": len(state.rounds), "outcomes": outcomes,
+            "rounds_summary": {"closed": sum(outcomes.values()), "open": len(state.rounds), "outcomes": outcomes,
                                "total": len(obs.rounds)},
             "versions": [vars(v) for v in list(obs.versions)[-30:]],
             "throughput": {"bytes_loaded_total": obs.bytes_loaded_total, "last_gbps": last_rate,
@@ -300,13 +332,12 @@ class _Collector:
         rounds_open.add_metric((job,), len(state.rounds))
         yield rounds_open
         closed = counter("sync_rounds_closed", "Sync rounds closed, by outcome", ("outcome",))
-        outcomes: dict[str, int] = {}
         last_closed = None
         for r in obs.rounds.values():
             if r.outcome is not None:
-                outcomes[r.outcome] = outcomes.get(r.outcome, 0) + 1
                 last_closed = r
-        for outcome, n in sorted(outcomes.items()):
+        # a counter never goes down: every round closed since the start, not the kept ones only
+        for outcome, n in sorted(obs.round_outcomes.items()):
             closed.add_metric((job, outcome), n)
         yield closed
         if last_closed is not None and last_closed.duration_ms is not None:
@@ -476,12 +507,6 @@ async def start_dashboard(*, job: str, nats_url: str, monitor_url: str | None, h
 def serve_dashboard(*, job: str, nats: str, host: str, port: int, monitor_url: str | None,
                     security=None) -> int:
     """`rolectl dashboard`: serve until Ctrl-C. 0 on a clean stop, 1 when it cannot start."""
-    import signal
-
-    from rich.console import Console
-
-    from bus.logging import setup_logging
-
     setup_logging("warning")
     console = Console(stderr=True)
     monitor = monitor_url or default_monitor_url(nats)
@@ -495,6 +520,8 @@ def serve_dashboard(*, job: str, nats: str, host: str, port: int, monitor_url: s
             return 1
         console.print(f"dashboard of job {job} at {handle.url} (NATS {redact(nats)}, monitoring {monitor}); "
                       "Ctrl-C stops it", markup=False, highlight=False, soft_wrap=True)
+        for problem in await _preflight(job, nats, monitor, monitor_given=monitor_url is not None, security=security):
+            console.print(f"warning: {problem}", style="yellow", markup=False, highlight=False, soft_wrap=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -1,5 +1,5 @@
-"""Look at a job: an incremental observer of its recorded stream (members, rounds, versions, figures)
-shared by `rolectl status`, `rolectl replay` and the dashboard, and the `rolectl status` command.
+"""The one fold of a job's recorded stream for everyone who watches it: `rolectl status`, `rolectl
+replay`, `rolectl up`'s progress and summary, and the dashboard all read a `JobObserver`.
 
 Theory of operation
 -------------------
@@ -10,16 +10,16 @@ who opened a round, whom it waited for (taken from the reducer's own round state
 opened), every release, the outcome and its server times. Weight transfers (`WeightsLoaded`,
 `WeightsBroadcast`) are attached to their round for bytes and GB/s. Nothing here does I/O or reads
 a clock; callers pass `now_ms` where "how long ago" is wanted.
+
+"A sync" means one thing here and everywhere it is shown: a round the reducer closed as
+`completed`. Every other count has its own name (rounds by outcome, weight loads, sync waits), and
+`SUMMARY_MEANINGS` says in words what each figure of the run summary counts.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
-import os
-import sys
-import time
-from collections import OrderedDict, deque
+import statistics
+from collections import Counter, OrderedDict, deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
@@ -37,6 +37,7 @@ from sync_protocol import (
     Role,
     RoundClosed,
     RoundOpened,
+    RoundOutcome,
     RoundTimedOut,
     RunningStatus,
     RoundPhase,
@@ -59,9 +60,10 @@ __all__ = [
     "describe",
     "member_status",
     "member_rows",
-    "print_status",
-    "collect_status",
     "format_ago",
+    "percentile",
+    "JobOutcome",
+    "SUMMARY_MEANINGS",
 ]
 
 
@@ -217,9 +219,40 @@ def _size(nbytes: int) -> str:
 
 def member_status(member) -> str:
     """running / require_sync / stopped / expired (a dead member that did not say STOPPED expired)."""
-    if member.alive:
-        return member.status.value
-    return "stopped" if member.status is RunningStatus.STOPPED else "expired"
+    return member.condition
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The nearest-rank `q` quantile of `values` (None when empty)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    """How a recorded job ended: `complete` (the trainer's final STOPPED after its last step),
+    `incomplete` (the trainer is gone without finishing), or `running` (the trainer is alive)."""
+
+    status: str
+    reason: str
+
+    @property
+    def complete(self) -> bool:
+        return self.status == "complete"
+
+
+# What each figure of `JobObserver.summary()` counts: `rolectl up` prints it beside the figure, so
+# no two counts that look alike (syncs, loads, waits) are read as the same thing.
+SUMMARY_MEANINGS: dict[str, str] = {
+    "syncs": "rounds completed",
+    "rounds": "rounds closed, by outcome",
+    "weight_loads": "explorer loads with bytes",
+    "sync_wait_ms": "explorer ask → answer",
+    "weights_bytes_moved": "bytes explorers loaded",
+    "experiences_dropped_stale": "past the staleness bound",
+}
 
 
 def format_ago(ms: int | None) -> str:
@@ -274,9 +307,9 @@ class JobObserver:
     """
 
     def __init__(self, *, apply_computed: bool = False, log_tail: int = 200, max_rounds: int = 2000,
-                 max_points: int = 5000):
+                 max_points: int = 5000, start: State | None = None):
         self.apply_computed = apply_computed
-        self.state = State.initial()
+        self.state = start or State.initial()  # a reducer snapshot, for a stream trimmed before it
         self.rounds: OrderedDict[int, RoundView] = OrderedDict()
         self.versions: deque[VersionView] = deque(maxlen=max_points)
         self.log: deque[LogLine] = deque(maxlen=log_tail)
@@ -291,6 +324,18 @@ class JobObserver:
         self.background_transfers: deque[Transfer] = deque(maxlen=max_points)
         self.bytes_loaded_total = 0
         self.heartbeats: dict[str, int] = {}
+        # run figures (what `summary()` reports)
+        self.round_outcomes: Counter[str] = Counter()  # outcome -> rounds closed with it
+        self.sync_waits: deque[tuple[str, str, int]] = deque(maxlen=max_points)  # (member, answer, ms)
+        self.weight_loads = 0
+        self.final_version = 0
+        self.trainer_steps = 0
+        self.explorer_steps: dict[str, int] = {}
+        self.rewards_first: list[float] = []  # the first five trainer rewards (the last are in `reward`)
+        self.experiences_produced: dict[tuple[str, int], int] = {}  # (explorer, step) -> n (a step
+        self.experiences_trained: dict[int, int] = {}  # step -> n           reported twice counts once)
+        self.dropped_stale = 0
+        self._asked_at: dict[str, int] = {}  # explorer key -> time it went require_sync
         self._max_rounds = max_rounds
         self._round_info: OrderedDict[int, dict[str, Any]] = OrderedDict()  # round -> reducer's view
         self._tracking: set[int] = set()  # rounds still open in the reducer's state
@@ -384,6 +429,15 @@ class JobObserver:
         return self._times.get(seq, fallback)
 
     def _on_decision(self, d: Decision, seq: int | None, time_ms: int) -> None:
+        # `time_ms`: when the decision was recorded (or, recomputed, when its cause was): an
+        # explorer waits until the synchronizer answers, not until the reducer could have
+        if isinstance(d, RoundClosed):
+            self.round_outcomes[d.outcome.value] += 1
+        elif isinstance(d, MemberReleased):
+            self._answered(d.released.key, d.reason.value, time_ms)
+        elif isinstance(d, RendezvousReady):
+            for p in d.participants:
+                self._answered(p.member.key, "rendezvous", time_ms)
         if isinstance(d, RoundOpened):
             info = self._round_info.get(d.round, {})
             view = RoundView(id=d.round, method=d.method.value, opened_by=d.opened_by.key, version=d.version,
@@ -413,7 +467,21 @@ class JobObserver:
             view.closed_seq = d.cause_seq
             view.closed_at_ms = at
 
+    def _answered(self, key: str, answer: str, time_ms: int) -> None:
+        asked = self._asked_at.pop(key, None)
+        if asked is not None:
+            self.sync_waits.append((key, answer, time_ms - asked))
+
     def _on_input(self, event: Event, rec: Recorded) -> None:
+        if isinstance(event, (VersionPublished, WeightsLoaded, WeightsBroadcast)):
+            self.final_version = max(self.final_version, event.version)
+        if isinstance(event, StatusChanged) and event.member.role is Role.EXPLORER:
+            if event.status is RunningStatus.REQUIRE_SYNC:
+                self._asked_at[event.member.key] = rec.time_ms
+            else:
+                self._asked_at.pop(event.member.key, None)  # withdrew its ask (gave up, stopped)
+        if isinstance(event, StepFinished):
+            self._count_step(event)
         if isinstance(event, VersionPublished):
             self.versions.append(VersionView(version=event.version, step=event.step, method=event.method.value,
                                              nbytes=event.nbytes, seq=rec.seq, time_ms=rec.time_ms))
@@ -423,6 +491,7 @@ class JobObserver:
                          seconds=event.seconds, seq=rec.seq, time_ms=rec.time_ms, kind=kind)
             if kind == "loaded":
                 self.bytes_loaded_total += event.nbytes
+                self.weight_loads += 1 if event.nbytes > 0 else 0
             view = self.rounds.get(event.round) if event.round is not None else None
             if view is not None:
                 view.transfers.append(t)
@@ -452,98 +521,55 @@ class JobObserver:
                 "method": latest.method.value if latest.method else None, "nbytes": latest.nbytes,
                 "location": latest.location, "digest": latest.digest, "held_by": holders}
 
+    def _count_step(self, event: StepFinished) -> None:
+        m = event.metrics
+        if event.member.role is Role.TRAINER:
+            self.trainer_steps = max(self.trainer_steps, event.step)
+            if "reward_mean" in m and len(self.rewards_first) < 5:
+                self.rewards_first.append(m["reward_mean"])
+            self.experiences_trained[event.step] = int(m.get("num_experiences", 0))
+            self.dropped_stale = max(self.dropped_stale, int(m.get("dropped_stale_total", 0)))
+        elif event.member.role is Role.EXPLORER:
+            self.explorer_steps[event.member.id] = max(self.explorer_steps.get(event.member.id, 0), event.step)
+            self.experiences_produced[(event.member.id, event.step)] = int(m.get("experiences", 0))
 
-# --------------------------------------------------------------------------------------------------
-# `rolectl status`
+    def outcome(self) -> JobOutcome:
+        """How the job stands or ended, by the trainer's record (only its final STOPPED ends a job)."""
+        trainer = self.state.trainer_state
+        if trainer is None:
+            return JobOutcome("incomplete", "no trainer joined the job")
+        if trainer.finished:
+            return JobOutcome("complete", f"the trainer finished its last step ({trainer.step})")
+        if trainer.alive:
+            return JobOutcome("running", f"the trainer is running (step {trainer.step})")
+        how = ("stopped before its last step (see its log for why)" if trainer.status is RunningStatus.STOPPED
+               else "was expired (killed, or cut off) and did not come back")
+        return JobOutcome("incomplete", f"the trainer {how}, after step {trainer.step}")
 
-
-async def collect_status(job: str, nats: str, *, heartbeat_wait_s: float | None = None,
-                         connect_timeout: float = 5.0, security=None) -> tuple[JobObserver, int]:
-    """Read the job's stream to its current end and listen briefly for heartbeats.
-
-    Returns the observer and the local time (ms) the snapshot was taken. Raises `bus.errors.BusError`
-    when NATS is unreachable or the job has no stream. Waits for a heartbeat from every live member
-    for at most `heartbeat_wait_s` (default: 1.5 heartbeat periods of the job's config).
-    """
-    from bus.connection import connect
-    from bus.events import last_sequence, read_events, subscribe_heartbeats
-
-    observer = JobObserver()
-    async with connect(nats, job=job, role="observer", member=f"status-{os.getpid()}",
-                       connect_timeout=connect_timeout, security=security) as conn:
-        all_beating = asyncio.Event()
-
-        def on_heartbeat(hb) -> None:
-            observer.heartbeat(hb.member.key, time.time_ns() // 1_000_000)
-            if _every_live_member_beat(observer):
-                all_beating.set()
-
-        sub = await subscribe_heartbeats(conn, on_heartbeat)
-        try:
-            await last_sequence(conn)  # a clear error when the job has no stream
-            async with read_events(conn, from_seq=1, include_decisions=True, stop_at_end=True) as reader:
-                async for rec in reader:
-                    observer.apply(rec)
-            if _every_live_member_beat(observer):
-                all_beating.set()
-            wait = heartbeat_wait_s
-            if wait is None:
-                period = observer.state.config.heartbeat_period if observer.state.config else 1.0
-                wait = 1.5 * period
-            if any(m.alive for m in observer.state.members.values()):
-                try:
-                    await asyncio.wait_for(all_beating.wait(), wait)
-                except asyncio.TimeoutError:
-                    pass  # a member that does not beat is exactly what `status` should show
-        finally:
-            await sub.aclose()
-    return observer, time.time_ns() // 1_000_000
-
-
-def _every_live_member_beat(observer: JobObserver) -> bool:
-    live = [m.key for m in observer.state.members.values() if m.alive and m.ref.role is not Role.SYNCHRONIZER]
-    return bool(live) and all(k in observer.heartbeats for k in live)
-
-
-async def print_status(job: str, nats: str, *, as_json: bool = False, connect_timeout: float = 5.0,
-                       security=None) -> int:
-    """Print a table (or JSON) of the job's members; 0 on success, 1 when NATS or the job is missing."""
-    from rich.console import Console
-    from rich.table import Table
-
-    from bus.errors import BusError
-    from bus.logging import setup_logging
-
-    setup_logging("warning")  # stdout is for the table (and JSON); logs go to stderr
-    err = Console(stderr=True)
-    try:
-        observer, now_ms = await collect_status(job, nats, connect_timeout=connect_timeout, security=security)
-    except BusError as exc:
-        err.print(f"rolectl status: {exc}", style="red", highlight=False, markup=False, soft_wrap=True)
-        return 1
-    except ValueError as exc:  # a job name that cannot be a NATS token
-        err.print(f"rolectl status: {exc}", style="red", highlight=False, markup=False, soft_wrap=True)
-        return 1
-    rows = observer.members(now_ms)
-    latest = observer.latest()
-    if as_json:
-        json.dump({"job": job, "latest": latest, "members": rows, "last_seq": observer.state.last_seq,
-                   "open_rounds": sorted(observer.state.rounds), "illegal_events": observer.illegal_total},
-                  sys.stdout, indent=2)
-        sys.stdout.write("\n")
-        return 0
-    out = Console()
-    table = Table(title=f"job {job} · latest version {latest['version']} · stream seq {observer.state.last_seq}")
-    for col in ("role", "id", "status", "step", "version", "last seen", "host"):
-        table.add_column(col, justify="right" if col in ("step", "version") else "left")
-    colour = {"running": "green", "require_sync": "yellow", "stopped": "dim", "expired": "red"}
-    for row in rows:
-        status = f"[{colour.get(row['status'], 'white')}]{row['status']}[/]"
-        table.add_row(row["role"], row["id"], status, str(row["step"]), str(row["version"]),
-                      format_ago(row["last_seen_ago_ms"]), row["host"])
-    if not rows:
-        table.caption = "no member has joined yet"
-    elif observer.state.rounds:
-        table.caption = f"open sync rounds: {', '.join(map(str, sorted(observer.state.rounds)))}"
-    out.print(table)
-    return 0
+    def summary(self, *, job: str) -> dict[str, Any]:
+        """The run's figures (see `SUMMARY_MEANINGS`), from the records alone: a replay gives the same."""
+        outcome = self.outcome()
+        waits = [ms for _, _, ms in self.sync_waits]
+        last = [r for _, r, _ in list(self.reward)[-5:]]
+        return {
+            "job": job,
+            "complete": outcome.complete,
+            "end_reason": outcome.reason,
+            "trainer_steps": self.trainer_steps,
+            "explorer_steps": dict(self.explorer_steps),
+            "syncs": self.round_outcomes.get(RoundOutcome.COMPLETED.value, 0),
+            "rounds": dict(sorted(self.round_outcomes.items())),
+            "weight_loads": self.weight_loads,
+            "final_version": self.final_version,
+            "reward_first": round(statistics.fmean(self.rewards_first), 4) if self.rewards_first else None,
+            "reward_last": round(statistics.fmean(last), 4) if last else None,
+            "weights_bytes_moved": self.bytes_loaded_total,
+            # every experience produced is trained or dropped as too stale; what is left over was
+            # produced after the trainer had what it needed (explorers stop with the trainer)
+            "experiences_produced": sum(self.experiences_produced.values()),
+            "experiences_trained": sum(self.experiences_trained.values()),
+            "experiences_dropped_stale": self.dropped_stale,
+            "sync_wait_ms": {"p50": percentile(waits, 0.5), "p99": percentile(waits, 0.99), "count": len(waits),
+                             "by_answer": dict(sorted(Counter(a for _, a, _ in self.sync_waits).items()))},
+            "events": self.records,
+        }

@@ -31,10 +31,18 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import msgpack
+from rich.console import Console
 
+from bus.connection import connect
+from bus.errors import BusError
+from bus.events import last_sequence, read_all
+from bus.files import atomic_path
+from bus.logging import setup_logging
 from bus.security import redact
+from bus.snapshots import SnapshotStore
+from bus.subjects import JobNames, identity_problem
 
-from roles.observe.observer import JobObserver
+from roles.observe.observer import JobObserver, JobOutcome
 from sync_protocol import (
     Decision,
     DecodeError,
@@ -43,7 +51,7 @@ from sync_protocol import (
     from_plain,
     to_plain,
 )
-from sync_protocol.reducer import reduce_lenient
+from sync_protocol.reducer import fold_lenient
 from sync_protocol.state import State
 
 __all__ = [
@@ -59,6 +67,9 @@ __all__ = [
     "build_timeline",
     "check_decisions",
     "decision_identity",
+    "observe",
+    "job_outcome",
+    "summarize",
     "run_replay",
 ]
 
@@ -88,8 +99,6 @@ def _subject(job: str | None, rec: Recorded) -> str | None:
         return rec.subject
     if job is None:
         return None
-    from bus.subjects import JobNames
-
     names = JobNames(job)
     event = rec.event
     if isinstance(event, Decision):
@@ -110,32 +119,27 @@ def write_export(records: Iterable[Recorded], path: str | Path, *, job: str | No
     """Write records to `path` (.jsonl or .msgpack) atomically; returns how many were written."""
     path = Path(path)
     suffix = _suffix(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     n = 0
     try:
-        if suffix == ".jsonl":
-            with open(tmp, "w", encoding="utf-8") as fh:
-                for rec in records:
-                    fh.write(json.dumps(_row(rec, job), separators=(",", ":")) + "\n")
-                    n += 1
-        else:
-            packer = msgpack.Packer(use_bin_type=True)
-            with open(tmp, "wb") as fh:
-                for rec in records:
-                    fh.write(packer.pack(_row(rec, job)))
-                    n += 1
-        os.replace(tmp, path)  # a reader never sees half a file
+        with atomic_path(path) as tmp:  # a reader never sees half a file
+            if suffix == ".jsonl":
+                with open(tmp, "w", encoding="utf-8") as fh:
+                    for rec in records:
+                        fh.write(json.dumps(_row(rec, job), separators=(",", ":")) + "\n")
+                        n += 1
+            else:
+                packer = msgpack.Packer(use_bin_type=True)
+                with open(tmp, "wb") as fh:
+                    for rec in records:
+                        fh.write(packer.pack(_row(rec, job)))
+                        n += 1
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise ExportError(f"cannot write {path}: {exc.strerror or exc}") from None
     return n
 
 
 async def read_job(job: str, nats: str, *, connect_timeout: float = 5.0, security=None) -> list[Recorded]:
     """Every record of the job's stream up to its end as of now. Raises `bus.errors.BusError`."""
-    from bus.connection import connect
-    from bus.events import last_sequence, read_all
-
     async with connect(nats, job=job, role="observer", member=f"export-{os.getpid()}",
                        connect_timeout=connect_timeout, security=security) as conn:
         await last_sequence(conn)  # a clear error when the job has no stream
@@ -273,8 +277,7 @@ def build_timeline(records: list[Recorded], until: int | _dt.datetime | str | No
     records = cut(records, until)
     recorded_decisions = any(isinstance(r.event, Decision) for r in records)
     observer = JobObserver(apply_computed=not recorded_decisions, log_tail=0, max_rounds=10**9,
-                           max_points=10**9)
-    observer.extend(records)
+                           max_points=10**9).extend(records)
     state = observer.state
     end_ms = observer.last_time_ms
     members = observer.members(end_ms)
@@ -362,36 +365,22 @@ def _diff_fields(recorded: Decision, computed: Decision) -> tuple[str, Any, Any]
     return None
 
 
-@dataclass(frozen=True)
-class JobOutcome:
-    """How a recorded job ended: `complete` (the trainer's final STOPPED after its last step),
-    `incomplete` (the trainer is gone without finishing), or `running` (the trainer is alive)."""
-
-    status: str
-    reason: str
-
-    @property
-    def complete(self) -> bool:
-        return self.status == "complete"
+def observe(records: list[Recorded], start: State | None = None, **options) -> JobObserver:
+    """Fold `records` (from snapshot `start` if given) into the one observer every reader shares.
+    Records whose subject does not vouch for their payload are left out, as the live reader leaves
+    them out: a forged "finished" counts for nothing. `options` go to `JobObserver`."""
+    observer = JobObserver(start=start, **{"log_tail": 0, "max_rounds": 10**9, "max_points": 10**9, **options})
+    return observer.extend(_verified(sorted(records, key=lambda r: r.seq))[0])
 
 
 def job_outcome(records: list[Recorded], start: State | None = None) -> JobOutcome:
-    """Fold the records (as the synchronizer does; from snapshot `start` if given) and say how the
-    job stands or ended."""
-    state = start or State.initial()
-    verified, _ = _verified(sorted(records, key=lambda r: r.seq))  # a forged "finished" counts for nothing
-    for rec in verified:
-        state, _, _ = reduce_lenient(state, rec)
-    trainer = state.trainer_state
-    if trainer is None:
-        return JobOutcome("incomplete", "no trainer joined the job")
-    if trainer.finished:
-        return JobOutcome("complete", f"the trainer finished its last step ({trainer.step})")
-    if trainer.alive:
-        return JobOutcome("running", f"the trainer is running (step {trainer.step})")
-    how = ("stopped before its last step (see its log for why)" if trainer.status.value == "stopped"
-           else "was expired (killed, or cut off) and did not come back")
-    return JobOutcome("incomplete", f"the trainer {how}, after step {trainer.step}")
+    """How the job stands or ended, folding the records as the synchronizer does."""
+    return observe(records, start).outcome()
+
+
+def summarize(records: list[Recorded], *, job: str) -> dict[str, Any]:
+    """The run's figures (`JobObserver.summary`), from the recorded stream alone."""
+    return observe(records).summary(job=job)
 
 
 def check_decisions(records: list[Recorded], start: State | None = None) -> list[Mismatch]:
@@ -411,13 +400,8 @@ def check_decisions(records: list[Recorded], start: State | None = None) -> list
     if start is not None:
         records = [r for r in records if r.seq > start.last_seq and not (
             isinstance(r.event, Decision) and r.event.cause_seq <= start.last_seq)]
-    computed: list[Decision] = []
-    state = start or State.initial()
-    for rec in records:
-        if isinstance(rec.event, Decision):
-            continue
-        state, caused, _ = reduce_lenient(state, rec)  # illegal inputs are skipped, as live
-        computed.extend(caused)
+    # illegal inputs are skipped, as live
+    _, computed, _ = fold_lenient((r for r in records if not isinstance(r.event, Decision)), start)
     recorded = [(r.seq, r.event) for r in records if isinstance(r.event, Decision)]
 
     index = {}
@@ -461,8 +445,6 @@ def check_decisions(records: list[Recorded], start: State | None = None) -> list
 
 def _verified(records: list[Recorded]) -> tuple[list[Recorded], list[tuple[Recorded, str]]]:
     """The records the live reader would fold, and the rejected ones with the reason."""
-    from bus.subjects import identity_problem
-
     kept, forged = [], []
     for rec in records:
         problem = identity_problem(rec.subject, rec.event) if rec.subject is not None else None
@@ -482,15 +464,15 @@ def _load(job: str | None, nats: str, file: str | Path | None,
     """The records, and the reducer snapshot to fold them from when the job's stream no longer
     starts at its first record (trimmed by age or size): None when the records are complete."""
     if file is not None:
-        return load_export(file), None
+        records = load_export(file)
+        if not records:  # nothing to replay is not a replay that passed
+            raise ExportError(f"{file} holds no records: write one with `rolectl export --job JOB -o FILE` "
+                              "(or use the events.jsonl in a `rolectl up` run directory)")
+        return records, None
     return asyncio.run(read_job_from_snapshot(job, nats, security=security))
 
 
 async def read_job_from_snapshot(job: str, nats: str, *, security=None) -> tuple[list[Recorded], State | None]:
-    from bus.connection import connect
-    from bus.events import last_sequence, read_all
-    from bus.snapshots import SnapshotStore
-
     async with connect(nats, job=job, role="observer", member=f"replay-{os.getpid()}",
                        security=security) as conn:
         await last_sequence(conn)  # a clear error when the job has no stream
@@ -507,19 +489,18 @@ async def read_job_from_snapshot(job: str, nats: str, *, security=None) -> tuple
 def run_replay(*, job: str | None, nats: str, file: str | Path | None, until: str | None, check: bool,
                as_json: bool, security=None) -> int:
     """`rolectl replay`: 0 when fine (and, with `check`, every decision matches and the job did not
-    end short of its last step), 1 on a mismatch or an incomplete job, 2 when the input cannot be
-    read (bad file, NATS unreachable, unknown job, bad --until)."""
-    from rich.console import Console
-
-    from bus.errors import BusError
-    from bus.logging import setup_logging
-
+    end short of its last step), 1 on a mismatch or an incomplete job or when NATS or the job cannot
+    be reached (as every command: roles.runner.EXIT_CODES), 2 when the input is wrong (a bad or empty
+    file, a bad --until, a job name that cannot be one)."""
     setup_logging("warning")  # stdout is for the timeline (and JSON); logs go to stderr
     err = Console(stderr=True)
     try:
         moment = parse_until(until)
         records, start = _load(job, nats, file, security)
-    except (ExportError, BusError, ValueError) as exc:
+    except BusError as exc:
+        err.print(f"rolectl replay: {exc}", style="red", highlight=False, markup=False, soft_wrap=True)
+        return 1
+    except (ExportError, ValueError) as exc:
         err.print(f"rolectl replay: {exc}", style="red", highlight=False, markup=False, soft_wrap=True)
         return 2
     records = cut(records, moment)
@@ -550,70 +531,69 @@ def run_replay(*, job: str | None, nats: str, file: str | Path | None, until: st
     return 1 if failed else 0
 
 
+_OUTCOME_STYLE = {"completed": "green", "no_new_version": "cyan", "timed_out": "red", "failed": "red",
+                  "trainer_stopped": "yellow", "abandoned": "yellow", "open": "white"}
+
+
+def _line(out, text: str, style: str | None = None) -> None:
+    """One line, cut to the terminal's width (80 columns without a terminal): a row never folds
+    into a column of words, and the full record is in `--json`."""
+    out.print(text, style=style, markup=False, highlight=False, no_wrap=True, overflow="ellipsis")
+
+
+def _round_line(r: dict[str, Any], show_method: bool) -> tuple[str, str]:
+    got = {x["version"] for x in r["releases"] if x["reason"] == "new_version"}
+    if r["rendezvous"]:
+        got.add(r["rendezvous"]["version"])
+    versions = f"v{r['version']}" + (f"→v{max(got)}" if got else "")
+    waited = f"{r['duration_ms'] / 1000:.3f}s" if r["duration_ms"] is not None else "…"
+    outcome = r["outcome"] or "open"
+    moved = f"{r['nbytes'] / 1e6:.2f}MB" if r["nbytes"] else ""
+    method = f" {r['method']:<10}" if show_method else ""
+    return (f"{r['id']:>5} {(r['opened_at'] or '')[11:23]:<12} {_short(r['opened_by']):<12.12}{method} "
+            f"{versions:<11} {waited:>8} {outcome:<15} {moved}").rstrip(), _OUTCOME_STYLE.get(outcome, "white")
+
+
 def _print_timeline(t: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     out = Console()
-    span = f"seq {t['first_seq']}..{t['last_seq']}, {t['first_time']} .. {t['last_time']}"
     cfg = t["config"] or {}
-    out.print(f"[bold]replay[/] {t['source']}: {t['records']} records ({span})", highlight=False)
+    _line(out, f"replay {t['source']}: {t['records']} records, seq {t['first_seq']}..{t['last_seq']}", "bold")
+    _line(out, f"  from {t['first_time']} to {t['last_time']}")
     if cfg:
-        out.print(f"config: {cfg.get('sync_method')} / {cfg.get('sync_style')}, interval "
-                  f"{cfg.get('sync_interval')}, offset {cfg.get('sync_offset')}, timeout {cfg.get('sync_timeout')} s",
-                  highlight=False)
+        _line(out, f"config: {cfg.get('sync_method')} / {cfg.get('sync_style')}, interval {cfg.get('sync_interval')}"
+                   f", offset {cfg.get('sync_offset')}, timeout {cfg.get('sync_timeout')} s")
     if t["until"] is not None:
-        out.print(f"state as of --until {t['until']}", style="bold yellow")
+        _line(out, f"state as of --until {t['until']}", "bold yellow")
     if t["decisions_source"] == "recomputed":
-        out.print("no decision is recorded: rounds below are the reducer's own decisions", style="yellow")
+        _line(out, "no decision is recorded: rounds below are the reducer's own decisions", "yellow")
 
-    rounds = Table(title="sync rounds", title_justify="left")
-    for col in ("round", "opened (UTC)", "opened by", "method", "waited for", "participants",
-                "version", "waited", "outcome", "released / met", "moved"):
-        rounds.add_column(col, overflow="fold")
-    colour = {"completed": "green", "no_new_version": "cyan", "timed_out": "red", "failed": "red",
-              "trainer_stopped": "yellow", "abandoned": "yellow"}
-    for r in t["rounds"]:
-        version = {x["version"] for x in r["releases"] if x["reason"] == "new_version"}
-        if r["rendezvous"]:
-            version.add(r["rendezvous"]["version"])
-        got = ", ".join(f"v{v}" for v in sorted(version))
-        released = "\n".join(f"{_short(x['member'])}: {x['reason']}" + (f" v{x['version']}" if x["reload"] else "")
-                             for x in r["releases"])
-        if r["rendezvous"]:
-            rdv = r["rendezvous"]
-            released = "\n".join(filter(None, [f"rendezvous epoch {rdv['epoch']}, world {rdv['world_size']} "
-                                                f"after {rdv['waited_ms'] / 1000:.3f} s", released]))
-        moved = ""
-        if r["nbytes"]:
-            rate = f" @ {r['gbps']:.3f} GB/s" if r["gbps"] else ""
-            moved = f"{r['nbytes'] / 1e6:.2f} MB{rate}"
-        outcome = r["outcome"] or "open"
-        rounds.add_row(
-            str(r["id"]), (r["opened_at"] or "")[11:23], _short(r["opened_by"]), r["method"],
-            "\n".join(map(_short, r["waited_for"])) or "— (served at once)",
-            "\n".join(map(_short, r["participants"])),
-            f"had v{r['version']}" + (f" → {got}" if got else ""),
-            f"{r['duration_ms'] / 1000:.3f} s" if r["duration_ms"] is not None else "…",
-            f"[{colour.get(outcome, 'white')}]{outcome}[/]", released, moved,
-        )
-    if t["rounds"]:
-        out.print(rounds)
+    rounds = t["rounds"]
+    if rounds:
+        outcomes: dict[str, int] = {}
+        for r in rounds:
+            outcomes[r["outcome"] or "open"] = outcomes.get(r["outcome"] or "open", 0) + 1
+        _line(out, f"sync rounds: {len(rounds)} (" + ", ".join(f"{n} {o}" for o, n in sorted(outcomes.items()))
+              + ")", "bold")
+        show_method = len({r["method"] for r in rounds}) > 1
+        method = f" {'method':<10}" if show_method else ""
+        _line(out, f"{'round':>5} {'opened (UTC)':<12} {'opened by':<12}{method} {'version':<11} {'waited':>8} "
+                   f"{'outcome':<15} moved", "dim")
+        for r in rounds:
+            text, style = _round_line(r, show_method)
+            _line(out, text, style)
     else:
-        out.print("no sync round in this recording")
+        _line(out, "no sync round in this recording")
 
     latest = t["latest"]
-    members = Table(title=f"members at the end · latest version v{latest['version']} "
-                          f"(held by {', '.join(latest['held_by']) or 'nobody'})", title_justify="left")
-    for col in ("role", "id", "status", "step", "version", "last seen", "host"):
-        members.add_column(col)
+    _line(out, f"members at the end: latest version v{latest['version']} "
+               f"(held by {', '.join(map(_short, latest['held_by'])) or 'nobody'})", "bold")
+    _line(out, f"  {'role':<12} {'id':<14} {'status':<12} {'step':>6} {'version':>7}  last seen (UTC, before end)",
+          "dim")
     for m in t["members"]:
-        members.add_row(m["role"], m["id"], m["status"], str(m["step"]), str(m["version"]),
-                        _seen(m), 
-                        m["host"])
-    out.print(members)
+        _line(out, f"  {m['role']:<12} {m['id']:<14.14} {m['status']:<12} {m['step']:>6} {m['version']:>7}  {_seen(m)}")
+    _line(out, "(--json: every release, whom each round waited for, transfer rates)", "dim")
     if t["illegal_inputs"]:
-        out.print(f"[yellow]{len(t['illegal_inputs'])} input(s) refused by the reducer (skipped):[/]")
+        _line(out, f"{len(t['illegal_inputs'])} input(s) refused by the reducer (skipped):", "yellow")
         for x in t["illegal_inputs"][:20]:
             out.print(f"  seq {x['seq']}: {x['reason']}", highlight=False, markup=False, soft_wrap=True)
 
@@ -627,12 +607,10 @@ def _seen(member: dict[str, Any]) -> str:
     if member["last_seen"] is None:
         return "never"
     before = member["last_seen_ago_ms"] or 0
-    return f"{member['last_seen'][11:23]} ({before / 1000:.1f} s before the end)"
+    return f"{member['last_seen'][11:23]} {before / 1000:.1f}s"
 
 
 def _print_check(records: list[Recorded], mismatches: list[Mismatch]) -> None:
-    from rich.console import Console
-
     out = Console()
     decisions = sum(isinstance(r.event, Decision) for r in records)
     errors = [m for m in mismatches if not m.warning]

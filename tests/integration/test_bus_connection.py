@@ -36,7 +36,9 @@ async def test_unreachable_server_raises_bus_unavailable_quickly_with_advice():
         async with connect(url, job="j", role="trainer", member="t0", connect_timeout=1.0):
             pass
     elapsed = time.monotonic() - started
-    assert elapsed < 3.0
+    # refused at once, not after nats-py's reconnect attempts (minutes); the bound is on that
+    # waiting, with room for a loaded machine, not on speed
+    assert elapsed < 20, elapsed
     message = str(info.value)
     assert url in message and "refused" in message and "rolectl server" in message and "--nats" in message
 

@@ -78,7 +78,7 @@ async def test_retry_helper_gives_up_after_its_budget_naming_the_operation(own_s
         elapsed = time.monotonic() - started
         assert caught.value.attempts >= 2
         assert "account info of job x" in str(caught.value) and "still failing" in str(caught.value)
-        assert elapsed < 10, elapsed  # bounded: budget plus at most one attempt's timeout
+        assert elapsed < 30, elapsed  # bounded (budget plus one attempt's timeout), with room for a loaded machine
 
 
 async def test_a_request_lost_in_an_outage_is_retried_at_reconnect_not_after_its_timeout(own_server):

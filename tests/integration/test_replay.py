@@ -4,13 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import io
 import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from rich.console import Console
+
 from bus.errors import BusError
 from job_scenario import run_scripted_job
+from roles.launch.local import _summary_table
+from prometheus_client import CollectorRegistry
+
+from roles.observe.dashboard import Dashboard, _Collector
+from roles.observe.observer import SUMMARY_MEANINGS, JobObserver
 from roles.observe.replay import (
     ExportError,
     build_timeline,
@@ -19,6 +31,7 @@ from roles.observe.replay import (
     load_export,
     read_job,
     run_replay,
+    summarize,
     write_export,
 )
 from sync_protocol import Decision, MemberReleased, RoundClosed, VersionPublished
@@ -163,6 +176,62 @@ def test_timeline_rounds_say_who_waited_for_what_and_how_long(recorded, nats_url
     moved = [r for r in rounds if r["nbytes"]]
     assert len(moved) == 6 and all(r["gbps"] > 0 for r in moved)
     assert {m["status"] for m in timeline["members"] if m["role"] != "synchronizer"} == {"stopped"}
+
+
+def test_replay_text_is_one_line_a_round_within_80_columns_without_a_terminal(recorded, nats_url, tmp_path):
+    path = tmp_path / "job.jsonl"
+    records = _export(recorded, nats_url, path)
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    shown = subprocess.run([sys.executable, "-m", "roles.cli", "replay", "--file", str(path), "--check"],
+                           capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[2],
+                           timeout=300)
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    too_wide = [line for line in lines if len(line) > 80]
+    assert too_wide == []
+    timeline = build_timeline(records)
+    round_ids = [int(line.split()[0]) for line in lines if re.match(r"\s*\d+ \d\d:\d\d:\d\d", line)]
+    assert round_ids == [r["id"] for r in timeline["rounds"]]
+    members = [line for line in lines if re.match(r"  (trainer|explorer|synchronizer) ", line)]
+    assert len(members) == len(timeline["members"])
+    assert len(lines) <= len(round_ids) + len(members) + 12, shown.stdout  # a few header lines, no more
+    assert "check OK" in shown.stdout
+
+
+def test_summary_counts_a_sync_as_the_reducer_does_and_names_every_other_count(recorded, nats_url, tmp_path):
+    records = _export(recorded, nats_url, tmp_path / "job.jsonl")
+    summary = summarize(records, job=recorded)
+    closed = [r.event for r in records if isinstance(r.event, RoundClosed)]
+    completed = [d for d in closed if d.outcome.value == "completed"]
+    assert summary["syncs"] == len(completed) == len(build_timeline(records)["rounds"])
+    assert summary["rounds"] == {"completed": len(completed)}
+    # every explorer wait is answered by a release: the count splits by answer and adds up
+    waits = summary["sync_wait_ms"]
+    assert waits["count"] == sum(waits["by_answer"].values()) == len(
+        [r for r in records if isinstance(r.event, MemberReleased)])
+    loaded = [r.event for r in records if type(r.event).__name__ == "WeightsLoaded" and r.event.nbytes > 0]
+    assert summary["weight_loads"] == len(loaded) == 6  # one per trainer step per explorer
+    assert summary["complete"] and summary["trainer_steps"] == 3
+    # `rolectl up` prints each count beside what it counts, within 80 columns
+    console = Console(width=80, file=io.StringIO(), record=True)
+    console.print(_summary_table(summary))
+    lines = console.export_text().splitlines()
+    assert all(len(line) <= 80 for line in lines)
+    for key in ("syncs", "rounds", "weight_loads", "sync_wait_ms"):
+        row = next(line for line in lines if line.startswith(f"│ {key} "))
+        assert SUMMARY_MEANINGS[key] in row, row
+
+
+def test_the_dashboard_counts_every_closed_round_not_only_the_kept_ones(recorded, nats_url, tmp_path):
+    records = _export(recorded, nats_url, tmp_path / "job.jsonl")
+    dashboard = Dashboard(job=recorded, nats_url=nats_url, monitor_url=None)
+    dashboard.observer = JobObserver(max_rounds=2).extend(records)  # keeps 2 of the 8 rounds
+    assert len(dashboard.observer.rounds) == 2
+    assert dashboard.snapshot()["rounds_summary"]["outcomes"] == {"completed": 8}
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector(dashboard))
+    assert registry.get_sample_value("rolectl_sync_rounds_closed_total",
+                                     {"job": recorded, "outcome": "completed"}) == 8
 
 
 def test_replay_json_prints_the_check_result(recorded, nats_url, capsys):

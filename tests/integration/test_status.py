@@ -11,7 +11,7 @@ from bus.connection import connect
 from bus.events import publish_heartbeat
 from bus.server import free_port
 from job_scenario import EXPLORERS, TRAINER, run_scripted_job, stop_task
-from roles.observe.observer import collect_status, print_status
+from roles.observe.status import collect_status, print_status
 from sync_protocol import RunningStatus
 
 

@@ -335,23 +335,21 @@ async def test_a_hung_peer_is_peer_lost_after_the_timeout_not_a_hang(explorers):
             await trainer.send(rounds[1], _state_dict(2))
         elapsed = time.monotonic() - started
     hung.proc.send_signal(signal.SIGCONT)
-    assert timeout * 0.5 < elapsed < timeout + 5
+    # not before the timeout (a hung peer looks alive until then), and not a hang: the upper
+    # bound leaves room for a loaded machine
+    assert timeout * 0.5 < elapsed < timeout + 30, elapsed
 
 
-def test_pinned_staging_round_trips_bytes_and_reuses_its_buffer():
+def test_staging_buffer_is_reused_across_rounds_and_grows_with_headroom():
     staging = PinnedStaging()
-    first = staging.stage(_state_dict(1))
-    pointer = first.flat.data_ptr()
-    assert _same_bits(first.tensors(), _state_dict(1))
-    # Bytes arriving from elsewhere (an object store read) land in a reserved layout, then go out.
-    wire = bytes(first.memoryview())
-    incoming = staging.reserve([(n, d, s) for n, d, s in _layout("mixed")])
-    incoming.flat.zero_()
-    incoming.flat.copy_(torch.frombuffer(bytearray(wire), dtype=torch.uint8))
-    assert incoming.flat.data_ptr() == pointer  # same size: no new allocation
-    out = {n: torch.zeros(s, dtype=d) for n, d, s in _layout("mixed")}
-    incoming.copy_into(out)
-    assert _same_bits({k: v.contiguous() for k, v in out.items()}, _state_dict(1))
+    first = staging.buffer(1000)
+    assert first.numel() == 1000 and first.dtype == torch.uint8
+    assert staging.buffer(800).data_ptr() == first.data_ptr()  # smaller: the same memory
+    grown = staging.buffer(1001)
+    assert staging.capacity >= 1001 + 1000 // 8 - 1  # grown by at least 1/8, not byte by byte
+    assert staging.buffer(1100).data_ptr() == grown.data_ptr()
+    staging.close()
+    assert staging.capacity == 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,105 @@
+"""`rolectl status`: read a job's stream to its end, listen briefly for heartbeats, and print its
+members (a table, or JSON). The fold is `roles.observe.observer.JobObserver`; this module does the I/O."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+
+from rich.console import Console
+from rich.table import Table
+
+from bus.connection import connect
+from bus.errors import BusError
+from bus.events import last_sequence, read_events, subscribe_heartbeats
+from bus.logging import setup_logging
+from roles.observe.observer import JobObserver, format_ago
+from sync_protocol import Role
+
+__all__ = ["collect_status", "print_status"]
+
+
+async def collect_status(job: str, nats: str, *, heartbeat_wait_s: float | None = None,
+                         connect_timeout: float = 5.0, security=None) -> tuple[JobObserver, int]:
+    """Read the job's stream to its current end and listen briefly for heartbeats.
+
+    Returns the observer and the local time (ms) the snapshot was taken. Raises `bus.errors.BusError`
+    when NATS is unreachable or the job has no stream. Waits for a heartbeat from every live member
+    for at most `heartbeat_wait_s` (default: 1.5 heartbeat periods of the job's config).
+    """
+    observer = JobObserver()
+    async with connect(nats, job=job, role="observer", member=f"status-{os.getpid()}",
+                       connect_timeout=connect_timeout, security=security) as conn:
+        all_beating = asyncio.Event()
+
+        def on_heartbeat(hb) -> None:
+            observer.heartbeat(hb.member.key, time.time_ns() // 1_000_000)
+            if _every_live_member_beat(observer):
+                all_beating.set()
+
+        sub = await subscribe_heartbeats(conn, on_heartbeat)
+        try:
+            await last_sequence(conn)  # a clear error when the job has no stream
+            async with read_events(conn, from_seq=1, include_decisions=True, stop_at_end=True) as reader:
+                async for rec in reader:
+                    observer.apply(rec)
+            if _every_live_member_beat(observer):
+                all_beating.set()
+            wait = heartbeat_wait_s
+            if wait is None:
+                period = observer.state.config.heartbeat_period if observer.state.config else 1.0
+                wait = 1.5 * period
+            if any(m.alive for m in observer.state.members.values()):
+                try:
+                    await asyncio.wait_for(all_beating.wait(), wait)
+                except asyncio.TimeoutError:
+                    pass  # a member that does not beat is exactly what `status` should show
+        finally:
+            await sub.aclose()
+    return observer, time.time_ns() // 1_000_000
+
+
+def _every_live_member_beat(observer: JobObserver) -> bool:
+    live = [m.key for m in observer.state.members.values() if m.alive and m.ref.role is not Role.SYNCHRONIZER]
+    return bool(live) and all(k in observer.heartbeats for k in live)
+
+
+async def print_status(job: str, nats: str, *, as_json: bool = False, connect_timeout: float = 5.0,
+                       security=None) -> int:
+    """Print a table (or JSON) of the job's members; 0 on success, 1 when NATS or the job is missing."""
+    setup_logging("warning")  # stdout is for the table (and JSON); logs go to stderr
+    err = Console(stderr=True)
+    try:
+        observer, now_ms = await collect_status(job, nats, connect_timeout=connect_timeout, security=security)
+    except BusError as exc:
+        err.print(f"rolectl status: {exc}", style="red", highlight=False, markup=False, soft_wrap=True)
+        return 1
+    except ValueError as exc:  # a job name that cannot be a NATS token
+        err.print(f"rolectl status: {exc}", style="red", highlight=False, markup=False, soft_wrap=True)
+        return 1
+    rows = observer.members(now_ms)
+    latest = observer.latest()
+    if as_json:
+        json.dump({"job": job, "latest": latest, "members": rows, "last_seq": observer.state.last_seq,
+                   "open_rounds": sorted(observer.state.rounds), "illegal_events": observer.illegal_total},
+                  sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    out = Console()
+    table = Table(title=f"job {job} · latest version {latest['version']} · stream seq {observer.state.last_seq}")
+    for col in ("role", "id", "status", "step", "version", "last seen", "host"):
+        table.add_column(col, justify="right" if col in ("step", "version") else "left")
+    colour = {"running": "green", "require_sync": "yellow", "stopped": "dim", "expired": "red"}
+    for row in rows:
+        status = f"[{colour.get(row['status'], 'white')}]{row['status']}[/]"
+        table.add_row(row["role"], row["id"], status, str(row["step"]), str(row["version"]),
+                      format_ago(row["last_seen_ago_ms"]), row["host"])
+    if not rows:
+        table.caption = "no member has joined yet"
+    elif observer.state.rounds:
+        table.caption = f"open sync rounds: {', '.join(map(str, sorted(observer.state.rounds)))}"
+    out.print(table)
+    return 0
