@@ -75,15 +75,22 @@ def main() -> None:
               help="Job YAML (see examples/).")
 @click.option("--id", "member_id", default=None, help="Member id (default: trainer / explorer-0 / sync-<pid>).")
 @click.option("--nats", default=None, help="NATS URL(s), comma-separated; overrides the config's nats_url.")
+@click.option("--keep-running", is_flag=True, default=False,
+              help="sync only: keep following the job after every member finished (default: exit 0 once "
+                   "the trainer and every explorer that joined stopped for good).")
 @client_options
-def start(role: str, config_path: str, member_id: str | None, nats: str | None, **security) -> None:
+def start(role: str, config_path: str, member_id: str | None, nats: str | None, keep_running: bool,
+          **security) -> None:
     """Run one ROLE (trainer, explorer or sync) in the foreground. Ctrl-C stops it cleanly."""
     from roles.runner import run_role
+
+    if keep_running and role != "sync":
+        raise click.UsageError(f"--keep-running is for `rolectl start sync` (a {role} ends with its work)")
 
     cfg = _load(config_path, nats, security)
     # With a credential the member is its identity (the server allows nothing else).
     member_id = member_id or cfg.nats.security.identity
-    sys.exit(run_role(role, cfg, member_id))
+    sys.exit(run_role(role, cfg, member_id, keep_running=keep_running))
 
 
 @main.command()

@@ -15,7 +15,8 @@ from roles.config import JobConfig
 __all__ = ["run_role", "default_member_id", "EXIT_OK", "EXIT_ERROR", "EXIT_INCOMPLETE", "EXIT_INTERRUPTED"]
 
 # One table of exit codes for every role (and `rolectl up`):
-EXIT_OK = 0  # the role's work is done (the trainer trained total_steps; a synchronizer was stopped)
+EXIT_OK = 0  # the role's work is done (the trainer trained total_steps; a synchronizer saw every
+#             member finish, or was stopped)
 EXIT_ERROR = 1  # it failed: a bug, an unreachable server, bad data it could not get past
 EXIT_INCOMPLETE = 3  # it ended before the job's work was done (e.g. gave up on a peer that never came back)
 EXIT_INTERRUPTED = 130  # Ctrl-C / SIGTERM before its work was done (a restart may resume it)
@@ -25,8 +26,9 @@ def default_member_id(role: str) -> str:
     return {"trainer": "trainer", "explorer": "explorer-0"}.get(role, f"sync-{os.getpid()}")
 
 
-def run_role(role: str, cfg: JobConfig, member_id: str | None = None) -> int:
-    """Run `role` until it finishes; return the process exit code (0 finished or stopped, 1 error)."""
+def run_role(role: str, cfg: JobConfig, member_id: str | None = None, *, keep_running: bool = False) -> int:
+    """Run `role` until it finishes; return the process exit code (0 finished or stopped, 1 error).
+    A synchronizer finishes once every member of the job did, unless `keep_running`."""
     setup_logging(cfg.log_level)
     # Each role process gets a share of a machine that also runs its peers: one intra-op thread
     # avoids oversubscription (the torch default is one thread per core, per process).
@@ -46,7 +48,7 @@ def run_role(role: str, cfg: JobConfig, member_id: str | None = None) -> int:
     elif role == "sync":
         from roles.synchronizer import Synchronizer
 
-        runner = Synchronizer(cfg, member_id)
+        runner = Synchronizer(cfg, member_id, keep_running=keep_running)
     else:
         raise ValueError(f"unknown role {role!r}; use trainer, explorer or sync")
 
