@@ -255,6 +255,39 @@ class _Members:
         await asyncio.gather(member(self.trainer, True), *(member(s, False) for s in self.explorers))
 
 
+async def bus_hop(server: NatsServer, count: int = 60) -> dict:
+    """The floor under every figure above: one event published (acked) by a member and seen by a
+    reader following the stream, both in this process. A decision needs two such hops (cause in,
+    decision out) plus the synchronizer's fold."""
+    job = f"hop-{os.getpid()}-{time.time_ns() % 10**6}"
+    async with connect(server.url, job=job, role="observer", member="bench-hop") as conn:
+        await ensure_event_stream(conn.js, conn.names)
+        me = MemberRef(role=Role.EXPLORER, id="hop", incarnation=1)
+        publisher = EventPublisher(conn, me)
+        seen: asyncio.Queue = asyncio.Queue()
+
+        async def follow() -> None:
+            async with EventReader(conn, from_seq=1) as reader:
+                async for rec in reader:
+                    seen.put_nowait((rec.seq, time.perf_counter()))
+
+        follower = asyncio.create_task(follow())
+        hops = []
+        try:
+            for _ in range(count):
+                started = time.perf_counter()
+                seq = await publisher.publish(StatusChanged(member=me, status=RunningStatus.RUNNING, step=0,
+                                                            version=0))
+                while True:
+                    got, at = await asyncio.wait_for(seen.get(), ROUND_TIMEOUT_S)
+                    if got == seq:
+                        break
+                hops.append((at - started) * 1000)
+        finally:
+            await stop_task(follower)
+    return _pct(hops[5:])
+
+
 async def _stream_latencies(url: str, job: str, from_seq: int) -> list[float]:
     """Decision recorded minus cause recorded (ms), for decisions at or after `from_seq`."""
     async with connect(url, job=job, role="observer", member="bench") as conn:
@@ -445,6 +478,8 @@ def main(argv: list[str] | None = None) -> dict:
         server = NatsServer(store_dir=str(workdir / "store"), log_file=str(workdir / "nats.log"))
         server.start()
         try:
+            out["bus_hop_ms"] = asyncio.run(bus_hop(server))
+            print(f"bus hop (publish -> a reader sees it) ms: {out['bus_hop_ms']}", flush=True)
             for method in methods:
                 for n in counts:
                     res = asyncio.run(measure(server, workdir, method=method, explorers=n, rounds=args.rounds))
