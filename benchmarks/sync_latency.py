@@ -402,7 +402,13 @@ async def _publish_history(conn: BusConnection, history) -> None:
         await conn.nc.publish(subject, encode(item))
         if i % 2000 == 1999:
             await conn.nc.flush(timeout=60)
-            while await last_sequence(conn) < seq - 50_000:  # keep the server's backlog bounded
+            stalled_since, stored = time.monotonic(), 0
+            while (now := await last_sequence(conn)) < seq - 50_000:  # keep the server's backlog bounded
+                if now != stored:
+                    stalled_since, stored = time.monotonic(), now
+                elif time.monotonic() - stalled_since > 60:
+                    raise RuntimeError(f"the stream stopped storing at seq {now} of {seq} published: "
+                                       "is it full (max_bytes)?")
                 await asyncio.sleep(0.05)
     await conn.nc.flush(timeout=60)
 
@@ -412,7 +418,8 @@ async def measure_catch_up(server: NatsServer, workdir: Path, events: int) -> di
     history, (snapshot_state, snapshot_rounds) = _synthetic_history(events)
     config = _job_yaml(workdir / f"{job}.yaml", job=job, url=server.url, method="memory", explorers=8, snapshot_every=10_000)
     async with connect(server.url, job=job, role="observer", member="bench-history") as conn:
-        await ensure_event_stream(conn.js, conn.names)
+        # a long job's stream is sized for it (the default 64 MiB holds about 300k events)
+        await ensure_event_stream(conn.js, conn.names, max_bytes=max(64 << 20, events * 400))
         await ensure_experience_stream(conn.js, conn.names)
         filled = time.perf_counter()
         await _publish_history(conn, history)
