@@ -61,7 +61,6 @@ from roles.session import new_incarnation, stop_task
 from roles.config import JobConfig
 from sync_protocol import (
     Decision,
-    StatusChanged,
     JobConfigured,
     MemberExpired,
     MemberJoined,
@@ -72,6 +71,7 @@ from sync_protocol import (
     Role,
     RoundTimedOut,
     RunningStatus,
+    StatusChanged,
     decision_identity,
 )
 from sync_protocol.reducer import reduce
