@@ -597,6 +597,11 @@ class EventReader:
                 return None
         return Recorded(seq=d.stream_seq, time_ms=d.time_ns // 1_000_000, event=event, subject=msg.subject)
 
+    def has_buffered(self) -> bool:
+        """True when the next record may come without waiting on the server (already delivered):
+        a consumer can fold a burst of records before acting on all of them at once."""
+        return bool(self._buf) and not self._done
+
     # -- iteration -------------------------------------------------------------------------------
 
     def __aiter__(self) -> "EventReader":

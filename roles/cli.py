@@ -101,9 +101,12 @@ def main() -> None:
 @click.option("--log-format", type=click.Choice(["auto", "console", "json"]), default="auto", show_default=True,
               help="console: aligned text for people; json: one object per line for files and log shippers; "
                    "auto: console on a terminal, json otherwise.")
+@click.option("--keep-running", is_flag=True, default=False,
+              help="sync only: keep following the job after every member finished (default: exit 0 once "
+                   "the trainer and every explorer that joined stopped for good).")
 @client_options
 def start(role: str, config_path: str, member_id: str | None, nats: str | None, resume: bool, fresh: bool,
-          log_format: str, **security) -> None:
+          log_format: str, keep_running: bool, **security) -> None:
     """Run one ROLE (trainer, explorer or sync) in the foreground. Ctrl-C stops it cleanly.
 
     A trainer or explorer that finds saved state resumes from it when the job's stream records its
@@ -115,6 +118,8 @@ def start(role: str, config_path: str, member_id: str | None, nats: str | None, 
 
     if resume and fresh:
         raise click.UsageError("--resume continues from the saved state, --fresh discards it: give one")
+    if keep_running and role != "sync":
+        raise click.UsageError(f"--keep-running is for `rolectl start sync` (a {role} ends with its work)")
     start_mode = "resume" if resume else "fresh" if fresh else None
     if start_mode and role == "sync":
         raise click.UsageError(f"--{start_mode} applies to a trainer or an explorer; a synchronizer saves no state")
@@ -127,7 +132,8 @@ def start(role: str, config_path: str, member_id: str | None, nats: str | None, 
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--id") from None
     log_json = log_format == "json" or (log_format == "auto" and not sys.stderr.isatty())
-    sys.exit(run_role(role, cfg, member_id, start_mode=StartMode(start_mode or "auto"), log_json=log_json))
+    sys.exit(run_role(role, cfg, member_id, start_mode=StartMode(start_mode or "auto"), log_json=log_json,
+                      keep_running=keep_running))
 
 
 @main.command()

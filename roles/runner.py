@@ -18,13 +18,14 @@ __all__ = ["run_role", "default_member_id", "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE
 
 # One table of exit codes for every rolectl command (roles, `up`, `server`, `replay`, ...); the
 # README's "Exit codes" table is checked against it by tests/unit/test_cli_errors.py.
-EXIT_OK = 0  # the work is done (the trainer trained total_steps; a synchronizer or server was stopped)
+EXIT_OK = 0  # the work is done (the trainer trained total_steps; a synchronizer saw every member
+#             finish, or it or a server was stopped)
 EXIT_ERROR = 1  # it failed: a bug, an unreachable server, bad data it could not get past, a failed --check
 EXIT_USAGE = 2  # it did not start: a bad flag, config or input file, or a start that would not do what was meant
 EXIT_INCOMPLETE = 3  # it ended before the job's work was done (e.g. gave up on a peer that never came back)
 EXIT_INTERRUPTED = 130  # Ctrl-C / SIGTERM before its work was done (a restart may resume it)
 EXIT_CODES = {
-    EXIT_OK: "done: the job (or the command) finished its work; a stopped synchronizer or server",
+    EXIT_OK: "done: the job (or the command) finished its work; a synchronizer that saw every member finish; a stopped synchronizer or server",
     EXIT_ERROR: "failed: a role crashed, the server could not be reached, `replay --check` found a difference",
     EXIT_USAGE: "did not start: bad flag, config or input file, a busy port, saved state of another run",
     EXIT_INCOMPLETE: "ended short: the job stopped before its last step (a peer never came back)",
@@ -37,11 +38,12 @@ def default_member_id(role: str) -> str:
 
 
 def run_role(role: str, cfg: JobConfig, member_id: str | None = None, *, start_mode: StartMode = StartMode.AUTO,
-             log_json: bool = True) -> int:
+             log_json: bool = True, keep_running: bool = False) -> int:
     """Run `role` until it finishes; return the process exit code (see EXIT_CODES).
 
     `start_mode` says what a trainer or explorer does with saved state (see roles.resume);
-    `log_json` picks one JSON object per line (files, log shippers) over aligned console text."""
+    `log_json` picks one JSON object per line (files, log shippers) over aligned console text; a
+    synchronizer finishes once every member of the job did, unless `keep_running`."""
     setup_logging(cfg.log_level, json=log_json)
     # Each role process gets a share of a machine that also runs its peers: one intra-op thread
     # avoids oversubscription (the torch default is one thread per core, per process).
@@ -61,7 +63,7 @@ def run_role(role: str, cfg: JobConfig, member_id: str | None = None, *, start_m
     elif role == "sync":
         from roles.synchronizer import Synchronizer
 
-        runner = Synchronizer(cfg, member_id)
+        runner = Synchronizer(cfg, member_id, keep_running=keep_running)
     else:
         raise ValueError(f"unknown role {role!r}; use trainer, explorer or sync")
 

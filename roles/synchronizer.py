@@ -20,6 +20,18 @@ evidence: a member is expired only when the synchronizer heard its *own* heartbe
 than `heartbeat_expiry` after that member's last sign of life — so a synchronizer that is cut off,
 reconnecting or starved of CPU expires nobody, and every member gets a full window after a
 reconnect.
+
+Speed: decisions reach members through the stream, so the time to answer is the time to record
+them. Records already delivered are folded together before any decision is published (a burst of
+64 requests is one fold pass, not 64 fold-publish-ack cycles), and the decisions of a burst are
+published as one pipelined wave whose acks are awaited together: one decision per round in a wave,
+so each round's decisions are still recorded in the order computed, and the
+expected-last-subject-sequence check still guards every one of them.
+
+It ends by itself (exit 0) once the job is done: every trainer and explorer that joined stopped for
+good (final STOPPED) and every decision is recorded; `keep_running` (`rolectl start sync
+--keep-running`) keeps it following the job instead. Whichever way it ends, Ctrl-C and SIGTERM
+included, it records its own final STOPPED so `rolectl status` does not list it as running.
 """
 
 from __future__ import annotations
@@ -59,6 +71,7 @@ from sync_protocol import (
     Role,
     RoundTimedOut,
     RunningStatus,
+    StatusChanged,
     decision_identity,
 )
 from sync_protocol.reducer import reduce
@@ -67,13 +80,15 @@ from sync_protocol.state import State
 __all__ = ["Synchronizer"]
 
 _FOREIGN_RETRIES = 3  # junk on a round's subject: publish after it at most this many times
+_WAVE_MAX = 256  # decisions published before their acks are awaited together
 
 
 class Synchronizer:
     """init → setup (connect, catch up) → loop (follow the stream, run timers) → cleanup."""
 
-    def __init__(self, cfg: JobConfig, member_id: str):
+    def __init__(self, cfg: JobConfig, member_id: str, *, keep_running: bool = False):
         self.cfg = cfg
+        self.keep_running = keep_running
         self.sync_cfg = cfg.synchronizer
         self.me = MemberRef(role=Role.SYNCHRONIZER, id=member_id, incarnation=new_incarnation())
         self.log = structlog.get_logger().bind(job=cfg.job, role="synchronizer", member=member_id)
@@ -99,6 +114,8 @@ class Synchronizer:
         self._timeouts_sent: set[int] = set()
         self._snapshot_seq = 0  # last_seq of the newest snapshot written or loaded
         self._standby_of: str | None = None  # the active replica we last logged standing by for
+        self._publishing = asyncio.Lock()
+        self._someone_finished = True  # a member stopped for good since we last asked whether the job is done
 
     # -- setup -------------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -121,26 +138,61 @@ class Synchronizer:
             self.log.info("catching_up", from_seq=from_seq, last_seq=end)
             if end < from_seq:
                 await self._mark_caught_up()
-            # Announce ourselves: the config we decide with, and that we are up (the dashboard
-            # lists synchronizers too). Recorded like any input, so replay sees the same thing.
-            await self.events.publish(JobConfigured(member=self.me, config=self.sync_cfg))
-            await self.events.publish(
-                MemberJoined(member=self.me, host=socket.gethostname(), pid=os.getpid(), step=0, version=0, ranks=0)
-            )
-            tasks = [asyncio.create_task(self._timers(), name="timers"),
-                     asyncio.create_task(self._heartbeat(), name="heartbeat"),
-                     asyncio.create_task(self._hold_lease(), name="lease")]
+            tasks: list[asyncio.Task] = []
             try:
+                # Announce ourselves: the config we decide with, and that we are up (the dashboard
+                # lists synchronizers too). Recorded like any input, so replay sees the same thing.
+                # Inside the try: a stop that lands while the join's ack is on its way (it may be
+                # recorded already) still records our STOPPED.
+                await self.events.publish(JobConfigured(member=self.me, config=self.sync_cfg))
+                await self.events.publish(MemberJoined(member=self.me, host=socket.gethostname(), pid=os.getpid(),
+                                                       step=0, version=0, ranks=0))
+                tasks = [asyncio.create_task(self._timers(), name="timers"),
+                         asyncio.create_task(self._heartbeat(), name="heartbeat"),
+                         asyncio.create_task(self._hold_lease(), name="lease")]
+                if self.caught_up and self._job_done():
+                    return
                 async with read_events(conn, from_seq=from_seq, include_decisions=True) as reader:
                     async for rec in reader:
-                        await self._on_record(rec)
+                        self._on_record(rec)
                         if not self.caught_up and rec.seq >= end:
                             await self._mark_caught_up()
+                        if reader.has_buffered():
+                            continue  # fold what is already here first; publish for all of it at once
+                        await self._publish_pending()
+                        if self.active and self.caught_up and not self.pending:
+                            await self._maybe_snapshot()
+                        if self.caught_up and self._someone_finished and self._job_done():
+                            return
             finally:
                 for task in tasks:
                     await stop_task(task, log=self.log)
                 if self.active:
                     await self.lease.release()  # a standby takes over at once instead of after the ttl
+                await self._record_stopped()
+
+    def _job_done(self) -> bool:
+        """Every trainer and explorer that joined stopped for good and every decision is recorded:
+        nothing is left to decide (a member that comes back later joins as a new incarnation, and a
+        synchronizer started then takes it from there)."""
+        if self.keep_running or self.pending:
+            return False
+        self._someone_finished = False
+        members = [m for m in self.state.members.values() if m.ref.role in (Role.TRAINER, Role.EXPLORER)]
+        roles = {m.ref.role for m in members}
+        if roles != {Role.TRAINER, Role.EXPLORER} or not all(m.finished for m in members):
+            return False
+        self.log.info("job_done_exiting", members=len(members), decisions_published=self.decisions_published,
+                      last_seq=self.state.last_seq)
+        return True
+
+    async def _record_stopped(self) -> None:
+        """Record our own final STOPPED (on the way out, also when cancelled by a signal)."""
+        try:
+            await asyncio.wait_for(self.events.publish(StatusChanged(
+                member=self.me, status=RunningStatus.STOPPED, step=0, version=0, final=True)), 10.0)
+        except Exception as exc:  # the server is gone: nothing to tell it; status shows us expired
+            self.log.warning("stopped_not_recorded", error=str(exc))
 
     async def _load_snapshot(self) -> int:
         """Start from the newest reducer snapshot, if any: returns the first sequence to read."""
@@ -162,14 +214,31 @@ class Synchronizer:
 
     async def _publish_pending(self) -> int:
         """Publish, in order, what the fold computed and the stream does not hold yet (when we
-        are the active replica and caught up)."""
+        are the active replica and caught up).
+
+        In waves: the longest run of pending decisions with no round twice (at most _WAVE_MAX) is
+        published at once and the acks awaited together; a round's next decision waits for the
+        next wave, after its predecessor's ack (its expected last subject sequence is that ack)."""
+        async with self._publishing:  # the loop and the lease task (on taking over) both call this
+            return await self._publish_waves()
+
+    async def _publish_waves(self) -> int:
         published = 0
         while self.pending and self.active and self.caught_up:
-            key, decision = next(iter(self.pending.items()))
-            if not await self._publish_decision(decision):
+            wave: list[tuple[tuple, Decision]] = []
+            rounds: set[int] = set()
+            for key, decision in self.pending.items():
+                if decision.round in rounds or len(wave) >= _WAVE_MAX:
+                    break
+                wave.append((key, decision))
+                rounds.add(decision.round)
+            done = await asyncio.gather(*(self._publish_decision(d) for _, d in wave))
+            for (key, _), ok in zip(wave, done):
+                if ok:
+                    self.pending.pop(key, None)
+                    published += 1
+            if not all(done):
                 break  # lost the lease meanwhile: the rest waits
-            self.pending.pop(key, None)
-            published += 1
         return published
 
     # -- the lease ---------------------------------------------------------------------------------
@@ -190,7 +259,8 @@ class Synchronizer:
             await asyncio.sleep(self.lease_ttl_s / 3)
 
     # -- loop --------------------------------------------------------------------------------------
-    async def _on_record(self, rec: Recorded) -> None:
+    def _on_record(self, rec: Recorded) -> None:
+        """Fold one record; decisions it yields that the stream does not hold yet become pending."""
         event = rec.event
         if isinstance(event, Decision):
             key = decision_identity(event)
@@ -199,6 +269,8 @@ class Synchronizer:
             self.round_subject_seq[event.round] = max(self.round_subject_seq.get(event.round, 0), rec.seq)
             return
         self._last_seen[(event.member.key, event.member.incarnation)] = time.monotonic()
+        if isinstance(event, StatusChanged) and event.final:
+            self._someone_finished = True
         try:
             self.state, decisions = reduce(self.state, rec)
         except ProtocolError as exc:
@@ -210,9 +282,6 @@ class Synchronizer:
             key = decision_identity(decision)
             if key not in self.recorded:
                 self.pending[key] = decision
-        await self._publish_pending()
-        if self.active and self.caught_up and not self.pending:
-            await self._maybe_snapshot()
 
     async def _publish_decision(self, decision: Decision) -> bool:
         """Publish one decision; False when we no longer hold the lease (it stays pending)."""

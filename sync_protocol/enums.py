@@ -33,6 +33,9 @@ class _ParsableEnum(str, Enum):
             return text
         if not isinstance(text, str):
             raise ValueError(f"expected one of {cls.choices()}, got {text!r}")
+        exact = cls._value2member_map_.get(text)  # the wire's spelling: one lookup per field decoded
+        if exact is not None:
+            return exact
         key = text.strip().lower()
         key = cls._aliases().get(key, key)
         for member in cls:
