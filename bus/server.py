@@ -352,6 +352,37 @@ class NatsCluster:
                             return leader
         return None
 
+    def unsettled_streams(self, contains: str, account: str = "$G") -> dict[str, str] | None:
+        """Streams whose name contains `contains` (case-insensitive, `-` as `_`) that are not yet fully
+        replicated: name -> why (no leader, a replica missing or not current). {} when all are;
+        None when no live node answers. A stream's raft group that has just been created may not
+        elect a new leader if its leader dies before the followers caught up, so a test that kills
+        a node waits for this first (an operator's rolling restart waits for the same)."""
+        for node in self.nodes:
+            if not node.running:
+                continue
+            url = f"{node.monitor_url}/jsz?accounts=true&streams=true&acc={account}"
+            try:
+                with urllib.request.urlopen(url, timeout=2.0) as resp:
+                    data = json.load(resp)
+            except Exception:
+                continue
+            unsettled: dict[str, str] = {}
+            for acc in data.get("account_details") or []:
+                for detail in acc.get("stream_detail") or []:
+                    name = detail.get("name", "")
+                    if contains.lower().replace("-", "_") not in name.lower().replace("-", "_"):
+                        continue  # stream names spell the job in upper case, KV buckets as given
+                    cluster = detail.get("cluster") or {}
+                    want = int((detail.get("config") or {}).get("num_replicas") or len(self.nodes))
+                    replicas = cluster.get("replicas") or []
+                    if not cluster.get("leader"):
+                        unsettled[name] = "no leader"
+                    elif len(replicas) + 1 < want or not all(r.get("current") for r in replicas):
+                        unsettled[name] = f"replicas {[(r.get('name'), r.get('current')) for r in replicas]}"
+            return unsettled
+        return None
+
     def index_of(self, server_name: str) -> int:
         """Index of the node called `server_name` (as `stream_leader` names it)."""
         for i, node in enumerate(self.nodes):

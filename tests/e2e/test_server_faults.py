@@ -120,12 +120,23 @@ async def test_cluster_job_survives_losing_the_event_stream_leader(tmp_path):
             await ensure_event_stream(conn.js, conn.names, replicas=3)
             await ensure_experience_stream(conn.js, conn.names, replicas=3)
             event_stream = conn.names.event_stream
+            names = conn.names
+        job_key = "e2e-cluster-leader"  # in every stream name of the job (RFT_E2E_CLUSTER_LEADER_*, KV_rft_e2e-cluster-leader_*)
         job = LiveJob(tmp_path, config)
         job.server = cluster  # roles get the comma-separated URL list (LiveJob.url)
         async with job:
             assert job.url.count(",") == 2
             job.start_all()
             await job.wait_for(lambda recs: last_trainer_step(recs) >= 3, timeout=120, what="trainer step 3")
+            # every stream the job made (events, experiences, weights, the lease and snapshot
+            # buckets) has a leader and current replicas: a raft group killed before its followers
+            # caught up may never elect (nats-server 2.15, seen here under load), which is not
+            # what this test is about
+            settled = await job.wait_until(lambda: cluster.unsettled_streams(job_key) == {}, timeout=120,
+                                           what="every stream of the job replicated and current")
+            assert settled
+            for stream in (names.weights_stream, f"KV_{names.lease_bucket}"):  # among those checked
+                assert cluster.stream_leader(stream) is not None, f"{stream} is not on the cluster"
             leader = cluster.stream_leader(event_stream)
             assert leader is not None, "no leader of the event stream on the monitoring endpoint"
             cluster.kill_node(cluster.index_of(leader))
