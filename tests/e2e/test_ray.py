@@ -23,7 +23,8 @@ from bus.server import free_port
 from e2e_support import ROOT, LiveJob, assert_decisions_replay, job_config, last_trainer_step, trainer_steps
 from roles.observe.replay import load_export
 
-pytestmark = pytest.mark.e2e
+# one Ray head per module: with `-n 3 --dist loadgroup` its tests stay on one worker (one head)
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("ray")]
 
 RAY_CLI = str(Path(sys.executable).with_name("ray"))
 # Usage stats off; token auth off (Ray 2.60 turns it on; this head listens on loopback only); and the
