@@ -421,6 +421,7 @@ class EventReader:
         self.end_seq: int | None = None
         self._stream = conn.names.event_stream
         self._buf: deque[Msg] = deque()
+        self._ready: deque[Recorded] = deque()  # accepted by record_ready(), not yet returned
         self._sub = None
         self._consumer: str | None = None
         self._dseq = 0
@@ -597,10 +598,16 @@ class EventReader:
                 return None
         return Recorded(seq=d.stream_seq, time_ms=d.time_ns // 1_000_000, event=event, subject=msg.subject)
 
-    def has_buffered(self) -> bool:
-        """True when the next record may come without waiting on the server (already delivered):
-        a consumer can fold a burst of records before acting on all of them at once."""
-        return bool(self._buf) and not self._done
+    async def record_ready(self) -> bool:
+        """True when the next record comes without waiting on the server: a consumer can fold a
+        burst of records before acting on all of them at once. Delivered messages are checked
+        here (junk skipped), so a burst that ends in junk answers False: "already delivered" is
+        not "a record is ready", and acting must not wait for the next record."""
+        while not self._ready and self._buf and not self._done:
+            record = await self._accept(self._buf.popleft())
+            if record is not None:
+                self._ready.append(record)
+        return bool(self._ready)
 
     # -- iteration -------------------------------------------------------------------------------
 
@@ -612,6 +619,9 @@ class EventReader:
             raise StopAsyncIteration
         if not self._started:
             await self._start()
+        if self._ready:
+            self._skipped_in_a_row = 0
+            return self._ready.popleft()
         while True:
             while self._buf and not self._done:
                 record = await self._accept(self._buf.popleft())

@@ -157,7 +157,7 @@ class Synchronizer:
                         self._on_record(rec)
                         if not self.caught_up and rec.seq >= end:
                             await self._mark_caught_up()
-                        if reader.has_buffered():
+                        if await reader.record_ready():
                             continue  # fold what is already here first; publish for all of it at once
                         await self._publish_pending()
                         if self.active and self.caught_up and not self.pending:

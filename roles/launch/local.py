@@ -307,7 +307,7 @@ def _progress_table(cfg: JobConfig, view: JobObserver, processes: list[RoleHandl
         reward = member.metrics.get("reward_mean") if member.metrics else None
         table.add_row(member.ref.key, member_status(member), str(member.step), str(member.version),
                       f"{reward:.3f}" if reward is not None else "",
-                      "running" if proc and proc.proc.poll() is None else (f"exit {proc.proc.returncode}" if proc else ""))
+                      "running" if proc and proc.poll() is None else (f"exit {proc.returncode}" if proc else ""))
     return table
 
 

@@ -132,9 +132,16 @@ async def test_cluster_job_survives_losing_the_event_stream_leader(tmp_path):
             # buckets) has a leader and current replicas: a raft group killed before its followers
             # caught up may never elect (nats-server 2.15, seen here under load), which is not
             # what this test is about
-            settled = await job.wait_until(lambda: cluster.unsettled_streams(job_key) == {}, timeout=120,
-                                           what="every stream of the job replicated and current")
-            assert settled
+            unsettled: list = []
+
+            def _settled() -> bool:
+                unsettled[:] = [cluster.unsettled_streams(job_key)]
+                return unsettled[0] == {}
+
+            try:
+                await job.wait_until(_settled, timeout=120, what="every stream of the job replicated and current")
+            except AssertionError as exc:
+                raise AssertionError(f"not settled: {unsettled}\n{exc}") from None
             for stream in (names.weights_stream, f"KV_{names.lease_bucket}"):  # among those checked
                 assert cluster.stream_leader(stream) is not None, f"{stream} is not on the cluster"
             leader = cluster.stream_leader(event_stream)

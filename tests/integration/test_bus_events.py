@@ -253,3 +253,27 @@ async def test_a_lost_delivery_is_detected_and_read_again(conn):
         records = [rec async for rec in reader]
 
     assert [r.event for r in records] == events
+
+
+async def test_record_ready_is_false_when_what_is_delivered_is_only_junk(conn):
+    """A consumer folds a burst (`record_ready`) before acting on it: junk at the end of a burst
+    must not make it wait for the next real record before acting (the synchronizer held its
+    decisions 150 s that way, until an explorer's retry arrived)."""
+    pub = EventPublisher(conn, TRAINER)
+    good = _some_events()[:3]
+    await pub.publish(good[0])
+    await pub.publish(good[1])
+    subject = conn.names.event("trainer", "t0", "status_changed")
+    for _ in range(3):
+        await conn.js.publish(subject, b"\xc1 junk")
+    async with read_events(conn) as reader:
+        first = await asyncio.wait_for(reader.__anext__(), 5)
+        # everything was stored before the reader started: one fetch delivered the whole burst
+        assert len(reader._buf) == 4
+        assert await asyncio.wait_for(reader.record_ready(), 5)  # good[1]: no waiting
+        second = await asyncio.wait_for(reader.__anext__(), 5)
+        assert not await asyncio.wait_for(reader.record_ready(), 5)  # only junk is left: act now
+        assert reader.malformed == 3
+        await pub.publish(good[2])
+        third = await asyncio.wait_for(reader.__anext__(), 5)
+    assert [first.event, second.event, third.event] == good
