@@ -355,36 +355,49 @@ class NatsCluster:
     def unsettled_streams(self, contains: str, account: str = "$G") -> dict[str, str] | None:
         """Streams whose name contains `contains` (case-insensitive, `-` as `_`) that could not
         elect a new leader if theirs died now: name -> why (no leader, a replica missing, no
-        majority of current replicas). {} when all could;
-        None when no live node answers. A stream's raft group that has just been created may not
-        elect a new leader if its leader dies before the followers caught up, so a test that kills
-        a node waits for this first (an operator's rolling restart waits for the same)."""
+        majority of current replicas). {} when all could; None when no live node answers.
+
+        A stream's raft group that has just been created may not elect a new leader if its leader
+        dies before the followers caught up, so a test that kills a node waits for this first (an
+        operator's rolling restart waits for the same). Only the leader reports its followers'
+        state, so each stream is judged from its leader's monitoring endpoint."""
+        def norm(text: str) -> str:
+            return text.lower().replace("-", "_")  # streams spell the job in upper case, KV buckets as given
+
+        views: dict[str, list[dict]] = {}  # node name -> its stream details
         for node in self.nodes:
             if not node.running:
                 continue
-            url = f"{node.monitor_url}/jsz?accounts=true&streams=true&acc={account}"
+            url = f"{node.monitor_url}/jsz?accounts=true&streams=true&config=true&acc={account}"
             try:
                 with urllib.request.urlopen(url, timeout=2.0) as resp:
                     data = json.load(resp)
             except Exception:
                 continue
-            unsettled: dict[str, str] = {}
-            for acc in data.get("account_details") or []:
-                for detail in acc.get("stream_detail") or []:
-                    name = detail.get("name", "")
-                    if contains.lower().replace("-", "_") not in name.lower().replace("-", "_"):
-                        continue  # stream names spell the job in upper case, KV buckets as given
-                    cluster = detail.get("cluster") or {}
-                    want = int((detail.get("config") or {}).get("num_replicas") or len(self.nodes))
-                    replicas = cluster.get("replicas") or []
-                    if not cluster.get("leader"):
-                        unsettled[name] = "no leader"
-                    elif len(replicas) + 1 < want or sum(1 for r in replicas if r.get("current")) < want // 2:
-                        # a majority (leader + current followers) can elect a new leader when the
-                        # leader dies; a follower of a busy stream may lag now and then
-                        unsettled[name] = f"replicas {[(r.get('name'), r.get('current')) for r in replicas]}"
-            return unsettled
-        return None
+            views[node.server_name] = [d for acc in data.get("account_details") or []
+                                       for d in acc.get("stream_detail") or [] if norm(contains) in norm(d.get("name", ""))]
+        if not views:
+            return None
+        unsettled: dict[str, str] = {}
+        names = {d["name"] for details in views.values() for d in details}
+        for name in sorted(names):
+            seen = [d for details in views.values() for d in details if d["name"] == name]
+            leader = next(((d.get("cluster") or {}).get("leader") for d in seen if (d.get("cluster") or {}).get("leader")), None)
+            if leader is None or leader not in views:
+                unsettled[name] = "no leader" if leader is None else f"leader {leader} does not answer"
+                continue
+            detail = next((d for d in views[leader] if d["name"] == name), None)
+            if detail is None:
+                unsettled[name] = f"its leader {leader} does not list it"
+                continue
+            want = int((detail.get("config") or {}).get("num_replicas") or 1)
+            replicas = (detail.get("cluster") or {}).get("replicas") or []
+            current = sum(1 for r in replicas if r.get("current"))
+            # a majority (leader + current followers) can elect a new leader when the leader
+            # dies; a follower of a busy stream may lag now and then
+            if len(replicas) + 1 < want or current < want // 2:
+                unsettled[name] = f"want {want} replicas; followers {[(r.get('name'), r.get('current')) for r in replicas]}"
+        return unsettled
 
     def index_of(self, server_name: str) -> int:
         """Index of the node called `server_name` (as `stream_leader` names it)."""
