@@ -332,24 +332,31 @@ class NatsCluster:
         tmp.replace(path)
         return path
 
-    def stream_leader(self, stream: str, account: str = "$G") -> str | None:
-        """Name of the node that leads `stream` now, from the monitoring endpoint
-        (`/jsz?streams=true`) of any live node, or None if no live node knows one."""
+    def _stream_details(self, account: str) -> dict[str, list[dict]]:
+        """Each live node's view of the account's streams (`/jsz`, with configs): node name ->
+        stream details. A node that does not answer is left out."""
+        views: dict[str, list[dict]] = {}
         for node in self.nodes:
             if not node.running:
                 continue
-            url = f"{node.monitor_url}/jsz?accounts=true&streams=true&acc={account}"
+            url = f"{node.monitor_url}/jsz?accounts=true&streams=true&config=true&acc={account}"
             try:
                 with urllib.request.urlopen(url, timeout=2.0) as resp:
                     data = json.load(resp)
             except Exception:
                 continue
-            for acc in data.get("account_details") or []:
-                for detail in acc.get("stream_detail") or []:
-                    if detail.get("name") == stream:
-                        leader = (detail.get("cluster") or {}).get("leader")
-                        if leader:
-                            return leader
+            views[node.server_name] = [d for acc in data.get("account_details") or []
+                                       for d in acc.get("stream_detail") or []]
+        return views
+
+    def stream_leader(self, stream: str, account: str = "$G") -> str | None:
+        """Name of the node that leads `stream` now, from the monitoring endpoint
+        (`/jsz?streams=true`) of any live node, or None if no live node knows one."""
+        for details in self._stream_details(account).values():
+            for detail in details:
+                leader = (detail.get("cluster") or {}).get("leader")
+                if detail.get("name") == stream and leader:
+                    return leader
         return None
 
     def unsettled_streams(self, contains: str, account: str = "$G") -> dict[str, str] | None:
@@ -364,18 +371,8 @@ class NatsCluster:
         def norm(text: str) -> str:
             return text.lower().replace("-", "_")  # streams spell the job in upper case, KV buckets as given
 
-        views: dict[str, list[dict]] = {}  # node name -> its stream details
-        for node in self.nodes:
-            if not node.running:
-                continue
-            url = f"{node.monitor_url}/jsz?accounts=true&streams=true&config=true&acc={account}"
-            try:
-                with urllib.request.urlopen(url, timeout=2.0) as resp:
-                    data = json.load(resp)
-            except Exception:
-                continue
-            views[node.server_name] = [d for acc in data.get("account_details") or []
-                                       for d in acc.get("stream_detail") or [] if norm(contains) in norm(d.get("name", ""))]
+        views = {node: [d for d in details if norm(contains) in norm(d.get("name", ""))]
+                 for node, details in self._stream_details(account).items()}
         if not views:
             return None
         unsettled: dict[str, str] = {}
