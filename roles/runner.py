@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 
 import structlog
 
@@ -73,7 +74,14 @@ def run_role(role: str, cfg: JobConfig, member_id: str | None = None, *, start_m
         await runner.run()
 
     try:
-        asyncio.run(main())
+        try:
+            asyncio.run(main())
+        finally:
+            # The role's work is over (done, stopped or failed): a stop request that arrives while
+            # the process exits changes nothing, and must not kill it by the signal (`up` saw a
+            # synchronizer that had finished by itself exit -2 for its late SIGINT).
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
     except (KeyboardInterrupt, asyncio.CancelledError):
         # A synchronizer has no end of its own: stopping it is how it ends. A trainer or explorer
         # stopped before its work was done leaves the job unfinished, and says so.

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from roles.config import JobConfig
-from roles.runner import EXIT_ERROR, EXIT_INCOMPLETE, EXIT_OK
+from roles.runner import EXIT_ERROR, EXIT_INCOMPLETE, EXIT_OK, EXIT_USAGE
 
 __all__ = ["RayUnavailable", "RayLaunchError", "import_ray", "role_bundles", "actor_name", "run_up_ray",
            "NAMESPACE", "INSTALL_HINT"]
@@ -132,9 +132,13 @@ class RoleActor:
                            f"on {self.node_ip}, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '')!r}\n"
                            ).encode())
                 out.flush()
+                # A restart by Ray continues this run's saved state, whatever the stream says of it
+                # (a role killed just after it finished its work rejoins and exits 0 instead of
+                # refusing with "nothing to resume" until the restarts run out).
+                resume = ["--resume"] if self.incarnation > 0 and self.role != "sync" else []
                 self._proc = subprocess.Popen(
                     [sys.executable, "-m", "roles.cli", "start", self.role, "--config", str(self.config_path),
-                     "--nats", self.nats_url, "--id", self.member_id],
+                     "--nats", self.nats_url, "--id", self.member_id, *resume],
                     stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_prepare_role_process)
         except BaseException as exc:
             self._spawn_error = exc
@@ -142,7 +146,8 @@ class RoleActor:
         finally:
             self._started.set()
         code = self._proc.wait()
-        if code in (EXIT_OK, EXIT_INCOMPLETE) or self._stopping.is_set():
+        # done, ended short, or refused to start (bad config or flags: a restart cannot fix it)
+        if code in (EXIT_OK, EXIT_INCOMPLETE, EXIT_USAGE) or self._stopping.is_set():
             self._code = code
             self._exited.set()
             return

@@ -20,7 +20,7 @@ from roles.resume import StartMode, StartRefused
 from roles.runner import EXIT_USAGE
 from roles.trainer import Trainer
 from sync_protocol import Role, StepFinished
-from tests.integration.test_trainer_guard import _config, _publish_rollouts
+from test_trainer_guard import _config, _publish_rollouts  # same folder (on sys.path); `tests` may be another package's (vllm ships one)
 
 ROOT = Path(__file__).resolve().parents[2]
 
