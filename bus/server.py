@@ -227,6 +227,7 @@ class NatsCluster:
     max_payload: int = 8 * 1024 * 1024
     log_dir: str | None = None
     ready_timeout: float = 30.0
+    debug_logs: bool = False  # nodes log at debug level (raft elections, catchups) into log_dir
 
     nodes: list[NatsServer] = field(default_factory=list, init=False)
     _tmp_store: tempfile.TemporaryDirectory | None = field(default=None, init=False, repr=False)
@@ -296,6 +297,7 @@ class NatsCluster:
                 log_file=str(Path(self.log_dir) / f"{node_name}.log") if self.log_dir else None,
                 ready_timeout=self.ready_timeout,
                 server_name=node_name,
+                extra_args=["-D"] if self.debug_logs else [],
                 # Routes list every node, itself included (nats-server skips its own), as in
                 # deploy/nats/cluster/node*.conf.
                 extra_config=(
@@ -359,7 +361,16 @@ class NatsCluster:
                     return leader
         return None
 
-    def unsettled_streams(self, contains: str, account: str = "$G") -> dict[str, str] | None:
+    def stream_names(self, contains: str, account: str = "$G") -> set[str]:
+        """Names of the streams any live node lists whose name contains `contains` (case-insensitive,
+        `-` as `_`: a job's streams and its KV buckets' streams)."""
+        def norm(text: str) -> str:
+            return text.lower().replace("-", "_")
+
+        return {d["name"] for details in self._stream_details(account).values() for d in details
+                if norm(contains) in norm(d.get("name", ""))}
+
+    def unsettled_streams(self, contains: str, account: str = "$G", *, replicas: int | None = None) -> dict[str, str] | None:
         """Streams whose name contains `contains` (case-insensitive, `-` as `_`) that could not
         elect a new leader if theirs died now: name -> why (no leader, a replica missing, no
         majority of current replicas). {} when all could; None when no live node answers.
@@ -387,7 +398,9 @@ class NatsCluster:
             if detail is None:
                 unsettled[name] = f"its leader {leader} does not list it"
                 continue
-            want = int((detail.get("config") or {}).get("num_replicas") or 1)
+            # `replicas`: what the job asked for; a stream made with fewer copies has no follower
+            # to take over (a role that lost `nats.replicas` once made R1 streams on a cluster)
+            want = max(int((detail.get("config") or {}).get("num_replicas") or 1), replicas or 1)
             replicas = (detail.get("cluster") or {}).get("replicas") or []
             current = sum(1 for r in replicas if r.get("current"))
             # a majority (leader + current followers) can elect a new leader when the leader

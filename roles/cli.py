@@ -63,7 +63,7 @@ def _security(creds=None, tls_ca=None, tls_cert=None, tls_key=None, *, config=No
 def _load(config_path: str, nats: str | None, security_flags: dict | None = None):
     import dataclasses
 
-    from roles.config import NatsConfig, load_config
+    from roles.config import load_config
     from sync_protocol import ConfigError
 
     try:
@@ -74,7 +74,8 @@ def _load(config_path: str, nats: str | None, security_flags: dict | None = None
         cfg = cfg.with_overrides(nats_url=nats)
     if security_flags is not None:
         security = _security(**security_flags, config=cfg.nats.security)
-        cfg = cfg.with_overrides(nats=NatsConfig(**dataclasses.asdict(security)))
+        # only the credential paths: the rest of the nats section (replicas) stays as configured
+        cfg = cfg.with_overrides(nats=dataclasses.replace(cfg.nats, **dataclasses.asdict(security)))
     return cfg
 
 

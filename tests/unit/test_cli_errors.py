@@ -183,3 +183,19 @@ def test_the_readme_exit_code_table_is_the_codes():
     documented = {int(code) for code in re.findall(r"^\| `(\d+)` \|", section, flags=re.M)}
     assert documented == set(EXIT_CODES)
 
+
+
+def test_a_role_started_by_the_cli_keeps_the_configured_stream_replicas(tmp_path):
+    """`rolectl start` merges the credential flags into the nats section; it once rebuilt the section
+    from them alone, so every role ran with `replicas: 1` and made the lease bucket and the weights
+    stream with one copy: a cluster node loss took them with it (README, "Server restarts and clusters")."""
+    from roles.cli import _load
+
+    path = tmp_path / "job.yaml"
+    path.write_text("job: replicated\nnats:\n  replicas: 3\n")
+    cfg = _load(str(path), "nats://127.0.0.1:4222", {"creds": None, "tls_ca": None, "tls_cert": None, "tls_key": None})
+    assert cfg.nats.replicas == 3
+    ca = tmp_path / "ca.pem"
+    ca.write_text("not read here")
+    cfg = _load(str(path), None, {"creds": None, "tls_ca": str(ca), "tls_cert": None, "tls_key": None})
+    assert (cfg.nats.replicas, cfg.nats.tls_ca) == (3, str(ca))
