@@ -370,7 +370,7 @@ class NatsCluster:
         return {d["name"] for details in self._stream_details(account).values() for d in details
                 if norm(contains) in norm(d.get("name", ""))}
 
-    def unsettled_streams(self, contains: str, account: str = "$G", *, replicas: int | None = None) -> dict[str, str] | None:
+    def unsettled_streams(self, contains: str, account: str = "$G", *, min_replicas: int = 1) -> dict[str, str] | None:
         """Streams whose name contains `contains` (case-insensitive, `-` as `_`) that could not
         elect a new leader if theirs died now: name -> why (no leader, a replica missing, no
         majority of current replicas). {} when all could; None when no live node answers.
@@ -398,9 +398,9 @@ class NatsCluster:
             if detail is None:
                 unsettled[name] = f"its leader {leader} does not list it"
                 continue
-            # `replicas`: what the job asked for; a stream made with fewer copies has no follower
+            # `min_replicas`: what the job asked for; a stream made with fewer copies has no follower
             # to take over (a role that lost `nats.replicas` once made R1 streams on a cluster)
-            want = max(int((detail.get("config") or {}).get("num_replicas") or 1), replicas or 1)
+            want = max(int((detail.get("config") or {}).get("num_replicas") or 1), min_replicas)
             replicas = (detail.get("cluster") or {}).get("replicas") or []
             current = sum(1 for r in replicas if r.get("current"))
             # a majority (leader + current followers) can elect a new leader when the leader
