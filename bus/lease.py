@@ -21,7 +21,8 @@ import nats.js.errors
 from nats.js.api import KeyValueConfig, StorageType
 
 from .connection import BusConnection
-from .errors import BusError
+from .errors import BusError, StreamMismatch
+from .retry import retry_transient
 
 __all__ = ["Lease", "SAFETY", "ensure_lease_bucket"]
 
@@ -57,6 +58,13 @@ class Lease:
         self.current_holder: str | None = None  # who holds it, as last read (None: nobody / unknown)
         self._kv = None
 
+    async def open(self, *, retry_for: float = 120.0) -> None:
+        """Find or create the bucket and check it (`StreamMismatch` if it has too few copies):
+        a holder calls this before it starts renewing, so a bucket set up wrong stops it at once.
+        A server restarting or a cluster electing is waited out for up to `retry_for` seconds."""
+        await retry_transient(self._bucket, what=f"open lease bucket {self.bucket}", retry_for=retry_for,
+                              is_closed=lambda: self.conn.nc.is_closed, log=self.conn.log)
+
     async def _bucket(self):
         if self._kv is None:
             try:
@@ -65,7 +73,16 @@ class Lease:
             except nats.js.errors.BucketNotFoundError:
                 self._kv = await ensure_lease_bucket(self.conn, self.bucket, ttl_s=self.ttl_s,
                                                      replicas=self.replicas)
+            await self._check_copies()
         return self._kv
+
+    async def _check_copies(self) -> None:
+        """Refuse a bucket kept on fewer nodes than asked: a lease with one copy dies with its node,
+        and then no synchronizer can hold it (an older rolectl made R1 buckets on clusters)."""
+        found = (await self._kv.status()).stream_info.config.num_replicas or 1
+        if found < self.replicas:
+            self._kv = None
+            raise StreamMismatch(f"KV_{self.bucket}", [("num_replicas (at least)", self.replicas, found)])
 
     @property
     def held(self) -> bool:
@@ -91,6 +108,8 @@ class Lease:
                 self.current_holder = self.holder
                 return True
             return await self._take(kv)
+        except StreamMismatch:
+            raise  # a bucket set up wrong does not mend itself: say so rather than wait forever
         except (asyncio.TimeoutError, nats.errors.Error, nats.js.errors.Error, BusError) as exc:
             self.conn.log.info("bus.lease_unreachable", bucket=self.bucket, key=self.key, error=str(exc))
             if self.revision is not None and self.conn.is_connected:

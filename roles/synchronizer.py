@@ -130,6 +130,7 @@ class Synchronizer:
             self.lease = Lease(conn, bucket=conn.names.lease_bucket, key="synchronizer",
                                holder=f"{self.me.id}#{self.me.incarnation}", ttl_s=self.lease_ttl_s,
                                replicas=self.cfg.nats.replicas)
+            await self.lease.open()
             self._connected_since = time.monotonic()
             self._reconnects_seen = conn.reconnects
             await subscribe_heartbeats(conn, self._on_heartbeat)

@@ -16,6 +16,7 @@ import pytest
 from bus.connection import connect, parse_server_urls
 from bus.errors import StreamMismatch
 from bus.events import EventPublisher, EventReader
+from bus.lease import Lease, ensure_lease_bucket
 from bus.server import NatsCluster
 from bus.streams import ensure_event_stream, ensure_experience_stream, event_stream_config
 from bus.subjects import JobNames
@@ -118,6 +119,15 @@ async def test_an_existing_stream_with_more_replicas_is_accepted_and_one_with_fe
         await ensure_event_stream(conn.js, other, replicas=1)
         with pytest.raises(StreamMismatch, match=r"num_replicas \(at least\): expected 3, found 1"):
             await ensure_event_stream(conn.js, other, replicas=3)
+
+        # the lease bucket by the same rule: one copy would die with its node and no synchronizer
+        # could hold the lease again, so a lease asked for 3 copies refuses a bucket with one
+        bucket = f"lease-{job_name}"
+        await ensure_lease_bucket(conn, bucket, ttl_s=5, replicas=1)
+        lease = Lease(conn, bucket=bucket, key="sync", holder="s1", ttl_s=5, replicas=3)
+        with pytest.raises(StreamMismatch, match=rf"KV_{bucket}.*num_replicas \(at least\): expected 3, found 1"):
+            await lease.acquire_or_renew()
+        assert await Lease(conn, bucket=bucket, key="sync", holder="s1", ttl_s=5, replicas=1).acquire_or_renew()
 
 
 # -- losing the stream leader ----------------------------------------------------------------------
