@@ -10,8 +10,9 @@
   turns a silence into a `MemberExpired` *event*, which is what replay sees.
 - `read_events()` yields `Recorded(seq, time_ms, event)` in stream order from a sequence or a time,
   optionally stopping at the end that existed when reading began. It is an "ordered consumer" built
-  on an ephemeral pull consumer: any gap in delivery (a lost pull response, a server restart that
-  took the in-memory consumer with it) re-creates the consumer just after the last sequence seen.
+  on an ephemeral pull consumer with one pull request kept outstanding (records flow as the server
+  stores them, no request per record): any gap in delivery (a lost pull response, a server restart
+  that took the in-memory consumer with it) re-creates the consumer just after the last sequence seen.
 - **Verified identity.** A record counts only if its subject says what its payload says: an input
   event on `rft.<job>.evt.<role>.<member>.<kind>` must name that role, member and kind; a decision
   must be on `rft.<job>.sync.<its round>`. The reader rejects anything else before it reaches a
@@ -26,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import datetime as _dt
 import inspect
+import json
 import socket
 from collections import deque
 from dataclasses import dataclass
@@ -35,7 +37,7 @@ import msgpack
 import nats.errors
 import nats.js.errors
 from nats.aio.msg import Msg
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, Header, StatusCode
 
 from sync_protocol import (
     Decision,
@@ -75,6 +77,9 @@ __all__ = [
 ]
 
 _EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
+# How long past its expiry a pull request may stay silent before the reader asks whether its
+# consumer still exists (the server answers an expired request with a 408 at once).
+_REQUEST_GRACE_S = 0.5
 # JetStream error codes that mean "another writer got to this subject first".
 _WRONG_LAST_SEQUENCE = {10071, 10164}
 
@@ -424,7 +429,17 @@ class EventReader:
         self._ready: deque[Recorded] = deque()  # accepted by record_ready(), not yet returned
         self._sub = None
         self._consumer: str | None = None
+        self._next_subject = ""  # where pull requests for our consumer go
         self._dseq = 0
+        # The outstanding pull request: how many more messages it may bring, and when it expires
+        # (loop time). One request stays outstanding while following, so a record is delivered as
+        # soon as the server stores it; a new one is sent when it is used up or ends.
+        self._credit = 0
+        self._request_ends_at = 0.0
+        self._consumer_lost = False  # the server said our consumer was deleted (409)
+        self._reconnects_seen = conn.reconnects
+        self._waiter: asyncio.Future | None = None
+        self._watcher: asyncio.Task | None = None
         self._started = False
         self._done = False
         self._closed = False
@@ -462,7 +477,9 @@ class EventReader:
             config = self._config()
             try:
                 info = await self.conn.js.add_consumer(self._stream, config)
-                sub = await self.conn.js.pull_subscribe_bind(consumer=info.name, stream=self._stream)
+                # Deliveries land in _buf from the subscription's callback: no task per message
+                # or per request, and the reader wakes at once (see _fill).
+                sub = await self.conn.nc.subscribe(self.conn.nc.new_inbox(), cb=self._on_delivery)
                 break
             except nats.js.errors.NotFoundError as exc:
                 raise BusError(
@@ -481,7 +498,10 @@ class EventReader:
                 await asyncio.sleep(min(2.0, 0.05 * 2**attempt))
         self._consumer = info.name
         self._sub = sub
+        self._next_subject = f"{self.conn.js._prefix}.CONSUMER.MSG.NEXT.{self._stream}.{info.name}"
         self._dseq = 0
+        self._credit = 0
+        self._consumer_lost = False
         if self.end_seq is not None and not info.num_pending:
             self._done = True  # nothing (left) to read up to the end as it was
 
@@ -489,6 +509,7 @@ class EventReader:
         sub, name = self._sub, self._consumer
         self._sub = self._consumer = None
         self._buf.clear()
+        self._credit = 0
         if self.conn.nc.is_closed:
             return
         if sub is not None:
@@ -506,6 +527,7 @@ class EventReader:
 
     async def _start(self) -> None:
         self._started = True
+        self._watcher = asyncio.create_task(self._wake_on_reconnect(), name="event-reader-reconnects")
         if self.stop_at_end:
             self.end_seq = await last_sequence(self.conn)
             if self.end_seq < max(1, self.from_seq or 1):
@@ -513,45 +535,83 @@ class EventReader:
                 return
         await self._create_consumer()
 
+    async def _on_delivery(self, msg: Msg) -> None:
+        """Subscription callback: a record joins _buf; a status message ends or refuses our request."""
+        status = msg.headers.get(Header.STATUS) if msg.headers else None
+        if not status:
+            self._buf.append(msg)
+            self._credit -= 1
+        elif status == StatusCode.CONTROL_MESSAGE:
+            return  # an idle heartbeat or flow control: nothing to wake up for
+        elif status == StatusCode.CONFLICT and "deleted" in (msg.headers.get(Header.DESCRIPTION) or "").lower():
+            self._consumer_lost = True
+        else:
+            # 408 (the request expired), 409 (leadership change, too many requests...), 404: the
+            # request is over; the reader sends another one.
+            self._credit = 0
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def _wake_on_reconnect(self) -> None:
+        """Wake the reader at each reconnect (or the close): a pull request sent before an outage
+        is never answered, and a restarted server (or a cluster node that took over) may not have
+        our consumer; checking at once saves up to poll_s of stall."""
+        seen = self.conn.reconnects
+        while not self.conn.is_closed:
+            await self.conn._wait_for(lambda: self.conn.reconnects > seen or self.conn.is_closed)
+            seen = self.conn.reconnects
+            self._wake()
+
     async def _fill(self) -> None:
+        """Wait for the next delivery (or news that needs acting on), keeping a pull request out."""
         assert self._sub is not None
-        try:
-            msgs = await self._fetch_unless_reconnected()
-        except asyncio.TimeoutError:
-            raise_if_cancelling()
-            await self._check_consumer()
-            return
-        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError) as exc:
-            raise BusClosed(f"event reader stopped: connection {self.conn.name} to {self.conn.url} is closed") from exc
-        except nats.js.errors.APIError as exc:
-            # e.g. 409 "consumer deleted": start again just after what we have.
-            self.conn.log.info("bus.reader_consumer_lost", stream=self._stream, reason=str(exc))
+        if self.conn.nc.is_closed:
+            raise BusClosed(f"event reader stopped: connection {self.conn.name} to {self.conn.url} is closed")
+        if self._consumer_lost:
+            self.conn.log.info("bus.reader_consumer_lost", stream=self._stream, reason="consumer deleted")
             await self._create_consumer()
             return
+        loop = asyncio.get_running_loop()
+        if self.conn.reconnects != self._reconnects_seen:
+            self._reconnects_seen = self.conn.reconnects
+            self._credit = 0  # requests sent before the outage are gone with the old connection
+            await self._check_consumer()
+            return
+        if self._credit > 0 and loop.time() > self._request_ends_at + _REQUEST_GRACE_S:
+            # Our request expired without a word from the server: is our consumer still there?
+            self._credit = 0
+            await self._check_consumer()
+            return
+        if self._credit <= 0:
+            await self._request_next()
+        if self._buf or self._credit <= 0 or self._consumer_lost or self.conn.reconnects != self._reconnects_seen:
+            return  # something came meanwhile
+        waiter = self._waiter = loop.create_future()
+        timer = loop.call_at(self._request_ends_at + _REQUEST_GRACE_S, self._wake)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
+        raise_if_cancelling()
+
+    async def _request_next(self) -> None:
+        """Send one pull request for up to `batch` records, lasting poll_s."""
+        request = json.dumps({"batch": self.batch, "expires": int(self.poll_s * 1e9)}).encode()
+        try:
+            await self.conn.nc.publish(self._next_subject, request, reply=self._sub.subject)
+        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError) as exc:
+            raise BusClosed(f"event reader stopped: connection {self.conn.name} to {self.conn.url} is closed") from exc
         except nats.errors.Error as exc:  # e.g. outbound buffer full while reconnecting: wait, retry
-            self.conn.log.debug("bus.reader_fetch_failed", stream=self._stream, error=str(exc))
+            self.conn.log.debug("bus.reader_request_failed", stream=self._stream, error=str(exc))
             await asyncio.sleep(min(self.poll_s, 0.5))
             return
-        raise_if_cancelling()
-        self._buf.extend(msgs)
-
-    async def _fetch_unless_reconnected(self) -> list[Msg]:
-        """One pull fetch (up to poll_s), cut short if the connection reconnects meanwhile: a pull
-        request sent before an outage is never answered, and a restarted server (or a cluster node
-        that took over) may not have our consumer; checking at once saves up to poll_s of stall.
-        Messages of a cut fetch stay in the subscription's queue for the next one."""
-        seen = self.conn.reconnects
-        fetch = asyncio.ensure_future(self._sub.fetch(self.batch, timeout=self.poll_s))
-        reconnected = asyncio.ensure_future(self.conn.wait_reconnected(after=seen))
-        try:
-            await asyncio.wait({fetch, reconnected}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (fetch, reconnected):
-                task.cancel()
-            await asyncio.gather(fetch, reconnected, return_exceptions=True)
-        if fetch.cancelled():
-            raise asyncio.TimeoutError  # as if idle: the caller checks the consumer now
-        return fetch.result()
+        self._credit = self.batch
+        self._request_ends_at = asyncio.get_running_loop().time() + self.poll_s
 
     async def _check_consumer(self) -> None:
         """After an idle fetch: is our consumer still there? (A restarted server forgets it.)"""
@@ -635,6 +695,8 @@ class EventReader:
             if self._done:
                 await self.aclose()
                 raise StopAsyncIteration
+            if self._closed:
+                raise StopAsyncIteration
             await self._fill()
 
     async def aclose(self) -> None:
@@ -642,6 +704,11 @@ class EventReader:
         if self._closed:
             return
         self._closed = True
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+        self._wake()
         await self._drop_consumer()
 
     async def __aenter__(self) -> "EventReader":

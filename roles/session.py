@@ -81,7 +81,9 @@ class JobView:
         # role -> monotonic time since when every member of it has been gone without finishing
         # (killed, expired, restarting): the roles' patience (trainer_grace_s...) counts from it
         self._away_since: dict[Role, float] = {}
-        self._changed = asyncio.Condition()
+        # wait_for() callers: (predicate, future). The follower checks them after each burst of
+        # records and resolves only those that hold: a waiter is not woken to find it still waits.
+        self._waiters: list[tuple[Callable[["JobView"], object], asyncio.Future]] = []
         self._task: asyncio.Task | None = None
         self._log = log or structlog.get_logger()
 
@@ -105,6 +107,7 @@ class JobView:
         return end
 
     async def _follow(self, from_seq: int = 1) -> None:
+        stopped = "it was closed"
         try:
             async with read_events(self._conn, from_seq=from_seq, include_decisions=True) as reader:
                 async for rec in reader:
@@ -120,37 +123,60 @@ class JobView:
                             self._log.debug("view_skipped_event", seq=rec.seq, reason=str(error))
                         self._note_absences()
                     self.last_seq = rec.seq
-                    async with self._changed:
-                        self._changed.notify_all()
+                    if await reader.record_ready():
+                        continue  # fold the rest of the burst before answering anyone
+                    self._answer_waiters()
         except Exception as exc:
-            self._log.error("view_stopped_following", error=str(exc), last_seq=self.last_seq)
+            stopped = str(exc)
+            self._log.error("view_stopped_following", error=stopped, last_seq=self.last_seq)
             raise
         finally:
-            # Wake the waiters: they see the view has stopped (wait_for raises) instead of
+            # Tell the waiters: they see the view has stopped (wait_for raises) instead of
             # waiting out their timeout (hours for a sync decision; for ever without one).
-            async with self._changed:
-                self._changed.notify_all()
+            self._answer_waiters(stopped=stopped)
+
+    def _answer_waiters(self, *, stopped: str | None = None) -> None:
+        waiting = []
+        for predicate, future in self._waiters:
+            if future.done():  # timed out or cancelled
+                continue
+            try:
+                value = predicate(self)
+            except Exception as exc:
+                future.set_exception(exc)
+                continue
+            if value:
+                future.set_result(value)
+            elif stopped is not None:
+                future.set_exception(BusError(f"the job view stopped following the stream ({stopped})"))
+            else:
+                waiting.append((predicate, future))
+        self._waiters = waiting
 
     async def wait_for(self, predicate: Callable[["JobView"], object], *, timeout: float | None,
                        what: str = "condition"):
-        """Wait until `predicate(view)` is truthy; return its value. TimeoutError after `timeout`."""
+        """Wait until `predicate(view)` is truthy; return its value. TimeoutError after `timeout`.
 
-        async def _wait():
-            async with self._changed:
-                while True:
-                    value = predicate(self)
-                    if value:
-                        return value
-                    if self._task is not None and self._task.done():
-                        cause = "it was closed" if self._task.cancelled() else str(self._task.exception())
-                        raise BusError(f"the job view stopped following the stream ({cause}); "
-                                       f"{what} can no longer be seen")
-                    await self._changed.wait()
-
+        The predicate is checked now, then after each burst of records the view folds."""
+        value = predicate(self)
+        if value:
+            return value
+        if self._task is not None and self._task.done():
+            cause = "it was closed" if self._task.cancelled() else str(self._task.exception())
+            raise BusError(f"the job view stopped following the stream ({cause}); {what} can no longer be seen")
+        entry = (predicate, asyncio.get_running_loop().create_future())
+        self._waiters.append(entry)
         try:
-            return await asyncio.wait_for(_wait(), timeout)
+            return await asyncio.wait_for(entry[1], timeout)
         except asyncio.TimeoutError:
             raise TimeoutError(f"timed out after {timeout} s waiting for {what}") from None
+        except BusError as exc:
+            raise BusError(f"{exc}; {what} can no longer be seen") from None
+        finally:
+            try:
+                self._waiters.remove(entry)
+            except ValueError:
+                pass  # answered: the follower took it off the list
 
     def decisions_after(self, seq: int):
         """Recorded decisions with a stream sequence greater than `seq` (newest last)."""

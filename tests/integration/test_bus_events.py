@@ -12,6 +12,7 @@ from bus.connection import connect
 from bus.events import (
     DecisionPublisher,
     EventPublisher,
+    EventReader,
     decision_msg_id,
     last_sequence,
     publish_heartbeat,
@@ -244,15 +245,22 @@ async def test_a_lost_delivery_is_detected_and_read_again(conn):
     for e in events:
         await pub.publish(e)
     reader = read_events(conn, stop_at_end=True)
+    deliveries = 0
+    deliver = reader._on_delivery
+
+    async def lose_the_second(msg):
+        # As a dropped pull response would: the consumer (AckNone) never redelivers it by itself.
+        nonlocal deliveries
+        deliveries += 1
+        if deliveries != 2:
+            await deliver(msg)
+
+    reader._on_delivery = lose_the_second
     async with reader:
-        # Take the first two deliveries off the consumer and lose the second, as a dropped
-        # pull response would: the consumer (AckNone) never redelivers it by itself.
-        await reader._start()
-        first, _lost = await reader._sub.fetch(2, timeout=5)
-        reader._buf.append(first)
         records = [rec async for rec in reader]
 
     assert [r.event for r in records] == events
+    assert deliveries > len(events)  # the lost one and those after it came again, from a new consumer
 
 
 async def test_record_ready_is_false_when_what_is_delivered_is_only_junk(conn):
@@ -277,3 +285,46 @@ async def test_record_ready_is_false_when_what_is_delivered_is_only_junk(conn):
         await pub.publish(good[2])
         third = await asyncio.wait_for(reader.__anext__(), 5)
     assert [first.event, second.event, third.event] == good
+
+
+async def test_a_live_reader_whose_consumer_is_deleted_goes_on_after_the_last_record(conn):
+    """The server answers the outstanding pull request with 409 "consumer deleted": the reader
+    makes a new consumer just after what it has and keeps following, nothing skipped or repeated."""
+    pub = EventPublisher(conn, TRAINER)
+    events = [StepFinished(member=TRAINER, step=s, version=0) for s in range(4)]
+    await pub.publish(events[0])
+    async with read_events(conn) as reader:
+        first = await asyncio.wait_for(reader.__anext__(), 5)
+        lost = reader._consumer
+        await conn.js.delete_consumer(conn.names.event_stream, lost)
+        for e in events[1:]:
+            await pub.publish(e)
+        rest = [await asyncio.wait_for(reader.__anext__(), 10) for _ in events[1:]]
+        assert reader._consumer != lost
+
+    assert [r.event for r in [first, *rest]] == events
+    assert [r.seq for r in [first, *rest]] == sorted({r.seq for r in [first, *rest]})
+
+
+async def test_a_live_reader_gets_each_record_from_one_outstanding_request(conn):
+    """Following the stream live costs no request per record: one pull request stays outstanding
+    and records arrive on it as the server stores them."""
+    pub = EventPublisher(conn, TRAINER)
+    events = [StepFinished(member=TRAINER, step=s, version=0) for s in range(5)]
+    async with EventReader(conn, poll_s=300.0) as reader:  # no request expires during the test
+        sent = 0
+        request = reader._request_next
+
+        async def counted():
+            nonlocal sent
+            sent += 1
+            await request()
+
+        reader._request_next = counted
+        got = []
+        for e in events:
+            await pub.publish(e)
+            got.append(await asyncio.wait_for(reader.__anext__(), 5))
+
+    assert [r.event for r in got] == events
+    assert sent == 1
