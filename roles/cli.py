@@ -60,14 +60,14 @@ def _security(creds=None, tls_ca=None, tls_cert=None, tls_key=None, *, config=No
     return resolved
 
 
-def _load(config_path: str, nats: str | None, security_flags: dict | None = None):
+def _load(config_path: str, nats: str | None, security_flags: dict | None = None, *, check_engines: bool = True):
     import dataclasses
 
     from roles.config import load_config
     from sync_protocol import ConfigError
 
     try:
-        cfg = load_config(config_path)
+        cfg = load_config(config_path, check_engines=check_engines)
     except ConfigError as exc:
         raise InputError(str(exc)) from None
     if nats:
@@ -124,7 +124,8 @@ def start(role: str, config_path: str, member_id: str | None, nats: str | None, 
     start_mode = "resume" if resume else "fresh" if fresh else None
     if start_mode and role == "sync":
         raise click.UsageError(f"--{start_mode} applies to a trainer or an explorer; a synchronizer saves no state")
-    cfg = _load(config_path, nats, security)
+    # a synchronizer runs no engine: it starts (and restarts) without importing one
+    cfg = _load(config_path, nats, security, check_engines=role != "sync")
     # With a credential the member is its identity (the server allows nothing else).
     member_id = member_id or cfg.nats.security.identity
     if member_id is not None:

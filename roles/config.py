@@ -268,8 +268,12 @@ def _engine_problems(model: Mapping[str, Any], data: Any, algorithm: Any, explor
                                                  tensor_parallel_size=explorers.tensor_parallel_size))
 
 
-def parse_config(data: Any, *, source: str | None = None) -> JobConfig:
-    """Validate a mapping (parsed YAML) into a `JobConfig`; raise `ConfigError` listing every problem."""
+def parse_config(data: Any, *, source: str | None = None, check_engines: bool = True) -> JobConfig:
+    """Validate a mapping (parsed YAML) into a `JobConfig`; raise `ConfigError` listing every problem.
+
+    `check_engines=False` leaves the engine's sections (model, data, algorithm) to the roles that
+    run an engine: checking them imports the engines (torch, seconds), which a synchronizer, whose
+    restart time is the job's stall, has no use for."""
     where = source or "config"
     problems: list[tuple[str, str]] = []
     if not isinstance(data, Mapping):
@@ -314,7 +318,7 @@ def parse_config(data: Any, *, source: str | None = None) -> JobConfig:
     for key, value in (("model", model), *engine_sections.items()):
         if value is not None and not isinstance(value, Mapping):
             problems.append((key, f"must be a mapping (indented `key: value` lines), got {_yaml_kind(value)}"))
-    if all(v is None or isinstance(v, Mapping) for v in (model, *engine_sections.values())):
+    if check_engines and all(v is None or isinstance(v, Mapping) for v in (model, *engine_sections.values())):
         problems.extend(_engine_problems(model, engine_sections["data"], engine_sections["algorithm"], explorers))
 
     for key in ("nats_url", "run_dir", "log_level"):
@@ -349,8 +353,9 @@ def parse_config(data: Any, *, source: str | None = None) -> JobConfig:
     )
 
 
-def load_config(path: str | Path) -> JobConfig:
-    """Read and validate a YAML job file; errors name the file and every bad field."""
+def load_config(path: str | Path, *, check_engines: bool = True) -> JobConfig:
+    """Read and validate a YAML job file; errors name the file and every bad field (see
+    `parse_config` for `check_engines`)."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -360,4 +365,4 @@ def load_config(path: str | Path) -> JobConfig:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError([("yaml", f"not valid YAML: {exc}")], where=str(path)) from None
-    return parse_config(data, source=str(path))
+    return parse_config(data, source=str(path), check_engines=check_engines)

@@ -199,3 +199,25 @@ def test_a_role_started_by_the_cli_keeps_the_configured_stream_replicas(tmp_path
     ca.write_text("not read here")
     cfg = _load(str(path), None, {"creds": None, "tls_ca": str(ca), "tls_cert": None, "tls_key": None})
     assert (cfg.nats.replicas, cfg.nats.tls_ca) == (3, str(ca))
+
+
+def test_a_synchronizer_starts_without_importing_an_engine(tmp_path):
+    """Its restart time is the job's stall: loading the config for `start sync` leaves the engine's
+    sections to the roles that run one (importing them costs seconds of torch), and still checks
+    the rest; a trainer's load checks the engine's sections."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "job.yaml"
+    path.write_text("job: j\nmodel:\n  engine: tiny\n  no_such_field: 1\n")
+    probe = ("import sys; from roles.cli import _load; import roles.runner, roles.synchronizer; "
+             f"_load({str(path)!r}, None, check_engines=False); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stdout + out.stderr
+    with pytest.raises(ConfigError, match="no_such_field"):
+        load_config(path)
+    bad_sync = tmp_path / "bad.yaml"
+    bad_sync.write_text("job: j\nsynchronizer:\n  sync_interval: -1\n")
+    with pytest.raises(ConfigError, match="sync_interval"):
+        load_config(bad_sync, check_engines=False)
