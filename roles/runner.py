@@ -46,11 +46,12 @@ def run_role(role: str, cfg: JobConfig, member_id: str | None = None, *, start_m
     `log_json` picks one JSON object per line (files, log shippers) over aligned console text; a
     synchronizer finishes once every member of the job did, unless `keep_running`."""
     setup_logging(cfg.log_level, json=log_json)
-    # Each role process gets a share of a machine that also runs its peers: one intra-op thread
-    # avoids oversubscription (the torch default is one thread per core, per process).
-    import torch
+    if role != "sync":  # a synchronizer runs no engine: it (re)starts without importing torch
+        # Each role process gets a share of a machine that also runs its peers: one intra-op
+        # thread avoids oversubscription (the torch default is one thread per core, per process).
+        import torch
 
-    torch.set_num_threads(int(os.environ.get("ROLECTL_TORCH_THREADS", "1")))
+        torch.set_num_threads(int(os.environ.get("ROLECTL_TORCH_THREADS", "1")))
     member_id = member_id or default_member_id(role)
     log = structlog.get_logger().bind(job=cfg.job, role=role, member=member_id)
     if role == "trainer":

@@ -210,8 +210,13 @@ def test_a_synchronizer_starts_without_importing_an_engine(tmp_path):
 
     path = tmp_path / "job.yaml"
     path.write_text("job: j\nmodel:\n  engine: tiny\n  no_such_field: 1\n")
-    probe = ("import sys; from roles.cli import _load; import roles.runner, roles.synchronizer; "
-             f"_load({str(path)!r}, None, check_engines=False); print('torch' in sys.modules)")
+    # the whole start but the synchronizer's loop (which needs a server): config, runner, class
+    probe = ("import sys; from roles.cli import _load; import roles.runner, roles.synchronizer\n"
+             "async def run(self): pass\n"
+             "roles.synchronizer.Synchronizer.run = run\n"
+             f"cfg = _load({str(path)!r}, None, check_engines=False)\n"
+             "assert roles.runner.run_role('sync', cfg, log_json=True) == 0\n"
+             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
                          cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stdout + out.stderr
