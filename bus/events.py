@@ -436,7 +436,8 @@ class EventReader:
         # soon as the server stores it; a new one is sent when it is used up or ends.
         self._credit = 0
         self._request_ends_at = 0.0
-        self._consumer_lost = False  # the server said our consumer was deleted (409)
+        self._consumer_lost = False  # the server said our consumer was deleted (409) or is unserved (503)
+        self._lost_in_a_row = 0  # consumers lost since the last delivered record
         self._reconnects_seen = conn.reconnects
         self._waiter: asyncio.Future | None = None
         self._watcher: asyncio.Task | None = None
@@ -541,9 +542,14 @@ class EventReader:
         if not status:
             self._buf.append(msg)
             self._credit -= 1
+            self._lost_in_a_row = 0
         elif status == StatusCode.CONTROL_MESSAGE:
             return  # an idle heartbeat or flow control: nothing to wake up for
         elif status == StatusCode.CONFLICT and "deleted" in (msg.headers.get(Header.DESCRIPTION) or "").lower():
+            self._consumer_lost = True
+        elif status == StatusCode.SERVICE_UNAVAILABLE:
+            # "no responders": nobody serves our consumer, e.g. its one copy was on a cluster node
+            # that died. Asking again would get the same answer at once, forever: make a new one.
             self._consumer_lost = True
         else:
             # 408 (the request expired), 409 (leadership change, too many requests...), 404: the
@@ -572,7 +578,11 @@ class EventReader:
         if self.conn.nc.is_closed:
             raise BusClosed(f"event reader stopped: connection {self.conn.name} to {self.conn.url} is closed")
         if self._consumer_lost:
-            self.conn.log.info("bus.reader_consumer_lost", stream=self._stream, reason="consumer deleted")
+            self.conn.log.info("bus.reader_consumer_lost", stream=self._stream, last_seq=self.last_seq,
+                               lost_in_a_row=self._lost_in_a_row)
+            if self._lost_in_a_row:  # lost again before a record came: back off (JetStream may be starting)
+                await asyncio.sleep(min(2.0, 0.05 * 2 ** self._lost_in_a_row))
+            self._lost_in_a_row += 1
             await self._create_consumer()
             return
         loop = asyncio.get_running_loop()

@@ -74,6 +74,7 @@ class NatsServer:
     config_file: str | None = None
 
     _proc: subprocess.Popen | None = field(default=None, init=False, repr=False)
+    _terminating: bool = field(default=False, init=False, repr=False)  # SIGTERM sent, not waited for yet
     _tmp_store: tempfile.TemporaryDirectory | None = field(default=None, init=False, repr=False)
     _log_handle: object = field(default=None, init=False, repr=False)
 
@@ -167,11 +168,18 @@ class NatsServer:
             f"nats-server on {self.url} not ready after {self.ready_timeout} s: {last_error}"
         )
 
+    def terminate(self) -> None:
+        """Ask the server to stop (SIGTERM) without waiting; `stop()` then waits for it."""
+        if self._proc is not None and self._proc.poll() is None and not self._terminating:
+            self._proc.send_signal(signal.SIGTERM)
+            self._terminating = True
+
     def stop(self, timeout: float = 10.0) -> None:
         """Stop gracefully (SIGTERM, then SIGKILL). Safe to call twice."""
+        self.terminate()
+        self._terminating = False
         proc, self._proc = self._proc, None
         if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
             try:
                 proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -417,7 +425,13 @@ class NatsCluster:
         raise KeyError(f"no node named {server_name!r} in cluster {self.name} ({[n.server_name for n in self.nodes]})")
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop every node (SIGTERM, then SIGKILL). Safe to call twice."""
+        """Stop every node (SIGTERM, then SIGKILL). Safe to call twice.
+
+        Every node is asked at once and then waited for: one after the other, each node's
+        shutdown waited on the next (a node's JetStream shutdown is slow once its peers are
+        going), and Ctrl-C of `rolectl server --cluster 3` took over 30 s on a loaded machine."""
+        for node in self.nodes:
+            node.terminate()
         for node in self.nodes:
             node.stop(timeout=timeout)
         if self._tmp_store is not None:

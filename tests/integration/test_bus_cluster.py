@@ -154,6 +154,48 @@ async def test_losing_the_event_stream_leader_costs_a_stall_not_an_event(cluster
         assert new_leader != leader
 
 
+async def test_a_live_reader_whose_consumer_was_on_the_killed_node_reads_on(cluster, job_name):
+    """A reader that is already following when the stream leader's node dies: its one-copy consumer
+    was placed there and died with it (no answer to its pull requests, "no responders"), so it must
+    make a new one and miss nothing. The synchronizer once went silent this way."""
+    async with connect(cluster.url, job=job_name, role="trainer", member="t0") as conn:
+        await ensure_event_stream(conn.js, conn.names, replicas=3)
+        leader = await _wait_for(lambda: cluster.stream_leader(conn.names.event_stream), timeout=10,
+                                 what="the event stream's leader")
+        publisher = EventPublisher(conn, ME)
+        events = [StepFinished(member=ME, step=s, version=0) for s in range(1, 21)]
+        async with EventReader(conn, poll_s=0.5) as reader:
+            for e in events[:10]:
+                await publisher.publish(e)
+            seen = [(await asyncio.wait_for(reader.__anext__(), 60)).event for _ in events[:10]]
+            consumer_node = _consumer_leader(cluster, conn.names.event_stream, reader._consumer)
+            cluster.kill_node(cluster.index_of(consumer_node or leader))
+            for e in events[10:]:
+                await asyncio.wait_for(publisher.publish(e), 60)
+            seen += [(await asyncio.wait_for(reader.__anext__(), 60)).event for _ in events[10:]]
+        assert seen == events
+
+
+def _consumer_leader(cluster: NatsCluster, stream: str, consumer: str) -> str | None:
+    """The node leading `consumer` of `stream`, from the nodes' /jsz (None if none says)."""
+    import urllib.request
+
+    for node in cluster.nodes:
+        try:
+            with urllib.request.urlopen(f"{node.monitor_url}/jsz?consumers=1", timeout=2.0) as resp:
+                data = json.load(resp)
+        except OSError:
+            continue
+        for account in data.get("account_details") or []:
+            for detail in account.get("stream_detail") or []:
+                if detail.get("name") != stream:
+                    continue
+                for c in detail.get("consumer_detail") or []:
+                    if c.get("name") == consumer and (c.get("cluster") or {}).get("leader"):
+                        return c["cluster"]["leader"]
+    return None
+
+
 # -- rolectl server --cluster -----------------------------------------------------------------------
 
 def test_rolectl_server_cluster_prints_the_url_writes_cluster_json_and_stops_every_node(tmp_path):
