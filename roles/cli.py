@@ -308,7 +308,11 @@ def server(port: int, http_port: int, store_dir: str | None, host: str, cluster_
                                  f"`rolectl server` twice?); pass a free {flag}, or stop what listens there")
         srv = NatsServer(host=host, port=port, http_port=http_port, store_dir=store_dir)
     stop = threading.Event()
+    # Both set explicitly: a SIGINT ignored by the parent (a non-interactive shell's `&`, some
+    # libraries in a test process) is inherited, and Python then raises no KeyboardInterrupt, so
+    # Ctrl-C / SIGINT would leave the server (and a cluster's nodes) running.
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
         srv.start()
     except NatsServerError as exc:

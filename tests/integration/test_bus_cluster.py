@@ -212,7 +212,11 @@ def test_rolectl_server_cluster_prints_the_url_writes_cluster_json_and_stops_eve
         [sys.executable, "-m", "roles.cli", "server", "--cluster", "3", "--store-dir", str(store)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        # started with SIGINT ignored, as a shell's `&` (or a test worker that loaded vLLM/Ray) does:
+        # it still stops on SIGINT (it once hung here, leaving the nodes running)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
+    pids: list[int] = []
     try:
         url_line = proc.stdout.readline().strip()  # blocks until the cluster is ready (or exit)
         assert url_line.count(",") == 2, url_line + proc.stdout.read() if proc.poll() is not None else url_line
@@ -241,6 +245,9 @@ def test_rolectl_server_cluster_prints_the_url_writes_cluster_json_and_stops_eve
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        for pid in pids:  # a failed stop must not leave the nodes running past the test
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_rolectl_server_cluster_refuses_a_fixed_port():
