@@ -160,9 +160,9 @@ async def test_losing_the_event_stream_leader_costs_a_stall_not_an_event(cluster
                 await asyncio.wait_for(publisher.publish(e), 60)
             seen += [(await asyncio.wait_for(reader.__anext__(), 60)).event for _ in events[len(seen):]]
         assert seen == events
-        new_leader = await _wait_for(lambda: cluster.stream_leader(conn.names.event_stream), timeout=20,
-                                     what="a new event stream leader")
-        assert new_leader != killed
+        # a survivor's monitoring may name the dead leader for a moment: wait for one that is alive
+        await _wait_for(lambda: cluster.stream_leader(conn.names.event_stream) not in (None, killed), timeout=20,
+                        what=f"an event stream leader other than the killed {killed}")
 
 
 def _alive(pid: int) -> bool:
