@@ -74,9 +74,18 @@ def _bad_batches(cfg, names) -> list[tuple[str, bytes, str]]:
     ]
 
 
-async def _inject(job: LiveJob, rng: random.Random, *, on_live_rounds: bool) -> Injected:
+async def _inject_bad_batches(job: LiveJob, count: Injected) -> None:
+    """Experiences that do not fit the engine or come from another member's subject. Published
+    before the explorers' first batch, so the trainer meets every one of them in stream order
+    before it can finish, however fast the explorers are (published after its first step, they
+    could sit behind enough good batches to finish the job, and went unread)."""
+    for subject, payload, _ in _bad_batches(job.cfg, job.conn.names):
+        await job.conn.js.publish(subject, payload)
+        count.bad_batches += 1
+
+
+async def _inject(job: LiveJob, rng: random.Random, *, on_live_rounds: bool, count: Injected) -> Injected:
     names, js, nc = job.conn.names, job.conn.js, job.conn.nc
-    count = Injected()
     # Random bytes on every event subject of every member, and on decision subjects.
     for role, member in MEMBERS:
         for kind in INPUT_KINDS:
@@ -114,10 +123,6 @@ async def _inject(job: LiveJob, rng: random.Random, *, on_live_rounds: bool) -> 
         await nc.publish(names.heartbeat(role, member), rng.randbytes(rng.randint(1, 100)))
     await nc.publish(names.heartbeat("explorer", "explorer-0"), encode_heartbeat(
         Heartbeat(member=TRAINER, step=999, version=999, status=RunningStatus.STOPPED, host="junk")))
-    # Experiences that do not fit the engine or come from another member's subject.
-    for subject, payload, _ in _bad_batches(job.cfg, names):
-        await js.publish(subject, payload)
-        count.bad_batches += 1
     # Weights: junk manifests and chunks with high version numbers.
     for version in (1_000_000, 1_000_001):
         await js.publish(names.weights_manifest(version), rng.randbytes(200))
@@ -138,10 +143,12 @@ async def test_junk_on_every_subject_of_a_running_job(tmp_path, on_live_rounds):
     config = job_config(tmp_path, job="fuzz", synchronizer={"sync_method": "memory"},
                         trainer={"total_steps": TOTAL_STEPS, "save_interval": 1})
     async with LiveJob(tmp_path, config) as job:
+        injected = Injected()
+        await _inject_bad_batches(job, injected)
         job.start_all()
-        # Junk arrives while the job runs: after the trainer's first step, long before its last.
+        # The other junk arrives while the job runs: after the trainer's first step, long before its last.
         await job.wait_for(lambda recs: 1 in trainer_steps(recs), timeout=90, what="trainer step 1")
-        injected = await _inject(job, random.Random(SEED), on_live_rounds=on_live_rounds)
+        await _inject(job, random.Random(SEED), on_live_rounds=on_live_rounds, count=injected)
 
         codes = await job.wait_exits(["trainer", "explorer-0", "explorer-1"], timeout=150)
         assert codes == {"trainer": 0, "explorer-0": 0, "explorer-1": 0}, f"{codes}\n{job.all_logs()}"
