@@ -23,6 +23,7 @@ from nats.js.api import KeyValueConfig, StorageType
 from .connection import BusConnection
 from .errors import BusError, StreamMismatch
 from .retry import retry_transient
+from .streams import replica_shortfall
 
 __all__ = ["Lease", "SAFETY", "ensure_lease_bucket"]
 
@@ -79,10 +80,10 @@ class Lease:
     async def _check_copies(self) -> None:
         """Refuse a bucket kept on fewer nodes than asked: a lease with one copy dies with its node,
         and then no synchronizer can hold it (an older rolectl made R1 buckets on clusters)."""
-        found = (await self._kv.status()).stream_info.config.num_replicas or 1
-        if found < self.replicas:
+        shortfall = replica_shortfall(self.replicas, (await self._kv.status()).stream_info.config.num_replicas)
+        if shortfall:
             self._kv = None
-            raise StreamMismatch(f"KV_{self.bucket}", [("num_replicas (at least)", self.replicas, found)])
+            raise StreamMismatch(f"KV_{self.bucket}", shortfall)
 
     @property
     def held(self) -> bool:

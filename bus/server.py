@@ -217,6 +217,11 @@ class NatsServer:
         await asyncio.to_thread(self.stop)
 
 
+def _name_key(text: str) -> str:
+    """How a job's name is matched in stream names: streams spell it in upper case, KV buckets as given."""
+    return text.lower().replace("-", "_")
+
+
 @dataclass
 class NatsCluster:
     """A local JetStream cluster of `size` nats-server processes on loopback (development, tests).
@@ -372,11 +377,8 @@ class NatsCluster:
     def stream_names(self, contains: str, account: str = "$G") -> set[str]:
         """Names of the streams any live node lists whose name contains `contains` (case-insensitive,
         `-` as `_`: a job's streams and its KV buckets' streams)."""
-        def norm(text: str) -> str:
-            return text.lower().replace("-", "_")
-
         return {d["name"] for details in self._stream_details(account).values() for d in details
-                if norm(contains) in norm(d.get("name", ""))}
+                if _name_key(contains) in _name_key(d.get("name", ""))}
 
     def unsettled_streams(self, contains: str, account: str = "$G", *, min_replicas: int = 1) -> dict[str, str] | None:
         """Streams whose name contains `contains` (case-insensitive, `-` as `_`) that could not
@@ -387,10 +389,7 @@ class NatsCluster:
         dies before the followers caught up, so a test that kills a node waits for this first (an
         operator's rolling restart waits for the same). Only the leader reports its followers'
         state, so each stream is judged from its leader's monitoring endpoint."""
-        def norm(text: str) -> str:
-            return text.lower().replace("-", "_")  # streams spell the job in upper case, KV buckets as given
-
-        views = {node: [d for d in details if norm(contains) in norm(d.get("name", ""))]
+        views = {node: [d for d in details if _name_key(contains) in _name_key(d.get("name", ""))]
                  for node, details in self._stream_details(account).items()}
         if not views:
             return None

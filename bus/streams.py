@@ -49,6 +49,7 @@ __all__ = [
     "experience_stream_config",
     "weights_stream_config",
     "stream_differences",
+    "replica_shortfall",
     "DEFAULT_EVENT_MAX_AGE_S",
     "PROVISION_HINT",
     "DEFAULT_EXPERIENCE_MAX_AGE_S",
@@ -290,6 +291,13 @@ def stream_differences(want: StreamConfig, got: StreamConfig) -> list[tuple[str,
             out.append((name, a, b))
     # max_bytes / max_msg_size are not compared: the operator may size a stream otherwise.
     # More replicas than asked for is more safety, not a mismatch (an operator may pre-create R3).
-    if (got.num_replicas or 1) < (want.num_replicas or 1):
-        out.append(("num_replicas (at least)", want.num_replicas or 1, got.num_replicas or 1))
+    out.extend(replica_shortfall(want.num_replicas, got.num_replicas))
     return out
+
+
+def replica_shortfall(want: int | None, got: int | None) -> list[tuple[str, object, object]]:
+    """The replica rule for every stream and bucket of a job: more copies than asked for is more
+    safety (an operator may pre-create R3), fewer is a difference (one copy dies with its node)."""
+    if (got or 1) < (want or 1):
+        return [("num_replicas (at least)", want or 1, got or 1)]
+    return []

@@ -83,7 +83,7 @@ class JobView:
         self._away_since: dict[Role, float] = {}
         # wait_for() callers: (predicate, future). The follower checks them after each burst of
         # records and resolves only those that hold: a waiter is not woken to find it still waits.
-        self._waiters: list[tuple[Callable[["JobView"], object], asyncio.Future]] = []
+        self._waiters: list[tuple[Callable[["JobView"], object], asyncio.Future, str]] = []
         self._task: asyncio.Task | None = None
         self._log = log or structlog.get_logger()
 
@@ -137,7 +137,7 @@ class JobView:
 
     def _answer_waiters(self, *, stopped: str | None = None) -> None:
         waiting = []
-        for predicate, future in self._waiters:
+        for predicate, future, what in self._waiters:
             if future.done():  # timed out or cancelled
                 continue
             try:
@@ -148,9 +148,9 @@ class JobView:
             if value:
                 future.set_result(value)
             elif stopped is not None:
-                future.set_exception(BusError(f"the job view stopped following the stream ({stopped})"))
+                future.set_exception(_stopped_following(stopped, what))
             else:
-                waiting.append((predicate, future))
+                waiting.append((predicate, future, what))
         self._waiters = waiting
 
     async def wait_for(self, predicate: Callable[["JobView"], object], *, timeout: float | None,
@@ -162,16 +162,13 @@ class JobView:
         if value:
             return value
         if self._task is not None and self._task.done():
-            cause = "it was closed" if self._task.cancelled() else str(self._task.exception())
-            raise BusError(f"the job view stopped following the stream ({cause}); {what} can no longer be seen")
-        entry = (predicate, asyncio.get_running_loop().create_future())
+            raise _stopped_following("it was closed" if self._task.cancelled() else str(self._task.exception()), what)
+        entry = (predicate, asyncio.get_running_loop().create_future(), what)
         self._waiters.append(entry)
         try:
             return await asyncio.wait_for(entry[1], timeout)
         except asyncio.TimeoutError:
             raise TimeoutError(f"timed out after {timeout} s waiting for {what}") from None
-        except BusError as exc:
-            raise BusError(f"{exc}; {what} can no longer be seen") from None
         finally:
             try:
                 self._waiters.remove(entry)
@@ -221,6 +218,10 @@ class JobView:
         if self._task is not None:
             await stop_task(self._task, log=self._log)
             self._task = None
+
+
+def _stopped_following(cause: str, what: str) -> BusError:
+    return BusError(f"the job view stopped following the stream ({cause}); {what} can no longer be seen")
 
 
 @dataclass

@@ -57,10 +57,8 @@ def _all_logs_say(job: LiveJob, text: str, members: list[str]) -> bool:
 
 
 
-async def _assert_complete(job: LiveJob, *, every_decision: bool = True) -> None:
-    """The outcome the issue demands of every fault: complete, all exit 0, nothing lost, replayable.
-    `every_decision=False` leaves out that the synchronizer published every decision the fold
-    computes (the cluster case below: see README, "Open: ...")."""
+async def _assert_complete(job: LiveJob) -> None:
+    """The outcome the issue demands of every fault: complete, all exit 0, nothing lost, replayable."""
     codes = await job.wait_exits(["trainer", *EXPLORERS], 240)
     assert all(code == 0 for code in codes.values()), f"exit codes {codes}\n{job.all_logs()}"
     await job.stream_caught_up(timeout=30)
@@ -70,8 +68,6 @@ async def _assert_complete(job: LiveJob, *, every_decision: bool = True) -> None
     trained = sum(int(r.event.metrics["num_experiences"]) for r in of_kind(records, StepFinished, role=Role.TRAINER))
     left = await stream_experiences(job)
     assert produced == trained + left, f"produced {produced}, trained {trained}, left in the stream {left}"
-    if not every_decision:
-        return
     # Stop the synchronizer once it published every decision the fold computes; then compare.
     await job.wait_for(lambda recs: not decision_problems(recs), timeout=30,
                        what="the synchronizer to publish every decision a fold of the inputs computes")
@@ -170,10 +166,9 @@ async def test_cluster_job_survives_losing_the_event_stream_leader(tmp_path):
                                        timeout=120, what="a trainer step after the leader was killed")
             print(f"\ncluster: {leader}, leader of every stream of the job, killed; first new trainer step {first.event.step} "
                   f"{(first.time_ms - killed_ms) / 1000:.2f} s later")
-            new_leader = await job.wait_until(lambda: cluster.stream_leader(event_stream), timeout=30,
-                                              what="a new leader of the event stream")
-            assert new_leader != leader
-            for stream in streams:  # the weights stream and the lease bucket too
+            # a survivor may name the dead leader for a moment: wait for a live one, for every
+            # stream (the event stream, the weights stream and the lease bucket too)
+            for stream in streams:
                 await job.wait_until(lambda s=stream: cluster.stream_leader(s) not in (None, leader), timeout=60,
                                      what=f"a new leader of {stream}")
             await _assert_complete(job)
