@@ -20,8 +20,17 @@ from pathlib import Path
 import pytest
 
 from bus.server import free_port
-from e2e_support import ROOT, LiveJob, assert_decisions_replay, job_config, last_trainer_step, trainer_steps
+from e2e_support import (
+    ROOT,
+    LiveJob,
+    assert_decisions_replay,
+    job_config,
+    last_trainer_step,
+    of_kind,
+    trainer_steps,
+)
 from roles.observe.replay import load_export
+from sync_protocol import MemberJoined
 
 # one Ray head per module: with `-n 3 --dist loadgroup` its tests stay on one worker (one head)
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("ray")]
@@ -143,15 +152,6 @@ def test_ray_job_submit_runs_the_quickstart_and_it_learns(ray_head, tmp_path, re
     assert_decisions_replay(load_export(s["events_file"]))
 
 
-def _actor_role_pid(head: RayHead, job: str, member: str) -> int:
-    """The PID of the role process the named actor runs (asked of the actor, through Ray)."""
-    code = ("import ray; ray.init(address=%r, namespace='rolectl', logging_level='ERROR'); "
-            "print(ray.get(ray.get_actor(%r).pid.remote(), timeout=60))" % (head.address, f"{job}/{member}"))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=RAY_ENV, timeout=120)
-    assert out.returncode == 0, out.stdout + out.stderr
-    return int(out.stdout.strip().splitlines()[-1])
-
-
 async def test_kill9_of_a_role_process_ray_restarts_it_and_the_job_completes(ray_head, tmp_path):
     total = 12
     config = job_config(
@@ -167,11 +167,17 @@ async def test_kill9_of_a_role_process_ray_restarts_it_and_the_job_completes(ray
             up = subprocess.Popen(_up_args(config, tmp_path, "--ray-address", ray_head.address, "--nats", job.url),
                                   stdout=out, stderr=subprocess.STDOUT, env=RAY_ENV, cwd=ROOT)
         try:
-            # Asked while the trainer cannot have finished (it is at step 1 of 12): the same process at step 3.
+            # The role process's pid is in its MemberJoined record. Killed as soon as the stream shows
+            # step 1 of 12: only the follower's lag lies between seeing the step and the kill. (Asking
+            # the actor through Ray instead took seconds under load, long enough for the trainer to
+            # finish all its steps first.)
             await job.wait_for(lambda recs: last_trainer_step(recs) >= 1, timeout=240, what="trainer step 1")
-            pid = await asyncio.to_thread(_actor_role_pid, ray_head, "e2e-ray-kill", "trainer")
-            await job.wait_for(lambda recs: last_trainer_step(recs) >= 3, timeout=240, what="trainer step 3")
-            os.kill(pid, signal.SIGKILL)
+            pid = of_kind(job.records, MemberJoined, member="trainer")[0].event.pid
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                raise AssertionError(f"the trainer (pid {pid}) was gone before the kill: it ended at step "
+                                     f"{last_trainer_step(job.records)} of {total}") from None
             rc = await asyncio.to_thread(up.wait, 400)
         finally:
             if up.poll() is None:
