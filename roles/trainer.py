@@ -77,6 +77,10 @@ class Trainer:
         # Seqs a checkpoint marked trained whose ack is not confirmed (lost in a crash or refused):
         # if one comes back it is acked, not trained again. Kept across saves until seen.
         self.acked_at_save: set[int] = set()
+        # Those of them this process still has the delivery of: acked again at every save and
+        # before exit, so a server that was away during an ack does not leave trained batches in
+        # the stream when the job ends (they would come back only after ack_wait_s).
+        self.unconfirmed: dict[int, object] = {}
         # seq -> indices not trained as of the checkpoint, for messages not redelivered yet
         self.partial: dict[int, set[int]] = {}
         self.last_metrics: dict | None = None  # the saved step's StepFinished metrics
@@ -411,6 +415,7 @@ class Trainer:
         write_json_atomic(self.ckpt_dir / "trainer_state.json", state)
         _prune_checkpoints(self.ckpt_dir, keep=2)
         # Only now are the experiences of these steps safe: ack them.
+        await self._ack_unconfirmed()
         for msg in done:
             del self.held[msg.seq]
             if not await self._ack(msg):
@@ -423,15 +428,43 @@ class Trainer:
             await msg.ack()
         except AckFailed as exc:
             self.log.warning("experience_ack_failed", seq=msg.seq, error=str(exc))
+            self.unconfirmed[msg.seq] = msg
             return False
         self.acked_at_save.discard(msg.seq)
+        self.unconfirmed.pop(msg.seq, None)
         return True
+
+    async def _ack_unconfirmed(self) -> None:
+        """Ack again the trained batches whose ack was not confirmed (the delivery's ack subject
+        stays valid across a server restart)."""
+        for msg in list(self.unconfirmed.values()):
+            if not await self._ack(msg):
+                return  # the server is still away: the next save tries again
+
+    async def _confirm_acks_before_exit(self, within_s: float = 60.0) -> None:
+        """The last save's acks, confirmed before the trainer goes, while the server comes back
+        within `within_s`. Whatever is still unconfirmed then is not lost nor trained twice: the
+        checkpoint lists it (`acked_seqs`), and a trainer that gets it back acks it untrained."""
+        deadline = time.monotonic() + within_s
+        while self.unconfirmed and time.monotonic() < deadline:
+            try:
+                await self.s.conn.wait_connected(timeout=max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                break
+            await self._ack_unconfirmed()
+            if self.unconfirmed:
+                await asyncio.sleep(0.5)  # JetStream may answer at once while it recovers: back off
+        if self.unconfirmed:
+            self.log.warning("experience_acks_unconfirmed_at_exit", seqs=sorted(self.unconfirmed),
+                             hint="the server redelivers them after buffer.ack_wait_s; a trainer of this "
+                                  "job acks them without training (its checkpoint lists them)")
 
     async def _cleanup(self) -> None:
         """Final save, STOPPED, close transports. Runs on normal end, Ctrl-C and errors."""
         try:
             if self.engine.step > 0:
                 await self.save_checkpoint()
+                await self._confirm_acks_before_exit()
         except Exception as exc:
             self.log.error("final_save_failed", error=str(exc))
         finished = self.engine.step >= self.total_steps
