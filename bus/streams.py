@@ -214,6 +214,14 @@ async def ensure_experience_stream(
 _ENSURE_RETRY_S = 60.0
 
 
+def _create_denied(js: JetStreamContext, stream: str) -> bool:
+    """Whether the server's last error on this connection is a permissions violation for creating
+    `stream` (nats-py keeps it as the client's `last_error`; the context exposes no public handle)."""
+    nc = getattr(js, "_nc", None)
+    last = str(getattr(nc, "last_error", None) or "").lower()
+    return "permissions violation" in last and f"stream.create.{stream}".lower() in last
+
+
 async def _ensure(js: JetStreamContext, config: StreamConfig, *, retry_for: float = _ENSURE_RETRY_S) -> StreamInfo:
     """Look the stream up, create it if missing, verify it; transient failures (server restarting,
     a cluster electing its leader, too few nodes up for the replicas) are retried for `retry_for` s."""
@@ -229,12 +237,17 @@ async def _ensure(js: JetStreamContext, config: StreamConfig, *, retry_for: floa
         try:
             return await js.add_stream(config)
         except nats.errors.TimeoutError as exc:
-            # A create this identity may not send is dropped by the server (a permissions
-            # violation reported to the error callback) and only times out here.
-            raise BusError(
-                f"stream {config.name} does not exist and could not be created (no answer: this "
-                f"identity may not create streams, or JetStream is not ready); {PROVISION_HINT}"
-            ) from exc
+            # A create this identity may not send is dropped by the server: it only times out here,
+            # and the server's permissions violation goes to the connection's error callback (and
+            # `last_error`). Without one, the answer is just slow (a loaded host, a cluster placing
+            # the stream's replicas with a node down): retried, and the next lookup finds the
+            # stream if that create went through.
+            if _create_denied(js, config.name):
+                raise BusError(
+                    f"stream {config.name} does not exist and this identity may not create it (the "
+                    f"server refused $JS.API.STREAM.CREATE.{config.name}); {PROVISION_HINT}"
+                ) from exc
+            raise
         except nats.js.errors.APIError as exc:
             if exc.err_code == _STREAM_EXISTS_ERR:
                 # Another member created it between our lookup and our create: verify theirs.
