@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
+import json
 import time
 import urllib.parse
 from typing import Any, Awaitable, Mapping
@@ -27,13 +29,14 @@ import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
-from nats.js.api import PubAck
+from nats.aio.msg import Msg
+from nats.js.api import Header, PubAck
 
 from sync_protocol import Role
 
 from .errors import BusClosed, BusUnavailable, PublishFailed, PublishRejected, RetriesExhausted
 from .logging import get_logger
-from .retry import backoff_delay, describe, is_transient, retry_transient
+from .retry import Interrupted, backoff_delay, describe, is_transient, retry_transient
 from .security import ClientSecurity, SecurityError, redact
 from .subjects import JobNames, check_name
 
@@ -129,6 +132,11 @@ class BusConnection:
         # The server we are (or were last) connected to, shared with the reconnect chooser.
         self._last_server = last_server if last_server is not None else []
         self._note_server()
+        # Acked publishes: one reply subscription per connection, `<inbox>.<token>` per publish.
+        self._ack_prefix: str | None = None
+        self._ack_inbox_ready: asyncio.Future | None = None
+        self._acks: dict[str, asyncio.Future] = {}
+        self._ack_tokens = itertools.count(1)
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -183,6 +191,9 @@ class BusConnection:
 
     async def _on_reconnected(self) -> None:
         self.reconnects += 1
+        # Acks of publishes sent before the outage went with the old socket: retry them now
+        # (same msg id, stored once) instead of after their ack timeout.
+        self._fail_acks(Interrupted())
         self._note_server()
         server = self.server or self.url
         self.log.info("bus.reconnected", url=self.url, server=server, reconnects=self.reconnects)
@@ -210,6 +221,7 @@ class BusConnection:
 
     async def _on_closed(self) -> None:
         self.log.info("bus.closed", url=self.url)
+        self._fail_acks(nats.errors.ConnectionClosedError())
         await self._set_up(False)
 
     # -- publishing ------------------------------------------------------------------------------
@@ -245,7 +257,7 @@ class BusConnection:
         where = f"publish to {subject} (msg id {msg_id}) via {self.url}"
 
         async def publish_once() -> PubAck:
-            return await self.js.publish(subject, payload, timeout=ack_timeout, headers=hdrs or None)
+            return await self._publish_once(subject, payload, hdrs or None, ack_timeout)
 
         def transient(exc: BaseException) -> bool:
             # Any other client-side error (e.g. outbound buffer full while reconnecting) is the
@@ -257,7 +269,7 @@ class BusConnection:
         try:
             return await retry_transient(
                 publish_once, what=where, retry_for=retry_for, is_closed=lambda: self.nc.is_closed,
-                transient=transient, interrupt=self.reconnect_signal, log=self.log,
+                transient=transient, log=self.log,
             )
         except BusClosed as exc:
             raise BusClosed(f"cannot publish to {subject}: connection {self.name} to {self.url} is closed") from exc
@@ -280,6 +292,62 @@ class BusConnection:
                 subject=subject,
                 msg_id=msg_id,
             ) from exc.last
+
+    async def _publish_once(self, subject: str, payload: bytes, headers: Mapping[str, str] | None,
+                            timeout: float) -> PubAck:
+        """One JetStream publish and its ack, as nats-py's `js.publish` but on this connection's
+        one reply subscription: no task and no subscription per publish, which is most of an
+        acked publish's CPU (the synchronizer's decisions, every member's events). Raises what
+        `js.publish` raises, plus `Interrupted` when the connection reconnected meanwhile."""
+        if self._ack_prefix is None:
+            await self._open_ack_inbox()
+        token = str(next(self._ack_tokens))
+        loop = asyncio.get_running_loop()
+        ack = loop.create_future()
+        self._acks[token] = ack
+        expiry = loop.call_later(timeout, _expire, ack)
+        try:
+            await self.nc.publish(subject, payload, reply=f"{self._ack_prefix}.{token}", headers=headers)
+            return await ack
+        finally:
+            expiry.cancel()
+            self._acks.pop(token, None)
+            if ack.done() and not ack.cancelled():
+                ack.exception()  # retrieved: an ack that failed after its publish raised is no news
+
+    async def _open_ack_inbox(self) -> None:
+        if self._ack_inbox_ready is None:  # the first caller subscribes; others wait for it
+            self._ack_inbox_ready = asyncio.ensure_future(self._subscribe_acks())
+        try:
+            await asyncio.shield(self._ack_inbox_ready)
+        except Exception:
+            self._ack_inbox_ready = None  # e.g. closed meanwhile: the next publish tries again
+            raise
+
+    async def _subscribe_acks(self) -> None:
+        prefix = self.nc.new_inbox()
+        await self.nc.subscribe(f"{prefix}.*", cb=self._on_ack)
+        self._ack_prefix = prefix
+
+    async def _on_ack(self, msg: Msg) -> None:
+        ack = self._acks.get(msg.subject.rpartition(".")[2])
+        if ack is None or ack.done():
+            return  # timed out or interrupted already: the retry has its own token
+        if msg.headers and msg.headers.get(Header.STATUS) == "503":
+            ack.set_exception(nats.js.errors.NoStreamResponseError())  # no stream took it (yet)
+            return
+        try:
+            resp = json.loads(msg.data)
+            if "error" in resp:
+                nats.js.errors.APIError.from_error(resp["error"])  # raises the typed error
+            ack.set_result(PubAck.from_response(resp))
+        except Exception as exc:
+            ack.set_exception(exc)
+
+    def _fail_acks(self, exc: BaseException) -> None:
+        for ack in self._acks.values():
+            if not ack.done():
+                ack.set_exception(exc)
 
     async def unsubscribe_quietly(self, sub) -> None:
         """Drop a subscription; nothing to do if the connection is already closed or going."""
@@ -465,6 +533,11 @@ async def _open(
         ) from None
     log.info("bus.connected", url=shown, server=_host_port(nc), identity=security.identity)
     return conn
+
+
+def _expire(ack: asyncio.Future) -> None:
+    if not ack.done():
+        ack.set_exception(nats.errors.TimeoutError())
 
 
 def _host_port(nc: NatsClient) -> str | None:

@@ -22,7 +22,7 @@ import nats.js.errors
 
 from .errors import BusClosed, RetriesExhausted
 
-__all__ = ["retry_transient", "is_transient", "backoff_delay", "TRANSIENT_JS_ERR_CODES"]
+__all__ = ["retry_transient", "is_transient", "backoff_delay", "Interrupted", "TRANSIENT_JS_ERR_CODES"]
 
 T = TypeVar("T")
 
@@ -101,7 +101,7 @@ async def retry_transient(
         interrupted = False
         try:
             return await _attempt(call, interrupt)
-        except _Interrupted as exc:
+        except Interrupted as exc:
             last, interrupted = exc, True
         except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError) as exc:
             raise BusClosed(f"{what}: the connection is closing") from exc
@@ -124,8 +124,11 @@ async def retry_transient(
                     raise
 
 
-class _Interrupted(Exception):
-    """An attempt abandoned because the connection reconnected under it."""
+class Interrupted(Exception):
+    """An attempt abandoned because the connection reconnected under it: retried at once.
+
+    Raised by `retry_transient`'s own `interrupt` watch, or by the call itself (`BusConnection`
+    fails the acks it still waits for when it reconnects: they were lost with the old socket)."""
 
     def __str__(self) -> str:
         return "the connection reconnected while waiting for an answer"
@@ -143,7 +146,7 @@ async def _attempt(call: Callable[[], Awaitable[T]], interrupt: Callable[[], Awa
         stop.cancel()
         await asyncio.gather(work, stop, return_exceptions=True)
     if work.cancelled():
-        raise _Interrupted()
+        raise Interrupted()
     return work.result()
 
 

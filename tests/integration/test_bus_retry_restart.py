@@ -6,6 +6,8 @@ every version kept)."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import nats.errors
@@ -22,7 +24,7 @@ from bus.server import NatsServer
 from bus.streams import ensure_event_stream, ensure_experience_stream
 from bus.weights.base import WeightsNotFound
 from bus.weights.object_store import ObjectStoreTransport
-from sync_protocol import MemberRef, StepFinished
+from sync_protocol import MemberRef, StepFinished, encode
 
 ME = MemberRef(role="trainer", id="t0", incarnation=0)
 
@@ -110,6 +112,31 @@ async def test_a_request_lost_in_an_outage_is_retried_at_reconnect_not_after_its
         assert reply.data == b"pong"
         assert attempts == 2
         assert time.monotonic() - started < 30, "waited out the lost request's timeout"
+
+
+async def test_an_acked_publish_caught_by_an_outage_is_sent_again_at_reconnect(own_server):
+    """`publish_acked` waits for its ack on the connection's one reply subscription; a publish whose
+    ack went with the old socket is sent again as soon as the connection is back (same msg id:
+    stored once), not after its ack timeout."""
+    async with connect(own_server.url, job="ack-outage", role="trainer", member="t0") as conn:
+        await ensure_event_stream(conn.js, conn.names)
+        first = await EventPublisher(conn, ME).publish(StepFinished(member=ME, step=1, version=0))
+        os.kill(own_server.pid, signal.SIGSTOP)  # it takes the publish, and never answers
+        started = time.monotonic()
+        publishing = asyncio.create_task(conn.publish_acked(
+            conn.names.event("trainer", "t0", "step_finished"),
+            encode(StepFinished(member=ME, step=2, version=0)), msg_id="t0#0/2", ack_timeout=60, retry_for=120))
+        deadline = time.monotonic() + 10
+        while not conn._acks and time.monotonic() < deadline:  # the publish is out, its ack awaited
+            await asyncio.sleep(0.01)
+        assert conn._acks, "the publish never got to wait for its ack"
+        await asyncio.to_thread(own_server.kill)
+        await asyncio.to_thread(own_server.start)
+        ack = await asyncio.wait_for(publishing, 60)
+        assert time.monotonic() - started < 30, "waited out the lost ack's timeout"
+        records = await read_all(conn)
+    assert ack.seq == first + 1
+    assert [r.event.step for r in records] == [1, 2]  # stored once
 
 
 async def test_a_non_transient_error_is_raised_at_once(nats_url, job_name):
