@@ -146,8 +146,11 @@ async def test_junk_on_every_subject_of_a_running_job(tmp_path, on_live_rounds):
         injected = Injected()
         await _inject_bad_batches(job, injected)
         job.start_all()
-        # The other junk arrives while the job runs: after the trainer's first step, long before its last.
-        await job.wait_for(lambda recs: 1 in trainer_steps(recs), timeout=90, what="trainer step 1")
+        # The other junk arrives while the job runs: after the trainer's first step, long before its
+        # last, and once version 1 is announced (its weights are stored, so the weights stream that
+        # the junk manifests go to exists however fast the trainer got there).
+        await job.wait_for(lambda recs: 1 in trainer_steps(recs) and of_kind(recs, VersionPublished),
+                           timeout=90, what="trainer step 1 and version 1")
         await _inject(job, random.Random(SEED), on_live_rounds=on_live_rounds, count=injected)
 
         codes = await job.wait_exits(["trainer", "explorer-0", "explorer-1"], timeout=150)
