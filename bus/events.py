@@ -5,10 +5,12 @@
   reconnect is stored once.
 - `DecisionPublisher` writes decisions to `rft.<job>.sync.<round>` with a deterministic msg id *and*
   `Nats-Expected-Last-Subject-Sequence`: two synchronizer replicas racing on a round produce one
-  sequence of outcomes; the loser gets `None` back, not an error.
+  sequence of outcomes; the loser gets `None` back, not an error. A run of one round's decisions
+  goes as one message (a decision batch, `sync_protocol.encode_decisions`): one guard, one ack.
 - Heartbeats are core NATS, not stream messages: liveness is noise as history. The synchronizer
   turns a silence into a `MemberExpired` *event*, which is what replay sees.
-- `read_events()` yields `Recorded(seq, time_ms, event)` in stream order from a sequence or a time,
+- `read_events()` yields `Recorded(seq, time_ms, event)` in stream order from a sequence or a time
+  (each decision of a batch as its own record, all with the batch's sequence),
   optionally stopping at the end that existed when reading began. It is an "ordered consumer" built
   on an ephemeral pull consumer with one pull request kept outstanding (records flow as the server
   stores them, no request per record): any gap in delivery (a lost pull response, a server restart
@@ -31,7 +33,7 @@ import json
 import socket
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Sequence
 
 import msgpack
 import nats.errors
@@ -47,8 +49,9 @@ from sync_protocol import (
     Recorded,
     RunningStatus,
     decision_identity,
-    decode,
+    decode_all,
     encode,
+    encode_decisions,
 )
 
 from .aio import raise_if_cancelling
@@ -142,10 +145,20 @@ class EventPublisher:
 # publishing decisions
 
 
-def decision_msg_id(decision: Decision) -> str:
-    """`d/<round>/<kind>/<cause_seq>/<released member key or empty>`: equal for equal decisions."""
-    kind, round_id, cause_seq, released = decision_identity(decision)
-    return f"d/{round_id}/{kind}/{cause_seq}/{released}"
+def decision_msg_id(decisions: Decision | Sequence[Decision]) -> str:
+    """`d/<round>/<kind>/<cause_seq>/<released member key or empty>`: equal for equal decisions.
+
+    A batch (a run of one round's decisions, in computed order) is named by its first and last
+    decision, `d/<round>/<first>..<last>`: replicas that batch a round's decisions alike send the
+    same id (stored once); a batch that differs has another id, and the round guard tells."""
+    if isinstance(decisions, Decision):
+        decisions = (decisions,)
+    first = decision_identity(decisions[0])
+    name = f"d/{first[1]}/{first[0]}/{first[2]}/{first[3]}"
+    if len(decisions) > 1:
+        last = decision_identity(decisions[-1])
+        name += f"..{len(decisions)}/{last[0]}/{last[2]}/{last[3]}"
+    return name
 
 
 class DecisionPublisher:
@@ -156,26 +169,30 @@ class DecisionPublisher:
         self.ack_timeout = ack_timeout
         self.retry_for = retry_for
 
-    async def publish(self, decision: Decision, *, expected_last_subject_seq: int | None) -> int | None:
-        """Store `decision` on its round's subject; return its sequence, or `None` if already there.
+    async def publish(self, decisions: Decision | Sequence[Decision], *,
+                      expected_last_subject_seq: int | None) -> int | None:
+        """Store a decision, or a run of one round's decisions as one message, on the round's
+        subject; return its sequence, or `None` if the stream already holds this very message.
 
         `expected_last_subject_seq` is the sequence of the last message on `rft.<job>.sync.<round>`
-        this replica knows of (0 for a new round); `None` skips the check. `None` is returned when
-        the stream already holds this decision (same msg id). When the subject holds something newer
-        than expected, `DecisionSuperseded` is raised: `last_on_subject` tells whether it is this
-        decision (another replica was first) or something else (then publish again after it).
+        this replica knows of (0 for a new round); `None` skips the check. When the subject holds
+        something newer than expected, `DecisionSuperseded` is raised: `last_on_subject` tells
+        what it is (another replica's decisions, or something else).
         """
-        if not isinstance(decision, Decision):
-            raise TypeError(f"DecisionPublisher publishes decisions, not {type(decision).__name__}")
-        subject = self.conn.names.decision(decision.round)
-        msg_id = decision_msg_id(decision)
+        if isinstance(decisions, Decision):
+            decisions = (decisions,)
+        if not decisions or not all(isinstance(d, Decision) for d in decisions):
+            kinds = ", ".join(sorted({type(d).__name__ for d in decisions})) or "nothing"
+            raise TypeError(f"DecisionPublisher publishes decisions, not {kinds}; use EventPublisher for inputs")
+        subject = self.conn.names.decision(decisions[0].round)
+        msg_id = decision_msg_id(decisions)
         headers = {}
         if expected_last_subject_seq is not None:
             headers[_EXPECTED_LAST_SUBJECT_SEQ] = str(int(expected_last_subject_seq))
         try:
             ack = await self.conn.publish_acked(
                 subject,
-                encode(decision),
+                encode_decisions(decisions),
                 msg_id=msg_id,
                 headers=headers,
                 ack_timeout=self.ack_timeout,
@@ -183,8 +200,8 @@ class DecisionPublisher:
             )
         except PublishRejected as exc:
             if exc.err_code in _WRONG_LAST_SEQUENCE or "wrong last sequence" in exc.description.lower():
-                # Something this replica did not know of is on the subject: maybe this very decision
-                # from another replica, maybe junk. Only the caller can tell (`last_on_subject`).
+                # Something this replica did not know of is on the subject: maybe these very
+                # decisions from another replica, maybe junk. Only the caller can tell.
                 raise DecisionSuperseded(
                     f"decision {msg_id} not stored: {subject} holds a message after seq "
                     f"{expected_last_subject_seq} ({exc.description})",
@@ -199,20 +216,29 @@ class DecisionPublisher:
             return None
         return ack.seq
 
-
-    async def last_on_subject(self, round_id: int) -> tuple[int, Decision | None]:
-        """The last message on round `round_id`'s subject: its sequence, and the decision it holds
-        (None when it is not a decision that decodes: a foreign or malformed message)."""
+    async def on_subject_after(self, round_id: int, after_seq: int, *,
+                               limit: int = 64) -> list[tuple[int, tuple[Decision, ...]]]:
+        """What round `round_id`'s subject holds after stream sequence `after_seq`, oldest first:
+        each message's sequence and the decisions it holds (none for a foreign or malformed
+        message). At most `limit` messages: a guard that failed is about one or two."""
         subject = self.conn.names.decision(round_id)
-        try:
-            msg = await self.conn.js.get_last_msg(self.conn.names.event_stream, subject)
-        except nats.js.errors.NotFoundError:
-            return 0, None
-        try:
-            event = decode(msg.data)
-        except DecodeError:
-            return msg.seq, None
-        return msg.seq, event if isinstance(event, Decision) else None
+        stream = self.conn.names.event_stream
+        found: list[tuple[int, tuple[Decision, ...]]] = []
+        seq = after_seq
+        while len(found) < limit:
+            try:
+                msg = await self.conn.js.get_msg(stream, seq=seq + 1, subject=subject, next=True)
+            except nats.js.errors.NotFoundError:
+                break
+            seq = msg.seq
+            try:
+                held = decode_all(msg.data)
+            except DecodeError:
+                held = ()
+            if not all(isinstance(d, Decision) and d.round == round_id for d in held):
+                held = ()
+            found.append((seq, held))  # type: ignore[arg-type]
+        return found
 
 
 # --------------------------------------------------------------------------------------------------
@@ -406,6 +432,7 @@ class EventReader:
         verify_identity: bool = True,
         batch: int = 256,
         poll_s: float = 5.0,
+        known: Callable[[int], bool] | None = None,
     ):
         if from_seq is not None and from_time is not None:
             raise ValueError("give from_seq or from_time, not both")
@@ -417,6 +444,9 @@ class EventReader:
         self.batch = batch
         self.poll_s = poll_s
         self.verify_identity = verify_identity
+        # known(seq): the caller already has this record (e.g. a publisher reading its own acked
+        # messages back); it is passed over without being decoded
+        self.known = known
         self.malformed = 0
         self.rejected = 0
         self._malformed_log = LogBudget(conn.log, "bus.event_malformed")
@@ -637,36 +667,42 @@ class EventReader:
         except Exception:
             pass  # server busy or away; the next fetch tries again
 
-    async def _accept(self, msg: Msg) -> Recorded | None:
+    async def _accept(self, msg: Msg) -> list[Recorded]:
+        """The records one delivered message holds (one, or a decision batch's several, all with
+        its sequence); none for a status message, junk, or a late delivery to a dropped consumer."""
         d = _delivery(msg.reply)
         if d is None or d.consumer != self._consumer:
-            return None  # a status message, or a late delivery to a consumer we dropped
+            return []  # a status message, or a late delivery to a consumer we dropped
         if d.consumer_seq != self._dseq + 1:
             # A gap: deliveries were lost (AckNone never redelivers). Restart after the last seen.
             self.conn.log.info("bus.reader_gap", expected=self._dseq + 1, got=d.consumer_seq, last_seq=self.last_seq)
             await self._create_consumer()
-            return None
+            return []
         self._dseq = d.consumer_seq
         if self.end_seq is not None and d.stream_seq > self.end_seq:
             self._done = True
-            return None
+            return []
         self.last_seq = d.stream_seq
         if self.end_seq is not None and (d.stream_seq >= self.end_seq or d.pending == 0):
             self._done = True
+        if self.known is not None and self.known(d.stream_seq):
+            return []
         try:
-            event = decode(msg.data)
+            held = decode_all(msg.data)
         except DecodeError as exc:
             self.malformed += 1
             self._malformed_log.warn(subject=msg.subject, seq=d.stream_seq, reason=str(exc))
-            return None
+            return []
         if self.verify_identity:
-            problem = identity_problem(msg.subject, event)
-            if problem is not None:
-                self.rejected += 1
-                self._rejected_log.warn(subject=msg.subject, seq=d.stream_seq, reason=problem,
-                                        rejected_total=self.rejected)
-                return None
-        return Recorded(seq=d.stream_seq, time_ms=d.time_ns // 1_000_000, event=event, subject=msg.subject)
+            for event in held:  # a batch is one round's decisions: one subject vouches for all or none
+                problem = identity_problem(msg.subject, event)
+                if problem is not None:
+                    self.rejected += 1
+                    self._rejected_log.warn(subject=msg.subject, seq=d.stream_seq, reason=problem,
+                                            rejected_total=self.rejected)
+                    return []
+        time_ms = d.time_ns // 1_000_000
+        return [Recorded(seq=d.stream_seq, time_ms=time_ms, event=event, subject=msg.subject) for event in held]
 
     async def record_ready(self) -> bool:
         """True when the next record comes without waiting on the server: a consumer can fold a
@@ -674,9 +710,7 @@ class EventReader:
         here (junk skipped), so a burst that ends in junk answers False: "already delivered" is
         not "a record is ready", and acting must not wait for the next record."""
         while not self._ready and self._buf and not self._done:
-            record = await self._accept(self._buf.popleft())
-            if record is not None:
-                self._ready.append(record)
+            self._ready.extend(await self._accept(self._buf.popleft()))
         return bool(self._ready)
 
     # -- iteration -------------------------------------------------------------------------------
@@ -694,10 +728,11 @@ class EventReader:
             return self._ready.popleft()
         while True:
             while self._buf and not self._done:
-                record = await self._accept(self._buf.popleft())
-                if record is not None:
+                records = await self._accept(self._buf.popleft())
+                if records:
                     self._skipped_in_a_row = 0
-                    return record
+                    self._ready.extend(records[1:])
+                    return records[0]
                 self._skipped_in_a_row += 1
                 if self._skipped_in_a_row % 64 == 0:
                     # A run of junk must not hold the event loop: heartbeats share it.
@@ -747,6 +782,7 @@ def read_events(
     include_decisions: bool = True,
     stop_at_end: bool = False,
     verify_identity: bool = True,
+    known: Callable[[int], bool] | None = None,
 ) -> EventReader:
     """Read the job's event stream as `Recorded(seq, time_ms, event)`, in order.
 
@@ -757,13 +793,14 @@ def read_events(
     Malformed messages are counted in `reader.malformed` and skipped; records whose subject does
     not vouch for their payload (`identity_problem`) are counted in `reader.rejected` and skipped
     unless `verify_identity=False`. Both are logged at a bounded rate (`bus.logging.LogBudget`).
-    Every record carries the subject it was recorded on.
+    Every record carries the subject it was recorded on. `known(seq)` true passes a message over
+    undecoded: the caller has it already (the synchronizer, the decisions it published).
 
     Use as `async with read_events(conn, ...) as reader: async for rec in reader: ...` so the
     server-side consumer is deleted when you stop early.
     """
     return EventReader(conn, from_seq=from_seq, from_time=from_time, include_decisions=include_decisions,
-                       stop_at_end=stop_at_end, verify_identity=verify_identity)
+                       stop_at_end=stop_at_end, verify_identity=verify_identity, known=known)
 
 
 async def last_sequence(conn: BusConnection) -> int:

@@ -22,11 +22,21 @@ reconnecting or starved of CPU expires nobody, and every member gets a full wind
 reconnect.
 
 Speed: decisions reach members through the stream, so the time to answer is the time to record
-them. Records already delivered are folded together before any decision is published (a burst of
-64 requests is one fold pass, not 64 fold-publish-ack cycles), and the decisions of a burst are
-published as one pipelined wave whose acks are awaited together: one decision per round in a wave,
-so each round's decisions are still recorded in the order computed, and the
-expected-last-subject-sequence check still guards every one of them.
+them. Records already delivered are folded together before anything is published (a burst of 64
+requests is one fold pass, not 64 fold-publish-ack cycles). Publishing never stops the fold: each
+run of one round's decisions (a pull request answered at once is RoundOpened, MemberReleased and
+RoundClosed; a version releasing a waiter is its MemberReleased and RoundClosed) goes out as *one*
+message, a decision batch, as soon as it is computed, and the reader goes on folding while acks
+are outstanding. What keeps the record exact:
+
+- one message in flight per round: a round's next batch is sent once the previous one's ack gave
+  the sequence its round guard (`Nats-Expected-Last-Subject-Sequence`) must name;
+- computed order is recorded order: batches go out in the order their decisions were computed, on
+  one connection, and never overtake an earlier batch still waiting for its round (so `rolectl
+  replay --check` finds every decision in the reducer's order);
+- a guard that fails (another replica recorded first, or junk sits on the round's subject): the
+  round's subject is read after the sequence we expected; decisions found there count as
+  recorded, and only what is still missing is sent, after the last message found.
 
 It ends by itself (exit 0) once the job is done: every trainer and explorer that joined stopped for
 good (final STOPPED) and every decision is recorded; `keep_running` (`rolectl start sync
@@ -57,7 +67,7 @@ from bus.events import (
 from bus.lease import Lease
 from bus.snapshots import SnapshotStore
 from bus.streams import ensure_event_stream, ensure_experience_stream
-from roles.session import new_incarnation, stop_task
+from roles.session import freeze_heap, new_incarnation, stop_task
 from roles.config import JobConfig
 from sync_protocol import (
     Decision,
@@ -80,7 +90,7 @@ from sync_protocol.state import State
 __all__ = ["Synchronizer"]
 
 _FOREIGN_RETRIES = 3  # junk on a round's subject: publish after it at most this many times
-_WAVE_MAX = 256  # decisions published before their acks are awaited together
+_BATCH_MAX = 32  # decisions of one round in one message at most (a round's run is a handful)
 
 
 class Synchronizer:
@@ -114,7 +124,14 @@ class Synchronizer:
         self._timeouts_sent: set[int] = set()
         self._snapshot_seq = 0  # last_seq of the newest snapshot written or loaded
         self._standby_of: str | None = None  # the active replica we last logged standing by for
-        self._publishing = asyncio.Lock()
+        # publishing (see "Speed" above): the batch in flight per round, the decisions it holds,
+        # how often junk was met on a round's subject
+        self._in_flight: dict[int, asyncio.Task] = {}
+        self._sending: set[tuple] = set()
+        self._foreign: dict[int, int] = {}
+        self._read_seq = 0  # the last stream sequence the reader has delivered (any message)
+        self._acked: set[int] = set()  # sequences of our own batches, acked, not yet read back
+        self._failure: asyncio.Future | None = None  # a publish that failed for good ends the role
         self._someone_finished = True  # a member stopped for good since we last asked whether the job is done
 
     # -- setup -------------------------------------------------------------------------------------
@@ -138,7 +155,7 @@ class Synchronizer:
             end = await last_sequence(conn)
             self.log.info("catching_up", from_seq=from_seq, last_seq=end)
             if end < from_seq:
-                await self._mark_caught_up()
+                self._mark_caught_up()
             tasks: list[asyncio.Task] = []
             try:
                 # Announce ourselves: the config we decide with, and that we are up (the dashboard
@@ -153,20 +170,17 @@ class Synchronizer:
                          asyncio.create_task(self._hold_lease(), name="lease")]
                 if self.caught_up and self._job_done():
                     return
-                async with read_events(conn, from_seq=from_seq, include_decisions=True) as reader:
-                    async for rec in reader:
-                        self._on_record(rec)
-                        if not self.caught_up and rec.seq >= end:
-                            await self._mark_caught_up()
-                        if await reader.record_ready():
-                            continue  # fold what is already here first; publish for all of it at once
-                        await self._publish_pending()
-                        if self.active and self.caught_up and not self.pending:
-                            await self._maybe_snapshot()
-                        if self.caught_up and self._someone_finished and self._job_done():
-                            return
+                # The fold runs until the job is done; a publish that failed for good (the server
+                # gone longer than the retry budget, a full stream) ends it with that error.
+                self._failure = asyncio.get_running_loop().create_future()
+                follow = asyncio.create_task(self._follow(from_seq, end), name="follow")
+                tasks.append(follow)
+                await asyncio.wait({follow, self._failure}, return_when=asyncio.FIRST_COMPLETED)
+                if self._failure.done():
+                    self._failure.result()  # raises the publish's error
+                follow.result()
             finally:
-                for task in tasks:
+                for task in [*tasks, *self._in_flight.values()]:
                     await stop_task(task, log=self.log)
                 if self.active:
                     await self.lease.release()  # a standby takes over at once instead of after the ttl
@@ -207,40 +221,131 @@ class Synchronizer:
                       open_rounds=len(snapshot.state.rounds))
         return snapshot.state.last_seq + 1
 
-    async def _mark_caught_up(self) -> None:
+    async def _follow(self, from_seq: int, end: int) -> None:
+        """Fold the stream live; after each burst, send what it decided; stop when the job is done."""
+        async with read_events(self.conn, from_seq=from_seq, include_decisions=True, known=self._own) as reader:
+            async for rec in reader:
+                self._on_record(rec)
+                if not self.caught_up and rec.seq >= end:
+                    self._mark_caught_up()
+                if await reader.record_ready():
+                    continue  # fold what is already here first; send for all of it at once
+                self._send_ready()
+                if self.active and self.caught_up and not self.pending:
+                    await self._maybe_snapshot()
+                if self.caught_up and self._someone_finished and self._job_done():
+                    return
+
+    def _mark_caught_up(self) -> None:
         self.caught_up = True
-        published = await self._publish_pending()
+        freeze_heap()  # the replayed history stays out of full collections from now on
+        sent = self._send_ready()
         self.log.info("caught_up", seq=self.state.last_seq, members=len(self.state.members),
-                      open_rounds=len(self.state.rounds), republished=published, active=self.active)
+                      open_rounds=len(self.state.rounds), republished=sent, active=self.active)
 
-    async def _publish_pending(self) -> int:
-        """Publish, in order, what the fold computed and the stream does not hold yet (when we
-        are the active replica and caught up).
+    # -- publishing --------------------------------------------------------------------------------
+    def _send_ready(self) -> int:
+        """Send, in computed order, every pending run of one round's decisions that may go now (we
+        are the active replica and caught up; its round has nothing in flight).
+        Stops at the first run that must wait, so no batch overtakes an earlier one. Returns how
+        many decisions it sent."""
+        if not (self.active and self.caught_up) or (self._failure is not None and self._failure.done()):
+            return 0
+        sent = 0
+        run: list[tuple[tuple, Decision]] = []
+        for key, decision in self.pending.items():
+            if key in self._sending:
+                continue  # in flight: what follows it in its round waits below
+            if run and decision.round == run[0][1].round and len(run) < _BATCH_MAX:
+                run.append((key, decision))
+                continue
+            if run:
+                sent += self._launch(run)
+                run = []
+            if decision.round in self._in_flight:
+                return sent  # its round's previous batch is not recorded yet: everything after waits
+            run = [(key, decision)]
+        if run:
+            sent += self._launch(run)
+        return sent
 
-        In waves: the longest run of pending decisions with no round twice (at most _WAVE_MAX) is
-        published at once and the acks awaited together; a round's next decision waits for the
-        next wave, after its predecessor's ack (its expected last subject sequence is that ack)."""
-        async with self._publishing:  # the loop and the lease task (on taking over) both call this
-            return await self._publish_waves()
+    def _launch(self, run: list[tuple[tuple, Decision]]) -> int:
+        round_id = run[0][1].round
+        self._sending.update(key for key, _ in run)
+        self._in_flight[round_id] = asyncio.create_task(self._publish_run(round_id, run), name=f"round-{round_id}")
+        return len(run)
 
-    async def _publish_waves(self) -> int:
-        published = 0
-        while self.pending and self.active and self.caught_up:
-            wave: list[tuple[tuple, Decision]] = []
-            rounds: set[int] = set()
-            for key, decision in self.pending.items():
-                if decision.round in rounds or len(wave) >= _WAVE_MAX:
-                    break
-                wave.append((key, decision))
-                rounds.add(decision.round)
-            done = await asyncio.gather(*(self._publish_decision(d) for _, d in wave))
-            for (key, _), ok in zip(wave, done):
-                if ok:
-                    self.pending.pop(key, None)
-                    published += 1
-            if not all(done):
-                break  # lost the lease meanwhile: the rest waits
-        return published
+    async def _publish_run(self, round_id: int, run: list[tuple[tuple, Decision]]) -> None:
+        """Record one run of a round's decisions (one message) behind the round's guard."""
+        decisions = [d for _, d in run]
+        cancelled = False
+        try:
+            if not self.lease.held:
+                if self.active:
+                    self.active = False
+                    self.log.warning("stepped_down", reason="lease not renewed in time", pending=len(self.pending))
+                return  # they stay pending: whoever holds the lease records them
+            expected = self.round_subject_seq.get(round_id, 0)
+            try:
+                seq = await self.decisions.publish(decisions, expected_last_subject_seq=expected)
+            except DecisionSuperseded:
+                await self._catch_up_on_round(round_id, expected, decisions)
+                return
+            if seq is not None:
+                self.round_subject_seq[round_id] = max(self.round_subject_seq.get(round_id, 0), seq)
+                self.decisions_published += len(decisions)
+                if seq > self._read_seq:
+                    self._acked.add(seq)  # its ack said all its reading back would: skip decoding it
+            for key, decision in run:
+                self.pending.pop(key, None)
+                self.log.info("decision", kind=decision.KIND, round=round_id, cause_seq=decision.cause_seq,
+                              seq=seq, **_decision_fields(decision))
+        except asyncio.CancelledError:
+            cancelled = True
+            raise
+        except Exception as exc:  # the server gone past the retry budget, a full stream: fatal
+            if self._failure is not None and not self._failure.done():
+                self._failure.set_exception(exc)  # run() raises it
+            else:
+                self.log.error("decision_publish_failed", round=round_id, error=str(exc))
+        finally:
+            self._sending.difference_update(key for key, _ in run)
+            if self._in_flight.get(round_id) is asyncio.current_task():
+                del self._in_flight[round_id]
+            if not cancelled:
+                self._send_ready()  # the round's next run, and whatever waited behind it
+
+    async def _catch_up_on_round(self, round_id: int, expected: int, decisions: list[Decision]) -> None:
+        """The round's subject holds messages after `expected`: decisions there are recorded (by
+        another replica, or by us before a lost ack); anything else is junk to publish after.
+        What is still pending goes out next, guarded by the last message found."""
+        found = await self.decisions.on_subject_after(round_id, expected)
+        junk = 0
+        for seq, held in found:
+            for d in held:
+                key = decision_identity(d)
+                self.recorded[key] = seq  # recorded: not sent again, even if our fold gets there later
+                self.pending.pop(key, None)
+            junk += not held
+        last = found[-1][0] if found else expected
+        self.round_subject_seq[round_id] = max(self.round_subject_seq.get(round_id, 0), last)
+        if junk or not found:
+            tries = self._foreign[round_id] = self._foreign.get(round_id, 0) + 1
+            self.log.warning("decision_subject_had_foreign_message", round=round_id, seq=last, foreign=junk,
+                             tries=tries)
+            if tries > _FOREIGN_RETRIES:
+                self.log.error("decision_not_published", round=round_id, kinds=[d.KIND for d in decisions],
+                               reason=f"the round's subject kept changing under us {tries} times")
+                for d in decisions:
+                    self.pending.pop(decision_identity(d), None)
+
+    def _own(self, seq: int) -> bool:
+        """The reader's `known`: a batch we published, whose ack already did its bookkeeping."""
+        self._read_seq = seq
+        if seq in self._acked:
+            self._acked.discard(seq)
+            return True
+        return False
 
     # -- the lease ---------------------------------------------------------------------------------
     async def _hold_lease(self) -> None:
@@ -250,7 +355,7 @@ class Synchronizer:
             if held and not self.active:
                 self.active = True
                 self.log.info("became_active", lease_ttl_s=self.lease_ttl_s, pending=len(self.pending))
-                await self._publish_pending()
+                self._send_ready()
             elif not held and self.active:
                 self.active = False
                 self.log.warning("stepped_down", holder=self.lease.current_holder)
@@ -283,37 +388,6 @@ class Synchronizer:
             key = decision_identity(decision)
             if key not in self.recorded:
                 self.pending[key] = decision
-
-    async def _publish_decision(self, decision: Decision) -> bool:
-        """Publish one decision; False when we no longer hold the lease (it stays pending)."""
-        for _ in range(_FOREIGN_RETRIES + 1):
-            if not self.lease.held:
-                self.active = False
-                self.log.warning("stepped_down", reason="lease not renewed in time", pending=len(self.pending))
-                return False
-            expected = self.round_subject_seq.get(decision.round, 0)
-            try:
-                seq = await self.decisions.publish(decision, expected_last_subject_seq=expected)
-            except DecisionSuperseded:
-                last_seq, there = await self.decisions.last_on_subject(decision.round)
-                if there is not None and decision_identity(there) == decision_identity(decision):
-                    seq = None  # another replica recorded this very decision: nothing to do
-                else:
-                    # Not this decision: another one we have not read yet, or junk. Publish after it
-                    # (a decision is never dropped because of what someone else put there).
-                    self.log.warning("decision_subject_had_foreign_message", round=decision.round,
-                                     seq=last_seq, decodes_as=type(there).__name__ if there else "nothing")
-                    self.round_subject_seq[decision.round] = max(expected, last_seq)
-                    continue
-            if seq is not None:
-                self.round_subject_seq[decision.round] = max(expected, seq)
-                self.decisions_published += 1
-            self.log.info("decision", kind=decision.KIND, round=decision.round, cause_seq=decision.cause_seq,
-                          seq=seq, **_decision_fields(decision))
-            return True
-        self.log.error("decision_not_published", round=decision.round, kind=decision.KIND,
-                       reason=f"the round's subject kept changing under us {_FOREIGN_RETRIES + 1} times")
-        return True
 
     async def _maybe_snapshot(self) -> None:
         every = self.sync_cfg.snapshot_every

@@ -1,7 +1,7 @@
 """The pure sync core: events in, state and decisions out. No I/O, no clock, no torch."""
 
 from .boundaries import explorer_needs_sync, is_stale, needs_reload, trainer_needs_sync
-from .codec import SCHEMA_VERSION, decode, encode, from_plain, to_plain
+from .codec import SCHEMA_VERSION, decode, decode_all, encode, encode_decisions, from_plain, to_plain
 from .config import SyncConfig
 from .enums import ReleaseReason, Role, RoundOutcome, RunningStatus, SyncMethod, SyncStyle
 from .errors import ConfigError, DecodeError, IllegalEvent, ProtocolError
@@ -13,7 +13,9 @@ from .state import GroupState, LatestVersion, MemberState, RoundPhase, RoundStat
 __all__ = [
     "SCHEMA_VERSION",
     "decode",
+    "decode_all",
     "encode",
+    "encode_decisions",
     "from_plain",
     "to_plain",
     "SyncConfig",

@@ -1,13 +1,21 @@
 """Wire codec for events and decisions: msgpack maps with a schema version.
 
-`decode` never raises anything but `DecodeError`: bytes that are not msgpack, an unknown kind, a
-missing or mistyped field, or a schema newer than this build each get a message saying so.
+One stream message holds one event, one decision, or a *decision batch*: several decisions of one
+round, in the order the reducer computed them (`encode_decisions`). A batch is recorded atomically
+with one sequence, one message id and one round guard, so a round's release and close (or open,
+release and close) cost one publish and one ack instead of a chain of them; `decode_all` reads any
+message into the decisions or event it holds.
+
+`decode` / `decode_all` never raise anything but `DecodeError`: bytes that are not msgpack, an
+unknown kind, a missing or mistyped field, a schema newer than this build, or a batch that is
+empty, too long or mixes rounds each get a message saying so.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from enum import Enum
-from typing import Any, Mapping
+from typing import Any
 
 import msgpack
 
@@ -15,13 +23,20 @@ from .config import SyncConfig
 from .errors import DecodeError
 from .events import KINDS, Decision, Event, MemberRef, RankAssignment
 
-__all__ = ["SCHEMA_VERSION", "encode", "decode", "to_plain", "from_plain"]
+__all__ = ["SCHEMA_VERSION", "BATCH_KIND", "MAX_BATCH", "encode", "encode_decisions", "decode", "decode_all",
+           "to_plain", "from_plain"]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Bumped on any incompatible change; decoders reject newer schemas instead of guessing.
 
 2: `StatusChanged.final` (a member's last STOPPED). Schema-1 records still decode (the field
-defaults to False), so streams recorded by older builds replay."""
+defaults to False), so streams recorded by older builds replay.
+3: decision batches (`kind: decisions`). Schema-2 records still decode."""
+
+BATCH_KIND = "decisions"
+MAX_BATCH = 256
+"""Decisions in one batch at most: a round's run of decisions is a handful; a bound keeps a hostile
+message from costing more than a normal one to reject."""
 
 
 def _plain(value: Any) -> Any:
@@ -84,12 +99,67 @@ def from_plain(data: Any) -> Event | Decision:
         raise DecodeError(f"{kind}: {exc}") from None
 
 
-def decode(payload: bytes) -> Event | Decision:
-    """Parse one wire message into an event or decision (or raise `DecodeError`)."""
+def encode_decisions(decisions: Sequence[Decision]) -> bytes:
+    """Serialise decisions of one round as one message: a lone decision as itself, several as a
+    batch (in the given order, which is the order they are recorded and read in)."""
+    if not decisions:
+        raise ValueError("encode_decisions needs at least one decision")
+    if len(decisions) == 1:
+        return encode(decisions[0])
+    rounds = {d.round for d in decisions}
+    if len(rounds) != 1 or not all(isinstance(d, Decision) for d in decisions):
+        raise ValueError(f"a decision batch holds decisions of one round, got rounds {sorted(rounds)}")
+    if len(decisions) > MAX_BATCH:
+        raise ValueError(f"a decision batch holds at most {MAX_BATCH} decisions, got {len(decisions)}")
+    return msgpack.packb({"schema": SCHEMA_VERSION, "kind": BATCH_KIND, "decisions": [to_plain(d) for d in decisions]},
+                         use_bin_type=True)
+
+
+def _unpack(payload: bytes) -> Any:
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise DecodeError(f"expected bytes, got {type(payload).__name__}")
     try:
-        data = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+        return msgpack.unpackb(payload, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises several unrelated types; all mean "not msgpack"
         raise DecodeError(f"not a msgpack message ({type(exc).__name__}: {exc})") from None
+
+
+def decode(payload: bytes) -> Event | Decision:
+    """Parse one wire message holding one event or decision (or raise `DecodeError`; a decision
+    batch is refused here: read stream messages with `decode_all`)."""
+    data = _unpack(payload)
+    if isinstance(data, Mapping) and data.get("kind") == BATCH_KIND:
+        raise DecodeError("a batch of decisions where one event or decision was expected (use decode_all)")
     return from_plain(data)
+
+
+def decode_all(payload: bytes) -> tuple[Event | Decision, ...]:
+    """Parse one stream message into what it holds: one event, one decision, or the decisions of a
+    batch in recorded order (or raise `DecodeError` saying what is wrong)."""
+    data = _unpack(payload)
+    if not (isinstance(data, Mapping) and data.get("kind") == BATCH_KIND):
+        return (from_plain(data),)
+    schema = data.get("schema")
+    if isinstance(schema, bool) or not isinstance(schema, int) or not 3 <= schema <= SCHEMA_VERSION:
+        raise DecodeError(f"decision batch: schema must be an integer from 3 to {SCHEMA_VERSION}, got {schema!r}"
+                          + ("; upgrade rolectl on this host" if isinstance(schema, int) and schema > SCHEMA_VERSION
+                             else ""))
+    unknown = [k for k in data if k not in ("schema", "kind", "decisions")]
+    if unknown:
+        raise DecodeError(f"decision batch: unknown field(s) {sorted(map(str, unknown))}")
+    items = data.get("decisions")
+    if not isinstance(items, list) or not 2 <= len(items) <= MAX_BATCH:
+        got = f"{len(items)} items" if isinstance(items, list) else type(items).__name__
+        raise DecodeError(f"decision batch: 'decisions' must be a list of 2 to {MAX_BATCH} decisions, got {got}")
+    out = []
+    for i, item in enumerate(items):
+        try:
+            decision = from_plain(item)
+        except DecodeError as exc:
+            raise DecodeError(f"decision batch, item {i}: {exc}") from None
+        if not isinstance(decision, Decision):
+            raise DecodeError(f"decision batch, item {i}: {decision.KIND} is an input event, not a decision")
+        if out and decision.round != out[0].round:
+            raise DecodeError(f"decision batch, item {i}: round {decision.round} in a batch of round {out[0].round}")
+        out.append(decision)
+    return tuple(out)

@@ -48,6 +48,7 @@ from sync_protocol import (
     VersionPublished,
     WeightsBroadcast,
     WeightsLoaded,
+    decision_identity,
 )
 from sync_protocol.reducer import reduce_lenient
 
@@ -336,6 +337,9 @@ class JobObserver:
         self.experiences_trained: dict[int, int] = {}  # step -> n           reported twice counts once)
         self.dropped_stale = 0
         self._asked_at: dict[str, int] = {}  # explorer key -> time it went require_sync
+        # the decisions taken from the message at last_seq: a decision batch gives several records
+        # that share its sequence, a reader that restarted gives none of them twice
+        self._at_last_seq: set[tuple] = set()
         self._max_rounds = max_rounds
         self._round_info: OrderedDict[int, dict[str, Any]] = OrderedDict()  # round -> reducer's view
         self._tracking: set[int] = set()  # rounds still open in the reducer's state
@@ -345,7 +349,7 @@ class JobObserver:
 
     def apply(self, rec: Recorded) -> IllegalEvent | None:
         """Take the next record (in stream order); returns the reducer's refusal, if any."""
-        if rec.seq <= self.state.last_seq:
+        if rec.seq <= self.state.last_seq and not self._rest_of_batch(rec):
             return None  # already seen (a reader that restarted)
         self.records += 1
         if self.first_time_ms is None:
@@ -354,6 +358,8 @@ class JobObserver:
         event = rec.event
         if isinstance(event, Decision):
             self.decisions_recorded += 1
+            if rec.seq != self.state.last_seq:
+                self._at_last_seq = {decision_identity(event)}
             self.state, _, _ = reduce_lenient(self.state, rec)  # only advances last_seq
             self._log(rec, None)
             if not self.apply_computed:
@@ -374,6 +380,18 @@ class JobObserver:
         if error is None:
             self._on_input(event, rec)
         return error
+
+    def _rest_of_batch(self, rec: Recorded) -> bool:
+        """`rec` shares the sequence of the last record: the next decision of the same batch, or
+        one already seen? (Noted as seen when it is new.)"""
+        event = rec.event
+        if rec.seq != self.state.last_seq or not isinstance(event, Decision):
+            return False
+        identity = decision_identity(event)
+        if identity in self._at_last_seq:
+            return False
+        self._at_last_seq.add(identity)
+        return True
 
     def extend(self, records: Iterable[Recorded]) -> "JobObserver":
         for rec in records:

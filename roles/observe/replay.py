@@ -4,7 +4,8 @@ that every recorded decision is exactly what the pure reducer recomputes from th
 File formats (`export_job` writes, `load_export` reads; the suffix picks):
 
 - ``.jsonl``: one JSON object per line, ``{"seq", "time_ms", "subject", "event"}`` where ``event``
-  is `sync_protocol.to_plain(event)`;
+  is `sync_protocol.to_plain(event)`; the decisions of a batch (one stream message) are one line
+  each, in recorded order, with the message's sequence;
 - ``.msgpack``: a stream of msgpack maps with the same keys.
 
 ``subject`` is the subject the stream recorded the message on (not one derived from its payload:
@@ -220,7 +221,10 @@ def load_export(path: str | Path) -> list[Recorded]:
     except UnicodeDecodeError as exc:
         raise ExportError(f"{path}: not UTF-8 text ({exc.reason}); is it a .msgpack file named .jsonl?") from None
     for before, after in zip(records, records[1:]):
-        if after.seq <= before.seq:
+        # one stream message may hold a batch of one round's decisions: they share its sequence
+        batched = (after.seq == before.seq and isinstance(before.event, Decision)
+                   and isinstance(after.event, Decision) and after.event.round == before.event.round)
+        if after.seq <= before.seq and not batched:
             raise ExportError(f"{path}: sequence {after.seq} follows {before.seq}; records must be in "
                               "increasing stream order (was the file edited or concatenated?)")
     return records
@@ -317,7 +321,7 @@ class Mismatch:
     """One difference between recorded and recomputed decisions.
 
     `kind`: "field" (same decision, a field differs), "unexpected" (recorded, never recomputed),
-    "missing" (recomputed, never recorded), "order" (both exist, recorded out of order),
+    "missing" (recomputed, never recorded), "order" (both exist, recorded out of their round's order),
     "duplicate" (recorded twice), "subject" (a record whose subject does not vouch for its payload;
     `recorded` says why). `seq` is the recorded stream sequence (for "missing": the seq of
     the input that causes it). `warning` is True for a decision the recording was plausibly cut
@@ -346,8 +350,8 @@ class Mismatch:
         if self.kind == "duplicate":
             return f"seq {self.seq}: {name} was recorded again (first at seq {self.recorded})"
         if self.kind == "order":
-            return (f"seq {self.seq}: {name} was recorded out of order (the reducer computes it after "
-                    f"{self.recomputed})")
+            return (f"seq {self.seq}: {name} was recorded out of order: after {self.recomputed}, which "
+                    "the reducer computes later in the same round")
         if self.warning:
             return (f"after seq {self.seq}: {name} is computed but not recorded; the recording probably "
                     "ended before the synchronizer published it")
@@ -423,13 +427,19 @@ def check_decisions(records: list[Recorded], start: State | None = None) -> list
         diff = _diff_fields(d, computed[i])
         if diff is not None:
             out.append(Mismatch("field", seq, ident, field=diff[0], recorded=diff[1], recomputed=diff[2]))
-    # Order: recorded decisions must appear in the order the reducer computes them.
+    # Order: each round's decisions must appear in the order the reducer computes them. Rounds are
+    # independent: the synchronizer sends in computed order, but a batch it had to retry (a lost
+    # ack, a server restart) may land after a later round's, which changes nothing anyone reads.
     highest = -1
+    highest_in_round: dict[int, int] = {}
     for seq, i in matched:
-        if i < highest:
-            prev = decision_identity(computed[highest])
+        round_id = computed[i].round
+        before = highest_in_round.get(round_id, -1)
+        if i < before:
+            prev = decision_identity(computed[before])
             out.append(Mismatch("order", seq, decision_identity(computed[i]),
                                 recomputed=f"{prev[0]} of round {prev[1]} (caused by seq {prev[2]})"))
+        highest_in_round[round_id] = max(before, i)
         highest = max(highest, i)
     # Missing: a warning only when nothing after it was recorded (the recording was cut first).
     last_cause = max((d.cause_seq for _, d in recorded), default=0)

@@ -189,40 +189,50 @@ async def test_decision_second_replica_is_told_what_the_subject_holds(nats_url, 
         seq = await replica_a.publish(opened, expected_last_subject_seq=0)
         assert seq is not None
         # The same decision again, and a racing different one: the expected subject sequence is
-        # stale for both; re-reading the subject tells the replica which case it is.
+        # stale for both; reading the subject after it tells the replica which case it is.
         for again in (opened, RoundClosed(round=1, cause_seq=4, outcome=RoundOutcome.TIMED_OUT)):
             with pytest.raises(DecisionSuperseded):
                 await replica_b.publish(again, expected_last_subject_seq=0)
-            assert await replica_b.last_on_subject(1) == (seq, opened)
+            assert await replica_b.on_subject_after(1, 0) == [(seq, (opened,))]
         # Without the subject check the msg id dedups the same decision
         assert await replica_b.publish(opened, expected_last_subject_seq=None) is None
-        # The next decision on the round, chained on the first: accepted once.
+        # The round's next decisions as one batch, chained on the first: accepted once.
         released = MemberReleased(round=1, cause_seq=6, released=EXPLORER, reason=ReleaseReason.NEW_VERSION,
                                   version=1, reload=True, location="v1")
-        seq2 = await replica_b.publish(released, expected_last_subject_seq=seq)
+        closed = RoundClosed(round=1, cause_seq=6, outcome=RoundOutcome.COMPLETED)
+        seq2 = await replica_b.publish([released, closed], expected_last_subject_seq=seq)
         assert seq2 is not None and seq2 > seq
         with pytest.raises(DecisionSuperseded):  # replica a did not know b recorded it
-            await replica_a.publish(released, expected_last_subject_seq=seq)
-        assert await replica_a.last_on_subject(1) == (seq2, released)
+            await replica_a.publish([released, closed], expected_last_subject_seq=seq)
+        assert await replica_a.on_subject_after(1, seq) == [(seq2, (released, closed))]
+        assert await replica_a.publish([released, closed], expected_last_subject_seq=None) is None  # same id
         # junk on the subject: it is no decision, so the replica publishes after it
         await a.nc.publish(a.names.decision(1), b"junk")
         await a.nc.flush()
-        closed = RoundClosed(round=1, cause_seq=6, outcome=RoundOutcome.COMPLETED)
+        late = MemberReleased(round=1, cause_seq=9, released=TRAINER, reason=ReleaseReason.NO_NEW_VERSION,
+                              version=1, reload=False)
         with pytest.raises(DecisionSuperseded):
-            await replica_a.publish(closed, expected_last_subject_seq=seq2)
-        junk_seq, decision = await replica_a.last_on_subject(1)
-        assert junk_seq > seq2 and decision is None
-        assert await replica_a.publish(closed, expected_last_subject_seq=junk_seq) is not None
+            await replica_a.publish(late, expected_last_subject_seq=seq2)
+        [(junk_seq, held)] = await replica_a.on_subject_after(1, seq2)
+        assert junk_seq > seq2 and held == ()
+        assert await replica_a.publish(late, expected_last_subject_seq=junk_seq) is not None
+        assert await replica_a.on_subject_after(1, 0, limit=2) == [(seq, (opened,)), (seq2, (released, closed))]
 
         records = await _collect(read_events(a, stop_at_end=True))
-    assert [r.event for r in records] == [opened, released, closed]
+    # a batch is read as its decisions, in order, each with the batch's sequence
+    assert [r.event for r in records] == [opened, released, closed, late]
+    assert [r.seq for r in records[:3]] == [seq, seq2, seq2]
 
 
 def test_decision_msg_id_names_round_kind_cause_and_released_member():
     released = MemberReleased(round=3, cause_seq=9, released=EXPLORER, reason=ReleaseReason.NEW_VERSION,
                               version=1, reload=False)
+    closed = RoundClosed(round=3, cause_seq=9, outcome=RoundOutcome.COMPLETED)
     assert decision_msg_id(released) == "d/3/member_released/9/explorer/e0"
     assert decision_msg_id(_opened(round_id=3, cause=9)) == "d/3/round_opened/9/"
+    # a batch: its first and last decision and its length, so runs that differ never share an id
+    assert decision_msg_id([released, closed]) == "d/3/member_released/9/explorer/e0..2/round_closed/9/"
+    assert decision_msg_id([_opened(round_id=3, cause=9), released, closed]) != decision_msg_id([released, closed])
 
 
 async def test_heartbeats_reach_subscribers_and_stay_out_of_the_stream(conn):

@@ -138,6 +138,61 @@ def test_a_decision_nobody_computes_fails_the_check(recorded, nats_url, tmp_path
     assert len(records) == len(rows)
 
 
+def _swapped(records: list, first, second) -> list:
+    """`records` with the record `first` moved to just after `second` (recorded later)."""
+    out = [r for r in records if r is not first]
+    out.insert(out.index(second) + 1, first)
+    return out
+
+
+def test_a_rounds_decisions_recorded_out_of_their_order_fail_the_check(recorded, nats_url, tmp_path):
+    records = _export(recorded, nats_url, tmp_path / "job.jsonl")
+    released = next(r for r in records if isinstance(r.event, MemberReleased))
+    closed = next(r for r in records if isinstance(r.event, RoundClosed) and r.event.round == released.event.round)
+    mismatches = check_decisions(_swapped(records, released, closed))
+    assert [(m.kind, m.identity[0], m.identity[1]) for m in mismatches] == [
+        ("order", "member_released", released.event.round)]
+    assert "out of order: after round_closed of round" in mismatches[0].describe()
+
+
+def test_rounds_are_independent_a_later_rounds_decision_recorded_first_passes(recorded, nats_url, tmp_path):
+    """The synchronizer sends in computed order, but a batch it had to retry may land after a later
+    round's: each round's own order is what the check holds it to."""
+    records = _export(recorded, nats_url, tmp_path / "job.jsonl")
+    decisions = [r for r in records if isinstance(r.event, Decision)]
+    first = next(r for r in decisions if isinstance(r.event, RoundClosed))  # its round's last decision
+    other = next(r for r in decisions[decisions.index(first):] if r.event.round != first.event.round)
+    assert check_decisions(records) == []
+    assert check_decisions(_swapped(records, first, other)) == []
+
+
+def test_an_export_holds_a_decision_batch_as_rows_that_share_its_sequence(recorded, nats_url, tmp_path):
+    path = tmp_path / "job.jsonl"
+    records = _export(recorded, nats_url, path)
+    batches = [seq for seq in {r.seq for r in records} if sum(r.seq == seq for r in records) > 1]
+    assert batches, "the synchronizer recorded no decision batch"
+    for seq in batches:
+        held = [r.event for r in records if r.seq == seq]
+        assert all(isinstance(d, Decision) for d in held) and len({d.round for d in held}) == 1
+    # two records of one sequence that are not one round's decisions: not an export of a stream
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    i = next(i for i, r in enumerate(rows) if r["event"]["kind"] == "version_published")
+    rows.insert(i + 1, dict(rows[i]))
+    edited = tmp_path / "edited.jsonl"
+    edited.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ExportError, match=f"sequence {rows[i]['seq']} follows {rows[i]['seq']}"):
+        load_export(edited)
+
+
+def test_the_observer_takes_each_decision_of_a_batch_once(recorded, nats_url, tmp_path):
+    records = _export(recorded, nats_url, tmp_path / "job.jsonl")
+    once = JobObserver().extend(records)
+    again = JobObserver().extend(records).extend(records)  # a reader that started over gives nothing new
+    assert once.decisions_recorded == sum(isinstance(r.event, Decision) for r in records)
+    assert again.decisions_recorded == once.decisions_recorded
+    assert once.round_outcomes == again.round_outcomes and sum(once.round_outcomes.values()) == 8
+
+
 @pytest.mark.parametrize("by", ["seq", "time"])
 def test_until_shows_the_state_at_that_point(recorded, nats_url, tmp_path, by, capsys):
     path = tmp_path / "job.jsonl"

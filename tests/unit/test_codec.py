@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from sync_protocol import (
     KINDS,
+    Decision,
     SCHEMA_VERSION,
     DecodeError,
     JobConfigured,
@@ -39,17 +40,19 @@ from sync_protocol import (
     WeightsBroadcast,
     WeightsLoaded,
     decode,
+    decode_all,
     encode,
+    encode_decisions,
     from_plain,
     to_plain,
 )
-from sync_protocol.codec import _plain  # the same plain form the codec writes, for building maps
+from sync_protocol.codec import BATCH_KIND, MAX_BATCH, _plain  # the same plain form the codec writes, for building maps
 
 T = MemberRef(role=Role.TRAINER, id="trainer-0", incarnation=3)
 E = MemberRef(role=Role.EXPLORER, id="explorer-7", incarnation=1)
 S = MemberRef(role=Role.SYNCHRONIZER, id="sync-a", incarnation=0)
 
-SAMPLES = [
+SAMPLES: list = [
     JobConfigured(member=T, config=SyncConfig(sync_method=SyncMethod.MEMORY,
                                               sync_style=SyncStyle.EXPLORER_DRIVEN, sync_interval=3,
                                               sync_offset=1, sync_timeout=90.5, max_staleness=2)),
@@ -80,6 +83,11 @@ SAMPLES = [
 
 def test_samples_cover_every_kind():
     assert sorted(type(s).KIND for s in SAMPLES) == sorted(KINDS)
+
+
+# the samples' decisions, all of round 17: what batches are made of
+DECISIONS = [d for d in SAMPLES if isinstance(d, Decision)]
+assert len(DECISIONS) == 4 and {d.round for d in DECISIONS} == {17}
 
 
 @pytest.mark.parametrize("event", SAMPLES, ids=lambda e: e.KIND)
@@ -113,10 +121,22 @@ def test_malformed_input_says_what_is_wrong(payload, complaint):
 
 
 def _decodes_or_protocol_error(payload: bytes) -> None:
+    # decode_all, as the stream reader does: one event or decision, or a batch of decisions
+    try:
+        held = decode_all(payload)
+    except DecodeError:
+        held = None
+    if held is not None:
+        assert held and all(type(d).KIND in KINDS for d in held)
+        if len(held) > 1:
+            assert len({d.round for d in held}) == 1 and all(isinstance(d, Decision) for d in held)
+            assert decode_all(encode_decisions(held)) == held  # decisions hold no float: == is exact
     try:
         result = decode(payload)
     except DecodeError:
+        assert held is None or len(held) > 1  # decode refuses exactly what decode_all refuses, and batches
         return
+    assert held is not None and len(held) == 1
     assert type(result).KIND in KINDS
     # whatever decodes re-encodes stably (bytes, not ==: a NaN metric is legal and NaN != NaN)
     assert encode(decode(encode(result))) == encode(result)
@@ -177,8 +197,15 @@ def _random_key(rng: random.Random):
     return rng.choice(["", "a", "kind", "schema", "member", 0, -1, 7, b"k"])
 
 
-def _random_map(rng: random.Random) -> dict:
-    shape = rng.randrange(4)
+def _random_map(rng: random.Random, *, batches: bool = True) -> dict:
+    shape = rng.randrange(5 if batches else 4)
+    if shape == 4:  # a decision batch: decisions (valid, corrupted or anything) under the batch kind
+        items = [to_plain(rng.choice(DECISIONS)) if rng.random() < 0.6 else _random_map(rng, batches=False)
+                 for _ in range(rng.randrange(5))]
+        data = {"schema": rng.choice([3, 3, 3, 2, 4, "3"]), "kind": BATCH_KIND, "decisions": items}
+        if rng.random() < 0.1:
+            data["decisions"] = _random_value(rng)
+        return data
     if shape == 0:  # anything at all
         return {_random_key(rng): _random_value(rng) for _ in range(rng.randrange(6))}
     kind = rng.choice(sorted(KINDS)) if rng.random() < 0.9 else _random_scalar(rng)
@@ -226,3 +253,62 @@ def test_decode_error_is_a_protocol_error():
 
 def test_plain_form_is_what_the_codec_writes():
     assert _plain(E) == {"role": "explorer", "id": "explorer-7", "inc": 1}
+
+
+# -- decision batches: one stream message holding a run of one round's decisions ----------------
+
+OPENED = RoundOpened(round=4, cause_seq=40, method=SyncMethod.MEMORY, opened_by=E, version=-1, opened_at_ms=5)
+RELEASED = MemberReleased(round=4, cause_seq=40, released=E, reason=ReleaseReason.NEW_VERSION, version=3,
+                          reload=True, location="weights/v3", digest="sha256:ab", nbytes=10)
+CLOSED = RoundClosed(round=4, cause_seq=40, outcome=RoundOutcome.COMPLETED)
+
+
+def test_a_batch_round_trips_in_its_order():
+    batch = [OPENED, RELEASED, CLOSED]
+    assert decode_all(encode_decisions(batch)) == tuple(batch)
+    assert decode_all(encode_decisions(batch[::-1])) == tuple(batch[::-1])  # the order is the message's
+
+
+def test_a_lone_decision_is_sent_as_itself_and_any_message_decodes_all():
+    assert encode_decisions([CLOSED]) == encode(CLOSED)
+    for event in SAMPLES:
+        assert decode_all(encode(event)) == (event,)
+
+
+def test_a_batch_is_refused_where_one_event_is_expected():
+    with pytest.raises(DecodeError, match="use decode_all"):
+        decode(encode_decisions([RELEASED, CLOSED]))
+
+
+@pytest.mark.parametrize("decisions, complaint", [
+    ([], "at least one"),
+    ([RELEASED, RoundClosed(round=5, cause_seq=40, outcome=RoundOutcome.COMPLETED)], "one round"),
+    ([CLOSED] * (MAX_BATCH + 1), f"at most {MAX_BATCH}"),
+])
+def test_encoding_a_batch_that_is_not_one_rounds_run_is_a_bug(decisions, complaint):
+    with pytest.raises(ValueError, match=complaint):
+        encode_decisions(decisions)
+
+
+def _batch(items, **extra) -> bytes:
+    return msgpack.packb({"schema": SCHEMA_VERSION, "kind": BATCH_KIND, "decisions": items, **extra},
+                         use_bin_type=True)
+
+
+@pytest.mark.parametrize("payload, complaint", [
+    (_batch([]), "list of 2 to"),
+    (_batch([to_plain(CLOSED)]), "list of 2 to"),
+    (_batch([to_plain(CLOSED)] * (MAX_BATCH + 1)), "list of 2 to"),
+    (_batch("nope"), "got str"),
+    (_batch([to_plain(RELEASED), to_plain(RoundClosed(round=9, cause_seq=1, outcome=RoundOutcome.COMPLETED))]),
+     "item 1: round 9 in a batch of round 4"),
+    (_batch([to_plain(RELEASED), to_plain(SAMPLES[0])]), "item 1: job_configured is an input event"),
+    (_batch([to_plain(RELEASED), {"schema": 1, "kind": "round_closed"}]), "item 1: round_closed"),
+    (_batch([to_plain(RELEASED), to_plain(CLOSED)], extra=1), "unknown field"),
+    (msgpack.packb({"schema": 2, "kind": BATCH_KIND, "decisions": [to_plain(RELEASED), to_plain(CLOSED)]}),
+     "schema must be an integer from 3"),
+    (msgpack.packb({"schema": SCHEMA_VERSION + 1, "kind": BATCH_KIND, "decisions": []}), "upgrade rolectl"),
+])
+def test_a_malformed_batch_says_what_is_wrong(payload, complaint):
+    with pytest.raises(DecodeError, match=complaint):
+        decode_all(payload)
