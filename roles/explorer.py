@@ -203,16 +203,14 @@ class Explorer:
         seq = await self.s.set_status(RunningStatus.REQUIRE_SYNC)
         me = self.s.me
 
-        def outcome(view):
-            for rec in view.decisions_after(seq):
-                d = rec.event
-                if isinstance(d, MemberReleased) and d.released == me:
-                    return d
-                if isinstance(d, RendezvousReady) and any(p.member == me for p in d.participants):
-                    return d
+        def about_me(d):
+            if isinstance(d, MemberReleased) and d.released == me:
+                return d
+            if isinstance(d, RendezvousReady) and any(p.member == me for p in d.participants):
+                return d
             return None
 
-        decision = await self.s.wait_decision(outcome, what="a sync decision",
+        decision = await self.s.wait_decision(about_me, after=seq, what="a sync decision",
                                               give_up=self._trainer_gone_for_good)
         waited = time.monotonic() - started
         self.sync_wait_s.append(waited)

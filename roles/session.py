@@ -4,6 +4,8 @@ view of the job (a local fold of the stream plus the synchronizer's recorded dec
 from __future__ import annotations
 
 import asyncio
+import bisect
+import gc
 import os
 import signal
 import socket
@@ -25,6 +27,7 @@ from sync_protocol import (
     Decision,
     Event,
     JobConfigured,
+    MemberExpired,
     MemberJoined,
     MemberRef,
     Recorded,
@@ -38,7 +41,7 @@ from sync_protocol.state import State
 
 __all__ = [
     "write_json_atomic", "new_incarnation", "JobView", "MemberSession", "install_stop_signals",
-    "RoleStopped", "MemberRejoined", "JobIncomplete", "stop_task"]
+    "RoleStopped", "MemberRejoined", "JobIncomplete", "stop_task", "freeze_heap"]
 
 
 class RoleStopped(Exception):
@@ -55,6 +58,17 @@ class JobIncomplete(Exception):
     explorer that gave up on a trainer that never came back). The process exits non-zero."""
 
 
+def freeze_heap() -> None:
+    """Keep what the process set up (imports, engine, model) out of Python's cyclic GC from now on.
+
+    A full collection walks every tracked object; with torch and a model loaded that is hundreds of
+    thousands, tens of ms at a random moment, and a member in the middle of a sync waits that much
+    longer for its answer (seen as 40-90 ms outliers in benchmarks.sync_latency). Frozen objects are
+    still freed by reference counting; only cycles among them would stay, and what setup made
+    lives as long as the process anyway."""
+    gc.freeze()
+
+
 def new_incarnation() -> int:
     """A number that grows with every start of a process: milliseconds since the epoch.
 
@@ -62,6 +76,18 @@ def new_incarnation() -> int:
     from its replacement without any coordination.
     """
     return time.time_ns() // 1_000_000
+
+
+def _may_change_membership(event: Event) -> bool:
+    """Whether folding `event` may change who is alive or finished (a restart is a MemberJoined of
+    a new incarnation): the absences are looked at again only then, not for every request."""
+    return isinstance(event, (MemberJoined, MemberExpired)) or (
+        isinstance(event, StatusChanged) and event.status is RunningStatus.STOPPED)
+
+
+_BURST_MAX = int(os.environ.get("ROLECTL_VIEW_BURST", "16"))
+"""Waiters are answered after each burst of delivered records, and at least every this many: under
+a steady flow (64 explorers) a burst never ends, and a decision must not wait for it to."""
 
 
 class JobView:
@@ -108,6 +134,7 @@ class JobView:
 
     async def _follow(self, from_seq: int = 1) -> None:
         stopped = "it was closed"
+        folded = 0  # records folded since the waiters were last answered
         try:
             async with read_events(self._conn, from_seq=from_seq, include_decisions=True) as reader:
                 async for rec in reader:
@@ -121,10 +148,13 @@ class JobView:
                         self.state, _, error = reduce_lenient(self.state, rec)
                         if error is not None:
                             self._log.debug("view_skipped_event", seq=rec.seq, reason=str(error))
-                        self._note_absences()
+                        elif _may_change_membership(rec.event):
+                            self._note_absences()
                     self.last_seq = rec.seq
-                    if await reader.record_ready():
+                    folded += 1
+                    if folded < _BURST_MAX and await reader.record_ready():
                         continue  # fold the rest of the burst before answering anyone
+                    folded = 0
                     self._answer_waiters()
         except Exception as exc:
             stopped = str(exc)
@@ -177,14 +207,26 @@ class JobView:
 
     def decisions_after(self, seq: int):
         """Recorded decisions with a stream sequence greater than `seq` (newest last)."""
-        # decisions are appended in stream order; scan from the end for speed on long jobs
-        out = []
-        for rec in reversed(self.decisions):
-            if rec.seq <= seq:
-                break
-            out.append(rec)
-        out.reverse()
-        return out
+        return self.decisions[bisect.bisect_right(self.decisions, seq, key=_seq_of):]
+
+    def first_decision(self, after_seq: int, match: Callable[[Decision], object]) -> Callable[["JobView"], object]:
+        """A `wait_for` predicate: `match(d)` for the first decision `d` recorded after `after_seq`
+        for which it is truthy (None until there is one). Each recorded decision is looked at once,
+        however many bursts the wait spans: a member waiting among 64 others is not walked through
+        every decision since its request at each burst."""
+        index = bisect.bisect_right(self.decisions, after_seq, key=_seq_of)
+
+        def found(view: "JobView") -> object:
+            nonlocal index
+            decisions = view.decisions
+            while index < len(decisions):
+                value = match(decisions[index].event)
+                index += 1
+                if value:
+                    return value
+            return None
+
+        return found
 
     def all_gone(self, role: Role) -> bool:
         """True when members of `role` have joined and none is alive any more."""
@@ -220,6 +262,10 @@ class JobView:
             self._task = None
 
 
+def _seq_of(rec: Recorded) -> int:
+    return rec.seq
+
+
 def _stopped_following(cause: str, what: str) -> BusError:
     return BusError(f"the job view stopped following the stream ({cause}); {what} can no longer be seen")
 
@@ -251,6 +297,11 @@ class MemberSession:
     def me(self) -> MemberRef:
         return MemberRef(role=self.role, id=self.member_id, incarnation=self.incarnation)
 
+    @property
+    def key(self) -> str:
+        """`role/id`: this member's name across incarnations (as `MemberRef.key`)."""
+        return f"{self.role.value}/{self.member_id}"
+
     async def __aenter__(self) -> "MemberSession":
         self.log = structlog.get_logger().bind(job=self.cfg.job, role=self.role.value, member=self.member_id)
         self._stack = AsyncExitStack()
@@ -279,6 +330,7 @@ class MemberSession:
         self.status = RunningStatus.RUNNING
         self._heartbeat_task = asyncio.create_task(self._heartbeat(), name="heartbeat")
         self._rejoin_task = asyncio.create_task(self._rejoin_when_expired(), name="rejoin")
+        freeze_heap()  # set up: from here on a sync's answer should not wait for a full collection
         self.log.info("joined", step=step, version=version, incarnation=self.incarnation, seq=seq)
         return seq
 
@@ -288,7 +340,7 @@ class MemberSession:
     def expired(self, view: JobView) -> bool:
         """True when the job's record says our current incarnation left, and we did not stop:
         the synchronizer expired us (it could not hear us for `heartbeat_expiry`)."""
-        member = view.member(self.role, self.member_id)
+        member = view.state.members.get(self.key)
         return (member is not None and member.ref.incarnation == self.incarnation and not member.alive
                 and self.status is not RunningStatus.STOPPED)
 
@@ -313,9 +365,11 @@ class MemberSession:
                              incarnation=self.incarnation, step=self.step, version=self.version,
                              rejoins=self.rejoins)
 
-    async def wait_decision(self, outcome: Callable[[JobView], object], *, what: str,
+    async def wait_decision(self, match: Callable[[Decision], object], *, after: int, what: str,
                             give_up: Callable[[JobView], str | None] | None = None):
-        """Wait for the synchronizer's decision about our request; None if none ever comes.
+        """Wait for the synchronizer's decision about our request: the first decision recorded
+        after stream sequence `after` (our request) for which `match(decision)` is truthy, and
+        return that value; None if none ever comes.
 
         The synchronizer answers by `sync_timeout` at the latest (a timed-out round releases us).
         Silence beyond that (plus a grace period) means no synchronizer is running: withdraw the
@@ -326,6 +380,7 @@ class MemberSession:
         """
         incarnation = self.incarnation
         rejoined = object()
+        outcome = self.view.first_decision(after, match)
 
         def decided(view: JobView):
             if self.incarnation != incarnation:

@@ -361,16 +361,14 @@ class Trainer:
         seq = await self.s.set_status(RunningStatus.REQUIRE_SYNC, rendezvous=offer)
         me = self.s.me
 
-        def outcome(view):
-            for rec in view.decisions_after(seq):
-                d = rec.event
-                if isinstance(d, RendezvousReady):
-                    return d
-                if isinstance(d, MemberReleased) and d.released == me:
-                    return d
+        def for_us(d):
+            if isinstance(d, RendezvousReady):
+                return d
+            if isinstance(d, MemberReleased) and d.released == me:
+                return d
             return None
 
-        decision = await self.s.wait_decision(outcome, what="the rendezvous decision")
+        decision = await self.s.wait_decision(for_us, after=seq, what="the rendezvous decision")
         if decision is None:
             return  # no synchronizer: keep training; explorers keep the weights they have
         if isinstance(decision, MemberReleased):

@@ -1,0 +1,56 @@
+"""`JobView.first_decision`: a member's wait for the decision about it looks at each recorded
+decision once, however many bursts it spans (64 waiting explorers are not walked through every
+decision since their request at every burst), and only at decisions after its request."""
+
+from __future__ import annotations
+
+from roles.session import JobView
+from sync_protocol import (
+    MemberRef,
+    MemberReleased,
+    Recorded,
+    ReleaseReason,
+    Role,
+    RoundClosed,
+    RoundOutcome,
+)
+
+ME = MemberRef(role=Role.EXPLORER, id="explorer-0", incarnation=1)
+OTHER = MemberRef(role=Role.EXPLORER, id="explorer-1", incarnation=1)
+
+
+def _released(seq: int, who: MemberRef, round_id: int) -> Recorded:
+    return Recorded(seq=seq, time_ms=seq, event=MemberReleased(
+        round=round_id, cause_seq=seq - 1, released=who, reason=ReleaseReason.NEW_VERSION, version=1, reload=True))
+
+
+def _closed(seq: int, round_id: int) -> Recorded:
+    return Recorded(seq=seq, time_ms=seq, event=RoundClosed(round=round_id, cause_seq=seq - 1,
+                                                            outcome=RoundOutcome.COMPLETED))
+
+
+def test_the_wait_sees_each_decision_after_the_request_once():
+    view = JobView(conn=None)
+    view.decisions = [_released(3, ME, 1), _closed(3, 1)]  # our release of an earlier request
+    looked_at = []
+
+    def about_me(d):
+        looked_at.append((d.KIND, d.round))
+        return d if isinstance(d, MemberReleased) and d.released == ME else None
+
+    found = view.first_decision(5, about_me)  # our new request is seq 5
+    assert found(view) is None and looked_at == []
+    view.decisions += [_released(7, OTHER, 2), _closed(7, 2)]  # a burst about someone else
+    assert found(view) is None
+    assert found(view) is None  # asked again with nothing new: nothing looked at again
+    view.decisions += [_released(9, ME, 3), _closed(9, 3)]  # a batch: release and close share seq 9
+    assert found(view) == view.decisions[4].event
+    assert looked_at == [("member_released", 2), ("round_closed", 2), ("member_released", 3)]
+
+
+def test_decisions_after_a_sequence_are_those_recorded_after_it():
+    view = JobView(conn=None)
+    view.decisions = [_released(3, ME, 1), _closed(3, 1), _released(7, OTHER, 2), _closed(8, 2)]
+    assert [r.seq for r in view.decisions_after(3)] == [7, 8]
+    assert [r.seq for r in view.decisions_after(2)] == [3, 3, 7, 8]
+    assert view.decisions_after(8) == []
