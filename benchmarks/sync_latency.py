@@ -21,7 +21,9 @@ Each round, per method:
 Figures, per method and N (the first rounds are a warm-up and not counted):
 - `member_ms`: from the moment a member began publishing the input that caused the decision (its own
   REQUIRE_SYNC; the last one needed for a rendezvous; the VersionPublished that released a waiter)
-  to the moment that member's `wait_decision` returned it. One clock: all members live here.
+  to the moment that member's view found the decision for it (`wait_decision`'s match). One clock:
+  all members live here. Not when its waiting task resumed: those of one burst run one after the
+  other in this one process, which separate member processes would not.
 - `stream_ms`: the decision's stream timestamp minus its cause's (both set by the server, ns).
 `--catch-up` also measures a restarted synchronizer: a stream of that many recorded events and
 decisions (a synthetic job, plus the reducer snapshot the previous synchronizer would have left),
@@ -145,10 +147,10 @@ class _TimedReader(EventReader):
         self.time_ns: dict[int, int] = {}
 
     async def _accept(self, msg):
-        rec = await super()._accept(msg)
-        if rec is not None:
-            self.time_ns[rec.seq] = _delivery(msg.reply).time_ns
-        return rec
+        records = await super()._accept(msg)
+        if records:
+            self.time_ns[records[0].seq] = _delivery(msg.reply).time_ns
+        return records
 
 
 class _Members:
@@ -186,17 +188,20 @@ class _Members:
         return seq
 
     async def wait(self, s: MemberSession, after: int, match) -> Decision:
-        def outcome(view: JobView):
-            for rec in view.decisions_after(after):
-                if match(rec.event):
-                    return rec
+        def received(d: Decision):
+            # The member has its decision when its view finds it. Stamped here, not when the
+            # waiting task resumes: the view answers every waiter of a burst at once, and the
+            # tasks of 65 members then run one after another in this one process, each publishing
+            # its next event before the next one resumes, which 65 member processes would not.
+            if match(d):
+                self.samples.append((d.cause_seq, time.perf_counter()))
+                return d
             return None
 
-        rec = await s.wait_decision(outcome, what=f"the decision for {s.member_id}")
-        if rec is None:
+        d = await s.wait_decision(received, after=after, what=f"the decision for {s.member_id}")
+        if d is None:
             raise RuntimeError(f"{s.member_id}: no decision within sync_timeout: is the synchronizer running?")
-        self.samples.append((rec.event.cause_seq, time.perf_counter()))
-        return rec.event
+        return d
 
     # -- memory: pull rounds ----------------------------------------------------------------------
     async def pull_round(self, version: int) -> None:
@@ -327,7 +332,8 @@ async def measure(server: NatsServer, workdir: Path, *, method: str, explorers: 
                 if r == WARMUP_ROUNDS + 1:
                     members.samples.clear()
                     first_counted_seq = view.last_seq + 1
-                    cpu_before = _cpu_seconds(sync.pid)
+                    cpu_before = [_cpu_seconds(pid) for pid in (sync.pid, os.getpid(), server.pid)]
+                    counted_from = time.perf_counter()
                 if sync.poll() is not None:
                     raise RuntimeError(f"the synchronizer exited with {sync.returncode}; see "
                                        f"{workdir / (job + '.sync.log')}")
@@ -338,7 +344,9 @@ async def measure(server: NatsServer, workdir: Path, *, method: str, explorers: 
                     raise RuntimeError(f"{method} N={explorers}: round {r} not over after {ROUND_TIMEOUT_S} s "
                                        f"(view at seq {view.last_seq}, open rounds {list(view.state.rounds.values())}); the synchronizer's log ends:\n{log_tail}") from None
             wall = time.perf_counter() - started
-            sync_cpu = _cpu_seconds(sync.pid) - cpu_before
+            counted_s = time.perf_counter() - counted_from
+            sync_cpu, members_cpu, server_cpu = (_cpu_seconds(pid) - before for pid, before
+                                                 in zip((sync.pid, os.getpid(), server.pid), cpu_before))
             member_ms = [(got - members.sent_at[cause]) * 1000 for cause, got in members.samples
                          if cause in members.sent_at]
             missing = sum(1 for cause, _ in members.samples if cause not in members.sent_at)
@@ -353,6 +361,12 @@ async def measure(server: NatsServer, workdir: Path, *, method: str, explorers: 
               "sync_exit_code": code,
               # the synchronizer's own CPU per counted decision: what it costs, whatever the load
               "sync_cpu_ms_per_decision": round(1000 * sync_cpu / max(1, len(stream_ms)), 3),
+              # where a round's time goes: each process's CPU per counted round, and the round's wall
+              # time (on 2 cores, three busy processes share them)
+              "round_ms": round(1000 * counted_s / rounds, 2),
+              "cpu_ms_per_round": {"synchronizer": round(1000 * sync_cpu / rounds, 2),
+                                   "members": round(1000 * members_cpu / rounds, 2),
+                                   "nats_server": round(1000 * server_cpu / rounds, 2)},
               "loadavg": os.getloadavg()[0]}
     if missing:
         result["samples_without_cause"] = missing
@@ -496,6 +510,9 @@ def main(argv: list[str] | None = None) -> dict:
                           f"p99 {res['stream_ms']['p99']} max {res['stream_ms']['max']} "
                           f"({res['samples']} samples, {res['rounds']} rounds in {res['seconds']} s; synchronizer CPU "
                           f"{res['sync_cpu_ms_per_decision']} ms per decision; load {res['loadavg']:.1f})", flush=True)
+                    cpu = res["cpu_ms_per_round"]
+                    print(f"{'':>13}a round {res['round_ms']} ms; CPU ms per round: synchronizer {cpu['synchronizer']}, "
+                          f"members {cpu['members']}, nats-server {cpu['nats_server']}", flush=True)
             if sizes:
                 base = asyncio.run(_startup_only(server, workdir))
                 out["startup_seconds"] = base["seconds"]
