@@ -85,7 +85,7 @@ def _may_change_membership(event: Event) -> bool:
         isinstance(event, StatusChanged) and event.status is RunningStatus.STOPPED)
 
 
-_BURST_MAX = int(os.environ.get("ROLECTL_VIEW_BURST", "16"))
+_BURST_MAX = 16
 """Waiters are answered after each burst of delivered records, and at least every this many: under
 a steady flow (64 explorers) a burst never ends, and a decision must not wait for it to."""
 

@@ -296,10 +296,14 @@ class Synchronizer:
                 self.decisions_published += len(decisions)
                 if seq > self._read_seq:
                     self._acked.add(seq)  # its ack said all its reading back would: skip decoding it
-            for key, decision in run:
+            for key, _ in run:
                 self.pending.pop(key, None)
-                self.log.info("decision", kind=decision.KIND, round=round_id, cause_seq=decision.cause_seq,
-                              seq=seq, **_decision_fields(decision))
+            # one line per message (a request answered at once is one line, not three)
+            fields: dict = {}
+            for decision in decisions:
+                fields.update(_decision_fields(decision))
+            self.log.info("decision", kind=",".join(d.KIND for d in decisions), round=round_id,
+                          cause_seq=decisions[0].cause_seq, seq=seq, **fields)
         except asyncio.CancelledError:
             cancelled = True
             raise
