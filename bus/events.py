@@ -58,6 +58,7 @@ from .aio import raise_if_cancelling
 from .connection import BusConnection
 from .errors import BusClosed, BusError, DecisionSuperseded, PublishRejected
 from .logging import LogBudget
+from .retry import retry_transient
 from .streams import explain_refusal
 from .subjects import identity_problem
 
@@ -226,8 +227,12 @@ class DecisionPublisher:
         found: list[tuple[int, tuple[Decision, ...]]] = []
         seq = after_seq
         while len(found) < limit:
+            after = seq
             try:
-                msg = await self.conn.js.get_msg(stream, seq=seq + 1, subject=subject, next=True)
+                msg = await retry_transient(
+                    lambda: self.conn.js.get_msg(stream, seq=after + 1, subject=subject, next=True),
+                    what=f"read {subject} after seq {after}", retry_for=self.retry_for,
+                    is_closed=lambda: self.conn.is_closed, log=self.conn.log)
             except nats.js.errors.NotFoundError:
                 break
             seq = msg.seq

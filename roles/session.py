@@ -110,6 +110,10 @@ class JobView:
         # wait_for() callers: (predicate, future). The follower checks them after each burst of
         # records and resolves only those that hold: a waiter is not woken to find it still waits.
         self._waiters: list[tuple[Callable[["JobView"], object], asyncio.Future, str]] = []
+        # waiters whose predicate only a join, stop or expiry can change (a member's own expiry):
+        # checked after bursts that folded one, not after every burst
+        self._membership_waiters: list[tuple[Callable[["JobView"], object], asyncio.Future, str]] = []
+        self._membership_moved = False
         self._task: asyncio.Task | None = None
         self._log = log or structlog.get_logger()
 
@@ -150,6 +154,7 @@ class JobView:
                             self._log.debug("view_skipped_event", seq=rec.seq, reason=str(error))
                         elif _may_change_membership(rec.event):
                             self._note_absences()
+                            self._membership_moved = True
                     self.last_seq = rec.seq
                     folded += 1
                     if folded < _BURST_MAX and await reader.record_ready():
@@ -166,42 +171,34 @@ class JobView:
             self._answer_waiters(stopped=stopped)
 
     def _answer_waiters(self, *, stopped: str | None = None) -> None:
-        waiting = []
-        for predicate, future, what in self._waiters:
-            if future.done():  # timed out or cancelled
-                continue
-            try:
-                value = predicate(self)
-            except Exception as exc:
-                future.set_exception(exc)
-                continue
-            if value:
-                future.set_result(value)
-            elif stopped is not None:
-                future.set_exception(_stopped_following(stopped, what))
-            else:
-                waiting.append((predicate, future, what))
-        self._waiters = waiting
+        self._waiters = _answer(self._waiters, self, stopped)
+        if self._membership_moved or stopped is not None:
+            self._membership_moved = False
+            self._membership_waiters = _answer(self._membership_waiters, self, stopped)
 
     async def wait_for(self, predicate: Callable[["JobView"], object], *, timeout: float | None,
-                       what: str = "condition"):
+                       what: str = "condition", membership_only: bool = False):
         """Wait until `predicate(view)` is truthy; return its value. TimeoutError after `timeout`.
 
-        The predicate is checked now, then after each burst of records the view folds."""
+        The predicate is checked now, then after each burst of records the view folds; with
+        `membership_only`, only after bursts that folded a join, a stop or an expiry (for a
+        predicate nothing else changes: it is not asked again for every request in the job)."""
         value = predicate(self)
         if value:
             return value
         if self._task is not None and self._task.done():
             raise _stopped_following("it was closed" if self._task.cancelled() else str(self._task.exception()), what)
         entry = (predicate, asyncio.get_running_loop().create_future(), what)
-        self._waiters.append(entry)
+        waiters = self._membership_waiters if membership_only else self._waiters
+        waiters.append(entry)
         try:
             return await asyncio.wait_for(entry[1], timeout)
         except asyncio.TimeoutError:
             raise TimeoutError(f"timed out after {timeout} s waiting for {what}") from None
         finally:
+            waiters = self._membership_waiters if membership_only else self._waiters
             try:
-                self._waiters.remove(entry)
+                waiters.remove(entry)
             except ValueError:
                 pass  # answered: the follower took it off the list
 
@@ -260,6 +257,27 @@ class JobView:
         if self._task is not None:
             await stop_task(self._task, log=self._log)
             self._task = None
+
+
+def _answer(waiters: list, view: "JobView", stopped: str | None) -> list:
+    """Resolve the waiters whose predicate holds (or all, with an error, when the view stopped);
+    return those still waiting."""
+    waiting = []
+    for predicate, future, what in waiters:
+        if future.done():  # timed out or cancelled
+            continue
+        try:
+            value = predicate(view)
+        except Exception as exc:
+            future.set_exception(exc)
+            continue
+        if value:
+            future.set_result(value)
+        elif stopped is not None:
+            future.set_exception(_stopped_following(stopped, what))
+        else:
+            waiting.append((predicate, future, what))
+    return waiting
 
 
 def _seq_of(rec: Recorded) -> int:
@@ -348,7 +366,7 @@ class MemberSession:
         """Expiry is not a death sentence: an expired member that is alive joins again as a new
         incarnation, keeping its step and version, and carries on."""
         while True:
-            await self.view.wait_for(self.expired, timeout=None, what="our own expiry")
+            await self.view.wait_for(self.expired, timeout=None, what="our own expiry", membership_only=True)
             old = self.me
             new = MemberRef(role=self.role, id=self.member_id,
                             incarnation=max(new_incarnation(), old.incarnation + 1))

@@ -124,14 +124,15 @@ class Synchronizer:
         self._timeouts_sent: set[int] = set()
         self._snapshot_seq = 0  # last_seq of the newest snapshot written or loaded
         self._standby_of: str | None = None  # the active replica we last logged standing by for
-        # publishing (see "Speed" above): the batch in flight per round, the decisions it holds,
-        # how often junk was met on a round's subject
+        # publishing (see "Speed" above): the pending decisions not handed to a publish yet (in
+        # computed order), the batch in flight per round, how often junk was met on a round's subject
+        self._unsent: OrderedDict[tuple, Decision] = OrderedDict()
         self._in_flight: dict[int, asyncio.Task] = {}
-        self._sending: set[tuple] = set()
         self._foreign: dict[int, int] = {}
         self._read_seq = 0  # the last stream sequence the reader has delivered (any message)
         self._acked: set[int] = set()  # sequences of our own batches, acked, not yet read back
         self._failure: asyncio.Future | None = None  # a publish that failed for good ends the role
+        self._stopping = False  # on the way out: nothing new is sent
         self._someone_finished = True  # a member stopped for good since we last asked whether the job is done
 
     # -- setup -------------------------------------------------------------------------------------
@@ -180,6 +181,7 @@ class Synchronizer:
                     self._failure.result()  # raises the publish's error
                 follow.result()
             finally:
+                self._stopping = True
                 for task in [*tasks, *self._in_flight.values()]:
                     await stop_task(task, log=self.log)
                 if self.active:
@@ -245,35 +247,47 @@ class Synchronizer:
 
     # -- publishing --------------------------------------------------------------------------------
     def _send_ready(self) -> int:
-        """Send, in computed order, every pending run of one round's decisions that may go now (we
-        are the active replica and caught up; its round has nothing in flight).
-        Stops at the first run that must wait, so no batch overtakes an earlier one. Returns how
-        many decisions it sent."""
-        if not (self.active and self.caught_up) or (self._failure is not None and self._failure.done()):
+        """Send, in computed order, every unsent run of one round's decisions that may go now (we
+        are the active replica and caught up; its round has nothing in flight). Stops at the
+        first run that must wait, so no batch overtakes an earlier one. Returns how many decisions
+        it sent."""
+        if not (self.active and self.caught_up) or self._stopping or (
+                self._failure is not None and self._failure.done()):
             return 0
-        sent = 0
+        runs: list[list[tuple[tuple, Decision]]] = []
+        busy = set(self._in_flight)  # rounds whose next batch must wait for an ack
         run: list[tuple[tuple, Decision]] = []
-        for key, decision in self.pending.items():
-            if key in self._sending:
-                continue  # in flight: what follows it in its round waits below
+        for key, decision in self._unsent.items():
             if run and decision.round == run[0][1].round and len(run) < _BATCH_MAX:
                 run.append((key, decision))
                 continue
             if run:
-                sent += self._launch(run)
+                runs.append(run)
+                busy.add(run[0][1].round)
                 run = []
-            if decision.round in self._in_flight:
-                return sent  # its round's previous batch is not recorded yet: everything after waits
+            if decision.round in busy:
+                break  # its round's previous batch is not recorded yet: everything after waits
             run = [(key, decision)]
-        if run:
-            sent += self._launch(run)
-        return sent
+        else:
+            if run:
+                runs.append(run)
+        for run in runs:
+            self._launch(run)
+        return sum(map(len, runs))
 
-    def _launch(self, run: list[tuple[tuple, Decision]]) -> int:
+    def _launch(self, run: list[tuple[tuple, Decision]]) -> None:
         round_id = run[0][1].round
-        self._sending.update(key for key, _ in run)
+        for key, _ in run:
+            del self._unsent[key]
         self._in_flight[round_id] = asyncio.create_task(self._publish_run(round_id, run), name=f"round-{round_id}")
-        return len(run)
+
+    def _unsend(self, run: list[tuple[tuple, Decision]]) -> None:
+        """What of `run` is still pending goes back to the front of the unsent: nothing computed
+        before it is unsent (it was sent in computed order)."""
+        for key, decision in reversed(run):
+            if key in self.pending:
+                self._unsent[key] = decision
+                self._unsent.move_to_end(key, last=False)
 
     async def _publish_run(self, round_id: int, run: list[tuple[tuple, Decision]]) -> None:
         """Record one run of a round's decisions (one message) behind the round's guard."""
@@ -313,7 +327,7 @@ class Synchronizer:
             else:
                 self.log.error("decision_publish_failed", round=round_id, error=str(exc))
         finally:
-            self._sending.difference_update(key for key, _ in run)
+            self._unsend(run)  # not recorded (lease lost, guard failed, error): to be sent again
             if self._in_flight.get(round_id) is asyncio.current_task():
                 del self._in_flight[round_id]
             if not cancelled:
@@ -330,6 +344,7 @@ class Synchronizer:
                 key = decision_identity(d)
                 self.recorded[key] = seq  # recorded: not sent again, even if our fold gets there later
                 self.pending.pop(key, None)
+                self._unsent.pop(key, None)
             junk += not held
         last = found[-1][0] if found else expected
         self.round_subject_seq[round_id] = max(self.round_subject_seq.get(round_id, 0), last)
@@ -376,6 +391,7 @@ class Synchronizer:
             key = decision_identity(event)
             self.recorded[key] = rec.seq
             self.pending.pop(key, None)
+            self._unsent.pop(key, None)
             self.round_subject_seq[event.round] = max(self.round_subject_seq.get(event.round, 0), rec.seq)
             return
         self._last_seen[(event.member.key, event.member.incarnation)] = time.monotonic()
@@ -392,6 +408,7 @@ class Synchronizer:
             key = decision_identity(decision)
             if key not in self.recorded:
                 self.pending[key] = decision
+                self._unsent[key] = decision
 
     async def _maybe_snapshot(self) -> None:
         every = self.sync_cfg.snapshot_every

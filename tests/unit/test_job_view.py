@@ -4,6 +4,8 @@ decision since their request at every burst), and only at decisions after its re
 
 from __future__ import annotations
 
+import asyncio
+
 from roles.session import JobView
 from sync_protocol import (
     MemberRef,
@@ -54,3 +56,25 @@ def test_decisions_after_a_sequence_are_those_recorded_after_it():
     assert [r.seq for r in view.decisions_after(3)] == [7, 8]
     assert [r.seq for r in view.decisions_after(2)] == [3, 3, 7, 8]
     assert view.decisions_after(8) == []
+
+
+async def test_a_membership_waiter_is_asked_only_after_a_join_stop_or_expiry_was_folded():
+    """A member's own-expiry watch is not asked again after every burst of requests (64 members'
+    watches after every burst cost more than the fold), only after bursts that changed membership."""
+    view = JobView(conn=None)
+    asked = []
+    expired = False
+
+    def our_expiry(_view):
+        asked.append(1)
+        return expired
+
+    waiting = asyncio.ensure_future(view.wait_for(our_expiry, timeout=5, what="our expiry", membership_only=True))
+    await asyncio.sleep(0)  # let it register (asked once, at once)
+    assert len(asked) == 1
+    view._answer_waiters()  # a burst of requests: not asked
+    assert len(asked) == 1 and not waiting.done()
+    expired = True
+    view._membership_moved = True  # a burst that folded an expiry
+    view._answer_waiters()
+    assert await waiting is True and len(asked) == 2
