@@ -114,6 +114,25 @@ async def test_a_request_lost_in_an_outage_is_retried_at_reconnect_not_after_its
         assert time.monotonic() - started < 30, "waited out the lost request's timeout"
 
 
+def _stop_process(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP `pid` and return once every thread of it is stopped: the signal takes effect
+    asynchronously, and a server thread still running answered a publish sent right after (seen
+    under load)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                states.append(open(f"/proc/{pid}/task/{task}/stat").read().rsplit(")", 1)[1].split()[0])
+            except OSError:  # a thread that just ended
+                continue
+        if states and all(state in "tT" for state in states):
+            return
+        time.sleep(0.01)  # polling the kernel's view of the threads; bounded by the deadline
+    raise AssertionError(f"nats-server {pid} not stopped {timeout} s after SIGSTOP")
+
+
 async def test_an_acked_publish_caught_by_an_outage_is_sent_again_at_reconnect(own_server):
     """`publish_acked` waits for its ack on the connection's one reply subscription; a publish whose
     ack went with the old socket is sent again as soon as the connection is back (same msg id:
@@ -121,7 +140,7 @@ async def test_an_acked_publish_caught_by_an_outage_is_sent_again_at_reconnect(o
     async with connect(own_server.url, job="ack-outage", role="trainer", member="t0") as conn:
         await ensure_event_stream(conn.js, conn.names)
         first = await EventPublisher(conn, ME).publish(StepFinished(member=ME, step=1, version=0))
-        os.kill(own_server.pid, signal.SIGSTOP)  # it takes the publish, and never answers
+        _stop_process(own_server.pid)  # it takes the publish, and never answers
         started = time.monotonic()
         publishing = asyncio.create_task(conn.publish_acked(
             conn.names.event("trainer", "t0", "step_finished"),
