@@ -22,7 +22,7 @@ import itertools
 import json
 import time
 import urllib.parse
-from typing import Any, Awaitable, Mapping
+from typing import Any, Awaitable, Callable, Mapping, TypeVar
 
 import nats
 import nats.errors
@@ -41,6 +41,8 @@ from .security import ClientSecurity, SecurityError, redact
 from .subjects import JobNames, check_name
 
 __all__ = ["BusConnection", "connect", "parse_server_urls", "DEFAULT_CONNECT_TIMEOUT"]
+
+T = TypeVar("T")
 
 DEFAULT_CONNECT_TIMEOUT = 5.0
 """Seconds a first connect may take (retries included) before `BusUnavailable`."""
@@ -168,6 +170,12 @@ class BusConnection:
     async def wait_reconnected(self, after: int) -> None:
         """Return once the connection has reconnected more than `after` times (compare `reconnects`)."""
         await self._wait_for(lambda: self.reconnects > after)
+
+    async def retry(self, call: Callable[[], Awaitable[T]], *, what: str, retry_for: float) -> T:
+        """`retry_transient` bound to this connection: given up at once once it is closed, retries
+        logged in its log."""
+        return await retry_transient(call, what=what, retry_for=retry_for, is_closed=lambda: self.nc.is_closed,
+                                     log=self.log)
 
     def reconnect_signal(self) -> Awaitable[None]:
         """An awaitable that finishes at the next reconnect (for `retry_transient(interrupt=...)`)."""

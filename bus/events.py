@@ -58,7 +58,6 @@ from .aio import raise_if_cancelling
 from .connection import BusConnection
 from .errors import BusClosed, BusError, DecisionSuperseded, PublishRejected
 from .logging import LogBudget
-from .retry import retry_transient
 from .streams import explain_refusal
 from .subjects import identity_problem
 
@@ -229,10 +228,9 @@ class DecisionPublisher:
         while len(found) < limit:
             after = seq
             try:
-                msg = await retry_transient(
+                msg = await self.conn.retry(
                     lambda: self.conn.js.get_msg(stream, seq=after + 1, subject=subject, next=True),
-                    what=f"read {subject} after seq {after}", retry_for=self.retry_for,
-                    is_closed=lambda: self.conn.is_closed, log=self.conn.log)
+                    what=f"read {subject} after seq {after}", retry_for=self.retry_for)
             except nats.js.errors.NotFoundError:
                 break
             seq = msg.seq

@@ -22,7 +22,6 @@ from nats.js.api import KeyValueConfig, StorageType
 
 from .connection import BusConnection
 from .errors import BusError, StreamMismatch
-from .retry import retry_transient
 from .streams import replica_shortfall
 
 __all__ = ["Lease", "SAFETY", "ensure_lease_bucket"]
@@ -63,8 +62,7 @@ class Lease:
         """Find or create the bucket and check it (`StreamMismatch` if it has too few copies):
         a holder calls this before it starts renewing, so a bucket set up wrong stops it at once.
         A server restarting or a cluster electing is waited out for up to `retry_for` seconds."""
-        await retry_transient(self._bucket, what=f"open lease bucket {self.bucket}", retry_for=retry_for,
-                              is_closed=lambda: self.conn.nc.is_closed, log=self.conn.log)
+        await self.conn.retry(self._bucket, what=f"open lease bucket {self.bucket}", retry_for=retry_for)
 
     async def _bucket(self):
         if self._kv is None:

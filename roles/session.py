@@ -196,6 +196,7 @@ class JobView:
         except asyncio.TimeoutError:
             raise TimeoutError(f"timed out after {timeout} s waiting for {what}") from None
         finally:
+            # not the list appended to above: _answer_waiters replaces the lists with those still waiting
             waiters = self._membership_waiters if membership_only else self._waiters
             try:
                 waiters.remove(entry)

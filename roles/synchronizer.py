@@ -341,10 +341,7 @@ class Synchronizer:
         junk = 0
         for seq, held in found:
             for d in held:
-                key = decision_identity(d)
-                self.recorded[key] = seq  # recorded: not sent again, even if our fold gets there later
-                self.pending.pop(key, None)
-                self._unsent.pop(key, None)
+                self._mark_recorded(decision_identity(d), seq)  # not sent again, even if our fold gets there later
             junk += not held
         last = found[-1][0] if found else expected
         self.round_subject_seq[round_id] = max(self.round_subject_seq.get(round_id, 0), last)
@@ -357,6 +354,12 @@ class Synchronizer:
                                reason=f"the round's subject kept changing under us {tries} times")
                 for d in decisions:
                     self.pending.pop(decision_identity(d), None)
+
+    def _mark_recorded(self, key: tuple, seq: int) -> None:
+        """The decision `key` is in the stream at `seq`: no longer pending, never sent (again)."""
+        self.recorded[key] = seq
+        self.pending.pop(key, None)
+        self._unsent.pop(key, None)
 
     def _own(self, seq: int) -> bool:
         """The reader's `known`: a batch we published, whose ack already did its bookkeeping."""
@@ -388,10 +391,7 @@ class Synchronizer:
         """Fold one record; decisions it yields that the stream does not hold yet become pending."""
         event = rec.event
         if isinstance(event, Decision):
-            key = decision_identity(event)
-            self.recorded[key] = rec.seq
-            self.pending.pop(key, None)
-            self._unsent.pop(key, None)
+            self._mark_recorded(decision_identity(event), rec.seq)
             self.round_subject_seq[event.round] = max(self.round_subject_seq.get(event.round, 0), rec.seq)
             return
         self._last_seen[(event.member.key, event.member.incarnation)] = time.monotonic()
