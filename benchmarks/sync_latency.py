@@ -389,7 +389,7 @@ def _synthetic_history(events: int, explorers: int = 8):
     snapshot_at = len(inputs) - min(5000, len(inputs) // 2)
     state = State.initial()
     history: list[tuple[int, object]] = []
-    subject_seq: dict[int, int] = {}
+    log_seq = 0  # the last decision's sequence: the snapshot's guard for the decision log
     snapshot = None
     seq = 0
     for i, rec in enumerate(inputs):
@@ -399,9 +399,9 @@ def _synthetic_history(events: int, explorers: int = 8):
         for d in decisions:
             seq += 1
             history.append((seq, d))
-            subject_seq[d.round] = seq
+            log_seq = seq
         if i == snapshot_at:
-            snapshot = (state, {r: subject_seq.get(r, 0) for r in state.rounds})
+            snapshot = (state, log_seq)
     return history, snapshot
 
 
@@ -410,7 +410,7 @@ async def _publish_history(conn: BusConnection, history) -> None:
     names = conn.names
     for i, (seq, item) in enumerate(history):
         if isinstance(item, Decision):
-            subject = names.decision(item.round)
+            subject = names.decision_log
         else:
             subject = names.event(item.member.role, item.member.id, item.KIND)
         await conn.nc.publish(subject, encode(item))
@@ -429,7 +429,7 @@ async def _publish_history(conn: BusConnection, history) -> None:
 
 async def measure_catch_up(server: NatsServer, workdir: Path, events: int) -> dict:
     job = f"catchup-{events}-{os.getpid()}"
-    history, (snapshot_state, snapshot_rounds) = _synthetic_history(events)
+    history, (snapshot_state, snapshot_log_seq) = _synthetic_history(events)
     config = _job_yaml(workdir / f"{job}.yaml", job=job, url=server.url, method="memory", explorers=8, snapshot_every=10_000)
     async with connect(server.url, job=job, role="observer", member="bench-history") as conn:
         # a long job's stream is sized for it (the default 64 MiB holds about 300k events)
@@ -444,7 +444,7 @@ async def measure_catch_up(server: NatsServer, workdir: Path, events: int) -> di
             raise RuntimeError(f"the stream holds {last} records, {len(history)} were published")
         fill_s = time.perf_counter() - filled
         # the previous synchronizer's last snapshot
-        await SnapshotStore(conn).save(snapshot_state, snapshot_rounds)
+        await SnapshotStore(conn).save(snapshot_state, snapshot_log_seq)
         # a new explorer joins and asks for weights: released at once with the newest version,
         # the restarted synchronizer's first decision
         newcomer = MemberRef(role=Role.EXPLORER, id="explorer-new", incarnation=1)

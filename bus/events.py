@@ -3,10 +3,11 @@
 - `EventPublisher` puts a member's input events into the job's event stream with a deterministic
   `Nats-Msg-Id` (`<role>/<id>#<incarnation>/<counter>`), so a publish retried after a lost ack or a
   reconnect is stored once.
-- `DecisionPublisher` writes decisions to `rft.<job>.sync.<round>` with a deterministic msg id *and*
-  `Nats-Expected-Last-Subject-Sequence`: two synchronizer replicas racing on a round produce one
-  sequence of outcomes; the loser gets `None` back, not an error. A run of one round's decisions
-  goes as one message (a decision batch, `sync_protocol.encode_decisions`): one guard, one ack.
+- `DecisionPublisher` appends decisions to the decision log `rft.<job>.sync.log` with a
+  deterministic msg id *and* `Nats-Expected-Last-Subject-Sequence`: two synchronizer replicas racing
+  produce one sequence of decisions; the loser's publish is refused and it reads what the winner
+  recorded. Whatever was decided while the previous append was being stored goes as one message (a
+  decision batch, `sync_protocol.encode_decisions`, rounds mixed): one guard, one ack.
 - Heartbeats are core NATS, not stream messages: liveness is noise as history. The synchronizer
   turns a silence into a `MemberExpired` *event*, which is what replay sees.
 - `read_events()` yields `Recorded(seq, time_ms, event)` in stream order from a sequence or a time
@@ -17,8 +18,9 @@
   that took the in-memory consumer with it) re-creates the consumer just after the last sequence seen.
 - **Verified identity.** A record counts only if its subject says what its payload says: an input
   event on `rft.<job>.evt.<role>.<member>.<kind>` must name that role, member and kind; a decision
-  must be on `rft.<job>.sync.<its round>`. The reader rejects anything else before it reaches a
-  fold (`identity_problem`), counts it (`reader.rejected`) and logs it at a bounded rate; the same
+  must be on the decision log (or, recorded by an older build, on `rft.<job>.sync.<its round>`).
+  The reader rejects anything else before it reaches a fold (`identity_problem`), counts it
+  (`reader.rejected`) and logs it at a bounded rate; the same
   holds for a heartbeat whose payload names another member than its subject. With per-member
   publish permissions on the server (`rolectl auth init`), the subject is the credential, so a
   member cannot speak for another.
@@ -148,21 +150,21 @@ class EventPublisher:
 def decision_msg_id(decisions: Decision | Sequence[Decision]) -> str:
     """`d/<round>/<kind>/<cause_seq>/<released member key or empty>`: equal for equal decisions.
 
-    A batch (a run of one round's decisions, in computed order) is named by its first and last
-    decision, `d/<round>/<first>..<last>`: replicas that batch a round's decisions alike send the
-    same id (stored once); a batch that differs has another id, and the round guard tells."""
+    A batch (decisions in computed order) is named by its first and last decision and its length,
+    `d/<first>..<n>/<last>`: replicas that batch alike send the same id (stored once); a batch that
+    differs has another id, and the log's guard tells."""
     if isinstance(decisions, Decision):
         decisions = (decisions,)
     first = decision_identity(decisions[0])
     name = f"d/{first[1]}/{first[0]}/{first[2]}/{first[3]}"
     if len(decisions) > 1:
         last = decision_identity(decisions[-1])
-        name += f"..{len(decisions)}/{last[0]}/{last[2]}/{last[3]}"
+        name += f"..{len(decisions)}/{last[1]}/{last[0]}/{last[2]}/{last[3]}"
     return name
 
 
 class DecisionPublisher:
-    """Publishes the synchronizer's decisions, once per round outcome even with several replicas."""
+    """Appends the synchronizer's decisions to the decision log, each once even with several replicas."""
 
     def __init__(self, conn: BusConnection, *, ack_timeout: float = 5.0, retry_for: float = 30.0):
         self.conn = conn
@@ -171,20 +173,20 @@ class DecisionPublisher:
 
     async def publish(self, decisions: Decision | Sequence[Decision], *,
                       expected_last_subject_seq: int | None) -> int | None:
-        """Store a decision, or a run of one round's decisions as one message, on the round's
-        subject; return its sequence, or `None` if the stream already holds this very message.
+        """Append a decision, or several as one message, to the decision log; return its
+        sequence, or `None` if the stream already holds this very message.
 
-        `expected_last_subject_seq` is the sequence of the last message on `rft.<job>.sync.<round>`
-        this replica knows of (0 for a new round); `None` skips the check. When the subject holds
-        something newer than expected, `DecisionSuperseded` is raised: `last_on_subject` tells
-        what it is (another replica's decisions, or something else).
+        `expected_last_subject_seq` is the sequence of the last message on the decision log this
+        replica knows of (0 for a new job); `None` skips the check. When the log holds something
+        newer than expected, `DecisionSuperseded` is raised: `on_subject_after` tells what it is
+        (another replica's decisions, or something else).
         """
         if isinstance(decisions, Decision):
             decisions = (decisions,)
         if not decisions or not all(isinstance(d, Decision) for d in decisions):
             kinds = ", ".join(sorted({type(d).__name__ for d in decisions})) or "nothing"
             raise TypeError(f"DecisionPublisher publishes decisions, not {kinds}; use EventPublisher for inputs")
-        subject = self.conn.names.decision(decisions[0].round)
+        subject = self.conn.names.decision_log
         msg_id = decision_msg_id(decisions)
         headers = {}
         if expected_last_subject_seq is not None:
@@ -216,12 +218,12 @@ class DecisionPublisher:
             return None
         return ack.seq
 
-    async def on_subject_after(self, round_id: int, after_seq: int, *,
+    async def on_subject_after(self, after_seq: int, *,
                                limit: int = 64) -> list[tuple[int, tuple[Decision, ...]]]:
-        """What round `round_id`'s subject holds after stream sequence `after_seq`, oldest first:
-        each message's sequence and the decisions it holds (none for a foreign or malformed
-        message). At most `limit` messages: a guard that failed is about one or two."""
-        subject = self.conn.names.decision(round_id)
+        """What the decision log holds after stream sequence `after_seq`, oldest first: each
+        message's sequence and the decisions it holds (none for a foreign or malformed message).
+        At most `limit` messages: a guard that failed is about one or two."""
+        subject = self.conn.names.decision_log
         stream = self.conn.names.event_stream
         found: list[tuple[int, tuple[Decision, ...]]] = []
         seq = after_seq
@@ -238,7 +240,7 @@ class DecisionPublisher:
                 held = decode_all(msg.data)
             except DecodeError:
                 held = ()
-            if not all(isinstance(d, Decision) and d.round == round_id for d in held):
+            if not all(isinstance(d, Decision) for d in held):
                 held = ()
             found.append((seq, held))  # type: ignore[arg-type]
         return found
@@ -697,7 +699,7 @@ class EventReader:
             self._malformed_log.warn(subject=msg.subject, seq=d.stream_seq, reason=str(exc))
             return []
         if self.verify_identity:
-            for event in held:  # a batch is one round's decisions: one subject vouches for all or none
+            for event in held:  # one subject vouches for all of a batch or none
                 problem = identity_problem(msg.subject, event)
                 if problem is not None:
                     self.rejected += 1

@@ -29,10 +29,12 @@ _KEY = "latest"
 
 @dataclass(frozen=True)
 class Snapshot:
-    """A folded state as of `state.last_seq`, with the last sequence on each open round's subject."""
+    """A folded state as of `state.last_seq`, with the last sequence on the decision log the
+    synchronizer knew of (its guard's `expected`; 0 in a snapshot of a build before schema 4, which
+    wrote no decision log)."""
 
     state: State
-    round_subject_seq: dict[int, int]
+    decision_log_seq: int
 
 
 class SnapshotStore:
@@ -62,10 +64,10 @@ class SnapshotStore:
         except nats.js.errors.BadRequestError:
             return await self.conn.js.key_value(self.bucket)
 
-    async def save(self, state: State, round_subject_seq: dict[int, int]) -> bool:
+    async def save(self, state: State, decision_log_seq: int) -> bool:
         """Store a snapshot; False (logged) when it could not be stored — snapshots are an
         optimisation, a failed one only means the next restart folds a longer tail."""
-        payload = encode_state(state, extra={"round_subject_seq": {str(k): v for k, v in round_subject_seq.items()}})
+        payload = encode_state(state, extra={"decision_log_seq": int(decision_log_seq)})
         if len(payload) > self.conn.nc.max_payload:
             self.conn.log.warning("bus.snapshot_too_large", bytes=len(payload), max_payload=self.conn.nc.max_payload)
             return False
@@ -89,8 +91,10 @@ class SnapshotStore:
             return None
         try:
             state, extra = decode_state(entry.value or b"")
-            rounds = {int(k): int(v) for k, v in dict(extra.get("round_subject_seq") or {}).items()}
+            log_seq = extra.get("decision_log_seq", 0)
+            if isinstance(log_seq, bool) or not isinstance(log_seq, int) or log_seq < 0:
+                raise DecodeError(f"decision_log_seq must be a sequence number, got {log_seq!r}")
         except (DecodeError, ValueError, TypeError) as exc:
             self.conn.log.warning("bus.snapshot_ignored", bucket=self.bucket, reason=str(exc))
             return None
-        return Snapshot(state=state, round_subject_seq=rounds)
+        return Snapshot(state=state, decision_log_seq=log_seq)

@@ -25,11 +25,15 @@ def check_name(value: str, what: str) -> str:
     return value
 
 
+DECISION_LOG = "log"  # the decision log's last subject token (never a round number)
+
+
 class JobNames:
     """Names for one job. Subjects:
 
     - events      ``rft.<job>.evt.<role>.<member>.<kind>``  (in the job's event stream)
-    - decisions   ``rft.<job>.sync.<round>``                  (in the job's event stream)
+    - decisions   ``rft.<job>.sync.log``                      (in the job's event stream; builds
+      before schema 4 recorded a round's decisions on ``rft.<job>.sync.<round>``, still read)
     - heartbeats  ``rft.<job>.hb.<role>.<member>``            (core NATS only: liveness, not history)
     - experiences ``rft.<job>.exp.<member>``                  (in the job's experience stream)
     - weights     ``rft.<job>.w.<version>.c.<index>`` chunks, then ``rft.<job>.w.<version>.m`` (the
@@ -56,7 +60,14 @@ class JobNames:
     def all_events(self) -> str:
         return f"{self.prefix}.evt.>"
 
+    @property
+    def decision_log(self) -> str:
+        """The one subject every decision is recorded on, in the order computed: one guard
+        (`Nats-Expected-Last-Subject-Sequence`) orders all of them, so a batch may span rounds."""
+        return f"{self.prefix}.sync.{DECISION_LOG}"
+
     def decision(self, round_id: int) -> str:
+        """Where builds before schema 4 recorded round `round_id`'s decisions (read, never written)."""
         return f"{self.prefix}.sync.{round_id}"
 
     @property
@@ -119,15 +130,16 @@ def identity_problem(subject: str, event: Event | Decision) -> str | None:
     """Why `event` may not be recorded on `subject`, or None when the subject vouches for it.
 
     Inputs belong on `rft.<job>.evt.<role>.<member>.<kind>` naming the payload's member role, id
-    and kind; decisions on `rft.<job>.sync.<round>` naming the payload's round. (Job and member
-    names are single NATS tokens, so splitting on dots is exact.)
+    and kind; decisions on the decision log `rft.<job>.sync.log`, or (recorded by a build before
+    schema 4) on `rft.<job>.sync.<round>` naming the payload's round. (Job and member names are
+    single NATS tokens, so splitting on dots is exact.)
     """
     tokens = subject.split(".")
     where = tokens[2] if len(tokens) > 2 and tokens[0] == "rft" else None
     if isinstance(event, Decision):
         if where != "sync":
             return f"decision {event.KIND} published on {subject}, outside the job's .sync. subjects"
-        if len(tokens) != 4 or tokens[3] != str(event.round):
+        if len(tokens) != 4 or tokens[3] not in (DECISION_LOG, str(event.round)):
             return f"decision {event.KIND} for round {event.round} published on {subject}"
         return None
     if where != "evt":

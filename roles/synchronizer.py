@@ -23,20 +23,21 @@ reconnect.
 
 Speed: decisions reach members through the stream, so the time to answer is the time to record
 them. Records already delivered are folded together before anything is published (a burst of 64
-requests is one fold pass, not 64 fold-publish-ack cycles). Publishing never stops the fold: each
-run of one round's decisions (a pull request answered at once is RoundOpened, MemberReleased and
-RoundClosed; a version releasing a waiter is its MemberReleased and RoundClosed) goes out as *one*
-message, a decision batch, as soon as it is computed, and the reader goes on folding while acks
-are outstanding. What keeps the record exact:
+requests is one fold pass, not 64 fold-publish-ack cycles). Publishing is a group commit on one
+subject, the decision log (`rft.<job>.sync.log`): one batch (one message, any rounds' decisions,
+up to `_BATCH_MAX`) is in flight at a time, and everything decided while it is being stored goes
+out as the next batch, as soon as its ack comes back; the reader goes on folding meanwhile. A pull
+round of 64 explorers (64 opens, releases and closes) is a few messages, not 96, which is what
+every reader of the stream pays for. What keeps the record exact:
 
-- one message in flight per round: a round's next batch is sent once the previous one's ack gave
-  the sequence its round guard (`Nats-Expected-Last-Subject-Sequence`) must name;
-- computed order is recorded order: batches go out in the order their decisions were computed, on
-  one connection, and never overtake an earlier batch still waiting for its round (so `rolectl
-  replay --check` finds every decision in the reducer's order);
-- a guard that fails (another replica recorded first, or junk sits on the round's subject): the
-  round's subject is read after the sequence we expected; decisions found there count as
-  recorded, and only what is still missing is sent, after the last message found.
+- one guard for all decisions: each batch names the log's last sequence it knows of
+  (`Nats-Expected-Last-Subject-Sequence`), which its predecessor's ack gave it;
+- computed order is recorded order: batches hold decisions in the order computed, and the next one
+  leaves only after the previous one is recorded (so `rolectl replay --check` finds every decision
+  in the reducer's order, across rounds too);
+- a guard that fails (another replica recorded first, or junk sits on the log): the log is read
+  after the sequence we expected; decisions found there count as recorded, and only what is still
+  missing is sent, after the last message found.
 
 It ends by itself (exit 0) once the job is done: every trainer and explorer that joined stopped for
 good (final STOPPED) and every decision is recorded; `keep_running` (`rolectl start sync
@@ -47,6 +48,7 @@ included, it records its own final STOPPED so `rolectl status` does not list it 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import time
@@ -89,8 +91,8 @@ from sync_protocol.state import State
 
 __all__ = ["Synchronizer"]
 
-_FOREIGN_RETRIES = 3  # junk on a round's subject: publish after it at most this many times
-_BATCH_MAX = 32  # decisions of one round in one message at most (a round's run is a handful)
+_FOREIGN_RETRIES = 3  # junk on the decision log: publish after it at most this many times in a row
+_BATCH_MAX = 128  # decisions in one message at most (a burst of 64 requests decides 192: two messages)
 
 
 class Synchronizer:
@@ -104,7 +106,7 @@ class Synchronizer:
         self.log = structlog.get_logger().bind(job=cfg.job, role="synchronizer", member=member_id)
         self.state = State.initial()
         self.recorded: dict[tuple, int] = {}  # decision_identity -> seq, for decisions already in the stream
-        self.round_subject_seq: dict[int, int] = {}  # round -> last seq on its subject
+        self.log_seq = 0  # the last sequence on the decision log we know of: the next batch's guard
         # decisions computed and not yet seen recorded, in the order computed: published once we
         # are caught up and hold the lease (a standby keeps them until the active one records them)
         self.pending: OrderedDict[tuple, Decision] = OrderedDict()
@@ -125,10 +127,10 @@ class Synchronizer:
         self._snapshot_seq = 0  # last_seq of the newest snapshot written or loaded
         self._standby_of: str | None = None  # the active replica we last logged standing by for
         # publishing (see "Speed" above): the pending decisions not handed to a publish yet (in
-        # computed order), the batch in flight per round, how often junk was met on a round's subject
+        # computed order), the batch in flight, how often in a row junk was met on the log
         self._unsent: OrderedDict[tuple, Decision] = OrderedDict()
-        self._in_flight: dict[int, asyncio.Task] = {}
-        self._foreign: dict[int, int] = {}
+        self._in_flight: asyncio.Task | None = None
+        self._foreign = 0
         self._read_seq = 0  # the last stream sequence the reader has delivered (any message)
         self._acked: set[int] = set()  # sequences of our own batches, acked, not yet read back
         self._failure: asyncio.Future | None = None  # a publish that failed for good ends the role
@@ -182,7 +184,7 @@ class Synchronizer:
                 follow.result()
             finally:
                 self._stopping = True
-                for task in [*tasks, *self._in_flight.values()]:
+                for task in [*tasks, *([self._in_flight] if self._in_flight else [])]:
                     await stop_task(task, log=self.log)
                 if self.active:
                     await self.lease.release()  # a standby takes over at once instead of after the ttl
@@ -217,7 +219,7 @@ class Synchronizer:
         if snapshot is None:
             return 1
         self.state = snapshot.state
-        self.round_subject_seq = dict(snapshot.round_subject_seq)
+        self.log_seq = snapshot.decision_log_seq
         self._snapshot_seq = snapshot.state.last_seq
         self.log.info("snapshot_loaded", seq=snapshot.state.last_seq, members=len(snapshot.state.members),
                       open_rounds=len(snapshot.state.rounds))
@@ -247,51 +249,28 @@ class Synchronizer:
 
     # -- publishing --------------------------------------------------------------------------------
     def _send_ready(self) -> int:
-        """Send, in computed order, every unsent run of one round's decisions that may go now (we
-        are the active replica and caught up; its round has nothing in flight). Stops at the
-        first run that must wait, so no batch overtakes an earlier one. Returns how many decisions
-        it sent."""
-        if not (self.active and self.caught_up) or self._stopping or (
-                self._failure is not None and self._failure.done()):
+        """Send the oldest unsent decisions (at most `_BATCH_MAX`, in computed order, any rounds)
+        as one batch, unless one is in flight: its ack names the sequence the next batch's guard
+        must expect, and whatever is decided meanwhile goes in that next batch. Only the active,
+        caught-up replica sends. Returns how many decisions it sent."""
+        if (not (self.active and self.caught_up) or self._stopping or self._in_flight is not None
+                or not self._unsent or (self._failure is not None and self._failure.done())):
             return 0
-        runs: list[list[tuple[tuple, Decision]]] = []
-        busy = set(self._in_flight)  # rounds whose next batch must wait for an ack
-        run: list[tuple[tuple, Decision]] = []
-        for key, decision in self._unsent.items():
-            if run and decision.round == run[0][1].round and len(run) < _BATCH_MAX:
-                run.append((key, decision))
-                continue
-            if run:
-                runs.append(run)
-                busy.add(run[0][1].round)
-                run = []
-            if decision.round in busy:
-                break  # its round's previous batch is not recorded yet: everything after waits
-            run = [(key, decision)]
-        else:
-            if run:
-                runs.append(run)
-        for run in runs:
-            self._launch(run)
-        return sum(map(len, runs))
+        batch = [self._unsent.popitem(last=False) for _ in range(min(_BATCH_MAX, len(self._unsent)))]
+        self._in_flight = asyncio.create_task(self._publish_batch(batch), name="decisions")
+        return len(batch)
 
-    def _launch(self, run: list[tuple[tuple, Decision]]) -> None:
-        round_id = run[0][1].round
-        for key, _ in run:
-            del self._unsent[key]
-        self._in_flight[round_id] = asyncio.create_task(self._publish_run(round_id, run), name=f"round-{round_id}")
-
-    def _unsend(self, run: list[tuple[tuple, Decision]]) -> None:
-        """What of `run` is still pending goes back to the front of the unsent: nothing computed
+    def _unsend(self, batch: list[tuple[tuple, Decision]]) -> None:
+        """What of `batch` is still pending goes back to the front of the unsent: nothing computed
         before it is unsent (it was sent in computed order)."""
-        for key, decision in reversed(run):
+        for key, decision in reversed(batch):
             if key in self.pending:
                 self._unsent[key] = decision
                 self._unsent.move_to_end(key, last=False)
 
-    async def _publish_run(self, round_id: int, run: list[tuple[tuple, Decision]]) -> None:
-        """Record one run of a round's decisions (one message) behind the round's guard."""
-        decisions = [d for _, d in run]
+    async def _publish_batch(self, batch: list[tuple[tuple, Decision]]) -> None:
+        """Append one batch to the decision log behind the log's guard."""
+        decisions = [d for _, d in batch]
         cancelled = False
         try:
             if not self.lease.held:
@@ -299,25 +278,21 @@ class Synchronizer:
                     self.active = False
                     self.log.warning("stepped_down", reason="lease not renewed in time", pending=len(self.pending))
                 return  # they stay pending: whoever holds the lease records them
-            expected = self.round_subject_seq.get(round_id, 0)
+            expected = self.log_seq
             try:
                 seq = await self.decisions.publish(decisions, expected_last_subject_seq=expected)
             except DecisionSuperseded:
-                await self._catch_up_on_round(round_id, expected, decisions)
+                await self._catch_up_on_log(expected, decisions)
                 return
+            self._foreign = 0
             if seq is not None:
-                self.round_subject_seq[round_id] = max(self.round_subject_seq.get(round_id, 0), seq)
+                self.log_seq = max(self.log_seq, seq)
                 self.decisions_published += len(decisions)
                 if seq > self._read_seq:
                     self._acked.add(seq)  # its ack said all its reading back would: skip decoding it
-            for key, _ in run:
+            for key, _ in batch:
                 self.pending.pop(key, None)
-            # one line per message (a request answered at once is one line, not three)
-            fields: dict = {}
-            for decision in decisions:
-                fields.update(_decision_fields(decision))
-            self.log.info("decision", kind=",".join(d.KIND for d in decisions), round=round_id,
-                          cause_seq=decisions[0].cause_seq, seq=seq, **fields)
+            self._log_decisions(decisions, seq)
         except asyncio.CancelledError:
             cancelled = True
             raise
@@ -325,33 +300,48 @@ class Synchronizer:
             if self._failure is not None and not self._failure.done():
                 self._failure.set_exception(exc)  # run() raises it
             else:
-                self.log.error("decision_publish_failed", round=round_id, error=str(exc))
+                self.log.error("decision_publish_failed", decisions=len(decisions), error=str(exc))
         finally:
-            self._unsend(run)  # not recorded (lease lost, guard failed, error): to be sent again
-            if self._in_flight.get(round_id) is asyncio.current_task():
-                del self._in_flight[round_id]
+            self._unsend(batch)  # not recorded (lease lost, guard failed, error): to be sent again
+            if self._in_flight is asyncio.current_task():
+                self._in_flight = None
             if not cancelled:
-                self._send_ready()  # the round's next run, and whatever waited behind it
+                self._send_ready()  # whatever was decided while this batch was in flight
 
-    async def _catch_up_on_round(self, round_id: int, expected: int, decisions: list[Decision]) -> None:
-        """The round's subject holds messages after `expected`: decisions there are recorded (by
+    def _log_decisions(self, decisions: list[Decision], seq: int | None) -> None:
+        """One line per round of a recorded batch (a request answered at once is one line, not three)."""
+        if not self.log.is_enabled_for(logging.INFO):
+            return  # 64 explorers: ~200 decisions a round, whose fields are not worth gathering unlogged
+        by_round: dict[int, list[Decision]] = {}
+        for decision in decisions:
+            by_round.setdefault(decision.round, []).append(decision)
+        for round_id, held in by_round.items():
+            fields: dict = {}
+            for decision in held:
+                fields.update(_decision_fields(decision))
+            self.log.info("decision", kind=",".join(d.KIND for d in held), round=round_id,
+                          cause_seq=held[0].cause_seq, seq=seq, **fields)
+
+    async def _catch_up_on_log(self, expected: int, decisions: list[Decision]) -> None:
+        """The decision log holds messages after `expected`: decisions there are recorded (by
         another replica, or by us before a lost ack); anything else is junk to publish after.
         What is still pending goes out next, guarded by the last message found."""
-        found = await self.decisions.on_subject_after(round_id, expected)
+        found = await self.decisions.on_subject_after(expected)
         junk = 0
         for seq, held in found:
             for d in held:
                 self._mark_recorded(decision_identity(d), seq)  # not sent again, even if our fold gets there later
             junk += not held
         last = found[-1][0] if found else expected
-        self.round_subject_seq[round_id] = max(self.round_subject_seq.get(round_id, 0), last)
+        self.log_seq = max(self.log_seq, last)
         if junk or not found:
-            tries = self._foreign[round_id] = self._foreign.get(round_id, 0) + 1
-            self.log.warning("decision_subject_had_foreign_message", round=round_id, seq=last, foreign=junk,
-                             tries=tries)
-            if tries > _FOREIGN_RETRIES:
-                self.log.error("decision_not_published", round=round_id, kinds=[d.KIND for d in decisions],
-                               reason=f"the round's subject kept changing under us {tries} times")
+            self._foreign += 1
+            self.log.warning("decision_log_had_foreign_message", seq=last, foreign=junk, tries=self._foreign)
+            if self._foreign > _FOREIGN_RETRIES:
+                self.log.error("decision_not_published", kinds=[d.KIND for d in decisions],
+                               rounds=sorted({d.round for d in decisions}),
+                               reason=f"the decision log kept changing under us {self._foreign} times in a row")
+                self._foreign = 0
                 for d in decisions:
                     self.pending.pop(decision_identity(d), None)
 
@@ -392,7 +382,8 @@ class Synchronizer:
         event = rec.event
         if isinstance(event, Decision):
             self._mark_recorded(decision_identity(event), rec.seq)
-            self.round_subject_seq[event.round] = max(self.round_subject_seq.get(event.round, 0), rec.seq)
+            if rec.subject == self.conn.names.decision_log:  # not a round's subject of an older build
+                self.log_seq = max(self.log_seq, rec.seq)
             return
         self._last_seen[(event.member.key, event.member.incarnation)] = time.monotonic()
         if isinstance(event, StatusChanged) and event.final:
@@ -413,8 +404,7 @@ class Synchronizer:
     async def _maybe_snapshot(self) -> None:
         every = self.sync_cfg.snapshot_every
         if every and self.state.last_seq - self._snapshot_seq >= every:
-            open_rounds = {r: s for r, s in self.round_subject_seq.items() if r in self.state.rounds}
-            if await self.snapshots.save(self.state, open_rounds):
+            if await self.snapshots.save(self.state, self.log_seq):
                 self._snapshot_seq = self.state.last_seq
                 self.log.info("snapshot_saved", seq=self.state.last_seq)
 

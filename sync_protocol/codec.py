@@ -1,14 +1,15 @@
 """Wire codec for events and decisions: msgpack maps with a schema version.
 
-One stream message holds one event, one decision, or a *decision batch*: several decisions of one
-round, in the order the reducer computed them (`encode_decisions`). A batch is recorded atomically
-with one sequence, one message id and one round guard, so a round's release and close (or open,
-release and close) cost one publish and one ack instead of a chain of them; `decode_all` reads any
-message into the decisions or event it holds.
+One stream message holds one event, one decision, or a *decision batch*: several decisions, of any
+rounds, in the order the reducer computed them (`encode_decisions`). A batch is recorded atomically
+with one sequence, one message id and one guard on the decision log, so everything the synchronizer
+decided while its previous batch was being stored (64 explorers asking at once: 64 opens, releases
+and closes) costs one publish and one ack instead of a chain of them; `decode_all` reads any message
+into the decisions or event it holds.
 
 `decode` / `decode_all` never raise anything but `DecodeError`: bytes that are not msgpack, an
 unknown kind, a missing or mistyped field, a schema newer than this build, or a batch that is
-empty, too long or mixes rounds each get a message saying so.
+empty or too long each get a message saying so.
 """
 
 from __future__ import annotations
@@ -26,17 +27,20 @@ from .events import KINDS, Decision, Event, MemberRef, RankAssignment
 __all__ = ["SCHEMA_VERSION", "BATCH_KIND", "MAX_BATCH", "encode", "encode_decisions", "decode", "decode_all",
            "to_plain", "from_plain"]
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """Bumped on any incompatible change; decoders reject newer schemas instead of guessing.
 
 2: `StatusChanged.final` (a member's last STOPPED). Schema-1 records still decode (the field
 defaults to False), so streams recorded by older builds replay.
-3: decision batches (`kind: decisions`). Schema-2 records still decode."""
+3: decision batches (`kind: decisions`), one round's decisions each. Schema-2 records still decode.
+4: decisions go to one decision log subject (`bus.subjects`), a batch may hold several rounds'
+decisions. Schema-3 records still decode; a schema-3 build cannot read a job of this one (it says
+so: "upgrade rolectl")."""
 
 BATCH_KIND = "decisions"
 MAX_BATCH = 256
-"""Decisions in one batch at most: a round's run of decisions is a handful; a bound keeps a hostile
-message from costing more than a normal one to reject."""
+"""Decisions in one batch at most (the synchronizer sends at most `roles.synchronizer`'s batch size,
+128); a bound keeps a hostile message from costing more than a normal one to reject."""
 
 
 def _plain(value: Any) -> Any:
@@ -100,15 +104,15 @@ def from_plain(data: Any) -> Event | Decision:
 
 
 def encode_decisions(decisions: Sequence[Decision]) -> bytes:
-    """Serialise decisions of one round as one message: a lone decision as itself, several as a
-    batch (in the given order, which is the order they are recorded and read in)."""
+    """Serialise decisions as one message: a lone decision as itself, several as a batch (in the
+    given order, which is the order they are recorded and read in)."""
     if not decisions:
         raise ValueError("encode_decisions needs at least one decision")
     if len(decisions) == 1:
         return encode(decisions[0])
-    rounds = {d.round for d in decisions}
-    if len(rounds) != 1 or not all(isinstance(d, Decision) for d in decisions):
-        raise ValueError(f"a decision batch holds decisions of one round, got rounds {sorted(rounds)}")
+    inputs = sorted({type(d).__name__ for d in decisions if not isinstance(d, Decision)})
+    if inputs:
+        raise ValueError(f"a decision batch holds decisions only, got {', '.join(inputs)}")
     if len(decisions) > MAX_BATCH:
         raise ValueError(f"a decision batch holds at most {MAX_BATCH} decisions, got {len(decisions)}")
     return msgpack.packb({"schema": SCHEMA_VERSION, "kind": BATCH_KIND, "decisions": [to_plain(d) for d in decisions]},
@@ -159,7 +163,5 @@ def decode_all(payload: bytes) -> tuple[Event | Decision, ...]:
             raise DecodeError(f"decision batch, item {i}: {exc}") from None
         if not isinstance(decision, Decision):
             raise DecodeError(f"decision batch, item {i}: {decision.KIND} is an input event, not a decision")
-        if out and decision.round != out[0].round:
-            raise DecodeError(f"decision batch, item {i}: round {decision.round} in a batch of round {out[0].round}")
         out.append(decision)
     return tuple(out)

@@ -103,7 +103,7 @@ def _subject(job: str | None, rec: Recorded) -> str | None:
     names = JobNames(job)
     event = rec.event
     if isinstance(event, Decision):
-        return names.decision(event.round)
+        return names.decision_log
     return names.event(event.member.role, event.member.id, event.KIND)
 
 
@@ -221,9 +221,9 @@ def load_export(path: str | Path) -> list[Recorded]:
     except UnicodeDecodeError as exc:
         raise ExportError(f"{path}: not UTF-8 text ({exc.reason}); is it a .msgpack file named .jsonl?") from None
     for before, after in zip(records, records[1:]):
-        # one stream message may hold a batch of one round's decisions: they share its sequence
+        # one stream message may hold a batch of decisions: they share its sequence
         batched = (after.seq == before.seq and isinstance(before.event, Decision)
-                   and isinstance(after.event, Decision) and after.event.round == before.event.round)
+                   and isinstance(after.event, Decision))
         if after.seq <= before.seq and not batched:
             raise ExportError(f"{path}: sequence {after.seq} follows {before.seq}; records must be in "
                               "increasing stream order (was the file edited or concatenated?)")
@@ -428,8 +428,9 @@ def check_decisions(records: list[Recorded], start: State | None = None) -> list
         if diff is not None:
             out.append(Mismatch("field", seq, ident, field=diff[0], recorded=diff[1], recomputed=diff[2]))
     # Order: each round's decisions must appear in the order the reducer computes them. Rounds are
-    # independent: the synchronizer sends in computed order, but a batch it had to retry (a lost
-    # ack, a server restart) may land after a later round's, which changes nothing anyone reads.
+    # held to nothing more: the decision log records all of them in computed order, but a build
+    # before schema 4 guarded each round's subject alone, and a batch it had to retry (a lost ack, a
+    # server restart) may have landed after a later round's, which changes nothing anyone reads.
     highest = -1
     highest_in_round: dict[int, int] = {}
     for seq, i in matched:

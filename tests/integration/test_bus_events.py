@@ -193,7 +193,7 @@ async def test_decision_second_replica_is_told_what_the_subject_holds(nats_url, 
         for again in (opened, RoundClosed(round=1, cause_seq=4, outcome=RoundOutcome.TIMED_OUT)):
             with pytest.raises(DecisionSuperseded):
                 await replica_b.publish(again, expected_last_subject_seq=0)
-            assert await replica_b.on_subject_after(1, 0) == [(seq, (opened,))]
+            assert await replica_b.on_subject_after(0) == [(seq, (opened,))]
         # Without the subject check the msg id dedups the same decision
         assert await replica_b.publish(opened, expected_last_subject_seq=None) is None
         # The round's next decisions as one batch, chained on the first: accepted once.
@@ -204,19 +204,19 @@ async def test_decision_second_replica_is_told_what_the_subject_holds(nats_url, 
         assert seq2 is not None and seq2 > seq
         with pytest.raises(DecisionSuperseded):  # replica a did not know b recorded it
             await replica_a.publish([released, closed], expected_last_subject_seq=seq)
-        assert await replica_a.on_subject_after(1, seq) == [(seq2, (released, closed))]
+        assert await replica_a.on_subject_after(seq) == [(seq2, (released, closed))]
         assert await replica_a.publish([released, closed], expected_last_subject_seq=None) is None  # same id
-        # junk on the subject: it is no decision, so the replica publishes after it
-        await a.nc.publish(a.names.decision(1), b"junk")
+        # junk on the log: it is no decision, so the replica publishes after it
+        await a.nc.publish(a.names.decision_log, b"junk")
         await a.nc.flush()
         late = MemberReleased(round=1, cause_seq=9, released=TRAINER, reason=ReleaseReason.NO_NEW_VERSION,
                               version=1, reload=False)
         with pytest.raises(DecisionSuperseded):
             await replica_a.publish(late, expected_last_subject_seq=seq2)
-        [(junk_seq, held)] = await replica_a.on_subject_after(1, seq2)
+        [(junk_seq, held)] = await replica_a.on_subject_after(seq2)
         assert junk_seq > seq2 and held == ()
         assert await replica_a.publish(late, expected_last_subject_seq=junk_seq) is not None
-        assert await replica_a.on_subject_after(1, 0, limit=2) == [(seq, (opened,)), (seq2, (released, closed))]
+        assert await replica_a.on_subject_after(0, limit=2) == [(seq, (opened,)), (seq2, (released, closed))]
 
         records = await _collect(read_events(a, stop_at_end=True))
     # a batch is read as its decisions, in order, each with the batch's sequence
@@ -231,7 +231,10 @@ def test_decision_msg_id_names_round_kind_cause_and_released_member():
     assert decision_msg_id(released) == "d/3/member_released/9/explorer/e0"
     assert decision_msg_id(_opened(round_id=3, cause=9)) == "d/3/round_opened/9/"
     # a batch: its first and last decision and its length, so runs that differ never share an id
-    assert decision_msg_id([released, closed]) == "d/3/member_released/9/explorer/e0..2/round_closed/9/"
+    assert decision_msg_id([released, closed]) == "d/3/member_released/9/explorer/e0..2/3/round_closed/9/"
+    # rounds mixed: the last decision's round is in the name too
+    other = RoundClosed(round=4, cause_seq=9, outcome=RoundOutcome.COMPLETED)
+    assert decision_msg_id([released, other]) == "d/3/member_released/9/explorer/e0..2/4/round_closed/9/"
     assert decision_msg_id([_opened(round_id=3, cause=9), released, closed]) != decision_msg_id([released, closed])
 
 

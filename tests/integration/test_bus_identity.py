@@ -68,6 +68,11 @@ async def _publish_forgeries(conn) -> list[int]:
         ("rft.j.evt.trainer.trainer.version_published", _forged_version(), True),
         ("rft.j.evt.explorer.explorer-0.version_published", _forged_version(), False),
         ("rft.j.evt.trainer.trainer.step_finished", _forged_version(), False),
+        ("rft.j.sync.log", RoundClosed(round=3, cause_seq=1, outcome=RoundOutcome.COMPLETED), True),
+        ("rft.j.sync.log", RoundClosed(round=4, cause_seq=1, outcome=RoundOutcome.COMPLETED), True),
+        ("rft.j.sync.log.3", RoundClosed(round=3, cause_seq=1, outcome=RoundOutcome.COMPLETED), False),
+        ("rft.j.sync.log", StepFinished(member=EXPLORER, step=1, version=0), False),
+        # a round's own subject: where builds before schema 4 recorded its decisions
         ("rft.j.sync.3", RoundClosed(round=3, cause_seq=1, outcome=RoundOutcome.COMPLETED), True),
         ("rft.j.sync.4", RoundClosed(round=3, cause_seq=1, outcome=RoundOutcome.COMPLETED), False),
         ("rft.j.evt.synchronizer.s.round_closed", RoundClosed(round=3, cause_seq=1, outcome=RoundOutcome.COMPLETED),

@@ -1,5 +1,5 @@
-"""How the synchronizer records decisions when the round's subject is not what it expected: another
-replica recorded part of the round (batched differently), or junk sits there. What it finds counts as
+"""How the synchronizer records decisions when the decision log is not what it expected: another
+replica recorded part of a batch (batched differently), or junk sits there. What it finds counts as
 recorded; only what is missing is sent, after the last message found. Real nats-server, real
 `Synchronizer` and `DecisionPublisher`."""
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from bus.connection import connect
 from bus.events import DecisionPublisher, read_events
+from bus.lease import Lease
 from bus.streams import ensure_event_stream
 from roles.config import parse_config
 from roles.synchronizer import Synchronizer
@@ -36,25 +37,59 @@ async def test_what_another_replica_recorded_is_not_sent_again_and_junk_is_publi
             connect(nats_url, job=job_name, role="synchronizer", member="sync-b") as other:
         await ensure_event_stream(conn.js, conn.names)
         sync.conn, sync.decisions = conn, DecisionPublisher(conn)
-        # replica b recorded the round's first two decisions, one message each (we batch all three)
+        # replica b recorded the first two decisions, one message each (we batch all three)
         replica_b = DecisionPublisher(other)
         first = await replica_b.publish(OPENED, expected_last_subject_seq=0)
         second = await replica_b.publish(RELEASED, expected_last_subject_seq=first)
-        await other.nc.publish(other.names.decision(1), b"junk after them")
+        await other.nc.publish(other.names.decision_log, b"junk after them")
         await other.nc.flush()
         run = [OPENED, RELEASED, CLOSED]
         for d in run:
             sync.pending[decision_identity(d)] = d
 
-        await sync._catch_up_on_round(1, 0, run)
+        await sync._catch_up_on_log(0, run)
 
         assert list(sync.pending.values()) == [CLOSED]
         assert sync.recorded[decision_identity(OPENED)] == first
         assert sync.recorded[decision_identity(RELEASED)] == second
-        junk = sync.round_subject_seq[1]
-        assert junk > second and sync._foreign == {1: 1}
+        junk = sync.log_seq
+        assert junk > second and sync._foreign == 1
         # what is missing goes after the junk, guarded by it
         assert await sync.decisions.publish([CLOSED], expected_last_subject_seq=junk) is not None
         async with read_events(conn, from_seq=1, stop_at_end=True) as reader:
             recorded = [rec.event async for rec in reader]
-    assert recorded == [OPENED, RELEASED, CLOSED]  # each once, in the round's order; junk skipped
+    assert recorded == [OPENED, RELEASED, CLOSED]  # each once, in computed order; junk skipped
+
+
+async def test_decisions_of_several_rounds_decided_together_are_one_message_in_computed_order(nats_url, job_name):
+    """Group commit: what is unsent when nothing is in flight goes as one batch, rounds mixed; while
+    it is in flight nothing else leaves; the next batch is guarded by its ack's sequence."""
+    cfg = parse_config({"job": job_name, "nats_url": nats_url, "synchronizer": {"sync_method": "memory"}})
+    sync = Synchronizer(cfg, "sync-a")
+    other_round = RoundClosed(round=2, cause_seq=6, outcome=RoundOutcome.COMPLETED)
+    async with connect(nats_url, job=job_name, role="synchronizer", member="sync-a") as conn:
+        await ensure_event_stream(conn.js, conn.names)
+        sync.conn, sync.decisions = conn, DecisionPublisher(conn)
+        sync.lease = Lease(conn, bucket=conn.names.lease_bucket, key="synchronizer", holder="sync-a#1", ttl_s=5)
+        await sync.lease.open()
+        assert await sync.lease.acquire_or_renew()
+        sync.active = sync.caught_up = True
+        first, later = [OPENED, other_round, RELEASED], [CLOSED]
+        for d in first:
+            sync.pending[decision_identity(d)] = sync._unsent[decision_identity(d)] = d
+
+        assert sync._send_ready() == 3
+        sync.pending[decision_identity(CLOSED)] = sync._unsent[decision_identity(CLOSED)] = CLOSED
+        assert sync._send_ready() == 0  # one batch in flight at a time: CLOSED waits for its ack
+        in_flight = sync._in_flight
+        await in_flight  # its ack sends CLOSED, guarded by the first batch's sequence
+        assert sync._in_flight is not None and sync._in_flight is not in_flight
+        await sync._in_flight
+        assert not sync.pending and sync._in_flight is None
+
+        async with read_events(conn, from_seq=1, stop_at_end=True) as reader:
+            records = [rec async for rec in reader]
+    assert [r.event for r in records] == [*first, *later]
+    assert len({r.seq for r in records}) == 2  # two messages: the three decided together, then CLOSED
+    assert {r.subject for r in records} == {conn.names.decision_log}
+    assert sync.log_seq == records[-1].seq
