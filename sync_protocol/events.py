@@ -101,19 +101,36 @@ def _enum_checker(enum_cls):
     return check
 
 
+# Member maps already decoded, by their exact (role, id, inc): every event names a member, and a job
+# has a few dozen, so a reader following it builds each MemberRef once instead of once per event.
+_MEMBER_REFS: dict[tuple[str, str, int], "MemberRef"] = {}
+_MEMBER_REFS_MAX = 4096  # a bound, not a working set: emptied when reached (hostile input included)
+
+
 def _check_member(value: Any, name: str) -> "MemberRef":
     if isinstance(value, MemberRef):
         return value
     if not isinstance(value, Mapping):
         raise DecodeError(f"field {name!r} must be a member map {{role, id, inc}}, got {value!r}")
+    role, member_id, inc = value.get("role"), value.get("id"), value.get("inc")
+    # exact types only: True == 1 and 1.0 == 1 as keys, and they are no incarnation
+    key = (role, member_id, inc) if type(role) is str and type(member_id) is str and type(inc) is int else None
+    ref = _MEMBER_REFS.get(key) if key is not None else None
+    if ref is not None:
+        return ref
     missing = [k for k in ("role", "id", "inc") if k not in value]
     if missing:
         raise DecodeError(f"field {name!r} lacks {missing}")
-    return MemberRef(
-        role=_check_role(value["role"], f"{name}.role"),
-        id=_check_str(value["id"], f"{name}.id"),
-        incarnation=_check_int(value["inc"], f"{name}.inc"),
+    ref = MemberRef(
+        role=_check_role(role, f"{name}.role"),
+        id=_check_str(member_id, f"{name}.id"),
+        incarnation=_check_int(inc, f"{name}.inc"),
     )
+    if key is not None:
+        if len(_MEMBER_REFS) >= _MEMBER_REFS_MAX:
+            _MEMBER_REFS.clear()
+        _MEMBER_REFS[key] = ref
+    return ref
 
 
 def _check_metrics(value: Any, name: str) -> dict[str, float]:

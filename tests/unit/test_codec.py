@@ -324,3 +324,16 @@ def test_a_malformed_batch_says_what_is_wrong(payload, complaint):
     with pytest.raises(DecodeError, match=complaint):
         decode_all(payload)
 
+
+def test_a_member_decoded_before_does_not_let_a_lookalike_incarnation_through():
+    # decoded member maps are reused by their exact (role, id, inc); True and 1.0 hash like 1
+    good = to_plain(RELEASED)
+    assert decode(msgpack.packb(good)).released == E
+    for inc in (True, 1.0):
+        bad = {**good, "released": {**good["released"], "inc": inc}}
+        with pytest.raises(DecodeError, match="released.inc"):
+            decode(msgpack.packb(bad))
+    empty = {**good, "released": {**good["released"], "id": ""}}
+    for _ in range(2):  # refused every time, not cached
+        with pytest.raises(DecodeError, match="non-empty"):
+            decode(msgpack.packb(empty))
