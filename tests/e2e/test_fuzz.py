@@ -91,12 +91,13 @@ async def _inject(job: LiveJob, rng: random.Random, *, on_live_rounds: bool, cou
         for kind in INPUT_KINDS:
             await js.publish(names.event(role, member, kind), rng.randbytes(rng.randint(1, 300)))
             count.malformed_events += 1
-    # ... and on decision subjects: of rounds that never happen, or of the rounds to come (the
-    # synchronizer chains each round's decisions with Nats-Expected-Last-Subject-Sequence: junk
-    # there must not make it drop real ones).
+    # ... and on decision subjects: the decision log itself (the synchronizer chains every batch
+    # with Nats-Expected-Last-Subject-Sequence on it: junk there must not make it drop real
+    # decisions), and the subjects older builds used per round, of the rounds to come or of rounds
+    # that never happen.
     rounds = range(1, 31) if on_live_rounds else range(10_001, 10_004)
-    for round_id in rounds:
-        await js.publish(names.decision(round_id), rng.randbytes(rng.randint(1, 300)))
+    for subject in [*(names.decision(r) for r in rounds), *([names.decision_log] * 3 if on_live_rounds else [])]:
+        await js.publish(subject, rng.randbytes(rng.randint(1, 300)))
         count.malformed_events += 1
     # Well-formed events whose subject does not vouch for them.
     forged = [
@@ -134,9 +135,10 @@ async def _inject(job: LiveJob, rng: random.Random, *, on_live_rounds: bool, cou
 
 @pytest.mark.parametrize("on_live_rounds", [
     False,
-    # Junk on the subjects of rounds to come: the synchronizer's publish meets "wrong last
-    # sequence", re-reads the round's subject, finds no decision of its own there and publishes
-    # after the junk (it used to take the junk for another replica's decision and drop its own).
+    # Junk on the decision log (and on the per-round subjects of older builds for the rounds to
+    # come): the synchronizer's next publish meets "wrong last sequence", re-reads the log, finds
+    # no decision there and publishes after the junk (it once took junk for another replica's
+    # decision and dropped its own).
     True,
 ], ids=["decision-junk-elsewhere", "decision-junk-on-live-rounds"])
 async def test_junk_on_every_subject_of_a_running_job(tmp_path, on_live_rounds):
