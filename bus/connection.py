@@ -34,7 +34,7 @@ from nats.js.api import Header, PubAck
 
 from sync_protocol import Role
 
-from .errors import BusClosed, BusUnavailable, PublishFailed, PublishRejected, RetriesExhausted
+from .errors import BusClosed, BusUnavailable, PayloadTooLarge, PublishFailed, PublishRejected, RetriesExhausted
 from .logging import get_logger
 from .retry import Interrupted, backoff_delay, describe, is_transient, retry_transient
 from .security import ClientSecurity, SecurityError, redact
@@ -249,18 +249,21 @@ class BusConnection:
         Timeouts and "no responders" (the server restarting, JetStream not ready yet) are retried
         for up to `retry_for` seconds with the *same* `msg_id`, so the stream stores the message once
         even when an ack was lost. A JetStream API error (the stream refused the message) raises
-        `PublishRejected` at once; running out of time raises `PublishFailed`.
+        `PublishRejected` at once; running out of time raises `PublishFailed`; a payload over the
+        server's `max_payload` raises `PayloadTooLarge` without sending anything.
         """
         hdrs = dict(headers or {})
         if msg_id is not None:
             hdrs["Nats-Msg-Id"] = msg_id
         max_payload = self.nc.max_payload
         if max_payload and len(payload) > max_payload:
-            raise PublishFailed(
+            raise PayloadTooLarge(
                 f"message for {subject} is {len(payload)} bytes but the server at {self.url} accepts "
                 f"at most {max_payload} (max_payload): send smaller pieces or raise max_payload",
                 subject=subject,
                 msg_id=msg_id,
+                size=len(payload),
+                limit=max_payload,
             )
         where = f"publish to {subject} (msg id {msg_id}) via {self.url}"
 

@@ -13,6 +13,7 @@ __all__ = [
     "BusClosed",
     "StreamMismatch",
     "PublishFailed",
+    "PayloadTooLarge",
     "PublishRejected",
     "RetriesExhausted",
     "AckFailed",
@@ -69,6 +70,17 @@ class PublishFailed(BusError):
         self.msg_id = msg_id
 
 
+class PayloadTooLarge(PublishFailed):
+    """The message is larger than the server (`max_payload`) or its stream (`max_msg_size`) takes;
+    it was not stored. `limit` is the limit in bytes where known."""
+
+    def __init__(self, message: str, *, subject: str, msg_id: str | None = None, size: int,
+                 limit: int | None = None):
+        super().__init__(message, subject=subject, msg_id=msg_id)
+        self.size = size
+        self.limit = limit
+
+
 class PublishRejected(PublishFailed):
     """The stream answered and refused the message (a JetStream API error); retrying will not help.
 
@@ -120,8 +132,8 @@ class MalformedExperience(BusError, ValueError):
 
 
 class DecisionSuperseded(PublishRejected):
-    """A decision was not stored because its round's subject holds a message this replica did not
-    know of (another replica's decision, or a foreign message): re-read the subject to decide."""
+    """A decision was not stored because the decision log holds a message this replica did not
+    know of (another replica's decision, or a foreign message): re-read the log to decide."""
 
 
 class NatsServerError(BusError):

@@ -58,9 +58,9 @@ from sync_protocol import (
 
 from .aio import raise_if_cancelling
 from .connection import BusConnection
-from .errors import BusClosed, BusError, DecisionSuperseded, PublishRejected
+from .errors import BusClosed, BusError, DecisionSuperseded, PayloadTooLarge, PublishRejected
 from .logging import LogBudget
-from .streams import explain_refusal
+from .streams import MSG_TOO_BIG, explain_refusal
 from .subjects import identity_problem
 
 __all__ = [
@@ -179,7 +179,8 @@ class DecisionPublisher:
         `expected_last_subject_seq` is the sequence of the last message on the decision log this
         replica knows of (0 for a new job); `None` skips the check. When the log holds something
         newer than expected, `DecisionSuperseded` is raised: `on_subject_after` tells what it is
-        (another replica's decisions, or something else).
+        (another replica's decisions, or something else). A message over the server's
+        `max_payload` or the stream's `max_msg_size` raises `PayloadTooLarge` (send fewer at once).
         """
         if isinstance(decisions, Decision):
             decisions = (decisions,)
@@ -188,13 +189,14 @@ class DecisionPublisher:
             raise TypeError(f"DecisionPublisher publishes decisions, not {kinds}; use EventPublisher for inputs")
         subject = self.conn.names.decision_log
         msg_id = decision_msg_id(decisions)
+        payload = encode_decisions(decisions)
         headers = {}
         if expected_last_subject_seq is not None:
             headers[_EXPECTED_LAST_SUBJECT_SEQ] = str(int(expected_last_subject_seq))
         try:
             ack = await self.conn.publish_acked(
                 subject,
-                encode_decisions(decisions),
+                payload,
                 msg_id=msg_id,
                 headers=headers,
                 ack_timeout=self.ack_timeout,
@@ -209,7 +211,9 @@ class DecisionPublisher:
                     f"{expected_last_subject_seq} ({exc.description})",
                     subject=subject, msg_id=msg_id, code=exc.code, err_code=exc.err_code,
                     description=exc.description) from exc
-            refusal = explain_refusal(exc, self.conn.names.event_stream, 0)
+            refusal = explain_refusal(exc, self.conn.names.event_stream, len(payload))
+            if exc.err_code == MSG_TOO_BIG or "message size exceeds" in (exc.description or "").lower():
+                raise PayloadTooLarge(str(refusal), subject=subject, msg_id=msg_id, size=len(payload)) from exc
             if refusal is not exc:
                 raise refusal from exc
             raise

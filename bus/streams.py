@@ -70,7 +70,7 @@ DEFAULT_EXPERIENCE_MAX_BYTES = 64 * 1024**2
 _STREAM_EXISTS_ERR = 10058  # "stream name already in use with a different configuration"
 _REPLICAS_NOT_SUPPORTED_ERR = 10074  # "replicas > 1 not supported in non-clustered mode"
 _MAX_BYTES_EXCEEDED = 10077  # JSStreamStoreFailedF: "maximum bytes exceeded" (discard new)
-_MSG_TOO_BIG = 10054  # JSStreamMessageExceedsMaximumErr: "message size exceeds maximum allowed"
+MSG_TOO_BIG = 10054  # JSStreamMessageExceedsMaximumErr: "message size exceeds maximum allowed"
 
 
 class StreamFull(PublishRejected):
@@ -86,7 +86,7 @@ def explain_refusal(exc: PublishRejected, stream: str, payload_bytes: int) -> Pu
                 "than drop recorded ones. Raise the limit on the server "
                 f"(`nats stream edit {stream} --max-bytes <bytes>`; rolectl's default is sized in "
                 "bus/streams.py from measured bytes per step), or find who fills it (`rolectl replay`)")
-    elif exc.err_code == _MSG_TOO_BIG or "message size exceeds" in description:
+    elif exc.err_code == MSG_TOO_BIG or "message size exceeds" in description:
         what = (f"a {payload_bytes}-byte message is over stream {stream}'s max_msg_size; send smaller "
                 f"messages or raise it (`nats stream edit {stream} --max-msg-size <bytes>`)")
     else:

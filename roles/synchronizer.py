@@ -57,7 +57,7 @@ from collections import OrderedDict, deque
 import structlog
 
 from bus.connection import connect
-from bus.errors import DecisionSuperseded
+from bus.errors import DecisionSuperseded, PayloadTooLarge
 from bus.events import (
     DecisionPublisher,
     EventPublisher,
@@ -130,6 +130,7 @@ class Synchronizer:
         # computed order), the batch in flight, how often in a row junk was met on the log
         self._unsent: OrderedDict[tuple, Decision] = OrderedDict()
         self._in_flight: asyncio.Task | None = None
+        self._batch_max = _BATCH_MAX  # halved when a batch is over the server's max_payload
         self._foreign = 0
         self._read_seq = 0  # the last stream sequence the reader has delivered (any message)
         self._acked: set[int] = set()  # sequences of our own batches, acked, not yet read back
@@ -249,14 +250,14 @@ class Synchronizer:
 
     # -- publishing --------------------------------------------------------------------------------
     def _send_ready(self) -> int:
-        """Send the oldest unsent decisions (at most `_BATCH_MAX`, in computed order, any rounds)
+        """Send the oldest unsent decisions (at most `_batch_max`, in computed order, any rounds)
         as one batch, unless one is in flight: its ack names the sequence the next batch's guard
         must expect, and whatever is decided meanwhile goes in that next batch. Only the active,
         caught-up replica sends. Returns how many decisions it sent."""
         if (not (self.active and self.caught_up) or self._stopping or self._in_flight is not None
                 or not self._unsent or (self._failure is not None and self._failure.done())):
             return 0
-        batch = [self._unsent.popitem(last=False) for _ in range(min(_BATCH_MAX, len(self._unsent)))]
+        batch = [self._unsent.popitem(last=False) for _ in range(min(self._batch_max, len(self._unsent)))]
         self._in_flight = asyncio.create_task(self._publish_batch(batch), name="decisions")
         return len(batch)
 
@@ -284,6 +285,15 @@ class Synchronizer:
             except DecisionSuperseded:
                 await self._catch_up_on_log(expected, decisions)
                 return
+            except PayloadTooLarge as exc:
+                if len(batch) == 1:
+                    raise  # one decision the server cannot take: fatal, below
+                # rendezvous groups of many ranks (the event stream takes 64 KiB a message by
+                # default): fewer decisions per message from now on
+                self._batch_max = max(1, len(batch) // 2)
+                self.log.warning("decision_batch_too_large", decisions=len(batch), bytes=exc.size,
+                                 limit=exc.limit, batch_max=self._batch_max)
+                return  # sent again, smaller, by the _send_ready below
             self._foreign = 0
             if seq is not None:
                 self.log_seq = max(self.log_seq, seq)

@@ -5,7 +5,12 @@ recorded; only what is missing is sent, after the last message found. Real nats-
 
 from __future__ import annotations
 
+import asyncio
+
+import pytest
+
 from bus.connection import connect
+from bus.errors import PayloadTooLarge
 from bus.events import DecisionPublisher, read_events
 from bus.lease import Lease
 from bus.streams import ensure_event_stream
@@ -14,6 +19,8 @@ from roles.synchronizer import Synchronizer
 from sync_protocol import (
     MemberRef,
     MemberReleased,
+    RankAssignment,
+    RendezvousReady,
     ReleaseReason,
     Role,
     RoundClosed,
@@ -21,6 +28,7 @@ from sync_protocol import (
     RoundOutcome,
     SyncMethod,
     decision_identity,
+    encode_decisions,
 )
 
 EXPLORER = MemberRef(role=Role.EXPLORER, id="explorer-0", incarnation=1)
@@ -93,3 +101,52 @@ async def test_decisions_of_several_rounds_decided_together_are_one_message_in_c
     assert len({r.seq for r in records}) == 2  # two messages: the three decided together, then CLOSED
     assert {r.subject for r in records} == {conn.names.decision_log}
     assert sync.log_seq == records[-1].seq
+
+
+async def test_a_batch_over_the_servers_max_payload_goes_in_smaller_messages(nats_url, job_name):
+    """Rendezvous groups of many ranks: three decisions that together exceed the event stream's
+    max_msg_size are recorded, in order, in messages it takes; nothing is lost or doubled."""
+    cfg = parse_config({"job": job_name, "nats_url": nats_url, "synchronizer": {"sync_method": "nccl"}})
+    sync = Synchronizer(cfg, "sync-a")
+    def group(round_id: int, ranks: int) -> RendezvousReady:
+        members = tuple(RankAssignment(member=MemberRef(role=Role.EXPLORER, id=f"explorer-{i:05d}", incarnation=1),
+                                       rank_offset=1 + i, ranks=1) for i in range(ranks))
+        return RendezvousReady(round=round_id, cause_seq=round_id, method=SyncMethod.NCCL, version=round_id, epoch=1,
+                               master_addr="10.0.0.1", master_port=29500, world_size=ranks + 1, participants=members)
+
+    async with connect(nats_url, job=job_name, role="synchronizer", member="sync-a") as conn:
+        await ensure_event_stream(conn.js, conn.names)
+        limit = (await conn.js.stream_info(conn.names.event_stream)).config.max_msg_size
+        ranks = int(0.4 * limit / 70)  # ~70 bytes a participant: 0.4 of the limit a decision
+        decisions = [group(r, ranks) for r in (1, 2, 3)]
+        assert len(encode_decisions(decisions)) > limit
+        sync.conn, sync.decisions = conn, DecisionPublisher(conn)
+        sync.lease = Lease(conn, bucket=conn.names.lease_bucket, key="synchronizer", holder="sync-a#1", ttl_s=5)
+        await sync.lease.open()
+        assert await sync.lease.acquire_or_renew()
+        sync.active = sync.caught_up = True
+        for d in decisions:
+            sync.pending[decision_identity(d)] = sync._unsent[decision_identity(d)] = d
+
+        sync._send_ready()
+        while sync._in_flight is not None:  # each batch's end sends the next (bounded: 3 decisions)
+            await asyncio.wait_for(sync._in_flight, 30)
+        assert not sync.pending and sync._batch_max < 3
+
+        async with read_events(conn, from_seq=1, stop_at_end=True) as reader:
+            records = [rec async for rec in reader]
+    assert [r.event for r in records] == decisions
+    assert len({r.seq for r in records}) > 1
+
+
+async def test_one_decision_over_the_streams_limit_is_a_clear_error(nats_url, job_name):
+    async with connect(nats_url, job=job_name, role="synchronizer", member="sync-a") as conn:
+        await ensure_event_stream(conn.js, conn.names)
+        limit = (await conn.js.stream_info(conn.names.event_stream)).config.max_msg_size
+        members = tuple(RankAssignment(member=MemberRef(role=Role.EXPLORER, id=f"explorer-{i:05d}", incarnation=1),
+                                       rank_offset=1 + i, ranks=1) for i in range(limit // 50))
+        huge = RendezvousReady(round=1, cause_seq=1, method=SyncMethod.NCCL, version=1, epoch=1, master_addr="h",
+                               master_port=1, world_size=len(members) + 1, participants=members)
+        with pytest.raises(PayloadTooLarge, match="max_msg_size") as err:
+            await DecisionPublisher(conn).publish(huge, expected_last_subject_seq=0)
+    assert err.value.size > limit and "nats stream edit" in str(err.value)
