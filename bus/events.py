@@ -222,6 +222,17 @@ class DecisionPublisher:
             return None
         return ack.seq
 
+    async def last_on_log(self) -> int:
+        """The sequence of the decision log's newest message, 0 when it holds none."""
+        subject = self.conn.names.decision_log
+        try:
+            msg = await self.conn.retry(
+                lambda: self.conn.js.get_last_msg(self.conn.names.event_stream, subject),
+                what=f"read the last message on {subject}", retry_for=self.retry_for)
+        except nats.js.errors.NotFoundError:
+            return 0
+        return msg.seq
+
     async def on_subject_after(self, after_seq: int, *,
                                limit: int = 64) -> list[tuple[int, tuple[Decision, ...]]]:
         """What the decision log holds after stream sequence `after_seq`, oldest first: each

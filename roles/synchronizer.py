@@ -337,14 +337,22 @@ class Synchronizer:
         another replica, or by us before a lost ack); anything else is junk to publish after.
         What is still pending goes out next, guarded by the last message found."""
         found = await self.decisions.on_subject_after(expected)
+        if not found:
+            # Nothing after our guard, yet the guard failed: the log holds less than we knew of (its
+            # messages aged out of the stream, max_age, or were purged). Guard on what is there
+            # (never past `expected`: a message newer than that is read as above on the next try).
+            last = await self.decisions.last_on_log()
+            self.log_seq = min(last, expected)
+            self.log.warning("decision_log_shorter_than_known", expected=expected, last=last)
+            return
         junk = 0
         for seq, held in found:
             for d in held:
                 self._mark_recorded(decision_identity(d), seq)  # not sent again, even if our fold gets there later
             junk += not held
-        last = found[-1][0] if found else expected
+        last = found[-1][0]
         self.log_seq = max(self.log_seq, last)
-        if junk or not found:
+        if junk:
             self._foreign += 1
             self.log.warning("decision_log_had_foreign_message", seq=last, foreign=junk, tries=self._foreign)
             if self._foreign > _FOREIGN_RETRIES:

@@ -150,3 +150,31 @@ async def test_one_decision_over_the_streams_limit_is_a_clear_error(nats_url, jo
         with pytest.raises(PayloadTooLarge, match="max_msg_size") as err:
             await DecisionPublisher(conn).publish(huge, expected_last_subject_seq=0)
     assert err.value.size > limit and "nats stream edit" in str(err.value)
+
+
+async def test_a_decision_log_shorter_than_the_guard_knew_is_guarded_on_what_it_holds(nats_url, job_name):
+    """The log's messages aged out (max_age) or were purged: the guard names a sequence the log no
+    longer holds. The synchronizer guards on what is there and records what it decided."""
+    cfg = parse_config({"job": job_name, "nats_url": nats_url, "synchronizer": {"sync_method": "memory"}})
+    sync = Synchronizer(cfg, "sync-a")
+    async with connect(nats_url, job=job_name, role="synchronizer", member="sync-a") as conn:
+        await ensure_event_stream(conn.js, conn.names)
+        sync.conn, sync.decisions = conn, DecisionPublisher(conn)
+        sync.lease = Lease(conn, bucket=conn.names.lease_bucket, key="synchronizer", holder="sync-a#1", ttl_s=5)
+        await sync.lease.open()
+        assert await sync.lease.acquire_or_renew()
+        sync.active = sync.caught_up = True
+        sync.log_seq = await sync.decisions.publish(OPENED, expected_last_subject_seq=0)
+        await conn.js.purge_stream(conn.names.event_stream, subject=conn.names.decision_log)
+        assert await sync.decisions.last_on_log() == 0
+        for d in (RELEASED, CLOSED):
+            sync.pending[decision_identity(d)] = sync._unsent[decision_identity(d)] = d
+
+        sync._send_ready()
+        while sync._in_flight is not None:  # the guard fails once, then the batch goes (bounded)
+            await asyncio.wait_for(sync._in_flight, 30)
+        assert not sync.pending and sync._foreign == 0
+        async with read_events(conn, from_seq=1, stop_at_end=True) as reader:
+            records = [rec async for rec in reader]
+    assert [r.event for r in records] == [RELEASED, CLOSED]
+    assert sync.log_seq == records[-1].seq
