@@ -204,10 +204,11 @@ class DecisionPublisher:
             )
         except PublishRejected as exc:
             if exc.err_code in _WRONG_LAST_SEQUENCE or "wrong last sequence" in exc.description.lower():
-                # Something this replica did not know of is on the subject: maybe these very
-                # decisions from another replica, maybe junk. Only the caller can tell.
+                # The log does not end where this replica knew it did: something it did not know
+                # of is there (maybe these very decisions from another replica, maybe junk), or
+                # messages aged out. Only the caller can tell.
                 raise DecisionSuperseded(
-                    f"decision {msg_id} not stored: {subject} holds a message after seq "
+                    f"decision {msg_id} not stored: {subject} does not end at seq "
                     f"{expected_last_subject_seq} ({exc.description})",
                     subject=subject, msg_id=msg_id, code=exc.code, err_code=exc.err_code,
                     description=exc.description) from exc
