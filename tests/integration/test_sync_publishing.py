@@ -38,6 +38,15 @@ RELEASED = MemberReleased(round=1, cause_seq=5, released=EXPLORER, reason=Releas
 CLOSED = RoundClosed(round=1, cause_seq=5, outcome=RoundOutcome.COMPLETED)
 
 
+async def _make_active(sync: Synchronizer, conn) -> None:
+    """`sync` as the active, caught-up replica on `conn`: it holds the job's lease, so it sends."""
+    sync.conn, sync.decisions = conn, DecisionPublisher(conn)
+    sync.lease = Lease(conn, bucket=conn.names.lease_bucket, key="synchronizer", holder="sync-a#1", ttl_s=5)
+    await sync.lease.open()
+    assert await sync.lease.acquire_or_renew()
+    sync.active = sync.caught_up = True
+
+
 async def test_what_another_replica_recorded_is_not_sent_again_and_junk_is_published_after(nats_url, job_name):
     cfg = parse_config({"job": job_name, "nats_url": nats_url, "synchronizer": {"sync_method": "memory"}})
     sync = Synchronizer(cfg, "sync-a")
@@ -77,11 +86,7 @@ async def test_decisions_of_several_rounds_decided_together_are_one_message_in_c
     other_round = RoundClosed(round=2, cause_seq=6, outcome=RoundOutcome.COMPLETED)
     async with connect(nats_url, job=job_name, role="synchronizer", member="sync-a") as conn:
         await ensure_event_stream(conn.js, conn.names)
-        sync.conn, sync.decisions = conn, DecisionPublisher(conn)
-        sync.lease = Lease(conn, bucket=conn.names.lease_bucket, key="synchronizer", holder="sync-a#1", ttl_s=5)
-        await sync.lease.open()
-        assert await sync.lease.acquire_or_renew()
-        sync.active = sync.caught_up = True
+        await _make_active(sync, conn)
         first, later = [OPENED, other_round, RELEASED], [CLOSED]
         for d in first:
             sync.pending[decision_identity(d)] = sync._unsent[decision_identity(d)] = d
@@ -120,11 +125,7 @@ async def test_a_batch_over_the_servers_max_payload_goes_in_smaller_messages(nat
         ranks = int(0.4 * limit / 70)  # ~70 bytes a participant: 0.4 of the limit a decision
         decisions = [group(r, ranks) for r in (1, 2, 3)]
         assert len(encode_decisions(decisions)) > limit
-        sync.conn, sync.decisions = conn, DecisionPublisher(conn)
-        sync.lease = Lease(conn, bucket=conn.names.lease_bucket, key="synchronizer", holder="sync-a#1", ttl_s=5)
-        await sync.lease.open()
-        assert await sync.lease.acquire_or_renew()
-        sync.active = sync.caught_up = True
+        await _make_active(sync, conn)
         for d in decisions:
             sync.pending[decision_identity(d)] = sync._unsent[decision_identity(d)] = d
 
@@ -159,11 +160,7 @@ async def test_a_decision_log_shorter_than_the_guard_knew_is_guarded_on_what_it_
     sync = Synchronizer(cfg, "sync-a")
     async with connect(nats_url, job=job_name, role="synchronizer", member="sync-a") as conn:
         await ensure_event_stream(conn.js, conn.names)
-        sync.conn, sync.decisions = conn, DecisionPublisher(conn)
-        sync.lease = Lease(conn, bucket=conn.names.lease_bucket, key="synchronizer", holder="sync-a#1", ttl_s=5)
-        await sync.lease.open()
-        assert await sync.lease.acquire_or_renew()
-        sync.active = sync.caught_up = True
+        await _make_active(sync, conn)
         sync.log_seq = await sync.decisions.publish(OPENED, expected_last_subject_seq=0)
         await conn.js.purge_stream(conn.names.event_stream, subject=conn.names.decision_log)
         assert await sync.decisions.last_on_log() == 0
