@@ -6,7 +6,10 @@ Two variants of the same job are folded back to back: `memory` (object-store pul
 the explorers ask before the trainer publishes and wait, half after and are released at once) and
 `nccl` (rendezvous: the trainer and all explorers meet every step, then everyone reports). Events are
 built (and validated) before timing; only `fold` is timed. The best of `--repeat` runs is the
-headline (other processes share the CPU); the median is printed too. The last line is JSON.
+headline (other processes share the CPU); the median is printed too. The same events are also
+encoded once and decoded (`decode_all`, the codec's whole validation) `--repeat` times: every reader
+of the stream (the synchronizer, each member's view, replay) pays that per record before folding.
+The last line is JSON.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from sync_protocol import (
     WeightsLoaded,
     fold,
 )
+from sync_protocol.codec import decode_all, encode
 
 __all__ = ["build_job", "main"]
 
@@ -137,6 +141,13 @@ def _time_fold(records: list[Recorded]) -> tuple[float, int]:
     return elapsed, len(decisions)
 
 
+def _time_decode(payloads: list[bytes]) -> float:
+    start = time.perf_counter()
+    for payload in payloads:
+        decode_all(payload)
+    return time.perf_counter() - start
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--explorers", type=int, default=64)
@@ -164,6 +175,10 @@ def main(argv: list[str] | None = None) -> dict:
     best = min(runs)
     for name, times in per_variant.items():
         print(f"  {name:>6}: best {len(jobs[name]) / min(times):,.0f} events/s")
+    payloads = [encode(rec.event) for records in jobs.values() for rec in records]
+    decode_times = [_time_decode(payloads) for _ in range(args.repeat)]
+    print(f"  decode: best {len(payloads) / min(decode_times):,.0f} events/s "
+          f"({sum(map(len, payloads)) / len(payloads):.0f} bytes each on average)")
     result = {
         "events": events,
         "decisions": decisions,
@@ -171,6 +186,7 @@ def main(argv: list[str] | None = None) -> dict:
         "events_per_s": round(events / best),
         "median_events_per_s": round(events / statistics.median(runs)),
         "variants": {name: round(len(jobs[name]) / min(times)) for name, times in per_variant.items()},
+        "decode_events_per_s": round(len(payloads) / min(decode_times)),
         "explorers": args.explorers,
         "steps": args.steps,
     }

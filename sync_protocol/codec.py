@@ -22,7 +22,7 @@ import msgpack
 
 from .config import SyncConfig
 from .errors import DecodeError
-from .events import KINDS, Decision, Event, MemberRef, RankAssignment
+from .events import KINDS, Decision, Event, MemberRef, RankAssignment, is_map
 
 __all__ = ["SCHEMA_VERSION", "BATCH_KIND", "MAX_BATCH", "encode", "encode_decisions", "decode", "decode_all",
            "to_plain", "from_plain"]
@@ -72,9 +72,15 @@ def encode(event: Event | Decision) -> bytes:
     return msgpack.packb(to_plain(event), use_bin_type=True)
 
 
+# The keys a message of each kind may hold: its fields, its schema and its kind.
+_ALLOWED_KEYS: dict[str, frozenset[str]] = {
+    kind: frozenset(name for name, _ in cls._specs) | {"schema", "kind"} for kind, cls in KINDS.items()
+}
+
+
 def from_plain(data: Any) -> Event | Decision:
     """Build an event from a plain map, or raise `DecodeError` saying what is wrong."""
-    if not isinstance(data, Mapping):
+    if not is_map(data):
         raise DecodeError(f"an event must be a map, got {type(data).__name__}")
     schema = data.get("schema")
     if isinstance(schema, bool) or not isinstance(schema, int):
@@ -90,11 +96,12 @@ def from_plain(data: Any) -> Event | Decision:
     cls = KINDS.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise DecodeError(f"unknown event kind {kind!r}; known: {sorted(KINDS)}")
-    known = {name for name, _ in cls._specs}
-    unknown = [k for k in data if k not in known and k not in ("schema", "kind")]
-    if unknown:
+    allowed = _ALLOWED_KEYS[kind]
+    if not allowed.issuperset(data.keys()):
+        unknown = [k for k in data if k not in allowed]
         raise DecodeError(f"{kind}: unknown field(s) {sorted(map(str, unknown))}")
-    kwargs = {k: v for k, v in data.items() if k in known}
+    kwargs = dict(data)  # every event is decoded on every reader's hot path: copy, drop two keys
+    del kwargs["schema"], kwargs["kind"]
     try:
         return cls(**kwargs)
     except DecodeError as exc:
@@ -132,7 +139,7 @@ def decode(payload: bytes) -> Event | Decision:
     """Parse one wire message holding one event or decision (or raise `DecodeError`; a decision
     batch is refused here: read stream messages with `decode_all`)."""
     data = _unpack(payload)
-    if isinstance(data, Mapping) and data.get("kind") == BATCH_KIND:
+    if is_map(data) and data.get("kind") == BATCH_KIND:
         raise DecodeError("a batch of decisions where one event or decision was expected (use decode_all)")
     return from_plain(data)
 
@@ -141,7 +148,7 @@ def decode_all(payload: bytes) -> tuple[Event | Decision, ...]:
     """Parse one stream message into what it holds: one event, one decision, or the decisions of a
     batch in recorded order (or raise `DecodeError` saying what is wrong)."""
     data = _unpack(payload)
-    if not (isinstance(data, Mapping) and data.get("kind") == BATCH_KIND):
+    if not (is_map(data) and data.get("kind") == BATCH_KIND):
         return (from_plain(data),)
     schema = data.get("schema")
     if isinstance(schema, bool) or not isinstance(schema, int) or not 3 <= schema <= SCHEMA_VERSION:
