@@ -734,6 +734,22 @@ class EventReader:
             self._ready.extend(await self._accept(self._buf.popleft()))
         return bool(self._ready)
 
+    async def next_burst(self, limit: int = 256) -> list[Recorded]:
+        """The next record (waiting for it as iteration does) and every record already delivered
+        after it, up to `limit`, in order; [] when the reader has ended.
+
+        For a consumer that folds: decoding a burst and then folding it costs about half the CPU
+        per record of alternating the two (measured by `benchmarks.reader_cost`): each loop keeps
+        its own code and data hot instead of evicting the other's at every record."""
+        try:
+            burst = [await self.__anext__()]
+        except StopAsyncIteration:
+            return []
+        ready = self._ready
+        while len(burst) < limit and (ready or await self.record_ready()):
+            burst.append(ready.popleft())
+        return burst
+
     # -- iteration -------------------------------------------------------------------------------
 
     def __aiter__(self) -> "EventReader":

@@ -138,28 +138,25 @@ class JobView:
 
     async def _follow(self, from_seq: int = 1) -> None:
         stopped = "it was closed"
-        folded = 0  # records folded since the waiters were last answered
         try:
             async with read_events(self._conn, from_seq=from_seq, include_decisions=True) as reader:
-                async for rec in reader:
-                    if isinstance(rec.event, Decision):
-                        self.decisions.append(rec)
-                    else:
-                        self.inputs_seen += 1
-                        if isinstance(rec.event, WeightsBroadcast):
-                            self.broadcast_version = max(self.broadcast_version, rec.event.version)
-                        # Illegal inputs are skipped exactly as the synchronizer skips them.
-                        self.state, _, error = reduce_lenient(self.state, rec)
-                        if error is not None:
-                            self._log.debug("view_skipped_event", seq=rec.seq, reason=str(error))
-                        elif _may_change_membership(rec.event):
-                            self._note_absences()
-                            self._membership_moved = True
-                    self.last_seq = rec.seq
-                    folded += 1
-                    if folded < _BURST_MAX and await reader.record_ready():
-                        continue  # fold the rest of the burst before answering anyone
-                    folded = 0
+                # fold a burst (what is already delivered, up to _BURST_MAX) before answering anyone
+                while burst := await reader.next_burst(_BURST_MAX):
+                    for rec in burst:
+                        if isinstance(rec.event, Decision):
+                            self.decisions.append(rec)
+                        else:
+                            self.inputs_seen += 1
+                            if isinstance(rec.event, WeightsBroadcast):
+                                self.broadcast_version = max(self.broadcast_version, rec.event.version)
+                            # Illegal inputs are skipped exactly as the synchronizer skips them.
+                            self.state, _, error = reduce_lenient(self.state, rec)
+                            if error is not None:
+                                self._log.debug("view_skipped_event", seq=rec.seq, reason=str(error))
+                            elif _may_change_membership(rec.event):
+                                self._note_absences()
+                                self._membership_moved = True
+                        self.last_seq = rec.seq
                     self._answer_waiters()
         except Exception as exc:
             stopped = str(exc)

@@ -229,10 +229,11 @@ class Synchronizer:
     async def _follow(self, from_seq: int, end: int) -> None:
         """Fold the stream live; after each burst, send what it decided; stop when the job is done."""
         async with read_events(self.conn, from_seq=from_seq, include_decisions=True, known=self._own) as reader:
-            async for rec in reader:
-                self._on_record(rec)
-                if not self.caught_up and rec.seq >= end:
-                    self._mark_caught_up()
+            while burst := await reader.next_burst():
+                for rec in burst:
+                    self._on_record(rec)
+                    if not self.caught_up and rec.seq >= end:
+                        self._mark_caught_up()
                 if await reader.record_ready():
                     continue  # fold what is already here first; send for all of it at once
                 self._send_ready()

@@ -300,6 +300,51 @@ async def test_record_ready_is_false_when_what_is_delivered_is_only_junk(conn):
     assert [first.event, second.event, third.event] == good
 
 
+async def test_next_burst_returns_what_is_delivered_in_order_up_to_its_limit(conn):
+    """A burst is the next record plus every record already delivered (junk skipped), at most
+    `limit`; the rest waits for the next burst; a live reader's next burst waits for a record."""
+    pub = EventPublisher(conn, TRAINER)
+    events = [StepFinished(member=TRAINER, step=s, version=0) for s in range(5)]
+    for event in events[:4]:
+        await pub.publish(event)
+    await conn.js.publish(conn.names.event("trainer", "t0", "step_finished"), b"\xc1 junk")
+    async with read_events(conn) as reader:
+        first = await asyncio.wait_for(reader.next_burst(limit=3), 5)
+        assert 1 <= len(first) <= 3 and [r.event for r in first] == events[:len(first)]
+        # the rest of what was stored (events and the junk) reaches the reader's buffer
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 5
+        while len(reader._buf) < 5 - len(first):
+            assert loop.time() < deadline, f"only {len(reader._buf)} messages delivered"
+            await asyncio.sleep(0.01)
+        second = await asyncio.wait_for(reader.next_burst(limit=3), 5)
+        # everything delivered, up to the limit; the junk at the end is no record
+        assert [r.event for r in second] == events[len(first):min(len(first) + 3, 4)]
+        if len(first) + len(second) < 4:
+            second += await asyncio.wait_for(reader.next_burst(limit=3), 5)
+        assert [r.event for r in first + second] == events[:4]
+        assert not await asyncio.wait_for(reader.record_ready(), 5)  # only the junk was left
+        assert reader.malformed == 1
+        waiting = asyncio.ensure_future(reader.next_burst(limit=3))
+        await pub.publish(events[4])
+        third = await asyncio.wait_for(waiting, 5)
+    assert [r.event for r in third] == events[4:]
+    assert [r.seq for r in first + second + third] == sorted(r.seq for r in first + second + third)
+
+
+async def test_next_burst_is_empty_when_the_reader_ends(conn):
+    pub = EventPublisher(conn, TRAINER)
+    events = _some_events()[:3]
+    for event in events:
+        await pub.publish(event)
+    async with read_events(conn, stop_at_end=True) as reader:
+        bursts = []
+        while burst := await asyncio.wait_for(reader.next_burst(), 5):
+            bursts.append(burst)
+    assert [r.event for burst in bursts for r in burst] == events
+    assert await reader.next_burst() == []  # closed: stays ended
+
+
 async def test_a_live_reader_whose_consumer_is_deleted_goes_on_after_the_last_record(conn):
     """The server answers the outstanding pull request with 409 "consumer deleted": the reader
     makes a new consumer just after what it has and keeps following, nothing skipped or repeated."""
