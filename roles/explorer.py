@@ -206,7 +206,7 @@ class Explorer:
         def about_me(d):
             if isinstance(d, MemberReleased) and d.released == me:
                 return d
-            if isinstance(d, RendezvousReady) and any(p.member == me for p in d.participants):
+            if isinstance(d, RendezvousReady) and d.assignment_of(me) is not None:
                 return d
             return None
 

@@ -258,8 +258,9 @@ class _Validated:
 
 
 def _register(cls):
+    # the wire fields: a field with init=False is derived from them (an index), never sent
     cls._specs = tuple((f.name, _CHECKERS[f.type if isinstance(f.type, str) else f.type.__name__])
-                       for f in fields(cls))
+                       for f in fields(cls) if f.init)
     return cls
 
 
@@ -450,6 +451,21 @@ class RendezvousReady(Decision):
     master_port: int
     world_size: int
     participants: tuple[RankAssignment, ...]
+    # member -> its assignment. Every receiver looks itself up, and a view serving many members
+    # (one process driving several, the benchmark's 65) would scan the list once per member:
+    # built once per decision instead.
+    _assignments: Mapping[MemberRef, RankAssignment] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _Validated.__post_init__(self)  # (zero-argument super() fails in a slots dataclass)
+        index: dict[MemberRef, RankAssignment] = {}
+        for p in self.participants:
+            index.setdefault(p.member, p)  # the first, as a scan of the list would find
+        object.__setattr__(self, "_assignments", index)
+
+    def assignment_of(self, member: MemberRef) -> RankAssignment | None:
+        """`member`'s place in the group (this exact incarnation), or None if it is not in it."""
+        return self._assignments.get(member)
 
 
 @_register

@@ -976,7 +976,7 @@ def _describe(event: Event | Decision) -> str:
     shown = [
         f"{f.name}={_show(getattr(event, f.name))}"
         for f in fields(event)
-        if f.name != "member" and getattr(event, f.name) != _default_of(f)
+        if f.init and f.name != "member" and getattr(event, f.name) != _default_of(f)
     ]
     return f"{type(event).__name__}({', '.join(shown)})"
 

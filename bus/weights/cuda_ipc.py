@@ -227,7 +227,7 @@ class CudaIpcTransport:
         if self._recv_handles is None:
             raise TransferError("this CudaIpcTransport was built without recv_handles (trainer side)")
         _check_method(ready)
-        if not any(p.member == me for p in ready.participants):
+        if ready.assignment_of(me) is None:
             raise TransferError(f"{me} is not a participant of round {ready.round}")
         async with self._lock:
             try:

@@ -498,7 +498,7 @@ class TorchDistTransport:
         """
         self._check_open()
         _check_ready(ready)
-        assignment = next((p for p in ready.participants if p.member == me), None)
+        assignment = ready.assignment_of(me)
         if assignment is None:
             raise TransferError(f"{me} is not a participant of round {ready.round}")
         dests = [into, *also_into]

@@ -337,3 +337,26 @@ def test_a_member_decoded_before_does_not_let_a_lookalike_incarnation_through():
     for _ in range(2):  # refused every time, not cached
         with pytest.raises(DecodeError, match="non-empty"):
             decode(msgpack.packb(empty))
+
+
+def test_a_rendezvous_finds_each_participant_by_member_and_sends_only_its_fields():
+    ready = next(s for s in SAMPLES if isinstance(s, RendezvousReady))
+    other = MemberRef(role=Role.EXPLORER, id="x", incarnation=0)
+    assert ready.assignment_of(E) == RankAssignment(member=E, rank_offset=1, ranks=4)
+    assert ready.assignment_of(other).rank_offset == 5
+    # another incarnation of a participant is not in the group; nor is a stranger
+    assert ready.assignment_of(MemberRef(role=Role.EXPLORER, id="x", incarnation=1)) is None
+    assert ready.assignment_of(MemberRef(role=Role.TRAINER, id="x", incarnation=0)) is None
+    # the index is derived, not sent: the wire holds the declared fields only, and a decoded copy
+    # (which builds its own index) finds the same assignments
+    assert "_assignments" not in to_plain(ready)
+    copy = decode(encode(ready))
+    assert copy == ready and copy.assignment_of(E) == ready.assignment_of(E)
+
+
+def test_a_member_listed_twice_is_found_at_its_first_place_as_a_scan_would():
+    twice = RendezvousReady(round=1, cause_seq=2, method=SyncMethod.NCCL, version=1, epoch=1,
+                            master_addr="h", master_port=1, world_size=4,
+                            participants=(RankAssignment(member=E, rank_offset=1, ranks=1),
+                                          RankAssignment(member=E, rank_offset=2, ranks=2)))
+    assert twice.assignment_of(E).rank_offset == 1
