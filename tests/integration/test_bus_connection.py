@@ -1,4 +1,5 @@
-"""bus.connection and bus.streams against a real nats-server: naming, failing fast, closing, stream checks."""
+"""bus.connection and bus.streams against a real nats-server: naming, failing fast, closing, ack
+deadlines, stream checks."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import urllib.request
 import pytest
 
 from bus.connection import connect
-from bus.errors import BusClosed, BusUnavailable, StreamMismatch
+from bus.errors import BusClosed, BusUnavailable, PublishFailed, StreamMismatch
 from bus.server import free_port
 from bus.streams import ensure_event_stream, ensure_experience_stream
 from nats.js.api import RetentionPolicy, StorageType
+from sync_protocol import Role
 
 
 def _connz(monitor_url: str) -> dict:
@@ -94,3 +96,26 @@ async def test_stream_mismatch_names_the_field_and_both_values(nats_url, job_nam
     assert [d[0] for d in err.differences] == ["max_age (s)"]
     assert "max_age" in str(err) and "604800" in str(err) and "3600" in str(err)
     assert "nats stream rm" in str(err)
+
+
+async def test_an_unacknowledged_publish_fails_at_its_own_deadline_while_a_longer_one_waits(nats_url, job_name):
+    """Acks expire by deadline, one timer for the connection: a publish nobody acknowledges fails
+    with PublishFailed after its ack_timeout (and retries) even while an earlier publish with a far
+    later deadline still waits, and the connection's next publishes are acked as usual."""
+    async with connect(nats_url, job=job_name, role="trainer", member="t0") as conn:
+        await ensure_event_stream(conn.js, conn.names)
+        silent = f"{job_name}.silent"  # a plain subscriber takes these and never answers
+        listener = await conn.nc.subscribe(silent)
+        patient = asyncio.ensure_future(conn.publish_acked(silent, b"first", ack_timeout=600, retry_for=600))
+        await listener.next_msg(timeout=10)  # sent: its deadline, ten minutes away, is armed
+        started = time.monotonic()
+        with pytest.raises(PublishFailed, match="no acknowledgement"):
+            await conn.publish_acked(silent, b"second", ack_timeout=0.2, retry_for=0.5)
+        assert time.monotonic() - started < 60  # its own deadline, not the patient one's
+        assert not patient.done()
+        subject = conn.names.event(Role.TRAINER, "t0", "step_finished")
+        ack = await conn.publish_acked(subject, b"recorded", ack_timeout=10)
+        assert ack.seq >= 1 and ack.stream == conn.names.event_stream
+        patient.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await patient
