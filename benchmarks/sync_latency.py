@@ -206,7 +206,7 @@ class _Members:
     # -- memory: pull rounds ----------------------------------------------------------------------
     async def pull_round(self, version: int) -> None:
         early = self.explorers[0::2] if len(self.explorers) > 1 else self.explorers
-        late = [s for s in self.explorers if s not in early]
+        late = self.explorers[1::2] if len(self.explorers) > 1 else []
         asked = asyncio.Event()
         requested: list[int] = []
 
@@ -249,7 +249,7 @@ class _Members:
             me = s.me
             # the trainer sends to every participant (it is not one of them); an explorer is one
             d = await self.wait(s, seq, lambda d: isinstance(d, RendezvousReady)
-                                and (is_trainer or any(p.member == me for p in d.participants)))
+                                and (is_trainer or d.assignment_of(me) is not None))
             s.status = RunningStatus.RUNNING
             if is_trainer:
                 await s.publish(WeightsBroadcast(member=me, version=d.version, round=d.round, nbytes=0, seconds=0.0))

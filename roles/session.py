@@ -185,14 +185,19 @@ class JobView:
             return value
         if self._task is not None and self._task.done():
             raise _stopped_following("it was closed" if self._task.cancelled() else str(self._task.exception()), what)
-        entry = (predicate, asyncio.get_running_loop().create_future(), what)
+        loop = asyncio.get_running_loop()
+        entry = (predicate, loop.create_future(), what)
         waiters = self._membership_waiters if membership_only else self._waiters
         waiters.append(entry)
+        # A timer on the future itself, not asyncio.wait_for (a second future and two callbacks:
+        # ~8 µs a wait, and a member waits for every decision)
+        timer = None if timeout is None else loop.call_later(
+            timeout, _time_out, entry[1], f"timed out after {timeout} s waiting for {what}")
         try:
-            return await asyncio.wait_for(entry[1], timeout)
-        except asyncio.TimeoutError:
-            raise TimeoutError(f"timed out after {timeout} s waiting for {what}") from None
+            return await entry[1]
         finally:
+            if timer is not None:
+                timer.cancel()
             # not the list appended to above: _answer_waiters replaces the lists with those still waiting
             waiters = self._membership_waiters if membership_only else self._waiters
             try:
@@ -278,6 +283,11 @@ def _answer(waiters: list, view: "JobView", stopped: str | None) -> list:
     return waiting
 
 
+def _time_out(future: asyncio.Future, message: str) -> None:
+    if not future.done():
+        future.set_exception(TimeoutError(message))
+
+
 def _seq_of(rec: Recorded) -> int:
     return rec.seq
 
@@ -308,10 +318,16 @@ class MemberSession:
     _stack: AsyncExitStack | None = None
     _heartbeat_task: asyncio.Task | None = None
     _rejoin_task: asyncio.Task | None = None
+    _me: MemberRef | None = field(default=None, repr=False, compare=False)
 
     @property
     def me(self) -> MemberRef:
-        return MemberRef(role=self.role, id=self.member_id, incarnation=self.incarnation)
+        """Who we are now. Built again only when the incarnation changed (a rejoin): every event
+        we publish and every decision we look for asks."""
+        ref = self._me
+        if ref is None or ref.incarnation != self.incarnation or ref.id != self.member_id or ref.role is not self.role:
+            ref = self._me = MemberRef(role=self.role, id=self.member_id, incarnation=self.incarnation)
+        return ref
 
     @property
     def key(self) -> str:

@@ -1,10 +1,13 @@
 """`JobView.first_decision`: a member's wait for the decision about it looks at each recorded
 decision once, however many bursts it spans (64 waiting explorers are not walked through every
-decision since their request at every burst), and only at decisions after its request."""
+decision since their request at every burst), and only at decisions after its request; a wait
+times out naming what it waited for, and a wait answered or cancelled leaves no waiter behind."""
 
 from __future__ import annotations
 
 import asyncio
+
+import pytest
 
 from roles.session import JobView
 from sync_protocol import (
@@ -78,3 +81,39 @@ async def test_a_membership_waiter_is_asked_only_after_a_join_stop_or_expiry_was
     view._membership_moved = True  # a burst that folded an expiry
     view._answer_waiters()
     assert await waiting is True and len(asked) == 2
+
+
+async def _registered(view: JobView, predicate, **wait_args) -> asyncio.Future:
+    """Start `view.wait_for(predicate)` and return once it waits (its first check ran)."""
+    checked = asyncio.Event()
+
+    def checking(v):
+        checked.set()
+        return predicate(v)
+
+    waiting = asyncio.ensure_future(view.wait_for(checking, **wait_args))
+    await asyncio.wait_for(checked.wait(), 5)
+    return waiting
+
+
+async def test_a_wait_that_times_out_names_what_it_waited_for_and_leaves_no_waiter():
+    view = JobView(conn=None)
+    with pytest.raises(TimeoutError, match=r"timed out after 0.05 s waiting for the trainer's version 7"):
+        await view.wait_for(lambda v: None, timeout=0.05, what="the trainer's version 7")
+    assert view._waiters == []
+
+
+async def test_an_answered_wait_returns_the_value_and_a_cancelled_one_leaves_no_waiter():
+    view = JobView(conn=None)
+    answer: dict = {}
+    answered = await _registered(view, lambda v: answer.get("value"), timeout=30, what="an answer")
+    cancelled = await _registered(view, lambda v: None, timeout=30, what="nothing")
+    assert len(view._waiters) == 2
+    answer["value"] = "released"
+    view._answer_waiters()
+    assert await asyncio.wait_for(answered, 5) == "released"
+    cancelled.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    assert view._waiters == []
+    view._answer_waiters()  # nothing left to answer: no error from the cancelled one
