@@ -33,6 +33,7 @@ from sync_protocol import (
     SyncFailed,
     VersionPublished,
     WeightsBroadcast,
+    WeightsLoaded,
 )
 
 pytestmark = pytest.mark.e2e
@@ -226,23 +227,43 @@ async def test_peer_dies_mid_broadcast_nccl(tmp_path):
         job.start_all()
         victim, survivor = "explorer-1", "explorer-0"
 
-        # after one completed round with everyone, catch the victim's next REQUIRE_SYNC
-        def second_request(recs):
-            closed = [r for r in of_kind(recs, RoundClosed) if r.event.outcome.value == "completed"]
-            if not closed:
-                return None
-            return [r for r in of_kind(recs, StatusChanged, member=victim)
-                    if r.seq > closed[0].seq and r.event.status is RunningStatus.REQUIRE_SYNC]
-        await job.wait_for(second_request, timeout=90, what=f"{victim} asking for its second sync")
-        job.current(victim).send_signal(signal.SIGSTOP)  # frozen: it cannot take part any more
-        try:
-            ready = await job.wait_for(
-                lambda recs: [r for r in of_kind(recs, RendezvousReady)
-                              if victim in {p.member.id for p in r.event.participants}
-                              and r.seq > second_request(recs)[0].seq],
-                timeout=60, what=f"a RendezvousReady with the frozen {victim}")
-        finally:
-            killed_ms = job.kill9(victim)
+        def completed_rounds(recs):
+            return [r for r in of_kind(recs, RoundClosed) if r.event.outcome.value == "completed"]
+
+        def request_after(seq):
+            def requested(recs):
+                return [r for r in of_kind(recs, StatusChanged, member=victim)
+                        if r.seq > seq and r.event.status is RunningStatus.REQUIRE_SYNC]
+            return requested
+
+        # After one completed round with everyone, freeze the victim at its next REQUIRE_SYNC. The
+        # freeze follows the record: where the group forms at once and the transfer is quick, a
+        # test process held off the CPU may freeze it only after it took part. Then the round
+        # completed with it: let it go on and freeze it at its next request.
+        first = await job.wait_for(completed_rounds, timeout=90, what="a completed round")
+        after = first[0].seq
+        for _ in range(3):
+            request = (await job.wait_for(request_after(after), timeout=90,
+                                          what=f"{victim} asking for a sync after seq {after}"))[0]
+            job.current(victim).send_signal(signal.SIGSTOP)  # frozen: it cannot take part any more
+            try:
+                ready = await job.wait_for(
+                    lambda recs: [r for r in of_kind(recs, RendezvousReady)
+                                  if victim in {p.member.id for p in r.event.participants} and r.seq > request.seq],
+                    timeout=60, what=f"a RendezvousReady with the frozen {victim}")
+                await job.stream_caught_up()
+                took_part = [r for r in of_kind(job.records, WeightsLoaded, member=victim)
+                             if r.event.round == ready[0].event.round]
+            except BaseException:
+                job.kill9(victim)
+                raise
+            if not took_part:
+                break
+            job.current(victim).send_signal(signal.SIGCONT)  # too late: try its next request
+            after = took_part[0].seq
+        else:
+            raise AssertionError(f"{victim} finished each of 3 rounds before it could be frozen")
+        killed_ms = job.kill9(victim)
         doomed = ready[0].event
         closed = await job.wait_for(
             lambda recs: [r for r in of_kind(recs, RoundClosed) if r.event.round == doomed.round],
