@@ -17,8 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from roles.config import load_config  # noqa: E402
-from roles.engines import make_rollout_engine, make_taskset, make_train_engine  # noqa: E402
+from rolectl.roles.config import load_config  # noqa: E402
+from rolectl.roles.engines import make_rollout_engine, make_taskset, make_train_engine  # noqa: E402
 
 __all__ = ["main"]
 

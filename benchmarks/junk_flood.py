@@ -20,14 +20,14 @@ import json
 import random
 import time
 
-from bus.connection import connect
-from bus.events import publish_heartbeat, read_events, subscribe_heartbeats
-from bus.logging import setup_logging
-from bus.server import NatsServer
-from bus.streams import ensure_event_stream
-from sync_protocol import Decision, MemberRef, RunningStatus, StepFinished, SyncMethod, VersionPublished, encode
-from sync_protocol.reducer import reduce_lenient
-from sync_protocol.state import State
+from rolectl.bus.connection import connect
+from rolectl.bus.events import publish_heartbeat, read_events, subscribe_heartbeats
+from rolectl.bus.logging import setup_logging
+from rolectl.bus.server import NatsServer
+from rolectl.bus.streams import ensure_event_stream
+from rolectl.sync_protocol import Decision, MemberRef, RunningStatus, StepFinished, SyncMethod, VersionPublished, encode
+from rolectl.sync_protocol.reducer import reduce_lenient
+from rolectl.sync_protocol.state import State
 
 __all__ = ["main"]
 

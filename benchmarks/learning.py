@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from roles.engines.tiny import TinyConfig, TinyRolloutEngine, TinyTrainEngine, build_task_set  # noqa: E402
+from rolectl.roles.engines.tiny import TinyConfig, TinyRolloutEngine, TinyTrainEngine, build_task_set  # noqa: E402
 
 __all__ = ["simulate", "main"]
 

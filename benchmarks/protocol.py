@@ -19,7 +19,7 @@ import json
 import statistics
 import time
 
-from sync_protocol import (
+from rolectl.sync_protocol import (
     JobConfigured,
     MemberJoined,
     MemberRef,
@@ -36,7 +36,7 @@ from sync_protocol import (
     WeightsLoaded,
     fold,
 )
-from sync_protocol.codec import decode_all, encode
+from rolectl.sync_protocol.codec import decode_all, encode
 
 __all__ = ["build_job", "main"]
 

@@ -28,13 +28,13 @@ import resource
 import tempfile
 from pathlib import Path
 
-from bus.connection import connect
-from bus.events import EventPublisher, read_events
-from bus.server import NatsServer
-from bus.streams import ensure_event_stream
+from rolectl.bus.connection import connect
+from rolectl.bus.events import EventPublisher, read_events
+from rolectl.bus.server import NatsServer
+from rolectl.bus.streams import ensure_event_stream
 from benchmarks.protocol import build_job
-from sync_protocol import State
-from sync_protocol.reducer import reduce_lenient
+from rolectl.sync_protocol import State
+from rolectl.sync_protocol.reducer import reduce_lenient
 
 _IN_FLIGHT = 256  # publishes outstanding at once: sent in order on one connection, stored in order
 

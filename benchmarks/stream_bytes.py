@@ -22,13 +22,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from bus.connection import connect
-from bus.events import read_all
-from bus.experiences import ExperienceBatch, encode_batch
-from bus.server import NatsServer
-from roles.config import load_config
-from roles.engines import make_rollout_engine, make_taskset
-from sync_protocol import encode
+from rolectl.bus.connection import connect
+from rolectl.bus.events import read_all
+from rolectl.bus.experiences import ExperienceBatch, encode_batch
+from rolectl.bus.server import NatsServer
+from rolectl.roles.config import load_config
+from rolectl.roles.engines import make_rollout_engine, make_taskset
+from rolectl.sync_protocol import encode
 
 __all__ = ["main"]
 
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
             for role, member in members:
                 log = open(Path(tmp) / f"{member}.log", "wb")
                 procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "roles.cli", "start", role, "--config", str(config),
+                    [sys.executable, "-m", "rolectl.roles.cli", "start", role, "--config", str(config),
                      "--nats", server.url, "--id", member],
                     cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1")))
             started = time.monotonic()

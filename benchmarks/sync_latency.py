@@ -48,15 +48,15 @@ from pathlib import Path
 import structlog
 import yaml
 
-from bus.connection import BusConnection, connect
-from bus.events import EventPublisher, EventReader, _delivery, last_sequence
-from bus.logging import setup_logging
-from bus.server import NatsServer
-from bus.snapshots import SnapshotStore
-from bus.streams import ensure_event_stream, ensure_experience_stream
-from roles.config import load_config
-from roles.session import JobView, MemberSession, stop_task
-from sync_protocol import (
+from rolectl.bus.connection import BusConnection, connect
+from rolectl.bus.events import EventPublisher, EventReader, _delivery, last_sequence
+from rolectl.bus.logging import setup_logging
+from rolectl.bus.server import NatsServer
+from rolectl.bus.snapshots import SnapshotStore
+from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream
+from rolectl.roles.config import load_config
+from rolectl.roles.session import JobView, MemberSession, stop_task
+from rolectl.sync_protocol import (
     Decision,
     MemberJoined,
     MemberReleased,
@@ -72,7 +72,7 @@ from sync_protocol import (
     WeightsLoaded,
     encode,
 )
-from sync_protocol.reducer import reduce
+from rolectl.sync_protocol.reducer import reduce
 
 ROOT = Path(__file__).resolve().parents[1]
 WARMUP_ROUNDS = 3
@@ -101,7 +101,7 @@ def _start_synchronizer(config: Path, url: str, log: Path) -> subprocess.Popen:
     profile = os.environ.get("SYNC_LATENCY_PROFILE")
     wrap = ["-m", "cProfile", "-o", str(Path(profile) / f"{config.stem}.prof")] if profile else []
     return subprocess.Popen(
-        [sys.executable, *wrap, "-m", "roles.cli", "start", "sync", "--config", str(config), "--nats", url,
+        [sys.executable, *wrap, "-m", "rolectl.roles.cli", "start", "sync", "--config", str(config), "--nats", url,
          "--keep-running"],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(log, "ab"),
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -381,7 +381,7 @@ def _synthetic_history(events: int, explorers: int = 8):
     cause (what a synchronizer would have recorded), and the reducer snapshot the previous
     synchronizer would have left (`snapshot_every` = 10^4: on average 5,000 records before the end)."""
     from benchmarks.protocol import build_job
-    from sync_protocol.state import State
+    from rolectl.sync_protocol.state import State
 
     inputs_wanted = max(50, events // 2)  # this job records about one decision per input
     steps = max(2, inputs_wanted // (3 * explorers + 2) + 2)

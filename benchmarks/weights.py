@@ -108,7 +108,7 @@ def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
 
 def _flat_bytes(tensors: dict[str, torch.Tensor]) -> memoryview:
     """The state dict's bytes as one buffer (for the limit measurements)."""
-    from bus.weights.format import SourceBytes
+    from rolectl.bus.weights.format import SourceBytes
 
     source = SourceBytes(tensors)
     buf = torch.empty(source.nbytes, dtype=torch.uint8)
@@ -245,11 +245,11 @@ async def measure_limits(ctx: "BenchContext", *, stock: bool = True) -> None:
 async def _object_store_worker(spec: dict) -> tuple[Any, Callable[[], Awaitable[None]]]:
     import nats
 
-    from bus.weights.object_store import ObjectStoreTransport
+    from rolectl.bus.weights.object_store import ObjectStoreTransport
 
     options = {}
     if spec.get("security"):  # TLS + nkey identity (the secured object store bench)
-        from bus.security import ClientSecurity
+        from rolectl.bus.security import ClientSecurity
 
         options = ClientSecurity(**spec["security"]).connect_options(spec["job"])
     nc = await nats.connect(spec["url"], **options)
@@ -263,7 +263,7 @@ async def _object_store_worker(spec: dict) -> tuple[Any, Callable[[], Awaitable[
 
 
 async def _checkpoint_worker(spec: dict) -> tuple[Any, Callable[[], Awaitable[None]]]:
-    from bus.weights.checkpoint import CheckpointTransport
+    from rolectl.bus.weights.checkpoint import CheckpointTransport
 
     transport = CheckpointTransport(spec["root"])
     return transport, transport.aclose
@@ -286,7 +286,7 @@ def _rss_kib(field_name: str) -> int:
 
 async def _worker_main(spec: dict) -> None:
     """An explorer: build the transport, then for each `fetch` line on stdin fetch and report."""
-    from bus.weights.base import WeightsRef
+    from rolectl.bus.weights.base import WeightsRef
 
     transport, close = await WORKER_FACTORIES[spec["factory"]](spec)
     print(json.dumps({"ready": True}), flush=True)
@@ -430,7 +430,7 @@ async def bench_pull(ctx: BenchContext, transport, worker_spec: dict, limit_key:
 async def _bench_object_store(ctx: BenchContext, storage: str) -> dict:
     import nats
 
-    from bus.weights.object_store import ObjectStoreTransport
+    from rolectl.bus.weights.object_store import ObjectStoreTransport
 
     job = f"bench-{storage}"
     nc = await nats.connect(ctx.url)
@@ -462,9 +462,9 @@ async def bench_object_store_secure(ctx: BenchContext) -> dict:
     path: the plain data connection cannot carry TLS or nkey signatures)."""
     import nats
 
-    from bus.auth import init_auth_dir
-    from bus.server import NatsServer, free_port
-    from bus.weights.object_store import ObjectStoreTransport
+    from rolectl.bus.auth import init_auth_dir
+    from rolectl.bus.server import NatsServer, free_port
+    from rolectl.bus.weights.object_store import ObjectStoreTransport
 
     job = "bench-secure"
     auth = init_auth_dir(Path(ctx.workdir) / "auth", job=job, explorers=1, port=free_port(),
@@ -492,7 +492,7 @@ async def bench_object_store_secure(ctx: BenchContext) -> dict:
 
 
 async def bench_checkpoint(ctx: BenchContext) -> dict:
-    from bus.weights.checkpoint import CheckpointTransport
+    from rolectl.bus.weights.checkpoint import CheckpointTransport
 
     root = str(Path(ctx.workdir) / "checkpoints")
     result = await bench_pull(
@@ -516,8 +516,8 @@ TRANSPORT_BENCHES: dict[str, Callable[[BenchContext], Awaitable[dict]]] = {
 async def run(size_mb: int, explorers: int, repeat: int, *, dist: bool = True,
               only: list[str] | None = None, progress: Callable[[str], None] = print,
               stock_mb: int = 8) -> dict:
-    from bus.server import NatsServer
-    from bus.weights.format import default_digest_algorithm
+    from rolectl.bus.server import NatsServer
+    from rolectl.bus.weights.format import default_digest_algorithm
 
     state = build_state_dict(size_mb)
     with tempfile.TemporaryDirectory(prefix="rolectl-bench-") as workdir:

@@ -83,11 +83,11 @@ async def _worker(spec: dict) -> None:
     import torch.distributed as dist
     from torch.distributed import PrefixStore, TCPStore
 
-    from bus.weights.cuda_ipc import CudaIpcTransport, HandleRequest
-    from bus.weights.torch_dist import TorchDistTransport
-    from sync_protocol import MemberRef, RendezvousReady, Role, SyncMethod
+    from rolectl.bus.weights.cuda_ipc import CudaIpcTransport, HandleRequest
+    from rolectl.bus.weights.torch_dist import TorchDistTransport
+    from rolectl.sync_protocol import MemberRef, RendezvousReady, Role, SyncMethod
 
-    from bus.logging import setup_logging
+    from rolectl.bus.logging import setup_logging
 
     setup_logging("warning", stream=sys.stderr)  # stdout carries the result line
     torch.set_num_threads(1)  # K+1 processes share the cores; oversubscription only adds noise

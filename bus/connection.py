@@ -32,7 +32,7 @@ from nats.js import JetStreamContext
 from nats.aio.msg import Msg
 from nats.js.api import Header, PubAck
 
-from sync_protocol import Role
+from rolectl.sync_protocol import Role
 
 from .errors import BusClosed, BusUnavailable, PayloadTooLarge, PublishFailed, PublishRejected, RetriesExhausted
 from .logging import get_logger

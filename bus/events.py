@@ -43,7 +43,7 @@ import nats.js.errors
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, Header, StatusCode
 
-from sync_protocol import (
+from rolectl.sync_protocol import (
     Decision,
     DecodeError,
     Event,

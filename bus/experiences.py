@@ -30,8 +30,8 @@ import numpy as np
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from sync_protocol import MemberRef
-from sync_protocol.experience import Experience, ExperienceBatch, ExperienceLimits
+from rolectl.sync_protocol import MemberRef
+from rolectl.sync_protocol.experience import Experience, ExperienceBatch, ExperienceLimits
 
 from .aio import raise_if_cancelling
 from .connection import BusConnection

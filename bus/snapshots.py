@@ -16,9 +16,9 @@ import nats.errors
 import nats.js.errors
 from nats.js.api import KeyValueConfig, StorageType
 
-from sync_protocol import DecodeError
-from sync_protocol.snapshot import decode_state, encode_state
-from sync_protocol.state import State
+from rolectl.sync_protocol import DecodeError
+from rolectl.sync_protocol.snapshot import decode_state, encode_state
+from rolectl.sync_protocol.state import State
 
 from .connection import BusConnection
 

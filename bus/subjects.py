@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from sync_protocol import Decision, Event, Role
+from rolectl.sync_protocol import Decision, Event, Role
 
 __all__ = [
     "check_name",

@@ -48,7 +48,7 @@ def client_options(command):
 
 def _security(creds=None, tls_ca=None, tls_cert=None, tls_key=None, *, config=None):
     """Flags over ROLECTL_NATS_* variables over the config's `nats:` section; checked now."""
-    from bus.security import ClientSecurity, SecurityError
+    from rolectl.bus.security import ClientSecurity, SecurityError
 
     resolved = ClientSecurity(creds=creds, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key).over(
         ClientSecurity.from_env().over(config)
@@ -63,8 +63,8 @@ def _security(creds=None, tls_ca=None, tls_cert=None, tls_key=None, *, config=No
 def _load(config_path: str, nats: str | None, security_flags: dict | None = None, *, check_engines: bool = True):
     import dataclasses
 
-    from roles.config import load_config
-    from sync_protocol import ConfigError
+    from rolectl.roles.config import load_config
+    from rolectl.sync_protocol import ConfigError
 
     try:
         cfg = load_config(config_path, check_engines=check_engines)
@@ -113,9 +113,9 @@ def start(role: str, config_path: str, member_id: str | None, nats: str | None, 
     A trainer or explorer that finds saved state resumes from it when the job's stream records its
     previous incarnation (a restart); otherwise it refuses (exit 2) until told --resume or --fresh.
     """
-    from bus.subjects import check_name
-    from roles.resume import StartMode
-    from roles.runner import run_role
+    from rolectl.bus.subjects import check_name
+    from rolectl.roles.resume import StartMode
+    from rolectl.roles.runner import run_role
 
     if resume and fresh:
         raise click.UsageError("--resume continues from the saved state, --fresh discards it: give one")
@@ -172,7 +172,7 @@ def up(config_path, explorers, summary, dashboard, dashboard_port, run_dir, auth
         if given:
             raise click.UsageError(f"{given[0]} is not supported with --launcher ray yet; run secured jobs "
                                    "with the local launcher or start the roles yourself (README, Secure deployment)")
-        from roles.launch.ray import RayLaunchError, RayUnavailable, run_up_ray
+        from rolectl.roles.launch.ray import RayLaunchError, RayUnavailable, run_up_ray
 
         try:
             code = run_up_ray(cfg, ray_address=ray_address, nats=nats, explorers=explorers, summary_path=summary,
@@ -184,11 +184,11 @@ def up(config_path, explorers, summary, dashboard, dashboard_port, run_dir, auth
     given = [flag for flag, value in (("--ray-address", ray_address), ("--nats", nats)) if value]
     if given:
         raise click.UsageError(f"{' and '.join(given)} apply to --launcher ray only")
-    from roles.launch.local import run_up
+    from rolectl.roles.launch.local import run_up
 
     auth = None
     if auth_dir:
-        from bus.auth import read_auth_dir
+        from rolectl.bus.auth import read_auth_dir
 
         try:
             auth = read_auth_dir(auth_dir)
@@ -207,9 +207,9 @@ def up(config_path, explorers, summary, dashboard, dashboard_port, run_dir, auth
 @client_options
 def provision(config_path: str, nats: str | None, **security) -> None:
     """Create (or check) the job's streams; run it as the admin identity before the roles start."""
-    from bus.errors import BusError
-    from bus.logging import setup_logging
-    from roles.provision import provision_job
+    from rolectl.bus.errors import BusError
+    from rolectl.bus.logging import setup_logging
+    from rolectl.roles.provision import provision_job
 
     setup_logging("warning")
     cfg = _load(config_path, nats, security)
@@ -242,7 +242,7 @@ def auth_init(directory, job, explorers, synchronizers, hosts, port, http_port, 
     """Write everything a secure deployment of one job needs (see DIR/README afterwards)."""
     import shlex
 
-    from bus.auth import init_auth_dir
+    from rolectl.bus.auth import init_auth_dir
 
     command = "rolectl auth init " + " ".join(shlex.quote(a) for a in sys.argv[3:])
     try:
@@ -282,7 +282,7 @@ def server(port: int, http_port: int, store_dir: str | None, host: str, cluster_
 
     from click.core import ParameterSource
 
-    from bus.server import NatsCluster, NatsServer, NatsServerError, find_nats_server
+    from rolectl.bus.server import NatsCluster, NatsServer, NatsServerError, find_nats_server
 
     if config_file:
         if cluster_size is not None:
@@ -344,7 +344,7 @@ def server(port: int, http_port: int, store_dir: str | None, host: str, cluster_
 @client_options
 def status(job: str, nats: str, as_json: bool, **security) -> None:
     """Members of a job (role, id, status, step, version, last seen), read from its stream."""
-    from roles.observe.status import print_status
+    from rolectl.roles.observe.status import print_status
 
     sys.exit(asyncio.run(print_status(job, nats, as_json=as_json, security=_security(**security))))
 
@@ -357,9 +357,9 @@ def status(job: str, nats: str, as_json: bool, **security) -> None:
 @client_options
 def export(job: str, nats: str, output: str, **security) -> None:
     """Write a job's recorded events and decisions, with sequences and server timestamps."""
-    from bus.errors import BusError
-    from bus.logging import setup_logging
-    from roles.observe.replay import ExportError, export_job
+    from rolectl.bus.errors import BusError
+    from rolectl.bus.logging import setup_logging
+    from rolectl.roles.observe.replay import ExportError, export_job
 
     setup_logging("warning")
     try:
@@ -382,7 +382,7 @@ def export(job: str, nats: str, output: str, **security) -> None:
 @client_options
 def replay(job, nats, file_, until, check, as_json, **security) -> None:
     """Fold a job's events into a readable timeline; with --check, verify every decision."""
-    from roles.observe.replay import run_replay
+    from rolectl.roles.observe.replay import run_replay
 
     if (job is None) == (file_ is None):
         raise click.UsageError("give exactly one of --job or --file")
@@ -399,7 +399,7 @@ def replay(job, nats, file_, until, check, as_json, **security) -> None:
 @client_options
 def dashboard(job, nats, port, host, monitor_url, **security) -> None:
     """Serve the live dashboard of a job (members, versions, rounds, NATS health, /metrics)."""
-    from roles.observe.dashboard import serve_dashboard
+    from rolectl.roles.observe.dashboard import serve_dashboard
 
     sys.exit(serve_dashboard(job=job, nats=nats, host=host, port=port, monitor_url=monitor_url,
                              security=_security(**security)))

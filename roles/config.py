@@ -15,10 +15,10 @@ from typing import Any, Mapping
 
 import yaml
 
-from bus.connection import parse_server_urls
-from bus.security import ClientSecurity
-from bus.subjects import check_name
-from sync_protocol import ConfigError, SyncConfig
+from rolectl.bus.connection import parse_server_urls
+from rolectl.bus.security import ClientSecurity
+from rolectl.bus.subjects import check_name
+from rolectl.sync_protocol import ConfigError, SyncConfig
 
 __all__ = [
     "JobConfig",
@@ -261,7 +261,7 @@ def _section(cls, data: Any, name: str, problems: list) -> Any:
 def _engine_problems(model: Mapping[str, Any], data: Any, algorithm: Any, explorers: ExplorerConfig
                      ) -> list[tuple[str, str]]:
     # Each engine owns its sections (model, data, algorithm) and reports their problems by path.
-    from roles.engines import EngineSections, engine_config_problems
+    from rolectl.roles.engines import EngineSections, engine_config_problems
 
     return engine_config_problems(EngineSections(model=model, data=data, algorithm=algorithm,
                                                  explorer_count=explorers.count,

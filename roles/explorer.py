@@ -21,14 +21,14 @@ import json
 import time
 import zlib
 
-from bus.experiences import ExperienceBatch, ExperiencePublisher
-from bus.security import redact
-from bus.weights import TransferError, WeightsRef
-from roles.session import JobIncomplete, MemberRejoined, MemberSession, stop_task, write_json_atomic
-from roles.config import JobConfig
-from roles.resume import SavedState, StartMode, decide_resume
-from roles.transports import make_pull_transport, make_rendezvous_transport
-from sync_protocol import (
+from rolectl.bus.experiences import ExperienceBatch, ExperiencePublisher
+from rolectl.bus.security import redact
+from rolectl.bus.weights import TransferError, WeightsRef
+from rolectl.roles.session import JobIncomplete, MemberRejoined, MemberSession, stop_task, write_json_atomic
+from rolectl.roles.config import JobConfig
+from rolectl.roles.resume import SavedState, StartMode, decide_resume
+from rolectl.roles.transports import make_pull_transport, make_rendezvous_transport
+from rolectl.sync_protocol import (
     MemberReleased,
     ReleaseReason,
     RendezvousReady,
@@ -39,14 +39,14 @@ from sync_protocol import (
     SyncStyle,
     WeightsLoaded,
 )
-from sync_protocol.boundaries import explorer_needs_sync, needs_reload
+from rolectl.sync_protocol.boundaries import explorer_needs_sync, needs_reload
 
 __all__ = ["Explorer"]
 
 
 class Explorer:
     def __init__(self, cfg: JobConfig, member_id: str, *, start_mode: StartMode = StartMode.AUTO):
-        from roles.engines import make_rollout_engine, make_taskset
+        from rolectl.roles.engines import make_rollout_engine, make_taskset
 
         self.cfg = cfg
         self.sync = cfg.synchronizer

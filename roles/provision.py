@@ -7,13 +7,13 @@ configuration the roles expect.
 
 from __future__ import annotations
 
-from bus.connection import connect
-from bus.lease import ensure_lease_bucket
-from bus.snapshots import SnapshotStore
-from bus.security import ClientSecurity
-from bus.streams import ensure_event_stream, ensure_experience_stream
-from roles.config import JobConfig
-from sync_protocol import SyncMethod
+from rolectl.bus.connection import connect
+from rolectl.bus.lease import ensure_lease_bucket
+from rolectl.bus.snapshots import SnapshotStore
+from rolectl.bus.security import ClientSecurity
+from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream
+from rolectl.roles.config import JobConfig
+from rolectl.sync_protocol import SyncMethod
 
 __all__ = ["provision_job"]
 
@@ -35,7 +35,7 @@ async def provision_job(cfg: JobConfig, *, security: ClientSecurity | None = Non
         await SnapshotStore(conn, replicas=replicas).ensure_bucket()
         streams += [f"KV_{conn.names.lease_bucket}", f"KV_{conn.names.snapshot_bucket}"]
         if cfg.synchronizer.sync_method is SyncMethod.MEMORY:
-            from bus.weights.object_store import ObjectStoreTransport
+            from rolectl.bus.weights.object_store import ObjectStoreTransport
 
             # the replicas the roles ask for: the weights stream is checked as strictly as the others
             weights = ObjectStoreTransport(conn.nc, cfg.job, storage=cfg.transport.object_store_storage,

@@ -8,11 +8,11 @@ import signal
 
 import structlog
 
-from bus.errors import BusError
-from bus.logging import setup_logging
-from roles.config import JobConfig
-from roles.resume import StartMode, StartRefused
-from roles.session import JobIncomplete, install_stop_signals
+from rolectl.bus.errors import BusError
+from rolectl.bus.logging import setup_logging
+from rolectl.roles.config import JobConfig
+from rolectl.roles.resume import StartMode, StartRefused
+from rolectl.roles.session import JobIncomplete, install_stop_signals
 
 __all__ = ["run_role", "default_member_id", "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE", "EXIT_INCOMPLETE",
            "EXIT_INTERRUPTED", "EXIT_CODES"]
@@ -55,15 +55,15 @@ def run_role(role: str, cfg: JobConfig, member_id: str | None = None, *, start_m
     member_id = member_id or default_member_id(role)
     log = structlog.get_logger().bind(job=cfg.job, role=role, member=member_id)
     if role == "trainer":
-        from roles.trainer import Trainer
+        from rolectl.roles.trainer import Trainer
 
         runner = Trainer(cfg, member_id, start_mode=start_mode)
     elif role == "explorer":
-        from roles.explorer import Explorer
+        from rolectl.roles.explorer import Explorer
 
         runner = Explorer(cfg, member_id, start_mode=start_mode)
     elif role == "sync":
-        from roles.synchronizer import Synchronizer
+        from rolectl.roles.synchronizer import Synchronizer
 
         runner = Synchronizer(cfg, member_id, keep_running=keep_running)
     else:

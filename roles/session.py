@@ -16,14 +16,14 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from bus.connection import BusConnection, connect
-from bus.errors import BusError
-from bus.files import write_json_atomic  # re-exported: the roles write their state with it
-from bus.events import EventPublisher, last_sequence, publish_heartbeat, read_events
-from bus.snapshots import SnapshotStore
-from bus.streams import ensure_event_stream, ensure_experience_stream
-from roles.config import JobConfig
-from sync_protocol import (
+from rolectl.bus.connection import BusConnection, connect
+from rolectl.bus.errors import BusError
+from rolectl.bus.files import write_json_atomic  # re-exported: the roles write their state with it
+from rolectl.bus.events import EventPublisher, last_sequence, publish_heartbeat, read_events
+from rolectl.bus.snapshots import SnapshotStore
+from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream
+from rolectl.roles.config import JobConfig
+from rolectl.sync_protocol import (
     Decision,
     Event,
     JobConfigured,
@@ -36,8 +36,8 @@ from sync_protocol import (
     StatusChanged,
     WeightsBroadcast,
 )
-from sync_protocol.reducer import reduce_lenient
-from sync_protocol.state import State
+from rolectl.sync_protocol.reducer import reduce_lenient
+from rolectl.sync_protocol.state import State
 
 __all__ = [
     "write_json_atomic", "new_incarnation", "JobView", "MemberSession", "install_stop_signals",

@@ -56,9 +56,9 @@ from collections import OrderedDict, deque
 
 import structlog
 
-from bus.connection import connect
-from bus.errors import DecisionSuperseded, PayloadTooLarge
-from bus.events import (
+from rolectl.bus.connection import connect
+from rolectl.bus.errors import DecisionSuperseded, PayloadTooLarge
+from rolectl.bus.events import (
     DecisionPublisher,
     EventPublisher,
     last_sequence,
@@ -66,12 +66,12 @@ from bus.events import (
     read_events,
     subscribe_heartbeats,
 )
-from bus.lease import Lease
-from bus.snapshots import SnapshotStore
-from bus.streams import ensure_event_stream, ensure_experience_stream
-from roles.session import freeze_heap, new_incarnation, stop_task
-from roles.config import JobConfig
-from sync_protocol import (
+from rolectl.bus.lease import Lease
+from rolectl.bus.snapshots import SnapshotStore
+from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream
+from rolectl.roles.session import freeze_heap, new_incarnation, stop_task
+from rolectl.roles.config import JobConfig
+from rolectl.sync_protocol import (
     Decision,
     JobConfigured,
     MemberExpired,
@@ -86,8 +86,8 @@ from sync_protocol import (
     StatusChanged,
     decision_identity,
 )
-from sync_protocol.reducer import reduce
-from sync_protocol.state import State
+from rolectl.sync_protocol.reducer import reduce
+from rolectl.sync_protocol.state import State
 
 __all__ = ["Synchronizer"]
 

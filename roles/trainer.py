@@ -26,15 +26,15 @@ import socket
 import time
 from pathlib import Path
 
-from bus.errors import AckFailed
-from bus.experiences import ExperienceReader
-from bus.security import redact
-from bus.weights import TransferError
-from roles.session import JobIncomplete, MemberRejoined, MemberSession, write_json_atomic
-from roles.config import JobConfig
-from roles.resume import SavedState, StartMode, decide_resume
-from roles.transports import make_pull_transport, make_rendezvous_transport
-from sync_protocol import (
+from rolectl.bus.errors import AckFailed
+from rolectl.bus.experiences import ExperienceReader
+from rolectl.bus.security import redact
+from rolectl.bus.weights import TransferError
+from rolectl.roles.session import JobIncomplete, MemberRejoined, MemberSession, write_json_atomic
+from rolectl.roles.config import JobConfig
+from rolectl.roles.resume import SavedState, StartMode, decide_resume
+from rolectl.roles.transports import make_pull_transport, make_rendezvous_transport
+from rolectl.sync_protocol import (
     MemberReleased,
     NoNewVersion,
     RendezvousReady,
@@ -46,14 +46,14 @@ from sync_protocol import (
     VersionPublished,
     WeightsBroadcast,
 )
-from sync_protocol.boundaries import is_stale, trainer_needs_sync
+from rolectl.sync_protocol.boundaries import is_stale, trainer_needs_sync
 
 __all__ = ["Trainer"]
 
 
 class Trainer:
     def __init__(self, cfg: JobConfig, member_id: str = "trainer", *, start_mode: StartMode = StartMode.AUTO):
-        from roles.engines import make_train_engine
+        from rolectl.roles.engines import make_train_engine
 
         self.cfg = cfg
         self.sync = cfg.synchronizer

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-from bus.weights.base import PullTransport, RendezvousTransport
-from roles.config import JobConfig
-from sync_protocol import MemberRef, SyncMethod
+from rolectl.bus.weights.base import PullTransport, RendezvousTransport
+from rolectl.roles.config import JobConfig
+from rolectl.sync_protocol import MemberRef, SyncMethod
 
 __all__ = ["make_pull_transport", "make_rendezvous_transport"]
 
@@ -15,13 +15,13 @@ def make_pull_transport(cfg: JobConfig, conn) -> PullTransport:
     """Object store (`memory`) or shared-directory checkpoint (`checkpoint`)."""
     method = cfg.synchronizer.sync_method
     if method is SyncMethod.MEMORY:
-        from bus.weights.object_store import ObjectStoreTransport
+        from rolectl.bus.weights.object_store import ObjectStoreTransport
 
         # The trainer prunes to `trainer.keep_versions` after each publish.
         return ObjectStoreTransport(conn.nc, cfg.job, storage=cfg.transport.object_store_storage,
                                     replicas=cfg.nats.replicas, reconnected=conn.reconnect_signal)
     if method is SyncMethod.CHECKPOINT:
-        from bus.weights.checkpoint import CheckpointTransport
+        from rolectl.bus.weights.checkpoint import CheckpointTransport
 
         return CheckpointTransport(cfg.weights_checkpoint_dir)
     raise ValueError(f"{method.value} is not a pull method")
@@ -32,12 +32,12 @@ async def make_rendezvous_transport(cfg: JobConfig, session) -> RendezvousTransp
     method = cfg.synchronizer.sync_method
     timeout = cfg.transport.group_timeout_s
     if method is SyncMethod.NCCL:
-        from bus.weights.torch_dist import TorchDistTransport
+        from rolectl.bus.weights.torch_dist import TorchDistTransport
 
         return TorchDistTransport(bucket_bytes=cfg.transport.bucket_size_mb * 1024 * 1024,
                                   timeout=timeout, log=session.log)
     if method is SyncMethod.CUDA_IPC:
-        from bus.weights.cuda_ipc import CudaIpcTransport, HandleRequest
+        from rolectl.bus.weights.cuda_ipc import CudaIpcTransport, HandleRequest
 
         nc = session.conn.nc
         names = session.conn.names

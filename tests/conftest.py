@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from bus.server import NatsServer, free_port
+from rolectl.bus.server import NatsServer, free_port
 
 _counter = itertools.count()
 
@@ -48,7 +48,7 @@ def job_name(request) -> str:
 def _fresh_structlog():
     """structlog's configuration is process-global: a test that points it at a captured stream
     must not leave later tests writing to that (closed) stream."""
-    from bus.logging import setup_logging
+    from rolectl.bus.logging import setup_logging
 
     setup_logging("info")  # stderr, one JSON line per event, as the roles log
     yield

@@ -24,7 +24,7 @@ def data_section(**overrides: Any) -> dict[str, Any]:
 
 def built_model(directory: Path) -> Path:
     """The tiny Qwen2 and its word-level tokenizer under `directory/model` (built on first use)."""
-    from roles.engines.hf_model import ensure_model, hf_model_config_from_mapping
+    from rolectl.roles.engines.hf_model import ensure_model, hf_model_config_from_mapping
 
     section = model_section(directory / "model")
     section.pop("engine")

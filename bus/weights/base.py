@@ -18,7 +18,7 @@ from typing import Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from sync_protocol import MemberRef, RendezvousReady, SyncMethod
+from rolectl.sync_protocol import MemberRef, RendezvousReady, SyncMethod
 
 from ..errors import CorruptWeights, PeerLost, TransferError, WeightsNotFound  # the bus's one tree
 

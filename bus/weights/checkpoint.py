@@ -31,7 +31,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from sync_protocol import SyncMethod
+from rolectl.sync_protocol import SyncMethod
 
 from ..files import atomic_path
 from .base import CorruptWeights, TransferError, WeightsNotFound, WeightsRef

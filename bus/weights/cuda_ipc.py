@@ -30,7 +30,7 @@ from typing import Any, Awaitable, Callable, Mapping, Sequence
 import msgpack
 import torch
 
-from sync_protocol import MemberRef, RendezvousReady, SyncMethod
+from rolectl.sync_protocol import MemberRef, RendezvousReady, SyncMethod
 
 from ..logging import get_logger
 from ..server import free_port

@@ -67,7 +67,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import StorageType
 from nats.js.errors import NotFoundError
 
-from sync_protocol import SyncMethod
+from rolectl.sync_protocol import SyncMethod
 
 from ..errors import BusClosed, RetriesExhausted
 from ..retry import is_transient, retry_transient

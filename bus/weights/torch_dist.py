@@ -59,7 +59,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import AllreduceOptions, BroadcastOptions, PrefixStore, ReduceOp, TCPStore
 
-from sync_protocol import MemberRef, RendezvousReady, SyncMethod
+from rolectl.sync_protocol import MemberRef, RendezvousReady, SyncMethod
 
 from ..logging import get_logger
 from ..server import free_port

@@ -280,7 +280,7 @@ def make_taskset(job: Any, *, seed: int, total_batches: int | None = None, batch
 def engine_summary(model: Mapping[str, Any], records: Sequence[Any]) -> dict[str, Any]:
     """What `rolectl up`'s summary says about the engines: their names and the model's parameter count
     (as the trainer reported it in its recorded `StepFinished` metrics)."""
-    from sync_protocol import Role, StepFinished
+    from rolectl.sync_protocol import Role, StepFinished
 
     metrics = [r.event.metrics for r in records
                if isinstance(r.event, StepFinished) and r.event.member.role is Role.TRAINER]

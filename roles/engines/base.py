@@ -20,7 +20,7 @@ from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
 from torch import Tensor
 
-from sync_protocol.experience import Experience, ExperienceLimits
+from rolectl.sync_protocol.experience import Experience, ExperienceLimits
 
 __all__ = ["Task", "TaskSet", "TrainEngine", "RolloutEngine", "WeightsMismatch"]
 

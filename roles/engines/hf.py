@@ -22,8 +22,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from bus.files import atomic_path
-from sync_protocol.experience import Experience, ExperienceLimits
+from rolectl.bus.files import atomic_path
+from rolectl.sync_protocol.experience import Experience, ExperienceLimits
 
 from .algorithms import AlgorithmConfig, VerlAlgorithm
 from .base import Task, WeightsMismatch

@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from bus.files import atomic_path
-from sync_protocol.experience import Experience, ExperienceLimits
+from rolectl.bus.files import atomic_path
+from rolectl.sync_protocol.experience import Experience, ExperienceLimits
 
 from .base import Task, WeightsMismatch
 from .grpo import clipped_policy_loss, group_advantages

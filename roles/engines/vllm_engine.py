@@ -26,7 +26,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import Tensor
 
-from sync_protocol.experience import Experience
+from rolectl.sync_protocol.experience import Experience
 
 from .base import Task
 from .hf import check_weights, score_texts, task_seed

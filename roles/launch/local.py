@@ -20,23 +20,23 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from bus.auth import AuthDir
-from bus.connection import BusConnection, connect
-from bus.errors import BusError
-from bus.events import read_all, read_events
-from bus.logging import setup_logging
-from bus.security import redact
-from bus.server import NatsServer, NatsServerError
-from bus.streams import ensure_event_stream, ensure_experience_stream
-from roles.config import JobConfig
-from roles.launch.base import Launcher, RoleHandle
-from roles.observe.dashboard import start_dashboard
-from roles.observe.observer import SUMMARY_MEANINGS, JobObserver, member_status
-from roles.observe.replay import summarize, write_export
-from roles.provision import provision_job
-from roles.runner import EXIT_ERROR, EXIT_INCOMPLETE
-from roles.session import stop_task
-from sync_protocol import Role
+from rolectl.bus.auth import AuthDir
+from rolectl.bus.connection import BusConnection, connect
+from rolectl.bus.errors import BusError
+from rolectl.bus.events import read_all, read_events
+from rolectl.bus.logging import setup_logging
+from rolectl.bus.security import redact
+from rolectl.bus.server import NatsServer, NatsServerError
+from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream
+from rolectl.roles.config import JobConfig
+from rolectl.roles.launch.base import Launcher, RoleHandle
+from rolectl.roles.observe.dashboard import start_dashboard
+from rolectl.roles.observe.observer import SUMMARY_MEANINGS, JobObserver, member_status
+from rolectl.roles.observe.replay import summarize, write_export
+from rolectl.roles.provision import provision_job
+from rolectl.roles.runner import EXIT_ERROR, EXIT_INCOMPLETE
+from rolectl.roles.session import stop_task
+from rolectl.sync_protocol import Role
 
 __all__ = ["run_up", "supervise", "summarize", "write_config", "LocalLauncher", "RoleProcess"]
 
@@ -96,7 +96,7 @@ class LocalLauncher:
         if self.auth is not None:  # its own identity, by file path in the environment (never argv)
             env.update(self.auth.security(member_id).as_env())
         proc = subprocess.Popen(
-            [sys.executable, "-m", "roles.cli", "start", role, "--config", str(self.config_path),
+            [sys.executable, "-m", "rolectl.roles.cli", "start", role, "--config", str(self.config_path),
              "--nats", self.nats_url, "--id", member_id, "--log-format", "json"],
             stdout=out, stderr=subprocess.STDOUT, env=env,
             start_new_session=True,  # Ctrl-C in the terminal reaches `up`, which stops children in order
@@ -197,7 +197,7 @@ async def supervise(cfg: JobConfig, launcher: Launcher, run_path: Path, *, monit
     """Start every role through `launcher`, show progress until the job ends (every worker exited
     0, one role failed, Ctrl-C or `timeout_s`), stop everyone, export the stream and write the summary.
     The same for every launcher: only how roles are started, watched and stopped differs."""
-    from roles.engines import engine_summary  # here: it loads torch, which only `up` needs
+    from rolectl.roles.engines import engine_summary  # here: it loads torch, which only `up` needs
 
     started = time.monotonic()
     url = cfg.nats_url

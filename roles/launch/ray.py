@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from roles.config import JobConfig
-from roles.runner import EXIT_ERROR, EXIT_INCOMPLETE, EXIT_OK, EXIT_USAGE
+from rolectl.roles.config import JobConfig
+from rolectl.roles.runner import EXIT_ERROR, EXIT_INCOMPLETE, EXIT_OK, EXIT_USAGE
 
 __all__ = ["RayUnavailable", "RayLaunchError", "import_ray", "role_bundles", "actor_name", "run_up_ray",
            "NAMESPACE", "INSTALL_HINT"]
@@ -137,7 +137,7 @@ class RoleActor:
                 # refusing with "nothing to resume" until the restarts run out).
                 resume = ["--resume"] if self.incarnation > 0 and self.role != "sync" else []
                 self._proc = subprocess.Popen(
-                    [sys.executable, "-m", "roles.cli", "start", self.role, "--config", str(self.config_path),
+                    [sys.executable, "-m", "rolectl.roles.cli", "start", self.role, "--config", str(self.config_path),
                      "--nats", self.nats_url, "--id", self.member_id, *resume],
                     stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_prepare_role_process)
         except BaseException as exc:
@@ -182,7 +182,7 @@ class RoleActor:
         return self._code if self._code is not None else self._proc.returncode
 
     def tail(self, lines: int) -> str:
-        from roles.launch.local import tail_file
+        from rolectl.roles.launch.local import tail_file
 
         return tail_file(self.log_path, lines)
 
@@ -197,7 +197,7 @@ class JobActor:
     def start_nats(self, store_dir: str, log_file: str) -> tuple[str, str]:
         import ray
 
-        from bus.server import NatsServer
+        from rolectl.bus.server import NatsServer
 
         Path(log_file).parent.mkdir(parents=True, exist_ok=True)
         self.server = NatsServer(host="0.0.0.0", store_dir=store_dir, log_file=log_file)
@@ -257,7 +257,7 @@ class RayRole:
         try:
             return prefix + ray.get(self.actor.tail.remote(lines), timeout=10)
         except ray.exceptions.RayError:
-            from roles.launch.local import tail_file
+            from rolectl.roles.launch.local import tail_file
 
             return prefix + tail_file(self.log_path, lines)  # this node's copy, where it runs here
 
@@ -333,8 +333,8 @@ def run_up_ray(cfg: JobConfig, *, ray_address: str | None, nats: str | None = No
     ray = import_ray()
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from bus.logging import setup_logging
-    from roles.launch.local import console, supervise, write_config
+    from rolectl.bus.logging import setup_logging
+    from rolectl.roles.launch.local import console, supervise, write_config
 
     setup_logging("warning")
     if explorers is not None:

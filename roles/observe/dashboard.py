@@ -33,14 +33,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from rich.console import Console
 
-from bus.connection import connect
-from bus.errors import BusError
-from bus.events import last_sequence, read_events, subscribe_heartbeats
-from bus.logging import setup_logging
-from bus.security import redact
-from bus.subjects import JobNames
-from roles.session import stop_task
-from roles.observe.observer import JobObserver
+from rolectl.bus.connection import connect
+from rolectl.bus.errors import BusError
+from rolectl.bus.events import last_sequence, read_events, subscribe_heartbeats
+from rolectl.bus.logging import setup_logging
+from rolectl.bus.security import redact
+from rolectl.bus.subjects import JobNames
+from rolectl.roles.session import stop_task
+from rolectl.roles.observe.observer import JobObserver
 
 __all__ = ["Dashboard", "DashboardHandle", "start_dashboard", "serve_dashboard", "default_monitor_url"]
 
@@ -66,8 +66,8 @@ async def _preflight(job: str, nats_url: str, monitor_url: str, *, monitor_given
 
     The page keeps retrying either way; this is for the person at the console, who otherwise saw
     only the URLs and an empty page."""
-    from bus.connection import connect
-    from bus.errors import BusError
+    from rolectl.bus.connection import connect
+    from rolectl.bus.errors import BusError
 
     problems = []
     try:

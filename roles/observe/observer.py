@@ -23,7 +23,7 @@ from collections import Counter, OrderedDict, deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
-from sync_protocol import (
+from rolectl.sync_protocol import (
     Decision,
     Event,
     IllegalEvent,
@@ -50,7 +50,7 @@ from sync_protocol import (
     WeightsLoaded,
     decision_identity,
 )
-from sync_protocol.reducer import reduce_lenient
+from rolectl.sync_protocol.reducer import reduce_lenient
 
 __all__ = [
     "JobObserver",

@@ -34,17 +34,17 @@ from typing import Any, Iterable
 import msgpack
 from rich.console import Console
 
-from bus.connection import connect
-from bus.errors import BusError
-from bus.events import last_sequence, read_all
-from bus.files import atomic_path
-from bus.logging import setup_logging
-from bus.security import redact
-from bus.snapshots import SnapshotStore
-from bus.subjects import JobNames, identity_problem
+from rolectl.bus.connection import connect
+from rolectl.bus.errors import BusError
+from rolectl.bus.events import last_sequence, read_all
+from rolectl.bus.files import atomic_path
+from rolectl.bus.logging import setup_logging
+from rolectl.bus.security import redact
+from rolectl.bus.snapshots import SnapshotStore
+from rolectl.bus.subjects import JobNames, identity_problem
 
-from roles.observe.observer import JobObserver, JobOutcome
-from sync_protocol import (
+from rolectl.roles.observe.observer import JobObserver, JobOutcome
+from rolectl.sync_protocol import (
     Decision,
     DecodeError,
     Recorded,
@@ -52,8 +52,8 @@ from sync_protocol import (
     from_plain,
     to_plain,
 )
-from sync_protocol.reducer import fold_lenient
-from sync_protocol.state import State
+from rolectl.sync_protocol.reducer import fold_lenient
+from rolectl.sync_protocol.state import State
 
 __all__ = [
     "EXPORT_SUFFIXES",

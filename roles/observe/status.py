@@ -12,12 +12,12 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from bus.connection import connect
-from bus.errors import BusError
-from bus.events import last_sequence, read_events, subscribe_heartbeats
-from bus.logging import setup_logging
-from roles.observe.observer import JobObserver, format_ago
-from sync_protocol import Role
+from rolectl.bus.connection import connect
+from rolectl.bus.errors import BusError
+from rolectl.bus.events import last_sequence, read_events, subscribe_heartbeats
+from rolectl.bus.logging import setup_logging
+from rolectl.roles.observe.observer import JobObserver, format_ago
+from rolectl.sync_protocol import Role
 
 __all__ = ["collect_status", "print_status"]
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import sync_playwright
 
-from bus.server import free_port
+from rolectl.bus.server import free_port
 
 pytestmark = pytest.mark.browser
 
@@ -63,7 +63,7 @@ def running_job(tmp_path):
     log = tmp_path / "up.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "roles.cli", "up", "--config", str(CONFIG), "--dashboard-port", str(port),
+            [sys.executable, "-m", "rolectl.roles.cli", "up", "--config", str(CONFIG), "--dashboard-port", str(port),
              "--run-dir", str(tmp_path / "runs")],
             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )

@@ -22,13 +22,13 @@ from typing import Any, Callable
 
 import yaml
 
-from bus.connection import connect
-from bus.events import read_events
-from bus.server import NatsServer
-from bus.streams import ensure_event_stream, ensure_experience_stream
-from roles.config import JobConfig, load_config
-from roles.observe.replay import check_decisions, load_export
-from sync_protocol import Decision, Event, Recorded, Role
+from rolectl.bus.connection import connect
+from rolectl.bus.events import read_events
+from rolectl.bus.server import NatsServer
+from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream
+from rolectl.roles.config import JobConfig, load_config
+from rolectl.roles.observe.replay import check_decisions, load_export
+from rolectl.sync_protocol import Decision, Event, Recorded, Role
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = Path(__file__).resolve().parent / "configs"
@@ -136,7 +136,7 @@ def run_up(config_path: Path, tmp_path: Path, *, timeout: float = 150.0, extra: 
     started = time.monotonic()
     with open(out_path, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "roles.cli", "up", "--config", str(config_path),
+            [sys.executable, "-m", "rolectl.roles.cli", "up", "--config", str(config_path),
              "--summary", str(summary_path), "--no-dashboard", *extra],
             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
         )
@@ -193,7 +193,7 @@ def of_kind(records: list[Recorded], cls: type, *, role: Role | None = None, mem
 
 
 def trainer_steps(records: list[Recorded]) -> list[int]:
-    from sync_protocol import StepFinished
+    from rolectl.sync_protocol import StepFinished
 
     return [r.event.step for r in of_kind(records, StepFinished, role=Role.TRAINER)]
 
@@ -205,7 +205,7 @@ def last_trainer_step(records: list[Recorded]) -> int:
 
 async def stream_experiences(job: "LiveJob") -> int:
     """Experiences still stored in the job's experience stream (not acked by the trainer)."""
-    from bus.experiences import decode_batch
+    from rolectl.bus.experiences import decode_batch
 
     js = job.conn.js
     name = job.conn.names.experience_stream
@@ -280,7 +280,7 @@ class LiveJob:
         await asyncio.to_thread(self.server.start)
         try:
             if self.auth is not None:
-                from roles.provision import provision_job
+                from rolectl.roles.provision import provision_job
 
                 await provision_job(self.cfg, security=self.security("admin"), url=self.url)
             self._conn_cm = connect(self.url, job=self.cfg.job, role="observer", member="e2e-test",
@@ -304,7 +304,7 @@ class LiveJob:
             self._follower.cancel()
             await asyncio.gather(self._follower, return_exceptions=True)
         if self.records:  # for the post-mortem: `rolectl replay --file <tmp>/events.jsonl`
-            from roles.observe.replay import write_export
+            from rolectl.roles.observe.replay import write_export
 
             write_export(self.records, self.tmp_path / "events.jsonl", job=self.cfg.job)
         if self._conn_cm is not None:
@@ -331,7 +331,7 @@ class LiveJob:
             env.update(self.auth.security(member_id).as_env())
         with open(log_path, "ab") as out:
             popen = subprocess.Popen(
-                [sys.executable, "-m", "roles.cli", "start", role, "--config", str(self.config_path),
+                [sys.executable, "-m", "rolectl.roles.cli", "start", role, "--config", str(self.config_path),
                  "--nats", self.url, "--id", member_id],
                 cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
             )
@@ -418,7 +418,7 @@ class LiveJob:
 
     async def stream_caught_up(self, timeout: float = 10.0) -> None:
         """Wait until `records` holds everything the stream has right now."""
-        from bus.events import last_sequence
+        from rolectl.bus.events import last_sequence
 
         end = await last_sequence(self.conn)
         await self.wait_for(lambda recs: recs and recs[-1].seq >= end, timeout=timeout,

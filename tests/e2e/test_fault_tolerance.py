@@ -19,8 +19,8 @@ from e2e_support import (
     of_kind,
     trainer_steps,
 )
-from roles.launch.local import summarize
-from sync_protocol import Decision, MemberExpired, MemberJoined, Role, StatusChanged
+from rolectl.roles.launch.local import summarize
+from rolectl.sync_protocol import Decision, MemberExpired, MemberJoined, Role, StatusChanged
 
 pytestmark = pytest.mark.e2e
 

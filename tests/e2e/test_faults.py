@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from roles.observe.replay import check_decisions
+from rolectl.roles.observe.replay import check_decisions
 from e2e_support import (
     LiveJob,
     assert_decisions_replay,
@@ -19,7 +19,7 @@ from e2e_support import (
     stream_experiences,
     trainer_steps,
 )
-from sync_protocol import (
+from rolectl.sync_protocol import (
     Decision,
     MemberExpired,
     MemberJoined,

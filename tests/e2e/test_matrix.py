@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from e2e_support import assert_decisions_replay, job_config, of_kind, run_up, trainer_steps
-from sync_protocol import (
+from rolectl.sync_protocol import (
     MemberReleased,
     RendezvousReady,
     Role,

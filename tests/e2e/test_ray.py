@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from bus.server import free_port
+from rolectl.bus.server import free_port
 from e2e_support import (
     ROOT,
     LiveJob,
@@ -29,8 +29,8 @@ from e2e_support import (
     of_kind,
     trainer_steps,
 )
-from roles.observe.replay import load_export
-from sync_protocol import MemberJoined
+from rolectl.roles.observe.replay import load_export
+from rolectl.sync_protocol import MemberJoined
 
 # one Ray head per module: with `-n 3 --dist loadgroup` its tests stay on one worker (one head)
 # The first test also pays for the head's start, which may be tried again (ray_head): more than the
@@ -141,7 +141,7 @@ def ray_head(tmp_path_factory):
 
 
 def _up_args(config: Path, tmp_path: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "roles.cli", "up", "--launcher", "ray", "--config", str(config),
+    return [sys.executable, "-m", "rolectl.roles.cli", "up", "--launcher", "ray", "--config", str(config),
             "--summary", str(tmp_path / "summary.json"), "--no-dashboard", "--run-dir", str(tmp_path / "runs"),
             *extra]
 
@@ -221,7 +221,7 @@ def test_up_of_a_job_already_on_the_cluster_is_refused(ray_head, tmp_path):
     """The job's name is held by its job actor for as long as its `up` runs: here this test holds it."""
     import ray
 
-    from roles.launch.ray import JobActor, actor_name
+    from rolectl.roles.launch.ray import JobActor, actor_name
 
     config = job_config(tmp_path, job="e2e-ray-taken")
     ray.init(address=ray_head.address, namespace="rolectl", logging_level="ERROR", log_to_driver=False)

@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from bus.auth import init_auth_dir
-from bus.connection import connect
-from bus.server import free_port
+from rolectl.bus.auth import init_auth_dir
+from rolectl.bus.connection import connect
+from rolectl.bus.server import free_port
 from e2e_support import ROOT, LiveJob, assert_decisions_replay, job_config, run_up, trainer_steps
 
 pytestmark = pytest.mark.e2e
@@ -135,7 +135,7 @@ async def test_a_secured_job_denies_every_forbidden_action_and_still_finishes(tm
         observer = ["--nats", job.url, "--creds", str(auth_dir.credential("observer")), "--tls-ca", str(auth_dir.ca)]
 
         def cli(*args: str) -> subprocess.CompletedProcess:
-            return subprocess.run([sys.executable, "-m", "roles.cli", *args, *observer],
+            return subprocess.run([sys.executable, "-m", "rolectl.roles.cli", *args, *observer],
                                   cwd=ROOT, capture_output=True, text=True, timeout=60)
 
         replay = cli("replay", "--job", JOB, "--check")

@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from bus.connection import connect
-from bus.server import NatsCluster
-from bus.streams import ensure_event_stream, ensure_experience_stream
+from rolectl.bus.connection import connect
+from rolectl.bus.server import NatsCluster
+from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream
 from e2e_support import (
     LiveJob,
     assert_decisions_replay,
@@ -25,7 +25,7 @@ from e2e_support import (
     stream_experiences,
     trainer_steps,
 )
-from sync_protocol import Role, StepFinished
+from rolectl.sync_protocol import Role, StepFinished
 
 pytestmark = pytest.mark.e2e
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from e2e_support import LiveJob, assert_decisions_replay, job_config, of_kind
-from sync_protocol import MemberJoined, MemberReleased, Role, RunningStatus, StatusChanged
+from rolectl.sync_protocol import MemberJoined, MemberReleased, Role, RunningStatus, StatusChanged
 
 pytestmark = pytest.mark.e2e
 
@@ -61,15 +61,15 @@ async def test_keep_running_synchronizer_stays_after_the_job(tmp_path):
     import sys
 
     from e2e_support import ROOT
-    from bus.events import EventPublisher
-    from sync_protocol import JobConfigured, MemberRef
+    from rolectl.bus.events import EventPublisher
+    from rolectl.sync_protocol import JobConfigured, MemberRef
 
     config = job_config(tmp_path, job="e2e-sync-keep", synchronizer={"sync_method": "memory"})
     async with LiveJob(tmp_path, config) as job:
         log = tmp_path / "sync-keep.log"
         with open(log, "ab") as out:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "roles.cli", "start", "sync", "--config", str(config),
+                [sys.executable, "-m", "rolectl.roles.cli", "start", "sync", "--config", str(config),
                  "--nats", job.url, "--id", "sync-keep", "--keep-running"],
                 cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:

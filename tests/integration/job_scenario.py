@@ -11,12 +11,12 @@ import asyncio
 import contextlib
 from dataclasses import dataclass, field
 
-from bus.connection import BusConnection, connect
-from bus.events import EventPublisher, read_events
-from bus.streams import ensure_event_stream
-from roles.config import parse_config
-from roles.synchronizer import Synchronizer
-from sync_protocol import (
+from rolectl.bus.connection import BusConnection, connect
+from rolectl.bus.events import EventPublisher, read_events
+from rolectl.bus.streams import ensure_event_stream
+from rolectl.roles.config import parse_config
+from rolectl.roles.synchronizer import Synchronizer
+from rolectl.sync_protocol import (
     Decision,
     JobConfigured,
     MemberJoined,
@@ -125,7 +125,7 @@ async def run_scripted_job(nats_url: str, job: str, *, steps: int = 4, stop: boo
         finally:
             await stop_task(follower)
             await stop_task(sync_task)
-        from bus.events import last_sequence
+        from rolectl.bus.events import last_sequence
 
         return await last_sequence(conn)
 

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from bus.auth import identities, init_auth_dir
-from bus.connection import connect
-from bus.errors import BusError, BusUnavailable
-from bus.security import ClientSecurity
-from bus.server import NatsServer, free_port
-from bus.streams import ensure_event_stream
+from rolectl.bus.auth import identities, init_auth_dir
+from rolectl.bus.connection import connect
+from rolectl.bus.errors import BusError, BusUnavailable
+from rolectl.bus.security import ClientSecurity
+from rolectl.bus.server import NatsServer, free_port
+from rolectl.bus.streams import ensure_event_stream
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = "secure"
@@ -93,7 +93,7 @@ async def test_members_cannot_create_streams_and_say_to_run_provision_which_admi
     config = tmp_path / "job.yaml"
     config.write_text(f"job: {JOB}\nsynchronizer: {{sync_method: memory}}\n")
     result = subprocess.run(
-        [sys.executable, "-m", "roles.cli", "provision", "--config", str(config), "--nats", auth.url,
+        [sys.executable, "-m", "rolectl.roles.cli", "provision", "--config", str(config), "--nats", auth.url,
          "--creds", str(auth.credential("admin")), "--tls-ca", str(auth.ca)],
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )
@@ -110,7 +110,7 @@ async def test_rolectl_server_runs_the_config_auth_init_wrote(tmp_path):
     import time
 
     auth = init_auth_dir(tmp_path / "auth", job=JOB, explorers=1, port=free_port(), http_port=free_port())
-    proc = subprocess.Popen([sys.executable, "-m", "roles.cli", "server", "--config", str(auth.server_conf)],
+    proc = subprocess.Popen([sys.executable, "-m", "rolectl.roles.cli", "server", "--config", str(auth.server_conf)],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 20
@@ -134,9 +134,9 @@ async def test_rolectl_server_runs_the_config_auth_init_wrote(tmp_path):
 async def test_the_dashboard_follows_a_secured_job_as_observer(secured, tmp_path):
     import asyncio
 
-    from roles.config import load_config
-    from roles.observe.dashboard import start_dashboard
-    from roles.provision import provision_job
+    from rolectl.roles.config import load_config
+    from rolectl.roles.observe.dashboard import start_dashboard
+    from rolectl.roles.provision import provision_job
 
     auth, server = secured
     config = tmp_path / "job.yaml"

@@ -13,15 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from bus.connection import connect, parse_server_urls
-from bus.errors import StreamMismatch
-from bus.events import EventPublisher, EventReader
-from bus.lease import Lease, ensure_lease_bucket
-from bus.server import NatsCluster
-from bus.streams import ensure_event_stream, ensure_experience_stream, event_stream_config
-from bus.subjects import JobNames
-from bus.weights.object_store import ObjectStoreTransport
-from sync_protocol import MemberRef, StepFinished
+from rolectl.bus.connection import connect, parse_server_urls
+from rolectl.bus.errors import StreamMismatch
+from rolectl.bus.events import EventPublisher, EventReader
+from rolectl.bus.lease import Lease, ensure_lease_bucket
+from rolectl.bus.server import NatsCluster
+from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream, event_stream_config
+from rolectl.bus.subjects import JobNames
+from rolectl.bus.weights.object_store import ObjectStoreTransport
+from rolectl.sync_protocol import MemberRef, StepFinished
 
 import torch
 
@@ -198,7 +198,7 @@ def _consumer_leader(cluster: NatsCluster, stream: str, consumer: str) -> str | 
 def test_rolectl_server_cluster_prints_the_url_writes_cluster_json_and_stops_every_node(tmp_path):
     store = tmp_path / "store"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "roles.cli", "server", "--cluster", "3", "--store-dir", str(store)],
+        [sys.executable, "-m", "rolectl.roles.cli", "server", "--cluster", "3", "--store-dir", str(store)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env=dict(os.environ, PYTHONUNBUFFERED="1"),
         # started with SIGINT ignored, as a shell's `&` (or a test worker that loaded vLLM/Ray) does:
@@ -240,7 +240,7 @@ def test_rolectl_server_cluster_prints_the_url_writes_cluster_json_and_stops_eve
 
 
 def test_rolectl_server_cluster_refuses_a_fixed_port():
-    result = subprocess.run([sys.executable, "-m", "roles.cli", "server", "--cluster", "3", "--port", "4333"],
+    result = subprocess.run([sys.executable, "-m", "rolectl.roles.cli", "server", "--cluster", "3", "--port", "4333"],
                             cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "--port apply to a single server" in result.stderr

@@ -10,12 +10,12 @@ import urllib.request
 
 import pytest
 
-from bus.connection import connect
-from bus.errors import BusClosed, BusUnavailable, PublishFailed, StreamMismatch
-from bus.server import free_port
-from bus.streams import ensure_event_stream, ensure_experience_stream
+from rolectl.bus.connection import connect
+from rolectl.bus.errors import BusClosed, BusUnavailable, PublishFailed, StreamMismatch
+from rolectl.bus.server import free_port
+from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream
 from nats.js.api import RetentionPolicy, StorageType
-from sync_protocol import Role
+from rolectl.sync_protocol import Role
 
 
 def _connz(monitor_url: str) -> dict:

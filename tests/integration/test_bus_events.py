@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from bus.errors import DecisionSuperseded
+from rolectl.bus.errors import DecisionSuperseded
 
-from bus.connection import connect
-from bus.events import (
+from rolectl.bus.connection import connect
+from rolectl.bus.events import (
     DecisionPublisher,
     EventPublisher,
     EventReader,
@@ -19,8 +19,8 @@ from bus.events import (
     read_events,
     subscribe_heartbeats,
 )
-from bus.streams import ensure_event_stream
-from sync_protocol import (
+from rolectl.bus.streams import ensure_event_stream
+from rolectl.sync_protocol import (
     MemberJoined,
     MemberRef,
     MemberReleased,

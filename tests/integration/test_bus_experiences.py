@@ -7,9 +7,9 @@ import asyncio
 import msgpack
 import pytest
 
-from bus.connection import connect
-from bus.errors import MalformedExperience
-from bus.experiences import (
+from rolectl.bus.connection import connect
+from rolectl.bus.errors import MalformedExperience
+from rolectl.bus.experiences import (
     Experience,
     ExperienceBatch,
     ExperiencePublisher,
@@ -17,7 +17,7 @@ from bus.experiences import (
     decode_batch,
     encode_batch,
 )
-from bus.streams import ensure_experience_stream
+from rolectl.bus.streams import ensure_experience_stream
 
 
 def _batch(step: int, member: str = "e0", n: int = 2) -> ExperienceBatch:
@@ -194,7 +194,7 @@ async def test_garbage_on_the_experience_subject_is_terminated_and_counted(conn)
 
 
 async def test_batches_that_do_not_fit_the_engine_are_terminated_counted_and_name_the_sender(conn):
-    from bus.experiences import ExperienceLimits
+    from rolectl.bus.experiences import ExperienceLimits
 
     limits = ExperienceLimits(vocab_size=200_000, prompt_length=4, max_response_length=3, group_size=2)
 

@@ -10,13 +10,13 @@ import json
 
 import pytest
 
-from bus.connection import connect
-from bus.events import EventPublisher, publish_heartbeat, read_all, read_events, subscribe_heartbeats
-from bus.logging import setup_logging
-from bus.streams import ensure_event_stream
-from bus.subjects import identity_problem
-from roles.observe.replay import check_decisions, export_job, load_export, run_replay
-from sync_protocol import (
+from rolectl.bus.connection import connect
+from rolectl.bus.events import EventPublisher, publish_heartbeat, read_all, read_events, subscribe_heartbeats
+from rolectl.bus.logging import setup_logging
+from rolectl.bus.streams import ensure_event_stream
+from rolectl.bus.subjects import identity_problem
+from rolectl.roles.observe.replay import check_decisions, export_job, load_export, run_replay
+from rolectl.sync_protocol import (
     MemberRef,
     RoundClosed,
     RoundOutcome,
@@ -136,7 +136,7 @@ async def test_a_heartbeat_claiming_another_member_is_dropped(conn):
         # explorer-0's connection beats on its own subject but claims to be the trainer ...
         await publish_heartbeat(conn, TRAINER, step=9, version=9, status="running", host="h")
         forged_subject = conn.names.heartbeat("explorer", "explorer-0")
-        from bus.events import Heartbeat, encode_heartbeat
+        from rolectl.bus.events import Heartbeat, encode_heartbeat
 
         await conn.nc.publish(forged_subject, encode_heartbeat(
             Heartbeat(member=TRAINER, step=9, version=9, status=RunningStatus.RUNNING, host="h")))

@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-from bus.connection import connect
-from bus.events import EventPublisher
-from bus.experiences import Experience, ExperienceBatch, ExperiencePublisher
-from bus.streams import (
+from rolectl.bus.connection import connect
+from rolectl.bus.events import EventPublisher
+from rolectl.bus.experiences import Experience, ExperienceBatch, ExperiencePublisher
+from rolectl.bus.streams import (
     DEFAULT_EVENT_MAX_MSG_SIZE,
     StreamFull,
     ensure_event_stream,
     ensure_experience_stream,
 )
-from bus.weights.object_store import ObjectStoreTransport
-from sync_protocol import MemberRef, StepFinished
+from rolectl.bus.weights.object_store import ObjectStoreTransport
+from rolectl.sync_protocol import MemberRef, StepFinished
 
 EXPLORER = MemberRef(role="explorer", id="e0", incarnation=1)
 

@@ -8,8 +8,8 @@ import json
 import pytest
 import structlog
 
-from bus.connection import connect
-from bus.logging import bind_context, clear_context, get_logger, setup_logging
+from rolectl.bus.connection import connect
+from rolectl.bus.logging import bind_context, clear_context, get_logger, setup_logging
 
 
 @pytest.fixture

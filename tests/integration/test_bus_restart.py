@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
-from bus.connection import connect
-from bus.events import EventPublisher, EventReader, read_events
-from bus.experiences import ExperienceBatch, ExperiencePublisher, ExperienceReader
-from bus.streams import ensure_event_stream, ensure_experience_stream
-from sync_protocol import MemberRef, StepFinished
+from rolectl.bus.connection import connect
+from rolectl.bus.events import EventPublisher, EventReader, read_events
+from rolectl.bus.experiences import ExperienceBatch, ExperiencePublisher, ExperienceReader
+from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream
+from rolectl.sync_protocol import MemberRef, StepFinished
 
 ME = MemberRef(role="trainer", id="t0", incarnation=0)
 

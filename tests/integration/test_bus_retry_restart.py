@@ -15,16 +15,16 @@ import nats.js.errors
 import pytest
 import torch
 
-from bus.connection import connect
-from bus.errors import BusError, RetriesExhausted
-from bus.events import EventPublisher, read_all
-from bus.experiences import ExperienceBatch, ExperiencePublisher
-from bus.retry import is_transient, retry_transient
-from bus.server import NatsServer
-from bus.streams import ensure_event_stream, ensure_experience_stream
-from bus.weights.base import WeightsNotFound
-from bus.weights.object_store import ObjectStoreTransport
-from sync_protocol import MemberRef, StepFinished, encode
+from rolectl.bus.connection import connect
+from rolectl.bus.errors import BusError, RetriesExhausted
+from rolectl.bus.events import EventPublisher, read_all
+from rolectl.bus.experiences import ExperienceBatch, ExperiencePublisher
+from rolectl.bus.retry import is_transient, retry_transient
+from rolectl.bus.server import NatsServer
+from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream
+from rolectl.bus.weights.base import WeightsNotFound
+from rolectl.bus.weights.object_store import ObjectStoreTransport
+from rolectl.sync_protocol import MemberRef, StepFinished, encode
 
 ME = MemberRef(role="trainer", id="t0", incarnation=0)
 
@@ -256,7 +256,7 @@ async def test_an_object_store_outage_longer_than_the_budget_is_a_transfer_error
         ref = await t.publish(1, state(1))
         await asyncio.to_thread(own_server.kill)
         await conn.wait_disconnected(timeout=5)
-        from bus.weights.base import TransferError
+        from rolectl.bus.weights.base import TransferError
 
         with pytest.raises(TransferError, match="fetch of version 1 .* still failing"):
             await asyncio.wait_for(t.fetch(ref), 20)

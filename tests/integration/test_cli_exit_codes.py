@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-from roles.cli import main
-from roles.runner import EXIT_ERROR, EXIT_USAGE
+from rolectl.roles.cli import main
+from rolectl.roles.runner import EXIT_ERROR, EXIT_USAGE
 
 
 @pytest.mark.parametrize("command", [["status"], ["export", "-o", "{tmp}/out.jsonl"], ["replay"]])

@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from job_scenario import NBYTES, run_scripted_job
-from roles.observe.dashboard import Dashboard, start_dashboard
+from rolectl.roles.observe.dashboard import Dashboard, start_dashboard
 
 STEPS = 3
 

@@ -3,8 +3,8 @@ nats-server (the default monitoring guess, port 8222, is wrong for `up`'s free-p
 
 from __future__ import annotations
 
-from bus.server import free_port
-from roles.observe.dashboard import _preflight
+from rolectl.bus.server import free_port
+from rolectl.roles.observe.dashboard import _preflight
 
 
 async def test_a_reachable_server_and_monitoring_url_raise_nothing(nats_server, job_name):

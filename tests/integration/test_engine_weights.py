@@ -11,12 +11,12 @@ import nats
 import pytest
 import torch
 
-from bus.weights.checkpoint import CheckpointTransport
-from bus.weights.object_store import ObjectStoreTransport
+from rolectl.bus.weights.checkpoint import CheckpointTransport
+from rolectl.bus.weights.object_store import ObjectStoreTransport
 from llm_support import built_model, data_section, model_section
-from roles.config import parse_config
-from roles.engines import WeightsMismatch, make_rollout_engine, make_taskset, make_train_engine
-from roles.engines.hf import response_logprobs
+from rolectl.roles.config import parse_config
+from rolectl.roles.engines import WeightsMismatch, make_rollout_engine, make_taskset, make_train_engine
+from rolectl.roles.engines.hf import response_logprobs
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from bus.connection import connect
-from bus.errors import BusUnavailable
-from bus.server import NatsServer
-from roles.observe.dashboard import start_dashboard
+from rolectl.bus.connection import connect
+from rolectl.bus.errors import BusUnavailable
+from rolectl.bus.server import NatsServer
+from rolectl.roles.observe.dashboard import start_dashboard
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = "hunter2-sEcReT"
@@ -34,7 +34,7 @@ def _url(server: NatsServer, password: str = SECRET) -> str:
 
 
 async def test_connection_logs_and_errors_hide_the_password(password_server):
-    from bus.logging import setup_logging
+    from rolectl.bus.logging import setup_logging
 
     logged = io.StringIO()
     setup_logging("debug", stream=logged)
@@ -51,7 +51,7 @@ async def test_connection_logs_and_errors_hide_the_password(password_server):
 
 def test_cli_errors_hide_the_password(password_server):
     result = subprocess.run(
-        [sys.executable, "-m", "roles.cli", "status", "--job", "no-such-job", "--nats", _url(password_server)],
+        [sys.executable, "-m", "rolectl.roles.cli", "status", "--job", "no-such-job", "--nats", _url(password_server)],
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )
     assert result.returncode != 0

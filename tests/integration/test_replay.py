@@ -16,14 +16,14 @@ import pytest
 
 from rich.console import Console
 
-from bus.errors import BusError
+from rolectl.bus.errors import BusError
 from job_scenario import run_scripted_job
-from roles.launch.local import _summary_table
+from rolectl.roles.launch.local import _summary_table
 from prometheus_client import CollectorRegistry
 
-from roles.observe.dashboard import Dashboard, _Collector
-from roles.observe.observer import SUMMARY_MEANINGS, JobObserver
-from roles.observe.replay import (
+from rolectl.roles.observe.dashboard import Dashboard, _Collector
+from rolectl.roles.observe.observer import SUMMARY_MEANINGS, JobObserver
+from rolectl.roles.observe.replay import (
     ExportError,
     build_timeline,
     check_decisions,
@@ -34,8 +34,8 @@ from roles.observe.replay import (
     summarize,
     write_export,
 )
-from sync_protocol import Decision, MemberReleased, RoundClosed, VersionPublished, decision_identity
-from sync_protocol.reducer import fold_lenient
+from rolectl.sync_protocol import Decision, MemberReleased, RoundClosed, VersionPublished, decision_identity
+from rolectl.sync_protocol.reducer import fold_lenient
 
 
 @pytest.fixture
@@ -246,7 +246,7 @@ def test_replay_text_is_one_line_a_round_within_80_columns_without_a_terminal(re
     path = tmp_path / "job.jsonl"
     records = _export(recorded, nats_url, path)
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
-    shown = subprocess.run([sys.executable, "-m", "roles.cli", "replay", "--file", str(path), "--check"],
+    shown = subprocess.run([sys.executable, "-m", "rolectl.roles.cli", "replay", "--file", str(path), "--check"],
                            capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[2],
                            timeout=300)
     assert shown.returncode == 0, shown.stderr
@@ -339,7 +339,7 @@ def test_export_of_a_job_without_stream_is_a_clear_error(nats_url, job_name, tmp
 def test_check_fails_a_job_whose_trainer_never_finished(recorded, nats_url, tmp_path, capsys, ending):
     """Every decision matches, yet the trainer's last STOPPED is not final (or it was expired and
     never came back): the job ended short of its last step, and --check says so with exit 1."""
-    from sync_protocol import MemberExpired, MemberRef, Recorded, Role, StatusChanged
+    from rolectl.sync_protocol import MemberExpired, MemberRef, Recorded, Role, StatusChanged
 
     records = _export(recorded, nats_url, tmp_path / "job.jsonl")
     trainer_stop = next(r for r in records if isinstance(r.event, StatusChanged)

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import asyncio
 
-from bus.connection import connect
-from bus.events import read_all
-from bus.snapshots import SnapshotStore
+from rolectl.bus.connection import connect
+from rolectl.bus.events import read_all
+from rolectl.bus.snapshots import SnapshotStore
 from job_scenario import run_scripted_job
-from roles.session import JobView
-from roles.observe.replay import run_replay
-from sync_protocol import Decision
-from sync_protocol.reducer import fold_lenient
-from sync_protocol.snapshot import encode_state
-from sync_protocol.state import State
+from rolectl.roles.session import JobView
+from rolectl.roles.observe.replay import run_replay
+from rolectl.sync_protocol import Decision
+from rolectl.sync_protocol.reducer import fold_lenient
+from rolectl.sync_protocol.snapshot import encode_state
+from rolectl.sync_protocol.state import State
 
 
 async def test_snapshot_is_the_fold_of_the_stream_up_to_it_and_views_start_from_it(nats_url, job_name):

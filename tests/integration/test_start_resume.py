@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from bus.connection import connect
-from bus.events import read_all
-from bus.streams import ensure_event_stream, ensure_experience_stream
-from roles.resume import StartMode, StartRefused
-from roles.runner import EXIT_USAGE
-from roles.trainer import Trainer
-from sync_protocol import Role, StepFinished
+from rolectl.bus.connection import connect
+from rolectl.bus.events import read_all
+from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream
+from rolectl.roles.resume import StartMode, StartRefused
+from rolectl.roles.runner import EXIT_USAGE
+from rolectl.roles.trainer import Trainer
+from rolectl.sync_protocol import Role, StepFinished
 from test_trainer_guard import _config, _publish_rollouts  # same folder (on sys.path); `tests` may be another package's (vllm ships one)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,7 +63,7 @@ def test_start_refusal_is_readable_on_a_console_and_json_in_a_file(tmp_path, own
     state.parent.mkdir(parents=True)
     state.write_text(json.dumps({"checkpoint": "step-7", "step": 7}))  # left by an earlier run
     result = subprocess.run(
-        [sys.executable, "-m", "roles.cli", "start", "trainer", "--config", str(tmp_path / "job.yaml"),
+        [sys.executable, "-m", "rolectl.roles.cli", "start", "trainer", "--config", str(tmp_path / "job.yaml"),
          "--nats", own_server.url, "--log-format", log_format],
         cwd=ROOT, capture_output=True, text=True, timeout=180,
     )

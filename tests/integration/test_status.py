@@ -7,12 +7,12 @@ import json
 
 import pytest
 
-from bus.connection import connect
-from bus.events import publish_heartbeat
-from bus.server import free_port
+from rolectl.bus.connection import connect
+from rolectl.bus.events import publish_heartbeat
+from rolectl.bus.server import free_port
 from job_scenario import EXPLORERS, TRAINER, run_scripted_job, stop_task
-from roles.observe.status import collect_status, print_status
-from sync_protocol import RunningStatus
+from rolectl.roles.observe.status import collect_status, print_status
+from rolectl.sync_protocol import RunningStatus
 
 
 @pytest.fixture

@@ -9,14 +9,14 @@ import asyncio
 
 import pytest
 
-from bus.connection import connect
-from bus.errors import PayloadTooLarge
-from bus.events import DecisionPublisher, read_events
-from bus.lease import Lease
-from bus.streams import ensure_event_stream
-from roles.config import parse_config
-from roles.synchronizer import Synchronizer
-from sync_protocol import (
+from rolectl.bus.connection import connect
+from rolectl.bus.errors import PayloadTooLarge
+from rolectl.bus.events import DecisionPublisher, read_events
+from rolectl.bus.lease import Lease
+from rolectl.bus.streams import ensure_event_stream
+from rolectl.roles.config import parse_config
+from rolectl.roles.synchronizer import Synchronizer
+from rolectl.sync_protocol import (
     MemberRef,
     MemberReleased,
     RankAssignment,

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bus.connection import connect
-from bus.experiences import ExperienceBatch, ExperiencePublisher
-from bus.streams import ensure_event_stream, ensure_experience_stream
-from roles.config import load_config
-from roles.engines import make_rollout_engine, make_taskset
-from roles.trainer import Trainer
+from rolectl.bus.connection import connect
+from rolectl.bus.experiences import ExperienceBatch, ExperiencePublisher
+from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream
+from rolectl.roles.config import load_config
+from rolectl.roles.engines import make_rollout_engine, make_taskset
+from rolectl.roles.trainer import Trainer
 
 SMALL = Path(__file__).resolve().parents[1] / "e2e" / "configs" / "small.yaml"
 

@@ -20,10 +20,10 @@ _ROOT = Path(__file__).resolve().parents[2]
 if str(_ROOT) not in sys.path:  # when run as an explorer script
     sys.path.insert(0, str(_ROOT))
 
-from bus.logging import setup_logging  # noqa: E402
-from bus.weights import CorruptWeights, PeerLost, TransferError  # noqa: E402
-from bus.weights.cuda_ipc import CudaIpcTransport, HandleRequest  # noqa: E402
-from sync_protocol import MemberRef, RendezvousReady, Role, SyncMethod, from_plain, to_plain  # noqa: E402
+from rolectl.bus.logging import setup_logging  # noqa: E402
+from rolectl.bus.weights import CorruptWeights, PeerLost, TransferError  # noqa: E402
+from rolectl.bus.weights.cuda_ipc import CudaIpcTransport, HandleRequest  # noqa: E402
+from rolectl.sync_protocol import MemberRef, RendezvousReady, Role, SyncMethod, from_plain, to_plain  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

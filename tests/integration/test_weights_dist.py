@@ -23,12 +23,12 @@ _ROOT = Path(__file__).resolve().parents[2]
 if str(_ROOT) not in sys.path:  # when run as an explorer script
     sys.path.insert(0, str(_ROOT))
 
-from bus.logging import setup_logging  # noqa: E402
-from bus.server import free_port  # noqa: E402
-from bus.weights import CorruptWeights, PeerLost, TransferError  # noqa: E402
-from bus.weights.pinned import PinnedStaging  # noqa: E402
-from bus.weights.torch_dist import TorchDistTransport  # noqa: E402
-from sync_protocol import MemberRef, RendezvousReady, Role, SyncMethod, from_plain, to_plain  # noqa: E402
+from rolectl.bus.logging import setup_logging  # noqa: E402
+from rolectl.bus.server import free_port  # noqa: E402
+from rolectl.bus.weights import CorruptWeights, PeerLost, TransferError  # noqa: E402
+from rolectl.bus.weights.pinned import PinnedStaging  # noqa: E402
+from rolectl.bus.weights.torch_dist import TorchDistTransport  # noqa: E402
+from rolectl.sync_protocol import MemberRef, RendezvousReady, Role, SyncMethod, from_plain, to_plain  # noqa: E402
 
 KIB = 1024
 _RESULT = "RESULT "

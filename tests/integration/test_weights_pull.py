@@ -20,11 +20,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from bus.server import NatsServer
-from bus.subjects import JobNames
-from bus.weights.base import CorruptWeights, PullTransport, WeightsNotFound, WeightsRef
-from bus.weights.checkpoint import CheckpointTransport
-from bus.weights.object_store import ObjectStoreTransport
+from rolectl.bus.server import NatsServer
+from rolectl.bus.subjects import JobNames
+from rolectl.bus.weights.base import CorruptWeights, PullTransport, WeightsNotFound, WeightsRef
+from rolectl.bus.weights.checkpoint import CheckpointTransport
+from rolectl.bus.weights.object_store import ObjectStoreTransport
 
 KINDS = ["object_store", "object_store_nats_py", "checkpoint"]
 
@@ -301,7 +301,7 @@ async def test_chunks_without_a_manifest_are_never_visible(nc, job_name, tmp_pat
 _PUBLISHER = textwrap.dedent(
     """
     import asyncio, sys, torch, nats
-    from bus.weights.object_store import ObjectStoreTransport
+    from rolectl.bus.weights.object_store import ObjectStoreTransport
 
     async def main(url, job):
         nc = await nats.connect(url)
@@ -358,8 +358,8 @@ async def test_a_checkpoint_temp_file_is_never_a_version(tmp_path):
 
 
 def test_after_a_lost_connection_the_plan_asks_again_for_missing_chunks_only():
-    from bus.weights.format import Destination, SourceBytes, build_manifest
-    from bus.weights.object_store import _ChunkPlan
+    from rolectl.bus.weights.format import Destination, SourceBytes, build_manifest
+    from rolectl.bus.weights.object_store import _ChunkPlan
 
     source = SourceBytes({"w": torch.arange(1000, dtype=torch.int64)})  # 8000 bytes: 8 chunks
     manifest = build_manifest(1, source, chunk_size=1000, extra={"first_seq": 11})

@@ -10,6 +10,7 @@ import site
 import subprocess
 import sys
 import venv
+import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -18,8 +19,8 @@ STATIC = ROOT / "roles" / "observe" / "dashboard_static"
 # Run inside the fresh venv: serve the dashboard of the installed package, fetch what a browser does.
 _FETCH = r"""
 import asyncio, json, sys, urllib.request
-import roles
-from roles.observe.dashboard import start_dashboard
+from rolectl import roles
+from rolectl.roles.observe.dashboard import start_dashboard
 
 async def main():
     handle = await start_dashboard(job=sys.argv[1], nats_url=sys.argv[2], monitor_url=None)
@@ -64,6 +65,20 @@ def _fresh_venv(tmp_path: Path) -> Path:
                              check=True, capture_output=True, text=True).stdout.strip()
     Path(purelib, "test-venv-deps.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     return python
+
+
+def test_wheel_installs_only_the_rolectl_namespace(tmp_path):
+    # `bus` and `roles` are other distributions' names: installing rolectl must not shadow them
+    with zipfile.ZipFile(_build_wheel(tmp_path)) as wheel:
+        top = {name.split("/")[0] for name in wheel.namelist()}
+        packages = {name.rpartition("/")[0].replace("/", ".") for name in wheel.namelist()
+                    if name.endswith("/__init__.py")}
+    assert {t for t in top if not t.endswith(".dist-info")} == {"rolectl"}
+    # every package folder of the source tree is in the wheel (the build lists them by hand)
+    expected = {"rolectl"} | {"rolectl." + ".".join(p.parent.relative_to(ROOT).parts)
+                              for layer in ("sync_protocol", "bus", "roles")
+                              for p in (ROOT / layer).rglob("__init__.py")}
+    assert packages == expected
 
 
 def test_installed_wheel_serves_the_dashboard(tmp_path, nats_url, job_name):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from sync_protocol import (
+from rolectl.sync_protocol import (
     Decision,
     JobConfigured,
     MemberExpired,
@@ -39,7 +39,7 @@ from sync_protocol import (
     encode,
     reduce,
 )
-from sync_protocol.state import RoundPhase
+from rolectl.sync_protocol.state import RoundPhase
 
 __all__ = [
     "T", "E1", "E2", "E3", "SYNC", "RDV",

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from roles.engines.algorithms import AlgorithmConfig, VerlAlgorithm, algorithm_config_problems
-from roles.engines.grpo import clipped_policy_loss, group_advantages
+from rolectl.roles.engines.algorithms import AlgorithmConfig, VerlAlgorithm, algorithm_config_problems
+from rolectl.roles.engines.grpo import clipped_policy_loss, group_advantages
 
 
 def batch(seed: int = 0, rows: int = 12, width: int = 6):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sync_protocol import SyncConfig, SyncStyle
-from sync_protocol.boundaries import explorer_needs_sync, is_stale, needs_reload, trainer_needs_sync
+from rolectl.sync_protocol import SyncConfig, SyncStyle
+from rolectl.sync_protocol.boundaries import explorer_needs_sync, is_stale, needs_reload, trainer_needs_sync
 
 
 @pytest.mark.parametrize(

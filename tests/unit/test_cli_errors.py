@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from roles.cli import main
-from roles.config import load_config, parse_config
-from roles.resume import SavedState, StartMode, StartRefused, decide_resume
-from roles.runner import EXIT_CODES, EXIT_USAGE
-from sync_protocol import ConfigError, MemberRef, MemberState, Role
+from rolectl.roles.cli import main
+from rolectl.roles.config import load_config, parse_config
+from rolectl.roles.resume import SavedState, StartMode, StartRefused, decide_resume
+from rolectl.roles.runner import EXIT_CODES, EXIT_USAGE
+from rolectl.sync_protocol import ConfigError, MemberRef, MemberState, Role
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -168,7 +168,7 @@ def test_server_blames_the_monitoring_port_when_that_is_the_busy_one():
 def test_replay_of_an_empty_file_exits_2(tmp_path, capsys):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    from roles.observe.replay import run_replay
+    from rolectl.roles.observe.replay import run_replay
 
     assert run_replay(job=None, nats="nats://127.0.0.1:4222", file=empty, until=None, check=True,
                       as_json=False) == EXIT_USAGE
@@ -189,7 +189,7 @@ def test_a_role_started_by_the_cli_keeps_the_configured_stream_replicas(tmp_path
     """`rolectl start` merges the credential flags into the nats section; it once rebuilt the section
     from them alone, so every role ran with `replicas: 1` and made the lease bucket and the weights
     stream with one copy: a cluster node loss took them with it (README, "Server restarts and clusters")."""
-    from roles.cli import _load
+    from rolectl.roles.cli import _load
 
     path = tmp_path / "job.yaml"
     path.write_text("job: replicated\nnats:\n  replicas: 3\n")
@@ -211,11 +211,11 @@ def test_a_synchronizer_starts_without_importing_an_engine(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text("job: j\nmodel:\n  engine: tiny\n  no_such_field: 1\n")
     # the whole start but the synchronizer's loop (which needs a server): config, runner, class
-    probe = ("import sys; from roles.cli import _load; import roles.runner, roles.synchronizer\n"
+    probe = ("import sys; from rolectl.roles.cli import _load; import rolectl.roles.runner, rolectl.roles.synchronizer\n"
              "async def run(self): pass\n"
-             "roles.synchronizer.Synchronizer.run = run\n"
+             "rolectl.roles.synchronizer.Synchronizer.run = run\n"
              f"cfg = _load({str(path)!r}, None, check_engines=False)\n"
-             "assert roles.runner.run_role('sync', cfg, log_json=True) == 0\n"
+             "assert rolectl.roles.runner.run_role('sync', cfg, log_json=True) == 0\n"
              "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
                          cwd=Path(__file__).resolve().parents[2])

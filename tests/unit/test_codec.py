@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
-from sync_protocol import (
+from rolectl.sync_protocol import (
     KINDS,
     Decision,
     SCHEMA_VERSION,
@@ -46,7 +46,7 @@ from sync_protocol import (
     from_plain,
     to_plain,
 )
-from sync_protocol.codec import BATCH_KIND, MAX_BATCH, _plain  # the same plain form the codec writes, for building maps
+from rolectl.sync_protocol.codec import BATCH_KIND, MAX_BATCH, _plain  # the same plain form the codec writes, for building maps
 
 T = MemberRef(role=Role.TRAINER, id="trainer-0", incarnation=3)
 E = MemberRef(role=Role.EXPLORER, id="explorer-7", incarnation=1)

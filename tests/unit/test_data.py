@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from roles.engines.data import DataConfig, TextTaskSet, data_config_problems, load_rows
+from rolectl.roles.engines.data import DataConfig, TextTaskSet, data_config_problems, load_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 ROWS = [{"prompt": f"reverse {i} {i % 7} =", "answer": f"{i % 7} {i}", "extra": i} for i in range(23)]

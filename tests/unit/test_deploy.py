@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bus.server import find_nats_server
+from rolectl.bus.server import find_nats_server
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
@@ -31,7 +31,7 @@ _AUTH_DIR = "/etc/rolectl/auth"
 def test_the_shipped_secure_config_is_what_auth_init_writes():
     """deploy/nats/auth-tls.conf is `rolectl auth init`'s output (the command is in its header):
     re-rendering it with its own public nkeys gives the same text, so permissions cannot drift."""
-    from bus.auth import parse_header, parse_nkeys, render_server_conf
+    from rolectl.bus.auth import parse_header, parse_nkeys, render_server_conf
 
     text = (DEPLOY / "nats" / "auth-tls.conf").read_text()
     job, explorers, synchronizers = parse_header(text)
@@ -46,7 +46,7 @@ def test_the_shipped_secure_config_is_what_auth_init_writes():
 
 def test_nats_server_accepts_the_shipped_secure_config(tmp_path):
     # The config points at /etc/rolectl/auth; make real certificates with auth init and point it here.
-    from bus.auth import init_auth_dir
+    from rolectl.bus.auth import init_auth_dir
 
     made = init_auth_dir(tmp_path / "auth", job="demo", explorers=1)
     text = (DEPLOY / "nats" / "auth-tls.conf").read_text()
@@ -58,7 +58,7 @@ def test_nats_server_accepts_the_shipped_secure_config(tmp_path):
 
 
 def test_systemd_and_kubernetes_files_pass_credentials_by_file_in_the_environment():
-    from bus.security import ENV_VARS
+    from rolectl.bus.security import ENV_VARS
 
     for path in (DEPLOY / "systemd" / "rolectl@.service", DEPLOY / "k8s" / "rolectl.yaml"):
         text = path.read_text()
@@ -116,7 +116,7 @@ def _rolectl_commands() -> list[tuple[str, list[str]]]:
 def test_every_rolectl_command_in_deploy_is_accepted_by_the_cli():
     import click
 
-    from roles.cli import main
+    from rolectl.roles.cli import main
 
     commands = _rolectl_commands()
     assert {where for where, _ in commands} >= {"rolectl.yaml", "rayjob.yaml", "rolectl@.service"}

@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from bus.experiences import Experience
-from roles.engines import (
+from rolectl.bus.experiences import Experience
+from rolectl.roles.engines import (
     ReverseDigitsTaskSet,
     RolloutEngine,
     TaskSet,
@@ -24,9 +24,9 @@ from roles.engines import (
     model_config_problems,
     score_response,
 )
-from roles.engines.grpo import group_advantages
-from roles.engines.model import response_logprobs
-from roles.engines.task import EOS, RESPONSE_TOKENS, make_reverse_task
+from rolectl.roles.engines.grpo import group_advantages
+from rolectl.roles.engines.model import response_logprobs
+from rolectl.roles.engines.task import EOS, RESPONSE_TOKENS, make_reverse_task
 
 # Small enough that the whole file runs in seconds, big enough to learn (see `learned` below).
 SMALL = TinyConfig(seed=0, task_length=2, group_size=8, tasks_per_step=32, minibatches=4)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sync_protocol import ConfigError, RunningStatus, SyncConfig, SyncMethod, SyncStyle
+from rolectl.sync_protocol import ConfigError, RunningStatus, SyncConfig, SyncMethod, SyncStyle
 
 
 @pytest.mark.parametrize(

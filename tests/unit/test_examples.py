@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from roles.config import JobConfig, load_config
+from rolectl.roles.config import JobConfig, load_config
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
 

@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from bus.errors import MalformedExperience
-from bus.experiences import Experience, ExperienceBatch, ExperienceLimits, validate_batch
-from roles.engines import TinyConfig, TinyTrainEngine
+from rolectl.bus.errors import MalformedExperience
+from rolectl.bus.experiences import Experience, ExperienceBatch, ExperienceLimits, validate_batch
+from rolectl.roles.engines import TinyConfig, TinyTrainEngine
 
 LIMITS = ExperienceLimits(vocab_size=14, prompt_length=3, max_response_length=4, group_size=2,
                           response_tokens=frozenset(range(10)) | {12})

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bus.files import atomic_path, write_json_atomic
+from rolectl.bus.files import atomic_path, write_json_atomic
 
 
 def test_write_json_atomic_replaces_the_file_and_leaves_no_temporary(tmp_path):

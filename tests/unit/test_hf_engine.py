@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from roles.config import parse_config
-from roles.engines import WeightsMismatch, make_rollout_engine, make_taskset, make_train_engine
-from roles.engines.hf import response_logprobs
-from roles.engines.hf_model import load_tokenizer
-from sync_protocol import ConfigError
+from rolectl.roles.config import parse_config
+from rolectl.roles.engines import WeightsMismatch, make_rollout_engine, make_taskset, make_train_engine
+from rolectl.roles.engines.hf import response_logprobs
+from rolectl.roles.engines.hf_model import load_tokenizer
+from rolectl.sync_protocol import ConfigError
 from llm_support import built_model, data_section, model_section
 
 
@@ -151,7 +151,7 @@ def test_every_engine_problem_is_reported_at_once(model_dir, tmp_path):
 def test_a_model_path_built_with_other_settings_is_refused(model_dir):
     from llm_support import BUILD
 
-    from roles.engines.hf_model import ensure_model, hf_model_config_from_mapping
+    from rolectl.roles.engines.hf_model import ensure_model, hf_model_config_from_mapping
 
     section = {k: v for k, v in model_section(model_dir).items() if k != "engine"}
     assert ensure_model(hf_model_config_from_mapping(section)) == model_dir  # same settings: reused

@@ -9,8 +9,8 @@ import asyncio
 
 import pytest
 
-from roles.session import JobView
-from sync_protocol import (
+from rolectl.roles.session import JobView
+from rolectl.sync_protocol import (
     MemberRef,
     MemberReleased,
     Recorded,

@@ -15,13 +15,13 @@ PACKAGES = ("sync_protocol", "bus", "roles")
 
 # lowest first; a module may import its own layer and those below it
 LAYERS = (
-    "sync_protocol",
-    "bus",
-    "roles.engines",
+    "rolectl.sync_protocol",
+    "rolectl.bus",
+    "rolectl.roles.engines",
     "role loops",  # roles.session, trainer, explorer, synchronizer, transports, config, runner, provision
-    "roles.observe",
-    "roles.launch",
-    "roles.cli",
+    "rolectl.roles.observe",
+    "rolectl.roles.launch",
+    "rolectl.roles.cli",
 )
 
 
@@ -29,13 +29,13 @@ def layer_of(module: str) -> int:
     for i, prefix in enumerate(LAYERS):
         if module == prefix or module.startswith(prefix + "."):
             return i
-    if module == "roles" or module.startswith("roles."):
+    if module == "rolectl.roles" or module.startswith("rolectl.roles."):
         return LAYERS.index("role loops")
     raise AssertionError(f"{module} is in no layer")
 
 
 def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    parts = ["rolectl", *path.relative_to(ROOT).with_suffix("").parts]
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
@@ -54,7 +54,7 @@ def _imports(path: Path, module: str) -> list[tuple[int, str]]:
             else:
                 name = node.module or ""
             out.append((node.lineno, name))
-    return [(line, name) for line, name in out if name.split(".")[0] in PACKAGES]
+    return [(line, name) for line, name in out if name.split(".")[:2][-1] in PACKAGES and name.startswith("rolectl.")]
 
 
 def _edges():
@@ -74,9 +74,9 @@ def test_every_import_points_down_the_layers():
 
 def test_the_engine_contract_does_not_need_the_nats_layer():
     # experiences are data (sync_protocol.experience): importing the engines loads no NATS client
-    code = ("import sys, json; import roles.engines, roles.engines.base, roles.engines.tiny; "
+    code = ("import sys, json; import rolectl.roles.engines, rolectl.roles.engines.base, rolectl.roles.engines.tiny; "
             "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'nats' "
-            "or m in ('bus.connection', 'bus.experiences', 'bus.events'))))")
+            "or m in ('rolectl.bus.connection', 'rolectl.bus.experiences', 'rolectl.bus.events'))))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert json.loads(out.stdout.splitlines()[-1]) == []
 
@@ -84,5 +84,5 @@ def test_the_engine_contract_does_not_need_the_nats_layer():
 def test_the_layering_sees_lazy_imports():
     # the test is only as good as its reading of the source: a function-level import is an edge
     edges = {(module, imported) for _, _, module, imported in _edges()}
-    assert ("roles.cli", "roles.launch.local") in edges  # imported inside `rolectl up`
-    assert layer_of("roles.observe.status") > layer_of("roles.session") > layer_of("roles.engines.base")
+    assert ("rolectl.roles.cli", "rolectl.roles.launch.local") in edges  # imported inside `rolectl up`
+    assert layer_of("rolectl.roles.observe.status") > layer_of("rolectl.roles.session") > layer_of("rolectl.roles.engines.base")

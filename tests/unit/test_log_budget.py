@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bus.logging import LogBudget
+from rolectl.bus.logging import LogBudget
 
 
 class _Recorder:

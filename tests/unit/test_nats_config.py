@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from roles.config import NatsConfig, parse_config
-from sync_protocol import ConfigError
+from rolectl.roles.config import NatsConfig, parse_config
+from rolectl.sync_protocol import ConfigError
 
 
 def test_defaults_are_one_replica_and_file_weight_storage():

@@ -16,7 +16,7 @@ import random
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sync_protocol import (
+from rolectl.sync_protocol import (
     JobConfigured,
     MemberExpired,
     MemberJoined,
@@ -46,9 +46,9 @@ from sync_protocol import (
     reduce,
     reduce_lenient,
 )
-from sync_protocol import DecodeError
-from sync_protocol.snapshot import decode_state, encode_state
-from sync_protocol.state import RoundPhase
+from rolectl.sync_protocol import DecodeError
+from rolectl.sync_protocol.snapshot import decode_state, encode_state
+from rolectl.sync_protocol.state import RoundPhase
 
 SYNC = MemberRef(role=Role.SYNCHRONIZER, id="clock", incarnation=0)
 EXPLORER_IDS = ("e0", "e1", "e2")

@@ -8,12 +8,12 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from roles.cli import main
-from roles.config import load_config, parse_config
-from roles.launch.base import Launcher, RoleHandle
-from roles.launch.local import LocalLauncher
-from roles.launch.ray import INSTALL_HINT, actor_name, role_bundles
-from sync_protocol import ConfigError
+from rolectl.roles.cli import main
+from rolectl.roles.config import load_config, parse_config
+from rolectl.roles.launch.base import Launcher, RoleHandle
+from rolectl.roles.launch.local import LocalLauncher
+from rolectl.roles.launch.ray import INSTALL_HINT, actor_name, role_bundles
+from rolectl.sync_protocol import ConfigError
 
 QUICKSTART = "examples/quickstart.yaml"
 
@@ -86,7 +86,7 @@ def test_up_help_documents_the_launchers():
 def test_role_handle_protocol_is_what_the_supervisor_uses():
     import inspect
 
-    from roles.launch import local
+    from rolectl.roles.launch import local
 
     source = inspect.getsource(local.supervise)
     assert ".proc" not in source  # the supervisor sees RoleHandles only, whatever the launcher

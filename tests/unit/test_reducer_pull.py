@@ -23,7 +23,7 @@ from scenario import (
     step_done,
     stop,
 )
-from sync_protocol import MemberRef, MemberReleased, ReleaseReason, Role, SyncConfig, SyncMethod, SyncStyle
+from rolectl.sync_protocol import MemberRef, MemberReleased, ReleaseReason, Role, SyncConfig, SyncMethod, SyncStyle
 
 PULL_METHODS = [SyncMethod.CHECKPOINT, SyncMethod.MEMORY]
 

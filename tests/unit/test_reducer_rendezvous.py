@@ -24,7 +24,7 @@ from scenario import (
     stop,
     timed_out,
 )
-from sync_protocol import (
+from rolectl.sync_protocol import (
     IllegalEvent,
     MemberRef,
     Role,

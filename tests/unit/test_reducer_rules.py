@@ -25,7 +25,7 @@ from scenario import (
     stop,
     timed_out,
 )
-from sync_protocol import (
+from rolectl.sync_protocol import (
     IllegalEvent,
     MemberExpired,
     MemberRef,

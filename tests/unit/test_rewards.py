@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from roles.engines.rewards import (
+from rolectl.roles.engines.rewards import (
     exact_match,
     format_reward,
     math_answer,
@@ -62,14 +62,14 @@ def test_format_checks_shape_not_content(response, expected):
 
 
 def test_module_function_rewards_are_imported():
-    fn = resolve_reward("roles.engines.rewards:positional_match")
+    fn = resolve_reward("rolectl.roles.engines.rewards:positional_match")
     assert fn is positional_match
 
 
 @pytest.mark.parametrize("spec,fragment", [
     ("nope", "unknown reward 'nope'"),
     ("no_such_module_xyz:f", "cannot import module 'no_such_module_xyz'"),
-    ("roles.engines.rewards:missing", "has no function 'missing'"),
+    ("rolectl.roles.engines.rewards:missing", "has no function 'missing'"),
 ])
 def test_unknown_rewards_say_what_to_do(spec, fragment):
     with pytest.raises(ValueError, match=fragment):

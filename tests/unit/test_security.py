@@ -8,9 +8,9 @@ import subprocess
 
 import pytest
 
-from bus.auth import identities, init_auth_dir, parse_header, parse_nkeys, server_permissions
-from bus.security import ClientSecurity, SecurityError, redact
-from bus.server import find_nats_server
+from rolectl.bus.auth import identities, init_auth_dir, parse_header, parse_nkeys, server_permissions
+from rolectl.bus.security import ClientSecurity, SecurityError, redact
+from rolectl.bus.server import find_nats_server
 
 
 @pytest.mark.parametrize("text, shown", [
@@ -26,7 +26,7 @@ def test_redact_masks_the_userinfo_of_every_url(text, shown):
 
 
 def test_logs_never_show_a_url_password(capsys):
-    from bus.logging import get_logger, setup_logging
+    from rolectl.bus.logging import get_logger, setup_logging
 
     setup_logging("info")
     get_logger("t").warning("bus.error", url="nats://u:hunter2@h:4222", error="nats://u:hunter2@h refused")
@@ -75,7 +75,7 @@ def test_settings_that_cannot_work_say_what_to_do(tmp_path, settings, words):
 
 
 def test_flags_win_over_environment_over_the_config_file(tmp_path, monkeypatch):
-    from roles.cli import _security
+    from rolectl.roles.cli import _security
 
     files = {n: tmp_path / n for n in ("flag.nk", "env.nk", "conf.nk", "env-ca.pem", "conf-ca.pem")}
     for f in files.values():
@@ -90,7 +90,7 @@ def test_flags_win_over_environment_over_the_config_file(tmp_path, monkeypatch):
 
 
 def test_the_config_nats_section_takes_paths_relative_to_the_file(tmp_path):
-    from roles.config import load_config
+    from rolectl.roles.config import load_config
 
     (tmp_path / "job.yaml").write_text("job: j\nnats: {creds: auth/trainer.nk, tls_ca: auth/ca.pem}\n")
     cfg = load_config(tmp_path / "job.yaml")
@@ -184,7 +184,7 @@ def test_readme_secure_deployment_lists_every_identity_and_the_options_that_exis
     import re
     from pathlib import Path
 
-    from roles.cli import main
+    from rolectl.roles.cli import main
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     section = readme.split("\n## Secure deployment\n", 1)[1].split("\n## ", 1)[0]
@@ -203,8 +203,8 @@ def test_readme_secure_deployment_lists_every_identity_and_the_options_that_exis
 
 
 async def test_a_member_whose_id_is_not_its_credential_identity_is_told_which_id_to_use(tmp_path):
-    from bus.connection import connect
-    from bus.errors import BusUnavailable
+    from rolectl.bus.connection import connect
+    from rolectl.bus.errors import BusUnavailable
 
     made = init_auth_dir(tmp_path / "a", job="j", explorers=1)
     with pytest.raises(BusUnavailable, match="--id explorer-0"):

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from bus.weights.base import PullTransport, RendezvousTransport
-from bus.weights.checkpoint import CheckpointTransport
-from bus.weights.cuda_ipc import CudaIpcTransport
-from bus.weights.torch_dist import TorchDistTransport
+from rolectl.bus.weights.base import PullTransport, RendezvousTransport
+from rolectl.bus.weights.checkpoint import CheckpointTransport
+from rolectl.bus.weights.cuda_ipc import CudaIpcTransport
+from rolectl.bus.weights.torch_dist import TorchDistTransport
 
 
 ROOT = Path(__file__).resolve().parents[2]

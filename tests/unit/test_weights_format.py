@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from bus.weights.base import CorruptWeights, TransferError
-from bus.weights.format import (
+from rolectl.bus.weights.base import CorruptWeights, TransferError
+from rolectl.bus.weights.format import (
     DIGEST_ALGORITHMS,
     Destination,
     Layout,
