@@ -96,6 +96,7 @@ class Explorer:
             self.s = session
             self.log = session.log
             await session.view.start()
+            session.refuse_if_live()  # before anything that touches its saved state
             self._resume_or_start_fresh(session.view)
             self.method = self.sync.sync_method
             if self.method.is_rendezvous:
@@ -133,6 +134,7 @@ class Explorer:
             experiences = await asyncio.to_thread(self._rollout, tasks, step)
             if self.step_delay_s:
                 await asyncio.sleep(self.step_delay_s)  # simulated slower rollout engine (config)
+            await self.s.fence()  # a process back from a pause must not publish beside its successor
             await self.experiences.publish(ExperienceBatch(member=self.member_id, explore_step=step,
                                                            model_version=self.engine.version,
                                                            experiences=tuple(experiences)))
@@ -309,6 +311,10 @@ class Explorer:
     async def _cleanup(self) -> None:
         if self._background is not None:
             await stop_task(self._background, log=self.log)  # a plain cancel can be lost (see stop_task)
+        if self.s.replaced_by is not None:  # fenced: the successor owns the saved state
+            await self.transport.aclose()
+            self.log.error("explorer_fenced", step=self.explore_step, replaced_by=self.s.replaced_by.incarnation)
+            return
         self._save_state()
         try:
             await self.s.set_status(RunningStatus.STOPPED, final=self.finished)

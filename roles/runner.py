@@ -12,7 +12,7 @@ from rolectl.bus.errors import BusError
 from rolectl.bus.logging import setup_logging
 from rolectl.roles.config import JobConfig
 from rolectl.roles.resume import StartMode, StartRefused
-from rolectl.roles.session import JobIncomplete, install_stop_signals
+from rolectl.roles.session import JobIncomplete, MemberReplaced, install_stop_signals
 
 __all__ = ["run_role", "default_member_id", "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE", "EXIT_INCOMPLETE",
            "EXIT_INTERRUPTED", "EXIT_CODES"]
@@ -92,6 +92,9 @@ def run_role(role: str, cfg: JobConfig, member_id: str | None = None, *, start_m
     except StartRefused as exc:
         log.error("start_refused", reason=str(exc), exit_code=EXIT_USAGE)
         return EXIT_USAGE
+    except MemberReplaced as exc:
+        log.error("member_replaced", reason=str(exc), exit_code=EXIT_ERROR)
+        return EXIT_ERROR
     except JobIncomplete as exc:
         log.error("job_incomplete", reason=str(exc), exit_code=EXIT_INCOMPLETE)
         return EXIT_INCOMPLETE

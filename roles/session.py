@@ -41,7 +41,7 @@ from rolectl.sync_protocol.state import State
 
 __all__ = [
     "write_json_atomic", "new_incarnation", "JobView", "MemberSession", "install_stop_signals",
-    "RoleStopped", "MemberRejoined", "JobIncomplete", "stop_task", "freeze_heap"]
+    "RoleStopped", "MemberRejoined", "MemberReplaced", "JobIncomplete", "stop_task", "freeze_heap"]
 
 
 class RoleStopped(Exception):
@@ -51,6 +51,11 @@ class RoleStopped(Exception):
 class MemberRejoined(Exception):
     """The synchronizer expired this member while it was alive (it was cut off, or starved), and the
     session joined again as a new incarnation: whatever it was waiting for must be asked again."""
+
+
+class MemberReplaced(Exception):
+    """A newer incarnation of this member joined while this process was paused or cut off: it is
+    fenced, and stops without training, saving or acking anything more (the exit is non-zero)."""
 
 
 class JobIncomplete(Exception):
@@ -104,6 +109,8 @@ class JobView:
         self.inputs_seen = 0
         self.last_seq = 0
         self.broadcast_version = 0  # the newest version a trainer reported broadcast (rendezvous)
+        # key -> the MemberJoined of its current incarnation (host and pid: who to stop)
+        self.joins: dict[str, MemberJoined] = {}
         # role -> monotonic time since when every member of it has been gone without finishing
         # (killed, expired, restarting): the roles' patience (trainer_grace_s...) counts from it
         self._away_since: dict[Role, float] = {}
@@ -154,6 +161,8 @@ class JobView:
                             if error is not None:
                                 self._log.debug("view_skipped_event", seq=rec.seq, reason=str(error))
                             elif _may_change_membership(rec.event):
+                                if isinstance(rec.event, MemberJoined):
+                                    self.joins[rec.event.member.key] = rec.event
                                 self._note_absences()
                                 self._membership_moved = True
                         self.last_seq = rec.seq
@@ -319,6 +328,11 @@ class MemberSession:
     _heartbeat_task: asyncio.Task | None = None
     _rejoin_task: asyncio.Task | None = None
     _me: MemberRef | None = field(default=None, repr=False, compare=False)
+    replaced_by: MemberRef | None = None  # set once a newer incarnation of this member joined
+    _main_task: asyncio.Task | None = field(default=None, repr=False, compare=False)
+    # monotonic time up to which a chain of heartbeats, each within `_trust_s` of the one before,
+    # shows this process was not paused: past it, the record is read again before acting (fence)
+    _current_at: float = field(default=0.0, repr=False, compare=False)
 
     @property
     def me(self) -> MemberRef:
@@ -360,6 +374,8 @@ class MemberSession:
                          step=step, version=version, ranks=self.ranks)
         )
         self.status = RunningStatus.RUNNING
+        self._main_task = asyncio.current_task()
+        self._current_at = time.monotonic()
         self._heartbeat_task = asyncio.create_task(self._heartbeat(), name="heartbeat")
         self._rejoin_task = asyncio.create_task(self._rejoin_when_expired(), name="rejoin")
         freeze_heap()  # set up: from here on a sync's answer should not wait for a full collection
@@ -376,11 +392,90 @@ class MemberSession:
         return (member is not None and member.ref.incarnation == self.incarnation and not member.alive
                 and self.status is not RunningStatus.STOPPED)
 
+    def refuse_if_live(self) -> None:
+        """Raise `StartRefused` when the job's record shows this member alive in another process:
+        two live trainers train the same steps twice. A restart goes on: the old incarnation
+        stopped, expired, or (on this host) its process is gone although not yet expired."""
+        from rolectl.roles.resume import StartRefused
+
+        member = self.view.state.members.get(self.key)
+        if member is None or not member.alive:
+            return
+        joined = self.view.joins.get(self.key)
+        if joined is not None and joined.member.incarnation == member.ref.incarnation:
+            if joined.host == socket.gethostname() and not _pid_running(joined.pid):
+                self.log.info("previous_process_gone", incarnation=member.ref.incarnation, pid=joined.pid)
+                return
+            where = f"pid {joined.pid} on host {joined.host}"
+            stop = f"stop it first (Ctrl-C in its terminal, or `kill {joined.pid}` on {joined.host})"
+        else:
+            where, stop = f"on host {member.host or '?'}", "stop it first"
+        expiry = self.cfg.synchronizer.heartbeat_expiry
+        raise StartRefused(
+            f"{self.role.value} {self.member_id!r} of job {self.cfg.job!r} is already running ({where}, "
+            f"incarnation {member.ref.incarnation}, at step {member.step}): a second one would do its work "
+            f"twice. To replace it, {stop} and start again: the new one resumes where it stopped. If it "
+            f"hangs or its machine is gone, a running synchronizer expires it {expiry} s after its last "
+            f"heartbeat (`rolectl status --job {self.cfg.job}` then shows it expired) and a start resumes it")
+
+    def replaced(self, view: JobView) -> bool:
+        """True when the record's current incarnation of this member is newer than ours."""
+        member = view.state.members.get(self.key)
+        return member is not None and member.ref.incarnation > self.incarnation
+
+    @property
+    def _trust_s(self) -> float:
+        # Half the expiry: within it, no synchronizer can have expired us, so no replacement joined.
+        return self.cfg.synchronizer.heartbeat_expiry / 2
+
+    async def fence(self) -> None:
+        """Before an act with effects outside the stream (train a step, save, ack, publish
+        experiences): raise `MemberReplaced` if a newer incarnation took over. After a pause
+        (SIGSTOP, a starved loop, a long disconnect) the record is read to its end first, so a
+        process that comes back learns it was replaced before it acts."""
+        if self.replaced_by is None and time.monotonic() - self._current_at > self._trust_s:
+            end = await last_sequence(self.conn)
+            await self.view.wait_for(lambda v: v.last_seq >= end, timeout=120.0,
+                                     what=f"the job's record up to seq {end} (checked after a pause)")
+            if self.replaced(self.view):
+                self._note_replaced()
+            else:
+                self._current_at = time.monotonic()
+        if self.replaced_by is not None:
+            raise MemberReplaced(self._replaced_message())
+
+    def _note_replaced(self) -> None:
+        if self.replaced_by is None:
+            self.replaced_by = self.view.state.members[self.key].ref
+            self.log.error("replaced_by_newer_incarnation", incarnation=self.incarnation,
+                           new_incarnation=self.replaced_by.incarnation, hint=self._replaced_message())
+
+    def _replaced_message(self) -> str:
+        joined = self.view.joins.get(self.key)
+        where = f" (pid {joined.pid} on host {joined.host})" if joined is not None else ""
+        return (f"{self.role.value} {self.member_id!r}: incarnation {self.incarnation} was replaced by "
+                f"incarnation {self.replaced_by.incarnation}{where} while this process was paused or cut off; "
+                "it stops without training, saving or acking anything more")
+
     async def _rejoin_when_expired(self) -> None:
         """Expiry is not a death sentence: an expired member that is alive joins again as a new
-        incarnation, keeping its step and version, and carries on."""
+        incarnation, keeping its step and version, and carries on — unless a newer incarnation
+        joined meanwhile (a restart replaced us): then this process is fenced and its role stops."""
         while True:
-            await self.view.wait_for(self.expired, timeout=None, what="our own expiry", membership_only=True)
+            await self.view.wait_for(lambda v: self.expired(v) or self.replaced(v), timeout=None,
+                                     what="our own expiry or replacement", membership_only=True)
+            if not self.replaced(self.view):
+                # the replacement may be recorded already and not yet folded: read to the end first
+                end = await last_sequence(self.conn)
+                await self.view.wait_for(lambda v: v.last_seq >= end, timeout=120.0,
+                                         what=f"the job's record up to seq {end} (before rejoining)")
+            if self.replaced(self.view):
+                self._note_replaced()
+                if self._main_task is not None and not self._main_task.done():
+                    self._main_task.cancel()
+                return
+            if not self.expired(self.view):
+                continue
             old = self.me
             new = MemberRef(role=self.role, id=self.member_id,
                             incarnation=max(new_incarnation(), old.incarnation + 1))
@@ -451,14 +546,29 @@ class MemberSession:
     async def _heartbeat(self) -> None:
         period = self.cfg.synchronizer.heartbeat_period
         while True:
+            started = time.monotonic()
             try:
                 await publish_heartbeat(self.conn, self.me, step=self.step, version=self.version,
                                         status=self.status)
             except Exception as exc:  # a disconnect must not kill the role; the client reconnects
                 self.log.warning("heartbeat_failed", error=str(exc))
+            else:
+                # only a beat close to the last trusted one extends the trust: after a pause the
+                # fence reads the record instead (a beat then says nothing about what happened)
+                if started - self._current_at <= self._trust_s:
+                    self._current_at = started
             await asyncio.sleep(period)
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        try:
+            await self._close()
+        finally:
+            if self.replaced_by is not None and exc_type is not None and issubclass(exc_type, asyncio.CancelledError):
+                # cancelled by our own fence, not by a signal: say why the role stopped
+                self._main_task.uncancel()
+                raise MemberReplaced(self._replaced_message())
+
+    async def _close(self) -> None:
         if self._rejoin_task is not None:
             await stop_task(self._rejoin_task, log=self.log)
         if self._heartbeat_task is not None:
@@ -486,6 +596,17 @@ async def stop_task(task: asyncio.Task, *, log=None, poll_s: float = 0.5) -> Non
         log.info("task_cancel_repeated", task=task.get_name(), attempts=attempts)
     if not task.cancelled() and task.exception() is not None and log is not None:
         log.debug("task_ended_with_error", task=task.get_name(), error=str(task.exception()))
+
+
+def _pid_running(pid: int) -> bool:
+    """Whether a process `pid` exists on this host (one we may not signal counts as existing)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def install_stop_signals(task: asyncio.Task) -> None:

@@ -127,6 +127,7 @@ class Trainer:
             self.s = session
             self.log = session.log
             await session.view.start()
+            session.refuse_if_live()  # before anything that touches its state (checkpoint, held batches)
             self._resume_or_start_fresh(session.view)
             latest = session.view.state.latest
             if latest.version > 0:
@@ -208,6 +209,7 @@ class Trainer:
                 self.log.error("no_more_experiences", step=self.engine.step, total_steps=self.total_steps,
                                reason=self._why_no_more)
                 break
+            await self.s.fence()  # a process back from a pause must not train what its successor trains
             metrics = await asyncio.to_thread(self.engine.train_step, batch, current_version=self.version)
             self.in_step = []  # trained: the next save may ack them
             self._guard_metrics(metrics)
@@ -393,6 +395,7 @@ class Trainer:
                       nbytes=nbytes, seconds=round(seconds, 3), world_size=decision.world_size)
 
     async def save_checkpoint(self) -> None:
+        await self.s.fence()  # the checkpoint and the acks belong to the live incarnation only
         step = self.engine.step
         name = f"step-{step}"
         await asyncio.to_thread(self.engine.save_checkpoint, self.ckpt_dir / name)
@@ -458,7 +461,12 @@ class Trainer:
                                   "job acks them without training (its checkpoint lists them)")
 
     async def _cleanup(self) -> None:
-        """Final save, STOPPED, close transports. Runs on normal end, Ctrl-C and errors."""
+        """Final save, STOPPED, close transports. Runs on normal end, Ctrl-C and errors; a replaced
+        (fenced) trainer only closes: its successor owns the checkpoint and the experiences."""
+        if self.s.replaced_by is not None:
+            await self._close()
+            self.log.error("trainer_fenced", step=self.engine.step, replaced_by=self.s.replaced_by.incarnation)
+            return
         try:
             if self.engine.step > 0:
                 await self.save_checkpoint()
@@ -471,13 +479,17 @@ class Trainer:
             await self.s.set_status(RunningStatus.STOPPED, final=finished)
         except Exception as exc:
             self.log.error("stopped_not_published", error=str(exc))
+        await self._close()
+        self.log.info("trainer_finished" if finished else "trainer_stopped_early", step=self.engine.step,
+                      total_steps=self.total_steps, version=self.version, dropped_stale=self.dropped_stale)
+
+
+    async def _close(self) -> None:
         for closing in (self.transport.aclose, self.reader.aclose):
             try:
                 await closing()
             except Exception as exc:  # closing must not hide how the run ended
                 self.log.warning("close_failed", what=closing.__qualname__, error=str(exc))
-        self.log.info("trainer_finished" if finished else "trainer_stopped_early", step=self.engine.step,
-                      total_steps=self.total_steps, version=self.version, dropped_stale=self.dropped_stale)
 
 
 def _advertised_host() -> str:

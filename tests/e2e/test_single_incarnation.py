@@ -1,0 +1,76 @@
+"""Exactly one live incarnation per member, with real processes: a second `rolectl start` of a live
+trainer or explorer is refused (exit 2) naming the live one; a trainer frozen past its expiry and
+replaced by a restart learns it was replaced when thawed and exits without training again."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from e2e_support import LiveJob, job_config, last_trainer_step, of_kind
+from rolectl.roles.runner import EXIT_ERROR, EXIT_USAGE
+from rolectl.sync_protocol import MemberExpired, MemberJoined, Role, StepFinished
+
+pytestmark = pytest.mark.e2e
+
+
+async def test_a_second_start_of_a_live_member_is_refused_naming_it(tmp_path):
+    config = job_config(tmp_path, job="e2e-second-start", synchronizer={"sync_method": "memory"})
+    async with LiveJob(tmp_path, config) as job:
+        # no synchronizer and no explorer: both wait (for experiences, for a first version)
+        first = {member: job.start(role, member) for role, member in (("trainer", "trainer"),
+                                                                       ("explorer", "explorer-0"))}
+        for member in first:
+            await job.wait_for(lambda recs, m=member: of_kind(recs, MemberJoined, member=m), timeout=120,
+                               what=f"{member} to join")
+        for role, member in (("trainer", "trainer"), ("explorer", "explorer-0")):
+            job.start(role, member)
+            assert await job.wait_exit(member, 120) == EXIT_USAGE, job.log_tail(member)
+            log = job.log_tail(member, lines=200)
+            assert f"{role} '{member}' of job 'e2e-second-start' is already running" in log, log
+            assert f"pid {first[member].pid} on host" in log, log
+            assert "start again: the new one resumes" in log, log
+            assert first[member].poll() is None, f"the live {member} must keep running"
+        joins = {r.event.member.key for r in of_kind(job.records, MemberJoined)}
+        assert len(of_kind(job.records, MemberJoined)) == 2, joins  # the refused ones never joined
+
+
+async def test_a_trainer_thawed_after_a_restart_replaced_it_exits_without_training(tmp_path):
+    total, expiry = 10, 2.0
+    config = job_config(
+        tmp_path, job="e2e-fenced",
+        synchronizer={"sync_method": "checkpoint", "sync_style": "fixed", "sync_timeout": 300,
+                      "heartbeat_period": 0.4, "heartbeat_expiry": expiry},
+        trainer={"total_steps": total, "save_interval": 1, "train_batch_tasks": 8},
+        explorers={"total_steps": total, "step_delay_s": [0.0, 0.1], "trainer_grace_s": 120},
+        buffer={"ack_wait_s": 60},
+    )
+    async with LiveJob(tmp_path, config) as job:
+        job.start_all()
+        await job.wait_for(lambda recs: last_trainer_step(recs) >= 2, timeout=120, what="trainer step 2")
+        old = job.current("trainer")
+        old_log = job.procs["trainer"][-1].log_path
+        old.send_signal(signal.SIGSTOP)
+        try:
+            await job.wait_for(lambda recs: [r for r in of_kind(recs, MemberExpired)
+                                             if r.event.expired.id == "trainer"],
+                               timeout=60, what="the frozen trainer to be expired")
+            job.start("trainer", "trainer")  # a real restart: the old one expired
+            joins = await job.wait_for(lambda recs: of_kind(recs, MemberJoined, member="trainer")[1:],
+                                       timeout=120, what="the new trainer to join")
+            replaced_at = joins[0].seq
+            thawed_at = old_log.stat().st_size
+        finally:
+            old.send_signal(signal.SIGCONT)
+        old.wait(timeout=60)
+        assert old.returncode == EXIT_ERROR, old_log.read_text()[-3000:]
+        after = old_log.read_bytes()[thawed_at:].decode(errors="replace")
+        assert "replaced_by_newer_incarnation" in after, after
+        assert '"train_step"' not in after and "train_step " not in after, after
+        old_incarnation = of_kind(job.records, MemberJoined, member="trainer")[0].event.member.incarnation
+        late = [r for r in of_kind(job.records, StepFinished, role=Role.TRAINER)
+                if r.seq > replaced_at and r.event.member.incarnation == old_incarnation]
+        assert not late, late
+        await job.all_exit_zero(["trainer", "explorer-0", "explorer-1"], timeout=240)
+        assert last_trainer_step(job.records) == total
