@@ -15,6 +15,7 @@ import time
 from collections import deque
 from pathlib import Path
 
+import nats.errors
 import yaml
 from rich.console import Console
 from rich.live import Live
@@ -34,7 +35,7 @@ from rolectl.roles.observe.dashboard import start_dashboard
 from rolectl.roles.observe.observer import SUMMARY_MEANINGS, JobObserver, member_status
 from rolectl.roles.observe.replay import summarize, write_export
 from rolectl.roles.provision import provision_job
-from rolectl.roles.runner import EXIT_ERROR, EXIT_INCOMPLETE
+from rolectl.roles.runner import EXIT_ERROR, EXIT_INCOMPLETE, EXIT_INTERRUPTED
 from rolectl.roles.session import stop_task
 from rolectl.sync_protocol import Role
 
@@ -186,7 +187,7 @@ def run_up(cfg: JobConfig, *, explorers: int | None = None, summary_path: str | 
                                      summary_path=summary_path, dashboard=dashboard,
                                      dashboard_port=dashboard_port, timeout_s=timeout_s, auth=auth))
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
     finally:
         server.stop()
 
@@ -216,10 +217,20 @@ async def supervise(cfg: JobConfig, launcher: Launcher, run_path: Path, *, monit
     everyone = [sync, *workers]
     handle = None
     exit_code = 0
-    stop = asyncio.Event()
+    stop = asyncio.Event()  # the first Ctrl-C / SIGTERM: stop the roles in order
+    hurry = asyncio.Event()  # the second: kill them now
     loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if stop.is_set():
+            hurry.set()
+            console.print("[yellow]stopping now: killing the roles[/]")
+        else:
+            console.print(f"[yellow]interrupted ({sig.name}): stopping the roles (Ctrl-C again to kill them now)[/]")
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
     try:
         async with connect(url, job=cfg.job, role="observer", member="up", security=observer) as conn:
             await ensure_event_stream(conn.js, conn.names, replicas=cfg.nats.replicas)
@@ -249,12 +260,18 @@ async def supervise(cfg: JobConfig, launcher: Launcher, run_path: Path, *, monit
                 exit_code = failed.returncode if failed.returncode > 0 else EXIT_ERROR
                 console.print(f"[red]{failed.name} exited with code {failed.returncode}[/]; last log lines:")
                 console.print(failed.tail(), markup=False, highlight=False)
+            elif failed == "stopped":
+                exit_code = EXIT_INTERRUPTED
             elif failed:
                 exit_code = EXIT_ERROR
                 console.print(f"[red]job {failed}[/]")
             # Let the synchronizer see the last events, then stop it and record the run.
-            await launcher.stop_all(everyone)
-            records = await read_all(conn)
+            await _stop_roles(launcher, everyone, hurry)
+            try:
+                records = await asyncio.wait_for(read_all(conn), timeout=30.0)
+            except (asyncio.TimeoutError, BusError, nats.errors.Error) as exc:
+                console.print(f"[yellow]the job's stream could not be read for the export:[/] {exc or type(exc).__name__}")
+                records = []
             events_file = run_path / "events.jsonl"
             write_export(records, events_file, job=cfg.job)
             summary = summarize(records, job=cfg.job)
@@ -272,11 +289,27 @@ async def supervise(cfg: JobConfig, launcher: Launcher, run_path: Path, *, monit
                 Path(summary_path).write_text(json.dumps(summary, indent=2))
             console.print(_summary_table(summary))
             await stop_task(following)
+    except (BusError, nats.errors.Error, asyncio.TimeoutError) as exc:
+        # the embedded server or the connection failed under us: say so, never a traceback
+        console.print(f"[red]lost the job's NATS server:[/] {exc or type(exc).__name__}")
+        exit_code = EXIT_INTERRUPTED if stop.is_set() else EXIT_ERROR
     finally:
-        await launcher.stop_all(everyone)
+        await _stop_roles(launcher, everyone, hurry)
         if handle is not None:
             await handle.aclose()
     return exit_code
+
+
+async def _stop_roles(launcher: Launcher, handles: list[RoleHandle], hurry: asyncio.Event) -> None:
+    """Stop every role in order (SIGINT, then SIGKILL after a grace), or at once when `hurry` is
+    set meanwhile (a second Ctrl-C)."""
+    stopping = asyncio.create_task(launcher.stop_all(handles), name="stop-roles")
+    hurried = asyncio.create_task(hurry.wait(), name="hurry")
+    await asyncio.wait({stopping, hurried}, return_when=asyncio.FIRST_COMPLETED)
+    hurried.cancel()
+    if not stopping.done():
+        await stop_task(stopping)
+        await launcher.stop_all(handles, grace_s=0.0)
 
 
 def _auth_mismatch(cfg: JobConfig, auth: AuthDir) -> str | None:
