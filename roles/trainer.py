@@ -292,8 +292,7 @@ class Trainer:
         gone (killed, expired) and none came back within `trainer.explorer_grace_s`."""
         view = self.s.view
         if view.all_finished(Role.EXPLORER):
-            self._why_no_more = ("every explorer finished its task set (explorers.total_steps x count "
-                                 "tasks are fewer than total_steps x train_batch_tasks)")
+            self._why_no_more = self._why_explorers_fell_short()
             return True
         away, grace = view.away_for(Role.EXPLORER), self.cfg.trainer.explorer_grace_s
         if away > grace:
@@ -301,6 +300,21 @@ class Trainer:
                                  f"(trainer.explorer_grace_s = {grace:g})")
             return True
         return False
+
+    def _why_explorers_fell_short(self) -> str:
+        """Every explorer finished: name what ran out — stale drops, or the task arithmetic."""
+        explorers = self.cfg.explorers
+        produced = explorers.total_steps * explorers.count * self.cfg.buffer.batch_size
+        needed = self.total_steps * self.train_batch_tasks
+        if self.dropped_stale:
+            return (f"every explorer finished its task set, and {self.dropped_stale} experiences were dropped "
+                    f"as stale (older than synchronizer.max_staleness = {self.sync.max_staleness} versions "
+                    "when the trainer read them): raise max_staleness, or give the explorers more steps "
+                    "(explorers.total_steps; they stop when the trainer finishes) so fresh ones keep coming")
+        if produced < needed:
+            return (f"every explorer finished its task set: explorers.total_steps x count x buffer.batch_size "
+                    f"= {produced} tasks are fewer than trainer.total_steps x train_batch_tasks = {needed}")
+        return "every explorer finished its task set before the trainer had enough experiences"
 
     async def _serve_sync_requests(self) -> None:
         """explorer_driven: an explorer's open round is our cue (the reference polls every 1 s)."""

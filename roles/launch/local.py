@@ -260,6 +260,9 @@ async def supervise(cfg: JobConfig, launcher: Launcher, run_path: Path, *, monit
                 exit_code = failed.returncode if failed.returncode > 0 else EXIT_ERROR
                 console.print(f"[red]{failed.name} exited with code {failed.returncode}[/]; last log lines:")
                 console.print(failed.tail(), markup=False, highlight=False)
+                reason = why_it_stopped(failed.tail(200))
+                if reason:  # the role's own words, not buried in the tail
+                    console.print(f"[red]{failed.name}:[/] {reason}", highlight=False)
             elif failed == "stopped":
                 exit_code = EXIT_INTERRUPTED
             elif failed:
@@ -310,6 +313,20 @@ async def _stop_roles(launcher: Launcher, handles: list[RoleHandle], hurry: asyn
     if not stopping.done():
         await stop_task(stopping)
         await launcher.stop_all(handles, grace_s=0.0)
+
+
+def why_it_stopped(log_tail: str) -> str | None:
+    """The reason the role's last error line in `log_tail` (JSON lines) gives, or None."""
+    for line in reversed(log_tail.splitlines()):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("level") == "error":
+            reason = record.get("reason") or record.get("error")
+            if reason:
+                return str(reason)
+    return None
 
 
 def _auth_mismatch(cfg: JobConfig, auth: AuthDir) -> str | None:

@@ -1,0 +1,103 @@
+"""Every shipped example config runs to completion, shortened: loaded as shipped, its step counts
+scaled down (keeping the explorers' margin over the trainer), run as real processes — `rolectl up`,
+or for the cluster example a local 3-node cluster and `rolectl start` per role as its header says —
+and it must exit 0 with `complete: true`. A new example without a run here fails the suite."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from e2e_support import ROOT, run_up
+from rolectl.bus.server import NatsCluster
+
+pytestmark = pytest.mark.e2e
+
+EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.yaml"))
+STEPS = 6  # trainer steps of a shortened run
+# The LLM examples (hf/vLLM, a model to build) run shortened in test_llm_quickstart.py.
+RUN_ELSEWHERE = {"llm_quickstart.yaml": "test_llm_quickstart.py", "llm_quickstart_hf.yaml": "test_llm_quickstart.py"}
+ON_A_CLUSTER = {"cluster.yaml"}
+
+
+def shortened(example: str, tmp_path: Path, steps: int = STEPS) -> Path:
+    """The example with `steps` trainer steps and as many more explorer steps, in proportion, as
+    it ships with (an offset, a margin for stale drops), its run dir under `tmp_path`."""
+    data = yaml.safe_load((ROOT / "examples" / example).read_text())
+    trainer, explorers = data["trainer"], data["explorers"]
+    ratio = explorers["total_steps"] / trainer["total_steps"]
+    trainer["total_steps"] = steps
+    trainer["save_interval"] = min(trainer.get("save_interval", 1), steps)
+    explorers["total_steps"] = math.ceil(steps * ratio)
+    data["run_dir"] = str(tmp_path / "runs")
+    path = tmp_path / example
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def test_every_example_is_run_somewhere():
+    for example in EXAMPLES:
+        if example in RUN_ELSEWHERE:
+            text = (Path(__file__).parent / RUN_ELSEWHERE[example]).read_text()
+            assert f'"{example}"' in text, f"{example} is not run by {RUN_ELSEWHERE[example]}"
+    assert "quickstart.yaml" in EXAMPLES and len(EXAMPLES) >= 5, EXAMPLES
+
+
+@pytest.mark.parametrize("example", [e for e in EXAMPLES if e not in RUN_ELSEWHERE and e not in ON_A_CLUSTER])
+def test_example_runs_to_completion(example, tmp_path):
+    run = run_up(shortened(example, tmp_path), tmp_path, timeout=300, extra=("--run-dir", str(tmp_path / "runs")))
+    s = run.summary
+    assert run.rc == 0, f"{example}: exit {run.rc}: {s.get('exit_codes')}\n{run.output[-2000:]}\n{run.role_logs()}"
+    assert s["complete"] is True and s["trainer_steps"] == STEPS, s
+
+
+@pytest.mark.parametrize("example", sorted(ON_A_CLUSTER))
+def test_cluster_example_runs_to_completion(example, tmp_path):
+    config = shortened(example, tmp_path)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", ROLECTL_ADVERTISE_HOST="127.0.0.1")
+    data = yaml.safe_load(config.read_text())
+    members = [("sync", "sync-0"), ("trainer", "trainer"),
+               *(("explorer", f"explorer-{i}") for i in range(data["explorers"]["count"]))]
+    procs = {}
+    with NatsCluster(size=3, store_dir=str(tmp_path / "cluster"), log_dir=str(tmp_path / "logs")) as cluster:
+        try:
+            for role, member in members:
+                log = open(tmp_path / f"{member}.log", "wb")
+                procs[member] = subprocess.Popen(
+                    [sys.executable, "-m", "rolectl.roles.cli", "start", role, "--config", str(config),
+                     "--nats", cluster.url, "--id", member, "--log-format", "json"],
+                    cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+                log.close()
+            codes = {m: p.wait(timeout=300) for m, p in procs.items()}  # a bound on "hung"
+        finally:
+            for p in procs.values():
+                if p.poll() is None:
+                    p.kill()  # by PID: only processes this test started
+                    p.wait()
+    logs = "\n".join(f"--- {m}\n{(tmp_path / f'{m}.log').read_text(errors='replace')[-1500:]}" for m in procs)
+    assert set(codes.values()) == {0}, f"{codes}\n{logs}"
+    assert '"trainer_finished"' in (tmp_path / "trainer.log").read_text(), logs
+
+
+def test_a_job_short_of_experiences_by_stale_drops_says_so(tmp_path):
+    """Explorers produce exactly what the trainer needs and max_staleness 0 drops what the fast
+    explorers made before each new version: the job ends short (exit 3) and `up` blames the drops,
+    not the task arithmetic (which is exactly enough)."""
+    from e2e_support import job_config
+
+    config = job_config(tmp_path, job="e2e-stale-short",
+                        synchronizer={"sync_method": "memory", "sync_style": "fully_async", "max_staleness": 0},
+                        trainer={"total_steps": 6, "save_interval": 3, "train_batch_tasks": 8},
+                        explorers={"total_steps": 6, "step_delay_s": [0.0, 0.0]})
+    run = run_up(config, tmp_path, timeout=300, extra=("--run-dir", str(tmp_path / "runs")))
+    assert run.rc == 3, run.output[-3000:]
+    said = " ".join(run.output.split())  # the console wraps long lines
+    assert "trainer: no more experiences after step" in said, run.output[-3000:]
+    assert "were dropped as stale (older than synchronizer.max_staleness = 0" in said, run.output[-3000:]
+    assert "are fewer than" not in said, run.output[-3000:]
