@@ -145,6 +145,7 @@ class Explorer:
             # batch is deduplicated by msg id) and reports it again; counts are per (member, step).
             await self.s.publish(StepFinished(member=self.s.me, step=step, version=self.engine.version,
                                               metrics={"reward_mean": reward, "experiences": float(len(experiences)),
+                                                       "total_steps": float(self.cfg.explorers.total_steps),
                                                        "seconds": time.monotonic() - started,
                                                        **self.engine.rollout_metrics}))
             self._save_state()

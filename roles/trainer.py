@@ -215,6 +215,7 @@ class Trainer:
             self._guard_metrics(metrics)
             self.s.step = self.engine.step
             metrics["dropped_stale_total"] = float(self.dropped_stale)
+            metrics["total_steps"] = float(self.total_steps)  # progress against it: status, dashboard
             metrics["mean_staleness"] = (
                 sum(self.version - e.model_version for e in batch) / len(batch) if batch else 0.0
             )

@@ -245,10 +245,17 @@ async def supervise(cfg: JobConfig, launcher: Launcher, run_path: Path, *, monit
                 except Exception as exc:  # the job matters more than its window
                     console.print(f"[yellow]dashboard not started:[/] {exc}")
             failed = None
-            with Live(_progress_table(cfg, view, everyone), console=console, refresh_per_second=2,
+            progress = _Progress(cfg.trainer.total_steps)
+            next_line = time.monotonic() + _PIPE_LINE_S
+            with Live(_progress_view(cfg, view, everyone, progress), console=console, refresh_per_second=2,
                       transient=not console.is_terminal) as live:
                 while True:
-                    live.update(_progress_table(cfg, view, everyone))
+                    progress.update(view.trainer_steps, time.monotonic())
+                    live.update(_progress_view(cfg, view, everyone, progress))
+                    if not console.is_terminal and time.monotonic() >= next_line:
+                        # in a pipe the live table shows nothing until the end: a plain line now and then
+                        console.print(progress.line(), highlight=False)
+                        next_line = time.monotonic() + _PIPE_LINE_S
                     failed = next((p for p in everyone if p.poll() not in (None, 0)), None)
                     if failed or all(p.poll() == 0 for p in workers):
                         break
@@ -347,6 +354,51 @@ async def _follow(conn: BusConnection, observer: JobObserver) -> None:
             observer.apply(rec)
 
 
+_PIPE_LINE_S = 10.0  # how often `up` in a pipe prints a progress line
+
+
+class _Progress:
+    """Trainer steps against the total, the rate since the first step, and the time left."""
+
+    def __init__(self, total: int):
+        self.total = total
+        self.steps = 0
+        self._first: tuple[int, float] | None = None  # (steps, monotonic time) when steps were first seen
+        self.rate: float | None = None  # steps per second
+
+    def update(self, steps: int, now: float) -> None:
+        self.steps = steps
+        if steps and self._first is None:
+            self._first = (steps, now)
+        elif self._first is not None and steps > self._first[0] and now > self._first[1]:
+            self.rate = (steps - self._first[0]) / (now - self._first[1])
+
+    @property
+    def left_s(self) -> float | None:
+        return (self.total - self.steps) / self.rate if self.rate else None
+
+    def line(self) -> str:
+        pct = f"{self.steps / self.total:.0%}" if self.total else "?"
+        rate = f"{self.rate:.2f} steps/s" if self.rate else "rate: waiting for steps"
+        left = f"~{_duration(self.left_s)} left" if self.left_s is not None else "time left: unknown yet"
+        return f"trainer step {self.steps}/{self.total} ({pct}) · {rate} · {left}"
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else (
+        f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s")
+
+
+def _progress_view(cfg: JobConfig, view: JobObserver, processes: list[RoleHandle], progress: _Progress):
+    from rich.console import Group
+    from rich.progress_bar import ProgressBar
+
+    bar = Table.grid(padding=(0, 1))
+    bar.add_row(ProgressBar(total=progress.total, completed=progress.steps, width=40), progress.line())
+    return Group(bar, _progress_table(cfg, view, processes))
+
+
 def _progress_table(cfg: JobConfig, view: JobObserver, processes: list[RoleHandle]) -> Table:
     table = Table(title=f"job {cfg.job} · latest version {view.latest()['version']}", expand=False)
     for col in ("member", "status", "step", "version", "reward", "process"):
@@ -355,7 +407,9 @@ def _progress_table(cfg: JobConfig, view: JobObserver, processes: list[RoleHandl
     for member in sorted(view.state.members.values(), key=lambda m: (m.ref.role.value, m.ref.id)):
         proc = procs.get(member.ref.id) or procs.get("sync-0" if member.ref.role is Role.SYNCHRONIZER else "")
         reward = member.metrics.get("reward_mean") if member.metrics else None
-        table.add_row(member.ref.key, member_status(member), str(member.step), str(member.version),
+        total = int(member.metrics.get("total_steps", 0)) if member.metrics else 0
+        table.add_row(member.ref.key, member_status(member), f"{member.step}/{total}" if total else str(member.step),
+                      str(member.version),
                       f"{reward:.3f}" if reward is not None else "",
                       "running" if proc and proc.poll() is None else (f"exit {proc.returncode}" if proc else ""))
     return table

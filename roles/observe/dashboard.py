@@ -263,6 +263,7 @@ class Dashboard:
             "config": state.config.to_mapping() if state.config else None,
             "latest": latest,
             "trainer": {"step": trainer.step, "version": trainer.version, "status": trainer.status.value,
+                        "total_steps": int(trainer.metrics.get("total_steps", 0)) or None,
                         "metrics": dict(trainer.metrics)} if trainer else None,
             "members": obs.members(now),
             "rounds": rounds,
@@ -311,6 +312,8 @@ class _Collector:
         alive = gauge("member_alive", "1 while a member is in the job (not stopped or expired)", labels)
         status = gauge("member_status", "1 for the member's current status", (*labels, "status"))
         seen = gauge("member_last_seen_seconds", "Seconds since a member's last event or heartbeat", labels)
+        total = gauge("member_total_steps", "Steps a member runs in all (as it reports them)", labels)
+        fraction = gauge("member_progress_ratio", "Steps done / total steps of a member (0..1)", labels)
         for row in obs.members(now):
             lv = (job, row["role"], row["id"])
             step.add_metric(lv, row["step"])
@@ -319,7 +322,10 @@ class _Collector:
             status.add_metric((*lv, row["status"]), 1)
             if row["last_seen_ago_ms"] is not None:
                 seen.add_metric(lv, row["last_seen_ago_ms"] / 1000)
-        yield from (step, version, alive, status, seen)
+            if row["total_steps"]:
+                total.add_metric(lv, row["total_steps"])
+                fraction.add_metric(lv, row["fraction"])
+        yield from (step, version, alive, status, seen, total, fraction)
 
         latest = gauge("latest_version", "Newest weights version the trainer published")
         latest.add_metric((job,), state.latest.version)

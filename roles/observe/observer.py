@@ -281,6 +281,7 @@ def member_rows(state: State, heartbeats: dict[str, int] | None = None, now_ms: 
     rows = []
     for m in sorted(state.members.values(), key=lambda m: (order.get(m.ref.role, 9), m.ref.id)):
         last_seen = max(m.last_time_ms, heartbeats.get(m.key, 0)) or None
+        total = int(m.metrics["total_steps"]) if m.metrics and m.metrics.get("total_steps") else None
         rows.append({
             "key": m.key,
             "role": m.ref.role.value,
@@ -289,6 +290,8 @@ def member_rows(state: State, heartbeats: dict[str, int] | None = None, now_ms: 
             "status": member_status(m),
             "alive": m.alive,
             "step": m.step,
+            "total_steps": total,  # as the member reports it with each step (None before its first)
+            "fraction": round(min(m.step / total, 1.0), 4) if total else None,
             "version": m.version,
             "host": m.host,
             "last_seen_ms": last_seen,

@@ -95,7 +95,7 @@ async def print_status(job: str, nats: str, *, as_json: bool = False, connect_ti
     colour = {"running": "green", "require_sync": "yellow", "stopped": "dim", "expired": "red"}
     for row in rows:
         status = f"[{colour.get(row['status'], 'white')}]{row['status']}[/]"
-        table.add_row(row["role"], row["id"], status, str(row["step"]), str(row["version"]),
+        table.add_row(row["role"], row["id"], status, format_progress(row), str(row["version"]),
                       format_ago(row["last_seen_ago_ms"]), row["host"])
     if not rows:
         table.caption = "no member has joined yet"
@@ -103,3 +103,10 @@ async def print_status(job: str, nats: str, *, as_json: bool = False, connect_ti
         table.caption = f"open sync rounds: {', '.join(map(str, sorted(observer.state.rounds)))}"
     out.print(table)
     return 0
+
+
+def format_progress(row: dict) -> str:
+    """`17/50 (34%)` when the member reported its total, else the step alone."""
+    if row.get("total_steps"):
+        return f"{row['step']}/{row['total_steps']} ({row['fraction']:.0%})"
+    return str(row["step"])

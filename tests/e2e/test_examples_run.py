@@ -55,6 +55,8 @@ def test_example_runs_to_completion(example, tmp_path):
     s = run.summary
     assert run.rc == 0, f"{example}: exit {run.rc}: {s.get('exit_codes')}\n{run.output[-2000:]}\n{run.role_logs()}"
     assert s["complete"] is True and s["trainer_steps"] == STEPS, s
+    # in a pipe `up` prints a plain progress line at intervals (the live table shows only at the end)
+    assert f"/{STEPS} (" in run.output and "steps/s" in run.output, run.output[-2000:]
 
 
 @pytest.mark.parametrize("example", sorted(ON_A_CLUSTER))

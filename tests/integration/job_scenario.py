@@ -154,7 +154,8 @@ async def _script(job: ScriptedJob, cfg, *, steps: int, stop: bool) -> None:
                                                    version=versions[slow.key]))
         await job.publish(StepFinished(member=TRAINER, step=step, version=step - 1,
                                        metrics={"reward_mean": 0.2 * step, "loss": 1.0 / step,
-                                                "mean_staleness": 0.5, "dropped_stale_total": float(step // 2)}))
+                                                "mean_staleness": 0.5, "dropped_stale_total": float(step // 2),
+                                                "total_steps": float(2 * steps)}))  # as a trainer reports it
         await job.publish(VersionPublished(member=TRAINER, version=step, step=step, method="memory",
                                            location=f"v{step}", nbytes=NBYTES, digest=f"sha256:{step:064x}"))
         released = await job.wait_released(slow, wait_seq)

@@ -55,6 +55,8 @@ async def test_api_state_has_members_versions_rounds_and_figures(followed, job_n
     members = {m["key"]: m for m in state["members"]}
     assert {"trainer/trainer", "explorer/explorer-0", "explorer/explorer-1"} <= set(members)
     assert members["trainer/trainer"]["host"] == "host-trainer"
+    assert (members["trainer/trainer"]["total_steps"], members["trainer/trainer"]["fraction"]) == (2 * STEPS, 0.5)
+    assert state["trainer"]["total_steps"] == 2 * STEPS
     assert all(members[k]["version"] == STEPS and members[k]["status"] == "running"
                for k in ("trainer/trainer", "explorer/explorer-0", "explorer/explorer-1"))
     assert state["latest"]["version"] == STEPS
@@ -88,6 +90,8 @@ async def test_metrics_exports_the_same_figures(followed, job_name):
 
     assert value("rolectl_member_version", role="explorer", member="explorer-1") == STEPS
     assert value("rolectl_member_step", role="trainer", member="trainer") == STEPS
+    assert value("rolectl_member_total_steps", role="trainer", member="trainer") == 2 * STEPS
+    assert value("rolectl_member_progress_ratio", role="trainer", member="trainer") == 0.5
     assert value("rolectl_member_status", role="explorer", member="explorer-0", status="running") == 1
     assert value("rolectl_member_alive", role="trainer", member="trainer") == 1
     assert value("rolectl_latest_version") == STEPS

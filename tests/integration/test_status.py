@@ -37,7 +37,7 @@ async def test_status_table_lists_every_member(running_job, nats_url, capsys, mo
     assert await print_status(running_job, nats_url) == 0
     out = capsys.readouterr().out
     for text in ("trainer", "explorer-0", "explorer-1", "sync-0", "host-explorer-1", "running",
-                 f"job {running_job}", "latest version 2"):
+                 f"job {running_job}", "latest version 2", "2/4 (50%)"):
         assert text in out, text
 
 
@@ -49,6 +49,7 @@ async def test_status_json_has_role_status_step_version_host(running_job, nats_u
     trainer = rows["trainer/trainer"]
     assert (trainer["role"], trainer["status"], trainer["step"], trainer["version"], trainer["host"]) == (
         "trainer", "running", 2, 2, "host-trainer")
+    assert (trainer["total_steps"], trainer["fraction"]) == (4, 0.5)  # the total the trainer reports
     assert rows["explorer/explorer-1"]["version"] == 2
     assert shown["latest"]["version"] == 2
     assert all(m["last_seen_ms"] for m in rows.values())

@@ -184,7 +184,7 @@ function renderKpis(s) {
     ? `held by ${holders}/${members.length} · ${fmtAgo(s.now_ms - s.latest.published_ms)}`
     : s.latest.version === 0 ? "base model" : `held by ${holders}/${members.length}`;
   const t = s.trainer;
-  $("trainer-step").textContent = t ? t.step : "–";
+  $("trainer-step").textContent = t ? (t.total_steps ? `${t.step} / ${t.total_steps}` : t.step) : "–";
   $("trainer-sub").textContent = t ? `${t.status}` + (t.metrics.reward_mean != null ? ` · reward ${fmtNum(t.metrics.reward_mean)}` : "") : "no trainer yet";
   const rs = s.rounds_summary;
   $("rounds-closed").textContent = rs.closed;
@@ -216,7 +216,7 @@ function renderMembers(s) {
       `<td><span class="role role-${esc(m.role)}">${esc(m.role)}</span></td>` +
       `<td class="mono">${esc(m.id)}</td>` +
       `<td><span class="status s-${esc(m.status)}"><span class="dot"></span>${esc(m.status.replace("_", " "))}</span></td>` +
-      `<td class="num">${m.step}</td>` +
+      `<td class="num">${m.total_steps ? `${m.step} / ${m.total_steps} (${Math.round(m.fraction * 100)}%)` : m.step}</td>` +
       `<td class="num version">${m.role === "synchronizer" ? "–" : m.version}${latest}</td>` +
       `<td>${esc(fmtAgo(m.last_seen_ago_ms))}</td>` +
       `<td class="mono">${esc(m.host)}</td></tr>`;
