@@ -32,6 +32,34 @@ def _port_taken(host: str, port: int) -> bool:
     return False
 
 
+_NATS_SCHEMES = ("nats", "tls", "ws", "wss")
+
+
+def _check_nats_url(_ctx, param, value: str | None) -> str | None:
+    """--nats: one or more comma-separated server URLs; a malformed one is a usage error (exit 2)."""
+    if value is None:
+        return None
+    from urllib.parse import urlsplit
+
+    for url in value.split(","):
+        url = url.strip()
+        parts = urlsplit(url if "://" in url else f"nats://{url}")
+        try:
+            port = parts.port
+        except ValueError:
+            port = -1
+        if parts.scheme not in _NATS_SCHEMES or not parts.hostname or port == -1:
+            raise click.BadParameter(
+                f"{url!r} is not a NATS server URL: write nats://HOST:PORT (or tls://, ws://, wss://), "
+                "several separated by commas", param=param)
+    return value
+
+
+def nats_option(default: str | None, help: str):
+    return click.option("--nats", default=default, show_default=default is not None, callback=_check_nats_url,
+                        help=help)
+
+
 def client_options(command):
     """--creds / --tls-ca / --tls-cert / --tls-key: files, never secrets on the command line."""
     file = click.Path(exists=True, dir_okay=False)
@@ -79,7 +107,14 @@ def _load(config_path: str, nats: str | None, security_flags: dict | None = None
     return cfg
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def _exit_codes_epilog() -> str:
+    from rolectl.roles.exit_codes import exit_code_table
+
+    # \b keeps click from rewrapping the table
+    return "\b\nExit codes (every command):\n" + exit_code_table()
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=_exit_codes_epilog())
 @click.version_option(package_name="rolectl")
 def main() -> None:
     """rolectl: RL fine-tuning roles coordinated over NATS.
@@ -94,7 +129,7 @@ def main() -> None:
 @click.option("--config", "config_path", required=True, type=click.Path(exists=True, dir_okay=False),
               help="Job YAML (see examples/).")
 @click.option("--id", "member_id", default=None, help="Member id (default: trainer / explorer-0 / sync-<pid>).")
-@click.option("--nats", default=None, help="NATS URL(s), comma-separated; overrides the config's nats_url.")
+@nats_option(None, "NATS URL(s), comma-separated; overrides the config's nats_url.")
 @click.option("--resume", is_flag=True,
               help="Continue from the saved state in the run dir even if the job's stream does not know this member.")
 @click.option("--fresh", is_flag=True,
@@ -156,8 +191,7 @@ def start(role: str, config_path: str, member_id: str | None, nats: str | None, 
 @click.option("--ray-address", default=None,
               help="With --launcher ray: the cluster (auto, HOST:PORT or ray://HOST:10001; default $RAY_ADDRESS, "
                    "else a local Ray sized for the job).")
-@click.option("--nats", default=None,
-              help="With --launcher ray: use this NATS (URLs reachable from every node) instead of a "
+@nats_option(None, "With --launcher ray: use this NATS (URLs reachable from every node) instead of a "
                    "nats-server started as an actor on the head node.")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=3, show_default=True,
               help="With --launcher ray: how often Ray restarts a role that crashed before the job fails.")
@@ -203,7 +237,7 @@ def up(config_path, explorers, summary, dashboard, dashboard_port, run_dir, auth
 @main.command()
 @click.option("--config", "config_path", required=True, type=click.Path(exists=True, dir_okay=False),
               help="Job YAML: the job's name, sync method and storage decide which streams to make.")
-@click.option("--nats", default=None, help="NATS URL(s), comma-separated; overrides the config's nats_url.")
+@nats_option(None, "NATS URL(s), comma-separated; overrides the config's nats_url.")
 @client_options
 def provision(config_path: str, nats: str | None, **security) -> None:
     """Create (or check) the job's streams; run it as the admin identity before the roles start."""
@@ -339,7 +373,7 @@ def server(port: int, http_port: int, store_dir: str | None, host: str, cluster_
 
 @main.command()
 @click.option("--job", required=True)
-@click.option("--nats", default="nats://127.0.0.1:4222", show_default=True)
+@nats_option("nats://127.0.0.1:4222", "NATS URL(s), comma-separated.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @client_options
 def status(job: str, nats: str, as_json: bool, **security) -> None:
@@ -351,7 +385,7 @@ def status(job: str, nats: str, as_json: bool, **security) -> None:
 
 @main.command()
 @click.option("--job", required=True)
-@click.option("--nats", default="nats://127.0.0.1:4222", show_default=True)
+@nats_option("nats://127.0.0.1:4222", "NATS URL(s), comma-separated.")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
               help="File to write (.jsonl for JSON lines, .msgpack for msgpack).")
 @client_options
@@ -373,7 +407,7 @@ def export(job: str, nats: str, output: str, **security) -> None:
 
 @main.command()
 @click.option("--job", default=None)
-@click.option("--nats", default="nats://127.0.0.1:4222", show_default=True)
+@nats_option("nats://127.0.0.1:4222", "NATS URL(s), comma-separated.")
 @click.option("--file", "file_", type=click.Path(exists=True, dir_okay=False), default=None,
               help="An export written by `rolectl export` (or by `rolectl up`).")
 @click.option("--until", default=None, help="Stop at this stream sequence (int) or time (ISO 8601).")
@@ -392,7 +426,7 @@ def replay(job, nats, file_, until, check, as_json, **security) -> None:
 
 @main.command()
 @click.option("--job", required=True)
-@click.option("--nats", default="nats://127.0.0.1:4222", show_default=True)
+@nats_option("nats://127.0.0.1:4222", "NATS URL(s), comma-separated.")
 @click.option("--port", type=int, default=8080, show_default=True)
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--monitor-url", default=None, help="nats-server monitoring URL (default: same host, port 8222).")

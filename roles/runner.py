@@ -11,27 +11,20 @@ import structlog
 from rolectl.bus.errors import BusError
 from rolectl.bus.logging import setup_logging
 from rolectl.roles.config import JobConfig
+from rolectl.roles.exit_codes import ExitCode
 from rolectl.roles.resume import StartMode, StartRefused
 from rolectl.roles.session import JobIncomplete, MemberReplaced, install_stop_signals
 
 __all__ = ["run_role", "default_member_id", "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE", "EXIT_INCOMPLETE",
            "EXIT_INTERRUPTED", "EXIT_CODES"]
 
-# One table of exit codes for every rolectl command (roles, `up`, `server`, `replay`, ...); the
-# README's "Exit codes" table is checked against it by tests/unit/test_cli_errors.py.
-EXIT_OK = 0  # the work is done (the trainer trained total_steps; a synchronizer saw every member
-#             finish, or it or a server was stopped)
-EXIT_ERROR = 1  # it failed: a bug, an unreachable server, bad data it could not get past, a failed --check
-EXIT_USAGE = 2  # it did not start: a bad flag, config or input file, or a start that would not do what was meant
-EXIT_INCOMPLETE = 3  # it ended before the job's work was done (e.g. gave up on a peer that never came back)
-EXIT_INTERRUPTED = 130  # Ctrl-C / SIGTERM before its work was done (a restart may resume it)
-EXIT_CODES = {
-    EXIT_OK: "done: the job (or the command) finished its work; a synchronizer that saw every member finish; a stopped synchronizer or server",
-    EXIT_ERROR: "failed: a role crashed, the server could not be reached, `replay --check` found a difference",
-    EXIT_USAGE: "did not start: bad flag, config or input file, a busy port, saved state of another run",
-    EXIT_INCOMPLETE: "ended short: the job stopped before its last step (a peer never came back)",
-    EXIT_INTERRUPTED: "interrupted: Ctrl-C / SIGTERM before the work was done (a restart resumes)",
-}
+# The one table of exit codes lives in roles.exit_codes; these names are kept for the callers.
+EXIT_OK = ExitCode.OK
+EXIT_ERROR = ExitCode.ERROR
+EXIT_USAGE = ExitCode.USAGE
+EXIT_INCOMPLETE = ExitCode.INCOMPLETE
+EXIT_INTERRUPTED = ExitCode.INTERRUPTED
+EXIT_CODES = {code: code.meaning for code in ExitCode}
 
 
 def default_member_id(role: str) -> str:

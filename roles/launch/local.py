@@ -35,6 +35,7 @@ from rolectl.roles.observe.dashboard import start_dashboard
 from rolectl.roles.observe.observer import SUMMARY_MEANINGS, JobObserver, member_status
 from rolectl.roles.observe.replay import summarize, write_export
 from rolectl.roles.provision import provision_job
+from rolectl.roles.exit_codes import ExitCode
 from rolectl.roles.runner import EXIT_ERROR, EXIT_INCOMPLETE, EXIT_INTERRUPTED
 from rolectl.roles.session import stop_task
 from rolectl.sync_protocol import Role
@@ -157,7 +158,7 @@ def run_up(cfg: JobConfig, *, explorers: int | None = None, summary_path: str | 
         problem = _auth_mismatch(cfg, auth)
         if problem:
             console.print(f"[red]rolectl up --auth-dir {auth.path}:[/] {problem}", highlight=False)
-            return 2
+            return ExitCode.USAGE
     stamp = time.strftime("%Y%m%d-%H%M%S")
     base = Path(run_dir or cfg.run_dir).resolve()
     run_path = base / f"{cfg.job}-{stamp}-{os.getpid()}"
@@ -173,7 +174,7 @@ def run_up(cfg: JobConfig, *, explorers: int | None = None, summary_path: str | 
         server.start()
     except NatsServerError as exc:
         console.print(f"[red]cannot start the embedded nats-server:[/] {exc}")
-        return 1
+        return ExitCode.ERROR
     url = server.url if auth is None else auth.url
     cfg = dataclasses.replace(cfg, nats_url=url, run_dir=str(run_path))
     config_path = run_path / "job.yaml"
@@ -208,7 +209,7 @@ async def supervise(cfg: JobConfig, launcher: Launcher, run_path: Path, *, monit
             streams = await provision_job(cfg, security=auth.security("admin"))
         except BusError as exc:
             console.print(f"[red]provisioning the job's streams as admin failed:[/] {exc}", highlight=False)
-            return 1
+            return ExitCode.ERROR
         console.print(f"provisioned as admin: {', '.join(streams)}", highlight=False)
     sync = launcher.start("sync", "sync-0")
     trainer = launcher.start("trainer", "trainer")

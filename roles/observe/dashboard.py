@@ -40,6 +40,7 @@ from rolectl.bus.logging import setup_logging
 from rolectl.bus.security import redact
 from rolectl.bus.subjects import JobNames
 from rolectl.roles.session import stop_task
+from rolectl.roles.exit_codes import ExitCode
 from rolectl.roles.observe.observer import JobObserver
 
 __all__ = ["Dashboard", "DashboardHandle", "start_dashboard", "serve_dashboard", "default_monitor_url"]
@@ -521,9 +522,14 @@ def serve_dashboard(*, job: str, nats: str, host: str, port: int, monitor_url: s
         try:
             handle = await start_dashboard(job=job, nats_url=nats, monitor_url=monitor, host=host, port=port,
                                            security=security)
-        except (OSError, ValueError) as exc:
+        except OSError as exc:  # the port is taken (or the host cannot be bound): as `rolectl server`, exit 2
+            console.print(f"rolectl dashboard: --port {port}: {host}:{port} cannot be used ({exc.strerror or exc}); "
+                          "pass a free --port, or stop what listens there", style="red", markup=False,
+                          highlight=False, soft_wrap=True)
+            return ExitCode.USAGE
+        except ValueError as exc:
             console.print(f"rolectl dashboard: {exc}", style="red", markup=False, highlight=False, soft_wrap=True)
-            return 1
+            return ExitCode.ERROR
         console.print(f"dashboard of job {job} at {handle.url} (NATS {redact(nats)}, monitoring {monitor}); "
                       "Ctrl-C stops it", markup=False, highlight=False, soft_wrap=True)
         for problem in await _preflight(job, nats, monitor, monitor_given=monitor_url is not None, security=security):
@@ -537,9 +543,9 @@ def serve_dashboard(*, job: str, nats: str, host: str, port: int, monitor_url: s
             await stop.wait()
         finally:
             await handle.aclose()
-        return 0
+        return ExitCode.OK
 
     try:
         return asyncio.run(main())
     except KeyboardInterrupt:
-        return 0
+        return ExitCode.OK

@@ -12,6 +12,7 @@ import time
 from rich.console import Console
 from rich.table import Table
 
+from rolectl.roles.exit_codes import ExitCode
 from rolectl.bus.connection import connect
 from rolectl.bus.errors import BusError
 from rolectl.bus.events import last_sequence, read_events, subscribe_heartbeats
@@ -76,10 +77,10 @@ async def print_status(job: str, nats: str, *, as_json: bool = False, connect_ti
         observer, now_ms = await collect_status(job, nats, connect_timeout=connect_timeout, security=security)
     except BusError as exc:
         err.print(f"rolectl status: {exc}", style="red", highlight=False, markup=False, soft_wrap=True)
-        return 1
+        return ExitCode.ERROR
     except ValueError as exc:  # a job name that cannot be a NATS token
         err.print(f"rolectl status: {exc}", style="red", highlight=False, markup=False, soft_wrap=True)
-        return 1
+        return ExitCode.ERROR
     rows = observer.members(now_ms)
     latest = observer.latest()
     if as_json:

@@ -24,3 +24,54 @@ def test_export_to_a_path_that_cannot_be_written_is_exit_2(nats_url, job_name, t
     result = CliRunner().invoke(main, ["export", "--job", job_name, "--nats", nats_url, "-o", str(tmp_path / "out.txt")])
     assert result.exit_code == EXIT_USAGE, result.output
     assert "unknown export format '.txt'" in result.output
+
+
+# -- the one table (roles.exit_codes) ------------------------------------------------------------------
+
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from rolectl.roles.exit_codes import ExitCode, exit_code_table  # noqa: E402
+
+QUICKSTART = str(Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml")
+
+
+def test_the_help_prints_the_one_table():
+    result = CliRunner().invoke(main, ["--help"])
+    assert result.exit_code == ExitCode.OK
+    shown = [" ".join(line.split()) for line in result.output.splitlines()]  # help indents it
+    for line in exit_code_table().splitlines():
+        assert " ".join(line.split()) in shown, line
+    assert {int(c) for c in ExitCode} == {0, 1, 2, 3, 130}
+
+
+@pytest.mark.parametrize("command", [
+    ["status", "--job", "j"], ["export", "--job", "j", "-o", "{tmp}/out.jsonl"], ["replay", "--job", "j"],
+    ["dashboard", "--job", "j"], ["provision", "--config", QUICKSTART],
+    ["start", "trainer", "--config", QUICKSTART], ["up", "--config", QUICKSTART, "--launcher", "ray"],
+])
+@pytest.mark.parametrize("url", ["nats://127.0.0.1:notaport", "http://127.0.0.1:4222", "nats://:4222"])
+def test_a_malformed_nats_url_is_a_usage_error_in_every_command(command, url, tmp_path):
+    args = [a.format(tmp=tmp_path) for a in command]
+    result = CliRunner().invoke(main, [*args, "--nats", url])
+    assert result.exit_code == ExitCode.USAGE, result.output
+    assert "is not a NATS server URL" in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("command", [["dashboard", "--job", "j", "--nats", "{nats}", "--port", "{port}"],
+                                     ["server", "--port", "{port}", "--http-port", "{free}"]])
+def test_a_busy_port_is_the_same_code_for_every_server(command, nats_url, tmp_path):
+    from rolectl.bus.server import free_port
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        args = [a.format(nats=nats_url, port=port, free=free_port()) for a in command]
+        # a real process: `server` execs and `dashboard` runs its own event loop
+        proc = subprocess.run([sys.executable, "-m", "rolectl.roles.cli", *args], capture_output=True, text=True,
+                              timeout=120)
+    assert proc.returncode == ExitCode.USAGE, proc.stderr
+    assert str(port) in proc.stderr and "Traceback" not in proc.stderr
