@@ -174,6 +174,19 @@ class Explorer:
             return self._trainer_waiting()
         return True
 
+    def _who_is_missing(self) -> str:
+        """For a long sync wait: is there a trainer, a synchronizer, and where is the trainer."""
+        view = self.s.view
+        trainer = view.state.trainer_state
+        syncs = [m for m in view.state.members.values() if m.ref.role is Role.SYNCHRONIZER and m.alive]
+        if trainer is None:
+            said = "no trainer has joined the job yet (is `rolectl start trainer` running?)"
+        elif not trainer.alive:
+            said = f"the trainer is away (stopped or expired at step {trainer.step}) for {view.away_for(Role.TRAINER):.0f} s"
+        else:
+            said = f"the trainer is at step {trainer.step}, version {trainer.version}"
+        return said + ("" if syncs else "; no synchronizer is running (`rolectl start sync`)")
+
     def _trainer_waiting(self) -> bool:
         return any(r.opened_by.role is Role.TRAINER for r in self.s.view.state.rounds.values())
 
@@ -213,8 +226,9 @@ class Explorer:
                 return d
             return None
 
-        decision = await self.s.wait_decision(about_me, after=seq, what="a sync decision",
-                                              give_up=self._trainer_gone_for_good)
+        what = "the first weights from the trainer" if self.version < 0 else f"weights newer than version {self.version}"
+        decision = await self.s.wait_decision(about_me, after=seq, what=f"a sync decision ({what})",
+                                              give_up=self._trainer_gone_for_good, detail=self._who_is_missing)
         waited = time.monotonic() - started
         self.sync_wait_s.append(waited)
         self.s.status = RunningStatus.RUNNING

@@ -23,6 +23,7 @@ from rolectl.bus.events import EventPublisher, last_sequence, publish_heartbeat,
 from rolectl.bus.snapshots import SnapshotStore
 from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream
 from rolectl.roles.config import JobConfig
+from rolectl.roles.waiting import WaitNotice
 from rolectl.sync_protocol import (
     Decision,
     Event,
@@ -183,12 +184,14 @@ class JobView:
             self._membership_waiters = _answer(self._membership_waiters, self, stopped)
 
     async def wait_for(self, predicate: Callable[["JobView"], object], *, timeout: float | None,
-                       what: str = "condition", membership_only: bool = False):
+                       what: str = "condition", membership_only: bool = False, announce: bool = True):
         """Wait until `predicate(view)` is truthy; return its value. TimeoutError after `timeout`.
 
         The predicate is checked now, then after each burst of records the view folds; with
         `membership_only`, only after bursts that folded a join, a stop or an expiry (for a
-        predicate nothing else changes: it is not asked again for every request in the job)."""
+        predicate nothing else changes: it is not asked again for every request in the job).
+        A bounded wait that lasts logs what it waits for (`WaitNotice`), unless `announce=False`
+        (a caller that announces its own, longer wait); an unbounded one is a watch, not a wait."""
         value = predicate(self)
         if value:
             return value
@@ -202,9 +205,14 @@ class JobView:
         # ~8 µs a wait, and a member waits for every decision)
         timer = None if timeout is None else loop.call_later(
             timeout, _time_out, entry[1], f"timed out after {timeout} s waiting for {what}")
+        notice = WaitNotice(self._log, what) if announce and timeout is not None else None
+        if notice is not None:
+            notice.__enter__()
         try:
             return await entry[1]
         finally:
+            if notice is not None:
+                notice.__exit__()
             if timer is not None:
                 timer.cancel()
             # not the list appended to above: _answer_waiters replaces the lists with those still waiting
@@ -493,7 +501,8 @@ class MemberSession:
                              rejoins=self.rejoins)
 
     async def wait_decision(self, match: Callable[[Decision], object], *, after: int, what: str,
-                            give_up: Callable[[JobView], str | None] | None = None):
+                            give_up: Callable[[JobView], str | None] | None = None,
+                            detail: Callable[[], str | None] | None = None):
         """Wait for the synchronizer's decision about our request: the first decision recorded
         after stream sequence `after` (our request) for which `match(decision)` is truthy, and
         return that value; None if none ever comes.
@@ -501,6 +510,7 @@ class MemberSession:
         The synchronizer answers by `sync_timeout` at the latest (a timed-out round releases us).
         Silence beyond that (plus a grace period) means no synchronizer is running: withdraw the
         request and go on with the weights we have, like the reference on a failed sync.
+        A wait that lasts logs what it waits for, with `detail()` (see `WaitNotice`).
         Raises `MemberRejoined` when we were expired meanwhile (ask again as the new incarnation),
         and `JobIncomplete` when `give_up(view)` says why waiting is pointless (checked every few
         seconds: it may depend on time alone, like a trainer gone longer than its grace).
@@ -514,6 +524,10 @@ class MemberSession:
                 return rejoined
             return outcome(view)
 
+        with WaitNotice(self.log, what, detail=detail):
+            return await self._wait_decision(decided, rejoined, what=what, give_up=give_up)
+
+    async def _wait_decision(self, decided, rejoined, *, what: str, give_up):
         deadline = time.monotonic() + self.cfg.synchronizer.sync_timeout + 30
         while True:
             remaining = deadline - time.monotonic()
@@ -523,7 +537,7 @@ class MemberSession:
                 await self.set_status(RunningStatus.RUNNING)
                 return None
             try:
-                result = await self.view.wait_for(decided, timeout=min(remaining, 2.0), what=what)
+                result = await self.view.wait_for(decided, timeout=min(remaining, 2.0), what=what, announce=False)
             except TimeoutError:
                 reason = give_up(self.view) if give_up is not None else None
                 if reason:

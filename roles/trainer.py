@@ -31,6 +31,7 @@ from rolectl.bus.experiences import ExperienceReader
 from rolectl.bus.security import redact
 from rolectl.bus.weights import TransferError
 from rolectl.roles.session import JobIncomplete, MemberRejoined, MemberSession, write_json_atomic
+from rolectl.roles.waiting import WaitNotice
 from rolectl.roles.config import JobConfig
 from rolectl.roles.resume import SavedState, StartMode, decide_resume
 from rolectl.roles.transports import make_pull_transport, make_rendezvous_transport
@@ -245,6 +246,18 @@ class Trainer:
         """Collect one step's experiences; while waiting, answer explorer-driven sync requests."""
         batch = self.leftover
         self.leftover = []
+        with WaitNotice(self.log, f"experiences for step {self.engine.step + 1}",
+                        detail=lambda: f"{len(batch)} of {self.experiences_per_step} in hand, "
+                                       f"{self.dropped_stale} dropped as stale so far; {self._explorers_now()}"):
+            return await self._fill(batch)
+
+    def _explorers_now(self) -> str:
+        explorers = self.s.view.state.explorers(alive_only=False)
+        if not explorers:
+            return "no explorer has joined the job yet"
+        return ", ".join(f"{m.ref.id} {'at step ' + str(m.step) if m.alive else 'away'}" for m in explorers)
+
+    async def _fill(self, batch: list):
         while len(batch) < self.experiences_per_step:
             await self._serve_sync_requests()
             received = await self.reader.fetch(max_batches=8, timeout=0.5)
