@@ -264,6 +264,9 @@ async def supervise(cfg: JobConfig, launcher: Launcher, run_path: Path, *, monit
                         failed = "stopped" if stop.is_set() else "timeout"
                         break
                     await asyncio.sleep(0.5)  # refresh cadence of the progress table
+            if not console.is_terminal:
+                progress.update(view.trainer_steps, time.monotonic())
+                console.print(progress.line(), highlight=False)  # where it ended, in a pipe too
             if failed is not None and not isinstance(failed, str):
                 exit_code = failed.returncode if failed.returncode > 0 else EXIT_ERROR
                 console.print(f"[red]{failed.name} exited with code {failed.returncode}[/]; last log lines:")
@@ -299,6 +302,11 @@ async def supervise(cfg: JobConfig, launcher: Launcher, run_path: Path, *, monit
             if summary_path:
                 Path(summary_path).write_text(json.dumps(summary, indent=2))
             console.print(_summary_table(summary))
+            # where to look now that the server and the dashboard are gone with the job
+            written = [str(run_path / "summary.json"), *([str(summary_path)] if summary_path else [])]
+            console.print(f"summary: {' and '.join(written)}\nevents:  {events_file}\n"
+                          f"replay:  rolectl replay --file {events_file}   (add --check to verify every decision)",
+                          highlight=False, soft_wrap=True)
             await stop_task(following)
     except (BusError, nats.errors.Error, asyncio.TimeoutError) as exc:
         # the embedded server or the connection failed under us: say so, never a traceback

@@ -42,6 +42,7 @@ from rolectl.bus.subjects import JobNames
 from rolectl.roles.session import stop_task
 from rolectl.roles.exit_codes import ExitCode
 from rolectl.roles.observe.observer import JobObserver
+from rolectl.sync_protocol import Role
 
 __all__ = ["Dashboard", "DashboardHandle", "start_dashboard", "serve_dashboard", "default_monitor_url"]
 
@@ -259,6 +260,7 @@ class Dashboard:
             "job": self.job,
             "now_ms": now,
             "connection": {"state": self.connection, "error": self.error, "nats_url": self.nats_url},
+            "job_state": _job_state(obs),
             "stream": {"last_seq": state.last_seq, "records": obs.records, "decisions": obs.decisions_recorded,
                        "illegal": obs.illegal_total, "first_ms": obs.first_time_ms, "last_ms": obs.last_time_ms},
             "config": state.config.to_mapping() if state.config else None,
@@ -283,6 +285,16 @@ class Dashboard:
             "log": [vars(line) for line in list(obs.log)[-_LOG_SHOWN:]],
             "nats": self.nats,
         }
+
+
+def _job_state(obs: JobObserver) -> dict:
+    """Whether the job is still going: `ended` once the trainer finished, or once every trainer and
+    explorer that joined is gone (stopped or expired) — the page then stops saying "live"."""
+    outcome = obs.outcome()
+    workers = [m for m in obs.state.members.values() if m.ref.role in (Role.TRAINER, Role.EXPLORER)]
+    trainer = obs.state.trainer_state
+    ended = trainer is not None and (trainer.finished or not any(m.alive for m in workers))
+    return {"ended": ended, "outcome": outcome.status, "reason": outcome.reason}
 
 
 # --------------------------------------------------------------------------------------------------

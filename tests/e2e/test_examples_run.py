@@ -55,8 +55,11 @@ def test_example_runs_to_completion(example, tmp_path):
     s = run.summary
     assert run.rc == 0, f"{example}: exit {run.rc}: {s.get('exit_codes')}\n{run.output[-2000:]}\n{run.role_logs()}"
     assert s["complete"] is True and s["trainer_steps"] == STEPS, s
-    # in a pipe `up` prints a plain progress line at intervals (the live table shows only at the end)
-    assert f"/{STEPS} (" in run.output and "steps/s" in run.output, run.output[-2000:]
+    # in a pipe `up` prints a plain progress line at intervals and at the end
+    assert f"trainer step {STEPS}/{STEPS} (100%) · " in run.output, run.output[-2000:]
+    # and at the end, where to look now that its server and dashboard are gone
+    assert f"rolectl replay --file {s['events_file']}" in run.output, run.output[-2000:]
+    assert f"summary: {s['run_dir']}/summary.json" in run.output, run.output[-2000:]
 
 
 @pytest.mark.parametrize("example", sorted(ON_A_CLUSTER))

@@ -143,3 +143,24 @@ async def test_two_dashboards_in_one_process(nats_server, job_name):
 async def test_a_bad_job_name_is_refused_at_start(nats_server):
     with pytest.raises(ValueError, match="invalid job name"):
         await start_dashboard(job="no spaces please", nats_url=nats_server.url, monitor_url=None)
+
+
+async def test_the_page_says_live_while_the_job_runs(followed):
+    _, body = await _get(followed.url + "api/state")
+    assert json.loads(body)["job_state"] == {"ended": False, "outcome": "running",
+                                             "reason": "the trainer is running (step 3)"}
+
+
+async def test_the_page_stops_saying_live_once_the_job_ended(nats_server, job_name):
+    handle = await start_dashboard(job=job_name, nats_url=nats_server.url, monitor_url=nats_server.monitor_url)
+    try:
+        last = await run_scripted_job(nats_server.url, job_name, steps=2, stop=True)
+        await _until(handle.dashboard, lambda d: d.observer.state.last_seq >= last, f"seq {last}")
+        _, body = await _get(handle.url + "api/state")
+        job_state = json.loads(body)["job_state"]
+        assert job_state["ended"] is True and job_state["outcome"] == "complete", job_state
+        assert json.loads(body)["connection"]["state"] == "live"  # still connected: the page shows "ended"
+        _, script = await _get(handle.url + "static/app.js")
+        assert "ended ·" in script
+    finally:
+        await handle.aclose()

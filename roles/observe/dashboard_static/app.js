@@ -163,9 +163,12 @@ function renderHeader(s) {
   $("job").textContent = s.job;
   document.title = `rolectl · ${s.job} · v${s.latest.version}`;
   const pill = $("conn-pill");
-  const state = s.connection.state;
+  // once the job ended the page is a record, not a live view: say so (and why)
+  const ended = s.job_state && s.job_state.ended;
+  const state = ended ? `ended · ${s.job_state.outcome}` : s.connection.state;
   pill.textContent = state;
-  pill.className = "pill " + (state === "live" ? "pill-live" : state === "reconnecting" ? "pill-bad" : "pill-wait");
+  pill.title = ended ? s.job_state.reason : "";
+  pill.className = "pill " + (ended ? "pill-wait" : state === "live" ? "pill-live" : state === "reconnecting" ? "pill-bad" : "pill-wait");
   $("stream-seq").textContent = s.stream.last_seq;
   const banner = $("banner");
   const problems = [];
