@@ -38,7 +38,7 @@ def setup_logging(level: str | int = "info", *, json: bool = True, stream: TextI
     renderer: Any = (
         structlog.processors.JSONRenderer(sort_keys=False, default=str)
         if json
-        else structlog.dev.ConsoleRenderer(colors=False)
+        else structlog.dev.ConsoleRenderer(colors=False, sort_keys=False)
     )
     structlog.configure(
         processors=[
@@ -48,6 +48,7 @@ def setup_logging(level: str | int = "info", *, json: bool = True, stream: TextI
             structlog.processors.StackInfoRenderer(),
             structlog.processors.format_exc_info,
             _redact_urls,
+            *([] if json else [_lead_with_progress]),
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level_no),
@@ -62,6 +63,17 @@ def setup_logging(level: str | int = "info", *, json: bool = True, stream: TextI
     asyncio_log = _stdlib_logging.getLogger("asyncio")
     if _ignore_tls_eof not in asyncio_log.filters:
         asyncio_log.addFilter(_ignore_tls_eof)
+
+
+_LEADING = ("step", "total_steps", "reward", "version", "waiting_for")
+_TRAILING = ("job", "role", "member", "ts")
+
+
+def _lead_with_progress(_logger: Any, _method: str, event: dict) -> dict:
+    """Console lines: what happened, then step and reward, then the rest; who says it last."""
+    first = {k: event[k] for k in ("level", "event", *_LEADING) if k in event}
+    last = {k: event[k] for k in _TRAILING if k in event}
+    return {**first, **{k: v for k, v in event.items() if k not in first and k not in last}, **last}
 
 
 def _ignore_tls_eof(record: _stdlib_logging.LogRecord) -> bool:

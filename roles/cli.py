@@ -128,7 +128,9 @@ def main() -> None:
 @click.argument("role", type=click.Choice(ROLE_NAMES))
 @click.option("--config", "config_path", required=True, type=click.Path(exists=True, dir_okay=False),
               help="Job YAML (see examples/).")
-@click.option("--id", "member_id", default=None, help="Member id (default: trainer / explorer-0 / sync-<pid>).")
+@click.option("--id", "member_id", default=None,
+              help="Member id (default: trainer / explorer-0 / sync-<pid>); an explorer is explorer-N, N < explorers.count.")
+@click.option("--job", default=None, help="Job name; overrides the config's `job` (run the same file as another job).")
 @nats_option(None, "NATS URL(s), comma-separated; overrides the config's nats_url.")
 @click.option("--resume", is_flag=True,
               help="Continue from the saved state in the run dir even if the job's stream does not know this member.")
@@ -141,8 +143,8 @@ def main() -> None:
               help="sync only: keep following the job after every member finished (default: exit 0 once "
                    "the trainer and every explorer that joined stopped for good).")
 @client_options
-def start(role: str, config_path: str, member_id: str | None, nats: str | None, resume: bool, fresh: bool,
-          log_format: str, keep_running: bool, **security) -> None:
+def start(role: str, config_path: str, member_id: str | None, job: str | None, nats: str | None, resume: bool,
+          fresh: bool, log_format: str, keep_running: bool, **security) -> None:
     """Run one ROLE (trainer, explorer or sync) in the foreground. Ctrl-C stops it cleanly.
 
     A trainer or explorer that finds saved state resumes from it when the job's stream records its
@@ -161,6 +163,12 @@ def start(role: str, config_path: str, member_id: str | None, nats: str | None, 
         raise click.UsageError(f"--{start_mode} applies to a trainer or an explorer; a synchronizer saves no state")
     # a synchronizer runs no engine: it starts (and restarts) without importing one
     cfg = _load(config_path, nats, security, check_engines=role != "sync")
+    if job is not None:
+        try:
+            check_name(job, "job name")
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--job") from None
+        cfg = cfg.with_overrides(job=job)
     # With a credential the member is its identity (the server allows nothing else).
     member_id = member_id or cfg.nats.security.identity
     if member_id is not None:
@@ -168,9 +176,27 @@ def start(role: str, config_path: str, member_id: str | None, nats: str | None, 
             check_name(member_id, "member id")
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--id") from None
+    if role == "explorer":
+        _check_explorer_id(member_id or "explorer-0", cfg)
     log_json = log_format == "json" or (log_format == "auto" and not sys.stderr.isatty())
     sys.exit(run_role(role, cfg, member_id, start_mode=StartMode(start_mode or "auto"), log_json=log_json,
                       keep_running=keep_running))
+
+
+def _check_explorer_id(member_id: str, cfg) -> None:
+    """An explorer is `explorer-N` with N below the job's `explorers.count`: its index picks its
+    share of the task set and its speed, and the trainer waits for exactly that many."""
+    import re
+
+    count = cfg.explorers.count
+    ids = f"explorer-0..explorer-{count - 1}" if count > 1 else "explorer-0"
+    found = re.fullmatch(r"explorer-(0|[1-9][0-9]*)", member_id)
+    if found is None:
+        raise click.BadParameter(f"{member_id!r} is not an explorer id: explorers are explorer-N; this job's "
+                                 f"are {ids} (explorers.count = {count} in {cfg.source})", param_hint="--id")
+    if int(found.group(1)) >= count:
+        raise click.BadParameter(f"{member_id!r} is outside this job's {count} explorer(s) ({ids}, explorers.count "
+                                 f"in {cfg.source}); raise explorers.count to run more", param_hint="--id")
 
 
 @main.command()

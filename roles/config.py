@@ -364,5 +364,7 @@ def load_config(path: str | Path, *, check_engines: bool = True) -> JobConfig:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError([("yaml", f"not valid YAML: {exc}")], where=str(path)) from None
+        # PyYAML names a string it parsed "<unicode string>": name the file instead
+        raise ConfigError([("yaml", "not valid YAML: " + str(exc).replace('"<unicode string>"', f'"{path}"'))],
+                          where=str(path)) from None
     return parse_config(data, source=str(path), check_engines=check_engines)

@@ -248,8 +248,6 @@ class Dashboard:
         outcomes = dict(sorted(obs.round_outcomes.items()))
         closed = [r for r in obs.rounds.values() if r.outcome is not None]  # the kept ones, for the chart
         moved = [r for r in obs.rounds.values() if r.gbps]
-        transfers = [*(t for r in obs.rounds.values() for t in r.transfers if t.kind == "loaded"),
-                     *obs.background_transfers]
         last_rate = next((r.gbps for r in reversed(moved)), None)
         stale = obs.staleness[-1] if obs.staleness else None
         latest = obs.latest()
@@ -274,7 +272,8 @@ class Dashboard:
                                "total": len(obs.rounds)},
             "versions": [vars(v) for v in list(obs.versions)[-30:]],
             "throughput": {"bytes_loaded_total": obs.bytes_loaded_total, "last_gbps": last_rate,
-                           "transfers": len(transfers)},
+                           # every load with bytes since the start, as the summary's weight_loads
+                           "transfers": obs.weight_loads},
             "staleness": {"mean": stale[1] if stale else None, "dropped_total": stale[2] if stale else None,
                           "series": _thin([[s, m, d] for s, m, d in obs.staleness])},
             "series": {

@@ -219,8 +219,9 @@ def _size(nbytes: int) -> str:
 
 
 def member_status(member) -> str:
-    """running / require_sync / stopped / expired (a dead member that did not say STOPPED expired)."""
-    return member.condition
+    """running / require_sync / stopped / expired (a dead member that did not say STOPPED expired),
+    or finished: it stopped for good, its work done (a stopped one may come back)."""
+    return "finished" if member.finished else member.condition
 
 
 def percentile(values: list[float], q: float) -> float | None:

@@ -93,7 +93,7 @@ async def print_status(job: str, nats: str, *, as_json: bool = False, connect_ti
     table = Table(title=f"job {job} · latest version {latest['version']} · stream seq {observer.state.last_seq}")
     for col in ("role", "id", "status", "step", "version", "last seen", "host"):
         table.add_column(col, justify="right" if col in ("step", "version") else "left")
-    colour = {"running": "green", "require_sync": "yellow", "stopped": "dim", "expired": "red"}
+    colour = {"running": "green", "require_sync": "yellow", "finished": "blue", "stopped": "dim", "expired": "red"}
     for row in rows:
         status = f"[{colour.get(row['status'], 'white')}]{row['status']}[/]"
         table.add_row(row["role"], row["id"], status, format_progress(row), str(row["version"]),

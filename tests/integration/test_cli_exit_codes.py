@@ -75,3 +75,56 @@ def test_a_busy_port_is_the_same_code_for_every_server(command, nats_url, tmp_pa
                               timeout=120)
     assert proc.returncode == ExitCode.USAGE, proc.stderr
     assert str(port) in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("member,said", [("explorer-5", "outside this job's 2 explorer(s) (explorer-0..explorer-1"),
+                                         ("worker-1", "is not an explorer id: explorers are explorer-N"),
+                                         ("explorer-01", "is not an explorer id")])
+def test_an_explorer_id_outside_the_job_is_refused(member, said):
+    result = CliRunner().invoke(main, ["start", "explorer", "--config", QUICKSTART, "--id", member])
+    assert result.exit_code == ExitCode.USAGE, result.output
+    assert said in " ".join(result.output.split()), result.output
+
+
+def test_a_yaml_syntax_error_names_the_file(tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("job: x\ntrainer: {total_steps: 3\n")
+    result = CliRunner().invoke(main, ["start", "trainer", "--config", str(broken)])
+    assert result.exit_code == ExitCode.USAGE, result.output
+    said = " ".join(result.output.split())
+    assert str(broken) in said and "<unicode string>" not in said, result.output
+
+
+def test_start_runs_the_config_as_another_job_with_job(nats_url, job_name, tmp_path):
+    import asyncio
+
+    import yaml
+
+    from rolectl.bus.connection import connect
+    from rolectl.bus.events import read_events
+    from rolectl.sync_protocol import MemberJoined
+
+    data = yaml.safe_load(Path(QUICKSTART).read_text())
+    data["run_dir"] = str(tmp_path / "runs")
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump(data))
+    proc = subprocess.Popen([sys.executable, "-m", "rolectl.roles.cli", "start", "trainer", "--config", str(config),
+                             "--nats", nats_url, "--job", job_name], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT)
+
+    async def joined() -> MemberJoined:
+        async with connect(nats_url, job=job_name, role="observer", member="test") as conn:
+            from rolectl.bus.streams import ensure_event_stream
+
+            await ensure_event_stream(conn.js, conn.names)
+            async with read_events(conn, from_seq=1) as reader:
+                async for rec in reader:
+                    if isinstance(rec.event, MemberJoined):
+                        return rec.event
+
+    try:
+        event = asyncio.run(asyncio.wait_for(joined(), timeout=120))
+    finally:
+        proc.kill()  # by PID: the process this test started
+        proc.wait()
+    assert event.member.id == "trainer"  # it joined the job named by --job, not the file's

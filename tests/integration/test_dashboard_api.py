@@ -63,6 +63,8 @@ async def test_api_state_has_members_versions_rounds_and_figures(followed, job_n
     assert sorted(state["latest"]["held_by"]) == ["explorer/explorer-0", "explorer/explorer-1", "trainer/trainer"]
     assert len(state["rounds"]) == 2 + 2 * STEPS and state["rounds_summary"]["outcomes"] == {"completed": 2 + 2 * STEPS}
     assert state["throughput"]["bytes_loaded_total"] == 2 * STEPS * NBYTES
+    # "loads" counts what the run summary's weight_loads counts
+    assert state["throughput"]["transfers"] == followed.dashboard.observer.summary(job=job_name)["weight_loads"] > 0
     assert state["throughput"]["last_gbps"] > 0
     assert [p[0] for p in state["series"]["reward"]] == list(range(1, STEPS + 1))
     assert state["series"]["reward"][-1][1] == pytest.approx(0.2 * STEPS)

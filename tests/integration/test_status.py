@@ -78,3 +78,11 @@ async def test_status_with_nats_unreachable_exits_1(job_name, capsys):
     url = f"nats://127.0.0.1:{free_port()}"
     assert await print_status(job_name, url, connect_timeout=1.0) == 1
     assert url in capsys.readouterr().err
+
+
+async def test_a_member_that_finished_its_work_is_shown_finished(nats_url, job_name, capsys):
+    await run_scripted_job(nats_url, job_name, steps=2, stop=True)
+    assert await print_status(job_name, nats_url, as_json=True) == 0
+    rows = {m["key"]: m for m in json.loads(capsys.readouterr().out)["members"]}
+    assert rows["trainer/trainer"]["status"] == "finished"
+    assert rows["explorer/explorer-0"]["status"] == "finished"
