@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 
 import structlog
 
@@ -25,6 +26,25 @@ EXIT_USAGE = ExitCode.USAGE
 EXIT_INCOMPLETE = ExitCode.INCOMPLETE
 EXIT_INTERRUPTED = ExitCode.INTERRUPTED
 EXIT_CODES = {code: code.meaning for code in ExitCode}
+
+
+def _progress_bar(label: str):
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
+    from rich.text import Text
+
+    class _Rate(ProgressColumn):
+        def render(self, task) -> Text:
+            return Text(f"{task.speed:.2f} steps/s" if task.speed else "")
+
+    return Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), _Rate(), TimeRemainingColumn(),
+                    console=Console(stderr=True), redirect_stderr=True, redirect_stdout=False)
+
+
+async def _follow_steps(progress, bar, done) -> None:
+    while True:
+        progress.update(bar, completed=done())
+        await asyncio.sleep(0.5)  # the bar's refresh cadence
 
 
 def default_member_id(role: str) -> str:
@@ -65,7 +85,20 @@ def run_role(role: str, cfg: JobConfig, member_id: str | None = None, *, start_m
     async def main() -> None:
         task = asyncio.current_task()
         install_stop_signals(task)
-        await runner.run()
+        if role == "sync" or log_json or not sys.stderr.isatty():
+            await runner.run()
+            return
+        # a person at a terminal: a progress bar below the log lines
+        done, total = ((lambda: runner.engine.step, runner.total_steps) if role == "trainer"
+                       else (lambda: runner.explore_step, cfg.explorers.total_steps))
+        with _progress_bar(f"{role} {member_id}") as progress:
+            setup_logging(cfg.log_level, json=False)  # again: log lines now go above the bar
+            bar = progress.add_task("steps", total=total, completed=done())
+            follow = asyncio.create_task(_follow_steps(progress, bar, done), name="progress-bar")
+            try:
+                await runner.run()
+            finally:
+                follow.cancel()
 
     try:
         try:
