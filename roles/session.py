@@ -442,15 +442,22 @@ class MemberSession:
         (SIGSTOP, a starved loop, a long disconnect) the record is read to its end first, so a
         process that comes back learns it was replaced before it acts."""
         if self.replaced_by is None and time.monotonic() - self._current_at > self._trust_s:
-            end = await last_sequence(self.conn)
-            await self.view.wait_for(lambda v: v.last_seq >= end, timeout=120.0,
-                                     what=f"the job's record up to seq {end} (checked after a pause)")
+            await self._read_to_end("checked after a pause")
             if self.replaced(self.view):
                 self._note_replaced()
             else:
                 self._current_at = time.monotonic()
         if self.replaced_by is not None:
             raise MemberReplaced(self._replaced_message())
+
+    async def _read_to_end(self, why: str) -> None:
+        """Fold the job's record up to its end as of now; a server away (restarting) is waited for
+        as every other part of the role waits for it."""
+        patience = self.cfg.synchronizer.sync_timeout
+        end = await self.conn.retry(lambda: last_sequence(self.conn), what="the job's last sequence",
+                                    retry_for=patience)
+        await self.view.wait_for(lambda v: v.last_seq >= end, timeout=patience,
+                                 what=f"the job's record up to seq {end} ({why})")
 
     def _note_replaced(self) -> None:
         if self.replaced_by is None:
@@ -474,9 +481,7 @@ class MemberSession:
                                      what="our own expiry or replacement", membership_only=True)
             if not self.replaced(self.view):
                 # the replacement may be recorded already and not yet folded: read to the end first
-                end = await last_sequence(self.conn)
-                await self.view.wait_for(lambda v: v.last_seq >= end, timeout=120.0,
-                                         what=f"the job's record up to seq {end} (before rejoining)")
+                await self._read_to_end("before rejoining")
             if self.replaced(self.view):
                 self._note_replaced()
                 if self._main_task is not None and not self._main_task.done():
