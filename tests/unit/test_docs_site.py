@@ -77,3 +77,15 @@ def test_readme_links_only_to_files_that_exist():
 
 def test_readme_test_command_is_the_one_ci_runs():
     assert "\n.venv/bin/pytest -q -n 3 --dist loadgroup\n" in README.read_text()
+
+
+def test_repository_paths_named_in_the_docs_exist():
+    """A file the docs name (`bus/weights/checkpoint.py`) must be there: moves and splits update the docs."""
+    pages = [*sorted((ROOT / "docs").glob("*.md")), README]
+    tops = ("sync_protocol/", "bus/", "roles/", "deploy/", "examples/", "tests/", "benchmarks/", "docs/")
+    missing = []
+    for page in pages:
+        for path in re.findall(r"`([a-z_]+/[A-Za-z0-9_./@-]+)`", page.read_text()):
+            if path.startswith(tops) and "NAME" not in path and not (ROOT / path).exists():
+                missing.append(f"{page.name}: {path}")
+    assert not missing, missing
