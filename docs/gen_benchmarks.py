@@ -3,7 +3,7 @@
     python docs/gen_benchmarks.py            # rewrite docs/benchmarks.md
     python docs/gen_benchmarks.py --check    # exit 1 if the committed page differs
 
-Each JSON file: {"title", "command", "what", "runs": [{"date", "commit", "machine", "conditions",
+Each JSON file: {"order"?, "title", "command", "what", "runs": [{"date", "commit", "machine", "conditions",
 "command"?, "columns", "rows", "notes"?, "commit_note"?}], "notes"?}. Figures are strings, copied
 as measured; this script only lays them out.
 """
@@ -35,7 +35,7 @@ _REQUIRED_RUN_KEYS = ("date", "commit", "machine", "conditions", "columns", "row
 
 
 def load_results(directory: Path = RESULTS) -> list[tuple[str, dict]]:
-    """Every results file, sorted by name, checked for the fields the page needs."""
+    """Every results file in page order (`order`, then name), checked for the fields the page needs."""
     out = []
     for path in sorted(directory.glob("*.json")):
         data = json.loads(path.read_text())
@@ -51,7 +51,7 @@ def load_results(directory: Path = RESULTS) -> list[tuple[str, dict]]:
                     raise ValueError(f"{path}: runs[{i}].rows[{j}] has {len(row)} cells, "
                                      f"expected {len(run['columns'])}")
         out.append((path.name, data))
-    return out
+    return sorted(out, key=lambda item: (item[1].get("order", 1000), item[0]))
 
 
 def _cell(value: object) -> str:
