@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-__all__ = ["RESULTS", "PAGE", "render", "load_results"]
+__all__ = ["PAGE", "RESULTS", "load_results", "render"]
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rolectl.sync_protocol.reducer import ROUND_TRANSITIONS, TRIGGER_CAUSES, Trigger, transitions_markdown
+from rolectl.sync_protocol.reducer import (
+    ROUND_TRANSITIONS,
+    TRIGGER_CAUSES,
+    Trigger,
+    transitions_markdown,
+)
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "sync-semantics.md"
 
