@@ -17,9 +17,10 @@ that builds an event from untrusted values goes through `codec.from_plain`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Annotated, ClassVar, Mapping, Union
+from typing import Annotated, ClassVar, Union
 
 import msgspec
 

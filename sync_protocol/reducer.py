@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from types import MappingProxyType
-from typing import Any, TypeVar
+from typing import Any
 
 from msgspec.structs import replace
 
@@ -38,12 +38,10 @@ from .boundaries import needs_reload
 from .config import SyncConfig
 from .describe import describe, describe_config
 from .enums import (
-    RENDEZVOUS_METHODS,
     ReleaseReason,
     Role,
     RoundOutcome,
     RunningStatus,
-    SyncMethod,
     SyncStyle,
 )
 from .errors import IllegalEvent
@@ -53,7 +51,6 @@ from .events import (
     JobConfigured,
     MemberExpired,
     MemberJoined,
-    MemberRef,
     MemberReleased,
     NoNewVersion,
     RankAssignment,

@@ -10,13 +10,14 @@ Pure: bytes in, state out (or `DecodeError`); no I/O.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 import msgspec
 
 from .config import SyncConfig
-from .enums import Role, RunningStatus, SyncMethod
+from .enums import RunningStatus, SyncMethod
 from .errors import ConfigError, DecodeError
 from .events import MemberRef, RankAssignment
 from .state import GroupState, LatestVersion, MemberState, RoundPhase, RoundState, State

@@ -8,9 +8,9 @@ without re-validating (the reducer only ever writes well-typed values).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import Enum
 from types import MappingProxyType
-from typing import Mapping
 
 import msgspec
 
@@ -150,7 +150,7 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
     versions_published: int = 0
 
     @classmethod
-    def initial(cls, config: SyncConfig | None = None) -> "State":
+    def initial(cls, config: SyncConfig | None = None) -> State:
         """The state before any event: no members, base model (version 0) only, no rounds.
 
         Passing `config` stands for a JobConfigured already folded (handy in tests and tools); a

@@ -9,11 +9,10 @@ import msgspec
 import pytest
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
-
 from rolectl.sync_protocol import (
     KINDS,
-    Decision,
     SCHEMA_VERSION,
+    Decision,
     DecodeError,
     JobConfigured,
     MemberExpired,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from rolectl.sync_protocol import (
     JobConfigured,
     MemberJoined,
@@ -28,8 +27,8 @@ T = MemberRef(role=Role.TRAINER, id="t", incarnation=0)
 @pytest.mark.parametrize("event, text", [
     (StepFinished(member=T, step=1, version=0), "StepFinished(step=1, version=0)"),
     (VersionPublished(member=T, version=2, step=2, method=SyncMethod.MEMORY, location="v2", nbytes=5,
-                      digest="d"), "VersionPublished(version=2, step=2, method=memory, location='v2', nbytes=5, "
-                                   "digest='d')"),
+                      digest="d"),
+     "VersionPublished(version=2, step=2, method=memory, location='v2', nbytes=5, digest='d')"),
     (JobConfigured(member=T, config=SyncConfig(sync_interval=3)), "JobConfigured(config=SyncConfig(sync_interval=3))"),
     (RoundClosed(round=1, cause_seq=7, outcome=RoundOutcome.COMPLETED),
      "RoundClosed(round=1, cause_seq=7, outcome=completed)"),
