@@ -85,7 +85,7 @@ async def _worker(spec: dict) -> None:
 
     from rolectl.bus.weights.cuda_ipc import CudaIpcTransport, HandleRequest
     from rolectl.bus.weights.torch_dist import TorchDistTransport
-    from rolectl.sync_protocol import MemberRef, RendezvousReady, Role, SyncMethod
+    from rolectl.sync_protocol import MemberRef, RankAssignment, RendezvousReady, Role, SyncMethod
 
     from rolectl.bus.logging import setup_logging
 
@@ -97,7 +97,7 @@ async def _worker(spec: dict) -> None:
     timeout = datetime.timedelta(seconds=120)
     ctl = TCPStore("127.0.0.1", spec["ctl_port"], None, False, timeout)
     receivers = range(1, world)
-    members = [MemberRef(role=Role.EXPLORER, id=f"bench{r}") for r in receivers]
+    members = [MemberRef(role=Role.EXPLORER, id=f"bench{r}", incarnation=0) for r in receivers]
     me = members[rank - 1] if rank else None
     modes: list[str] = spec["modes"]
 
@@ -105,8 +105,8 @@ async def _worker(spec: dict) -> None:
         return RendezvousReady(
             round=round_, cause_seq=round_, method=method, version=round_, epoch=1, master_addr="127.0.0.1",
             master_port=port, world_size=world,
-            participants=[{"member": {"role": "explorer", "id": m.id, "inc": 0}, "rank_offset": r, "ranks": 1}
-                          for r, m in zip(receivers, members)],
+            participants=tuple(RankAssignment(member=m, rank_offset=r, ranks=1)
+                               for r, m in zip(receivers, members)),
         )
 
     ops = {}

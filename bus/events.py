@@ -54,6 +54,7 @@ from rolectl.sync_protocol import (
     decode_all,
     encode,
     encode_decisions,
+    member_from_plain,
 )
 
 from .aio import raise_if_cancelling
@@ -310,7 +311,7 @@ def decode_heartbeat(payload: bytes) -> Heartbeat:
     if not isinstance(member, dict):
         raise DecodeError(f"heartbeat field 'member' must be a map {{role, id, inc}}, got {member!r}")
     try:
-        ref = MemberRef(role=member.get("role"), id=member.get("id"), incarnation=member.get("inc"))
+        ref = member_from_plain(member)
         status = RunningStatus.parse(data.get("status"))
     except (DecodeError, ValueError) as exc:
         raise DecodeError(f"heartbeat: {exc}") from None

@@ -35,8 +35,8 @@ pytestmark = pytest.mark.e2e
 
 TOTAL_STEPS = 6
 SEED = 20261123
-TRAINER = MemberRef(role="trainer", id="trainer", incarnation=1)
-EXPLORER_0 = MemberRef(role="explorer", id="explorer-0", incarnation=1)
+TRAINER = MemberRef(role=Role.TRAINER, id="trainer", incarnation=1)
+EXPLORER_0 = MemberRef(role=Role.EXPLORER, id="explorer-0", incarnation=1)
 MEMBERS = [("trainer", "trainer"), ("explorer", "explorer-0"), ("explorer", "explorer-1"),
            ("synchronizer", "sync-0")]
 

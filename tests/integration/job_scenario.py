@@ -30,6 +30,7 @@ from rolectl.sync_protocol import (
     StepFinished,
     VersionPublished,
     WeightsLoaded,
+    SyncMethod,
 )
 
 __all__ = ["ScriptedJob", "run_scripted_job", "stop_task", "TRAINER", "EXPLORERS"]
@@ -155,7 +156,7 @@ async def _script(job: ScriptedJob, cfg, *, steps: int, stop: bool) -> None:
         await job.publish(StepFinished(member=TRAINER, step=step, version=step - 1,
                                        metrics={"reward_mean": 0.2 * step, "loss": 1.0 / step,
                                                 "mean_staleness": 0.5, "dropped_stale_total": float(step // 2)}))
-        await job.publish(VersionPublished(member=TRAINER, version=step, step=step, method="memory",
+        await job.publish(VersionPublished(member=TRAINER, version=step, step=step, method=SyncMethod.MEMORY,
                                            location=f"v{step}", nbytes=NBYTES, digest=f"sha256:{step:064x}"))
         released = await job.wait_released(slow, wait_seq)
         await job.publish(WeightsLoaded(member=slow, version=released.version, round=released.round,

@@ -21,12 +21,12 @@ from rolectl.bus.server import NatsCluster
 from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream, event_stream_config
 from rolectl.bus.subjects import JobNames
 from rolectl.bus.weights.object_store import ObjectStoreTransport
-from rolectl.sync_protocol import MemberRef, StepFinished
+from rolectl.sync_protocol import MemberRef, StepFinished, Role
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-ME = MemberRef(role="trainer", id="t0", incarnation=0)
+ME = MemberRef(role=Role.TRAINER, id="t0", incarnation=0)
 
 
 @pytest.fixture

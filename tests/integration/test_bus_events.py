@@ -35,11 +35,12 @@ from rolectl.sync_protocol import (
     SyncMethod,
     VersionPublished,
     encode,
+    Role,
 )
 
-TRAINER = MemberRef(role="trainer", id="t0", incarnation=1)
-EXPLORER = MemberRef(role="explorer", id="e0", incarnation=3)
-SYNC = MemberRef(role="synchronizer", id="s0", incarnation=0)
+TRAINER = MemberRef(role=Role.TRAINER, id="t0", incarnation=1)
+EXPLORER = MemberRef(role=Role.EXPLORER, id="e0", incarnation=3)
+SYNC = MemberRef(role=Role.SYNCHRONIZER, id="s0", incarnation=0)
 
 
 @pytest.fixture

@@ -24,9 +24,9 @@ from rolectl.bus.server import NatsServer
 from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream
 from rolectl.bus.weights.base import WeightsNotFound
 from rolectl.bus.weights.object_store import ObjectStoreTransport
-from rolectl.sync_protocol import MemberRef, StepFinished, encode
+from rolectl.sync_protocol import MemberRef, StepFinished, encode, Role
 
-ME = MemberRef(role="trainer", id="t0", incarnation=0)
+ME = MemberRef(role=Role.TRAINER, id="t0", incarnation=0)
 
 
 def state(seed: int) -> dict[str, torch.Tensor]:

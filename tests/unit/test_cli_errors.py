@@ -114,7 +114,7 @@ _NOTHING = SavedState(Path("runs/q/trainer/trainer_state.json"), None)
 
 
 def _recorded(*, finished: bool) -> MemberState:
-    return MemberState(ref=MemberRef(role=Role.TRAINER, id="trainer"), step=12, finished=finished)
+    return MemberState(ref=MemberRef(role=Role.TRAINER, id="trainer", incarnation=0), step=12, finished=finished)
 
 
 @pytest.mark.parametrize("mode, saved, recorded, resumes", [
