@@ -34,9 +34,11 @@ from nats.js.api import Header, PubAck
 
 from rolectl.sync_protocol import Role
 
-from .errors import BusClosed, BusUnavailable, PayloadTooLarge, PublishFailed, PublishRejected, RetriesExhausted
+from .errors import (
+    BusClosed, BusUnavailable, PayloadTooLarge, PublishFailed, PublishRejected, RetriesExhausted, describe,
+)
 from .logging import get_logger
-from .retry import Interrupted, backoff_delay, describe, is_transient, retry_transient
+from .retry import Interrupted, backoff_delay, is_transient, retry_transient
 from .security import ClientSecurity, SecurityError, redact
 from .subjects import JobNames, check_name
 
@@ -102,10 +104,6 @@ def _reconnect_chooser(last_server: list[str]):
 
 def _backoff_delay(reconnects: int) -> float:
     return backoff_delay(reconnects, base=_RECONNECT_BASE_S, cap=_RECONNECT_MAX_S)
-
-
-def _describe(exc: BaseException | None) -> str:
-    return redact(describe(exc))  # an error may quote a URL with its password
 
 
 class BusConnection:
@@ -217,11 +215,11 @@ class BusConnection:
             # The server refused something this identity may not do; the request itself only
             # times out, so keep the server's words for the error that explains it.
             self.permission_denials.append(str(exc))
-            self.log.warning("bus.permission_denied", identity=self.security.identity, error=str(exc))
+            self.log.warning("bus.permission_denied", identity=self.security.identity, error=describe(exc))
             return
         # While reconnecting every failed attempt lands here; that is expected noise, not a warning.
         level = self.log.debug if self.nc.is_reconnecting else self.log.warning
-        level("bus.error", url=self.url, error=_describe(exc))
+        level("bus.error", url=self.url, error=describe(exc))
 
     def denied(self, subject_prefix: str) -> str | None:
         """The server's last permission-violation message about a subject starting with
@@ -302,7 +300,7 @@ class BusConnection:
         except RetriesExhausted as exc:
             raise PublishFailed(
                 f"no acknowledgement for a message on {subject} (msg id {msg_id}) from {self.url} after "
-                f"{exc.attempts} attempt(s) in {retry_for:g} s (last: {_describe(exc.last)}). Is the server "
+                f"{exc.attempts} attempt(s) in {retry_for:g} s (last: {describe(exc.last)}). Is the server "
                 f"up, with JetStream, and does a stream capture this subject (ensure_event_stream / "
                 f"ensure_experience_stream)?",
                 subject=subject,
@@ -423,13 +421,13 @@ class BusConnection:
                             pass
                 await asyncio.wait_for(nc.drain(), _DRAIN_TIMEOUT_S)
         except Exception as exc:  # reconnecting, or drain timed out: close without draining
-            self.log.debug("bus.drain_failed", url=self.url, error=_describe(exc))
+            self.log.debug("bus.drain_failed", url=self.url, error=describe(exc))
         finally:
             if not nc.is_closed:
                 try:
                     await nc.close()
                 except Exception as exc:  # e.g. the server is gone: flushing fails, the socket is closed anyway
-                    self.log.debug("bus.close_failed", url=self.url, error=_describe(exc))
+                    self.log.debug("bus.close_failed", url=self.url, error=describe(exc))
 
     async def __aenter__(self) -> "BusConnection":
         return self
@@ -540,7 +538,7 @@ async def _open(
         raise BusUnavailable(
             f"cannot reach {'any NATS server of' if len(servers) > 1 else 'a NATS server at'} {shown} "
             f"for job {names.job!r} within {connect_timeout:g} s ({security.describe()}): "
-            f"{_describe(cause)}. {_hint(cause)}",
+            f"{describe(cause)}. {_hint(cause)}",
             url=shown,
             cause=cause,
         ) from None
@@ -560,7 +558,7 @@ async def _open(
             exc = exc.last or exc
         await _discard(nc)
         raise BusUnavailable(
-            f"the NATS server at {shown} answers but JetStream does not ({_describe(exc)}). "
+            f"the NATS server at {shown} answers but JetStream does not ({describe(exc)}). "
             f"Run nats-server with JetStream enabled (`-js`), e.g. `rolectl server`"
             + ("; keep a majority of a cluster's nodes up (a cluster without one cannot store anything)"
                if len(servers) > 1 else "")

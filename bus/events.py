@@ -58,7 +58,7 @@ from rolectl.sync_protocol import (
 
 from .aio import raise_if_cancelling
 from .connection import BusConnection
-from .errors import BusClosed, BusError, DecisionSuperseded, PayloadTooLarge, PublishRejected
+from .errors import BusClosed, BusError, DecisionSuperseded, PayloadTooLarge, PublishRejected, describe
 from .logging import LogBudget
 from .streams import MSG_TOO_BIG, explain_refusal
 from .subjects import identity_problem
@@ -371,7 +371,7 @@ class HeartbeatSubscription:
             if inspect.isawaitable(result):
                 await result
         except Exception as exc:  # a failing callback must not end the subscription
-            self.conn.log.exception("bus.heartbeat_callback_failed", member=str(hb.member), error=str(exc))
+            self.conn.log.exception("bus.heartbeat_callback_failed", member=str(hb.member), error=describe(exc))
 
     async def aclose(self) -> None:
         sub, self._sub = self._sub, None
@@ -546,7 +546,7 @@ class EventReader:
                 if self.conn.nc.is_closed:
                     raise BusClosed(f"event reader stopped: connection {self.conn.name} is closed") from exc
                 attempt += 1
-                self.conn.log.debug("bus.reader_create_retry", stream=self._stream, attempt=attempt, error=str(exc))
+                self.conn.log.debug("bus.reader_create_retry", stream=self._stream, attempt=attempt, error=describe(exc))
                 await asyncio.sleep(min(2.0, 0.05 * 2**attempt))
         self._consumer = info.name
         self._sub = sub
@@ -668,7 +668,7 @@ class EventReader:
         except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError) as exc:
             raise BusClosed(f"event reader stopped: connection {self.conn.name} to {self.conn.url} is closed") from exc
         except nats.errors.Error as exc:  # e.g. outbound buffer full while reconnecting: wait, retry
-            self.conn.log.debug("bus.reader_request_failed", stream=self._stream, error=str(exc))
+            self.conn.log.debug("bus.reader_request_failed", stream=self._stream, error=describe(exc))
             await asyncio.sleep(min(self.poll_s, 0.5))
             return
         self._credit = self.batch

@@ -35,7 +35,7 @@ from rolectl.sync_protocol.experience import Experience, ExperienceBatch, Experi
 
 from .aio import raise_if_cancelling
 from .connection import BusConnection
-from .errors import AckFailed, BusClosed, BusError, MalformedExperience, PublishRejected
+from .errors import AckFailed, BusClosed, BusError, MalformedExperience, PublishRejected, describe
 from .logging import LogBudget
 from .streams import explain_refusal
 
@@ -420,7 +420,7 @@ class ExperienceReader:
         except (nats.js.errors.APIError, nats.errors.Error) as exc:
             # Server restarting (503), consumer recreated elsewhere (409), buffer full while
             # reconnecting: bind again on the next call. The trainer's loop just sees "nothing yet".
-            self.conn.log.info("bus.experience_fetch_failed", stream=self._stream, durable=self.durable, error=str(exc))
+            self.conn.log.info("bus.experience_fetch_failed", stream=self._stream, durable=self.durable, error=describe(exc))
             await self.aclose()
             await asyncio.sleep(min(timeout, 1.0))
             return []
@@ -457,7 +457,7 @@ class ExperienceReader:
             try:
                 await self.conn.nc.publish(subject, b"-NAK")
             except nats.errors.Error as exc:  # they still come back, after ack_wait
-                self.conn.log.info("bus.experience_give_back_failed", subject=subject, error=str(exc))
+                self.conn.log.info("bus.experience_give_back_failed", subject=subject, error=describe(exc))
                 continue
             given += 1
         if given:

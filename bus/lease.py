@@ -21,7 +21,7 @@ import nats.js.errors
 from nats.js.api import KeyValueConfig, StorageType
 
 from .connection import BusConnection
-from .errors import BusError, StreamMismatch
+from .errors import BusError, StreamMismatch, describe
 from .streams import replica_shortfall
 
 __all__ = ["Lease", "SAFETY", "ensure_lease_bucket"]
@@ -110,7 +110,7 @@ class Lease:
         except StreamMismatch:
             raise  # a bucket set up wrong does not mend itself: say so rather than wait forever
         except (asyncio.TimeoutError, nats.errors.Error, nats.js.errors.Error, BusError) as exc:
-            self.conn.log.info("bus.lease_unreachable", bucket=self.bucket, key=self.key, error=str(exc))
+            self.conn.log.info("bus.lease_unreachable", bucket=self.bucket, key=self.key, error=describe(exc))
             if self.revision is not None and self.conn.is_connected:
                 # We hold it and the store itself cannot answer (its stream is electing a leader,
                 # or lost with a cluster node): nobody else can take it from that store either, so
@@ -143,4 +143,4 @@ class Lease:
         try:
             await self._kv.delete(self.key, last=revision)
         except (asyncio.TimeoutError, nats.errors.Error, nats.js.errors.Error) as exc:
-            self.conn.log.info("bus.lease_release_failed", bucket=self.bucket, key=self.key, error=str(exc))
+            self.conn.log.info("bus.lease_release_failed", bucket=self.bucket, key=self.key, error=describe(exc))

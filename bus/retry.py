@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import random
-import socket
 import time
 from typing import Any, Awaitable, Callable, TypeVar
 
 import nats.errors
 import nats.js.errors
 
-from .errors import BusClosed, RetriesExhausted
+from .errors import BusClosed, RetriesExhausted, describe
 
 __all__ = ["retry_transient", "is_transient", "backoff_delay", "Interrupted", "TRANSIENT_JS_ERR_CODES"]
 
@@ -148,23 +147,3 @@ async def _attempt(call: Callable[[], Awaitable[T]], interrupt: Callable[[], Awa
     if work.cancelled():
         raise Interrupted()
     return work.result()
-
-
-def describe(exc: BaseException | None) -> str:
-    """A short, readable name for a failure (for logs and error messages)."""
-    if exc is None:
-        return "no answer"
-    if isinstance(exc, ConnectionRefusedError):
-        return "connection refused (nothing listens on that port)"
-    if isinstance(exc, socket.gaierror):
-        return f"host name not resolved ({exc})"
-    if isinstance(exc, (asyncio.TimeoutError, nats.errors.TimeoutError)):
-        return "timed out"
-    if isinstance(exc, nats.errors.NoRespondersError):
-        return "no responders (JetStream not ready, or no such stream)"
-    if isinstance(exc, nats.js.errors.NoStreamResponseError):
-        return "no stream listens on the subject (server restarting, or the stream is gone)"
-    if isinstance(exc, nats.js.errors.APIError):
-        return f"{exc.description or type(exc).__name__} (code {exc.code}, err_code {exc.err_code})"
-    text = str(exc) or type(exc).__name__
-    return f"{type(exc).__name__}: {text}"

@@ -21,6 +21,7 @@ from rolectl.sync_protocol.snapshot import decode_state, encode_state
 from rolectl.sync_protocol.state import State
 
 from .connection import BusConnection
+from .errors import describe
 
 __all__ = ["Snapshot", "SnapshotStore"]
 
@@ -75,7 +76,7 @@ class SnapshotStore:
             kv = await self._bucket(create=True)
             await kv.put(_KEY, payload)
         except (asyncio.TimeoutError, nats.errors.Error) as exc:
-            self.conn.log.info("bus.snapshot_not_saved", bucket=self.bucket, error=str(exc))
+            self.conn.log.info("bus.snapshot_not_saved", bucket=self.bucket, error=describe(exc))
             return False
         return True
 
@@ -87,7 +88,7 @@ class SnapshotStore:
         except (nats.js.errors.NotFoundError, nats.js.errors.BucketNotFoundError):
             return None
         except (asyncio.TimeoutError, nats.errors.Error) as exc:
-            self.conn.log.warning("bus.snapshot_unreadable", bucket=self.bucket, error=str(exc))
+            self.conn.log.warning("bus.snapshot_unreadable", bucket=self.bucket, error=describe(exc))
             return None
         try:
             state, extra = decode_state(entry.value or b"")

@@ -38,8 +38,8 @@ import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig, StreamInfo
 
-from .errors import BusError, PublishRejected, RetriesExhausted, StreamMismatch
-from .retry import describe, is_transient, retry_transient
+from .errors import BusError, PublishRejected, RetriesExhausted, StreamMismatch, describe
+from .retry import is_transient, retry_transient
 from .subjects import JobNames
 
 __all__ = [
