@@ -34,6 +34,7 @@ from nats.js.api import Header, PubAck
 
 from rolectl.sync_protocol import Role
 
+from ._natspy_compat import callbackless_subscriptions
 from .errors import (
     BusClosed, BusUnavailable, PayloadTooLarge, PublishFailed, PublishRejected, RetriesExhausted, describe,
 )
@@ -164,15 +165,15 @@ class BusConnection:
 
     async def wait_connected(self, timeout: float) -> None:
         """Return once the connection is up (at once if it is); `asyncio.TimeoutError` after `timeout`."""
-        await asyncio.wait_for(self._wait_for(lambda: self._up), timeout)
+        await asyncio.wait_for(self.wait_for(lambda: self._up), timeout)
 
     async def wait_disconnected(self, timeout: float) -> None:
         """Return once the connection is down (at once if it is); `asyncio.TimeoutError` after `timeout`."""
-        await asyncio.wait_for(self._wait_for(lambda: not self._up), timeout)
+        await asyncio.wait_for(self.wait_for(lambda: not self._up), timeout)
 
     async def wait_reconnected(self, after: int) -> None:
         """Return once the connection has reconnected more than `after` times (compare `reconnects`)."""
-        await self._wait_for(lambda: self.reconnects > after)
+        await self.wait_for(lambda: self.reconnects > after)
 
     async def retry(self, call: Callable[[], Awaitable[T]], *, what: str, retry_for: float) -> T:
         """`retry_transient` bound to this connection: given up at once once it is closed, retries
@@ -184,7 +185,8 @@ class BusConnection:
         """An awaitable that finishes at the next reconnect (for `retry_transient(interrupt=...)`)."""
         return self.wait_reconnected(after=self.reconnects)
 
-    async def _wait_for(self, predicate) -> None:
+    async def wait_for(self, predicate: Callable[[], bool]) -> None:
+        """Return once `predicate()` holds, re-checked at each connect, disconnect and close."""
         async with self._state:
             await self._state.wait_for(predicate)
 
@@ -413,12 +415,11 @@ class BusConnection:
                 # Pull and next_msg() subscriptions (readers) have no callback to process what is
                 # left, and nats-py's drain waits on their queues until its timeout; drop them
                 # first. Callback subscriptions (heartbeats) are drained properly.
-                for sub in list(nc._subs.values()):
-                    if sub._cb is None:
-                        try:
-                            await sub.unsubscribe()
-                        except Exception:
-                            pass
+                for sub in callbackless_subscriptions(nc):
+                    try:
+                        await sub.unsubscribe()
+                    except Exception:
+                        pass
                 await asyncio.wait_for(nc.drain(), _DRAIN_TIMEOUT_S)
         except Exception as exc:  # reconnecting, or drain timed out: close without draining
             self.log.debug("bus.drain_failed", url=self.url, error=describe(exc))

@@ -58,6 +58,7 @@ from rolectl.sync_protocol import (
 
 from .aio import raise_if_cancelling
 from .connection import BusConnection
+from ._natspy_compat import unique_name
 from .errors import BusClosed, BusError, DecisionSuperseded, PayloadTooLarge, PublishRejected, describe
 from .logging import LogBudget
 from .streams import MSG_TOO_BIG, explain_refusal
@@ -500,7 +501,7 @@ class EventReader:
 
     def _config(self) -> ConsumerConfig:
         config = ConsumerConfig(
-            name=self.conn.nc._nuid.next().decode(),
+            name=unique_name(),
             ack_policy=AckPolicy.NONE,
             mem_storage=True,
             num_replicas=1,
@@ -619,7 +620,7 @@ class EventReader:
         our consumer; checking at once saves up to poll_s of stall."""
         seen = self.conn.reconnects
         while not self.conn.is_closed:
-            await self.conn._wait_for(lambda: self.conn.reconnects > seen or self.conn.is_closed)
+            await self.conn.wait_for(lambda: self.conn.reconnects > seen or self.conn.is_closed)
             seen = self.conn.reconnects
             self._wake()
 

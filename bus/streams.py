@@ -38,6 +38,7 @@ import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig, StreamInfo
 
+from ._natspy_compat import client_of
 from .errors import BusError, PublishRejected, RetriesExhausted, StreamMismatch, describe
 from .retry import is_transient, retry_transient
 from .subjects import JobNames
@@ -217,8 +218,7 @@ _ENSURE_RETRY_S = 60.0
 def _create_denied(js: JetStreamContext, stream: str) -> bool:
     """Whether the server's last error on this connection is a permissions violation for creating
     `stream` (nats-py keeps it as the client's `last_error`; the context exposes no public handle)."""
-    nc = getattr(js, "_nc", None)
-    last = str(getattr(nc, "last_error", None) or "").lower()
+    last = str(client_of(js).last_error or "").lower()
     return "permissions violation" in last and f"stream.create.{stream}".lower() in last
 
 

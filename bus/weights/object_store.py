@@ -69,6 +69,7 @@ from nats.js.errors import NotFoundError
 
 from rolectl.sync_protocol import SyncMethod
 
+from .._natspy_compat import signs_server_nonce
 from ..errors import BusClosed, RetriesExhausted
 from ..retry import is_transient, retry_transient
 from ..streams import stream_differences, weights_stream_config
@@ -715,7 +716,7 @@ def _data_endpoint(nc: Client) -> tuple[str, int, dict[str, str]] | None:
     if uri is None or uri.scheme != "nats" or not uri.hostname:
         return None
     # nkeys / JWT sign a server nonce with callbacks; TLS needs the client's context. Not copied.
-    if nc.options.get("tls") is not None or getattr(nc, "_signature_cb", None) or getattr(nc, "_user_jwt_cb", None):
+    if nc.options.get("tls") is not None or signs_server_nonce(nc):
         return None
 
     def value(v):
