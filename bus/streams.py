@@ -18,12 +18,9 @@ within seconds (120 s window); a restarted explorer may re-publish a step minute
 streams cap the size of one message (`max_msg_size`) and their total (`max_bytes`), and refuse
 what does not fit (`DiscardPolicy.NEW`): history is never dropped silently to make room, and a full
 stream is a clear error (`StreamFull`, saying how to raise the limit) instead. The defaults are sized
-from measured bytes per step (`python -m benchmarks.stream_bytes`, quickstart: 2 explorers, 50
-steps): 4,783 event bytes (14.4 events) per trainer step, the largest event 475 bytes, one explorer
-batch (32 tasks x 16 responses) 83,167 bytes. So 64 KiB per event is 100x the largest; 64 MiB of
-events is ~14,000 quickstart steps (a 64-explorer job, ~1.6 KB per explorer step, ~650 steps); 8 MiB
-per batch is 100x the quickstart's, and 64 MiB of experiences is ~800 quickstart batches waiting for
-the trainer. Why not more: the server *reserves* every stream's max_bytes against its JetStream
+from measured bytes per step (`python -m benchmarks.stream_bytes`; figures in the docs): about 100x
+the largest event and the largest quickstart batch per message, and thousands of quickstart steps
+of events (hundreds of batches of experiences) in all. Why not more: the server *reserves* every stream's max_bytes against its JetStream
 store (`max_file_store`, by default 75 % of the free disk) when the stream is created, so one server
 holds only so many jobs' worth of limits. Size a long or wide job's streams on the server before it
 starts (`nats stream add`/`edit`, or `ensure_event_stream(max_bytes=...)`): limits are checked on

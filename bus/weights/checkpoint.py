@@ -153,7 +153,7 @@ class CheckpointTransport:
         layout, chunk_size, algorithm = source.layout, self._chunk_size, self._algorithm
         bounds = layout.chunk_bounds(chunk_size)
         # Header size must be known before the data, and the digests go in the header: hash first
-        # (one cold pass at ~7 GB/s), then write from the tensors' memory.
+        # (one cold pass), then write from the tensors' memory.
         digests = [digest_bytes(algorithm, source.segments(a, b)) for a, b in bounds]
         digest = root_digest(algorithm, layout, chunk_size, digests)
         header: dict = dict(layout.header())

@@ -81,17 +81,14 @@ __all__ = [
 Backend = Literal["auto", "gloo", "nccl"]
 
 # From this size up a tensor is broadcast on its own, straight from/to its memory; smaller ones are
-# packed. Packing costs a memory copy on each side. On CPU (gloo) a copy is as slow as the loopback
-# wire itself while one more broadcast costs ~25 µs, so only tiny tensors are worth packing:
-# measured with benchmarks/weights_dist.py (one channel), 8 MiB ≈ 78 % of the raw broadcast,
-# 1 MiB ≈ 80-97 %.
-# On GPUs (nccl) a device copy is ~10x faster than the wire and per-call latency dominates small
-# messages, so packing pays up to a larger size (a judgement, not yet measured here).
+# packed, at the cost of a memory copy on each side. On CPU (gloo) a copy is as slow as the loopback
+# wire, so only tiny tensors are worth packing (`benchmarks/weights_dist.py`); on GPUs (nccl) a
+# device copy is far faster than the wire and per-call latency dominates, so packing pays up to a
+# larger size.
 DEFAULT_DIRECT_MIN_BYTES: dict[str, int] = {"gloo": 1 << 20, "nccl": 16 << 20}
 # Parallel process groups ("channels") per rank; buckets take them in turn. One gloo group is one
-# TCP stream per peer pair, and a stream idles between two broadcasts (hand-off between threads
-# and processes); a second stream fills those gaps: measured 8.2 → 10.2 GB/s on loopback, above
-# a single flat broadcast. NCCL already spreads one call over several channels of its own.
+# TCP stream per peer pair, idle between two broadcasts; a second stream fills those gaps
+# (`benchmarks/weights_dist.py`). NCCL already spreads one call over several channels of its own.
 DEFAULT_CHANNELS: dict[str, int] = {"gloo": 2, "nccl": 1}
 DEFAULT_TIMEOUT_S = 30.0
 
