@@ -17,6 +17,7 @@ from nats.nuid import NUID
 
 __all__ = [
     "CHECKED_VERSIONS",
+    "api_prefix",
     "callbackless_subscriptions",
     "client_of",
     "inbox_prefix",
@@ -45,6 +46,13 @@ def client_of(js: JetStreamContext) -> Client:
     """The core client a JetStream context sends through (for its `last_error`)."""
     nc: Client = js._nc
     return nc
+
+
+def api_prefix(js: JetStreamContext) -> str:
+    """The JetStream API subject prefix of the context ("$JS.API", or a domain's), for requests
+    nats-py has no call for (the reader's own pull requests)."""
+    prefix: str = js._prefix
+    return prefix
 
 
 def signs_server_nonce(nc: Client) -> bool:

@@ -433,7 +433,7 @@ class BusConnection:
     async def __aenter__(self) -> "BusConnection":
         return self
 
-    async def __aexit__(self, *exc_info) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
     def __repr__(self) -> str:
@@ -610,7 +610,7 @@ class _Connect:
         self._conn = await _open(**self._kwargs)
         return self._conn
 
-    async def __aexit__(self, *exc_info) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         if self._conn is not None:
             await self._conn.aclose()
 

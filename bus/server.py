@@ -206,14 +206,14 @@ class NatsServer:
     def __enter__(self) -> "NatsServer":
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     async def __aenter__(self) -> "NatsServer":
         await asyncio.to_thread(self.start)
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await asyncio.to_thread(self.stop)
 
 
@@ -442,12 +442,12 @@ class NatsCluster:
     def __enter__(self) -> "NatsCluster":
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     async def __aenter__(self) -> "NatsCluster":
         await asyncio.to_thread(self.start)
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await asyncio.to_thread(self.stop)

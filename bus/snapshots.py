@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import nats.errors
 import nats.js.errors
 from nats.js.api import KeyValueConfig, StorageType
+from nats.js.kv import KeyValue
 
 from rolectl.sync_protocol import DecodeError
 from rolectl.sync_protocol.snapshot import decode_state, encode_state
@@ -43,9 +44,9 @@ class SnapshotStore:
         self.conn = conn
         self.bucket = conn.names.snapshot_bucket
         self.replicas = replicas
-        self._kv = None
+        self._kv: KeyValue | None = None
 
-    async def _bucket(self, *, create: bool):
+    async def _bucket(self, *, create: bool) -> KeyValue:
         if self._kv is None:
             try:
                 self._kv = await self.conn.js.key_value(self.bucket)
@@ -55,7 +56,7 @@ class SnapshotStore:
                 self._kv = await self.ensure_bucket()
         return self._kv
 
-    async def ensure_bucket(self):
+    async def ensure_bucket(self) -> KeyValue:
         """Create the snapshot bucket, or return the existing one (`rolectl provision` makes it
         under per-identity permissions; otherwise the first synchronizer that saves does)."""
         try:

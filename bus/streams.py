@@ -277,7 +277,8 @@ async def _ensure(js: JetStreamContext, config: StreamConfig, *, retry_for: floa
     return info
 
 
-def _plain(value):
+def _plain(value: object) -> object:
+    """An enum's value, anything else as it is (a server's config and ours compare as plain values)."""
     return value.value if hasattr(value, "value") else value
 
 

@@ -147,7 +147,7 @@ class HeartbeatSubscription:
     async def __aenter__(self) -> "HeartbeatSubscription":
         return self
 
-    async def __aexit__(self, *exc_info) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
 

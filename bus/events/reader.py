@@ -21,7 +21,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, Header, Status
 
 from rolectl.sync_protocol import DecodeError, Recorded, decode_all
 
-from .._natspy_compat import unique_name
+from .._natspy_compat import api_prefix, unique_name
 from ..aio import raise_if_cancelling
 from ..connection import BusConnection
 from ..errors import BusClosed, BusError, describe
@@ -193,7 +193,7 @@ class EventReader:
                 await asyncio.sleep(min(2.0, 0.05 * 2**attempt))
         self._consumer = info.name
         self._sub = sub
-        self._next_subject = f"{self.conn.js._prefix}.CONSUMER.MSG.NEXT.{self._stream}.{info.name}"
+        self._next_subject = f"{api_prefix(self.conn.js)}.CONSUMER.MSG.NEXT.{self._stream}.{info.name}"
         self._dseq = 0
         self._credit = 0
         self._consumer_lost = False
@@ -438,7 +438,7 @@ class EventReader:
     async def __aenter__(self) -> "EventReader":
         return self
 
-    async def __aexit__(self, *exc_info) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
 

@@ -293,5 +293,5 @@ class CudaIpcTransport:
     async def __aenter__(self) -> "CudaIpcTransport":
         return self
 
-    async def __aexit__(self, *exc_info) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()

@@ -324,7 +324,7 @@ class ObjectStoreTransport:
     async def __aenter__(self) -> "ObjectStoreTransport":
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
     # control plane (nats-py) ----------------------------------------------------------------------

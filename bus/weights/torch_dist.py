@@ -531,7 +531,7 @@ class TorchDistTransport:
     async def __aenter__(self) -> "TorchDistTransport":
         return self
 
-    async def __aexit__(self, *exc_info) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
     # ---- group lifecycle -------------------------------------------------------------------------

@@ -48,6 +48,14 @@ async def test_client_of_a_jetstream_context_is_its_client(nc):
     assert compat.client_of(nc.jetstream()) is nc
 
 
+async def test_api_prefix_is_the_jetstream_api_the_context_addresses(nc):
+    assert compat.api_prefix(nc.jetstream()) == "$JS.API"
+    assert compat.api_prefix(nc.jetstream(domain="hub")) == "$JS.hub.API"
+    # The prefix the reader builds its pull requests on answers on this server.
+    info = await nc.request(f"{compat.api_prefix(nc.jetstream())}.INFO", b"", timeout=5)
+    assert b"io.nats.jetstream.api.v1.account_info_response" in info.data
+
+
 async def test_a_plain_client_does_not_sign_the_server_nonce(nc):
     assert compat.signs_server_nonce(nc) is False
 
