@@ -28,6 +28,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .security import ADMIN_IDENTITY, ClientSecurity, inbox_prefix
 from .subjects import JobNames, check_name

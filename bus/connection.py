@@ -22,12 +22,14 @@ import itertools
 import json
 import time
 import urllib.parse
-from typing import Any, Awaitable, Callable, Mapping, TypeVar
+from typing import Any, Awaitable, Callable, Generator, Mapping, TypeVar
 
 import nats
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NatsClient
+from nats.aio.client import ReconnectToServerHandler, Server
+from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.aio.msg import Msg
 from nats.js.api import Header, PubAck
@@ -84,7 +86,7 @@ def parse_server_urls(url: str) -> list[str]:
     return servers
 
 
-def _reconnect_chooser(last_server: list[str]):
+def _reconnect_chooser(last_server: list[str]) -> ReconnectToServerHandler:
     """nats-py's reconnect handler: which server to try next, and after what delay.
 
     nats-py's own handler-less loop waits a fixed reconnect_time_wait; with a handler it hands us
@@ -95,7 +97,7 @@ def _reconnect_chooser(last_server: list[str]):
     member at the same instant).
     """
 
-    def choose(servers: list, _info: dict) -> tuple[Any, float]:
+    def choose(servers: list[Server], _info: dict[str, Any]) -> tuple[Server | None, float]:
         lost = last_server[0] if last_server else None
         server = min(servers, key=lambda s: (s.reconnects, s.uri.netloc == lost))
         return server, _backoff_delay(server.reconnects)
@@ -129,15 +131,15 @@ class BusConnection:
         self.reconnects = 0
         self._state = asyncio.Condition()
         self._up = True
-        self._closing: asyncio.Task | None = None
+        self._closing: asyncio.Task[None] | None = None
         # The server we are (or were last) connected to, shared with the reconnect chooser.
         self._last_server = last_server if last_server is not None else []
         self._note_server()
         # Acked publishes: one reply subscription per connection, `<inbox>.<token>` per publish.
         self._ack_prefix: str | None = None
-        self._ack_inbox_ready: asyncio.Future | None = None
+        self._ack_inbox_ready: asyncio.Future[None] | None = None
         # token -> (the ack's future, its deadline on the loop's clock)
-        self._acks: dict[str, tuple[asyncio.Future, float]] = {}
+        self._acks: dict[str, tuple[asyncio.Future[PubAck], float]] = {}
         self._ack_tokens = itertools.count(1)
         # One timer expires every overdue ack, armed at the nearest deadline: a timer per publish
         # costs a heap push and a cancel each, which adds up across many members.
@@ -309,7 +311,7 @@ class BusConnection:
                 msg_id=msg_id,
             ) from exc.last
 
-    async def _publish_once(self, subject: str, payload: bytes, headers: Mapping[str, str] | None,
+    async def _publish_once(self, subject: str, payload: bytes, headers: dict[str, str] | None,
                             timeout: float) -> PubAck:
         """One JetStream publish and its ack, as nats-py's `js.publish` but on this connection's
         one reply subscription: no task and no subscription per publish, which is most of an
@@ -319,7 +321,7 @@ class BusConnection:
             await self._open_ack_inbox()
         token = str(next(self._ack_tokens))
         loop = asyncio.get_running_loop()
-        ack = loop.create_future()
+        ack: asyncio.Future[PubAck] = loop.create_future()
         deadline = loop.time() + timeout
         self._acks[token] = (ack, deadline)
         if self._ack_timer is None or deadline < self._ack_timer_at:
@@ -386,7 +388,7 @@ class BusConnection:
             if not ack.done():
                 ack.set_exception(exc)
 
-    async def unsubscribe_quietly(self, sub) -> None:
+    async def unsubscribe_quietly(self, sub: Subscription | JetStreamContext.PullSubscription | None) -> None:
         """Drop a subscription; nothing to do if the connection is already closed or going."""
         if sub is not None and not self.nc.is_closed:
             try:
@@ -508,9 +510,9 @@ async def _open(
             max_reconnect_attempts=-1,
             # First connect: nats-py retries every reconnect_time_wait until we give up; after
             # that the jittered handler paces reconnects.
-            reconnect_time_wait=0.25,
+            reconnect_time_wait=0.25,  # type: ignore[arg-type]  # nats-py annotates seconds as int; floats work
             reconnect_to_server_handler=_reconnect_chooser(last_server),
-            connect_timeout=max(0.5, min(2.0, connect_timeout)),
+            connect_timeout=max(0.5, min(2.0, connect_timeout)),  # type: ignore[arg-type]  # as above
             drain_timeout=int(_DRAIN_TIMEOUT_S),
             **options,
         )
@@ -535,7 +537,8 @@ async def _open(
         # Retries end with whatever the last attempt met (often a bare EOF); a refused credential
         # or certificate from any attempt is what the operator must fix.
         telling = [f for f in failures if _hint(f) != _hint(None)]
-        cause = (telling or failures or [None if isinstance(exc, asyncio.TimeoutError) else exc])[-1]
+        fallback: list[BaseException | None] = [None if isinstance(exc, asyncio.TimeoutError) else exc]
+        cause = (telling or failures or fallback)[-1]
         raise BusUnavailable(
             f"cannot reach {'any NATS server of' if len(servers) > 1 else 'a NATS server at'} {shown} "
             f"for job {names.job!r} within {connect_timeout:g} s ({security.describe()}): "
@@ -555,17 +558,16 @@ async def _open(
             retry_transient(js_check.account_info, what="JetStream account info", retry_for=remaining), remaining
         )
     except Exception as exc:
-        if isinstance(exc, RetriesExhausted):
-            exc = exc.last or exc
+        failure = (exc.last or exc) if isinstance(exc, RetriesExhausted) else exc
         await _discard(nc)
         raise BusUnavailable(
-            f"the NATS server at {shown} answers but JetStream does not ({describe(exc)}). "
+            f"the NATS server at {shown} answers but JetStream does not ({describe(failure)}). "
             f"Run nats-server with JetStream enabled (`-js`), e.g. `rolectl server`"
             + ("; keep a majority of a cluster's nodes up (a cluster without one cannot store anything)"
                if len(servers) > 1 else "")
             + f"; with per-identity permissions, the identity {security.identity!r} needs $JS.API.INFO.",
             url=shown,
-            cause=exc,
+            cause=failure,
         ) from None
     log.info("bus.connected", url=shown, server=_host_port(nc), identity=security.identity)
     return conn
@@ -603,7 +605,7 @@ class _Connect:
         self._kwargs = kwargs
         self._conn: BusConnection | None = None
 
-    def __await__(self):
+    def __await__(self) -> Generator[Any, None, BusConnection]:
         return _open(**self._kwargs).__await__()
 
     async def __aenter__(self) -> BusConnection:

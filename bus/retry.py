@@ -41,7 +41,7 @@ TRANSIENT_JS_ERR_CODES = frozenset({
 
 def backoff_delay(attempt: int, *, base: float = _BACKOFF_BASE_S, cap: float = _BACKOFF_MAX_S) -> float:
     """Capped exponential backoff with "equal jitter" (half fixed, half random); attempt 0 is ~base."""
-    delay = min(cap, base * (2 ** min(attempt, 16)))
+    delay = min(cap, base * (2.0 ** min(attempt, 16)))
     return delay / 2 + random.uniform(0, delay / 2)
 
 
@@ -93,6 +93,7 @@ async def retry_transient(
     """
     deadline = time.monotonic() + retry_for
     attempt = 0
+    last: BaseException
     while True:
         if is_closed():
             raise BusClosed(f"{what}: the connection is closed")

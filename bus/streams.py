@@ -222,13 +222,14 @@ def _create_denied(js: JetStreamContext, stream: str) -> bool:
 async def _ensure(js: JetStreamContext, config: StreamConfig, *, retry_for: float = _ENSURE_RETRY_S) -> StreamInfo:
     """Look the stream up, create it if missing, verify it; transient failures (server restarting,
     a cluster electing its leader, too few nodes up for the replicas) are retried for `retry_for` s."""
-    # Requests use the JetStream context's timeout (nats-py's `nc.jetstream(timeout=...)`, 5 s).
+    # Requests use the JetStream context's timeout (nats-py's `nc.jetstream(timeout=...)`).
     assert config.name
+    name = config.name
     replicas = config.num_replicas or 1
 
     async def lookup_or_create() -> StreamInfo:
         try:
-            return await js.stream_info(config.name)
+            return await js.stream_info(name)
         except nats.js.errors.NotFoundError:
             pass
         try:
@@ -239,7 +240,7 @@ async def _ensure(js: JetStreamContext, config: StreamConfig, *, retry_for: floa
             # `last_error`). Without one, the answer is just slow (a loaded host, a cluster placing
             # the stream's replicas with a node down): retried, and the next lookup finds the
             # stream if that create went through.
-            if _create_denied(js, config.name):
+            if _create_denied(js, name):
                 raise BusError(
                     f"stream {config.name} does not exist and this identity may not create it (the "
                     f"server refused $JS.API.STREAM.CREATE.{config.name}); {PROVISION_HINT}"
@@ -248,7 +249,7 @@ async def _ensure(js: JetStreamContext, config: StreamConfig, *, retry_for: floa
         except nats.js.errors.APIError as exc:
             if exc.err_code == _STREAM_EXISTS_ERR:
                 # Another member created it between our lookup and our create: verify theirs.
-                return await js.stream_info(config.name)
+                return await js.stream_info(name)
             if is_transient(exc):
                 raise
             if exc.err_code == _REPLICAS_NOT_SUPPORTED_ERR:

@@ -15,6 +15,7 @@ import msgpack
 import nats.errors
 import nats.js.errors
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from rolectl.sync_protocol import DecodeError, MemberRef, RunningStatus
 
@@ -48,14 +49,15 @@ class Heartbeat:
 
 def encode_heartbeat(hb: Heartbeat) -> bytes:
     member = {"role": hb.member.role.value, "id": hb.member.id, "inc": hb.member.incarnation}
-    return msgpack.packb(
+    payload: bytes = msgpack.packb(
         {"schema": HEARTBEAT_SCHEMA, "member": member, "step": hb.step, "version": hb.version,
          "status": hb.status.value, "host": hb.host},
         use_bin_type=True,
     )
+    return payload
 
 
-def _int(data: dict, key: str) -> int:
+def _int(data: dict[str, Any], key: str) -> int:
     value = data.get(key)
     if isinstance(value, bool) or not isinstance(value, int):
         raise DecodeError(f"heartbeat field {key!r} must be an integer, got {value!r}")
@@ -77,8 +79,13 @@ def decode_heartbeat(payload: bytes) -> Heartbeat:
     if not isinstance(member, dict):
         raise DecodeError(f"heartbeat field 'member' must be a map {{role, id, inc}}, got {member!r}")
     try:
-        ref = MemberRef(role=member.get("role"), id=member.get("id"), incarnation=member.get("inc"))
-        status = RunningStatus.parse(data.get("status"))
+        # MemberRef checks the fields' types itself (a missing one arrives as None).
+        role: Any = member.get("role")
+        member_id: Any = member.get("id")
+        incarnation: Any = member.get("inc")
+        ref = MemberRef(role=role, id=member_id, incarnation=incarnation)
+        status_text: Any = data.get("status")  # parse() refuses anything but a status name
+        status = RunningStatus.parse(status_text)
     except (DecodeError, ValueError) as exc:
         raise DecodeError(f"heartbeat: {exc}") from None
     host = data.get("host")
@@ -116,7 +123,7 @@ class HeartbeatSubscription:
         self.malformed = 0
         self.forged = 0
         self.received = 0
-        self._sub = None
+        self._sub: Subscription | None = None
         self._malformed_log = LogBudget(conn.log, "bus.heartbeat_malformed")
         self._forged_log = LogBudget(conn.log, "bus.heartbeat_forged")
 

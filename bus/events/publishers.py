@@ -177,7 +177,7 @@ class DecisionPublisher:
                 what=f"read the last message on {subject}", retry_for=self.retry_for)
         except nats.js.errors.NotFoundError:
             return 0
-        return msg.seq
+        return msg.seq or 0  # a stored message always has a sequence (>= 1)
 
     async def on_subject_after(self, after_seq: int, *,
                                limit: int = 64) -> list[tuple[int, tuple[Decision, ...]]]:
@@ -196,9 +196,9 @@ class DecisionPublisher:
                     what=f"read {subject} after seq {after}", retry_for=self.retry_for)
             except nats.js.errors.NotFoundError:
                 break
-            seq = msg.seq
+            seq = msg.seq or after + 1  # a stored message always has a sequence
             try:
-                held = decode_all(msg.data)
+                held = decode_all(msg.data or b"")
             except DecodeError:
                 held = ()
             if not all(isinstance(d, Decision) for d in held):

@@ -17,6 +17,7 @@ from typing import Callable
 import nats.errors
 import nats.js.errors
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, Header, StatusCode
 
 from rolectl.sync_protocol import DecodeError, Recorded, decode_all
@@ -121,7 +122,7 @@ class EventReader:
         self._stream = conn.names.event_stream
         self._buf: deque[Msg] = deque()
         self._ready: deque[Recorded] = deque()  # accepted by record_ready(), not yet returned
-        self._sub = None
+        self._sub: Subscription | None = None
         self._consumer: str | None = None
         self._next_subject = ""  # where pull requests for our consumer go
         self._dseq = 0
@@ -133,8 +134,8 @@ class EventReader:
         self._consumer_lost = False  # the server said our consumer was deleted (409) or is unserved (503)
         self._lost_in_a_row = 0  # consumers lost since the last delivered record
         self._reconnects_seen = conn.reconnects
-        self._waiter: asyncio.Future | None = None
-        self._watcher: asyncio.Task | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._watcher: asyncio.Task[None] | None = None
         self._started = False
         self._done = False
         self._closed = False
@@ -239,7 +240,7 @@ class EventReader:
             self._lost_in_a_row = 0
         elif status == StatusCode.CONTROL_MESSAGE:
             return  # an idle heartbeat or flow control: nothing to wake up for
-        elif status == StatusCode.CONFLICT and "deleted" in (msg.headers.get(Header.DESCRIPTION) or "").lower():
+        elif status == StatusCode.CONFLICT and "deleted" in ((msg.headers or {}).get(Header.DESCRIPTION) or "").lower():
             self._consumer_lost = True
         elif status == StatusCode.SERVICE_UNAVAILABLE:
             # "no responders": nobody serves our consumer, e.g. its one copy was on a cluster node
@@ -306,8 +307,10 @@ class EventReader:
     async def _request_next(self) -> None:
         """Send one pull request for up to `batch` records, lasting poll_s."""
         request = json.dumps({"batch": self.batch, "expires": int(self.poll_s * 1e9)}).encode()
+        sub = self._sub
+        assert sub is not None  # requests go out only while our consumer is set up
         try:
-            await self.conn.nc.publish(self._next_subject, request, reply=self._sub.subject)
+            await self.conn.nc.publish(self._next_subject, request, reply=sub.subject)
         except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError) as exc:
             raise BusClosed(f"event reader stopped: connection {self.conn.name} to {self.conn.url} is closed") from exc
         except nats.errors.Error as exc:  # e.g. outbound buffer full while reconnecting: wait, retry

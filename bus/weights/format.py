@@ -38,7 +38,7 @@ from .base import CorruptWeights, TransferError
 try:  # optional, and much faster than sha256
     import blake3 as _blake3
 except ImportError:  # pragma: no cover - depends on the environment
-    _blake3 = None
+    _blake3 = None  # type: ignore[assignment]  # the optional module is absent: None says so
 
 __all__ = [
     "FORMAT",
@@ -133,7 +133,8 @@ def digest_bytes(algorithm: str, parts: Sequence[memoryview | bytes]) -> bytes:
     h = _hasher(algorithm)
     for part in parts:
         h.update(part)
-    return h.digest()
+    digest: bytes = h.digest()
+    return digest
 
 
 def root_digest(algorithm: str, layout: "Layout", chunk_size: int, chunk_digests: Sequence[bytes]) -> str:
@@ -289,7 +290,8 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
         t = t.resolve_neg()
     # reshape(-1) of a contiguous tensor is a view; it lets 0-d tensors be viewed as bytes too.
     flat = t.contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()).toreadonly()
+    # numpy's stubs do not declare ndarray a Buffer, which it is at runtime.
+    return memoryview(flat.view(torch.uint8).numpy()).toreadonly()  # type: ignore[arg-type]
 
 
 class SourceBytes:
@@ -385,7 +387,8 @@ class Destination:
             self.flat = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=pin_memory)
         else:
             self.flat = _empty_huge(layout.nbytes)
-        self.view = memoryview(self.flat.numpy()) if layout.nbytes else memoryview(bytearray())
+        # numpy's stubs do not declare ndarray a Buffer, which it is at runtime.
+        self.view = memoryview(self.flat.numpy()) if layout.nbytes else memoryview(bytearray())  # type: ignore[arg-type]
 
     def tensors(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
         """The tensors, in the header's order: views of `flat` on CPU, copies on another device."""

@@ -52,10 +52,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from typing import Any, Awaitable, Callable, Iterable, Mapping
+from typing import Any, Awaitable, Callable, Iterable, Mapping, TypeVar
 
 import torch
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import StorageType
@@ -74,6 +75,8 @@ from .base import CorruptWeights, TransferError, WeightsNotFound, WeightsRef
 from .format import Destination, Manifest, SourceBytes, build_manifest, default_digest_algorithm, digest_bytes
 
 __all__ = ["ObjectStoreTransport"]
+
+T = TypeVar("T")
 
 _API = "$JS.API"
 
@@ -333,7 +336,10 @@ class ObjectStoreTransport:
     def _direct_get_subject(self) -> str:
         return f"{_API}.DIRECT.GET.{self.stream}"
 
-    async def _retrying(self, call, *, what: str, retry_for: float, before_retry=None):
+    async def _retrying(
+        self, call: Callable[[], Awaitable[T]], *, what: str, retry_for: float,
+        before_retry: Callable[[BaseException], Awaitable[Any]] | None = None,
+    ) -> T:
         """`call()` through `bus.retry.retry_transient`: a server restart or a leader election costs
         a stall, not the caller; a TransferError names the last failure if it lasts `retry_for` s."""
         try:
@@ -482,9 +488,9 @@ class ObjectStoreTransport:
         chunk_size: int, where: str,
     ) -> tuple[list[bytes], list[int]]:
         inbox = self._nc.new_inbox()
-        acks: asyncio.Queue = asyncio.Queue()
+        acks: asyncio.Queue[Msg] = asyncio.Queue()
 
-        async def on_ack(msg) -> None:
+        async def on_ack(msg: Msg) -> None:
             acks.put_nowait(msg)
 
         sub = await self._nc.subscribe(f"{inbox}.*", cb=on_ack)
@@ -497,7 +503,8 @@ class ObjectStoreTransport:
                 segments = source.segments(a, b)
                 digests.append(digest_bytes(self._algorithm, segments))
                 payload = segments[0] if len(segments) == 1 else b"".join(segments)
-                await self._nc.publish(subjects[i], payload, reply=f"{inbox}.{i}")
+                # nats-py sends any bytes-like payload; bytes() here would copy the chunk.
+                await self._nc.publish(subjects[i], payload, reply=f"{inbox}.{i}")  # type: ignore[arg-type]
                 outstanding += 1
                 while outstanding >= window or (i == len(bounds) - 1 and outstanding):
                     msg = await self._wait(acks.get(), f"{where}: waiting for chunk acks")
@@ -510,9 +517,9 @@ class ObjectStoreTransport:
 
     async def _fetch_nats_py(self, plan: "_ChunkPlan") -> None:
         inbox = self._nc.new_inbox()
-        inbound: asyncio.Queue = asyncio.Queue()
+        inbound: asyncio.Queue[Msg] = asyncio.Queue()
 
-        async def on_msg(msg) -> None:
+        async def on_msg(msg: Msg) -> None:
             inbound.put_nowait(msg)
 
         # Limits off: the window already bounds what the server sends us.
@@ -537,7 +544,7 @@ class ObjectStoreTransport:
         finally:
             await sub.unsubscribe()
 
-    async def _wait(self, awaitable, what: str):
+    async def _wait(self, awaitable: Awaitable[T], what: str) -> T:
         try:
             return await asyncio.wait_for(awaitable, self._timeout)
         except asyncio.TimeoutError:
@@ -576,9 +583,9 @@ class _ChunkPlan:
         self.received = bytearray(n)
         self.count = 0
         first = manifest.extra.get("first_seq")
-        self.first_seq = int(first) if first is not None else None
-        self.next_seq = self.first_seq if first is not None else 1
-        self.planned_end = self.next_seq + n if first is not None else self.next_seq
+        self.first_seq: int | None = int(first) if first is not None else None
+        self.next_seq: int = self.first_seq if self.first_seq is not None else 1
+        self.planned_end = self.next_seq + n if self.first_seq is not None else self.next_seq
         self.outstanding = 0
         self.max_seq = self.next_seq - 1
         self.catchup_from: int | None = None if first is not None else 1
