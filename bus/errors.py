@@ -10,9 +10,6 @@ from __future__ import annotations
 import asyncio
 import socket
 
-import nats.errors
-import nats.js.errors
-
 from .security import redact
 
 __all__ = [
@@ -169,6 +166,10 @@ def describe(exc: BaseException | None) -> str:
 
 
 def _name(exc: BaseException | None) -> str:
+    # Imported here: the exception tree itself loads no NATS client (engines import it alone).
+    import nats.errors
+    import nats.js.errors
+
     if exc is None:
         return "no answer"
     if isinstance(exc, ConnectionRefusedError):
