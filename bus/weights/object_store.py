@@ -686,6 +686,7 @@ def _publish_raw(
     conn: DataConnection, inbox: str, source: SourceBytes, bounds: list[tuple[int, int]],
     subjects: list[str], algorithm: str, window: int, where: str,
 ) -> tuple[list[bytes], list[int]]:
+    """Publish every chunk (at most `window` unacknowledged); return their digests and sequences."""
     conn.subscribe(f"{inbox}.*")
     digests: list[bytes] = []
     seqs = [0] * len(bounds)
@@ -712,6 +713,7 @@ def _publish_raw(
 
 
 def _fetch_raw(conn: DataConnection, inbox: str, api_subject: str, plan: _ChunkPlan) -> None:
+    """Send the plan's direct-get requests and land each reply where the plan says, until done."""
     conn.subscribe(inbox)
     while not plan.done:
         requests = plan.requests()
