@@ -49,7 +49,8 @@ import structlog
 import yaml
 
 from rolectl.bus.connection import BusConnection, connect
-from rolectl.bus.events import EventPublisher, EventReader, _delivery, last_sequence
+from rolectl.bus.events import EventPublisher, EventReader, last_sequence
+from rolectl.bus.events.reader import _delivery
 from rolectl.bus.logging import setup_logging
 from rolectl.bus.server import NatsServer
 from rolectl.bus.snapshots import SnapshotStore

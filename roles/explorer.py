@@ -21,6 +21,7 @@ import json
 import time
 import zlib
 
+from rolectl.bus.errors import describe
 from rolectl.bus.experiences import ExperienceBatch, ExperiencePublisher
 from rolectl.bus.security import redact
 from rolectl.bus.weights import TransferError, WeightsRef
@@ -252,7 +253,7 @@ class Explorer:
             for engine in (self.engine, *self.extra_ranks):
                 engine.load_weights(tensors, ref.version)
         except TransferError as exc:
-            self.log.warning("fetch_failed", version=ref.version, error=str(exc))
+            self.log.warning("fetch_failed", version=ref.version, error=describe(exc))
             await self.s.publish(SyncFailed(member=self.s.me, version=self.version, reason=str(exc), round=round_id))
             return
         await self._set_version(ref.version, round_id=round_id, nbytes=ref.nbytes,
@@ -266,7 +267,7 @@ class Explorer:
                 also_into=[e.weight_buffers() for e in self.extra_ranks],
             )
         except TransferError as exc:
-            self.log.warning("receive_failed", round=ready.round, epoch=ready.epoch, error=str(exc))
+            self.log.warning("receive_failed", round=ready.round, epoch=ready.epoch, error=describe(exc))
             await self.s.publish(SyncFailed(member=self.s.me, version=self.version, reason=str(exc), round=ready.round))
             return
         await self._set_version(ready.version, round_id=ready.round, nbytes=nbytes,
@@ -287,7 +288,7 @@ class Explorer:
             try:
                 tensors = await self.transport.fetch(ref)
             except TransferError as exc:
-                self.log.warning("background_fetch_failed", version=ref.version, error=str(exc))
+                self.log.warning("background_fetch_failed", version=ref.version, error=describe(exc))
                 fetched = ref.version  # skip it; the next version will come
                 continue
             fetched = ref.version
@@ -313,7 +314,7 @@ class Explorer:
         try:
             await self.s.set_status(RunningStatus.STOPPED, final=self.finished)
         except Exception as exc:
-            self.log.error("stopped_not_published", error=str(exc))
+            self.log.error("stopped_not_published", error=describe(exc))
         await self.transport.aclose()
         # how often it waited, and for how long at most; percentiles are the run summary's (one fold)
         self.log.info("explorer_finished" if self.finished else "explorer_stopped_early",

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from rolectl.bus.connection import BusConnection, connect
-from rolectl.bus.errors import BusError
+from rolectl.bus.errors import BusError, describe
 from rolectl.bus.files import write_json_atomic  # re-exported: the roles write their state with it
 from rolectl.bus.events import EventPublisher, last_sequence, publish_heartbeat, read_events
 from rolectl.bus.snapshots import SnapshotStore
@@ -455,7 +455,7 @@ class MemberSession:
                 await publish_heartbeat(self.conn, self.me, step=self.step, version=self.version,
                                         status=self.status)
             except Exception as exc:  # a disconnect must not kill the role; the client reconnects
-                self.log.warning("heartbeat_failed", error=str(exc))
+                self.log.warning("heartbeat_failed", error=describe(exc))
             await asyncio.sleep(period)
 
     async def __aexit__(self, *exc) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from rolectl.bus._natspy_compat import inbox_prefix
 from rolectl.bus.auth import identities, init_auth_dir
 from rolectl.bus.connection import connect
 from rolectl.bus.errors import BusError, BusUnavailable
@@ -44,7 +45,7 @@ async def test_every_identity_connects_over_tls_with_its_own_nkey(secured):
             role = {"admin": "observer"}.get(role, role)
             conn = await connect(auth.url, job=JOB, role=role, member=identity, security=auth.security(identity))
             conns.append(conn)
-            assert conn.nc._inbox_prefix.decode() == f"_INBOX.{JOB}.{identity}"
+            assert inbox_prefix(conn.nc) == f"_INBOX.{JOB}.{identity}"
         with urllib.request.urlopen(f"{server.monitor_url}/connz?auth=true&limit=100", timeout=5) as resp:
             connz = json.load(resp)
         seen = {c["name"].rsplit("/", 1)[-1]: c for c in connz["connections"] if c.get("name", "").startswith(JOB)}
