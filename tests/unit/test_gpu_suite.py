@@ -1,0 +1,79 @@
+"""The GPU suite cannot rot on CPU: its dry run resolves the carry list, collects every CUDA test it
+names, parses every benchmark flag it passes and validates its job config; each check names what is wrong."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks import gpu_suite
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_dry_run_of_the_one_command_finds_nothing_wrong():
+    proc = subprocess.run(["bash", "benchmarks/gpu_suite.sh", "--dry-run"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=500, env={**os.environ, "PYTHON": sys.executable})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["ok"] and report["problems"] == []
+    assert report["steps"] == [s.name for s in gpu_suite.STEPS]
+
+
+def test_a_carry_list_that_does_not_resolve_says_which_line_and_what_to_run(tmp_path):
+    listed = gpu_suite.carry_requirements()
+    wrong = [line if not line.startswith("msgpack==") else "msgpack==0.0.1" for line in listed]
+    wrong = [line for line in wrong if not line.startswith("structlog==")] + ["blake3", "no-such-dist==1.0"]
+    path = tmp_path / "requirements.txt"
+    path.write_text("\n".join(wrong) + "\n")
+    problems = "\n".join(gpu_suite.check_requirements(path))
+    assert "msgpack is pinned at 0.0.1 but" in problems
+    assert "structlog (needed by rolectl or a listed distribution) is not listed" in problems
+    assert "'blake3' is not pinned as name==version" in problems
+    assert "no-such-dist is not installed" in problems
+    assert "gpu_carry.sh --update-list" in problems
+
+
+def test_the_committed_carry_list_is_the_one_this_venv_computes():
+    assert gpu_suite.check_requirements() == []
+    assert gpu_suite.carry_requirements()  # torch and numpy are never carried
+    assert not any(line.startswith(("torch==", "numpy==")) for line in gpu_suite.carry_requirements())
+
+
+def test_a_flag_the_benchmark_does_not_take_is_named():
+    step = gpu_suite.Step("bogus", [sys.executable, "-m", "benchmarks.weights", "--size-mb", "1", "--sizes", "2"],
+                          1, module="benchmarks.weights")
+    assert gpu_suite._check_flags(step, {}) == ["bogus: python -m benchmarks.weights has no option --sizes"]
+
+
+def test_a_gpu_test_left_out_or_gone_is_named(monkeypatch):
+    monkeypatch.setattr(gpu_suite, "GPU_TESTS", ["tests/integration/test_weights_pull.py::test_no_such_test"])
+    problems = "\n".join(gpu_suite._check_tests())
+    assert "tests/integration/test_weights_cuda_ipc.py asks for a GPU but is not in" in problems
+    assert "tests/integration/test_weights_pull.py::test_no_such_test: no test collected" in problems
+
+
+def test_the_goals_compare_the_measured_figures_and_leave_unmeasured_ones_open():
+    steps = {
+        "weights_1g": {"result": {"transports": {
+            "cuda_ipc": {"ratio_to_limit": 0.6},
+            "object_store": {"fanout_by_explorers": {"4": {"ratio": 1.7}}},
+        }}},
+        "weights_4g": {"result": {"transports": {"cuda_ipc": {"seconds": 0.4}}}},
+    }
+    goals = gpu_suite._goals(steps)
+    assert goals["cuda_ipc_of_d2d_1g"]["met"] is True
+    assert goals["object_store_fanout_4_over_one"]["met"] is False
+    assert goals["cuda_ipc_7b_shaped_4g_seconds"]["met"] is True
+    assert goals["checkpoint_fanout_4_over_one"] == {"value": None, "goal": "<= 1.5", "met": None}
+    assert goals["object_store_into_cuda_7b_shaped_4g_seconds"]["met"] is None
+
+
+def test_the_job_config_asks_for_one_gpu_bf16_and_cuda_ipc(tmp_path):
+    data = gpu_suite.gpu_job_config(tmp_path)
+    assert data["synchronizer"]["sync_method"] == "cuda_ipc"
+    assert (data["model"]["device"], data["model"]["dtype"], data["explorers"]["count"]) == ("cuda", "bfloat16", 1)
+    assert gpu_suite._check_job_config(tmp_path) == []
