@@ -2,7 +2,7 @@
 written to ONE JSON (machine, versions, command, date, figures). `benchmarks/gpu_suite.sh` installs
 the carried wheels first and then runs this.
 
-    python -m benchmarks.gpu_suite [--out PATH] [--budget-s 540]   # on a GPU machine
+    python -m benchmarks.gpu_suite [--out PATH] [--budget-s 480]   # on a GPU machine
     python -m benchmarks.gpu_suite --dry-run                       # on CPU (CI): checks, runs nothing
     python -m benchmarks.gpu_suite --requirements                  # the pinned carry list, from this venv
 
@@ -65,6 +65,8 @@ class Step:
     module: str | None = None  # a `python -m` module whose --help must accept every flag in argv
     json_out: str | None = None
     env: dict[str, str] = field(default_factory=dict)
+    requires: tuple[str, ...] = ()  # modules that must import on the machine, else the step is not run
+    install_hint: str = ""
 
 
 def _bench(name: str, module: str, args: list[str], timeout_s: float, *, json_flag: str | None = "--json") -> Step:
@@ -92,7 +94,10 @@ STEPS: list[Step] = [
            ["--size-mb", "1024", "--shape", "qwen2-1.5b", "--explorers", "8", "--reps", "2"], 120, json_flag=None),
     # the hf trainer and one hf explorer on one GPU, weights by cuda_ipc, with its summary
     Step("e2e_job", [sys.executable, "-m", "rolectl.roles.cli", "up", "--config", "{work}/gpu_job.yaml",
-                     "--summary", "{work}/e2e_job.json"], 180, json_out="e2e_job.json"),
+                     "--summary", "{work}/e2e_job.json"], 180, json_out="e2e_job.json",
+         # not carried: ray (which verl imports) and pyarrow (datasets) alone exceed the carry's 64 MiB
+         requires=("verl.trainer.ppo.core_algos", "datasets"),
+         install_hint="pip install -e '.[hf,verl]' (or '.[hf,verl-core]' and `pip install --no-deps verl==0.9.1`)"),
 ]
 
 
@@ -298,7 +303,21 @@ def _commit() -> str | None:
         return None
 
 
+def _missing(modules: tuple[str, ...]) -> str | None:
+    """Why `modules` do not import in a fresh interpreter here, or None when they do."""
+    if not modules:
+        return None
+    code = "import importlib, sys\nfor m in sys.argv[1:]: importlib.import_module(m)"
+    proc = subprocess.run([sys.executable, "-c", code, *modules], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    return None if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+
+
 def _run_step(step: Step, work: Path) -> dict[str, Any]:
+    missing = _missing(step.requires)
+    if missing is not None:
+        return {"ok": False, "rc": None, "not_run": f"needs {', '.join(step.requires)}: {missing}; "
+                                                    f"{step.install_hint}"}
     argv = [a.replace("{work}", str(work)) for a in step.argv]
     log = work / f"{step.name}.log"
     started = time.monotonic()
@@ -400,8 +419,8 @@ def run(out: Path, budget_s: float, only: list[str] | None) -> int:
             print(f"gpu_suite: {step.name} (up to {min(step.timeout_s, left):.0f} s)...", file=sys.stderr, flush=True)
             step = Step(**{**vars(step), "timeout_s": min(step.timeout_s, left)})
             report["steps"][step.name] = row = _run_step(step, work)
-            print(f"gpu_suite: {step.name} {'ok' if row['ok'] else 'FAILED'} in {row['seconds']} s",
-                  file=sys.stderr, flush=True)
+            print(f"gpu_suite: {step.name} " + (f"not run: {row['not_run']}" if "not_run" in row else
+                  f"{'ok' if row['ok'] else 'FAILED'} in {row['seconds']} s"), file=sys.stderr, flush=True)
             _write(out, report)  # a run cut short still leaves what it measured
     report["goals"] = _goals(report["steps"])
     report["seconds"] = round(time.monotonic() - started, 1)
@@ -422,7 +441,7 @@ def _write(out: Path, report: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_suite", description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="the JSON to write (default: $OUT/gpu_suite.json, else ./gpu_suite.json)")
-    parser.add_argument("--budget-s", type=float, default=540.0, help="steps that would start later are not run")
+    parser.add_argument("--budget-s", type=float, default=480.0, help="steps that would start later are not run")
     parser.add_argument("--only", nargs="*", choices=[s.name for s in STEPS], help="run these steps only")
     parser.add_argument("--dry-run", action="store_true", help="check everything the suite names; run nothing")
     parser.add_argument("--requirements", action="store_true", help="print the pinned carry list from this venv")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU path in one command on a bare GPU machine (torch + CUDA + transformers, no NATS, no internet):
-#   benchmarks/gpu_suite.sh [--out PATH] [--budget-s 540] [--only STEP ...]   -> one JSON ($OUT/gpu_suite.json)
+#   benchmarks/gpu_suite.sh [--out PATH] [--budget-s 480] [--only STEP ...]   -> one JSON ($OUT/gpu_suite.json)
 #   benchmarks/gpu_suite.sh --dry-run                                         -> CPU checks only (CI)
 # It installs the wheels benchmarks/gpu_carry.sh put in device_carry/wheels, rolectl itself (editable,
 # no dependencies), then runs `python -m benchmarks.gpu_suite` (docs/gpu.md).

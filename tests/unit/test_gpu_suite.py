@@ -77,3 +77,20 @@ def test_the_job_config_asks_for_one_gpu_bf16_and_cuda_ipc(tmp_path):
     assert data["synchronizer"]["sync_method"] == "cuda_ipc"
     assert (data["model"]["device"], data["model"]["dtype"], data["explorers"]["count"]) == ("cuda", "bfloat16", 1)
     assert gpu_suite._check_job_config(tmp_path) == []
+
+
+def test_a_step_records_its_figures_its_failure_its_timeout_and_what_it_lacks(tmp_path):
+    write = "import json, sys; json.dump({'gbps': 1.5}, open(sys.argv[1], 'w'))"
+    row = gpu_suite._run_step(gpu_suite.Step("ok", [sys.executable, "-c", write, "{work}/ok.json"], 60,
+                                             json_out="ok.json"), tmp_path)
+    assert row["ok"] and row["rc"] == 0 and row["result"] == {"gbps": 1.5}
+    row = gpu_suite._run_step(gpu_suite.Step("bad", [sys.executable, "-c", "print('boom'); raise SystemExit(3)"],
+                                             60), tmp_path)
+    assert not row["ok"] and row["rc"] == 3 and "boom" in row["output_tail"]
+    # the step runs past its bound: it is killed (with its process group), not waited for
+    row = gpu_suite._run_step(gpu_suite.Step("slow", [sys.executable, "-c", "import time; time.sleep(120)"], 1),
+                              tmp_path)
+    assert not row["ok"] and row["rc"] == "timed out after 1 s" and row["seconds"] < 60
+    row = gpu_suite._run_step(gpu_suite.Step("lacks", [sys.executable, "-c", "pass"], 60,
+                                             requires=("no_such_module",), install_hint="pip install it"), tmp_path)
+    assert not row["ok"] and "No module named 'no_such_module'" in row["not_run"] and "pip install it" in row["not_run"]
