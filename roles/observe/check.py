@@ -22,6 +22,7 @@ from rolectl.sync_protocol.state import State
 
 __all__ = ["Mismatch", "check_decisions", "decision_identity"]
 
+
 @dataclass(frozen=True)
 class Mismatch:
     """One difference between recorded and recomputed decisions.

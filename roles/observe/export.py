@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+
 from rolectl.bus.connection import connect
 from rolectl.bus.events import last_sequence, read_all
 from rolectl.bus.files import atomic_path
@@ -38,6 +39,7 @@ __all__ = [
     "read_job_from_snapshot",
     "write_export",
 ]
+
 
 EXPORT_SUFFIXES = (".jsonl", ".msgpack")
 
@@ -189,7 +191,6 @@ def load_export(path: str | Path) -> list[Recorded]:
             raise ExportError(f"{path}: sequence {after.seq} follows {before.seq}; records must be in "
                               "increasing stream order (was the file edited or concatenated?)")
     return records
-
 
 
 async def read_job_from_snapshot(job: str, nats: str, *, security=None) -> tuple[list[Recorded], State | None]:

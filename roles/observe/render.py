@@ -7,10 +7,12 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console
+
 from rolectl.roles.observe.check import Mismatch
 from rolectl.sync_protocol import Decision, Recorded
 
 __all__ = ["print_check", "print_timeline"]
+
 
 _OUTCOME_STYLE = {"completed": "green", "no_new_version": "cyan", "timed_out": "red", "failed": "red",
                   "trainer_stopped": "yellow", "abandoned": "yellow", "open": "white"}

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
+
 from rolectl.bus.errors import BusError
 from rolectl.bus.logging import setup_logging
 from rolectl.bus.security import redact
@@ -71,7 +72,6 @@ def _load(job: str | None, nats: str, file: str | Path | None,
                               "(or use the events.jsonl in a `rolectl up` run directory)")
         return records, None
     return asyncio.run(read_job_from_snapshot(job, nats, security=security))
-
 
 
 def run_replay(*, job: str | None, nats: str, file: str | Path | None, until: str | None, check: bool,

@@ -23,6 +23,7 @@ __all__ = [
     "verify_subjects",
 ]
 
+
 def parse_until(text: str | None) -> int | _dt.datetime | None:
     """`--until`: a stream sequence ("120") or an ISO 8601 time ("2026-11-22T12:00:00Z"; naive = UTC)."""
     if text is None:
