@@ -15,9 +15,9 @@ Limits, measured in the same run on the same bytes:
 - ``page_cache_read_gbps``: ``readinto`` of a page-cached file into a touched buffer (the limit the
   checkpoint transport is measured against);
 - ``stock_nats_object_store_gbps``: nats-py's own ObjectStore ``get`` of the first ``--stock-mb``
-  MiB of the same bytes (default 8; its ``put`` is reported too). It moves 0.001-0.005 GB/s here, so
-  at full size it alone took over 10 minutes; its rate is what is compared, and
-  ``stock_nats_object_store_mb`` says on how much it was measured.
+  MiB of the same bytes (default 8; its ``put`` is reported too): at full size it alone would take
+  minutes, so its rate is what is compared, and ``stock_nats_object_store_mb`` says on how much it
+  was measured (figures: docs/benchmarks.md).
 
 Per transport: best single-explorer fetch (``gbps``, ``seconds``; median too), publish time, and with
 ``--explorers K`` the time for K explorers fetching the same version at once (``fanout_seconds``,
