@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["STEPS", "GPU_TESTS", "REQUIREMENTS_FILE", "carry_requirements", "check_requirements", "dry_run", "main"]
+__all__ = ["GPU_TESTS", "REQUIREMENTS_FILE", "STEPS", "carry_requirements", "check_requirements", "dry_run", "main"]
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIREMENTS_FILE = ROOT / "benchmarks" / "gpu_suite_requirements.txt"
@@ -212,14 +212,13 @@ def _check_tests() -> list[str]:
         if "cuda.is_available" in path.read_text() and rel not in named_files:
             problems.append(f"{rel} asks for a GPU but is not in benchmarks.gpu_suite.GPU_TESTS")
     proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                           *GPU_TESTS], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                           *GPU_TESTS], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     collected = [line for line in proc.stdout.splitlines() if "::" in line]
     if proc.returncode != 0:
         problems.append(f"pytest --collect-only {' '.join(GPU_TESTS)} exited {proc.returncode}:\n"
                         + (proc.stdout + proc.stderr)[-2000:])
     for test in GPU_TESTS:
-        if not any(line == test or line.startswith(test + "[") or line.startswith(test + "::")
-                   for line in collected):
+        if not any(line == test or line.startswith((test + "[", test + "::")) for line in collected):
             problems.append(f"{test}: no test collected")
     return problems
 
@@ -228,7 +227,7 @@ def _check_flags(step: Step, helps: dict[str, subprocess.CompletedProcess]) -> l
     """Every --flag `step` passes is one its module's --help lists (`helps` caches the help per module)."""
     if step.module not in helps:
         helps[step.module] = subprocess.run([sys.executable, "-m", step.module, "--help"], cwd=ROOT,
-                                            capture_output=True, text=True, timeout=120)
+                                            capture_output=True, text=True, timeout=120, check=False)
     proc = helps[step.module]
     if proc.returncode != 0:
         return [f"{step.name}: python -m {step.module} --help exited {proc.returncode}: {proc.stderr[-1000:]}"]
@@ -245,7 +244,7 @@ def _check_job_config(work: Path) -> list[str]:
     path.write_text(yaml.safe_dump(gpu_job_config(work), sort_keys=False))
     try:
         load_config(path)
-    except Exception as exc:  # the config loader's own message says what is wrong
+    except ValueError as exc:  # ConfigError: the loader's own message says what is wrong
         return [f"e2e_job: the generated job config is invalid: {exc}"]
     return []
 
@@ -298,7 +297,7 @@ def _machine() -> dict[str, Any]:
 def _commit() -> str | None:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10).stdout.strip() or None
+                              timeout=10, check=False).stdout.strip() or None
     except OSError:
         return None
 
@@ -309,7 +308,7 @@ def _missing(modules: tuple[str, ...]) -> str | None:
         return None
     code = "import importlib, sys\nfor m in sys.argv[1:]: importlib.import_module(m)"
     proc = subprocess.run([sys.executable, "-c", code, *modules], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, check=False)
     return None if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
 
 

@@ -14,6 +14,7 @@ the subject is the evidence of who published it). It is optional on reading (old
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections.abc import Iterable
@@ -183,7 +184,7 @@ def load_export(path: str | Path) -> list[Recorded]:
         raise ExportError(f"cannot read {path}: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:
         raise ExportError(f"{path}: not UTF-8 text ({exc.reason}); is it a .msgpack file named .jsonl?") from None
-    for before, after in zip(records, records[1:]):
+    for before, after in itertools.pairwise(records):
         # one stream message may hold a batch of decisions: they share its sequence
         batched = (after.seq == before.seq and isinstance(before.event, Decision)
                    and isinstance(after.event, Decision))
