@@ -32,6 +32,7 @@ from rolectl.sync_protocol import (
     WeightsLoaded,
     SyncMethod,
 )
+from tests.support.wait import wait_until
 
 __all__ = ["ScriptedJob", "run_scripted_job", "stop_task", "TRAINER", "EXPLORERS"]
 
@@ -73,20 +74,9 @@ class ScriptedJob:
                                 f"round {round_id} closed", timeout)
 
     async def _wait(self, match, what: str, timeout: float):
-        def found():
-            return next((rec.event for rec in self.decisions if match(rec.event)), None)
-
-        async def wait():
-            async with self.changed:
-                while (d := found()) is None:
-                    await self.changed.wait()
-                return d
-
-        try:
-            return await asyncio.wait_for(wait(), timeout)
-        except asyncio.TimeoutError:
-            raise AssertionError(f"no {what} within {timeout} s; "
-                                 f"decisions so far: {[r.event for r in self.decisions]}") from None
+        return await wait_until(lambda: next((rec.event for rec in self.decisions if match(rec.event)), None),
+                                timeout=timeout, what=what, changed=self.changed,
+                                details=lambda: f"decisions so far: {[r.event for r in self.decisions]}")
 
 
 async def stop_task(task: asyncio.Task) -> None:
