@@ -7,7 +7,10 @@ reference's aliases, so a config written for the reference loads here unchanged.
 from __future__ import annotations
 
 from enum import Enum
-from typing import Self
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # typing.Self is 3.11+; the project supports 3.10
+    from typing_extensions import Self
 
 __all__ = [
     "Role",
