@@ -1,6 +1,6 @@
 """How long each of a job's replicated streams takes to elect a new leader when the node that leads
-all of them is killed (SIGKILL): a standalone reproduction of the cluster stall (README, "A node
-that leads the weights stream or the lease bucket").
+all of them is killed (SIGKILL): a standalone reproduction of a cluster node-loss stall
+(docs/fault-tolerance.md, "Clusters"; figures in docs/benchmarks.md).
 
 On a local 3-node `NatsCluster` it creates the streams exactly as a job does (`bus.streams`,
 `bus.lease`, `bus.snapshots`' bucket, the object store's `weights_stream_config`, all R3), moves

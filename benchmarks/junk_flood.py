@@ -25,15 +25,15 @@ from rolectl.bus.events import publish_heartbeat, read_events, subscribe_heartbe
 from rolectl.bus.logging import setup_logging
 from rolectl.bus.server import NatsServer
 from rolectl.bus.streams import ensure_event_stream
-from rolectl.sync_protocol import Decision, MemberRef, RunningStatus, StepFinished, SyncMethod, VersionPublished, encode
+from rolectl.sync_protocol import Decision, MemberRef, RunningStatus, StepFinished, SyncMethod, VersionPublished, encode, Role
 from rolectl.sync_protocol.reducer import reduce_lenient
 from rolectl.sync_protocol.state import State
 
 __all__ = ["main"]
 
 JOB = "junk"
-ME = MemberRef(role="explorer", id="explorer-0", incarnation=1)
-TRAINER = MemberRef(role="trainer", id="trainer", incarnation=1)
+ME = MemberRef(role=Role.EXPLORER, id="explorer-0", incarnation=1)
+TRAINER = MemberRef(role=Role.TRAINER, id="trainer", incarnation=1)
 
 
 def _junk(n: int, seed: int) -> list[tuple[str, bytes]]:

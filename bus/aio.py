@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 
 __all__ = ["raise_if_cancelling"]
 
@@ -14,6 +15,8 @@ def raise_if_cancelling() -> None:
     (gh-86296, fixed in 3.12); the task would then keep reading and never stop. The task still
     counts the cancel request, so honour it here.
     """
+    if sys.version_info < (3, 11):
+        return  # Task.cancelling() is new in 3.11: nothing to read before it
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError

@@ -28,6 +28,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .security import ADMIN_IDENTITY, ClientSecurity, inbox_prefix
 from .subjects import JobNames, check_name
@@ -74,7 +75,7 @@ def _reader_api(n: JobNames) -> list[str]:
     ]
 
 
-def server_permissions(job: str, identity: str, role: str) -> dict:
+def server_permissions(job: str, identity: str, role: str) -> dict[str, Any]:
     """The nats-server `permissions` block of one identity: {publish: [...], subscribe: [...]}."""
     n = JobNames(job)
     check_name(identity, "identity")
@@ -319,7 +320,7 @@ def _certificates(hosts: list[str], days: int) -> tuple[bytes, bytes, bytes, byt
         .sign(ca_key, hashes.SHA256())
     )
 
-    def key_pem(key) -> bytes:
+    def key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
         return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                  serialization.NoEncryption())
 

@@ -22,21 +22,26 @@ import itertools
 import json
 import time
 import urllib.parse
-from typing import Any, Awaitable, Callable, Mapping, TypeVar
+from typing import Any, Awaitable, Callable, Generator, Mapping, TypeVar
 
 import nats
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NatsClient
+from nats.aio.client import ReconnectToServerHandler, Server
+from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.aio.msg import Msg
 from nats.js.api import Header, PubAck
 
 from rolectl.sync_protocol import Role
 
-from .errors import BusClosed, BusUnavailable, PayloadTooLarge, PublishFailed, PublishRejected, RetriesExhausted
+from ._natspy_compat import callbackless_subscriptions
+from .errors import (
+    BusClosed, BusUnavailable, PayloadTooLarge, PublishFailed, PublishRejected, RetriesExhausted, describe,
+)
 from .logging import get_logger
-from .retry import Interrupted, backoff_delay, describe, is_transient, retry_transient
+from .retry import Interrupted, backoff_delay, is_transient, retry_transient
 from .security import ClientSecurity, SecurityError, redact
 from .subjects import JobNames, check_name
 
@@ -81,7 +86,7 @@ def parse_server_urls(url: str) -> list[str]:
     return servers
 
 
-def _reconnect_chooser(last_server: list[str]):
+def _reconnect_chooser(last_server: list[str]) -> ReconnectToServerHandler:
     """nats-py's reconnect handler: which server to try next, and after what delay.
 
     nats-py's own handler-less loop waits a fixed reconnect_time_wait; with a handler it hands us
@@ -92,7 +97,7 @@ def _reconnect_chooser(last_server: list[str]):
     member at the same instant).
     """
 
-    def choose(servers: list, _info: dict) -> tuple[Any, float]:
+    def choose(servers: list[Server], _info: dict[str, Any]) -> tuple[Server | None, float]:
         lost = last_server[0] if last_server else None
         server = min(servers, key=lambda s: (s.reconnects, s.uri.netloc == lost))
         return server, _backoff_delay(server.reconnects)
@@ -102,10 +107,6 @@ def _reconnect_chooser(last_server: list[str]):
 
 def _backoff_delay(reconnects: int) -> float:
     return backoff_delay(reconnects, base=_RECONNECT_BASE_S, cap=_RECONNECT_MAX_S)
-
-
-def _describe(exc: BaseException | None) -> str:
-    return redact(describe(exc))  # an error may quote a URL with its password
 
 
 class BusConnection:
@@ -130,18 +131,18 @@ class BusConnection:
         self.reconnects = 0
         self._state = asyncio.Condition()
         self._up = True
-        self._closing: asyncio.Task | None = None
+        self._closing: asyncio.Task[None] | None = None
         # The server we are (or were last) connected to, shared with the reconnect chooser.
         self._last_server = last_server if last_server is not None else []
         self._note_server()
         # Acked publishes: one reply subscription per connection, `<inbox>.<token>` per publish.
         self._ack_prefix: str | None = None
-        self._ack_inbox_ready: asyncio.Future | None = None
+        self._ack_inbox_ready: asyncio.Future[None] | None = None
         # token -> (the ack's future, its deadline on the loop's clock)
-        self._acks: dict[str, tuple[asyncio.Future, float]] = {}
+        self._acks: dict[str, tuple[asyncio.Future[PubAck], float]] = {}
         self._ack_tokens = itertools.count(1)
-        # One timer expires every overdue ack, armed at the nearest deadline: a timer of its own
-        # per publish (a heap push and a cancel) was ~5 % of a member's CPU at 65 members.
+        # One timer expires every overdue ack, armed at the nearest deadline: a timer per publish
+        # costs a heap push and a cancel each, which adds up across many members.
         self._ack_timer: asyncio.TimerHandle | None = None
         self._ack_timer_at = 0.0
 
@@ -166,15 +167,15 @@ class BusConnection:
 
     async def wait_connected(self, timeout: float) -> None:
         """Return once the connection is up (at once if it is); `asyncio.TimeoutError` after `timeout`."""
-        await asyncio.wait_for(self._wait_for(lambda: self._up), timeout)
+        await asyncio.wait_for(self.wait_for(lambda: self._up), timeout)
 
     async def wait_disconnected(self, timeout: float) -> None:
         """Return once the connection is down (at once if it is); `asyncio.TimeoutError` after `timeout`."""
-        await asyncio.wait_for(self._wait_for(lambda: not self._up), timeout)
+        await asyncio.wait_for(self.wait_for(lambda: not self._up), timeout)
 
     async def wait_reconnected(self, after: int) -> None:
         """Return once the connection has reconnected more than `after` times (compare `reconnects`)."""
-        await self._wait_for(lambda: self.reconnects > after)
+        await self.wait_for(lambda: self.reconnects > after)
 
     async def retry(self, call: Callable[[], Awaitable[T]], *, what: str, retry_for: float) -> T:
         """`retry_transient` bound to this connection: given up at once once it is closed, retries
@@ -186,7 +187,8 @@ class BusConnection:
         """An awaitable that finishes at the next reconnect (for `retry_transient(interrupt=...)`)."""
         return self.wait_reconnected(after=self.reconnects)
 
-    async def _wait_for(self, predicate) -> None:
+    async def wait_for(self, predicate: Callable[[], bool]) -> None:
+        """Return once `predicate()` holds, re-checked at each connect, disconnect and close."""
         async with self._state:
             await self._state.wait_for(predicate)
 
@@ -217,11 +219,11 @@ class BusConnection:
             # The server refused something this identity may not do; the request itself only
             # times out, so keep the server's words for the error that explains it.
             self.permission_denials.append(str(exc))
-            self.log.warning("bus.permission_denied", identity=self.security.identity, error=str(exc))
+            self.log.warning("bus.permission_denied", identity=self.security.identity, error=describe(exc))
             return
         # While reconnecting every failed attempt lands here; that is expected noise, not a warning.
         level = self.log.debug if self.nc.is_reconnecting else self.log.warning
-        level("bus.error", url=self.url, error=_describe(exc))
+        level("bus.error", url=self.url, error=describe(exc))
 
     def denied(self, subject_prefix: str) -> str | None:
         """The server's last permission-violation message about a subject starting with
@@ -302,14 +304,14 @@ class BusConnection:
         except RetriesExhausted as exc:
             raise PublishFailed(
                 f"no acknowledgement for a message on {subject} (msg id {msg_id}) from {self.url} after "
-                f"{exc.attempts} attempt(s) in {retry_for:g} s (last: {_describe(exc.last)}). Is the server "
+                f"{exc.attempts} attempt(s) in {retry_for:g} s (last: {describe(exc.last)}). Is the server "
                 f"up, with JetStream, and does a stream capture this subject (ensure_event_stream / "
                 f"ensure_experience_stream)?",
                 subject=subject,
                 msg_id=msg_id,
             ) from exc.last
 
-    async def _publish_once(self, subject: str, payload: bytes, headers: Mapping[str, str] | None,
+    async def _publish_once(self, subject: str, payload: bytes, headers: dict[str, str] | None,
                             timeout: float) -> PubAck:
         """One JetStream publish and its ack, as nats-py's `js.publish` but on this connection's
         one reply subscription: no task and no subscription per publish, which is most of an
@@ -319,7 +321,7 @@ class BusConnection:
             await self._open_ack_inbox()
         token = str(next(self._ack_tokens))
         loop = asyncio.get_running_loop()
-        ack = loop.create_future()
+        ack: asyncio.Future[PubAck] = loop.create_future()
         deadline = loop.time() + timeout
         self._acks[token] = (ack, deadline)
         if self._ack_timer is None or deadline < self._ack_timer_at:
@@ -386,7 +388,7 @@ class BusConnection:
             if not ack.done():
                 ack.set_exception(exc)
 
-    async def unsubscribe_quietly(self, sub) -> None:
+    async def unsubscribe_quietly(self, sub: Subscription | JetStreamContext.PullSubscription | None) -> None:
         """Drop a subscription; nothing to do if the connection is already closed or going."""
         if sub is not None and not self.nc.is_closed:
             try:
@@ -415,26 +417,25 @@ class BusConnection:
                 # Pull and next_msg() subscriptions (readers) have no callback to process what is
                 # left, and nats-py's drain waits on their queues until its timeout; drop them
                 # first. Callback subscriptions (heartbeats) are drained properly.
-                for sub in list(nc._subs.values()):
-                    if sub._cb is None:
-                        try:
-                            await sub.unsubscribe()
-                        except Exception:
-                            pass
+                for sub in callbackless_subscriptions(nc):
+                    try:
+                        await sub.unsubscribe()
+                    except Exception:
+                        pass
                 await asyncio.wait_for(nc.drain(), _DRAIN_TIMEOUT_S)
         except Exception as exc:  # reconnecting, or drain timed out: close without draining
-            self.log.debug("bus.drain_failed", url=self.url, error=_describe(exc))
+            self.log.debug("bus.drain_failed", url=self.url, error=describe(exc))
         finally:
             if not nc.is_closed:
                 try:
                     await nc.close()
                 except Exception as exc:  # e.g. the server is gone: flushing fails, the socket is closed anyway
-                    self.log.debug("bus.close_failed", url=self.url, error=_describe(exc))
+                    self.log.debug("bus.close_failed", url=self.url, error=describe(exc))
 
     async def __aenter__(self) -> "BusConnection":
         return self
 
-    async def __aexit__(self, *exc_info) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
     def __repr__(self) -> str:
@@ -509,9 +510,9 @@ async def _open(
             max_reconnect_attempts=-1,
             # First connect: nats-py retries every reconnect_time_wait until we give up; after
             # that the jittered handler paces reconnects.
-            reconnect_time_wait=0.25,
+            reconnect_time_wait=0.25,  # type: ignore[arg-type]  # nats-py annotates seconds as int; floats work
             reconnect_to_server_handler=_reconnect_chooser(last_server),
-            connect_timeout=max(0.5, min(2.0, connect_timeout)),
+            connect_timeout=max(0.5, min(2.0, connect_timeout)),  # type: ignore[arg-type]  # as above
             drain_timeout=int(_DRAIN_TIMEOUT_S),
             **options,
         )
@@ -536,11 +537,12 @@ async def _open(
         # Retries end with whatever the last attempt met (often a bare EOF); a refused credential
         # or certificate from any attempt is what the operator must fix.
         telling = [f for f in failures if _hint(f) != _hint(None)]
-        cause = (telling or failures or [None if isinstance(exc, asyncio.TimeoutError) else exc])[-1]
+        fallback: list[BaseException | None] = [None if isinstance(exc, asyncio.TimeoutError) else exc]
+        cause = (telling or failures or fallback)[-1]
         raise BusUnavailable(
             f"cannot reach {'any NATS server of' if len(servers) > 1 else 'a NATS server at'} {shown} "
             f"for job {names.job!r} within {connect_timeout:g} s ({security.describe()}): "
-            f"{_describe(cause)}. {_hint(cause)}",
+            f"{describe(cause)}. {_hint(cause)}",
             url=shown,
             cause=cause,
         ) from None
@@ -556,17 +558,16 @@ async def _open(
             retry_transient(js_check.account_info, what="JetStream account info", retry_for=remaining), remaining
         )
     except Exception as exc:
-        if isinstance(exc, RetriesExhausted):
-            exc = exc.last or exc
+        failure = (exc.last or exc) if isinstance(exc, RetriesExhausted) else exc
         await _discard(nc)
         raise BusUnavailable(
-            f"the NATS server at {shown} answers but JetStream does not ({_describe(exc)}). "
+            f"the NATS server at {shown} answers but JetStream does not ({describe(failure)}). "
             f"Run nats-server with JetStream enabled (`-js`), e.g. `rolectl server`"
             + ("; keep a majority of a cluster's nodes up (a cluster without one cannot store anything)"
                if len(servers) > 1 else "")
             + f"; with per-identity permissions, the identity {security.identity!r} needs $JS.API.INFO.",
             url=shown,
-            cause=exc,
+            cause=failure,
         ) from None
     log.info("bus.connected", url=shown, server=_host_port(nc), identity=security.identity)
     return conn
@@ -604,14 +605,14 @@ class _Connect:
         self._kwargs = kwargs
         self._conn: BusConnection | None = None
 
-    def __await__(self):
+    def __await__(self) -> Generator[Any, None, BusConnection]:
         return _open(**self._kwargs).__await__()
 
     async def __aenter__(self) -> BusConnection:
         self._conn = await _open(**self._kwargs)
         return self._conn
 
-    async def __aexit__(self, *exc_info) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         if self._conn is not None:
             await self._conn.aclose()
 

@@ -7,7 +7,13 @@ line alone is enough to act on.
 
 from __future__ import annotations
 
+import asyncio
+import socket
+
+from .security import redact
+
 __all__ = [
+    "describe",
     "BusError",
     "BusUnavailable",
     "BusClosed",
@@ -110,8 +116,6 @@ class RetriesExhausted(BusError):
     """
 
     def __init__(self, *, what: str, attempts: int, seconds: float, last: BaseException | None):
-        from .retry import describe  # retry imports this module
-
         self.what = what
         self.attempts = attempts
         self.seconds = seconds
@@ -154,3 +158,31 @@ class WeightsNotFound(TransferError):
 
 class PeerLost(TransferError):
     """A peer of a rendezvous group died or timed out mid-transfer."""
+
+
+def describe(exc: BaseException | None) -> str:
+    """A short, readable name for a failure, for logs and error messages, with URL secrets masked."""
+    return redact(_name(exc))  # an error may quote a URL with its password
+
+
+def _name(exc: BaseException | None) -> str:
+    # Imported here: the exception tree itself loads no NATS client (engines import it alone).
+    import nats.errors
+    import nats.js.errors
+
+    if exc is None:
+        return "no answer"
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused (nothing listens on that port)"
+    if isinstance(exc, socket.gaierror):
+        return f"host name not resolved ({exc})"
+    if isinstance(exc, (asyncio.TimeoutError, nats.errors.TimeoutError)):
+        return "timed out"
+    if isinstance(exc, nats.errors.NoRespondersError):
+        return "no responders (JetStream not ready, or no such stream)"
+    if isinstance(exc, nats.js.errors.NoStreamResponseError):
+        return "no stream listens on the subject (server restarting, or the stream is gone)"
+    if isinstance(exc, nats.js.errors.APIError):
+        return f"{exc.description or type(exc).__name__} (code {exc.code}, err_code {exc.err_code})"
+    text = str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {text}"

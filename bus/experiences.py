@@ -28,6 +28,7 @@ import nats.errors
 import nats.js.errors
 import numpy as np
 from nats.aio.msg import Msg
+from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from rolectl.sync_protocol import MemberRef
@@ -35,7 +36,7 @@ from rolectl.sync_protocol.experience import Experience, ExperienceBatch, Experi
 
 from .aio import raise_if_cancelling
 from .connection import BusConnection
-from .errors import AckFailed, BusClosed, BusError, MalformedExperience, PublishRejected
+from .errors import AckFailed, BusClosed, BusError, MalformedExperience, PublishRejected, describe
 from .logging import LogBudget
 from .streams import explain_refusal
 
@@ -141,7 +142,7 @@ def _encode_experience(exp: Experience) -> dict[str, Any]:
 
 def encode_batch(batch: ExperienceBatch) -> bytes:
     """Serialise a batch (msgpack; token ids int32 and logprobs float32, little-endian)."""
-    return msgpack.packb(
+    payload: bytes = msgpack.packb(
         {
             "schema": EXPERIENCE_SCHEMA,
             "member": batch.member,
@@ -151,9 +152,10 @@ def encode_batch(batch: ExperienceBatch) -> bytes:
         },
         use_bin_type=True,
     )
+    return payload
 
 
-def _field(data: dict, key: str, types: tuple[type, ...], where: str) -> Any:
+def _field(data: dict[str, Any], key: str, types: tuple[type, ...], where: str) -> Any:
     if key not in data:
         raise MalformedExperience(f"{where}: missing field {key!r}")
     value = data[key]
@@ -163,7 +165,7 @@ def _field(data: dict, key: str, types: tuple[type, ...], where: str) -> Any:
     return value
 
 
-def _unpack(data: dict, key: str, dtype: np.dtype, where: str) -> tuple:
+def _unpack(data: dict[str, Any], key: str, dtype: np.dtype[Any], where: str) -> tuple[Any, ...]:
     raw = _field(data, key, (bytes,), where)
     if len(raw) % dtype.itemsize:
         raise MalformedExperience(f"{where}: field {key!r} is {len(raw)} bytes, not a whole number of "
@@ -349,7 +351,7 @@ class ExperienceReader:
         self.ack_timeout = ack_timeout
         self.malformed = 0
         self._stream = conn.names.experience_stream
-        self._sub = None
+        self._sub: JetStreamContext.PullSubscription | None = None
 
     @property
     def rejected(self) -> int:
@@ -373,9 +375,9 @@ class ExperienceReader:
             return None, "invalid", str(exc)
         return batch, None, None
 
-    async def _ensure(self) -> None:
+    async def _ensure(self) -> JetStreamContext.PullSubscription:
         if self._sub is not None:
-            return
+            return self._sub
         config = ConsumerConfig(
             name=self.durable,
             durable_name=self.durable,
@@ -404,14 +406,15 @@ class ExperienceReader:
                 "another consumer with a different name attached?"
             ) from exc
         self._sub = await self.conn.js.pull_subscribe_bind(durable=self.durable, stream=self._stream)
+        return self._sub
 
     async def fetch(self, max_batches: int, timeout: float) -> list[ReceivedBatch]:
         """Up to `max_batches` batches, waiting at most `timeout` s for the first; [] if none came."""
         if self.conn.nc.is_closed:
             raise BusClosed(f"cannot fetch experiences: connection {self.conn.name} to {self.conn.url} is closed")
         try:
-            await self._ensure()
-            msgs = await self._sub.fetch(max_batches, timeout=timeout)
+            sub = await self._ensure()
+            msgs = await sub.fetch(max_batches, timeout=timeout)
         except asyncio.TimeoutError:
             raise_if_cancelling()
             return []
@@ -420,7 +423,7 @@ class ExperienceReader:
         except (nats.js.errors.APIError, nats.errors.Error) as exc:
             # Server restarting (503), consumer recreated elsewhere (409), buffer full while
             # reconnecting: bind again on the next call. The trainer's loop just sees "nothing yet".
-            self.conn.log.info("bus.experience_fetch_failed", stream=self._stream, durable=self.durable, error=str(exc))
+            self.conn.log.info("bus.experience_fetch_failed", stream=self._stream, durable=self.durable, error=describe(exc))
             await self.aclose()
             await asyncio.sleep(min(timeout, 1.0))
             return []
@@ -430,7 +433,10 @@ class ExperienceReader:
             meta = msg.metadata
             batch, counter, reason = self._problem(msg)
             if batch is None:
-                setattr(self, counter, getattr(self, counter) + 1)
+                if counter == "malformed":
+                    self.malformed += 1
+                else:
+                    self.invalid += 1
                 self._rejected_log.warn(sender=msg.subject.rsplit(".", 1)[-1], subject=msg.subject,
                                         seq=meta.sequence.stream, what=counter, reason=reason,
                                         rejected_total=self.rejected)
@@ -457,7 +463,7 @@ class ExperienceReader:
             try:
                 await self.conn.nc.publish(subject, b"-NAK")
             except nats.errors.Error as exc:  # they still come back, after ack_wait
-                self.conn.log.info("bus.experience_give_back_failed", subject=subject, error=str(exc))
+                self.conn.log.info("bus.experience_give_back_failed", subject=subject, error=describe(exc))
                 continue
             given += 1
         if given:
@@ -483,5 +489,5 @@ class ExperienceReader:
         await self._ensure()
         return self
 
-    async def __aexit__(self, *exc_info) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()

@@ -14,7 +14,7 @@ from typing import Any
 __all__ = ["atomic_path", "write_bytes_atomic", "write_json_atomic", "fsync_dir"]
 
 
-def fsync_dir(path: str | os.PathLike) -> None:
+def fsync_dir(path: str | os.PathLike[str]) -> None:
     """Make a rename in directory `path` durable (a crash after it cannot bring the old name back)."""
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -32,7 +32,7 @@ def _fsync_file(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_path(final: str | os.PathLike, *, fsync: bool = True) -> Iterator[Path]:
+def atomic_path(final: str | os.PathLike[str], *, fsync: bool = True) -> Iterator[Path]:
     """Yield a temporary path beside `final` to write; when the block ends without an error the
     file is fsync'd and renamed over `final` (then the directory is fsync'd): a reader, or a restart
     after a crash, sees the old file or the whole new one. On an error the temporary file is removed.
@@ -52,11 +52,11 @@ def atomic_path(final: str | os.PathLike, *, fsync: bool = True) -> Iterator[Pat
         fsync_dir(final.parent)
 
 
-def write_bytes_atomic(path: str | os.PathLike, data: bytes, *, fsync: bool = True) -> None:
+def write_bytes_atomic(path: str | os.PathLike[str], data: bytes, *, fsync: bool = True) -> None:
     with atomic_path(path, fsync=fsync) as tmp:
         tmp.write_bytes(data)
 
 
-def write_json_atomic(path: str | os.PathLike, data: Any, *, fsync: bool = True) -> None:
+def write_json_atomic(path: str | os.PathLike[str], data: Any, *, fsync: bool = True) -> None:
     """Write `data` as JSON so that a reader (or a restart after a crash) sees old or new, never half."""
     write_bytes_atomic(path, json.dumps(data).encode(), fsync=fsync)

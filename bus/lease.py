@@ -19,9 +19,10 @@ import time
 import nats.errors
 import nats.js.errors
 from nats.js.api import KeyValueConfig, StorageType
+from nats.js.kv import KeyValue
 
 from .connection import BusConnection
-from .errors import BusError, StreamMismatch
+from .errors import BusError, StreamMismatch, describe
 from .streams import replica_shortfall
 
 __all__ = ["Lease", "SAFETY", "ensure_lease_bucket"]
@@ -29,7 +30,7 @@ __all__ = ["Lease", "SAFETY", "ensure_lease_bucket"]
 SAFETY = 0.7  # fraction of the ttl a holder trusts its last renewal for
 
 
-async def ensure_lease_bucket(conn: BusConnection, bucket: str, *, ttl_s: float, replicas: int = 1):
+async def ensure_lease_bucket(conn: BusConnection, bucket: str, *, ttl_s: float, replicas: int = 1) -> KeyValue:
     """Create the lease bucket (a KV whose entries live `ttl_s` after their last write), or return
     the existing one; with per-identity permissions `rolectl provision` (admin) makes it."""
     try:
@@ -56,7 +57,7 @@ class Lease:
         self.revision: int | None = None  # our key revision while we hold it
         self.renewed_at = 0.0  # monotonic time of our last successful create/update
         self.current_holder: str | None = None  # who holds it, as last read (None: nobody / unknown)
-        self._kv = None
+        self._kv: KeyValue | None = None
 
     async def open(self, *, retry_for: float = 120.0) -> None:
         """Find or create the bucket and check it (`StreamMismatch` if it has too few copies):
@@ -64,7 +65,7 @@ class Lease:
         A server restarting or a cluster electing is waited out for up to `retry_for` seconds."""
         await self.conn.retry(self._bucket, what=f"open lease bucket {self.bucket}", retry_for=retry_for)
 
-    async def _bucket(self):
+    async def _bucket(self) -> KeyValue:
         if self._kv is None:
             try:
                 # provisioned already (`rolectl provision`, or an earlier replica): use it as it is
@@ -72,13 +73,13 @@ class Lease:
             except nats.js.errors.BucketNotFoundError:
                 self._kv = await ensure_lease_bucket(self.conn, self.bucket, ttl_s=self.ttl_s,
                                                      replicas=self.replicas)
-            await self._check_copies()
+            await self._check_copies(self._kv)
         return self._kv
 
-    async def _check_copies(self) -> None:
+    async def _check_copies(self, kv: KeyValue) -> None:
         """Refuse a bucket kept on fewer nodes than asked: a lease with one copy dies with its node,
         and then no synchronizer can hold it (an older rolectl made R1 buckets on clusters)."""
-        shortfall = replica_shortfall(self.replicas, (await self._kv.status()).stream_info.config.num_replicas)
+        shortfall = replica_shortfall(self.replicas, (await kv.status()).stream_info.config.num_replicas)
         if shortfall:
             self._kv = None
             raise StreamMismatch(f"KV_{self.bucket}", shortfall)
@@ -110,7 +111,7 @@ class Lease:
         except StreamMismatch:
             raise  # a bucket set up wrong does not mend itself: say so rather than wait forever
         except (asyncio.TimeoutError, nats.errors.Error, nats.js.errors.Error, BusError) as exc:
-            self.conn.log.info("bus.lease_unreachable", bucket=self.bucket, key=self.key, error=str(exc))
+            self.conn.log.info("bus.lease_unreachable", bucket=self.bucket, key=self.key, error=describe(exc))
             if self.revision is not None and self.conn.is_connected:
                 # We hold it and the store itself cannot answer (its stream is electing a leader,
                 # or lost with a cluster node): nobody else can take it from that store either, so
@@ -119,7 +120,7 @@ class Lease:
                 self.renewed_at = time.monotonic()
             return self.held
 
-    async def _take(self, kv) -> bool:
+    async def _take(self, kv: KeyValue) -> bool:
         started = time.monotonic()
         try:
             self.revision = await kv.create(self.key, self.holder.encode())
@@ -143,4 +144,4 @@ class Lease:
         try:
             await self._kv.delete(self.key, last=revision)
         except (asyncio.TimeoutError, nats.errors.Error, nats.js.errors.Error) as exc:
-            self.conn.log.info("bus.lease_release_failed", bucket=self.bucket, key=self.key, error=str(exc))
+            self.conn.log.info("bus.lease_release_failed", bucket=self.bucket, key=self.key, error=describe(exc))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging as _stdlib_logging
 import sys
 import time
-from typing import Any, Callable, TextIO
+from typing import Any, Callable, MutableMapping, TextIO
 
 import structlog
 
@@ -80,7 +80,7 @@ def _ignore_tls_eof(record: _stdlib_logging.LogRecord) -> bool:
     return "eof_received() has no effect when using ssl" not in record.getMessage()
 
 
-def _redact_urls(_logger: Any, _method: str, event: dict) -> dict:
+def _redact_urls(_logger: Any, _method: str, event: MutableMapping[str, Any]) -> dict[str, Any]:
     """Mask URL passwords in every string of the event (messages, bound URLs, tracebacks)."""
     return {k: (redact(v) if isinstance(v, str) and "@" in v else v) for k, v in event.items()}
 

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import random
-import socket
 import time
 from typing import Any, Awaitable, Callable, TypeVar
 
 import nats.errors
 import nats.js.errors
 
-from .errors import BusClosed, RetriesExhausted
+from .errors import BusClosed, RetriesExhausted, describe
 
 __all__ = ["retry_transient", "is_transient", "backoff_delay", "Interrupted", "TRANSIENT_JS_ERR_CODES"]
 
@@ -42,7 +41,7 @@ TRANSIENT_JS_ERR_CODES = frozenset({
 
 def backoff_delay(attempt: int, *, base: float = _BACKOFF_BASE_S, cap: float = _BACKOFF_MAX_S) -> float:
     """Capped exponential backoff with "equal jitter" (half fixed, half random); attempt 0 is ~base."""
-    delay = min(cap, base * (2 ** min(attempt, 16)))
+    delay = min(cap, base * (2.0 ** min(attempt, 16)))
     return delay / 2 + random.uniform(0, delay / 2)
 
 
@@ -94,6 +93,7 @@ async def retry_transient(
     """
     deadline = time.monotonic() + retry_for
     attempt = 0
+    last: BaseException
     while True:
         if is_closed():
             raise BusClosed(f"{what}: the connection is closed")
@@ -148,23 +148,3 @@ async def _attempt(call: Callable[[], Awaitable[T]], interrupt: Callable[[], Awa
     if work.cancelled():
         raise Interrupted()
     return work.result()
-
-
-def describe(exc: BaseException | None) -> str:
-    """A short, readable name for a failure (for logs and error messages)."""
-    if exc is None:
-        return "no answer"
-    if isinstance(exc, ConnectionRefusedError):
-        return "connection refused (nothing listens on that port)"
-    if isinstance(exc, socket.gaierror):
-        return f"host name not resolved ({exc})"
-    if isinstance(exc, (asyncio.TimeoutError, nats.errors.TimeoutError)):
-        return "timed out"
-    if isinstance(exc, nats.errors.NoRespondersError):
-        return "no responders (JetStream not ready, or no such stream)"
-    if isinstance(exc, nats.js.errors.NoStreamResponseError):
-        return "no stream listens on the subject (server restarting, or the stream is gone)"
-    if isinstance(exc, nats.js.errors.APIError):
-        return f"{exc.description or type(exc).__name__} (code {exc.code}, err_code {exc.err_code})"
-    text = str(exc) or type(exc).__name__
-    return f"{type(exc).__name__}: {text}"

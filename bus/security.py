@@ -46,7 +46,7 @@ def redact(text: str) -> str:
     """`text` with the userinfo of every URL in it masked: ``nats://u:pw@h`` → ``nats://u:***@h``,
     ``nats://token@h`` → ``nats://***@h``. Works on one URL, a comma-separated list, or a log line."""
 
-    def mask(m: re.Match) -> str:
+    def mask(m: re.Match[str]) -> str:
         user, sep, _secret = m.group("userinfo").partition(":")
         return f"{m.group('scheme')}{user}:***@" if sep else f"{m.group('scheme')}***@"
 
@@ -129,6 +129,7 @@ class ClientSecurity:
             raise SecurityError("NATS client security settings:\n  " + "\n  ".join(problems))
 
     def _mtls_key(self) -> Path:
+        assert self.creds is not None  # only called for mTLS settings, which come with creds
         return Path(self.creds).with_suffix(".key")
 
     def tls_context(self) -> ssl.SSLContext | None:

@@ -21,6 +21,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, BinaryIO
 
 from .errors import NatsServerError
 
@@ -47,7 +48,8 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago (the kernel picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]
+        return port
 
 
 @dataclass
@@ -73,10 +75,10 @@ class NatsServer:
     # is (its own JetStream store), with `host`/`port`/`http_port` saying where it listens.
     config_file: str | None = None
 
-    _proc: subprocess.Popen | None = field(default=None, init=False, repr=False)
+    _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
     _terminating: bool = field(default=False, init=False, repr=False)  # SIGTERM sent, not waited for yet
-    _tmp_store: tempfile.TemporaryDirectory | None = field(default=None, init=False, repr=False)
-    _log_handle: object = field(default=None, init=False, repr=False)
+    _tmp_store: tempfile.TemporaryDirectory[str] | None = field(default=None, init=False, repr=False)
+    _log_handle: BinaryIO | None = field(default=None, init=False, repr=False)
 
     @property
     def url(self) -> str:
@@ -133,11 +135,10 @@ class NatsServer:
         return self
 
     def _launch(self, args: list[str], *, wait: bool) -> None:
+        out: BinaryIO | int = subprocess.DEVNULL
         if self.log_file:
             self._log_handle = open(self.log_file, "ab")
             out = self._log_handle
-        else:
-            out = subprocess.DEVNULL
         self._proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
         if wait:
             self.wait_ready()
@@ -206,14 +207,14 @@ class NatsServer:
     def __enter__(self) -> "NatsServer":
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     async def __aenter__(self) -> "NatsServer":
         await asyncio.to_thread(self.start)
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await asyncio.to_thread(self.stop)
 
 
@@ -243,7 +244,7 @@ class NatsCluster:
     debug_logs: bool = False  # nodes log at debug level (raft elections, catchups) into log_dir
 
     nodes: list[NatsServer] = field(default_factory=list, init=False)
-    _tmp_store: tempfile.TemporaryDirectory | None = field(default=None, init=False, repr=False)
+    _tmp_store: tempfile.TemporaryDirectory[str] | None = field(default=None, init=False, repr=False)
 
     @property
     def url(self) -> str:
@@ -327,7 +328,7 @@ class NatsCluster:
         """Start node `index` again on the same ports and store; returns once its JetStream answers."""
         self.nodes[index].start()
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         """What `cluster.json` holds: the client URL list and, per node, name, URLs and pid."""
         return {
             "name": self.name,
@@ -347,10 +348,10 @@ class NatsCluster:
         tmp.replace(path)
         return path
 
-    def _stream_details(self, account: str) -> dict[str, list[dict]]:
+    def _stream_details(self, account: str) -> dict[str, list[dict[str, Any]]]:
         """Each live node's view of the account's streams (`/jsz`, with configs): node name ->
         stream details. A node that does not answer is left out."""
-        views: dict[str, list[dict]] = {}
+        views: dict[str, list[dict[str, Any]]] = {}
         for node in self.nodes:
             if not node.running:
                 continue
@@ -360,7 +361,7 @@ class NatsCluster:
                     data = json.load(resp)
             except Exception:
                 continue
-            views[node.server_name] = [d for acc in data.get("account_details") or []
+            views[node.server_name or node.url] = [d for acc in data.get("account_details") or []
                                        for d in acc.get("stream_detail") or []]
         return views
 
@@ -371,7 +372,7 @@ class NatsCluster:
             for detail in details:
                 leader = (detail.get("cluster") or {}).get("leader")
                 if detail.get("name") == stream and leader:
-                    return leader
+                    return str(leader)
         return None
 
     def stream_names(self, contains: str, account: str = "$G") -> set[str]:
@@ -442,12 +443,12 @@ class NatsCluster:
     def __enter__(self) -> "NatsCluster":
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     async def __aenter__(self) -> "NatsCluster":
         await asyncio.to_thread(self.start)
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await asyncio.to_thread(self.stop)

@@ -15,12 +15,14 @@ from dataclasses import dataclass
 import nats.errors
 import nats.js.errors
 from nats.js.api import KeyValueConfig, StorageType
+from nats.js.kv import KeyValue
 
 from rolectl.sync_protocol import DecodeError
 from rolectl.sync_protocol.snapshot import decode_state, encode_state
 from rolectl.sync_protocol.state import State
 
 from .connection import BusConnection
+from .errors import describe
 
 __all__ = ["Snapshot", "SnapshotStore"]
 
@@ -42,9 +44,9 @@ class SnapshotStore:
         self.conn = conn
         self.bucket = conn.names.snapshot_bucket
         self.replicas = replicas
-        self._kv = None
+        self._kv: KeyValue | None = None
 
-    async def _bucket(self, *, create: bool):
+    async def _bucket(self, *, create: bool) -> KeyValue:
         if self._kv is None:
             try:
                 self._kv = await self.conn.js.key_value(self.bucket)
@@ -54,7 +56,7 @@ class SnapshotStore:
                 self._kv = await self.ensure_bucket()
         return self._kv
 
-    async def ensure_bucket(self):
+    async def ensure_bucket(self) -> KeyValue:
         """Create the snapshot bucket, or return the existing one (`rolectl provision` makes it
         under per-identity permissions; otherwise the first synchronizer that saves does)."""
         try:
@@ -75,7 +77,7 @@ class SnapshotStore:
             kv = await self._bucket(create=True)
             await kv.put(_KEY, payload)
         except (asyncio.TimeoutError, nats.errors.Error) as exc:
-            self.conn.log.info("bus.snapshot_not_saved", bucket=self.bucket, error=str(exc))
+            self.conn.log.info("bus.snapshot_not_saved", bucket=self.bucket, error=describe(exc))
             return False
         return True
 
@@ -87,7 +89,7 @@ class SnapshotStore:
         except (nats.js.errors.NotFoundError, nats.js.errors.BucketNotFoundError):
             return None
         except (asyncio.TimeoutError, nats.errors.Error) as exc:
-            self.conn.log.warning("bus.snapshot_unreadable", bucket=self.bucket, error=str(exc))
+            self.conn.log.warning("bus.snapshot_unreadable", bucket=self.bucket, error=describe(exc))
             return None
         try:
             state, extra = decode_state(entry.value or b"")

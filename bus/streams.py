@@ -18,12 +18,9 @@ within seconds (120 s window); a restarted explorer may re-publish a step minute
 streams cap the size of one message (`max_msg_size`) and their total (`max_bytes`), and refuse
 what does not fit (`DiscardPolicy.NEW`): history is never dropped silently to make room, and a full
 stream is a clear error (`StreamFull`, saying how to raise the limit) instead. The defaults are sized
-from measured bytes per step (`python -m benchmarks.stream_bytes`, quickstart: 2 explorers, 50
-steps): 4,783 event bytes (14.4 events) per trainer step, the largest event 475 bytes, one explorer
-batch (32 tasks x 16 responses) 83,167 bytes. So 64 KiB per event is 100x the largest; 64 MiB of
-events is ~14,000 quickstart steps (a 64-explorer job, ~1.6 KB per explorer step, ~650 steps); 8 MiB
-per batch is 100x the quickstart's, and 64 MiB of experiences is ~800 quickstart batches waiting for
-the trainer. Why not more: the server *reserves* every stream's max_bytes against its JetStream
+from measured bytes per step (`python -m benchmarks.stream_bytes`; figures in the docs): about 100x
+the largest event and the largest quickstart batch per message, and thousands of quickstart steps
+of events (hundreds of batches of experiences) in all. Why not more: the server *reserves* every stream's max_bytes against its JetStream
 store (`max_file_store`, by default 75 % of the free disk) when the stream is created, so one server
 holds only so many jobs' worth of limits. Size a long or wide job's streams on the server before it
 starts (`nats stream add`/`edit`, or `ensure_event_stream(max_bytes=...)`): limits are checked on
@@ -38,8 +35,9 @@ import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig, StreamInfo
 
-from .errors import BusError, PublishRejected, RetriesExhausted, StreamMismatch
-from .retry import describe, is_transient, retry_transient
+from ._natspy_compat import client_of
+from .errors import BusError, PublishRejected, RetriesExhausted, StreamMismatch, describe
+from .retry import is_transient, retry_transient
 from .subjects import JobNames
 
 __all__ = [
@@ -217,21 +215,21 @@ _ENSURE_RETRY_S = 60.0
 def _create_denied(js: JetStreamContext, stream: str) -> bool:
     """Whether the server's last error on this connection is a permissions violation for creating
     `stream` (nats-py keeps it as the client's `last_error`; the context exposes no public handle)."""
-    nc = getattr(js, "_nc", None)
-    last = str(getattr(nc, "last_error", None) or "").lower()
+    last = str(client_of(js).last_error or "").lower()
     return "permissions violation" in last and f"stream.create.{stream}".lower() in last
 
 
 async def _ensure(js: JetStreamContext, config: StreamConfig, *, retry_for: float = _ENSURE_RETRY_S) -> StreamInfo:
     """Look the stream up, create it if missing, verify it; transient failures (server restarting,
     a cluster electing its leader, too few nodes up for the replicas) are retried for `retry_for` s."""
-    # Requests use the JetStream context's timeout (nats-py's `nc.jetstream(timeout=...)`, 5 s).
+    # Requests use the JetStream context's timeout (nats-py's `nc.jetstream(timeout=...)`).
     assert config.name
+    name = config.name
     replicas = config.num_replicas or 1
 
     async def lookup_or_create() -> StreamInfo:
         try:
-            return await js.stream_info(config.name)
+            return await js.stream_info(name)
         except nats.js.errors.NotFoundError:
             pass
         try:
@@ -242,7 +240,7 @@ async def _ensure(js: JetStreamContext, config: StreamConfig, *, retry_for: floa
             # `last_error`). Without one, the answer is just slow (a loaded host, a cluster placing
             # the stream's replicas with a node down): retried, and the next lookup finds the
             # stream if that create went through.
-            if _create_denied(js, config.name):
+            if _create_denied(js, name):
                 raise BusError(
                     f"stream {config.name} does not exist and this identity may not create it (the "
                     f"server refused $JS.API.STREAM.CREATE.{config.name}); {PROVISION_HINT}"
@@ -251,7 +249,7 @@ async def _ensure(js: JetStreamContext, config: StreamConfig, *, retry_for: floa
         except nats.js.errors.APIError as exc:
             if exc.err_code == _STREAM_EXISTS_ERR:
                 # Another member created it between our lookup and our create: verify theirs.
-                return await js.stream_info(config.name)
+                return await js.stream_info(name)
             if is_transient(exc):
                 raise
             if exc.err_code == _REPLICAS_NOT_SUPPORTED_ERR:
@@ -280,7 +278,8 @@ async def _ensure(js: JetStreamContext, config: StreamConfig, *, retry_for: floa
     return info
 
 
-def _plain(value):
+def _plain(value: object) -> object:
+    """An enum's value, anything else as it is (a server's config and ours compare as plain values)."""
     return value.value if hasattr(value, "value") else value
 
 

@@ -129,7 +129,8 @@ def main() -> None:
 @click.option("--config", "config_path", required=True, type=click.Path(exists=True, dir_okay=False),
               help="Job YAML (see examples/).")
 @click.option("--id", "member_id", default=None,
-              help="Member id (default: trainer / explorer-0 / sync-<pid>); an explorer is explorer-N, N < explorers.count.")
+              help="Member id (default: trainer / explorer-0 / sync-<pid>); an explorer is explorer-N, "
+                   "N < explorers.count.")
 @click.option("--job", default=None, help="Job name; overrides the config's `job` (run the same file as another job).")
 @nats_option(None, "NATS URL(s), comma-separated; overrides the config's nats_url.")
 @click.option("--resume", is_flag=True,

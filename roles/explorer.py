@@ -21,12 +21,13 @@ import json
 import time
 import zlib
 
+from rolectl.bus.errors import describe
 from rolectl.bus.experiences import ExperienceBatch, ExperiencePublisher
 from rolectl.bus.security import redact
 from rolectl.bus.weights import TransferError, WeightsRef
-from rolectl.roles.session import JobIncomplete, MemberRejoined, MemberSession, stop_task, write_json_atomic
 from rolectl.roles.config import JobConfig
 from rolectl.roles.resume import SavedState, StartMode, decide_resume
+from rolectl.roles.session import JobIncomplete, MemberRejoined, MemberSession, stop_task, write_json_atomic
 from rolectl.roles.transports import make_pull_transport, make_rendezvous_transport
 from rolectl.sync_protocol import (
     MemberReleased,
@@ -182,7 +183,8 @@ class Explorer:
         if trainer is None:
             said = "no trainer has joined the job yet (is `rolectl start trainer` running?)"
         elif not trainer.alive:
-            said = f"the trainer is away (stopped or expired at step {trainer.step}) for {view.away_for(Role.TRAINER):.0f} s"
+            away = view.away_for(Role.TRAINER)
+            said = f"the trainer is away (stopped or expired at step {trainer.step}) for {away:.0f} s"
         else:
             said = f"the trainer is at step {trainer.step}, version {trainer.version}"
         return said + ("" if syncs else "; no synchronizer is running (`rolectl start sync`)")
@@ -226,7 +228,8 @@ class Explorer:
                 return d
             return None
 
-        what = "the first weights from the trainer" if self.version < 0 else f"weights newer than version {self.version}"
+        what = ("the first weights from the trainer" if self.version < 0
+                else f"weights newer than version {self.version}")
         decision = await self.s.wait_decision(about_me, after=seq, what=f"a sync decision ({what})",
                                               give_up=self._trainer_gone_for_good, detail=self._who_is_missing)
         waited = time.monotonic() - started
@@ -269,7 +272,7 @@ class Explorer:
             for engine in (self.engine, *self.extra_ranks):
                 engine.load_weights(tensors, ref.version)
         except TransferError as exc:
-            self.log.warning("fetch_failed", version=ref.version, error=str(exc))
+            self.log.warning("fetch_failed", version=ref.version, error=describe(exc))
             await self.s.publish(SyncFailed(member=self.s.me, version=self.version, reason=str(exc), round=round_id))
             return
         await self._set_version(ref.version, round_id=round_id, nbytes=ref.nbytes,
@@ -283,7 +286,7 @@ class Explorer:
                 also_into=[e.weight_buffers() for e in self.extra_ranks],
             )
         except TransferError as exc:
-            self.log.warning("receive_failed", round=ready.round, epoch=ready.epoch, error=str(exc))
+            self.log.warning("receive_failed", round=ready.round, epoch=ready.epoch, error=describe(exc))
             await self.s.publish(SyncFailed(member=self.s.me, version=self.version, reason=str(exc), round=ready.round))
             return
         await self._set_version(ready.version, round_id=ready.round, nbytes=nbytes,
@@ -304,7 +307,7 @@ class Explorer:
             try:
                 tensors = await self.transport.fetch(ref)
             except TransferError as exc:
-                self.log.warning("background_fetch_failed", version=ref.version, error=str(exc))
+                self.log.warning("background_fetch_failed", version=ref.version, error=describe(exc))
                 fetched = ref.version  # skip it; the next version will come
                 continue
             fetched = ref.version
@@ -334,7 +337,7 @@ class Explorer:
         try:
             await self.s.set_status(RunningStatus.STOPPED, final=self.finished)
         except Exception as exc:
-            self.log.error("stopped_not_published", error=str(exc))
+            self.log.error("stopped_not_published", error=describe(exc))
         await self.transport.aclose()
         # how often it waited, and for how long at most; percentiles are the run summary's (one fold)
         self.log.info("explorer_finished" if self.finished else "explorer_stopped_early",

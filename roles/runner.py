@@ -9,7 +9,7 @@ import sys
 
 import structlog
 
-from rolectl.bus.errors import BusError
+from rolectl.bus.errors import BusError, describe
 from rolectl.bus.logging import setup_logging
 from rolectl.roles.config import JobConfig
 from rolectl.roles.exit_codes import ExitCode
@@ -125,10 +125,10 @@ def run_role(role: str, cfg: JobConfig, member_id: str | None = None, *, start_m
         log.error("job_incomplete", reason=str(exc), exit_code=EXIT_INCOMPLETE)
         return EXIT_INCOMPLETE
     except BusError as exc:
-        log.error("bus_error", error=str(exc))
+        log.error("bus_error", error=describe(exc))
         return EXIT_ERROR
     except Exception as exc:
-        log.exception("role_failed", error=str(exc))
+        log.exception("role_failed", error=describe(exc))
         return EXIT_ERROR
     log.info("role_exited")
     return EXIT_OK

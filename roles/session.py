@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 import structlog
 
 from rolectl.bus.connection import BusConnection, connect
-from rolectl.bus.errors import BusError
-from rolectl.bus.files import write_json_atomic  # re-exported: the roles write their state with it
+from rolectl.bus.errors import BusError, describe
 from rolectl.bus.events import EventPublisher, last_sequence, publish_heartbeat, read_events
+from rolectl.bus.files import write_json_atomic  # re-exported: the roles write their state with it
 from rolectl.bus.snapshots import SnapshotStore
 from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream
 from rolectl.roles.config import JobConfig
@@ -117,10 +117,10 @@ class JobView:
         self._away_since: dict[Role, float] = {}
         # wait_for() callers: (predicate, future). The follower checks them after each burst of
         # records and resolves only those that hold: a waiter is not woken to find it still waits.
-        self._waiters: list[tuple[Callable[["JobView"], object], asyncio.Future, str]] = []
+        self._waiters: list[tuple[Callable[[JobView], object], asyncio.Future, str]] = []
         # waiters whose predicate only a join, stop or expiry can change (a member's own expiry):
         # checked after bursts that folded one, not after every burst
-        self._membership_waiters: list[tuple[Callable[["JobView"], object], asyncio.Future, str]] = []
+        self._membership_waiters: list[tuple[Callable[[JobView], object], asyncio.Future, str]] = []
         self._membership_moved = False
         self._task: asyncio.Task | None = None
         self._log = log or structlog.get_logger()
@@ -183,7 +183,7 @@ class JobView:
             self._membership_moved = False
             self._membership_waiters = _answer(self._membership_waiters, self, stopped)
 
-    async def wait_for(self, predicate: Callable[["JobView"], object], *, timeout: float | None,
+    async def wait_for(self, predicate: Callable[[JobView], object], *, timeout: float | None,
                        what: str = "condition", membership_only: bool = False, announce: bool = True):
         """Wait until `predicate(view)` is truthy; return its value. TimeoutError after `timeout`.
 
@@ -226,14 +226,14 @@ class JobView:
         """Recorded decisions with a stream sequence greater than `seq` (newest last)."""
         return self.decisions[bisect.bisect_right(self.decisions, seq, key=_seq_of):]
 
-    def first_decision(self, after_seq: int, match: Callable[[Decision], object]) -> Callable[["JobView"], object]:
+    def first_decision(self, after_seq: int, match: Callable[[Decision], object]) -> Callable[[JobView], object]:
         """A `wait_for` predicate: `match(d)` for the first decision `d` recorded after `after_seq`
         for which it is truthy (None until there is one). Each recorded decision is looked at once,
         however many bursts the wait spans: a member waiting among 64 others is not walked through
         every decision since its request at each burst."""
         index = bisect.bisect_right(self.decisions, after_seq, key=_seq_of)
 
-        def found(view: "JobView") -> object:
+        def found(view: JobView) -> object:
             nonlocal index
             decisions = view.decisions
             while index < len(decisions):
@@ -279,7 +279,7 @@ class JobView:
             self._task = None
 
 
-def _answer(waiters: list, view: "JobView", stopped: str | None) -> list:
+def _answer(waiters: list, view: JobView, stopped: str | None) -> list:
     """Resolve the waiters whose predicate holds (or all, with an error, when the view stopped);
     return those still waiting."""
     waiting = []
@@ -356,7 +356,7 @@ class MemberSession:
         """`role/id`: this member's name across incarnations (as `MemberRef.key`)."""
         return f"{self.role.value}/{self.member_id}"
 
-    async def __aenter__(self) -> "MemberSession":
+    async def __aenter__(self) -> MemberSession:
         self.log = structlog.get_logger().bind(job=self.cfg.job, role=self.role.value, member=self.member_id)
         self._stack = AsyncExitStack()
         self.conn = await self._stack.enter_async_context(
@@ -570,7 +570,7 @@ class MemberSession:
                 await publish_heartbeat(self.conn, self.me, step=self.step, version=self.version,
                                         status=self.status)
             except Exception as exc:  # a disconnect must not kill the role; the client reconnects
-                self.log.warning("heartbeat_failed", error=str(exc))
+                self.log.warning("heartbeat_failed", error=describe(exc))
             else:
                 # only a beat close to the last trusted one extends the trust: after a pause the
                 # fence reads the record instead (a beat then says nothing about what happened)
@@ -584,7 +584,8 @@ class MemberSession:
         finally:
             if self.replaced_by is not None and exc_type is not None and issubclass(exc_type, asyncio.CancelledError):
                 # cancelled by our own fence, not by a signal: say why the role stopped
-                self._main_task.uncancel()
+                if hasattr(self._main_task, "uncancel"):  # Python 3.11+: this cancel was ours, handled
+                    self._main_task.uncancel()
                 raise MemberReplaced(self._replaced_message())
 
     async def _close(self) -> None:

@@ -57,7 +57,7 @@ from collections import OrderedDict, deque
 import structlog
 
 from rolectl.bus.connection import connect
-from rolectl.bus.errors import DecisionSuperseded, PayloadTooLarge
+from rolectl.bus.errors import DecisionSuperseded, PayloadTooLarge, describe
 from rolectl.bus.events import (
     DecisionPublisher,
     EventPublisher,
@@ -212,7 +212,7 @@ class Synchronizer:
             await asyncio.wait_for(self.events.publish(StatusChanged(
                 member=self.me, status=RunningStatus.STOPPED, step=0, version=0, final=True)), 10.0)
         except Exception as exc:  # the server is gone: nothing to tell it; status shows us expired
-            self.log.warning("stopped_not_recorded", error=str(exc))
+            self.log.warning("stopped_not_recorded", error=describe(exc))
 
     async def _load_snapshot(self) -> int:
         """Start from the newest reducer snapshot, if any: returns the first sequence to read."""
@@ -311,7 +311,7 @@ class Synchronizer:
             if self._failure is not None and not self._failure.done():
                 self._failure.set_exception(exc)  # run() raises it
             else:
-                self.log.error("decision_publish_failed", decisions=len(decisions), error=str(exc))
+                self.log.error("decision_publish_failed", decisions=len(decisions), error=describe(exc))
         finally:
             self._unsend(batch)  # not recorded (lease lost, guard failed, error): to be sent again
             if self._in_flight is asyncio.current_task():
@@ -444,7 +444,7 @@ class Synchronizer:
                 self._own_beats.append(time.monotonic())
                 await publish_heartbeat(self.conn, self.me, step=0, version=0, status=RunningStatus.RUNNING)
             except Exception as exc:
-                self.log.warning("heartbeat_failed", error=str(exc))
+                self.log.warning("heartbeat_failed", error=describe(exc))
             await asyncio.sleep(self.sync_cfg.heartbeat_period)
 
     def _note_connection(self) -> bool:
@@ -476,7 +476,7 @@ class Synchronizer:
                 await self._check_rounds()
                 await self._check_members()
             except Exception as exc:  # a publish failing during a reconnect: try again next tick
-                self.log.warning("timer_check_failed", error=str(exc))
+                self.log.warning("timer_check_failed", error=describe(exc))
 
     async def _check_rounds(self) -> None:
         # Deadlines are server time (when the round opened) plus sync_timeout, compared with our

@@ -26,15 +26,15 @@ import socket
 import time
 from pathlib import Path
 
-from rolectl.bus.errors import AckFailed
+from rolectl.bus.errors import AckFailed, describe
 from rolectl.bus.experiences import ExperienceReader
 from rolectl.bus.security import redact
 from rolectl.bus.weights import TransferError
-from rolectl.roles.session import JobIncomplete, MemberRejoined, MemberSession, write_json_atomic
-from rolectl.roles.waiting import WaitNotice
 from rolectl.roles.config import JobConfig
 from rolectl.roles.resume import SavedState, StartMode, decide_resume
+from rolectl.roles.session import JobIncomplete, MemberRejoined, MemberSession, write_json_atomic
 from rolectl.roles.transports import make_pull_transport, make_rendezvous_transport
+from rolectl.roles.waiting import WaitNotice
 from rolectl.sync_protocol import (
     MemberReleased,
     NoNewVersion,
@@ -185,7 +185,7 @@ class Trainer:
         try:
             held = json.loads(self.held_file.read_text())
         except (OSError, ValueError) as exc:
-            self.log.warning("held_batches_unreadable", file=str(self.held_file), error=str(exc))
+            self.log.warning("held_batches_unreadable", file=str(self.held_file), error=describe(exc))
             return
         given = await self.reader.give_back([item["ack"] for item in held.get("batches", ())])
         if given:
@@ -298,7 +298,7 @@ class Trainer:
             try:
                 await msg.in_progress()
             except AckFailed as exc:  # the server is away (reconnecting); the next call retries
-                self.log.debug("in_progress_failed", seq=msg.seq, error=str(exc))
+                self.log.debug("in_progress_failed", seq=msg.seq, error=describe(exc))
                 break
 
     def _explorers_done(self) -> bool:
@@ -409,7 +409,7 @@ class Trainer:
         try:
             nbytes = await self.transport.send(decision, self.engine.weights())
         except TransferError as exc:
-            self.log.warning("broadcast_failed", round=decision.round, epoch=decision.epoch, error=str(exc))
+            self.log.warning("broadcast_failed", round=decision.round, epoch=decision.epoch, error=describe(exc))
             await self.s.publish(SyncFailed(member=me, version=self.version, reason=str(exc), round=decision.round))
             self.s.status = RunningStatus.RUNNING
             return
@@ -456,7 +456,7 @@ class Trainer:
         try:
             await msg.ack()
         except AckFailed as exc:
-            self.log.warning("experience_ack_failed", seq=msg.seq, error=str(exc))
+            self.log.warning("experience_ack_failed", seq=msg.seq, error=describe(exc))
             self.unconfirmed[msg.seq] = msg
             return False
         self.acked_at_save.discard(msg.seq)
@@ -500,24 +500,23 @@ class Trainer:
                 await self.save_checkpoint()
                 await self._confirm_acks_before_exit()
         except Exception as exc:
-            self.log.error("final_save_failed", error=str(exc))
+            self.log.error("final_save_failed", error=describe(exc))
         finished = self.engine.step >= self.total_steps
         try:
             # final: the job is done, explorers may stop; otherwise a restart is expected
             await self.s.set_status(RunningStatus.STOPPED, final=finished)
         except Exception as exc:
-            self.log.error("stopped_not_published", error=str(exc))
+            self.log.error("stopped_not_published", error=describe(exc))
         await self._close()
         self.log.info("trainer_finished" if finished else "trainer_stopped_early", step=self.engine.step,
                       total_steps=self.total_steps, version=self.version, dropped_stale=self.dropped_stale)
-
 
     async def _close(self) -> None:
         for closing in (self.transport.aclose, self.reader.aclose):
             try:
                 await closing()
             except Exception as exc:  # closing must not hide how the run ended
-                self.log.warning("close_failed", what=closing.__qualname__, error=str(exc))
+                self.log.warning("close_failed", what=closing.__qualname__, error=describe(exc))
 
 
 def _advertised_host() -> str:

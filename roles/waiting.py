@@ -40,7 +40,7 @@ class WaitNotice:
         self._since = ""
         self.lines = 0  # how many "still_waiting" lines it logged
 
-    def __enter__(self) -> "WaitNotice":
+    def __enter__(self) -> WaitNotice:
         self._started = time.monotonic()
         self._since = datetime.now(timezone.utc).isoformat(timespec="seconds")
         self._handle = asyncio.get_running_loop().call_later(next(self._delays), self._say)

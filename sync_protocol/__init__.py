@@ -1,9 +1,26 @@
 """The pure sync core: events in, state and decisions out. No I/O, no clock, no torch."""
 
 from .boundaries import explorer_needs_sync, is_stale, needs_reload, trainer_needs_sync
-from .codec import SCHEMA_VERSION, decode, decode_all, encode, encode_decisions, from_plain, to_plain
+from .codec import (
+    SCHEMA_VERSION,
+    decode,
+    decode_all,
+    encode,
+    encode_decisions,
+    from_plain,
+    member_from_plain,
+    to_plain,
+)
 from .config import SyncConfig
-from .enums import ReleaseReason, Role, RoundOutcome, RunningStatus, SyncMethod, SyncStyle
+from .describe import describe
+from .enums import (
+    ReleaseReason,
+    Role,
+    RoundOutcome,
+    RunningStatus,
+    SyncMethod,
+    SyncStyle,
+)
 from .errors import ConfigError, DecodeError, IllegalEvent, ProtocolError
 from .events import *  # noqa: F401,F403  (the event classes are the package's vocabulary)
 from .events import __all__ as _event_names
@@ -17,7 +34,9 @@ __all__ = [
     "encode",
     "encode_decisions",
     "from_plain",
+    "member_from_plain",
     "to_plain",
+    "describe",
     "SyncConfig",
     "ReleaseReason",
     "Role",

@@ -15,17 +15,16 @@ empty or too long each get a message saying so.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from enum import Enum
 from typing import Any
 
-import msgpack
+import msgspec
 
 from .config import SyncConfig
 from .errors import DecodeError
-from .events import KINDS, Decision, Event, MemberRef, RankAssignment, is_map
+from .events import KINDS, Decision, Event, JobConfigured, MemberRef
 
 __all__ = ["SCHEMA_VERSION", "BATCH_KIND", "MAX_BATCH", "encode", "encode_decisions", "decode", "decode_all",
-           "to_plain", "from_plain"]
+           "to_plain", "from_plain", "member_from_plain"]
 
 SCHEMA_VERSION = 4
 """Bumped on any incompatible change; decoders reject newer schemas instead of guessing.
@@ -43,44 +42,70 @@ MAX_BATCH = 256
 128); a bound keeps a hostile message from costing more than a normal one to reject."""
 
 
-def _plain(value: Any) -> Any:
-    if isinstance(value, Enum):
-        return value.value
-    if isinstance(value, MemberRef):
-        return {"role": value.role.value, "id": value.id, "inc": value.incarnation}
-    if isinstance(value, RankAssignment):
-        return {"member": _plain(value.member), "rank_offset": value.rank_offset, "ranks": value.ranks}
+def _enc_hook(value: Any) -> Any:
+    # msgspec writes structs, enums and dataclasses itself; these are what else a field may hold
     if isinstance(value, SyncConfig):
         return value.to_mapping()
-    if isinstance(value, tuple):
-        return [_plain(v) for v in value]
     if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
+        return dict(value)
+    raise NotImplementedError(f"cannot encode {type(value).__name__}")
+
+
+def _dec_hook(type_: type, value: Any) -> Any:
+    # `JobConfigured.config` arrives already built by `SyncConfig.from_mapping` (see `from_plain`)
+    if isinstance(value, type_):
+        return value
+    raise NotImplementedError(f"cannot decode {type_.__name__}")
+
+
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+_DECODER = msgspec.msgpack.Decoder()
 
 
 def to_plain(event: Event | Decision) -> dict[str, Any]:
     """The event as a plain map (JSON/msgpack-ready): schema, kind and every field."""
-    out: dict[str, Any] = {"schema": SCHEMA_VERSION, "kind": event.KIND}
-    for name, _ in event._specs:
-        out[name] = _plain(getattr(event, name))
-    return out
+    fields: dict[str, Any] = msgspec.to_builtins(event, enc_hook=_enc_hook)
+    return {"schema": SCHEMA_VERSION, **fields}  # msgspec puts the tag (`kind`) first
 
 
 def encode(event: Event | Decision) -> bytes:
     """Serialise one event or decision."""
-    return msgpack.packb(to_plain(event), use_bin_type=True)
+    return _ENCODER.encode(to_plain(event))
 
 
-# The keys a message of each kind may hold: its fields, its schema and its kind.
-_ALLOWED_KEYS: dict[str, frozenset[str]] = {
-    kind: frozenset(name for name, _ in cls._specs) | {"schema", "kind"} for kind, cls in KINDS.items()
-}
+def _explain(error: msgspec.ValidationError) -> str:
+    """msgspec's message with its JSON path (`... - at `$.released.inc``) turned into the field's
+    name in front: "field 'released.inc': Expected `int`, got `bool`"."""
+    what, sep, where = str(error).rpartition(" - at `")
+    if not sep:
+        return what or str(error)
+    path = where.rstrip("`").replace("`", "").replace("$.", "").replace("$", "the message")
+    if path.startswith("key in "):
+        return f"a key in {path[len('key in '):]}: {what}"
+    return f"field {path!r}: {what}"
+
+
+def _job_config(value: Any) -> SyncConfig:
+    # SyncConfig validates itself and reports every problem at once (`config.py`)
+    if isinstance(value, SyncConfig):
+        return value
+    try:
+        return SyncConfig.from_mapping(value, where="config")
+    except ValueError as exc:  # ConfigError is a ValueError
+        raise DecodeError(f"field 'config': {exc}") from None
+
+
+def member_from_plain(data: Any) -> MemberRef:
+    """A member map `{role, id, inc}` from the wire (a heartbeat's, say), or `DecodeError`."""
+    try:
+        return msgspec.convert(data, MemberRef)
+    except msgspec.ValidationError as exc:
+        raise DecodeError(f"member: {_explain(exc)}") from None
 
 
 def from_plain(data: Any) -> Event | Decision:
     """Build an event from a plain map, or raise `DecodeError` saying what is wrong."""
-    if not is_map(data):
+    if not isinstance(data, Mapping):
         raise DecodeError(f"an event must be a map, got {type(data).__name__}")
     schema = data.get("schema")
     if isinstance(schema, bool) or not isinstance(schema, int):
@@ -96,17 +121,15 @@ def from_plain(data: Any) -> Event | Decision:
     cls = KINDS.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise DecodeError(f"unknown event kind {kind!r}; known: {sorted(KINDS)}")
-    allowed = _ALLOWED_KEYS[kind]
-    if not allowed.issuperset(data.keys()):
-        unknown = [k for k in data if k not in allowed]
-        raise DecodeError(f"{kind}: unknown field(s) {sorted(map(str, unknown))}")
-    kwargs = dict(data)  # every event is decoded on every reader's hot path: copy, drop two keys
-    del kwargs["schema"], kwargs["kind"]
+    body = dict(data)
+    del body["schema"]  # every kind's own fields and its tag remain
     try:
-        return cls(**kwargs)
+        if cls is JobConfigured and "config" in body:
+            body["config"] = _job_config(body["config"])
+        return msgspec.convert(body, cls, dec_hook=_dec_hook)
+    except msgspec.ValidationError as exc:
+        raise DecodeError(f"{kind}: {_explain(exc)}") from None
     except DecodeError as exc:
-        raise DecodeError(f"{kind}: {exc}") from None
-    except TypeError as exc:  # a required field is missing
         raise DecodeError(f"{kind}: {exc}") from None
 
 
@@ -122,16 +145,16 @@ def encode_decisions(decisions: Sequence[Decision]) -> bytes:
         raise ValueError(f"a decision batch holds decisions only, got {', '.join(inputs)}")
     if len(decisions) > MAX_BATCH:
         raise ValueError(f"a decision batch holds at most {MAX_BATCH} decisions, got {len(decisions)}")
-    return msgpack.packb({"schema": SCHEMA_VERSION, "kind": BATCH_KIND, "decisions": [to_plain(d) for d in decisions]},
-                         use_bin_type=True)
+    return _ENCODER.encode({"schema": SCHEMA_VERSION, "kind": BATCH_KIND,
+                            "decisions": [to_plain(d) for d in decisions]})
 
 
 def _unpack(payload: bytes) -> Any:
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise DecodeError(f"expected bytes, got {type(payload).__name__}")
     try:
-        return msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except Exception as exc:  # msgpack raises several unrelated types; all mean "not msgpack"
+        return _DECODER.decode(payload)
+    except Exception as exc:  # msgspec.DecodeError mostly; anything here means "not msgpack"
         raise DecodeError(f"not a msgpack message ({type(exc).__name__}: {exc})") from None
 
 
@@ -139,7 +162,7 @@ def decode(payload: bytes) -> Event | Decision:
     """Parse one wire message holding one event or decision (or raise `DecodeError`; a decision
     batch is refused here: read stream messages with `decode_all`)."""
     data = _unpack(payload)
-    if is_map(data) and data.get("kind") == BATCH_KIND:
+    if isinstance(data, dict) and data.get("kind") == BATCH_KIND:
         raise DecodeError("a batch of decisions where one event or decision was expected (use decode_all)")
     return from_plain(data)
 
@@ -148,7 +171,7 @@ def decode_all(payload: bytes) -> tuple[Event | Decision, ...]:
     """Parse one stream message into what it holds: one event, one decision, or the decisions of a
     batch in recorded order (or raise `DecodeError` saying what is wrong)."""
     data = _unpack(payload)
-    if not (is_map(data) and data.get("kind") == BATCH_KIND):
+    if not (isinstance(data, dict) and data.get("kind") == BATCH_KIND):
         return (from_plain(data),)
     schema = data.get("schema")
     if isinstance(schema, bool) or not isinstance(schema, int) or not 3 <= schema <= SCHEMA_VERSION:
@@ -162,7 +185,7 @@ def decode_all(payload: bytes) -> tuple[Event | Decision, ...]:
     if not isinstance(items, list) or not 2 <= len(items) <= MAX_BATCH:
         got = f"{len(items)} items" if isinstance(items, list) else type(items).__name__
         raise DecodeError(f"decision batch: 'decisions' must be a list of 2 to {MAX_BATCH} decisions, got {got}")
-    out = []
+    out: list[Decision] = []
     for i, item in enumerate(items):
         try:
             decision = from_plain(item)

@@ -7,6 +7,10 @@ reference's aliases, so a config written for the reference loads here unchanged.
 from __future__ import annotations
 
 from enum import Enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # typing.Self is 3.11+; the project supports 3.10
+    from typing_extensions import Self
 
 __all__ = [
     "Role",
@@ -28,14 +32,11 @@ class _ParsableEnum(str, Enum):
         return {}
 
     @classmethod
-    def parse(cls, text: "str | _ParsableEnum") -> "_ParsableEnum":
+    def parse(cls, text: str | _ParsableEnum) -> Self:
         if isinstance(text, cls):
             return text
         if not isinstance(text, str):
             raise ValueError(f"expected one of {cls.choices()}, got {text!r}")
-        exact = cls._value2member_map_.get(text)  # the wire's spelling: one lookup per field decoded
-        if exact is not None:
-            return exact
         key = text.strip().lower()
         key = cls._aliases().get(key, key)
         for member in cls:
@@ -48,7 +49,7 @@ class _ParsableEnum(str, Enum):
         return [m.value for m in cls] + sorted(cls._aliases())
 
     def __str__(self) -> str:
-        return self.value
+        return str(self.value)
 
 
 class Role(_ParsableEnum):

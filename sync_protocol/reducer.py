@@ -20,26 +20,28 @@ same decisions from the same stream.
 * Before a JobConfigured is folded nothing is decided (members and versions are still recorded);
   the JobConfigured then evaluates every pending REQUIRE_SYNC as if it had just arrived.
 
-Speed: each call copies the member map once and builds each changed object once (objects created
-within the call are private until it returns, so they are updated in place); see `_Tx`.
+Each call works on a `_Tx`: the predecessor's fields as typed attributes, a private copy of the
+member map, and the round map copied on first write; `commit` builds the successor `State`.
 """
 
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, fields
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from enum import Enum
 from types import MappingProxyType
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
+
+from msgspec.structs import replace
 
 from .boundaries import needs_reload
 from .config import SyncConfig
+from .describe import describe, describe_config
 from .enums import (
-    RENDEZVOUS_METHODS,
     ReleaseReason,
     Role,
     RoundOutcome,
     RunningStatus,
-    SyncMethod,
     SyncStyle,
 )
 from .errors import IllegalEvent
@@ -49,7 +51,6 @@ from .events import (
     JobConfigured,
     MemberExpired,
     MemberJoined,
-    MemberRef,
     MemberReleased,
     NoNewVersion,
     RankAssignment,
@@ -65,7 +66,7 @@ from .events import (
     WeightsBroadcast,
     WeightsLoaded,
 )
-from .state import GroupState, LatestVersion, MemberState, RoundPhase, RoundState, State, evolve
+from .state import GroupState, LatestVersion, MemberState, RoundPhase, RoundState, State
 
 __all__ = [
     "reduce",
@@ -90,8 +91,6 @@ _EXPLORER = Role.EXPLORER
 _SYNCHRONIZER = Role.SYNCHRONIZER
 _WAITING = RoundPhase.WAITING
 _TRANSFERRING = RoundPhase.TRANSFERRING
-# `method in _RDV_METHODS` is an identity check; `method.is_rendezvous` hashes the Enum in Python
-_RDV_METHODS = tuple(m for m in SyncMethod if m in RENDEZVOUS_METHODS)
 
 
 # ==================================================================================================
@@ -129,28 +128,27 @@ class Transition:
 
 
 _PULL, _RDV = "pull", "rendezvous"
-_O, _R = RoundOutcome, ReleaseReason
 
 ROUND_TRANSITIONS: Mapping[tuple[str, RoundPhase, Trigger], Transition] = MappingProxyType({
     # pull rounds (checkpoint, memory): one explorer waits for a version newer than its own
-    (_PULL, _WAITING, Trigger.NEW_VERSION): Transition(_O.COMPLETED, release=_R.NEW_VERSION),
-    (_PULL, _WAITING, Trigger.NO_NEW_VERSION): Transition(_O.NO_NEW_VERSION, release=_R.NO_NEW_VERSION),
-    (_PULL, _WAITING, Trigger.TRAINER_LEFT): Transition(_O.TRAINER_STOPPED, release=_R.TRAINER_STOPPED),
-    (_PULL, _WAITING, Trigger.TIMED_OUT): Transition(_O.TIMED_OUT, release=_R.TIMED_OUT),
-    (_PULL, _WAITING, Trigger.NOBODY_WAITING): Transition(_O.ABANDONED),
+    (_PULL, _WAITING, Trigger.NEW_VERSION): Transition(RoundOutcome.COMPLETED, release=ReleaseReason.NEW_VERSION),
+    (_PULL, _WAITING, Trigger.NO_NEW_VERSION): Transition(RoundOutcome.NO_NEW_VERSION, release=ReleaseReason.NO_NEW_VERSION),
+    (_PULL, _WAITING, Trigger.TRAINER_LEFT): Transition(RoundOutcome.TRAINER_STOPPED, release=ReleaseReason.TRAINER_STOPPED),
+    (_PULL, _WAITING, Trigger.TIMED_OUT): Transition(RoundOutcome.TIMED_OUT, release=ReleaseReason.TIMED_OUT),
+    (_PULL, _WAITING, Trigger.NOBODY_WAITING): Transition(RoundOutcome.ABANDONED),
     # rendezvous rounds (nccl, cuda_ipc), gathering: trainer + every live explorer must arrive
     (_RDV, _WAITING, Trigger.ALL_ARRIVED): Transition(next_phase=_TRANSFERRING),
-    (_RDV, _WAITING, Trigger.NO_NEW_VERSION): Transition(_O.NO_NEW_VERSION, release=_R.NO_NEW_VERSION),
-    (_RDV, _WAITING, Trigger.TRAINER_LEFT): Transition(_O.TRAINER_STOPPED, release=_R.TRAINER_STOPPED),
-    (_RDV, _WAITING, Trigger.TIMED_OUT): Transition(_O.TIMED_OUT, release=_R.TIMED_OUT),
+    (_RDV, _WAITING, Trigger.NO_NEW_VERSION): Transition(RoundOutcome.NO_NEW_VERSION, release=ReleaseReason.NO_NEW_VERSION),
+    (_RDV, _WAITING, Trigger.TRAINER_LEFT): Transition(RoundOutcome.TRAINER_STOPPED, release=ReleaseReason.TRAINER_STOPPED),
+    (_RDV, _WAITING, Trigger.TIMED_OUT): Transition(RoundOutcome.TIMED_OUT, release=ReleaseReason.TIMED_OUT),
     # nothing to send to: free the trainer at once instead of letting it wait sync_timeout
-    (_RDV, _WAITING, Trigger.NO_EXPLORERS): Transition(_O.ABANDONED, release=_R.NO_NEW_VERSION),
-    (_RDV, _WAITING, Trigger.NOBODY_WAITING): Transition(_O.ABANDONED),
+    (_RDV, _WAITING, Trigger.NO_EXPLORERS): Transition(RoundOutcome.ABANDONED, release=ReleaseReason.NO_NEW_VERSION),
+    (_RDV, _WAITING, Trigger.NOBODY_WAITING): Transition(RoundOutcome.ABANDONED),
     # rendezvous rounds, transferring: RendezvousReady was sent, every participant must report
-    (_RDV, _TRANSFERRING, Trigger.ALL_REPORTED): Transition(_O.COMPLETED),
-    (_RDV, _TRANSFERRING, Trigger.SYNC_FAILED): Transition(_O.FAILED, breaks_group=True),
-    (_RDV, _TRANSFERRING, Trigger.PARTICIPANT_LEFT): Transition(_O.FAILED, breaks_group=True),
-    (_RDV, _TRANSFERRING, Trigger.TIMED_OUT): Transition(_O.TIMED_OUT, breaks_group=True),
+    (_RDV, _TRANSFERRING, Trigger.ALL_REPORTED): Transition(RoundOutcome.COMPLETED),
+    (_RDV, _TRANSFERRING, Trigger.SYNC_FAILED): Transition(RoundOutcome.FAILED, breaks_group=True),
+    (_RDV, _TRANSFERRING, Trigger.PARTICIPANT_LEFT): Transition(RoundOutcome.FAILED, breaks_group=True),
+    (_RDV, _TRANSFERRING, Trigger.TIMED_OUT): Transition(RoundOutcome.TIMED_OUT, breaks_group=True),
 })
 
 PULL_POLICY: Mapping[SyncStyle, Trigger | None] = MappingProxyType({
@@ -212,7 +210,11 @@ def transitions_markdown() -> str:
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for (kind, phase, trigger), t in ROUND_TRANSITIONS.items():
-        becomes = f"closed `{t.outcome.value}`" if t.outcome else f"`{t.next_phase.value}`"
+        if t.outcome is not None:
+            becomes = f"closed `{t.outcome.value}`"
+        else:
+            assert t.next_phase is not None, "a row that keeps the round open moves it"
+            becomes = f"`{t.next_phase.value}`"
         release = f"`{t.release.value}`" if t.release else "—"
         group = "broken: next rendezvous starts a new epoch" if t.breaks_group else "—"
         lines.append(f"| {kind} | `{phase.value}` | `{trigger.value}` | {TRIGGER_CAUSES[trigger]} "
@@ -229,19 +231,15 @@ def reduce(state: State, recorded: Recorded) -> tuple[State, tuple[Decision, ...
 
     Raises `IllegalEvent` (with `seq` set) for an input not allowed in `state`; `state` itself is
     untouched and stays the valid current state.
-
-    Handlers receive the sender's MemberState as a copy made for this call alone, so they may
-    write its `__dict__` directly; every other object goes through `_Tx`'s copy-on-write helpers.
     """
     seq = recorded.seq
     if seq <= state.last_seq:
         return state, ()
     event = recorded.event
-    route = _ROUTES.get(type(event))
-    if route is None:
-        route = _route_of_subclass(recorded)
-        if route is None:  # a recorded decision: derived from inputs, never an input itself
-            return _with_last_seq(state, seq), ()
+    route = _ROUTES.get(type(event)) or _route_of_subclass(recorded)
+    if route is None:  # a recorded decision: derived from inputs, never an input itself
+        return _with_last_seq(state, seq), ()
+    assert isinstance(event, Event)  # only inputs have routes
     handler, senders, needs_member = route
     sender = event.member
     try:
@@ -256,18 +254,14 @@ def reduce(state: State, recorded: Recorded) -> tuple[State, tuple[Decision, ...
         member = state.members.get(key)
         if member is None or member.ref.incarnation != sender.incarnation or not member.alive:
             raise _not_live(event, member)
-        # the sender's own copy for this call; handlers update it in place (nobody else sees it yet)
-        member = evolve(member, last_seq=seq, last_time_ms=recorded.time_ms)
-        tx.members[key] = member
-        tx.fresh_m.add(key)
-        handler(tx, event, member)
+        handler(tx, event, tx.update_member(key, last_seq=seq, last_time_ms=recorded.time_ms))
         return tx.commit()
     except IllegalEvent as exc:
         exc.seq = seq
         raise
 
 
-def _route_of_subclass(recorded: Recorded):
+def _route_of_subclass(recorded: Recorded) -> _Route | None:
     """The route for a subclass of a known input; None for a decision; IllegalEvent otherwise."""
     event = recorded.event
     for cls in type(event).__mro__:
@@ -337,92 +331,91 @@ def parse_rendezvous(address: str) -> tuple[str, int]:
 # ==================================================================================================
 # The working copy of one reduce call
 
-_new = object.__new__
-_set = object.__setattr__
-_proxy = MappingProxyType
-
 
 def _with_last_seq(state: State, seq: int) -> State:
-    return evolve(state, last_seq=seq)
+    return replace(state, last_seq=seq)
 
 
 class _Tx:
-    """The successor state under construction.
+    """The successor state under construction: the predecessor's fields, typed, changed in place.
 
-    `f` holds State's fields; `members` is a private copy of the member map; `rounds` is the old
-    read-only map until the first write copies it. Objects this call created (`fresh_*`) are not
-    visible to anyone yet, so they are updated in place instead of copied again.
+    `members` is a private copy of the member map; `rounds` is the old read-only map until the
+    first write copies it (most inputs touch no round).
     """
 
-    __slots__ = ("f", "members", "rounds", "rounds_copied", "fresh_m", "fresh_r", "seq",
-                 "time_ms", "decisions")
+    __slots__ = ("config", "members", "latest", "rounds", "_old_rounds", "_own_rounds", "next_round", "group",
+                 "trainer", "rounds_closed", "syncs_completed", "versions_published", "seq", "time_ms",
+                 "decisions")
 
     def __init__(self, state: State, seq: int, time_ms: int):
-        f = self.f = state.__dict__.copy()
-        f["last_seq"] = seq
+        self.config: SyncConfig | None = state.config
         self.members: dict[str, MemberState] = state.members.copy()
+        self.latest: LatestVersion = state.latest
         self.rounds: Mapping[int, RoundState] = state.rounds
-        self.rounds_copied = False
-        self.fresh_m: set[str] = set()
-        self.fresh_r: set[int] = set()
+        self._old_rounds = state.rounds
+        self._own_rounds: dict[int, RoundState] | None = None
+        self.next_round: int = state.next_round
+        self.group: GroupState = state.group
+        self.trainer: str | None = state.trainer
+        self.rounds_closed: int = state.rounds_closed
+        self.syncs_completed: int = state.syncs_completed
+        self.versions_published: int = state.versions_published
         self.seq = seq
         self.time_ms = time_ms
         self.decisions: list[Decision] = []
 
     def commit(self) -> tuple[State, tuple[Decision, ...]]:
-        f = self.f
-        f["members"] = _proxy(self.members)
-        if self.rounds_copied:
-            f["rounds"] = _proxy(self.rounds)
-        new = _new(State)
-        _set(new, "__dict__", f)
-        return new, tuple(self.decisions)
+        state = State(
+            config=self.config,
+            members=MappingProxyType(self.members),
+            latest=self.latest,
+            rounds=self._old_rounds if self._own_rounds is None else MappingProxyType(self._own_rounds),
+            next_round=self.next_round,
+            group=self.group,
+            last_seq=self.seq,
+            trainer=self.trainer,
+            rounds_closed=self.rounds_closed,
+            syncs_completed=self.syncs_completed,
+            versions_published=self.versions_published,
+        )
+        return state, tuple(self.decisions)
 
     def update_member(self, key: str, **changes: Any) -> MemberState:
-        member = self.members[key]
-        if key in self.fresh_m:
-            member.__dict__.update(changes)
-            return member
-        member = evolve(member, **changes)
-        self.members[key] = member
-        self.fresh_m.add(key)
+        member = self.members[key] = replace(self.members[key], **changes)
         return member
 
     def _writable_rounds(self) -> dict[int, RoundState]:
-        if not self.rounds_copied:
-            self.rounds = self.rounds.copy()
-            self.rounds_copied = True
-        return self.rounds  # type: ignore[return-value]
+        if self._own_rounds is None:
+            self.rounds = self._own_rounds = dict(self._old_rounds)
+        return self._own_rounds
 
     def add_round(self, rnd: RoundState) -> None:
         self._writable_rounds()[rnd.id] = rnd
-        self.fresh_r.add(rnd.id)
 
     def update_round(self, round_id: int, **changes: Any) -> RoundState:
-        rnd = self.rounds[round_id]
-        if round_id in self.fresh_r:
-            rnd.__dict__.update(changes)
-            return rnd
-        rnd = evolve(rnd, **changes)
-        self._writable_rounds()[round_id] = rnd
-        self.fresh_r.add(round_id)
+        rnd = self._writable_rounds()[round_id] = replace(self.rounds[round_id], **changes)
         return rnd
 
     def drop_round(self, round_id: int) -> None:
         del self._writable_rounds()[round_id]
 
+    def require_config(self) -> SyncConfig:
+        """The job's config, for code that runs only once it is known."""
+        assert self.config is not None, "a round decision before the job's config is known"
+        return self.config
+
     def trainer_gone(self) -> bool:
         """True when a trainer joined and is no longer alive (stopped or expired)."""
-        key = self.f["trainer"]
+        key = self.trainer
         return key is not None and not self.members[key].alive
 
     def trainer_finished(self) -> bool:
         """True when the trainer stopped for good after its last step (final STOPPED)."""
-        key = self.f["trainer"]
+        key = self.trainer
         return key is not None and self.members[key].finished
 
     def live_trainer(self) -> MemberState | None:
-        key = self.f["trainer"]
+        key = self.trainer
         if key is None:
             return None
         trainer = self.members[key]
@@ -430,64 +423,18 @@ class _Tx:
 
 
 # ==================================================================================================
-# Decisions, built without re-validating (every field is written from typed state)
+# Decisions: plain constructors, every field written from typed state
 
 
-def _round_opened(tx: _Tx, rnd: RoundState) -> None:
-    d = _new(RoundOpened)
-    _set(d, "round", rnd.id)
-    _set(d, "cause_seq", tx.seq)
-    _set(d, "method", rnd.method)
-    _set(d, "opened_by", rnd.opened_by)
-    _set(d, "version", rnd.version)
-    _set(d, "opened_at_ms", rnd.opened_at_ms)
-    tx.decisions.append(d)
-
-
-def _member_released(tx: _Tx, round_id: int, member: MemberState, reason: ReleaseReason) -> None:
-    d = _new(MemberReleased)
-    _set(d, "round", round_id)
-    _set(d, "cause_seq", tx.seq)
-    _set(d, "released", member.ref)
-    _set(d, "reason", reason)
+def _member_released(tx: _Tx, round_id: int, member: MemberState, reason: ReleaseReason) -> MemberReleased:
     if reason is ReleaseReason.NEW_VERSION:
-        latest: LatestVersion = tx.f["latest"]
-        _set(d, "version", latest.version)
-        _set(d, "reload", needs_reload(member.version, latest.version))
-        _set(d, "location", latest.location)
-        _set(d, "digest", latest.digest)
-        _set(d, "nbytes", latest.nbytes)
-    else:  # it goes on with the weights it has
-        _set(d, "version", member.version)
-        _set(d, "reload", False)
-        _set(d, "location", None)
-        _set(d, "digest", None)
-        _set(d, "nbytes", 0)
-    tx.decisions.append(d)
-
-
-def _round_closed(tx: _Tx, round_id: int, outcome: RoundOutcome) -> None:
-    d = _new(RoundClosed)
-    _set(d, "round", round_id)
-    _set(d, "cause_seq", tx.seq)
-    _set(d, "outcome", outcome)
-    tx.decisions.append(d)
-
-
-def _rendezvous_ready(tx: _Tx, rnd: RoundState, trainer: MemberState,
-                      participants: tuple[RankAssignment, ...], world_size: int) -> None:
-    host, port = parse_rendezvous(trainer.rendezvous or "")
-    d = _new(RendezvousReady)
-    _set(d, "round", rnd.id)
-    _set(d, "cause_seq", tx.seq)
-    _set(d, "method", rnd.method)
-    _set(d, "version", rnd.version)
-    _set(d, "epoch", rnd.epoch)
-    _set(d, "master_addr", host)
-    _set(d, "master_port", port)
-    _set(d, "world_size", world_size)
-    _set(d, "participants", participants)
-    tx.decisions.append(d)
+        latest = tx.latest
+        return MemberReleased(round=round_id, cause_seq=tx.seq, released=member.ref, reason=reason,
+                              version=latest.version, reload=needs_reload(member.version, latest.version),
+                              location=latest.location, digest=latest.digest, nbytes=latest.nbytes)
+    # it goes on with the weights it has
+    return MemberReleased(round=round_id, cause_seq=tx.seq, released=member.ref, reason=reason,
+                          version=member.version, reload=False)
 
 
 # ==================================================================================================
@@ -495,30 +442,28 @@ def _rendezvous_ready(tx: _Tx, rnd: RoundState, trainer: MemberState,
 
 
 def _open_round(tx: _Tx, opener: MemberState, participants: tuple[str, ...]) -> RoundState:
-    f = tx.f
-    round_id = f["next_round"]
-    f["next_round"] = round_id + 1
-    rnd = _new(RoundState)
-    _set(rnd, "__dict__", {
-        "id": round_id,
-        "method": f["config"].sync_method,
-        "opened_by": opener.ref,
-        "opened_at_ms": tx.time_ms,
-        "opened_seq": tx.seq,
-        "waiting": (opener.ref.key,),
-        "participants": participants,
-        "phase": _WAITING,
-        "version": opener.version,
-        "epoch": f["group"].epoch,
-        "reported": (),
-    })
+    rnd = RoundState(
+        id=tx.next_round,
+        method=tx.require_config().sync_method,
+        opened_by=opener.ref,
+        opened_at_ms=tx.time_ms,
+        opened_seq=tx.seq,
+        waiting=(opener.ref.key,),
+        participants=participants,
+        phase=_WAITING,
+        version=opener.version,
+        epoch=tx.group.epoch,
+    )
+    tx.next_round += 1
     tx.add_round(rnd)
-    _round_opened(tx, rnd)
+    tx.decisions.append(RoundOpened(round=rnd.id, cause_seq=tx.seq, method=rnd.method,
+                                    opened_by=rnd.opened_by, version=rnd.version,
+                                    opened_at_ms=rnd.opened_at_ms))
     return rnd
 
 
 def _apply(tx: _Tx, rnd: RoundState, trigger: Trigger) -> None:
-    kind = _RDV if rnd.method in _RDV_METHODS else _PULL
+    kind = _RDV if rnd.method.is_rendezvous else _PULL
     transition = ROUND_TRANSITIONS.get((kind, rnd.phase, trigger))
     if transition is None:  # a handler asked for a move the table does not have: a reducer bug
         raise AssertionError(f"no transition for {kind} round in {rnd.phase.value} on {trigger.value}")
@@ -531,7 +476,7 @@ def _apply(tx: _Tx, rnd: RoundState, trigger: Trigger) -> None:
         for key in rnd.waiting:
             member = members[key]
             if member.alive:
-                _member_released(tx, rnd.id, member, transition.release)
+                tx.decisions.append(_member_released(tx, rnd.id, member, transition.release))
                 tx.update_member(key, status=_RUNNING)
     if rnd.phase is _TRANSFERRING:
         # the transfer is over either way: everyone still in it goes back to work (with the new
@@ -540,14 +485,13 @@ def _apply(tx: _Tx, rnd: RoundState, trigger: Trigger) -> None:
         for key in rnd.participants:
             if members[key].alive and key not in rnd.reported:
                 tx.update_member(key, status=_RUNNING)
-    f = tx.f
     if transition.breaks_group:
-        f["group"] = GroupState(epoch=f["group"].epoch, members=f["group"].members, broken=True)
-    _round_closed(tx, rnd.id, transition.outcome)
+        tx.group = replace(tx.group, broken=True)
+    tx.decisions.append(RoundClosed(round=rnd.id, cause_seq=tx.seq, outcome=transition.outcome))
     tx.drop_round(rnd.id)
-    f["rounds_closed"] += 1
+    tx.rounds_closed += 1
     if transition.outcome is RoundOutcome.COMPLETED:
-        f["syncs_completed"] += 1
+        tx.syncs_completed += 1
 
 
 def _start_transfer(tx: _Tx, rnd: RoundState) -> None:
@@ -565,26 +509,27 @@ def _start_transfer(tx: _Tx, rnd: RoundState) -> None:
         offset += member.ranks
     participants = tuple(assignments)
     group_members = (RankAssignment(member=trainer.ref, rank_offset=0, ranks=1),) + participants
-    f = tx.f
-    group: GroupState = f["group"]
+    group = tx.group
     if group.broken or group.members != group_members:
-        group = GroupState(epoch=group.epoch + 1, members=group_members, broken=False)
-        f["group"] = group
+        group = tx.group = GroupState(epoch=group.epoch + 1, members=group_members, broken=False)
     # the trainer's step at REQUIRE_SYNC is the version it is about to send
     rnd = tx.update_round(rnd.id, phase=_TRANSFERRING, version=trainer.step, epoch=group.epoch)
-    _rendezvous_ready(tx, rnd, trainer, participants, offset)
+    host, port = parse_rendezvous(trainer.rendezvous or "")
+    tx.decisions.append(RendezvousReady(round=rnd.id, cause_seq=tx.seq, method=rnd.method,
+                                        version=rnd.version, epoch=rnd.epoch, master_addr=host,
+                                        master_port=port, world_size=offset, participants=participants))
 
 
 def _waiting_rendezvous_round(tx: _Tx) -> RoundState | None:
     for rnd in tx.rounds.values():
-        if rnd.phase is _WAITING and rnd.method in _RDV_METHODS:
+        if rnd.phase is _WAITING and rnd.method.is_rendezvous:
             return rnd
     return None
 
 
 def _settle_rendezvous(tx: _Tx, rnd: RoundState) -> None:
     """After someone arrived or left a gathering round: close it, start it, or keep waiting."""
-    trainer_key = tx.f["trainer"]
+    trainer_key = tx.trainer
     participants = rnd.participants
     if len(participants) == (1 if trainer_key in participants else 0):
         _apply(tx, rnd, Trigger.NO_EXPLORERS)
@@ -596,7 +541,7 @@ def _settle_rendezvous(tx: _Tx, rnd: RoundState) -> None:
 
 def _request_sync(tx: _Tx, member: MemberState) -> None:
     """`member` just entered REQUIRE_SYNC (or did before the config was known)."""
-    if tx.f["config"].sync_method in _RDV_METHODS:
+    if tx.require_config().sync_method.is_rendezvous:
         if member.ref.role is not _SYNCHRONIZER:
             _request_rendezvous(tx, member)
     elif member.ref.role is _EXPLORER:
@@ -607,12 +552,12 @@ def _request_sync(tx: _Tx, member: MemberState) -> None:
 def _request_pull(tx: _Tx, member: MemberState) -> None:
     # every request gets a round, even one answered at once, so each request is visible in the log
     rnd = _open_round(tx, member, (member.ref.key,))
-    if tx.f["latest"].version > member.version or member.version == -1:
+    if tx.latest.version > member.version or member.version == -1:
         _apply(tx, rnd, Trigger.NEW_VERSION)
     elif tx.trainer_finished():
         _apply(tx, rnd, Trigger.TRAINER_LEFT)
     else:
-        trigger = PULL_POLICY[tx.f["config"].sync_style]
+        trigger = PULL_POLICY[tx.require_config().sync_style]
         if trigger is not None:
             _apply(tx, rnd, trigger)
 
@@ -621,7 +566,7 @@ def _request_rendezvous(tx: _Tx, member: MemberState) -> None:
     key = member.ref.key
     rnd = _waiting_rendezvous_round(tx)
     if rnd is None:
-        trainer_key = tx.f["trainer"]
+        trainer_key = tx.trainer
         trainer = tx.live_trainer()
         participants = tuple(
             k for k, m in tx.members.items()
@@ -642,7 +587,7 @@ def _request_rendezvous(tx: _Tx, member: MemberState) -> None:
 def _leave(tx: _Tx, member: MemberState) -> None:
     """`member` (already marked not alive) stopped, expired or was replaced: it leaves every round."""
     key = member.ref.key
-    is_trainer = member.ref.role is _TRAINER and key == tx.f["trainer"]
+    is_trainer = member.ref.role is _TRAINER and key == tx.trainer
     for rnd in list(tx.rounds.values()):
         if rnd.phase is _TRANSFERRING:
             # one that already reported its part leaves nothing unfinished behind
@@ -660,7 +605,7 @@ def _leave(tx: _Tx, member: MemberState) -> None:
                 waiting=tuple(k for k in rnd.waiting if k != key),
                 participants=tuple(k for k in rnd.participants if k != key),
             )
-            if rnd.method in _RDV_METHODS:
+            if rnd.method.is_rendezvous:
                 _settle_rendezvous(tx, rnd)  # may now be complete without it
             elif not rnd.waiting:
                 _apply(tx, rnd, Trigger.NOBODY_WAITING)
@@ -682,9 +627,9 @@ def _withdraw(tx: _Tx, key: str) -> None:
 
 def _report_done(tx: _Tx, event: WeightsLoaded | WeightsBroadcast, member: MemberState) -> None:
     """A participant finished its part of rendezvous round `event.round`."""
-    rnd = tx.rounds.get(event.round)  # type: ignore[arg-type]
+    rnd = tx.rounds.get(event.round) if event.round is not None else None
     key = member.ref.key
-    if rnd is None or rnd.method not in _RDV_METHODS:
+    if rnd is None or not rnd.method.is_rendezvous:
         raise _illegal(event, f"round {event.round} is not open", member)
     if rnd.phase is not _TRANSFERRING:
         raise _illegal(event, f"round {rnd.id} is still {rnd.phase.value} (no RendezvousReady yet)",
@@ -709,19 +654,19 @@ def _report_done(tx: _Tx, event: WeightsLoaded | WeightsBroadcast, member: Membe
 
 
 def _on_job_configured(tx: _Tx, event: JobConfigured, _: None) -> None:
-    current: SyncConfig | None = tx.f["config"]
+    current = tx.config
     if current is None:
-        tx.f["config"] = event.config
+        tx.config = event.config
         # requests made before the job's config was known are evaluated now, in join order
         for key in list(tx.members):
             member = tx.members[key]  # re-read: an earlier request may have released it
             if member.alive and member.status is _REQUIRE_SYNC:
-                if (member.ref.role is _TRAINER and event.config.sync_method in _RDV_METHODS
+                if (member.ref.role is _TRAINER and event.config.sync_method.is_rendezvous
                         and not _valid_rendezvous(member.rendezvous)):
                     continue  # it cannot be met without an address; its next request will be
                 _request_sync(tx, member)
     elif current != event.config:
-        raise _illegal(event, f"the job runs with {_describe_config(current)}",
+        raise _illegal(event, f"the job runs with {describe_config(current)}",
                        tx.members.get(event.member.key))
 
 
@@ -738,7 +683,7 @@ def _on_member_joined(tx: _Tx, event: MemberJoined, _: None) -> None:
             # process can never be taken for the new one's
             raise _illegal(event, "this incarnation already joined", old)
     if ref.role is _TRAINER:
-        current = tx.f["trainer"]
+        current = tx.trainer
         if current is not None and current != key and members[current].alive:
             raise _illegal(event, f"{members[current].ref} is alive (one trainer per job)",
                            old)
@@ -747,27 +692,12 @@ def _on_member_joined(tx: _Tx, event: MemberJoined, _: None) -> None:
     if old is not None and old.alive:
         # a restart: the old incarnation is gone as if it had expired, then the new one joins
         _leave(tx, tx.update_member(key, alive=False))
-    member = _new(MemberState)
-    _set(member, "__dict__", {
-        "ref": ref,
-        "status": _RUNNING,
-        "step": event.step,
-        "version": event.version,
-        "ranks": event.ranks,
-        "host": event.host,
-        "alive": True,
-        "joined_seq": tx.seq,
-        "last_seq": tx.seq,
-        "last_time_ms": tx.time_ms,
-        "rendezvous": None,
-        "metrics": _EMPTY_METRICS,
-        "finished": False,
-    })
-    members[key] = member
-    tx.fresh_m.add(key)
+    members[key] = MemberState(ref=ref, status=_RUNNING, step=event.step, version=event.version,
+                               ranks=event.ranks, host=event.host, alive=True, joined_seq=tx.seq,
+                               last_seq=tx.seq, last_time_ms=tx.time_ms, metrics=_EMPTY_METRICS)
     if ref.role is _TRAINER:
-        tx.f["trainer"] = key
-    if tx.f["config"] is not None and ref.role is not _SYNCHRONIZER:
+        tx.trainer = key
+    if tx.config is not None and ref.role is not _SYNCHRONIZER:
         # a late joiner becomes a participant of the rendezvous being gathered: it waits for it too
         rnd = _waiting_rendezvous_round(tx)
         if rnd is not None and key not in rnd.participants:
@@ -781,13 +711,13 @@ def _on_status_changed(tx: _Tx, event: StatusChanged, member: MemberState) -> No
     status = event.status
     previous = member.status
     key = member.ref.key
-    config: SyncConfig | None = tx.f["config"]
+    config = tx.config
     if status is _REQUIRE_SYNC:
         rendezvous = event.rendezvous
         if rendezvous is not None and not _valid_rendezvous(rendezvous):
             raise _illegal(event, f"rendezvous {rendezvous!r} is not host:port", member)
         if (rendezvous is None and member.ref.role is _TRAINER and config is not None
-                and config.sync_method in _RDV_METHODS):
+                and config.sync_method.is_rendezvous):
             raise _illegal(event, f"a trainer asking for a {config.sync_method.value} sync must offer "
                            "a rendezvous host:port", member)
         member = tx.update_member(key, status=status, step=event.step, version=event.version,
@@ -805,21 +735,19 @@ def _on_status_changed(tx: _Tx, event: StatusChanged, member: MemberState) -> No
 
 
 def _on_version_published(tx: _Tx, event: VersionPublished, member: MemberState) -> None:
-    f = tx.f
-    latest: LatestVersion = f["latest"]
-    if event.version <= latest.version:
-        raise _illegal(event, f"version {latest.version} is already published (versions only grow)",
+    if event.version <= tx.latest.version:
+        raise _illegal(event, f"version {tx.latest.version} is already published (versions only grow)",
                        member)
-    f["latest"] = LatestVersion(version=event.version, step=event.step, method=event.method,
-                                location=event.location, digest=event.digest, nbytes=event.nbytes)
-    f["versions_published"] += 1
+    tx.latest = LatestVersion(version=event.version, step=event.step, method=event.method,
+                              location=event.location, digest=event.digest, nbytes=event.nbytes)
+    tx.versions_published += 1
     if event.version > member.version:
         tx.update_member(member.ref.key, version=event.version)
-    if f["config"] is None:
+    if tx.config is None:
         return
     members = tx.members
     for rnd in list(tx.rounds.values()):
-        if rnd.phase is _WAITING and rnd.method not in _RDV_METHODS:
+        if rnd.phase is _WAITING and not rnd.method.is_rendezvous:
             for key in rnd.waiting:
                 if members[key].version < event.version:
                     _apply(tx, rnd, Trigger.NEW_VERSION)
@@ -828,7 +756,7 @@ def _on_version_published(tx: _Tx, event: VersionPublished, member: MemberState)
 
 def _on_no_new_version(tx: _Tx, event: NoNewVersion, member: MemberState) -> None:
     tx.update_member(member.ref.key, step=event.step)
-    if tx.f["config"] is None:
+    if tx.config is None:
         return
     for rnd in list(tx.rounds.values()):
         if rnd.phase is _WAITING:
@@ -839,11 +767,11 @@ def _on_weights_loaded(tx: _Tx, event: WeightsLoaded, member: MemberState) -> No
     if event.version < member.version:
         raise _illegal(event, f"it already holds version {member.version} (versions never go down)",
                        member)
-    config: SyncConfig | None = tx.f["config"]
-    if event.round is not None and config is not None and config.sync_method in _RDV_METHODS:
+    config = tx.config
+    if event.round is not None and config is not None and config.sync_method.is_rendezvous:
         _report_done(tx, event, member)
     # pull rounds close when the member is released, so a round id here is only a label
-    member.__dict__["version"] = event.version  # the sender's fresh copy (see `reduce`)
+    tx.update_member(member.ref.key, version=event.version)
 
 
 def _on_weights_broadcast(tx: _Tx, event: WeightsBroadcast, member: MemberState) -> None:
@@ -862,12 +790,9 @@ def _on_sync_failed(tx: _Tx, event: SyncFailed, member: MemberState) -> None:
 def _on_step_finished(tx: _Tx, event: StepFinished, member: MemberState) -> None:
     # a step can finish with the weights it started with after newer ones were loaded in the
     # background (fully_async), so the held version is the larger of the two
-    values = member.__dict__  # the sender's fresh copy (see `reduce`)
-    if event.version > values["version"]:
-        values["version"] = event.version
-    values["step"] = event.step
-    metrics = event.metrics
-    values["metrics"] = _proxy(dict(metrics)) if metrics else _EMPTY_METRICS
+    metrics = MappingProxyType(dict(event.metrics)) if event.metrics else _EMPTY_METRICS
+    tx.update_member(member.ref.key, step=event.step, version=max(event.version, member.version),
+                     metrics=metrics)
 
 
 def _on_member_expired(tx: _Tx, event: MemberExpired, _: None) -> None:
@@ -884,7 +809,10 @@ def _on_round_timed_out(tx: _Tx, event: RoundTimedOut, _: None) -> None:
         _apply(tx, rnd, Trigger.TIMED_OUT)
 
 
-_HANDLERS: dict[type, Callable[[_Tx, Any, Any], None]] = {
+_Handler = Callable[[_Tx, Any, Any], None]  # (tx, the input, its sender's MemberState or None)
+_Route = tuple[_Handler, tuple[Role, ...], bool]
+
+_HANDLERS: dict[type[Event], _Handler] = {
     JobConfigured: _on_job_configured,
     MemberJoined: _on_member_joined,
     StatusChanged: _on_status_changed,
@@ -901,7 +829,7 @@ _HANDLERS: dict[type, Callable[[_Tx, Any, Any], None]] = {
 _EMPTY_METRICS: Mapping[str, float] = MappingProxyType({})
 
 # one lookup per input: (handler, roles allowed to send it, whether the sender must be a live member)
-_ROUTES: dict[type, tuple[Callable[[_Tx, Any, Any], None], tuple[Role, ...], bool]] = {
+_ROUTES: dict[type, _Route] = {
     cls: (handler, SENDERS[cls], cls not in _NO_JOIN_NEEDED) for cls, handler in _HANDLERS.items()
 }
 
@@ -942,7 +870,7 @@ def _member_status(member: MemberState | None) -> str:
 def _illegal(event: Event, why: str, member: MemberState | None) -> IllegalEvent:
     status = _member_status(member)
     return IllegalEvent(
-        f"{event.member} sent {_describe(event)} but {why} (member status {status})",
+        f"{event.member} sent {describe(event)} but {why} (member status {status})",
         role=event.member.role.value,
         state=status,
         event=event,
@@ -951,41 +879,3 @@ def _illegal(event: Event, why: str, member: MemberState | None) -> IllegalEvent
 
 def _roles(roles: tuple[Role, ...]) -> str:
     return " or ".join(sorted(r.value for r in roles))
-
-
-def _show(value: Any) -> str:
-    if isinstance(value, Enum):
-        return value.value
-    if isinstance(value, MemberRef):
-        return str(value)
-    if isinstance(value, SyncConfig):
-        return _describe_config(value)
-    return repr(value)
-
-
-def _default_of(f: Any) -> Any:
-    if f.default is not MISSING:
-        return f.default
-    if f.default_factory is not MISSING:
-        return f.default_factory()
-    return MISSING
-
-
-def _describe(event: Event | Decision) -> str:
-    """`Kind(field=value, ...)` without the sender and without fields left at their default."""
-    shown = [
-        f"{f.name}={_show(getattr(event, f.name))}"
-        for f in fields(event)
-        if f.init and f.name != "member" and getattr(event, f.name) != _default_of(f)
-    ]
-    return f"{type(event).__name__}({', '.join(shown)})"
-
-
-def _describe_config(cfg: SyncConfig) -> str:
-    return _describe_dataclass(cfg)
-
-
-def _describe_dataclass(obj: Any) -> str:
-    shown = [f"{f.name}={_show(getattr(obj, f.name))}" for f in fields(obj)
-             if getattr(obj, f.name) != _default_of(f)]
-    return f"{type(obj).__name__}({', '.join(shown)})"

@@ -10,13 +10,14 @@ Pure: bytes in, state out (or `DecodeError`); no I/O.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
-import msgpack
+import msgspec
 
 from .config import SyncConfig
-from .enums import Role, RunningStatus, SyncMethod
+from .enums import RunningStatus, SyncMethod
 from .errors import ConfigError, DecodeError
 from .events import MemberRef, RankAssignment
 from .state import GroupState, LatestVersion, MemberState, RoundPhase, RoundState, State
@@ -26,13 +27,13 @@ __all__ = ["SNAPSHOT_SCHEMA", "encode_state", "decode_state"]
 SNAPSHOT_SCHEMA = 1
 
 
-def _ref(ref: MemberRef) -> list:
+def _ref(ref: MemberRef) -> list[Any]:
     return [ref.role.value, ref.id, ref.incarnation]
 
 
 def _unref(value: Any) -> MemberRef:
-    role, member_id, incarnation = value
-    return MemberRef(role=Role(role), id=member_id, incarnation=incarnation)
+    role, member_id, incarnation = value  # checked as a member map on the wire is
+    return msgspec.convert({"role": role, "id": member_id, "inc": incarnation}, MemberRef)
 
 
 def encode_state(state: State, *, extra: Mapping[str, Any] | None = None) -> bytes:
@@ -62,14 +63,14 @@ def encode_state(state: State, *, extra: Mapping[str, Any] | None = None) -> byt
         "counts": [state.rounds_closed, state.syncs_completed, state.versions_published],
         "extra": dict(extra or {}),
     }
-    return msgpack.packb(data, use_bin_type=True)
+    return msgspec.msgpack.encode(data)
 
 
 def decode_state(payload: bytes) -> tuple[State, dict[str, Any]]:
     """`(state, extra)` from `encode_state` bytes, or `DecodeError` saying what is wrong."""
     try:
-        data = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except Exception as exc:  # msgpack raises several unrelated types; all mean "not msgpack"
+        data = msgspec.msgpack.decode(payload)
+    except Exception as exc:  # msgspec.DecodeError mostly; anything here means "not msgpack"
         raise DecodeError(f"snapshot is not msgpack ({type(exc).__name__}: {exc})") from None
     if not isinstance(data, dict):
         raise DecodeError(f"snapshot must be a map, got {type(data).__name__}")
@@ -83,8 +84,8 @@ def decode_state(payload: bytes) -> tuple[State, dict[str, Any]]:
         raise DecodeError(f"snapshot is malformed ({type(exc).__name__}: {exc})") from None
 
 
-def _build(data: dict) -> State:
-    members = {}
+def _build(data: dict[str, Any]) -> State:
+    members: dict[str, MemberState] = {}
     for (ref, status, step, version, ranks, host, alive, joined_seq, last_seq, last_time_ms, rendezvous,
          metrics, finished) in data["members"]:
         member = MemberState(ref=_unref(ref), status=RunningStatus(status), step=step, version=version,
@@ -92,7 +93,7 @@ def _build(data: dict) -> State:
                              last_time_ms=last_time_ms, rendezvous=rendezvous,
                              metrics=MappingProxyType(dict(metrics)), finished=finished)
         members[member.ref.key] = member
-    rounds = {}
+    rounds: dict[int, RoundState] = {}
     for (rid, method, opened_by, opened_at_ms, opened_seq, waiting, participants, phase, version, epoch,
          reported) in data["rounds"]:
         rounds[rid] = RoundState(id=rid, method=SyncMethod(method), opened_by=_unref(opened_by),

@@ -1,19 +1,18 @@
 """The job's sync state as the reducer folds it: members, latest version, open rounds, the group.
 
-Every class here is a frozen dataclass and every mapping a read-only view, so a state returned by
-`reduce` can be kept, shared between threads, compared and replayed; nothing ever changes it.
-
-The classes are deliberately *not* slotted: the reducer builds a successor by copying the
-predecessor's `__dict__` and overwriting a few entries (see `evolve`), which is several times faster
-than `dataclasses.replace` and keeps the hot path within the benchmark's budget.
+Every class here is a frozen msgspec `Struct` (slotted, no `__dict__`) and every mapping a read-only
+view, so a state returned by `reduce` can be kept, shared between threads, compared and replayed;
+nothing ever changes it. The reducer builds successors with `msgspec.structs.replace`, which copies
+without re-validating (the reducer only ever writes well-typed values).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from enum import Enum
 from types import MappingProxyType
-from typing import Any, Mapping
+
+import msgspec
 
 from .config import SyncConfig
 from .enums import Role, RunningStatus, SyncMethod
@@ -26,24 +25,11 @@ __all__ = [
     "RoundState",
     "GroupState",
     "State",
-    "evolve",
 ]
 
-_EMPTY: Mapping[Any, Any] = MappingProxyType({})
-_new = object.__new__
-_set = object.__setattr__
 
-
-def evolve(obj: Any, **changes: Any) -> Any:
-    """A copy of frozen state object `obj` with `changes` applied (a fast `dataclasses.replace`).
-
-    No validation runs: callers are the reducer, which only ever writes well-typed values.
-    """
-    copy = _new(type(obj))
-    values = obj.__dict__.copy()
-    values.update(changes)
-    _set(copy, "__dict__", values)
-    return copy
+def _empty() -> Mapping[str, float]:
+    return MappingProxyType({})
 
 
 class RoundPhase(str, Enum):
@@ -56,8 +42,7 @@ class RoundPhase(str, Enum):
         return self.value
 
 
-@dataclass(frozen=True)
-class LatestVersion:
+class LatestVersion(msgspec.Struct, frozen=True, kw_only=True):
     """The newest weights the trainer published. Version 0 is the base model, present everywhere."""
 
     version: int = 0
@@ -68,8 +53,7 @@ class LatestVersion:
     nbytes: int = 0
 
 
-@dataclass(frozen=True)
-class MemberState:
+class MemberState(msgspec.Struct, frozen=True, kw_only=True):
     """What the synchronizer knows about one member (its current incarnation).
 
     `version` is the weights it holds (an explorer starts at -1: nothing loaded yet; the base model is
@@ -87,7 +71,7 @@ class MemberState:
     last_seq: int = 0
     last_time_ms: int = 0
     rendezvous: str | None = None
-    metrics: Mapping[str, float] = field(default_factory=lambda: _EMPTY)
+    metrics: Mapping[str, float] = msgspec.field(default_factory=_empty)
     finished: bool = False  # it stopped for good (StatusChanged final): its work is done
 
     @property
@@ -107,8 +91,7 @@ class MemberState:
         return "stopped" if self.status is RunningStatus.STOPPED else "expired"
 
 
-@dataclass(frozen=True)
-class RoundState:
+class RoundState(msgspec.Struct, frozen=True, kw_only=True):
     """One open sync round.
 
     Pull rounds (checkpoint, memory) have one waiter, the explorer that asked. Rendezvous rounds (nccl,
@@ -134,8 +117,7 @@ class RoundState:
         return self.method.is_rendezvous
 
 
-@dataclass(frozen=True)
-class GroupState:
+class GroupState(msgspec.Struct, frozen=True, kw_only=True):
     """The last rendezvous group formed: its epoch and ranks (trainer at rank 0 first).
 
     `broken` is set when a transfer in this group failed; the next rendezvous then starts a new epoch
@@ -147,8 +129,7 @@ class GroupState:
     broken: bool = False
 
 
-@dataclass(frozen=True)
-class State:
+class State(msgspec.Struct, frozen=True, kw_only=True):
     """Everything the reducer knows about one job, as of stream sequence `last_seq`.
 
     `members` is keyed by `MemberRef.key` ("role/id"); `rounds` holds open rounds only, by id. Round
@@ -157,11 +138,11 @@ class State:
     """
 
     config: SyncConfig | None = None
-    members: Mapping[str, MemberState] = field(default_factory=lambda: _EMPTY)
-    latest: LatestVersion = field(default_factory=LatestVersion)
-    rounds: Mapping[int, RoundState] = field(default_factory=lambda: _EMPTY)
+    members: MappingProxyType[str, MemberState] = msgspec.field(default_factory=lambda: MappingProxyType({}))
+    latest: LatestVersion = msgspec.field(default_factory=LatestVersion)
+    rounds: MappingProxyType[int, RoundState] = msgspec.field(default_factory=lambda: MappingProxyType({}))
     next_round: int = 1
-    group: GroupState = field(default_factory=GroupState)
+    group: GroupState = msgspec.field(default_factory=GroupState)
     last_seq: int = 0
     trainer: str | None = None
     rounds_closed: int = 0
@@ -169,7 +150,7 @@ class State:
     versions_published: int = 0
 
     @classmethod
-    def initial(cls, config: SyncConfig | None = None) -> "State":
+    def initial(cls, config: SyncConfig | None = None) -> State:
         """The state before any event: no members, base model (version 0) only, no rounds.
 
         Passing `config` stands for a JobConfigured already folded (handy in tests and tools); a

@@ -22,12 +22,13 @@ Theory of operation
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import re
 import struct
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 
@@ -65,7 +66,7 @@ class CheckpointTransport:
 
     def __init__(
         self,
-        root_dir: str | os.PathLike,
+        root_dir: str | os.PathLike[str],
         *,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         algorithm: str | None = None,
@@ -131,7 +132,7 @@ class CheckpointTransport:
     async def __aenter__(self) -> "CheckpointTransport":
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
     # blocking work (runs in a worker thread) ------------------------------------------------------
@@ -153,10 +154,10 @@ class CheckpointTransport:
         layout, chunk_size, algorithm = source.layout, self._chunk_size, self._algorithm
         bounds = layout.chunk_bounds(chunk_size)
         # Header size must be known before the data, and the digests go in the header: hash first
-        # (one cold pass at ~7 GB/s), then write from the tensors' memory.
+        # (one cold pass), then write from the tensors' memory.
         digests = [digest_bytes(algorithm, source.segments(a, b)) for a, b in bounds]
         digest = root_digest(algorithm, layout, chunk_size, digests)
-        header: dict = dict(layout.header())
+        header: dict[str, Any] = dict(layout.header())
         header["__metadata__"] = {
             "format": FORMAT,
             "version": str(version),
@@ -175,10 +176,10 @@ class CheckpointTransport:
                 _write_all(f, source.segments(a, b))
         return WeightsRef(version=version, location=str(final.resolve()), nbytes=layout.nbytes, digest=digest)
 
-    def _read_manifest(self, path: Path, f=None) -> Manifest:
+    def _read_manifest(self, path: Path, f: io.FileIO | None = None) -> Manifest:
         """Parse (and check against its root digest) the header of a version file."""
         own = f is None
-        if own:
+        if f is None:
             f = open(path, "rb", buffering=0)
         try:
             head = f.read(8)
@@ -244,7 +245,7 @@ class CheckpointTransport:
                 raise CorruptWeights(f"{path}: trailing bytes after the last tensor; the file is corrupt")
         return dest
 
-    def _scan(self, pattern: re.Pattern) -> list[tuple[int, Path]]:
+    def _scan(self, pattern: re.Pattern[str]) -> list[tuple[int, Path]]:
         try:
             names = os.listdir(self.root)
         except FileNotFoundError:
@@ -272,14 +273,14 @@ class CheckpointTransport:
         return [v for v, _ in doomed]
 
 
-def _write_all(f, parts) -> None:
+def _write_all(f: io.FileIO, parts: Iterable[bytes | memoryview]) -> None:
     for part in parts:
         view = memoryview(part)
         while len(view):
             view = view[f.write(view) :]
 
 
-def _read_into(f, view: memoryview) -> int:
+def _read_into(f: io.FileIO, view: memoryview) -> int:
     pos = 0
     while pos < len(view):
         got = f.readinto(view[pos:])

@@ -54,17 +54,21 @@ class HandleRequest:
 
 
 SendHandles = Callable[[MemberRef, bytes], Awaitable[bytes]]
+# What torch's UntypedStorage._share_cuda_() returns: (device, handle, size, offset, ref-counter
+# handle, ref-counter offset, event, sync), passed back as is to _new_shared_cuda.
+IpcHandle = tuple[Any, ...]
 RecvHandles = Callable[[], Awaitable[HandleRequest]]
 
 
-def _encode_offer(header: BucketHeader, handles: list[tuple], sizes: list[int]) -> bytes:
+def _encode_offer(header: BucketHeader, handles: list[IpcHandle], sizes: list[int]) -> bytes:
     doc = header.to_doc()
     doc["handles"] = [list(h) for h in handles]
     doc["sizes"] = sizes
-    return msgpack.packb(doc, use_bin_type=True)
+    payload: bytes = msgpack.packb(doc, use_bin_type=True)
+    return payload
 
 
-def _decode_offer(raw: bytes) -> tuple[BucketHeader, list[tuple], list[int]]:
+def _decode_offer(raw: bytes) -> tuple[BucketHeader, list[IpcHandle], list[int]]:
     try:
         doc = msgpack.unpackb(raw, raw=False)
     except (ValueError, msgpack.UnpackException) as exc:
@@ -93,7 +97,8 @@ def _check_method(ready: RendezvousReady) -> None:
 
 
 def _reply(ok: bool, *, error: str = "", message: str = "", nbytes: int = 0) -> bytes:
-    return msgpack.packb({"ok": ok, "error": error, "message": message, "nbytes": nbytes})
+    payload: bytes = msgpack.packb({"ok": ok, "error": error, "message": message, "nbytes": nbytes})
+    return payload
 
 
 class CudaIpcTransport:
@@ -167,12 +172,13 @@ class CudaIpcTransport:
                     # Someone may still be reading: never write into these buckets again.
                     self._buckets = []
                 raise failure
-            nbytes = sum(sizes)
+            nbytes: int = sum(sizes)
             self._log.debug("weights.ipc_sent", round=ready.round, version=ready.version, nbytes=nbytes,
                             explorers=len(members), seconds=round(time.monotonic() - started, 4))
             return nbytes
 
-    def _pack_and_share(self, header: BucketHeader, sources: list[torch.Tensor], device: torch.device):
+    def _pack_and_share(self, header: BucketHeader, sources: list[torch.Tensor],
+                        device: torch.device) -> tuple[list[IpcHandle], list[int]]:
         with torch.cuda.device(device), torch.no_grad():
             sizes = [header.bucket_nbytes(b) for b in header.buckets]
             for k, n in enumerate(sizes):
@@ -188,10 +194,11 @@ class CudaIpcTransport:
                 pack_bucket(buf, sources, bucket)
             # The explorer reads with its own streams: every byte must be in place first.
             torch.cuda.current_stream(device).synchronize()
-            handles = [tuple(buf.untyped_storage()._share_cuda_()) for buf in self._buckets]
+            # torch has no public call that exports a CUDA IPC handle; multiprocessing uses this one.
+            handles = [tuple(buf.untyped_storage()._share_cuda_()) for buf in self._buckets]  # type: ignore[no-untyped-call]
         return handles, sizes
 
-    def _judge(self, replies: list, members: list[MemberRef], ready: RendezvousReady) -> Exception | None:
+    def _judge(self, replies: list[bytes | BaseException], members: list[MemberRef], ready: RendezvousReady) -> Exception | None:
         for member, reply in zip(members, replies):
             if isinstance(reply, asyncio.TimeoutError):
                 self._log.warning("weights.peer_lost", round=ready.round, member=str(member))
@@ -259,7 +266,7 @@ class CudaIpcTransport:
             return nbytes
 
     @staticmethod
-    def _copy_out(header: BucketHeader, handles: list[tuple], sizes: list[int], into: Mapping[str, torch.Tensor]) -> None:
+    def _copy_out(header: BucketHeader, handles: list[IpcHandle], sizes: list[int], into: Mapping[str, torch.Tensor]) -> None:
         dests = [into[name] for name, _, _ in header.layout]
         with torch.no_grad():
             for bucket, handle, nbytes in zip(header.buckets, handles, sizes):
@@ -287,11 +294,12 @@ class CudaIpcTransport:
         """Drop the buckets (memory an explorer still maps is freed when it lets go); safe twice."""
         self._closed = True
         self._buckets = []
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.ipc_collect()
+        # torch leaves these two untyped.
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
 
     async def __aenter__(self) -> "CudaIpcTransport":
         return self
 
-    async def __aexit__(self, *exc_info) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()

@@ -4,11 +4,10 @@ Theory of operation
 -------------------
 - **Storage.** One stream per job (`JobNames.weights_stream`, subjects ``rft.<job>.w.>``, one message
   per subject, direct get allowed, `replicas` copies on a cluster), in server memory or in files
-  (`storage`; a job's config defaults to file). Measured (256 MiB, this 2-core host, `python -m
-  benchmarks.weights`): memory fetch 3.93 GB/s / publish 3.85 GB/s, file fetch 2.58 / publish 2.57
-  in one run; on a loaded host at 64 MiB memory 0.21 vs file 0.15 GB/s median fetch (the file store
-  re-reads and re-checksums whole blocks per message). Versions are transient: each is superseded
-  at the next sync and the trainer, who holds the weights, republishes.
+  (`storage`; a job's config defaults to file, which is slower because the server re-reads and
+  re-checksums whole blocks per message; figures: `python -m benchmarks.weights`, docs). Versions
+  are transient: each is superseded at the next sync and the trainer, who holds the weights,
+  republishes.
 - **Restarts.** Every publish, fetch and prune goes through `bus.retry`: timeouts, "no responders",
   a dropped data connection and "no stream listens on this subject" are retried (publish for
   `publish_retry_s`, 300 s; fetch and prune for `fetch_retry_s`, 60 s), and an attempt caught by an
@@ -40,15 +39,12 @@ Theory of operation
   at once; the manifest's chunk list was checked against the root digest first, so when the last
   chunk passes the whole version is verified. On any failure the buffer is dropped: the caller gets
   `CorruptWeights` / `WeightsNotFound` / `TransferError` and no tensors.
-- **Data connection.** nats-py parses every inbound byte in Python 32 KiB at a time (measured here:
-  0.5-1.0 GB/s for direct gets, its ordered push consumer 0.09 GB/s). Bulk bytes therefore go over
-  a second, plain NATS connection to the same server, driven from a worker thread with blocking
-  ``recv_into`` straight into the tensors and hashing each piece while it is in cache (2.2-3.9 GB/s
-  measured, depending on background load; the loopback socket limit is 7-9 GB/s). On 2 cores the
-  fetch is CPU-bound: server ~0.8 core, receiver ~0.8 core, of which BLAKE3 is ~40 % and page
-  faults of the fresh buffer ~15 % (halved by huge pages, see `format.Destination`). It speaks the ordinary client
-  protocol with the same credentials (user/password/token). Where it cannot be used (TLS, nkeys/JWT,
-  websocket) the transport falls back to the nats-py connection for everything, same semantics.
+- **Data connection.** nats-py parses every inbound byte in Python, a few KiB at a time, which
+  is too slow for bulk bytes. They go over a second, plain NATS connection to the same server
+  (`_wire_client`), driven from a worker thread that receives straight into the tensors and hashes
+  each piece while it is in cache. It copies the nats-py client's credentials (user/password or
+  token); where it cannot be used (TLS, nkeys/JWT, websocket) the transport falls back to the
+  nats-py connection for everything, same semantics.
 """
 
 from __future__ import annotations
@@ -56,12 +52,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
-from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Iterable, Mapping
+from typing import Any, Awaitable, Callable, Iterable, Mapping, TypeVar
 
 import torch
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import StorageType
@@ -73,14 +68,16 @@ from ..errors import BusClosed, RetriesExhausted
 from ..retry import is_transient, retry_transient
 from ..streams import stream_differences, weights_stream_config
 from ..subjects import JobNames
+from ._wire_client import (
+    ConnectionLost, DataConnection, NoDataConnection, Transient, data_endpoint, run_in_thread,
+)
 from .base import CorruptWeights, TransferError, WeightsNotFound, WeightsRef
 from .format import Destination, Manifest, SourceBytes, build_manifest, default_digest_algorithm, digest_bytes
 
 __all__ = ["ObjectStoreTransport"]
 
-_CRLF = b"\r\n"
-_IOV_MAX = 1024  # Linux limit on buffers per sendmsg
-_HASH_PIECE = 256 * 1024  # hash received bytes in pieces of at least this, while cache-hot
+T = TypeVar("T")
+
 _API = "$JS.API"
 
 
@@ -88,8 +85,7 @@ class ObjectStoreTransport:
     """Publish / fetch weight versions through a per-job JetStream stream (see module docstring).
 
     `nc` is a connected nats-py client; the transport makes its own JetStream context and never
-    closes `nc`. `storage` is "memory" (this class's default, used by tests and benchmarks; up
-    to ~1.4x faster here) or "file" (a job config's default: keeps versions across a server restart;
+    closes `nc`. `storage` is "memory" (this class's default, used by tests and benchmarks; faster) or "file" (a job config's default: keeps versions across a server restart;
     see the module docstring). The publisher calls `prune` to bound storage; `timeout` bounds every
     wait for bulk bytes, `api_timeout` every control request.
     `reconnected` (e.g. `BusConnection.reconnect_signal`) lets a publish or fetch caught by an
@@ -185,7 +181,7 @@ class ObjectStoreTransport:
                     lambda conn: _publish_raw(conn, inbox, source, bounds, subjects,
                                               self._algorithm, self._window(chunk_size), where),
                 )
-            except _NoDataConnection:
+            except NoDataConnection:
                 self._use_data_connection = False
                 digests, seqs = await self._publish_nats_py(source, bounds, subjects, chunk_size, where)
         else:
@@ -249,7 +245,7 @@ class ObjectStoreTransport:
                 if self._data_connection_usable():
                     try:
                         await self._fetch_data_connection(plan)
-                    except _NoDataConnection:
+                    except NoDataConnection:
                         self._use_data_connection = False
                         await self._fetch_nats_py(plan)
                 else:
@@ -331,7 +327,7 @@ class ObjectStoreTransport:
     async def __aenter__(self) -> "ObjectStoreTransport":
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
     # control plane (nats-py) ----------------------------------------------------------------------
@@ -340,13 +336,16 @@ class ObjectStoreTransport:
     def _direct_get_subject(self) -> str:
         return f"{_API}.DIRECT.GET.{self.stream}"
 
-    async def _retrying(self, call, *, what: str, retry_for: float, before_retry=None):
+    async def _retrying(
+        self, call: Callable[[], Awaitable[T]], *, what: str, retry_for: float,
+        before_retry: Callable[[BaseException], Awaitable[Any]] | None = None,
+    ) -> T:
         """`call()` through `bus.retry.retry_transient`: a server restart or a leader election costs
         a stall, not the caller; a TransferError names the last failure if it lasts `retry_for` s."""
         try:
             return await retry_transient(
                 call, what=what, retry_for=retry_for, is_closed=lambda: self._nc.is_closed,
-                transient=lambda exc: isinstance(exc, _Transient) or is_transient(exc),
+                transient=lambda exc: isinstance(exc, Transient) or is_transient(exc),
                 before_retry=before_retry, interrupt=self._reconnected,
             )
         except RetriesExhausted as exc:
@@ -356,7 +355,7 @@ class ObjectStoreTransport:
 
     def _check_connected(self) -> None:
         if not self._nc.is_connected:
-            raise _Transient("the NATS connection is reconnecting")
+            raise Transient("the NATS connection is reconnecting")
 
     def _check_open(self) -> None:
         if self._closed:
@@ -435,7 +434,7 @@ class ObjectStoreTransport:
                 return None
             raise _StreamGone(f"stream {self.stream} exists but no server answers direct gets yet") from None
         except NatsTimeoutError:
-            raise _Transient(
+            raise Transient(
                 f"no answer from {self._direct_get_subject} within {self._api_timeout} s looking up "
                 f"version {version}; is the server overloaded or restarting?"
             ) from None
@@ -454,31 +453,17 @@ class ObjectStoreTransport:
     # data plane: plain connection in a worker thread ----------------------------------------------
 
     def _data_connection_usable(self) -> bool:
-        return self._use_data_connection and _data_endpoint(self._nc) is not None
+        return self._use_data_connection and data_endpoint(self._nc) is not None
 
-    async def _in_thread(self, work: Callable[["_DataConnection"], Any]) -> Any:
+    async def _in_thread(self, work: Callable[["DataConnection"], Any]) -> Any:
         """Run `work` on a fresh data connection in a worker thread; cancellation aborts the socket."""
-        endpoint = _data_endpoint(self._nc)
+        endpoint = data_endpoint(self._nc)
         if endpoint is None:
             if not self._nc.is_connected:
-                raise _Transient("the NATS connection is reconnecting")
-            raise _NoDataConnection("client options rule out a plain connection")
+                raise Transient("the NATS connection is reconnecting")
+            raise NoDataConnection("client options rule out a plain connection")
         host, port, auth = endpoint
-        conn = _DataConnection(host, port, auth, timeout=self._timeout)
-
-        def run() -> Any:
-            with conn:
-                conn.open()
-                return work(conn)
-
-        future = asyncio.get_running_loop().run_in_executor(None, run)
-        try:
-            return await asyncio.shield(future)
-        except asyncio.CancelledError:
-            conn.abort()  # unblocks the thread's recv/send at once
-            with contextlib.suppress(BaseException):
-                await future
-            raise
+        return await run_in_thread(DataConnection(host, port, auth, timeout=self._timeout), work)
 
     async def _fetch_data_connection(self, plan: "_ChunkPlan") -> None:
         """Fetch over data connections; if the server drops one (a slow consumer: more than its
@@ -490,7 +475,7 @@ class ObjectStoreTransport:
             try:
                 await self._in_thread(lambda conn: _fetch_raw(conn, inbox, self._direct_get_subject, plan))
                 return
-            except _ConnectionLost:
+            except ConnectionLost:
                 if window <= plan.manifest.chunk_size:
                     raise
                 window //= 2
@@ -503,9 +488,9 @@ class ObjectStoreTransport:
         chunk_size: int, where: str,
     ) -> tuple[list[bytes], list[int]]:
         inbox = self._nc.new_inbox()
-        acks: asyncio.Queue = asyncio.Queue()
+        acks: asyncio.Queue[Msg] = asyncio.Queue()
 
-        async def on_ack(msg) -> None:
+        async def on_ack(msg: Msg) -> None:
             acks.put_nowait(msg)
 
         sub = await self._nc.subscribe(f"{inbox}.*", cb=on_ack)
@@ -518,7 +503,8 @@ class ObjectStoreTransport:
                 segments = source.segments(a, b)
                 digests.append(digest_bytes(self._algorithm, segments))
                 payload = segments[0] if len(segments) == 1 else b"".join(segments)
-                await self._nc.publish(subjects[i], payload, reply=f"{inbox}.{i}")
+                # nats-py sends any bytes-like payload; bytes() here would copy the chunk.
+                await self._nc.publish(subjects[i], payload, reply=f"{inbox}.{i}")  # type: ignore[arg-type]
                 outstanding += 1
                 while outstanding >= window or (i == len(bounds) - 1 and outstanding):
                     msg = await self._wait(acks.get(), f"{where}: waiting for chunk acks")
@@ -531,9 +517,9 @@ class ObjectStoreTransport:
 
     async def _fetch_nats_py(self, plan: "_ChunkPlan") -> None:
         inbox = self._nc.new_inbox()
-        inbound: asyncio.Queue = asyncio.Queue()
+        inbound: asyncio.Queue[Msg] = asyncio.Queue()
 
-        async def on_msg(msg) -> None:
+        async def on_msg(msg: Msg) -> None:
             inbound.put_nowait(msg)
 
         # Limits off: the window already bounds what the server sends us.
@@ -558,11 +544,11 @@ class ObjectStoreTransport:
         finally:
             await sub.unsubscribe()
 
-    async def _wait(self, awaitable, what: str):
+    async def _wait(self, awaitable: Awaitable[T], what: str) -> T:
         try:
             return await asyncio.wait_for(awaitable, self._timeout)
         except asyncio.TimeoutError:
-            raise _Transient(f"{what}: nothing for {self._timeout} s; is the server overloaded or restarting?") from None
+            raise Transient(f"{what}: nothing for {self._timeout} s; is the server overloaded or restarting?") from None
 
 
 # shared fetch logic -------------------------------------------------------------------------------
@@ -597,9 +583,9 @@ class _ChunkPlan:
         self.received = bytearray(n)
         self.count = 0
         first = manifest.extra.get("first_seq")
-        self.first_seq = int(first) if first is not None else None
-        self.next_seq = self.first_seq if first is not None else 1
-        self.planned_end = self.next_seq + n if first is not None else self.next_seq
+        self.first_seq: int | None = int(first) if first is not None else None
+        self.next_seq: int = self.first_seq if self.first_seq is not None else 1
+        self.planned_end = self.next_seq + n if self.first_seq is not None else self.next_seq
         self.outstanding = 0
         self.max_seq = self.next_seq - 1
         self.catchup_from: int | None = None if first is not None else 1
@@ -688,251 +674,20 @@ def _parse_ack(data: bytes, status: str | None, where: str, index: int) -> int:
     return int(ack["seq"])
 
 
-# the plain data connection ------------------------------------------------------------------------
-
-
-class _NoDataConnection(Exception):
-    """A plain data connection cannot be used here; fall back to the nats-py client."""
-
-
-class _Transient(TransferError):
-    """A failure a restarting server or an electing cluster causes; the whole publish / fetch is
-    tried again (`bus.retry`), and only if that keeps failing does the caller see a TransferError."""
-
-
-class _ConnectionLost(_Transient):
-    """The server closed the data connection mid-transfer."""
-
-
-class _StreamGone(_Transient):
+class _StreamGone(Transient):
     """No stream listens on the weights subjects: a restarted in-memory server lost it (publish
     re-creates it), or a restarting server has not recovered it yet."""
 
 
-def _data_endpoint(nc: Client) -> tuple[str, int, dict[str, str]] | None:
-    """Host, port and CONNECT credentials for a second plain connection, or None if we can't copy them."""
-    uri = nc.connected_url
-    if uri is None or uri.scheme != "nats" or not uri.hostname:
-        return None
-    # nkeys / JWT sign a server nonce with callbacks; TLS needs the client's context. Not copied.
-    if nc.options.get("tls") is not None or getattr(nc, "_signature_cb", None) or getattr(nc, "_user_jwt_cb", None):
-        return None
-
-    def value(v):
-        return v() if callable(v) else v
-
-    user, password, token = (value(nc.options.get(k)) for k in ("user", "password", "token"))
-    auth: dict[str, str] = {}
-    if user is not None and password is not None:
-        auth = {"user": user, "pass": password}
-    elif token is not None:
-        auth = {"auth_token": token}
-    elif uri.username is not None:
-        auth = {"auth_token": uri.username} if uri.password is None else {"user": uri.username, "pass": uri.password}
-    return uri.hostname, uri.port or 4222, auth
-
-
-@dataclass
-class _Incoming:
-    subject: str
-    status: str | None
-    headers: dict[str, str]
-    size: int
-
-
-class _DataConnection:
-    """A minimal blocking NATS client connection, used by one worker thread for bulk bytes only."""
-
-    def __init__(self, host: str, port: int, auth: Mapping[str, str], *, timeout: float):
-        self._addr = (host, port)
-        self._auth = dict(auth)
-        self._timeout = timeout
-        self._sock: socket.socket | None = None
-        self._buf = bytearray(256 * 1024)
-        self._mv = memoryview(self._buf)
-        self._lo = self._hi = 0
-
-    def __enter__(self) -> "_DataConnection":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def open(self) -> None:
-        try:
-            sock = socket.create_connection(self._addr, timeout=self._timeout)
-        except OSError as exc:
-            # Refused or timed out: the server is away (restarting), not unsuitable; retried.
-            raise _Transient(f"cannot open a data connection to {self._addr}: {exc}") from None
-        self._sock = sock
-        # Socket buffers are left to TCP autotuning: a fixed SO_RCVBUF turns it off and is capped
-        # by net.core.rmem_max (208 KiB on many hosts); measured no better here at 4 MiB.
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        line = self._readline()
-        if not line.startswith(b"INFO "):
-            raise _NoDataConnection(f"server greeting is not INFO: {line[:80]!r}")
-        info = json.loads(line[5:])
-        if info.get("tls_required") or not info.get("headers"):
-            raise _NoDataConnection("server requires TLS or lacks header support")
-        connect = {
-            "verbose": False, "pedantic": False, "protocol": 1, "headers": True,
-            "no_responders": True, "lang": "python3", "version": "rolectl-weights",
-            "name": "rolectl-weights-data", **self._auth,
-        }
-        self.send([b"CONNECT " + json.dumps(connect).encode() + b"\r\nPING\r\n"])
-        while True:
-            line = self._readline()
-            if line == b"PONG":
-                return
-            if line.startswith(b"-ERR"):
-                raise _NoDataConnection(f"server refused the data connection: {line.decode(errors='replace')}")
-            if line == b"PING":
-                self.send([b"PONG\r\n"])
-
-    def close(self) -> None:
-        sock, self._sock = self._sock, None
-        if sock is not None:
-            sock.close()
-
-    def abort(self) -> None:
-        """From another thread: make the blocked recv/send fail now."""
-        sock = self._sock
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-
-    # writing --------------------------------------------------------------------------------------
-
-    def send(self, parts: list) -> None:
-        """Write all of `parts` (bytes or memoryviews) with scatter-gather sends, no joining."""
-        views = [memoryview(p) for p in parts if len(p)]
-        try:
-            while views:
-                sent = self._sock.sendmsg(views[:_IOV_MAX])
-                while sent:
-                    head = views[0]
-                    if sent >= len(head):
-                        sent -= len(head)
-                        views.pop(0)
-                    else:
-                        views[0] = head[sent:]
-                        sent = 0
-        except socket.timeout:
-            raise _Transient(f"data connection to {self._addr}: send stalled for {self._timeout} s") from None
-        except OSError as exc:
-            raise _Transient(f"data connection to {self._addr} failed while sending: {exc}") from None
-
-    # reading --------------------------------------------------------------------------------------
-
-    def _recv_into(self, view: memoryview) -> int:
-        try:
-            got = self._sock.recv_into(view)
-        except socket.timeout:
-            raise _Transient(
-                f"data connection to {self._addr}: no bytes for {self._timeout} s; is the server overloaded?"
-            ) from None
-        except OSError as exc:
-            raise _Transient(f"data connection to {self._addr} failed: {exc}") from None
-        if not got:
-            raise _ConnectionLost(
-                f"server {self._addr} closed the data connection (a slow consumer even with one "
-                "chunk in flight? check the server's max_pending against its max_payload)"
-            )
-        return got
-
-    def _fill(self) -> None:
-        if self._lo == self._hi:
-            self._lo = self._hi = 0
-        elif self._hi == len(self._buf):
-            n = self._hi - self._lo
-            self._buf[:n] = self._mv[self._lo : self._hi]
-            self._lo, self._hi = 0, n
-        self._hi += self._recv_into(self._mv[self._hi :])
-
-    def _readline(self) -> bytes:
-        while True:
-            end = self._buf.find(_CRLF, self._lo, self._hi)
-            if end >= 0:
-                line = bytes(self._mv[self._lo : end])
-                self._lo = end + 2
-                return line
-            if self._hi - self._lo >= len(self._buf) - 2:
-                raise TransferError(f"data connection to {self._addr}: protocol line too long")
-            self._fill()
-
-    def _read_into(self, target: memoryview, hasher: Any = None) -> None:
-        n = len(target)
-        have = min(self._hi - self._lo, n)
-        if have:
-            target[:have] = self._mv[self._lo : self._lo + have]
-            self._lo += have
-        pos = hashed = have
-        if hasher is not None and have:
-            hasher.update(target[:have])
-        while pos < n:  # large payloads go from the socket straight into the target
-            pos += self._recv_into(target[pos:])
-            if hasher is not None and pos - hashed >= _HASH_PIECE:
-                # Hash what just landed while it is still in cache, not in a cold pass later.
-                hasher.update(target[hashed:pos])
-                hashed = pos
-        if hasher is not None and hashed < n:
-            hasher.update(target[hashed:n])
-
-    def _read_bytes(self, n: int) -> bytes:
-        out = bytearray(n)
-        self._read_into(memoryview(out))
-        return bytes(out)
-
-    def next_message(self) -> _Incoming:
-        """Read up to the next MSG/HMSG payload (answering PINGs on the way)."""
-        while True:
-            line = self._readline()
-            if line.startswith(b"HMSG ") or line.startswith(b"MSG "):
-                parts = line.split()
-                if parts[0] == b"HMSG":
-                    hlen, total = int(parts[-2]), int(parts[-1])
-                else:
-                    hlen, total = 0, int(parts[-1])
-                status, headers = _parse_headers(self._read_bytes(hlen)) if hlen else (None, {})
-                return _Incoming(parts[1].decode(), status, headers, total - hlen)
-            if line == b"PING":
-                self.send([b"PONG\r\n"])
-            elif line.startswith(b"-ERR"):
-                raise TransferError(f"server error on the data connection: {line.decode(errors='replace')}")
-            elif not (line == b"PONG" or line == b"+OK" or line.startswith(b"INFO")):
-                raise TransferError(f"data connection: unexpected protocol line {line[:80]!r}")
-
-    def read_payload(self, size: int, target: memoryview | None = None, hasher: Any = None) -> bytes | None:
-        """The payload of the message just announced: into `target` (hashed on the way), or as bytes."""
-        data = None
-        if target is not None:
-            self._read_into(target, hasher)
-        else:
-            data = self._read_bytes(size)
-        if self._read_bytes(2) != _CRLF:
-            raise TransferError(f"data connection to {self._addr}: payload not followed by CRLF")
-        return data
-
-
-def _parse_headers(raw: bytes) -> tuple[str | None, dict[str, str]]:
-    lines = raw.decode("latin-1").split("\r\n")
-    first = lines[0].split(" ", 2)  # "NATS/1.0[ <status>[ <description>]]"
-    status = first[1] if len(first) > 1 and first[1].isdigit() else None
-    headers = {}
-    for line in lines[1:]:
-        key, sep, value = line.partition(":")
-        if sep:
-            headers[key.strip()] = value.strip()
-    if status:
-        headers["Status"] = status
-    return status, headers
+# the transfers over a plain data connection --------------------------------------------------------
 
 
 def _publish_raw(
-    conn: _DataConnection, inbox: str, source: SourceBytes, bounds: list[tuple[int, int]],
+    conn: DataConnection, inbox: str, source: SourceBytes, bounds: list[tuple[int, int]],
     subjects: list[str], algorithm: str, window: int, where: str,
 ) -> tuple[list[bytes], list[int]]:
-    conn.send([f"SUB {inbox}.* 1\r\n".encode()])
+    """Publish every chunk (at most `window` unacknowledged); return their digests and sequences."""
+    conn.subscribe(f"{inbox}.*")
     digests: list[bytes] = []
     seqs = [0] * len(bounds)
     outstanding = 0
@@ -948,7 +703,7 @@ def _publish_raw(
     for i, (a, b) in enumerate(bounds):
         segments = source.segments(a, b)
         digests.append(digest_bytes(algorithm, segments))
-        conn.send([f"PUB {subjects[i]} {inbox}.{i} {b - a}\r\n".encode(), *segments, _CRLF])
+        conn.publish(subjects[i], f"{inbox}.{i}", segments)
         outstanding += 1
         while outstanding >= window:
             take_ack()
@@ -957,15 +712,13 @@ def _publish_raw(
     return digests, seqs
 
 
-def _fetch_raw(conn: _DataConnection, inbox: str, api_subject: str, plan: _ChunkPlan) -> None:
-    conn.send([f"SUB {inbox} 1\r\n".encode()])
+def _fetch_raw(conn: DataConnection, inbox: str, api_subject: str, plan: _ChunkPlan) -> None:
+    """Send the plan's direct-get requests and land each reply where the plan says, until done."""
+    conn.subscribe(inbox)
     while not plan.done:
         requests = plan.requests()
-        if requests:
-            conn.send([
-                part for body in requests
-                for part in (f"PUB {api_subject} {inbox} {len(body)}\r\n".encode(), body, _CRLF)
-            ])
+        if requests:  # one send for the whole batch of requests
+            conn.send([part for body in requests for part in conn.pub_parts(api_subject, inbox, [body])])
         msg = conn.next_message()
         if msg.status:
             conn.read_payload(msg.size)

@@ -57,7 +57,9 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed import AllreduceOptions, BroadcastOptions, PrefixStore, ReduceOp, TCPStore
+from torch.distributed import AllreduceOptions, BroadcastOptions, ReduceOp, Work
+# torch re-exports its C extension's stores without listing them in __all__.
+from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
 from rolectl.sync_protocol import MemberRef, RendezvousReady, SyncMethod
 
@@ -81,17 +83,14 @@ __all__ = [
 Backend = Literal["auto", "gloo", "nccl"]
 
 # From this size up a tensor is broadcast on its own, straight from/to its memory; smaller ones are
-# packed. Packing costs a memory copy on each side. On CPU (gloo) a copy is as slow as the loopback
-# wire itself while one more broadcast costs ~25 µs, so only tiny tensors are worth packing:
-# measured with benchmarks/weights_dist.py (one channel), 8 MiB ≈ 78 % of the raw broadcast,
-# 1 MiB ≈ 80-97 %.
-# On GPUs (nccl) a device copy is ~10x faster than the wire and per-call latency dominates small
-# messages, so packing pays up to a larger size (a judgement, not yet measured here).
+# packed, at the cost of a memory copy on each side. On CPU (gloo) a copy is as slow as the loopback
+# wire, so only tiny tensors are worth packing (`benchmarks/weights_dist.py`); on GPUs (nccl) a
+# device copy is far faster than the wire and per-call latency dominates, so packing pays up to a
+# larger size.
 DEFAULT_DIRECT_MIN_BYTES: dict[str, int] = {"gloo": 1 << 20, "nccl": 16 << 20}
 # Parallel process groups ("channels") per rank; buckets take them in turn. One gloo group is one
-# TCP stream per peer pair, and a stream idles between two broadcasts (hand-off between threads
-# and processes); a second stream fills those gaps: measured 8.2 → 10.2 GB/s on loopback, above
-# a single flat broadcast. NCCL already spreads one call over several channels of its own.
+# TCP stream per peer pair, idle between two broadcasts; a second stream fills those gaps
+# (`benchmarks/weights_dist.py`). NCCL already spreads one call over several channels of its own.
 DEFAULT_CHANNELS: dict[str, int] = {"gloo": 2, "nccl": 1}
 DEFAULT_TIMEOUT_S = 30.0
 
@@ -128,16 +127,17 @@ class _Link:
 
     # ---- collectives -----------------------------------------------------------------------------
 
-    def _broadcast(self, t: torch.Tensor, channel: int = 0):
+    def _broadcast(self, t: torch.Tensor, channel: int = 0) -> Work:
         opts = BroadcastOptions()
         opts.rootRank = 0
         opts.rootTensor = 0
         try:
-            return self.pgs[channel % len(self.pgs)].broadcast([t], opts)
+            work: Work = self.pgs[channel % len(self.pgs)].broadcast([t], opts)
+            return work
         except Exception as exc:  # noqa: BLE001 - backend errors have no common type
             raise _CollectiveFailed(f"broadcast: {exc}") from exc
 
-    def _wait(self, work) -> None:
+    def _wait(self, work: Work) -> None:
         try:
             # With a timeout, nccl's wait blocks this thread (not just the stream) and raises
             # instead of letting the watchdog kill the process; gloo honours it too.
@@ -149,7 +149,7 @@ class _Link:
         """All-reduce(MAX) of every rank's 'I reject this header': True when any rank rejected."""
         flag = torch.tensor([1 if bad else 0], dtype=torch.int32, device=self.device)
         opts = AllreduceOptions()
-        opts.reduceOp = ReduceOp.MAX
+        opts.reduceOp = ReduceOp.MAX  # type: ignore[assignment]  # torch's stubs name the enum member's type apart
         try:
             work = self.pgs[0].allreduce([flag], opts)
         except Exception as exc:  # noqa: BLE001
@@ -250,10 +250,10 @@ class _Link:
 
     def _receive_buckets(self, header: BucketHeader, dests: list[torch.Tensor], atomic: bool) -> int:
         total = 0
-        pending = []
+        pending: list[Work] = []
         # (work, bucket, buffer) waiting to be unpacked, per scratch slot (or all, when atomic)
-        unpack_later: list[tuple[Any, Sequence[int], torch.Tensor]] = []
-        slot_pending: list[tuple[Any, Sequence[int], torch.Tensor] | None] = [None, None]
+        unpack_later: list[tuple[Work, Sequence[int], torch.Tensor]] = []
+        slot_pending: list[tuple[Work, Sequence[int], torch.Tensor] | None] = [None, None]
         slot = 0
         channel = -1
         if atomic:
@@ -274,8 +274,9 @@ class _Link:
                 cursor += nbytes
                 unpack_later.append((self._broadcast(buf, channel), bucket, buf))
                 continue
-            if slot_pending[slot] is not None:
-                self._unpack(*slot_pending[slot], dests)
+            waiting = slot_pending[slot]
+            if waiting is not None:
+                self._unpack(*waiting, dests)
             buf = self.scratch(slot, nbytes)
             slot_pending[slot] = (self._broadcast(buf, channel), bucket, buf)
             slot ^= 1
@@ -288,7 +289,7 @@ class _Link:
         self._sync_device()
         return total
 
-    def _unpack(self, work, bucket: Sequence[int], buf: torch.Tensor, dests: list[torch.Tensor]) -> None:
+    def _unpack(self, work: Work, bucket: Sequence[int], buf: torch.Tensor, dests: list[torch.Tensor]) -> None:
         self._wait(work)
         offset = 0
         for i in bucket:
@@ -317,7 +318,7 @@ class _Link:
 
 @dataclass
 class _Group:
-    key: tuple
+    key: tuple[Any, ...]
     port: int  # the trainer's store port this group was formed at
     epoch: int
     backend: str
@@ -344,7 +345,7 @@ def _is_loopback(addr: str) -> bool:
         return False
 
 
-def _gloo_device(master_addr: str, interface: str | None):
+def _gloo_device(master_addr: str, interface: str | None) -> Any:
     # A loopback rendezvous means every rank is on this host: bind gloo to loopback too, which is
     # also immune to a hostname that does not resolve. Otherwise honour GLOO_SOCKET_IFNAME, the
     # variable torch's own init honours, then the host's default address.
@@ -356,21 +357,23 @@ def _gloo_device(master_addr: str, interface: str | None):
     return dist.ProcessGroupGloo.create_default_device()
 
 
-def _new_backend(backend: str, store, rank: int, world_size: int, timeout: datetime.timedelta,
-                 master_addr: str, interface: str | None):
+def _new_backend(backend: str, store: Any, rank: int, world_size: int, timeout: datetime.timedelta,
+                 master_addr: str, interface: str | None) -> Any:
+    """A gloo or nccl backend (torch's C types, untyped here) over `store`."""
     if backend == "gloo":
-        opts = dist.ProcessGroupGloo._Options()
+        # torch has no public options for a gloo group built by hand (devices, timeout).
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         opts._devices = [_gloo_device(master_addr, interface)]
         opts._timeout = timeout
         return dist.ProcessGroupGloo(store, rank, world_size, opts)
     if backend == "nccl":
         if not dist.is_nccl_available():
             raise TransferError("backend nccl requested but this torch build has no NCCL")
-        opts = dist.ProcessGroupNCCL.Options()
+        nccl_opts = dist.ProcessGroupNCCL.Options()
         # Our own timeout fires first (Work.wait(timeout)), then we abort(): the watchdog, whose
         # default reaction is to kill the whole process, never gets to act on this group.
-        opts._timeout = timeout + datetime.timedelta(seconds=60)
-        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+        nccl_opts._timeout = timeout + datetime.timedelta(seconds=60)
+        return dist.ProcessGroupNCCL(store, rank, world_size, nccl_opts)
     raise TransferError(f"unknown torch.distributed backend {backend!r}")
 
 
@@ -513,16 +516,20 @@ class TorchDistTransport:
             group = await self._ensure_group(ready, ranks=ranks, devices=devices, backend=backend,
                                              channels=channels, store=store)
             started = time.monotonic()
+
+            def receive_into(dest: Mapping[str, torch.Tensor]) -> Callable[[_Link], int]:
+                return lambda link: link.receive_round(ready.round, ready.version, dest, self._atomic, self._log)
+
             results = await self._run(
                 group,
-                [(lambda link, d=d: link.receive_round(ready.round, ready.version, d, self._atomic, self._log))
-                 for d in dests],
+                [receive_into(d) for d in dests],
                 ready,
             )
             self._log.debug("weights.broadcast_received", round=ready.round, version=ready.version,
                             epoch=ready.epoch, ranks=len(dests), nbytes=results[0],
                             seconds=round(time.monotonic() - started, 4))
-            return results[0]
+            received: int = results[0]
+            return received
 
     async def aclose(self) -> None:
         """Tear the group down; safe to call twice."""
@@ -534,7 +541,7 @@ class TorchDistTransport:
     async def __aenter__(self) -> "TorchDistTransport":
         return self
 
-    async def __aexit__(self, *exc_info) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
     # ---- group lifecycle -------------------------------------------------------------------------
@@ -543,7 +550,7 @@ class TorchDistTransport:
         if self._closed:
             raise TransferError("transport is closed")
 
-    def _key(self, ready: RendezvousReady, ranks: list[int], backend: str, channels: int) -> tuple:
+    def _key(self, ready: RendezvousReady, ranks: list[int], backend: str, channels: int) -> tuple[Any, ...]:
         return (*_group_place(ready), tuple(ranks), backend, channels)
 
     async def _join(self, ready: RendezvousReady) -> tuple[str, int, Any]:
@@ -571,8 +578,8 @@ class TorchDistTransport:
             raise TransferError(f"epoch {ready.epoch}: trainer announced {backend} x {channels} channels")
         return backend, channels, store
 
-    async def _connect_store(self, ready: RendezvousReady, *, is_master: bool):
-        def connect():
+    async def _connect_store(self, ready: RendezvousReady, *, is_master: bool) -> Any:
+        def connect() -> Any:  # a TCPStore (torch's C type, untyped here)
             return TCPStore(
                 ready.master_addr, ready.master_port, None, is_master, self._connect_timeout,
                 wait_for_workers=False,
@@ -643,7 +650,7 @@ class TorchDistTransport:
                 raise errors[0]
             raise PeerLost(f"epoch {ready.epoch}: group of {ready.world_size} did not form within "
                            f"{self._connect_timeout.total_seconds():g}s: {errors[0]}") from None
-        group = _Group(key=key, port=ready.master_port, epoch=ready.epoch, backend=backend, channels=channels, store=store, links=list(outcomes),
+        group = _Group(key=key, port=ready.master_port, epoch=ready.epoch, backend=backend, channels=channels, store=store, links=[o for o in outcomes if isinstance(o, _Link)],
                        executor=executor)
         # The trainer leaves the old group only now: every explorer has joined the new one, so
         # it has left the old one already (explorers tear down first).
@@ -667,7 +674,7 @@ class TorchDistTransport:
         """Run one job per link on the group's threads; translate a broken collective into PeerLost."""
         loop = asyncio.get_running_loop()
 
-        def on_thread(job, link: _Link):
+        def on_thread(job: Callable[[_Link], Any], link: _Link) -> Any:
             if link.device.type == "cuda":
                 torch.cuda.set_device(link.device)
             return job(link)
@@ -699,7 +706,7 @@ class TorchDistTransport:
         raise failure
 
 
-def _group_place(ready: RendezvousReady) -> tuple:
+def _group_place(ready: RendezvousReady) -> tuple[int, int]:
     """What names a group in a decision: a new value of either means a new group.
 
     The synchronizer starts a new epoch whenever the membership (incarnations and ranks included)

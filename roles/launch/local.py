@@ -30,12 +30,12 @@ from rolectl.bus.security import redact
 from rolectl.bus.server import NatsServer, NatsServerError
 from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream
 from rolectl.roles.config import JobConfig
+from rolectl.roles.exit_codes import ExitCode
 from rolectl.roles.launch.base import Launcher, RoleHandle
 from rolectl.roles.observe.dashboard import start_dashboard
 from rolectl.roles.observe.observer import SUMMARY_MEANINGS, JobObserver, member_status
 from rolectl.roles.observe.replay import summarize, write_export
 from rolectl.roles.provision import provision_job
-from rolectl.roles.exit_codes import ExitCode
 from rolectl.roles.runner import EXIT_ERROR, EXIT_INCOMPLETE, EXIT_INTERRUPTED
 from rolectl.roles.session import stop_task
 from rolectl.sync_protocol import Role
@@ -284,7 +284,8 @@ async def supervise(cfg: JobConfig, launcher: Launcher, run_path: Path, *, monit
             try:
                 records = await asyncio.wait_for(read_all(conn), timeout=30.0)
             except (asyncio.TimeoutError, BusError, nats.errors.Error) as exc:
-                console.print(f"[yellow]the job's stream could not be read for the export:[/] {exc or type(exc).__name__}")
+                console.print("[yellow]the job's stream could not be read for the export:[/] "
+                              f"{exc or type(exc).__name__}")
                 records = []
             events_file = run_path / "events.jsonl"
             write_export(records, events_file, job=cfg.job)

@@ -34,14 +34,14 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from rich.console import Console
 
 from rolectl.bus.connection import connect
-from rolectl.bus.errors import BusError
+from rolectl.bus.errors import BusError, describe
 from rolectl.bus.events import last_sequence, read_events, subscribe_heartbeats
 from rolectl.bus.logging import setup_logging
 from rolectl.bus.security import redact
 from rolectl.bus.subjects import JobNames
-from rolectl.roles.session import stop_task
 from rolectl.roles.exit_codes import ExitCode
 from rolectl.roles.observe.observer import JobObserver
+from rolectl.roles.session import stop_task
 from rolectl.sync_protocol import Role
 
 __all__ = ["Dashboard", "DashboardHandle", "start_dashboard", "serve_dashboard", "default_monitor_url"]
@@ -79,7 +79,7 @@ async def _preflight(job: str, nats_url: str, monitor_url: str, *, monitor_given
     except BusError as exc:  # its message says where, why and what to run
         problems.append(f"{exc} The dashboard keeps trying meanwhile.")
     except Exception as exc:
-        problems.append(f"NATS at {redact(nats_url)} does not answer ({type(exc).__name__}: {exc}). Start one "
+        problems.append(f"NATS at {redact(nats_url)} does not answer ({describe(exc)}). Start one "
                         "(`rolectl server`, or `rolectl up` prints its URL) or pass --nats URL; the dashboard "
                         "keeps trying meanwhile")
     try:
@@ -88,7 +88,7 @@ async def _preflight(job: str, nats_url: str, monitor_url: str, *, monitor_given
             async with session.get(f"{monitor_url.rstrip('/')}/varz") as resp:
                 resp.raise_for_status()
     except Exception as exc:
-        why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        why = describe(exc)
         guess = "" if monitor_given else " (the default guess: the --nats host, port 8222)"
         problems.append(f"no nats-server monitoring at {monitor_url}{guess}: {why}. Pass --monitor-url "
                         "http://HOST:PORT: `rolectl server` prints it (its --http-port), `rolectl up` prints it "
@@ -184,7 +184,7 @@ class Dashboard:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # NATS away or the reader failed: show it, try again
-                await self._set_connection("reconnecting", f"{type(exc).__name__}: {exc}")
+                await self._set_connection("reconnecting", describe(exc))
                 await asyncio.sleep(1.0)
 
     async def _set_connection(self, state: str, error: str | None) -> None:
@@ -206,7 +206,7 @@ class Dashboard:
                     self.nats = self._health(varz, jsz)
                 except Exception as exc:  # the server is away: say so on the page
                     self.nats = {**self.nats, "ok": False,
-                                 "error": f"{self.monitor_url} unreachable ({type(exc).__name__}: {exc})"}
+                                 "error": f"{self.monitor_url} unreachable ({describe(exc)})"}
                 await self._bump()
                 await asyncio.sleep(_MONITOR_PERIOD_S)  # polling period of the monitoring endpoint
 

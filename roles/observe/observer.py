@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter, OrderedDict, deque
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 from rolectl.sync_protocol import (
     Decision,
@@ -38,9 +39,9 @@ from rolectl.sync_protocol import (
     RoundClosed,
     RoundOpened,
     RoundOutcome,
+    RoundPhase,
     RoundTimedOut,
     RunningStatus,
-    RoundPhase,
     State,
     StatusChanged,
     StepFinished,
@@ -397,7 +398,7 @@ class JobObserver:
         self._at_last_seq.add(identity)
         return True
 
-    def extend(self, records: Iterable[Recorded]) -> "JobObserver":
+    def extend(self, records: Iterable[Recorded]) -> JobObserver:
         for rec in records:
             self.apply(rec)
         return self

@@ -12,11 +12,11 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from rolectl.roles.exit_codes import ExitCode
 from rolectl.bus.connection import connect
 from rolectl.bus.errors import BusError
 from rolectl.bus.events import last_sequence, read_events, subscribe_heartbeats
 from rolectl.bus.logging import setup_logging
+from rolectl.roles.exit_codes import ExitCode
 from rolectl.roles.observe.observer import JobObserver, format_ago
 from rolectl.sync_protocol import Role
 

@@ -14,7 +14,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import pytest
 from playwright.sync_api import sync_playwright
 
 from rolectl.bus.server import free_port
+from tests.support.wait import wait_until_sync
 
 pytestmark = pytest.mark.browser
 
@@ -42,18 +42,17 @@ def _tail(path: Path, lines: int = 40) -> str:
 
 def _wait_http(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
     """Wait until `url` answers 200, failing at once if `rolectl up` exits first."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def answers() -> bool:
         if proc.poll() is not None:
             pytest.fail(f"rolectl up exited with {proc.returncode} before serving the dashboard:\n{_tail(log)}")
         try:
             with urllib.request.urlopen(url, timeout=1.0) as resp:
-                if resp.status == 200:
-                    return
+                return resp.status == 200
         except OSError:
-            pass  # not listening yet
-        time.sleep(0.1)  # poll interval of a readiness check (with a deadline), not a synchronisation
-    pytest.fail(f"the dashboard at {url} did not answer within {timeout} s:\n{_tail(log)}")
+            return False  # not listening yet
+
+    wait_until_sync(answers, timeout=timeout, what=f"the dashboard at {url} to answer", details=lambda: _tail(log))
 
 
 @pytest.fixture

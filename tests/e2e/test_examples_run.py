@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from e2e_support import ROOT, run_up
 from rolectl.bus.server import NatsCluster
+from tests.support.e2e import ROOT, run_up
 
 pytestmark = pytest.mark.e2e
 
@@ -94,7 +94,7 @@ def test_a_job_short_of_experiences_by_stale_drops_says_so(tmp_path):
     """Explorers produce exactly what the trainer needs and max_staleness 0 drops what the fast
     explorers made before each new version: the job ends short (exit 3) and `up` blames the drops,
     not the task arithmetic (which is exactly enough)."""
-    from e2e_support import job_config
+    from tests.support.e2e import job_config
 
     config = job_config(tmp_path, job="e2e-stale-short",
                         synchronizer={"sync_method": "memory", "sync_style": "fully_async", "max_staleness": 0},

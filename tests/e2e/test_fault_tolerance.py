@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from e2e_support import (
+from tests.support.e2e import (
     LiveJob,
     assert_decisions_replay,
     decision_problems,

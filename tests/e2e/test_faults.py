@@ -9,7 +9,7 @@ import signal
 import pytest
 
 from rolectl.roles.observe.replay import check_decisions
-from e2e_support import (
+from tests.support.e2e import (
     LiveJob,
     assert_decisions_replay,
     decision_problems,

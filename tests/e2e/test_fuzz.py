@@ -13,7 +13,7 @@ import pytest
 
 from rolectl.bus.events import Heartbeat, encode_heartbeat, read_events
 from rolectl.bus.experiences import ExperienceBatch, encode_batch
-from e2e_support import LiveJob, assert_decisions_replay, job_config, of_kind, trainer_steps
+from tests.support.e2e import LiveJob, assert_decisions_replay, job_config, of_kind, trainer_steps
 from rolectl.roles.engines import make_rollout_engine, make_taskset
 from rolectl.sync_protocol import (
     INPUT_KINDS,
@@ -35,8 +35,8 @@ pytestmark = pytest.mark.e2e
 
 TOTAL_STEPS = 6
 SEED = 20261123
-TRAINER = MemberRef(role="trainer", id="trainer", incarnation=1)
-EXPLORER_0 = MemberRef(role="explorer", id="explorer-0", incarnation=1)
+TRAINER = MemberRef(role=Role.TRAINER, id="trainer", incarnation=1)
+EXPLORER_0 = MemberRef(role=Role.EXPLORER, id="explorer-0", incarnation=1)
 MEMBERS = [("trainer", "trainer"), ("explorer", "explorer-0"), ("explorer", "explorer-1"),
            ("synchronizer", "sync-0")]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from e2e_support import ROOT, assert_decisions_replay, run_up
+from tests.support.e2e import ROOT, assert_decisions_replay, run_up
 
 pytestmark = pytest.mark.e2e
 

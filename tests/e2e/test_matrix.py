@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from e2e_support import assert_decisions_replay, job_config, of_kind, run_up, trainer_steps
+from tests.support.e2e import assert_decisions_replay, job_config, of_kind, run_up, trainer_steps
 from rolectl.sync_protocol import (
     MemberReleased,
     RendezvousReady,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from e2e_support import ROOT, assert_decisions_replay, run_up
+from tests.support.e2e import ROOT, assert_decisions_replay, run_up
 
 pytestmark = pytest.mark.e2e
 

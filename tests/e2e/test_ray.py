@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from rolectl.bus.server import free_port
-from e2e_support import (
+from tests.support.e2e import (
     ROOT,
     LiveJob,
     assert_decisions_replay,
@@ -31,6 +31,7 @@ from e2e_support import (
 )
 from rolectl.roles.observe.replay import load_export
 from rolectl.sync_protocol import MemberJoined
+from tests.support.wait import wait_until_sync
 
 # one Ray head per module: with `-n 3 --dist loadgroup` its tests stay on one worker (one head)
 # The first test also pays for the head's start, which may be tried again (ray_head): more than the
@@ -83,20 +84,18 @@ class RayHead:
 
     def wait_ready(self, timeout: float = 240) -> None:
         """`ray start` said the node is up (GCS and raylet registered) and the job server answers."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def ready() -> bool:
             assert self.proc.poll() is None, f"ray start exited {self.proc.returncode}\n{self.log.read_text()[-3000:]}"
             if "Ray runtime started" not in self.log.read_text(errors="replace"):
-                time.sleep(0.5)  # polling a log line; bounded by the deadline
-                continue
+                return False  # polling a log line
             try:
                 with urllib.request.urlopen(f"{self.dashboard}/api/jobs/", timeout=5) as resp:
-                    if resp.status == 200:
-                        return
+                    return resp.status == 200
             except OSError:
-                pass
-            time.sleep(0.5)  # polling an HTTP endpoint that is not up yet; bounded by the deadline
-        raise AssertionError(f"Ray head not ready after {timeout} s\n{self.log.read_text()[-3000:]}")
+                return False  # an HTTP endpoint that is not up yet
+
+        wait_until_sync(ready, timeout=timeout, poll=0.5, what="the Ray head to be ready",
+                        details=lambda: self.log.read_text()[-3000:])
 
     def stop(self) -> None:
         if self.proc.poll() is None:

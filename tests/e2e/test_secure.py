@@ -4,7 +4,6 @@ the server, the job still trains every step, and its recorded decisions replay e
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import sys
@@ -14,7 +13,8 @@ import pytest
 from rolectl.bus.auth import init_auth_dir
 from rolectl.bus.connection import connect
 from rolectl.bus.server import free_port
-from e2e_support import ROOT, LiveJob, assert_decisions_replay, job_config, run_up, trainer_steps
+from tests.support.e2e import ROOT, LiveJob, assert_decisions_replay, job_config, run_up, trainer_steps
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -73,13 +73,12 @@ def _forbidden(names, identity: str) -> list[tuple[str, str, bytes]]:
 
 async def _denied(conn, subject: str) -> str | None:
     """The server's permission-violation message for `subject`, waited for (bounded)."""
-    deadline = asyncio.get_running_loop().time() + DENIAL_WAIT_S
-    while asyncio.get_running_loop().time() < deadline:
-        found = conn.denied(subject)
-        if found:
-            return found
-        await conn.nc.flush(timeout=1)
-    return None
+    try:
+        # a flush is a round trip: the server's error for what was sent before it has arrived after it
+        return await wait_until(lambda: conn.denied(subject), timeout=DENIAL_WAIT_S, what=f"a denial of {subject}",
+                                changed=lambda: conn.nc.flush(timeout=1))
+    except AssertionError:  # not denied: the caller lists it
+        return None
 
 
 async def _attack(job: LiveJob, identity: str) -> list[str]:

@@ -15,7 +15,7 @@ import pytest
 from rolectl.bus.connection import connect
 from rolectl.bus.server import NatsCluster
 from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream
-from e2e_support import (
+from tests.support.e2e import (
     LiveJob,
     assert_decisions_replay,
     decision_problems,

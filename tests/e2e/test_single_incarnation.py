@@ -8,9 +8,9 @@ import signal
 
 import pytest
 
-from e2e_support import LiveJob, job_config, last_trainer_step, of_kind
 from rolectl.roles.runner import EXIT_ERROR, EXIT_USAGE
 from rolectl.sync_protocol import MemberExpired, MemberJoined, Role, StepFinished
+from tests.support.e2e import LiveJob, job_config, last_trainer_step, of_kind
 
 pytestmark = pytest.mark.e2e
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from e2e_support import LiveJob, assert_decisions_replay, job_config, of_kind
+from tests.support.e2e import LiveJob, assert_decisions_replay, job_config, of_kind
 from rolectl.sync_protocol import MemberJoined, MemberReleased, Role, RunningStatus, StatusChanged
 
 pytestmark = pytest.mark.e2e
@@ -60,7 +60,7 @@ async def test_keep_running_synchronizer_stays_after_the_job(tmp_path):
     import subprocess
     import sys
 
-    from e2e_support import ROOT
+    from tests.support.e2e import ROOT
     from rolectl.bus.events import EventPublisher
     from rolectl.sync_protocol import JobConfigured, MemberRef
 

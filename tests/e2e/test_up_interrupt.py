@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from e2e_support import ROOT, _kill_tree, job_config
 from rolectl.roles.runner import EXIT_INTERRUPTED
+from tests.support.e2e import ROOT, _kill_tree, job_config
 
 pytestmark = pytest.mark.e2e
 

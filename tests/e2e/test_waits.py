@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from e2e_support import LiveJob, job_config
+from tests.support.e2e import LiveJob, job_config
 
 pytestmark = pytest.mark.e2e
 

@@ -12,12 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from rolectl.bus._natspy_compat import inbox_prefix
 from rolectl.bus.auth import identities, init_auth_dir
 from rolectl.bus.connection import connect
 from rolectl.bus.errors import BusError, BusUnavailable
 from rolectl.bus.security import ClientSecurity
 from rolectl.bus.server import NatsServer, free_port
 from rolectl.bus.streams import ensure_event_stream
+from tests.support.wait import wait_until, wait_until_sync
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = "secure"
@@ -44,7 +46,7 @@ async def test_every_identity_connects_over_tls_with_its_own_nkey(secured):
             role = {"admin": "observer"}.get(role, role)
             conn = await connect(auth.url, job=JOB, role=role, member=identity, security=auth.security(identity))
             conns.append(conn)
-            assert conn.nc._inbox_prefix.decode() == f"_INBOX.{JOB}.{identity}"
+            assert inbox_prefix(conn.nc) == f"_INBOX.{JOB}.{identity}"
         with urllib.request.urlopen(f"{server.monitor_url}/connz?auth=true&limit=100", timeout=5) as resp:
             connz = json.load(resp)
         seen = {c["name"].rsplit("/", 1)[-1]: c for c in connz["connections"] if c.get("name", "").startswith(JOB)}
@@ -107,22 +109,19 @@ async def test_members_cannot_create_streams_and_say_to_run_provision_which_admi
 
 
 async def test_rolectl_server_runs_the_config_auth_init_wrote(tmp_path):
-    import time
-
     auth = init_auth_dir(tmp_path / "auth", job=JOB, explorers=1, port=free_port(), http_port=free_port())
     proc = subprocess.Popen([sys.executable, "-m", "rolectl.roles.cli", "server", "--config", str(auth.server_conf)],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 20
-        while True:
+        def healthy() -> bool:
             try:
                 with urllib.request.urlopen(f"{auth.monitor_url}/healthz", timeout=1) as resp:
-                    if resp.status == 200:
-                        break
+                    return resp.status == 200
             except OSError:
                 assert proc.poll() is None, f"rolectl server exited with {proc.returncode}"
-                assert time.monotonic() < deadline, "rolectl server --config never became healthy"
-                time.sleep(0.1)  # polling the health endpoint, bounded by the deadline
+                return False
+
+        wait_until_sync(healthy, timeout=20, what="rolectl server --config to become healthy")
         async with connect(auth.url, job=JOB, role="observer", member="probe",
                            security=auth.security("observer")) as conn:
             assert (await conn.js.account_info()) is not None
@@ -132,8 +131,6 @@ async def test_rolectl_server_runs_the_config_auth_init_wrote(tmp_path):
 
 
 async def test_the_dashboard_follows_a_secured_job_as_observer(secured, tmp_path):
-    import asyncio
-
     from rolectl.roles.config import load_config
     from rolectl.roles.observe.dashboard import start_dashboard
     from rolectl.roles.provision import provision_job
@@ -146,10 +143,8 @@ async def test_the_dashboard_follows_a_secured_job_as_observer(secured, tmp_path
                                    security=auth.security("observer"))
     try:
         dashboard = handle.dashboard
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 20
-        while dashboard.connection != "live":
-            assert loop.time() < deadline, f"dashboard never went live: {dashboard.connection} {dashboard.error}"
-            await dashboard.wait_change(dashboard.changes, deadline - loop.time())
+        await wait_until(lambda: dashboard.connection == "live", timeout=20, what="the dashboard to go live",
+                         changed=lambda: dashboard.wait_change(dashboard.changes, 20),
+                         details=lambda: f"dashboard: {dashboard.connection} {dashboard.error}")
     finally:
         await handle.aclose()

@@ -21,12 +21,13 @@ from rolectl.bus.server import NatsCluster
 from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream, event_stream_config
 from rolectl.bus.subjects import JobNames
 from rolectl.bus.weights.object_store import ObjectStoreTransport
-from rolectl.sync_protocol import MemberRef, StepFinished
+from rolectl.sync_protocol import MemberRef, Role, StepFinished
+from tests.support.wait import wait_until
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-ME = MemberRef(role="trainer", id="t0", incarnation=0)
+ME = MemberRef(role=Role.TRAINER, id="t0", incarnation=0)
 
 
 @pytest.fixture
@@ -34,20 +35,6 @@ def cluster(tmp_path):
     """A fresh 3-node cluster per test (tests kill nodes)."""
     with NatsCluster(size=3, store_dir=str(tmp_path / "cluster"), log_dir=str(tmp_path / "logs")) as c:
         yield c
-
-
-async def _wait_for(condition, *, timeout: float, what: str, poll: float = 0.1):
-    async def loop():
-        while True:
-            value = condition()
-            if value:
-                return value
-            await asyncio.sleep(poll)
-
-    try:
-        return await asyncio.wait_for(loop(), timeout)
-    except asyncio.TimeoutError:
-        raise AssertionError(f"timed out after {timeout} s waiting for {what}") from None
 
 
 # -- URL lists --------------------------------------------------------------------------------------
@@ -142,7 +129,7 @@ async def test_losing_the_event_stream_leader_costs_a_stall_not_an_event(cluster
     new consumer and miss nothing. The synchronizer once went silent this way."""
     async with connect(cluster.url, job=job_name, role="trainer", member="t0") as conn:
         await ensure_event_stream(conn.js, conn.names, replicas=3)
-        leader = await _wait_for(lambda: cluster.stream_leader(conn.names.event_stream), timeout=10,
+        leader = await wait_until(lambda: cluster.stream_leader(conn.names.event_stream), timeout=10,
                                  what="the event stream's leader")
         publisher = EventPublisher(conn, ME)
         events = [StepFinished(member=ME, step=s, version=0) for s in range(1, 21)]
@@ -161,7 +148,7 @@ async def test_losing_the_event_stream_leader_costs_a_stall_not_an_event(cluster
             seen += [(await asyncio.wait_for(reader.__anext__(), 60)).event for _ in events[len(seen):]]
         assert seen == events
         # a survivor's monitoring may name the dead leader for a moment: wait for one that is alive
-        await _wait_for(lambda: cluster.stream_leader(conn.names.event_stream) not in (None, killed), timeout=20,
+        await wait_until(lambda: cluster.stream_leader(conn.names.event_stream) not in (None, killed), timeout=20,
                         what=f"an event stream leader other than the killed {killed}")
 
 

@@ -35,11 +35,13 @@ from rolectl.sync_protocol import (
     SyncMethod,
     VersionPublished,
     encode,
+    Role,
 )
+from tests.support.wait import wait_until
 
-TRAINER = MemberRef(role="trainer", id="t0", incarnation=1)
-EXPLORER = MemberRef(role="explorer", id="e0", incarnation=3)
-SYNC = MemberRef(role="synchronizer", id="s0", incarnation=0)
+TRAINER = MemberRef(role=Role.TRAINER, id="t0", incarnation=1)
+EXPLORER = MemberRef(role=Role.EXPLORER, id="e0", incarnation=3)
+SYNC = MemberRef(role=Role.SYNCHRONIZER, id="s0", incarnation=0)
 
 
 @pytest.fixture
@@ -312,11 +314,9 @@ async def test_next_burst_returns_what_is_delivered_in_order_up_to_its_limit(con
         first = await asyncio.wait_for(reader.next_burst(limit=3), 5)
         assert 1 <= len(first) <= 3 and [r.event for r in first] == events[:len(first)]
         # the rest of what was stored (events and the junk) reaches the reader's buffer
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 5
-        while len(reader._buf) < 5 - len(first):
-            assert loop.time() < deadline, f"only {len(reader._buf)} messages delivered"
-            await asyncio.sleep(0.01)
+        await wait_until(lambda: len(reader._buf) >= 5 - len(first), timeout=5, poll=0.01,
+                         what=f"{5 - len(first)} messages delivered",
+                         details=lambda: f"only {len(reader._buf)} messages delivered")
         second = await asyncio.wait_for(reader.next_burst(limit=3), 5)
         # everything delivered, up to the limit; the junk at the end is no record
         assert [r.event for r in second] == events[len(first):min(len(first) + 3, 4)]

@@ -26,10 +26,11 @@ from rolectl.sync_protocol import (
     SyncMethod,
     VersionPublished,
     encode,
+    Role,
 )
 
-TRAINER = MemberRef(role="trainer", id="trainer", incarnation=1)
-EXPLORER = MemberRef(role="explorer", id="explorer-0", incarnation=1)
+TRAINER = MemberRef(role=Role.TRAINER, id="trainer", incarnation=1)
+EXPLORER = MemberRef(role=Role.EXPLORER, id="explorer-0", incarnation=1)
 
 
 def _forged_version(version: int = 1_000_000) -> VersionPublished:

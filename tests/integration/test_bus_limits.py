@@ -15,9 +15,9 @@ from rolectl.bus.streams import (
     ensure_experience_stream,
 )
 from rolectl.bus.weights.object_store import ObjectStoreTransport
-from rolectl.sync_protocol import MemberRef, StepFinished
+from rolectl.sync_protocol import MemberRef, StepFinished, Role
 
-EXPLORER = MemberRef(role="explorer", id="e0", incarnation=1)
+EXPLORER = MemberRef(role=Role.EXPLORER, id="e0", incarnation=1)
 
 
 async def test_every_stream_caps_message_size_and_the_job_streams_their_total(nats_url, job_name):

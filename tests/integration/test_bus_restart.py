@@ -8,9 +8,9 @@ from rolectl.bus.connection import connect
 from rolectl.bus.events import EventPublisher, EventReader, read_events
 from rolectl.bus.experiences import ExperienceBatch, ExperiencePublisher, ExperienceReader
 from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream
-from rolectl.sync_protocol import MemberRef, StepFinished
+from rolectl.sync_protocol import MemberRef, StepFinished, Role
 
-ME = MemberRef(role="trainer", id="t0", incarnation=0)
+ME = MemberRef(role=Role.TRAINER, id="t0", incarnation=0)
 
 
 async def test_restart_keeps_history_and_clients_reconnect_and_carry_on(own_server):

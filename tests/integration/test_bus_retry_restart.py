@@ -24,9 +24,10 @@ from rolectl.bus.server import NatsServer
 from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream
 from rolectl.bus.weights.base import WeightsNotFound
 from rolectl.bus.weights.object_store import ObjectStoreTransport
-from rolectl.sync_protocol import MemberRef, StepFinished, encode
+from rolectl.sync_protocol import MemberRef, Role, StepFinished, encode
+from tests.support.wait import wait_until, wait_until_sync
 
-ME = MemberRef(role="trainer", id="t0", incarnation=0)
+ME = MemberRef(role=Role.TRAINER, id="t0", incarnation=0)
 
 
 def state(seed: int) -> dict[str, torch.Tensor]:
@@ -119,18 +120,19 @@ def _stop_process(pid: int, timeout: float = 10.0) -> None:
     asynchronously, and a server thread still running answered a publish sent right after (seen
     under load)."""
     os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def all_stopped() -> bool:
         states = []
         for task in os.listdir(f"/proc/{pid}/task"):
             try:
                 states.append(open(f"/proc/{pid}/task/{task}/stat").read().rsplit(")", 1)[1].split()[0])
             except OSError:  # a thread that just ended
                 continue
-        if states and all(state in "tT" for state in states):
-            return
-        time.sleep(0.01)  # polling the kernel's view of the threads; bounded by the deadline
-    raise AssertionError(f"nats-server {pid} not stopped {timeout} s after SIGSTOP")
+        return bool(states) and all(state in "tT" for state in states)
+
+    # polling the kernel's view of the threads
+    wait_until_sync(all_stopped, timeout=timeout, poll=0.01, what=f"every thread of nats-server {pid} to stop "
+                    "after SIGSTOP")
 
 
 async def test_an_acked_publish_caught_by_an_outage_is_sent_again_at_reconnect(own_server):
@@ -145,9 +147,8 @@ async def test_an_acked_publish_caught_by_an_outage_is_sent_again_at_reconnect(o
         publishing = asyncio.create_task(conn.publish_acked(
             conn.names.event("trainer", "t0", "step_finished"),
             encode(StepFinished(member=ME, step=2, version=0)), msg_id="t0#0/2", ack_timeout=60, retry_for=120))
-        deadline = time.monotonic() + 10
-        while not conn._acks and time.monotonic() < deadline:  # the publish is out, its ack awaited
-            await asyncio.sleep(0.01)
+        # the publish is out, its ack awaited
+        await wait_until(lambda: conn._acks, timeout=10, poll=0.01, what="the publish to wait for its ack")
         assert conn._acks, "the publish never got to wait for its ack"
         await asyncio.to_thread(own_server.kill)
         await asyncio.to_thread(own_server.start)

@@ -4,10 +4,16 @@ function name in the message; a wrong input file or path is 2."""
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from click.testing import CliRunner
 
 from rolectl.roles.cli import main
+from rolectl.roles.exit_codes import ExitCode, exit_code_table
 from rolectl.roles.runner import EXIT_ERROR, EXIT_USAGE
 
 
@@ -28,12 +34,7 @@ def test_export_to_a_path_that_cannot_be_written_is_exit_2(nats_url, job_name, t
 
 # -- the one table (roles.exit_codes) ------------------------------------------------------------------
 
-import socket  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
 
-from rolectl.roles.exit_codes import ExitCode, exit_code_table  # noqa: E402
 
 QUICKSTART = str(Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml")
 

@@ -3,26 +3,22 @@
 from __future__ import annotations
 
 import json
-import time
 
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from job_scenario import NBYTES, run_scripted_job
 from rolectl.roles.observe.dashboard import Dashboard, start_dashboard
+from tests.support.scripted_job import NBYTES, run_scripted_job
+from tests.support.wait import wait_until
 
 STEPS = 3
 
 
 async def _until(dashboard: Dashboard, predicate, what: str, timeout: float = 20.0) -> None:
     """Wait for the dashboard's model to satisfy `predicate` (it signals every change)."""
-    deadline = time.monotonic() + timeout
-    while not predicate(dashboard):
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise AssertionError(f"dashboard never showed {what} within {timeout} s")
-        await dashboard.wait_change(dashboard.changes, left)
+    await wait_until(lambda: predicate(dashboard), timeout=timeout, what=f"the dashboard to show {what}",
+                     changed=lambda: dashboard.wait_change(dashboard.changes, timeout))
 
 
 @pytest.fixture

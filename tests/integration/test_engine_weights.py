@@ -13,7 +13,7 @@ import torch
 
 from rolectl.bus.weights.checkpoint import CheckpointTransport
 from rolectl.bus.weights.object_store import ObjectStoreTransport
-from llm_support import built_model, data_section, model_section
+from tests.support.tiny_llm import built_model, data_section, model_section
 from rolectl.roles.config import parse_config
 from rolectl.roles.engines import WeightsMismatch, make_rollout_engine, make_taskset, make_train_engine
 from rolectl.roles.engines.hf import response_logprobs

@@ -17,7 +17,7 @@ import pytest
 from rich.console import Console
 
 from rolectl.bus.errors import BusError
-from job_scenario import run_scripted_job
+from tests.support.scripted_job import run_scripted_job
 from rolectl.roles.launch.local import _summary_table
 from prometheus_client import CollectorRegistry
 

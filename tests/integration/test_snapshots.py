@@ -8,7 +8,7 @@ import asyncio
 from rolectl.bus.connection import connect
 from rolectl.bus.events import read_all
 from rolectl.bus.snapshots import SnapshotStore
-from job_scenario import run_scripted_job
+from tests.support.scripted_job import run_scripted_job
 from rolectl.roles.session import JobView
 from rolectl.roles.observe.replay import run_replay
 from rolectl.sync_protocol import Decision

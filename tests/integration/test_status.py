@@ -10,9 +10,9 @@ import pytest
 from rolectl.bus.connection import connect
 from rolectl.bus.events import publish_heartbeat
 from rolectl.bus.server import free_port
-from job_scenario import EXPLORERS, TRAINER, run_scripted_job, stop_task
 from rolectl.roles.observe.status import collect_status, print_status
 from rolectl.sync_protocol import RunningStatus
+from tests.support.scripted_job import EXPLORERS, TRAINER, run_scripted_job, stop_task
 
 
 @pytest.fixture

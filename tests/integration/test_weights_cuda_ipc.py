@@ -23,11 +23,11 @@ if str(_ROOT) not in sys.path:  # when run as an explorer script
 from rolectl.bus.logging import setup_logging  # noqa: E402
 from rolectl.bus.weights import CorruptWeights, PeerLost, TransferError  # noqa: E402
 from rolectl.bus.weights.cuda_ipc import CudaIpcTransport, HandleRequest  # noqa: E402
-from rolectl.sync_protocol import MemberRef, RendezvousReady, Role, SyncMethod, from_plain, to_plain  # noqa: E402
+from rolectl.sync_protocol import MemberRef, RankAssignment, RendezvousReady, Role, SyncMethod, from_plain, to_plain  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-EXPLORER = MemberRef(role=Role.EXPLORER, id="e0")
+EXPLORER = MemberRef(role=Role.EXPLORER, id="e0", incarnation=0)
 
 
 def _layout() -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
@@ -57,7 +57,7 @@ def _ready(round_: int, version: int) -> RendezvousReady:
     return RendezvousReady(
         round=round_, cause_seq=round_, method=SyncMethod.CUDA_IPC, version=version, epoch=1,
         master_addr="127.0.0.1", master_port=1, world_size=2,
-        participants=[{"member": {"role": "explorer", "id": "e0", "inc": 0}, "rank_offset": 1, "ranks": 1}],
+        participants=(RankAssignment(member=EXPLORER, rank_offset=1, ranks=1),),
     )
 
 

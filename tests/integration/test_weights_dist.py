@@ -28,7 +28,7 @@ from rolectl.bus.server import free_port  # noqa: E402
 from rolectl.bus.weights import CorruptWeights, PeerLost, TransferError  # noqa: E402
 from rolectl.bus.weights.pinned import PinnedStaging  # noqa: E402
 from rolectl.bus.weights.torch_dist import TorchDistTransport  # noqa: E402
-from rolectl.sync_protocol import MemberRef, RendezvousReady, Role, SyncMethod, from_plain, to_plain  # noqa: E402
+from rolectl.sync_protocol import MemberRef, RankAssignment, RendezvousReady, Role, SyncMethod, from_plain, to_plain  # noqa: E402
 
 KIB = 1024
 _RESULT = "RESULT "
@@ -120,7 +120,7 @@ class _KillOnCopy(torch.Tensor):
 async def _explorer_main(spec: dict) -> None:
     setup_logging("info", stream=sys.stderr)  # stdout carries the result lines only
     torch.set_num_threads(1)
-    me = MemberRef(role=Role.EXPLORER, id=spec["member"])
+    me = MemberRef(role=Role.EXPLORER, id=spec["member"], incarnation=0)
     async with TorchDistTransport(**spec["transport"]) as transport:
         for plain in spec["rounds"]:
             ready = from_plain(plain)
@@ -187,21 +187,17 @@ async def _spawn(spec: dict) -> _Explorer:
 
 
 def _explorer(i: int) -> MemberRef:
-    return MemberRef(role=Role.EXPLORER, id=f"e{i}")
-
-
-def _plain_member(m: MemberRef) -> dict:
-    return {"role": m.role.value, "id": m.id, "inc": m.incarnation}
+    return MemberRef(role=Role.EXPLORER, id=f"e{i}", incarnation=0)
 
 
 def _ready(round_: int, version: int, epoch: int, port: int, ranks: list[int]) -> RendezvousReady:
     participants, offset = [], 1
     for i, n in enumerate(ranks):
-        participants.append({"member": _plain_member(_explorer(i)), "rank_offset": offset, "ranks": n})
+        participants.append(RankAssignment(member=_explorer(i), rank_offset=offset, ranks=n))
         offset += n
     return RendezvousReady(
         round=round_, cause_seq=round_, method=SyncMethod.NCCL, version=version, epoch=epoch,
-        master_addr="127.0.0.1", master_port=port, world_size=offset, participants=participants,
+        master_addr="127.0.0.1", master_port=port, world_size=offset, participants=tuple(participants),
     )
 
 
@@ -295,7 +291,7 @@ async def test_a_peer_killed_mid_broadcast_is_peer_lost_quickly_and_the_next_epo
     survivor_next = RendezvousReady(
         round=2, cause_seq=2, method=SyncMethod.NCCL, version=2, epoch=2, master_addr="127.0.0.1",
         master_port=port2, world_size=2,
-        participants=[{"member": _plain_member(_explorer(1)), "rank_offset": 1, "ranks": 1}],
+        participants=(RankAssignment(member=_explorer(1), rank_offset=1, ranks=1),),
     )
     big = {"bucket_bytes": 1 << 20, "direct_min_bytes": 8 << 20}
     victim = await explorers(_spec(0, [first], ranks=2, kind="many", kill_on_copy="block.40",

@@ -114,7 +114,7 @@ _NOTHING = SavedState(Path("runs/q/trainer/trainer_state.json"), None)
 
 
 def _recorded(*, finished: bool) -> MemberState:
-    return MemberState(ref=MemberRef(role=Role.TRAINER, id="trainer"), step=12, finished=finished)
+    return MemberState(ref=MemberRef(role=Role.TRAINER, id="trainer", incarnation=0), step=12, finished=finished)
 
 
 @pytest.mark.parametrize("mode, saved, recorded, resumes", [
@@ -177,9 +177,9 @@ def test_replay_of_an_empty_file_exits_2(tmp_path, capsys):
 
 # -- one exit-code table ---------------------------------------------------------------------------
 
-def test_the_readme_exit_code_table_is_the_codes():
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("### Exit codes", 1)[1].split("\n#", 1)[0]
+def test_the_documented_exit_code_table_is_the_codes():
+    doc = (ROOT / "docs" / "operations.md").read_text()
+    section = doc.split("\n## Exit codes\n", 1)[1].split("\n#", 1)[0]
     documented = {int(code) for code in re.findall(r"^\| `(\d+)` \|", section, flags=re.M)}
     assert documented == set(EXIT_CODES)
 

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rolectl.sync_protocol.reducer import ROUND_TRANSITIONS, TRIGGER_CAUSES, Trigger, transitions_markdown
+from rolectl.sync_protocol.reducer import (
+    ROUND_TRANSITIONS,
+    TRIGGER_CAUSES,
+    Trigger,
+    transitions_markdown,
+)
 
-DOC = Path(__file__).resolve().parents[2] / "README.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "sync-semantics.md"
 
 
 def test_doc_embeds_the_generated_transition_table():
     text = DOC.read_text()
-    assert "\n## Sync semantics\n" in text
+    assert "\n## Rounds: every transition\n" in text
     assert transitions_markdown() in text
 
 

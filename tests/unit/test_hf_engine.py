@@ -10,7 +10,7 @@ from rolectl.roles.engines import WeightsMismatch, make_rollout_engine, make_tas
 from rolectl.roles.engines.hf import response_logprobs
 from rolectl.roles.engines.hf_model import load_tokenizer
 from rolectl.sync_protocol import ConfigError
-from llm_support import built_model, data_section, model_section
+from tests.support.tiny_llm import built_model, data_section, model_section
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +149,7 @@ def test_every_engine_problem_is_reported_at_once(model_dir, tmp_path):
 
 
 def test_a_model_path_built_with_other_settings_is_refused(model_dir):
-    from llm_support import BUILD
+    from tests.support.tiny_llm import BUILD
 
     from rolectl.roles.engines.hf_model import ensure_model, hf_model_config_from_mapping
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scenario import (
+from tests.support.reducer_scenario import (
     E1,
     E2,
     E3,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scenario import (
+from tests.support.reducer_scenario import (
     E1,
     E2,
     E3,
@@ -27,6 +27,7 @@ from scenario import (
 from rolectl.sync_protocol import (
     IllegalEvent,
     MemberRef,
+    RendezvousReady,
     Role,
     RunningStatus,
     StatusChanged,
@@ -106,6 +107,16 @@ def test_fixed_rendezvous_waits_for_trainer_and_every_explorer(method):
     job = run_script(script)
     assert (job.state.rounds_closed, job.state.syncs_completed) == (2, 1)
     assert [a.member.id for a in job.state.group.members] == ["t", "e1", "e2"]
+
+
+def test_a_rendezvous_the_reducer_builds_finds_each_participant():
+    # decisions are built by their plain constructor, so the derived index works on them too
+    job = run_script(_start(SyncStyle.FIXED, SyncMethod.NCCL))
+    job.feed(req(E1, 1, -1))
+    job.feed(req(T, 1, 1))
+    ready = next(d for d in job.feed(req(E2, 1, -1)) if isinstance(d, RendezvousReady))
+    assert [ready.assignment_of(p.member) for p in ready.participants] == list(ready.participants)
+    assert ready.assignment_of(T) is None  # the trainer is rank 0, not a listed participant
 
 
 def test_explorer_driven_rendezvous_trainer_answers_no_new_version_then_meets():

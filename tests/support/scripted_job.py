@@ -30,7 +30,9 @@ from rolectl.sync_protocol import (
     StepFinished,
     VersionPublished,
     WeightsLoaded,
+    SyncMethod,
 )
+from tests.support.wait import wait_until
 
 __all__ = ["ScriptedJob", "run_scripted_job", "stop_task", "TRAINER", "EXPLORERS"]
 
@@ -72,20 +74,9 @@ class ScriptedJob:
                                 f"round {round_id} closed", timeout)
 
     async def _wait(self, match, what: str, timeout: float):
-        def found():
-            return next((rec.event for rec in self.decisions if match(rec.event)), None)
-
-        async def wait():
-            async with self.changed:
-                while (d := found()) is None:
-                    await self.changed.wait()
-                return d
-
-        try:
-            return await asyncio.wait_for(wait(), timeout)
-        except asyncio.TimeoutError:
-            raise AssertionError(f"no {what} within {timeout} s; "
-                                 f"decisions so far: {[r.event for r in self.decisions]}") from None
+        return await wait_until(lambda: next((rec.event for rec in self.decisions if match(rec.event)), None),
+                                timeout=timeout, what=what, changed=self.changed,
+                                details=lambda: f"decisions so far: {[r.event for r in self.decisions]}")
 
 
 async def stop_task(task: asyncio.Task) -> None:
@@ -156,7 +147,7 @@ async def _script(job: ScriptedJob, cfg, *, steps: int, stop: bool) -> None:
                                        metrics={"reward_mean": 0.2 * step, "loss": 1.0 / step,
                                                 "mean_staleness": 0.5, "dropped_stale_total": float(step // 2),
                                                 "total_steps": float(2 * steps)}))  # as a trainer reports it
-        await job.publish(VersionPublished(member=TRAINER, version=step, step=step, method="memory",
+        await job.publish(VersionPublished(member=TRAINER, version=step, step=step, method=SyncMethod.MEMORY,
                                            location=f"v{step}", nbytes=NBYTES, digest=f"sha256:{step:064x}"))
         released = await job.wait_released(slow, wait_seq)
         await job.publish(WeightsLoaded(member=slow, version=released.version, round=released.round,

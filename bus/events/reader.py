@@ -1,400 +1,44 @@
-"""Events on the bus: members publish inputs, the synchronizer publishes decisions, anyone reads them back.
+"""The ordered reader of the job's event stream: `read_events()` yields `Recorded` in stream order.
 
-- `EventPublisher` puts a member's input events into the job's event stream with a deterministic
-  `Nats-Msg-Id` (`<role>/<id>#<incarnation>/<counter>`), so a publish retried after a lost ack or a
-  reconnect is stored once.
-- `DecisionPublisher` appends decisions to the decision log `rft.<job>.sync.log` with a
-  deterministic msg id *and* `Nats-Expected-Last-Subject-Sequence`: two synchronizer replicas racing
-  produce one sequence of decisions; the loser's publish is refused and it reads what the winner
-  recorded. Whatever was decided while the previous append was being stored goes as one message (a
-  decision batch, `sync_protocol.encode_decisions`, rounds mixed): one guard, one ack.
-- Heartbeats are core NATS, not stream messages: liveness is noise as history. The synchronizer
-  turns a silence into a `MemberExpired` *event*, which is what replay sees.
-- `read_events()` yields `Recorded(seq, time_ms, event)` in stream order from a sequence or a time
-  (each decision of a batch as its own record, all with the batch's sequence),
-  optionally stopping at the end that existed when reading began. It is an "ordered consumer" built
-  on an ephemeral pull consumer with one pull request kept outstanding (records flow as the server
-  stores them, no request per record): any gap in delivery (a lost pull response, a server restart
-  that took the in-memory consumer with it) re-creates the consumer just after the last sequence seen.
-- **Verified identity.** A record counts only if its subject says what its payload says: an input
-  event on `rft.<job>.evt.<role>.<member>.<kind>` must name that role, member and kind; a decision
-  must be on the decision log (or, recorded by an older build, on `rft.<job>.sync.<its round>`).
-  The reader rejects anything else before it reaches a fold (`identity_problem`), counts it
-  (`reader.rejected`) and logs it at a bounded rate; the same
-  holds for a heartbeat whose payload names another member than its subject. With per-member
-  publish permissions on the server (`rolectl auth init`), the subject is the credential, so a
-  member cannot speak for another.
+An "ordered consumer" on an ephemeral pull consumer with one pull request kept outstanding; any
+gap in delivery re-creates the consumer just after the last sequence seen (see the package
+docstring and `EventReader`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import datetime as _dt
-import inspect
 import json
-import socket
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Callable
 
-import msgpack
 import nats.errors
 import nats.js.errors
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, Header, StatusCode
 
-from rolectl.sync_protocol import (
-    Decision,
-    DecodeError,
-    Event,
-    MemberRef,
-    Recorded,
-    RunningStatus,
-    decision_identity,
-    decode_all,
-    encode,
-    encode_decisions,
-)
+from rolectl.sync_protocol import DecodeError, Recorded, decode_all
 
-from .aio import raise_if_cancelling
-from .connection import BusConnection
-from .errors import BusClosed, BusError, DecisionSuperseded, PayloadTooLarge, PublishRejected
-from .logging import LogBudget
-from .streams import MSG_TOO_BIG, explain_refusal
-from .subjects import identity_problem
+from .._natspy_compat import api_prefix, unique_name
+from ..aio import raise_if_cancelling
+from ..connection import BusConnection
+from ..errors import BusClosed, BusError, describe
+from ..logging import LogBudget
+from ..subjects import identity_problem
 
 __all__ = [
-    "EventPublisher",
-    "DecisionPublisher",
-    "Heartbeat",
-    "HeartbeatSubscription",
-    "publish_heartbeat",
-    "subscribe_heartbeats",
-    "encode_heartbeat",
-    "decode_heartbeat",
     "EventReader",
+    "last_sequence",
     "read_all",
     "read_events",
-    "last_sequence",
-    "decision_msg_id",
-    "identity_problem",
-    "HEARTBEAT_SCHEMA",
 ]
 
-_EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 # How long past its expiry a pull request may stay silent before the reader asks whether its
 # consumer still exists (the server answers an expired request with a 408 at once).
 _REQUEST_GRACE_S = 0.5
-# JetStream error codes that mean "another writer got to this subject first".
-_WRONG_LAST_SEQUENCE = {10071, 10164}
-
-
-# --------------------------------------------------------------------------------------------------
-# publishing inputs
-
-
-class EventPublisher:
-    """Publishes one member's input events into the job's event stream."""
-
-    def __init__(
-        self,
-        conn: BusConnection,
-        member: MemberRef,
-        *,
-        ack_timeout: float = 5.0,
-        retry_for: float = 30.0,
-    ):
-        self.conn = conn
-        self.member = member
-        self.ack_timeout = ack_timeout
-        self.retry_for = retry_for
-        self._counter = 0
-
-    def next_msg_id(self) -> str:
-        """The msg id the next publish without an override will use (and consume)."""
-        self._counter += 1
-        return f"{self.member.key}#{self.member.incarnation}/{self._counter}"
-
-    async def publish(self, event: Event, *, msg_id: str | None = None) -> int:
-        """Store `event` and return its stream sequence (the original one if it was a duplicate).
-
-        `msg_id` overrides the member counter for events whose identity is not "the n-th thing this
-        member said": the synchronizer's timer events use `timeout/<round>` or `expired/<key>#<inc>`
-        so every replica publishes the same fact once.
-        """
-        if not isinstance(event, Event):
-            raise TypeError(f"EventPublisher publishes input events, not {type(event).__name__}; "
-                            "use DecisionPublisher for decisions")
-        if event.member.key != self.member.key:
-            raise ValueError(f"event from {event.member} given to the publisher of {self.member}: "
-                             "each member publishes only its own events")
-        if msg_id is None:
-            msg_id = self.next_msg_id()
-        subject = self.conn.names.event(self.member.role, self.member.id, event.KIND)
-        payload = encode(event)
-        try:
-            ack = await self.conn.publish_acked(
-                subject, payload, msg_id=msg_id, ack_timeout=self.ack_timeout, retry_for=self.retry_for
-            )
-        except PublishRejected as exc:
-            raise explain_refusal(exc, self.conn.names.event_stream, len(payload)) from exc
-        if ack.duplicate:
-            self.conn.log.debug("bus.event_duplicate", subject=subject, msg_id=msg_id, seq=ack.seq)
-        return ack.seq
-
-
-# --------------------------------------------------------------------------------------------------
-# publishing decisions
-
-
-def decision_msg_id(decisions: Decision | Sequence[Decision]) -> str:
-    """`d/<round>/<kind>/<cause_seq>/<released member key or empty>`: equal for equal decisions.
-
-    A batch (decisions in computed order) is named by its first and last decision and its length,
-    `d/<first>..<n>/<last>`: replicas that batch alike send the same id (stored once); a batch that
-    differs has another id, and the log's guard tells."""
-    if isinstance(decisions, Decision):
-        decisions = (decisions,)
-    first = decision_identity(decisions[0])
-    name = f"d/{first[1]}/{first[0]}/{first[2]}/{first[3]}"
-    if len(decisions) > 1:
-        last = decision_identity(decisions[-1])
-        name += f"..{len(decisions)}/{last[1]}/{last[0]}/{last[2]}/{last[3]}"
-    return name
-
-
-class DecisionPublisher:
-    """Appends the synchronizer's decisions to the decision log, each once even with several replicas."""
-
-    def __init__(self, conn: BusConnection, *, ack_timeout: float = 5.0, retry_for: float = 30.0):
-        self.conn = conn
-        self.ack_timeout = ack_timeout
-        self.retry_for = retry_for
-
-    async def publish(self, decisions: Decision | Sequence[Decision], *,
-                      expected_last_subject_seq: int | None) -> int | None:
-        """Append a decision, or several as one message, to the decision log; return its
-        sequence, or `None` if the stream already holds this very message.
-
-        `expected_last_subject_seq` is the sequence of the last message on the decision log this
-        replica knows of (0 for a new job); `None` skips the check. When the log holds something
-        newer than expected, `DecisionSuperseded` is raised: `on_subject_after` tells what it is
-        (another replica's decisions, or something else). A message over the server's
-        `max_payload` or the stream's `max_msg_size` raises `PayloadTooLarge` (send fewer at once).
-        """
-        if isinstance(decisions, Decision):
-            decisions = (decisions,)
-        if not decisions or not all(isinstance(d, Decision) for d in decisions):
-            kinds = ", ".join(sorted({type(d).__name__ for d in decisions})) or "nothing"
-            raise TypeError(f"DecisionPublisher publishes decisions, not {kinds}; use EventPublisher for inputs")
-        subject = self.conn.names.decision_log
-        msg_id = decision_msg_id(decisions)
-        payload = encode_decisions(decisions)
-        headers = {}
-        if expected_last_subject_seq is not None:
-            headers[_EXPECTED_LAST_SUBJECT_SEQ] = str(int(expected_last_subject_seq))
-        try:
-            ack = await self.conn.publish_acked(
-                subject,
-                payload,
-                msg_id=msg_id,
-                headers=headers,
-                ack_timeout=self.ack_timeout,
-                retry_for=self.retry_for,
-            )
-        except PublishRejected as exc:
-            if exc.err_code in _WRONG_LAST_SEQUENCE or "wrong last sequence" in exc.description.lower():
-                # The log does not end where this replica knew it did: something it did not know
-                # of is there (maybe these very decisions from another replica, maybe junk), or
-                # messages aged out. Only the caller can tell.
-                raise DecisionSuperseded(
-                    f"decision {msg_id} not stored: {subject} does not end at seq "
-                    f"{expected_last_subject_seq} ({exc.description})",
-                    subject=subject, msg_id=msg_id, code=exc.code, err_code=exc.err_code,
-                    description=exc.description) from exc
-            refusal = explain_refusal(exc, self.conn.names.event_stream, len(payload))
-            if exc.err_code == MSG_TOO_BIG or "message size exceeds" in (exc.description or "").lower():
-                raise PayloadTooLarge(str(refusal), subject=subject, msg_id=msg_id, size=len(payload)) from exc
-            if refusal is not exc:
-                raise refusal from exc
-            raise
-        if ack.duplicate:
-            self.conn.log.info("bus.decision_duplicate", subject=subject, msg_id=msg_id, seq=ack.seq)
-            return None
-        return ack.seq
-
-    async def last_on_log(self) -> int:
-        """The sequence of the decision log's newest message, 0 when it holds none."""
-        subject = self.conn.names.decision_log
-        try:
-            msg = await self.conn.retry(
-                lambda: self.conn.js.get_last_msg(self.conn.names.event_stream, subject),
-                what=f"read the last message on {subject}", retry_for=self.retry_for)
-        except nats.js.errors.NotFoundError:
-            return 0
-        return msg.seq
-
-    async def on_subject_after(self, after_seq: int, *,
-                               limit: int = 64) -> list[tuple[int, tuple[Decision, ...]]]:
-        """What the decision log holds after stream sequence `after_seq`, oldest first: each
-        message's sequence and the decisions it holds (none for a foreign or malformed message).
-        At most `limit` messages: a guard that failed is about one or two."""
-        subject = self.conn.names.decision_log
-        stream = self.conn.names.event_stream
-        found: list[tuple[int, tuple[Decision, ...]]] = []
-        seq = after_seq
-        while len(found) < limit:
-            after = seq
-            try:
-                msg = await self.conn.retry(
-                    lambda: self.conn.js.get_msg(stream, seq=after + 1, subject=subject, next=True),
-                    what=f"read {subject} after seq {after}", retry_for=self.retry_for)
-            except nats.js.errors.NotFoundError:
-                break
-            seq = msg.seq
-            try:
-                held = decode_all(msg.data)
-            except DecodeError:
-                held = ()
-            if not all(isinstance(d, Decision) for d in held):
-                held = ()
-            found.append((seq, held))  # type: ignore[arg-type]
-        return found
-
-
-# --------------------------------------------------------------------------------------------------
-# heartbeats (core NATS)
-
-HEARTBEAT_SCHEMA = 1
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Heartbeat:
-    """A member's "still alive" beacon: where it is (step, weights version, status) and on which host."""
-
-    member: MemberRef
-    step: int
-    version: int
-    status: RunningStatus
-    host: str
-
-
-def encode_heartbeat(hb: Heartbeat) -> bytes:
-    member = {"role": hb.member.role.value, "id": hb.member.id, "inc": hb.member.incarnation}
-    return msgpack.packb(
-        {"schema": HEARTBEAT_SCHEMA, "member": member, "step": hb.step, "version": hb.version,
-         "status": hb.status.value, "host": hb.host},
-        use_bin_type=True,
-    )
-
-
-def _int(data: dict, key: str) -> int:
-    value = data.get(key)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise DecodeError(f"heartbeat field {key!r} must be an integer, got {value!r}")
-    return value
-
-
-def decode_heartbeat(payload: bytes) -> Heartbeat:
-    """Parse a heartbeat, or raise `sync_protocol.DecodeError` saying what is wrong."""
-    try:
-        data = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except Exception as exc:  # msgpack raises several unrelated types; all mean "not msgpack"
-        raise DecodeError(f"heartbeat is not msgpack ({type(exc).__name__}: {exc})") from None
-    if not isinstance(data, dict):
-        raise DecodeError(f"heartbeat must be a map, got {type(data).__name__}")
-    schema = _int(data, "schema")
-    if schema > HEARTBEAT_SCHEMA:
-        raise DecodeError(f"heartbeat schema {schema} is newer than this build ({HEARTBEAT_SCHEMA}); upgrade")
-    member = data.get("member")
-    if not isinstance(member, dict):
-        raise DecodeError(f"heartbeat field 'member' must be a map {{role, id, inc}}, got {member!r}")
-    try:
-        ref = MemberRef(role=member.get("role"), id=member.get("id"), incarnation=member.get("inc"))
-        status = RunningStatus.parse(data.get("status"))
-    except (DecodeError, ValueError) as exc:
-        raise DecodeError(f"heartbeat: {exc}") from None
-    host = data.get("host")
-    if not isinstance(host, str):
-        raise DecodeError(f"heartbeat field 'host' must be a string, got {host!r}")
-    return Heartbeat(member=ref, step=_int(data, "step"), version=_int(data, "version"), status=status, host=host)
-
-
-async def publish_heartbeat(
-    conn: BusConnection,
-    member: MemberRef,
-    step: int,
-    version: int,
-    status: RunningStatus | str,
-    *,
-    host: str | None = None,
-) -> None:
-    """Send one heartbeat on `rft.<job>.hb.<role>.<member>` (fire and forget; lost ones are fine)."""
-    hb = Heartbeat(member=member, step=step, version=version, status=RunningStatus.parse(status),
-                   host=host or socket.gethostname())
-    try:
-        await conn.nc.publish(conn.names.heartbeat(member.role, member.id), encode_heartbeat(hb))
-    except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError) as exc:
-        raise BusClosed(f"cannot send a heartbeat: connection {conn.name} to {conn.url} is closed") from exc
-
-
-class HeartbeatSubscription:
-    """A live heartbeat subscription: `malformed` counts messages that did not decode, `forged`
-    those whose payload names another member than their subject; both are skipped and logged at a
-    bounded rate. `aclose()` unsubscribes."""
-
-    def __init__(self, conn: BusConnection, callback: Callable[[Heartbeat], Any]):
-        self.conn = conn
-        self.callback = callback
-        self.malformed = 0
-        self.forged = 0
-        self.received = 0
-        self._sub = None
-        self._malformed_log = LogBudget(conn.log, "bus.heartbeat_malformed")
-        self._forged_log = LogBudget(conn.log, "bus.heartbeat_forged")
-
-    async def _on_msg(self, msg: Msg) -> None:
-        try:
-            hb = decode_heartbeat(msg.data)
-        except DecodeError as exc:
-            self.malformed += 1
-            self._malformed_log.warn(subject=msg.subject, reason=str(exc))
-            return
-        if msg.subject != self.conn.names.heartbeat(hb.member.role, hb.member.id):
-            self.forged += 1
-            self._forged_log.warn(subject=msg.subject, claimed=str(hb.member),
-                                  reason="heartbeat payload names another member than its subject")
-            return
-        self.received += 1
-        try:
-            result = self.callback(hb)
-            if inspect.isawaitable(result):
-                await result
-        except Exception as exc:  # a failing callback must not end the subscription
-            self.conn.log.exception("bus.heartbeat_callback_failed", member=str(hb.member), error=str(exc))
-
-    async def aclose(self) -> None:
-        sub, self._sub = self._sub, None
-        await self.conn.unsubscribe_quietly(sub)
-
-    async def __aenter__(self) -> "HeartbeatSubscription":
-        return self
-
-    async def __aexit__(self, *exc_info) -> None:
-        await self.aclose()
-
-
-async def subscribe_heartbeats(
-    conn: BusConnection, callback: Callable[[Heartbeat], Awaitable[None] | None]
-) -> HeartbeatSubscription:
-    """Call `callback(heartbeat)` for every heartbeat of the job (sync or async callback)."""
-    hs = HeartbeatSubscription(conn, callback)
-    hs._sub = await conn.nc.subscribe(conn.names.all_heartbeats, cb=hs._on_msg)
-    return hs
-
-
-# --------------------------------------------------------------------------------------------------
-# reading
 
 
 @dataclass(frozen=True, slots=True)
@@ -478,7 +122,7 @@ class EventReader:
         self._stream = conn.names.event_stream
         self._buf: deque[Msg] = deque()
         self._ready: deque[Recorded] = deque()  # accepted by record_ready(), not yet returned
-        self._sub = None
+        self._sub: Subscription | None = None
         self._consumer: str | None = None
         self._next_subject = ""  # where pull requests for our consumer go
         self._dseq = 0
@@ -490,8 +134,8 @@ class EventReader:
         self._consumer_lost = False  # the server said our consumer was deleted (409) or is unserved (503)
         self._lost_in_a_row = 0  # consumers lost since the last delivered record
         self._reconnects_seen = conn.reconnects
-        self._waiter: asyncio.Future | None = None
-        self._watcher: asyncio.Task | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._watcher: asyncio.Task[None] | None = None
         self._started = False
         self._done = False
         self._closed = False
@@ -500,7 +144,7 @@ class EventReader:
 
     def _config(self) -> ConsumerConfig:
         config = ConsumerConfig(
-            name=self.conn.nc._nuid.next().decode(),
+            name=unique_name(),
             ack_policy=AckPolicy.NONE,
             mem_storage=True,
             num_replicas=1,
@@ -546,11 +190,11 @@ class EventReader:
                 if self.conn.nc.is_closed:
                     raise BusClosed(f"event reader stopped: connection {self.conn.name} is closed") from exc
                 attempt += 1
-                self.conn.log.debug("bus.reader_create_retry", stream=self._stream, attempt=attempt, error=str(exc))
+                self.conn.log.debug("bus.reader_create_retry", stream=self._stream, attempt=attempt, error=describe(exc))
                 await asyncio.sleep(min(2.0, 0.05 * 2**attempt))
         self._consumer = info.name
         self._sub = sub
-        self._next_subject = f"{self.conn.js._prefix}.CONSUMER.MSG.NEXT.{self._stream}.{info.name}"
+        self._next_subject = f"{api_prefix(self.conn.js)}.CONSUMER.MSG.NEXT.{self._stream}.{info.name}"
         self._dseq = 0
         self._credit = 0
         self._consumer_lost = False
@@ -596,7 +240,7 @@ class EventReader:
             self._lost_in_a_row = 0
         elif status == StatusCode.CONTROL_MESSAGE:
             return  # an idle heartbeat or flow control: nothing to wake up for
-        elif status == StatusCode.CONFLICT and "deleted" in (msg.headers.get(Header.DESCRIPTION) or "").lower():
+        elif status == StatusCode.CONFLICT and "deleted" in ((msg.headers or {}).get(Header.DESCRIPTION) or "").lower():
             self._consumer_lost = True
         elif status == StatusCode.SERVICE_UNAVAILABLE:
             # "no responders": nobody serves our consumer, e.g. its one copy was on a cluster node
@@ -619,7 +263,7 @@ class EventReader:
         our consumer; checking at once saves up to poll_s of stall."""
         seen = self.conn.reconnects
         while not self.conn.is_closed:
-            await self.conn._wait_for(lambda: self.conn.reconnects > seen or self.conn.is_closed)
+            await self.conn.wait_for(lambda: self.conn.reconnects > seen or self.conn.is_closed)
             seen = self.conn.reconnects
             self._wake()
 
@@ -663,12 +307,14 @@ class EventReader:
     async def _request_next(self) -> None:
         """Send one pull request for up to `batch` records, lasting poll_s."""
         request = json.dumps({"batch": self.batch, "expires": int(self.poll_s * 1e9)}).encode()
+        sub = self._sub
+        assert sub is not None  # requests go out only while our consumer is set up
         try:
-            await self.conn.nc.publish(self._next_subject, request, reply=self._sub.subject)
+            await self.conn.nc.publish(self._next_subject, request, reply=sub.subject)
         except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError) as exc:
             raise BusClosed(f"event reader stopped: connection {self.conn.name} to {self.conn.url} is closed") from exc
         except nats.errors.Error as exc:  # e.g. outbound buffer full while reconnecting: wait, retry
-            self.conn.log.debug("bus.reader_request_failed", stream=self._stream, error=str(exc))
+            self.conn.log.debug("bus.reader_request_failed", stream=self._stream, error=describe(exc))
             await asyncio.sleep(min(self.poll_s, 0.5))
             return
         self._credit = self.batch
@@ -738,9 +384,8 @@ class EventReader:
         """The next record (waiting for it as iteration does) and every record already delivered
         after it, up to `limit`, in order; [] when the reader has ended.
 
-        For a consumer that folds: decoding a burst and then folding it costs about half the CPU
-        per record of alternating the two (measured by `benchmarks.reader_cost`): each loop keeps
-        its own code and data hot instead of evicting the other's at every record."""
+        For a consumer that folds: decoding a burst and then folding it is cheaper per record than
+        alternating the two (`benchmarks.reader_cost`): each loop keeps its own code and data hot."""
         try:
             burst = [await self.__anext__()]
         except StopAsyncIteration:
@@ -796,7 +441,7 @@ class EventReader:
     async def __aenter__(self) -> "EventReader":
         return self
 
-    async def __aexit__(self, *exc_info) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
 

@@ -29,9 +29,10 @@ from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream
 from rolectl.roles.config import JobConfig, load_config
 from rolectl.roles.observe.replay import check_decisions, load_export
 from rolectl.sync_protocol import Decision, Event, Recorded, Role
+from tests.support.wait import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIGS = Path(__file__).resolve().parent / "configs"
+CONFIGS = ROOT / "tests" / "e2e" / "configs"
 
 __all__ = [
     "ROOT",
@@ -363,11 +364,8 @@ class LiveJob:
     async def wait_exit(self, member_id: str, timeout: float) -> int:
         """The exit code of `member_id`'s current process, polled until `timeout` s."""
         popen = self.current(member_id)
-        deadline = time.monotonic() + timeout
-        while popen.poll() is None:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{member_id} still running after {timeout} s\n{self.all_logs()}")
-            await asyncio.sleep(0.1)
+        await wait_until(lambda: popen.poll() is not None, timeout=timeout, what=f"{member_id} to exit",
+                         details=self.all_logs)
         return popen.returncode
 
     async def wait_exits(self, member_ids: list[str], timeout: float) -> dict[str, int]:
@@ -391,30 +389,12 @@ class LiveJob:
     # -- the stream --------------------------------------------------------------------------------
     async def wait_for(self, predicate: Callable[[list[Recorded]], Any], *, timeout: float, what: str) -> Any:
         """Wait until `predicate(records)` is truthy (re-checked on every new record); return it."""
-
-        async def _wait():
-            async with self._changed:
-                while True:
-                    value = predicate(self.records)
-                    if value:
-                        return value
-                    await self._changed.wait()
-
-        try:
-            return await asyncio.wait_for(_wait(), timeout)
-        except asyncio.TimeoutError:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{self.all_logs()}") from None
+        return await wait_until(lambda: predicate(self.records), timeout=timeout, what=what,
+                                changed=self._changed, details=self.all_logs)
 
     async def wait_until(self, condition: Callable[[], Any], *, timeout: float, what: str, poll: float = 0.2) -> Any:
         """Poll `condition()` (not tied to the stream, e.g. the server's view) until truthy."""
-        deadline = time.monotonic() + timeout
-        while True:
-            value = await condition() if asyncio.iscoroutinefunction(condition) else condition()
-            if value:
-                return value
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{self.all_logs()}")
-            await asyncio.sleep(poll)
+        return await wait_until(condition, timeout=timeout, what=what, poll=poll, details=self.all_logs)
 
     async def stream_caught_up(self, timeout: float = 10.0) -> None:
         """Wait until `records` holds everything the stream has right now."""

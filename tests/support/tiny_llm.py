@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "examples" / "data" / "reverse_digits.jsonl"
 BUILD = {"family": "qwen2", "hidden_size": 64, "num_layers": 2, "num_heads": 2, "head_dim": 32,
          "intermediate_size": 128, "seed": 0}

@@ -1,0 +1,1 @@
+"""rolectl's tests: a package so that shared helpers import as `tests.support.*` (pytest's pythonpath is ".")."""

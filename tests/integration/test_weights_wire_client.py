@@ -1,0 +1,250 @@
+"""The plain NATS data connection (`bus.weights._wire_client`) against a real nats-server: connect,
+publish, fetch, errors, closing twice and cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import threading
+
+import nats
+import pytest
+from nats.js.api import StorageType
+
+from rolectl.bus.errors import TransferError
+from rolectl.bus.server import NatsServer, free_port
+from rolectl.bus.weights._wire_client import (
+    ConnectionLost,
+    DataConnection,
+    NoDataConnection,
+    Transient,
+    data_endpoint,
+    parse_headers,
+    run_in_thread,
+)
+
+
+@pytest.fixture
+async def nc(nats_url):
+    client = await nats.connect(nats_url)
+    yield client
+    await client.close()
+
+
+def open_to(nc, *, timeout: float = 10.0) -> DataConnection:
+    endpoint = data_endpoint(nc)
+    assert endpoint is not None
+    host, port, auth = endpoint
+    conn = DataConnection(host, port, auth, timeout=timeout)
+    conn.open()
+    return conn
+
+
+# connect ----------------------------------------------------------------------------------------------
+
+
+async def test_data_endpoint_of_a_plain_client_is_its_server_without_credentials(nc, nats_server):
+    assert data_endpoint(nc) == ("127.0.0.1", nats_server.port, {})
+
+
+async def test_open_connects_and_a_message_to_itself_comes_back(nc):
+    with open_to(nc) as conn:
+        assert conn.is_open
+        inbox = nc.new_inbox()
+        conn.subscribe(inbox)  # the server handles one connection's lines in order: SUB before PUB
+        await asyncio.to_thread(conn.publish, inbox, "", [b"to myself"])
+        msg = await asyncio.to_thread(conn.next_message)
+        assert (msg.subject, msg.size) == (inbox, 9)
+        assert await asyncio.to_thread(conn.read_payload, msg.size) == b"to myself"
+    assert not conn.is_open
+
+
+async def test_credentials_are_copied_from_the_nats_py_client(tmp_path):
+    server = NatsServer(store_dir=str(tmp_path / "store"), port=free_port(), log_file=str(tmp_path / "nats.log"),
+                        extra_config='authorization { user: "weights", password: "s3cret" }\n')
+    server.start()
+    try:
+        client = await nats.connect(server.url, user="weights", password="s3cret")
+        try:
+            host, port, auth = data_endpoint(client)
+            assert auth == {"user": "weights", "pass": "s3cret"}
+            with DataConnection(host, port, auth, timeout=10) as conn:
+                await asyncio.to_thread(conn.open)
+                assert conn.is_open
+            with DataConnection(host, port, {"user": "weights", "pass": "wrong"}, timeout=10) as conn:
+                with pytest.raises(NoDataConnection, match="refused"):
+                    await asyncio.to_thread(conn.open)
+        finally:
+            await client.close()
+    finally:
+        await asyncio.to_thread(server.stop)
+
+
+# publish ----------------------------------------------------------------------------------------------
+
+
+async def test_publish_sends_the_parts_as_one_payload_with_its_reply_subject(nc):
+    got: asyncio.Queue = asyncio.Queue()
+
+    async def on_msg(msg):
+        got.put_nowait(msg)
+
+    await nc.subscribe("wire.publish", cb=on_msg)
+    await nc.flush()
+    parts = [b"head-", memoryview(bytearray(b"middle-")), memoryview(b"xxtailxx")[2:6]]
+    with open_to(nc) as conn:
+        await asyncio.to_thread(conn.publish, "wire.publish", "wire.reply", parts)
+        msg = await asyncio.wait_for(got.get(), 10)
+    assert (msg.data, msg.reply) == (b"head-middle-tail", "wire.reply")
+
+
+async def test_a_jetstream_publish_is_acknowledged_on_the_reply_subject(nc, job_name):
+    js = nc.jetstream()
+    await js.add_stream(name=job_name, subjects=[f"{job_name}.>"], storage=StorageType.MEMORY)
+    try:
+        with open_to(nc) as conn:
+            inbox = nc.new_inbox()
+            conn.subscribe(f"{inbox}.*")
+            await asyncio.to_thread(conn.publish, f"{job_name}.chunk", f"{inbox}.7", [b"x" * 1000])
+            msg = await asyncio.to_thread(conn.next_message)
+            ack = json.loads(await asyncio.to_thread(conn.read_payload, msg.size))
+        assert msg.subject == f"{inbox}.7"
+        assert ack == {"stream": job_name, "seq": 1}
+    finally:
+        await js.delete_stream(job_name)
+
+
+# fetch ------------------------------------------------------------------------------------------------
+
+
+async def test_a_direct_get_lands_in_the_target_hashed_on_the_way(nc, job_name):
+    js = nc.jetstream()
+    await js.add_stream(name=job_name, subjects=[f"{job_name}.>"], storage=StorageType.MEMORY, allow_direct=True)
+    payload = bytes(range(256)) * 4096  # 1 MiB: more than the read buffer, read from the socket
+    try:
+        await js.publish(f"{job_name}.c.0", payload)
+        with open_to(nc) as conn:
+            inbox = nc.new_inbox()
+            conn.subscribe(inbox)
+            body = json.dumps({"seq": 1}).encode()
+            await asyncio.to_thread(conn.publish, f"$JS.API.DIRECT.GET.{job_name}", inbox, [body])
+            msg = await asyncio.to_thread(conn.next_message)
+            assert msg.status is None and msg.size == len(payload)
+            assert (msg.headers["Nats-Sequence"], msg.headers["Nats-Subject"]) == ("1", f"{job_name}.c.0")
+            target = memoryview(bytearray(msg.size))
+            hasher = hashlib.sha256()
+            assert await asyncio.to_thread(conn.read_payload, msg.size, target, hasher) == b""
+            assert bytes(target) == payload
+            assert hasher.digest() == hashlib.sha256(payload).digest()
+
+            # A sequence that is not there: a status message, no payload to speak of.
+            await asyncio.to_thread(conn.publish, f"$JS.API.DIRECT.GET.{job_name}", inbox,
+                                    [json.dumps({"seq": 99}).encode()])
+            missing = await asyncio.to_thread(conn.next_message)
+            await asyncio.to_thread(conn.read_payload, missing.size)
+            assert missing.status == "404" and missing.headers["Status"] == "404"
+    finally:
+        await js.delete_stream(job_name)
+
+
+def test_parse_headers_reads_status_and_fields():
+    assert parse_headers(b"NATS/1.0 404 Message Not Found\r\n\r\n") == ("404", {"Status": "404"})
+    status, headers = parse_headers(b"NATS/1.0\r\nNats-Sequence: 5\r\nNats-Subject: a.b\r\n\r\n")
+    assert status is None and headers == {"Nats-Sequence": "5", "Nats-Subject": "a.b"}
+
+
+# errors -----------------------------------------------------------------------------------------------
+
+
+def test_nothing_listening_is_transient():
+    conn = DataConnection("127.0.0.1", free_port(), {}, timeout=5)
+    with pytest.raises(Transient, match="cannot open a data connection"):
+        conn.open()
+    assert not conn.is_open
+
+
+async def test_a_protocol_error_is_a_transfer_error_naming_the_server_error(nc):
+    with open_to(nc) as conn:
+        conn.send([b"BOGUS\r\n"])
+        with pytest.raises(TransferError, match="server error on the data connection"):
+            await asyncio.to_thread(conn.next_message)
+
+
+async def test_silence_past_the_timeout_is_transient(nc):
+    with open_to(nc, timeout=0.5) as conn:
+        conn.subscribe(nc.new_inbox())  # nobody publishes there
+        with pytest.raises(Transient, match="no bytes for 0.5 s"):
+            await asyncio.to_thread(conn.next_message)
+
+
+async def test_a_server_that_goes_away_mid_read_is_connection_lost(own_server):
+    client = await nats.connect(own_server.url, max_reconnect_attempts=0)
+    try:
+        conn = open_to(client, timeout=30)
+    finally:
+        await client.close()
+    with conn:
+        reading = asyncio.ensure_future(asyncio.to_thread(conn.next_message))
+        await asyncio.to_thread(own_server.stop)
+        with pytest.raises(Transient) as caught:
+            await asyncio.wait_for(reading, 30)
+    assert isinstance(caught.value, ConnectionLost) or "failed" in str(caught.value)
+
+
+def test_a_connection_never_opened_refuses_to_send():
+    conn = DataConnection("127.0.0.1", free_port(), {}, timeout=5)
+    with pytest.raises(TransferError, match="not open"):
+        conn.send([b"PING\r\n"])
+
+
+# closing ----------------------------------------------------------------------------------------------
+
+
+async def test_close_is_safe_twice_and_after_the_context(nc):
+    conn = open_to(nc)
+    with conn:
+        pass
+    assert not conn.is_open
+    conn.close()
+    conn.close()
+    conn.abort()  # nothing to abort: no error either
+    with pytest.raises(TransferError, match="not open"):
+        conn.next_message()
+
+
+# cancellation -----------------------------------------------------------------------------------------
+
+
+async def test_cancelling_run_in_thread_aborts_the_blocked_read_and_closes(nc):
+    host, port, auth = data_endpoint(nc)
+    conn = DataConnection(host, port, auth, timeout=300)  # only the abort can end the read in time
+    blocked = threading.Event()
+
+    def work(c: DataConnection) -> None:
+        c.subscribe(nc.new_inbox())
+        blocked.set()
+        c.next_message()  # nothing was asked for: blocks until the socket is aborted
+
+    task = asyncio.create_task(run_in_thread(conn, work))
+    assert await asyncio.to_thread(blocked.wait, 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 10)  # a hang here fails the test instead of the suite
+    assert not conn.is_open  # the thread finished and closed it before the cancel returned
+
+
+async def test_an_abort_before_open_makes_open_fail(nc):
+    host, port, auth = data_endpoint(nc)
+    conn = DataConnection(host, port, auth, timeout=10)
+    conn.abort()
+    with pytest.raises(Transient, match="aborted"):
+        conn.open()
+    assert not conn.is_open
+
+
+async def test_run_in_thread_returns_the_work_result_and_closes(nc):
+    host, port, auth = data_endpoint(nc)
+    conn = DataConnection(host, port, auth, timeout=10)
+    assert await run_in_thread(conn, lambda c: c.is_open) is True
+    assert not conn.is_open
