@@ -115,7 +115,8 @@ def test_dashboard_shows_members_and_a_moving_version(running_job, tmp_path):
             assert set(MEMBERS) <= set(keys)
             trainer = page.locator("#members tr[data-member='trainer/trainer']")
             assert trainer.locator("td").nth(0).inner_text().strip() == "trainer"
-            assert trainer.get_attribute("data-status") in ("running", "require_sync", "stopped")
+            # "finished" once it trained its last step (a stopped one may come back)
+            assert trainer.get_attribute("data-status") in ("running", "require_sync", "stopped", "finished")
             assert page.locator("#job").inner_text() == "dashboard-browser"
 
             shot = tmp_path / "dashboard.png"
