@@ -100,6 +100,28 @@ def _annotations() -> dict[str, Any]:
     return _HINTS
 
 
+_KINDS = {msgspec.inspect.IntType: "an integer", msgspec.inspect.FloatType: "a number"}
+_BOUNDS = (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
+
+
+def _expected(annotation: Any) -> str:
+    """What an annotation accepts, in words: `an integer > 0`, `null or an integer >= 0`."""
+    info = msgspec.inspect.type_info(annotation)
+    if isinstance(info, msgspec.inspect.Metadata):
+        info = info.type
+    options = info.types if isinstance(info, msgspec.inspect.UnionType) else (info,)
+    words = []
+    for option in options:
+        if isinstance(option, msgspec.inspect.Metadata):
+            option = option.type
+        if isinstance(option, msgspec.inspect.NoneType):
+            words.append("null")
+            continue
+        bounds = [f"{sign} {getattr(option, key)}" for key, sign in _BOUNDS if getattr(option, key, None) is not None]
+        words.append(" ".join([_KINDS.get(type(option), "a value"), *bounds]))
+    return " or ".join(sorted(words, key=lambda w: w != "null"))
+
+
 def _problems(cfg: SyncConfig) -> list[tuple[str, str]]:
     """Every field that breaks its annotation, then the one rule across fields."""
     problems: list[tuple[str, str]] = []
@@ -107,9 +129,9 @@ def _problems(cfg: SyncConfig) -> list[tuple[str, str]]:
         value = getattr(cfg, name)
         try:
             msgspec.convert(value, annotation)
-        except msgspec.ValidationError as exc:
-            why = f"must be one of {_ENUMS[name].choices()}" if name in _ENUMS else str(exc).lower()
-            problems.append((name, f"{why}, got {value!r}"))
+        except msgspec.ValidationError:
+            why = f"one of {_ENUMS[name].choices()}" if name in _ENUMS else _expected(annotation)
+            problems.append((name, f"must be {why}, got {value!r}"))
     period, expiry = cfg.heartbeat_period, cfg.heartbeat_expiry
     if not any(name.startswith("heartbeat") for name, _ in problems) and expiry <= period:
         problems.append(("heartbeat_expiry", f"must be longer than heartbeat_period ({period} s), got {expiry!r}"))
