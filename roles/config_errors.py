@@ -13,7 +13,7 @@ __all__ = ["problems_of", "yaml_kind", "expected", "section_models"]
 
 _MAPPING_ERRORS = ("model_type", "model_attributes_type", "dict_type", "mapping_type")
 _BOUNDS = ((annotated_types.Gt, "gt", ">"), (annotated_types.Ge, "ge", ">="),
-           (annotated_types.Lt, "lt", "<"), (annotated_types.Le, "le", "<="))
+           (annotated_types.Lt, "lt", "<"), (annotated_types.Le, "le", "at most"))
 _KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
 
