@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import types
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Mapping, Union, get_args, get_origin
 
 import annotated_types
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
-__all__ = ["problems_of", "yaml_kind", "expected", "section_models"]
+__all__ = ["problems_of", "validate_section", "yaml_kind", "expected", "section_models"]
 
 _MAPPING_ERRORS = ("model_type", "model_attributes_type", "dict_type", "mapping_type")
 _BOUNDS = ((annotated_types.Gt, "gt", ">"), (annotated_types.Ge, "ge", ">="),
@@ -100,13 +100,15 @@ def _known(model: type[BaseModel]) -> list[str]:
     return sorted(name for name, info in model.model_fields.items() if not info.exclude)
 
 
-def problems_of(exc: ValidationError, model: type[BaseModel], *, prefix: str = "",
+def problems_of(exc: ValidationError, model: Any, *, prefix: str = "",
                 top_level: str = "field") -> list[tuple[str, str]]:
-    """Every error of `exc` (raised validating `model`) as (dotted path, what to write instead)."""
+    """Every error of `exc` (raised validating `model`: a section model or a union of them) as
+    (dotted path, what to write instead)."""
     problems = []
+    start = [model] if isinstance(model, type) and issubclass(model, BaseModel) else section_models(model)
     for error in exc.errors(include_url=False):
-        members: list[type[BaseModel]] = [model]
-        holder: type[BaseModel] | None = model
+        members: list[type[BaseModel]] = start
+        holder: type[BaseModel] | None = start[0] if len(start) == 1 else None
         info: FieldInfo | None = None
         parts = [prefix] if prefix else []
         item_of = False
@@ -129,19 +131,44 @@ def problems_of(exc: ValidationError, model: type[BaseModel], *, prefix: str = "
     return problems
 
 
+def validate_section(model: Any, values: Any, *, where: str) -> tuple[Any, list[tuple[str, str]]]:
+    """`values` validated as `model` (a section model, or a union of them by its annotation), and
+    every problem by its path under `where`; the section is None when there are problems."""
+    if not isinstance(values, Mapping):
+        return None, [(where, f"must be a mapping (indented `key: value` lines), got {yaml_kind(values)}")]
+    try:
+        if isinstance(model, type) and issubclass(model, BaseModel):
+            return model.model_validate(values), []
+        return _adapter(model).validate_python(values), []
+    except ValidationError as exc:
+        return None, problems_of(exc, model, prefix=where)
+
+
+_ADAPTERS: dict[int, TypeAdapter[Any]] = {}
+
+
+def _adapter(annotation: Any) -> TypeAdapter[Any]:
+    """One adapter per annotation (building one compiles a validator)."""
+    found = _ADAPTERS.get(id(annotation))
+    if found is None:
+        found = _ADAPTERS[id(annotation)] = TypeAdapter(annotation)
+    return found
+
+
 def _why(error: Any, holder: type[BaseModel] | None, info: FieldInfo | None, item_of: bool, noun: str) -> str:
     kind, ctx, value = error["type"], error.get("ctx") or {}, error.get("input")
     if kind == "extra_forbidden":
         return f"unknown {noun}; known: {_known(holder)}" if holder is not None else "unknown field"
     if kind == "missing":
-        return "required" + (f": {_first_line(info.description)}" if info is not None and info.description else "")
+        hint = _first_line(info.description) if info is not None and info.description else ""
+        return f"required: {hint[:1].lower()}{hint[1:]}" if hint else "required"
     if kind in _MAPPING_ERRORS and not item_of:
         return f"must be a mapping (indented `key: value` lines), got {yaml_kind(value)}"
     if kind in ("value_error", "assertion_error"):
         return str(ctx.get("error", error["msg"])).removeprefix("Value error, ")
     if kind == "union_tag_invalid":
         return f"unknown engine {ctx.get('tag')!r}; known: {ctx.get('expected_tags')}"
-    if kind == "too_short":
+    if kind in ("too_short", "string_too_short"):
         return f"must not be empty, got {_got(value)}"
     if info is not None:
         annotation, metadata = info.annotation, info.metadata

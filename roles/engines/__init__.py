@@ -11,12 +11,13 @@ and reports every problem at once, by dotted path.
 
 from __future__ import annotations
 
-import dataclasses
 import zlib
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any, Callable, Mapping, Sequence
 
+from ..config_errors import validate_section
+from ..engine_config import ModelSection
 from .base import RolloutEngine, Task, TaskSet, TrainEngine, WeightsMismatch
 from .task import ReverseDigitsTaskSet, score_response
 from .tiny import (
@@ -25,7 +26,6 @@ from .tiny import (
     TinyTrainEngine,
     build_task_set,
     tiny_config_from_mapping,
-    tiny_config_problems,
 )
 
 __all__ = [
@@ -85,14 +85,15 @@ class EngineSpec:
     taskset: Callable[..., TaskSet] | None = None
 
 
+def _model_problems(sections: EngineSections) -> list[tuple[str, str]]:
+    """The built-in engines' `model:` sections: one typed model per engine, selected by `engine`."""
+    return validate_section(ModelSection, sections.model, where="model")[1]
+
+
 # -- tiny ------------------------------------------------------------------------------------------
 
-_TINY_ONLY = ("engine", "rollout_engine")
-
-
 def _tiny_problems(sections: EngineSections) -> list[tuple[str, str]]:
-    settings = {k: v for k, v in sections.model.items() if k not in _TINY_ONLY}
-    problems = [(f"model.{name}", why) for name, why in tiny_config_problems(settings)]
+    problems = _model_problems(sections)
     for section in ("data", "algorithm"):
         if getattr(sections, section):
             problems.append((section, f"the tiny engine has its own task and loss; remove `{section}:` or use "
@@ -101,7 +102,7 @@ def _tiny_problems(sections: EngineSections) -> list[tuple[str, str]]:
 
 
 def _tiny_config(sections: EngineSections) -> TinyConfig:
-    return tiny_config_from_mapping({k: v for k, v in sections.model.items() if k not in _TINY_ONLY})
+    return tiny_config_from_mapping(sections.model)
 
 
 def _tiny_rollout(sections: EngineSections, member: str) -> TinyRolloutEngine:
@@ -115,7 +116,7 @@ def _tiny_taskset(sections: EngineSections, *, seed: int, total_batches: int | N
                   batch_size: int | None) -> ReverseDigitsTaskSet:
     config = _tiny_config(sections)
     if batch_size is not None:
-        config = dataclasses.replace(config, tasks_per_step=batch_size)
+        config = config.replace(tasks_per_step=batch_size)
     return build_task_set(config, seed=config.seed * 1000 + seed, num_batches=total_batches)
 
 
@@ -123,10 +124,10 @@ def _tiny_taskset(sections: EngineSections, *, seed: int, total_batches: int | N
 
 def _hf_problems(sections: EngineSections) -> list[tuple[str, str]]:
     try:
-        from .hf_model import hf_model_config_problems
+        from .hf_model import hf_model_path_problems
     except ImportError as exc:
         return [("model.engine", f"the hf engine needs transformers ({exc}); pip install -e '.[hf]'")]
-    problems = hf_model_config_problems(sections.model)
+    problems = _model_problems(sections) + hf_model_path_problems(sections.model)
     try:
         import datasets  # noqa: F401
         import transformers  # noqa: F401
