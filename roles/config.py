@@ -272,7 +272,7 @@ class EnvSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="ROLECTL_", frozen=True, extra="ignore",
                                       use_attribute_docstrings=True)
 
-    torch_threads: PositiveInt = 1
+    torch_threads: Annotated[int, Field(gt=0)] = 1  # not strict: a variable's value is text
     """Threads torch may use in each role process (`torch.set_num_threads`)."""
     advertise_host: str | None = None
     """The address explorers reach the trainer's rank 0 at for a collective (nccl) sync; default this
