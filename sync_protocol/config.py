@@ -75,7 +75,7 @@ class SyncConfig(msgspec.Struct, frozen=True, kw_only=True):
                 else getattr(self, name) for name in self.__struct_fields__}
 
 
-_ENUMS = {"sync_method": SyncMethod, "sync_style": SyncStyle}
+_ENUMS: dict[str, type[SyncMethod] | type[SyncStyle]] = {"sync_method": SyncMethod, "sync_style": SyncStyle}
 
 
 def _parse_enum(name: str, value: Any) -> Any:
