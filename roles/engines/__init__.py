@@ -6,7 +6,9 @@ transformers, train + rollout) and `vllm` (rollout). Other packages add engines 
 `rolectl.engines` entry-point group: each entry point loads an `EngineSpec`.
 
 Each engine validates its own sections (`model:`, and for `hf`/`vllm` also `data:` and `algorithm:`)
-and reports every problem at once, by dotted path.
+and reports every problem at once, by dotted path. The built-ins' sections are typed models in
+`rolectl.roles.engine_config` (`model:` a union selected by `model.engine`); what needs files or
+libraries (a model directory, a data file, verl, vllm) is checked here and in the engine modules.
 """
 
 from __future__ import annotations
