@@ -15,7 +15,6 @@ from typing import Annotated, Any, Literal, Mapping
 
 import yaml
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, Strict, ValidationError
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rolectl.bus.connection import parse_server_urls
 from rolectl.bus.security import ClientSecurity
@@ -31,7 +30,6 @@ __all__ = [
     "BufferConfig",
     "TransportConfig",
     "NatsConfig",
-    "EnvSettings",
     "load_config",
     "parse_config",
 ]
@@ -263,37 +261,6 @@ class JobConfig(Section):
                      f"{'' if tasks else ' (unset: one explorer batch)'}: a round of {count} explorers makes "
                      f"{count * batch} tasks, {count * batch / per_step:g} train steps' worth. For one train "
                      f"step per round set trainer.train_batch_tasks: {count * batch} in the config")
-
-
-class EnvSettings(BaseSettings):
-    """Environment variables the roles read (prefix `ROLECTL_`); flags, where a command has one,
-    win over them."""
-
-    model_config = SettingsConfigDict(env_prefix="ROLECTL_", frozen=True, extra="ignore",
-                                      use_attribute_docstrings=True)
-
-    torch_threads: Annotated[int, Field(gt=0)] = 1  # not strict: a variable's value is text
-    """Threads torch may use in each role process (`torch.set_num_threads`)."""
-    advertise_host: str | None = None
-    """The address explorers reach the trainer's rank 0 at for a collective (nccl) sync; default this
-    host's IP. The launchers set it (127.0.0.1 locally, the node's IP under Ray)."""
-    nats_creds: str | None = None
-    """Credentials file for NATS (as `--creds` / `nats.creds`)."""
-    nats_tls_ca: str | None = None
-    """CA file that signed the server's certificate (as `--tls-ca` / `nats.tls_ca`)."""
-    nats_tls_cert: str | None = None
-    """Client certificate for mTLS (as `--tls-cert` / `nats.tls_cert`)."""
-    nats_tls_key: str | None = None
-    """Client certificate's key (as `--tls-key` / `nats.tls_key`)."""
-
-
-def env_settings() -> EnvSettings:
-    """The `ROLECTL_*` variables of this process, validated; a bad value raises `ConfigError`."""
-    try:
-        return EnvSettings()
-    except ValidationError as exc:
-        problems = [(f"ROLECTL_{name.upper()}", why) for name, why in problems_of(exc, EnvSettings)]
-        raise ConfigError(problems, where="environment") from None
 
 
 # -- loading ---------------------------------------------------------------------------------------

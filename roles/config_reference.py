@@ -21,7 +21,6 @@ from rolectl.sync_protocol.enums import SyncMethod, SyncStyle
 
 from .config import (
     BufferConfig,
-    EnvSettings,
     ExplorerConfig,
     JobConfig,
     NatsConfig,
@@ -30,6 +29,7 @@ from .config import (
 )
 from .config_errors import _BOUNDS, _options, _unwrap
 from .engine_config import AlgorithmSection, DataSection, HFBuildSection, HFModelSection, TinyModelSection
+from .settings import EnvSettings
 
 __all__ = ["render", "main"]
 
