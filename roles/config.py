@@ -4,7 +4,7 @@ One pydantic model per section, each field's constraint on its annotation; unkno
 refused. Field names follow the reference where it has them (`synchronizer.sync_method`,
 `sync_style`, `sync_interval`, `sync_offset`, `sync_timeout`; `trainer.total_steps`,
 `save_interval`; `buffer.batch_size`). The engine's sections (`model:`, `data:`, `algorithm:`)
-are typed in `rolectl.roles.engine_config`. See `examples/*.yaml` for complete files and
+are typed in `rolectl.roles.engines.sections`. See `examples/*.yaml` for complete files and
 `docs/configuration.md`, generated from these models by `python -m rolectl.roles.config_reference`.
 """
 
@@ -14,14 +14,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping
 
 import yaml
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, Strict, ValidationError
+from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, Strict, ValidationError
 
 from rolectl.bus.connection import parse_server_urls
 from rolectl.bus.security import ClientSecurity
 from rolectl.bus.subjects import check_name
 from rolectl.sync_protocol import ConfigError, SyncConfig
 
-from .config_errors import problems_of, yaml_kind
+from .engines.config_errors import problems_of, yaml_kind
+from .engines.sections import NonNegativeInt, PathStr, PositiveInt, Seconds, Section, StrictBool
 
 __all__ = [
     "JobConfig",
@@ -33,24 +34,6 @@ __all__ = [
     "load_config",
     "parse_config",
 ]
-
-# Constraints, named once: strict (a YAML `true` or `"3"` is not a count) and finite.
-PositiveInt = Annotated[int, Strict(), Field(gt=0)]
-NonNegativeInt = Annotated[int, Strict(), Field(ge=0)]
-Seconds = Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False)]
-StrictBool = Annotated[bool, Strict()]
-PathStr = Annotated[str, Strict()]
-
-
-class Section(BaseModel):
-    """A config section: frozen, unknown keys refused, fields described by their docstrings."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
-
-    def replace(self, **changes: Any) -> "Section":
-        """A copy with `changes`, validated like the file was."""
-        return type(self).model_validate({**dict(self), **changes})
-
 
 class TrainerConfig(Section):
     """The train loop: how many steps, how often to save, where."""

@@ -13,7 +13,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rolectl.sync_protocol import ConfigError
 
-from .config_errors import problems_of
+from .engines.config_errors import problems_of
 
 __all__ = ["EnvSettings", "env_settings"]
 

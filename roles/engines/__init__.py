@@ -7,7 +7,7 @@ transformers, train + rollout) and `vllm` (rollout). Other packages add engines 
 
 Each engine validates its own sections (`model:`, and for `hf`/`vllm` also `data:` and `algorithm:`)
 and reports every problem at once, by dotted path. The built-ins' sections are typed models in
-`rolectl.roles.engine_config` (`model:` a union selected by `model.engine`); what needs files or
+`rolectl.roles.engines.sections` (`model:` a union selected by `model.engine`); what needs files or
 libraries (a model directory, a data file, verl, vllm) is checked here and in the engine modules.
 """
 
@@ -16,19 +16,27 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-from ..config_errors import validate_section
-from ..engine_config import ModelSection
 from .base import RolloutEngine, Task, TaskSet, TrainEngine, WeightsMismatch
+from .config_errors import validate_section
+from .sections import ModelSection
 from .task import ReverseDigitsTaskSet, score_response
-from .tiny import (
-    TinyConfig,
-    TinyRolloutEngine,
-    TinyTrainEngine,
-    build_task_set,
-    tiny_config_from_mapping,
-)
+
+if TYPE_CHECKING:
+    from .tiny import TinyConfig, TinyRolloutEngine, TinyTrainEngine
+
+# torch loads with the first engine built, not with this package: the job config (and with it a
+# synchronizer, which runs no engine) imports the typed sections from here.
+_TINY_EXPORTS = ("TinyConfig", "TinyRolloutEngine", "TinyTrainEngine", "build_task_set")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _TINY_EXPORTS:
+        from . import tiny
+
+        return getattr(tiny, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "RolloutEngine",
@@ -103,19 +111,31 @@ def _tiny_problems(sections: EngineSections) -> list[tuple[str, str]]:
     return problems
 
 
-def _tiny_config(sections: EngineSections) -> TinyConfig:
+def _tiny_config(sections: EngineSections) -> "TinyConfig":
+    from .tiny import tiny_config_from_mapping
+
     return tiny_config_from_mapping(sections.model)
 
 
-def _tiny_rollout(sections: EngineSections, member: str) -> TinyRolloutEngine:
+def _tiny_train(sections: EngineSections) -> "TinyTrainEngine":
+    from .tiny import TinyTrainEngine
+
+    return TinyTrainEngine(_tiny_config(sections))
+
+
+def _tiny_rollout(sections: EngineSections, member: str) -> "TinyRolloutEngine":
     """Its sampling seed derives from the member name, so explorers differ from each other but a
     restarted explorer samples exactly as before."""
+    from .tiny import TinyRolloutEngine
+
     config = _tiny_config(sections)
     return TinyRolloutEngine(config, member=member, sampling_seed=zlib.crc32(f"{config.seed}/{member}".encode()))
 
 
 def _tiny_taskset(sections: EngineSections, *, seed: int, total_batches: int | None,
                   batch_size: int | None) -> ReverseDigitsTaskSet:
+    from .tiny import build_task_set
+
     config = _tiny_config(sections)
     if batch_size is not None:
         config = config.replace(tasks_per_step=batch_size)
@@ -198,7 +218,7 @@ def _text_taskset(sections: EngineSections, *, seed: int, total_batches: int | N
 
 
 _BUILTIN = {
-    "tiny": EngineSpec(name="tiny", problems=_tiny_problems, train=lambda s: TinyTrainEngine(_tiny_config(s)),
+    "tiny": EngineSpec(name="tiny", problems=_tiny_problems, train=_tiny_train,
                        rollout=_tiny_rollout, taskset=_tiny_taskset),
     "hf": EngineSpec(name="hf", problems=_hf_problems, train=_hf_train, rollout=_hf_rollout, taskset=_text_taskset),
     # vllm is a rollout engine only; its trainer is `hf`, which validates the sections.

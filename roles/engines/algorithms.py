@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rolectl.roles.config_errors import validate_section
-from rolectl.roles.engine_config import OUTCOME_ESTIMATORS, AlgorithmSection
+from .config_errors import validate_section
+from .sections import OUTCOME_ESTIMATORS, AlgorithmSection
 
 __all__ = [
     "AlgorithmConfig",

@@ -15,11 +15,10 @@ import random
 from pathlib import Path
 from typing import Any, Mapping
 
-from rolectl.roles.config_errors import validate_section
-from rolectl.roles.engine_config import DataSection
-
 from .base import Task
+from .config_errors import validate_section
 from .rewards import reward_spec_problems
+from .sections import DataSection
 
 __all__ = ["DataConfig", "data_config_problems", "data_config_from_mapping", "load_rows", "TextTaskSet"]
 

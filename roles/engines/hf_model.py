@@ -22,8 +22,8 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor
 
-from rolectl.roles.config_errors import validate_section
-from rolectl.roles.engine_config import HFBuildSection, HFModelSection
+from .config_errors import validate_section
+from .sections import HFBuildSection, HFModelSection
 
 __all__ = [
     "HFModelConfig",

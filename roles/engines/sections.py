@@ -1,20 +1,37 @@
-"""The engines' sections of a job config, typed: `model:` (one model per engine, selected by
+"""Typed config sections: the base every section model shares (frozen, unknown keys refused), the
+named constraints, and the engines' own sections: `model:` (one model per engine, selected by
 `model.engine`), `data:` and `algorithm:`.
 
-This module imports no engine (no torch): the job config and its reference load it at once. What
-needs the engines' libraries or the file system (a model directory, a data file, verl's registries,
-reward functions) is checked by the engines themselves (`rolectl.roles.engines`).
+It lives with the engines, below the job config (`rolectl.roles.config`) that builds on it, and
+imports neither torch nor NATS: a synchronizer loads the job config without either. What needs the
+engines' libraries or the file system (a model directory, a data file, verl's registries, reward
+functions) is checked by the engines themselves.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Mapping, Union
 
-from pydantic import AfterValidator, Discriminator, Field, Strict, Tag, ValidationInfo, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Strict,
+    Tag,
+    ValidationInfo,
+    field_validator,
+)
 
-from .config import NonNegativeInt, PositiveInt, Section, StrictBool
 
 __all__ = [
+    "Section",
+    "PositiveInt",
+    "NonNegativeInt",
+    "Seconds",
+    "StrictBool",
+    "PathStr",
     "TinyModelSection",
     "HFBuildSection",
     "HFModelSection",
@@ -26,6 +43,24 @@ __all__ = [
     "KL_PENALTIES",
     "DTYPES",
 ]
+
+# Constraints, named once: strict (a YAML `true` or `"3"` is not a count) and finite.
+PositiveInt = Annotated[int, Strict(), Field(gt=0)]
+NonNegativeInt = Annotated[int, Strict(), Field(ge=0)]
+Seconds = Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False)]
+StrictBool = Annotated[bool, Strict()]
+PathStr = Annotated[str, Strict()]
+
+
+class Section(BaseModel):
+    """A config section: frozen, unknown keys refused, fields described by their docstrings."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    def replace(self, **changes: Any) -> "Section":
+        """A copy with `changes`, validated like the file was."""
+        return type(self).model_validate({**dict(self), **changes})
+
 
 PositiveNumber = Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False)]
 NonNegativeNumber = Annotated[float, Strict(), Field(ge=0, allow_inf_nan=False)]
