@@ -158,6 +158,12 @@ def _server_urls(value: str) -> str:
     return value
 
 
+def _lower_level(value: Any) -> Any:
+    """Levels are read in any case; a bad one is reported as written."""
+    known = ("debug", "info", "warning", "error")
+    return value.lower() if isinstance(value, str) and value.lower() in known else value
+
+
 _Mapping = Annotated[dict[str, Any], Strict()]
 
 
@@ -172,8 +178,7 @@ class JobConfig(Section):
     """NATS server URL(s), comma-separated; `--nats` overrides it."""
     run_dir: PathStr = "runs"
     """Where jobs keep their files: `<run_dir>/<job>/`."""
-    log_level: Annotated[Literal["debug", "info", "warning", "error"],
-                         BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v)] = "info"
+    log_level: Annotated[Literal["debug", "info", "warning", "error"], BeforeValidator(_lower_level)] = "info"
     """Log level of every role."""
     synchronizer: Annotated[SyncConfig, BeforeValidator(_sync_config)] = SyncConfig()
     """When and how weights move (see the `synchronizer` section)."""
