@@ -10,6 +10,7 @@ are typed in `rolectl.roles.engines.sections`. See `examples/*.yaml` for complet
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping
 
@@ -31,6 +32,8 @@ __all__ = [
     "BufferConfig",
     "TransportConfig",
     "NatsConfig",
+    "EnvSettings",
+    "env_settings",
     "load_config",
     "parse_config",
 ]
@@ -249,6 +252,42 @@ class JobConfig(Section):
                      f"{'' if tasks else ' (unset: one explorer batch)'}: a round of {count} explorers makes "
                      f"{count * batch} tasks, {count * batch / per_step:g} train steps' worth. For one train "
                      f"step per round set trainer.train_batch_tasks: {count * batch} in the config")
+
+
+class EnvSettings(Section):
+    """Environment variables the roles read (prefix `ROLECTL_`); flags, where a command has one,
+    win over them. Other `ROLECTL_*` names are ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    torch_threads: Annotated[int, Field(gt=0)] = 1  # not strict: a variable's value is text
+    """Threads torch may use in each role process (`torch.set_num_threads`)."""
+    advertise_host: str | None = None
+    """The address explorers reach the trainer's rank 0 at for a collective (nccl) sync; default this
+    host's IP. The launchers set it (127.0.0.1 locally, the node's IP under Ray)."""
+    nats_creds: str | None = None
+    """Credentials file for NATS (as `--creds` / `nats.creds`)."""
+    nats_tls_ca: str | None = None
+    """CA file that signed the server's certificate (as `--tls-ca` / `nats.tls_ca`)."""
+    nats_tls_cert: str | None = None
+    """Client certificate for mTLS (as `--tls-cert` / `nats.tls_cert`)."""
+    nats_tls_key: str | None = None
+    """Client certificate's key (as `--tls-key` / `nats.tls_key`)."""
+
+
+ENV_PREFIX = "ROLECTL_"
+
+
+def env_settings(environ: Mapping[str, str] | None = None) -> EnvSettings:
+    """The `ROLECTL_*` variables of this process (or of `environ`), validated; a bad value raises
+    `ConfigError` naming the variable."""
+    environ = os.environ if environ is None else environ
+    values = {name[len(ENV_PREFIX):].lower(): value for name, value in environ.items() if name.startswith(ENV_PREFIX)}
+    try:
+        return EnvSettings.model_validate(values)
+    except ValidationError as exc:
+        problems = [(f"{ENV_PREFIX}{name.upper()}", why) for name, why in problems_of(exc, EnvSettings)]
+        raise ConfigError(problems, where="environment") from None
 
 
 # -- loading ---------------------------------------------------------------------------------------

@@ -20,7 +20,9 @@ from rolectl.sync_protocol import SyncConfig
 from rolectl.sync_protocol.enums import SyncMethod, SyncStyle
 
 from .config import (
+    ENV_PREFIX,
     BufferConfig,
+    EnvSettings,
     ExplorerConfig,
     JobConfig,
     NatsConfig,
@@ -29,7 +31,6 @@ from .config import (
 )
 from .engines.config_errors import _BOUNDS, _options, _unwrap
 from .engines.sections import AlgorithmSection, DataSection, HFBuildSection, HFModelSection, TinyModelSection
-from .settings import EnvSettings
 
 __all__ = ["render", "main"]
 
@@ -158,7 +159,7 @@ def _sync_table() -> str:
 
 def _env_table() -> str:
     rows = ["| variable | type | default | constraint | description |", "| --- | --- | --- | --- | --- |"]
-    prefix = EnvSettings.model_config.get("env_prefix", "")
+    prefix = ENV_PREFIX
     for name, info in EnvSettings.model_fields.items():
         row = _row(name, info)
         rows.append(row.replace(f"| `{name}` |", f"| `{prefix}{name.upper()}` |", 1))

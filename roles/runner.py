@@ -10,7 +10,7 @@ import structlog
 
 from rolectl.bus.errors import BusError, describe
 from rolectl.bus.logging import setup_logging
-from rolectl.roles.config import JobConfig
+from rolectl.roles.config import JobConfig, env_settings
 from rolectl.roles.resume import StartMode, StartRefused
 from rolectl.roles.session import JobIncomplete, install_stop_signals
 
@@ -50,8 +50,6 @@ def run_role(role: str, cfg: JobConfig, member_id: str | None = None, *, start_m
         # Each role process gets a share of a machine that also runs its peers: one intra-op
         # thread avoids oversubscription (the torch default is one thread per core, per process).
         import torch
-
-        from rolectl.roles.settings import env_settings
 
         torch.set_num_threads(env_settings().torch_threads)
     member_id = member_id or default_member_id(role)

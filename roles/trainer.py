@@ -30,9 +30,8 @@ from rolectl.bus.experiences import ExperienceReader
 from rolectl.bus.security import redact
 from rolectl.bus.weights import TransferError
 from rolectl.roles.session import JobIncomplete, MemberRejoined, MemberSession, write_json_atomic
-from rolectl.roles.config import JobConfig
+from rolectl.roles.config import JobConfig, env_settings
 from rolectl.roles.resume import SavedState, StartMode, decide_resume
-from rolectl.roles.settings import env_settings
 from rolectl.roles.transports import make_pull_transport, make_rendezvous_transport
 from rolectl.sync_protocol import (
     MemberReleased,

@@ -7,9 +7,8 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from rolectl.roles.config import JobConfig
+from rolectl.roles.config import EnvSettings, JobConfig
 from rolectl.roles.config_reference import _SECTIONS, render
-from rolectl.roles.settings import EnvSettings
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
