@@ -7,6 +7,7 @@ check every field against it and report every problem in one `ConfigError`. The 
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Mapping, get_type_hints
 
 import msgspec
@@ -100,7 +101,7 @@ def _annotations() -> dict[str, Any]:
     return _HINTS
 
 
-_KINDS = {msgspec.inspect.IntType: "an integer", msgspec.inspect.FloatType: "a number"}
+_KINDS = {msgspec.inspect.IntType: "an integer", msgspec.inspect.FloatType: "a finite number"}
 _BOUNDS = (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
 
 
@@ -129,7 +130,11 @@ def _problems(cfg: SyncConfig) -> list[tuple[str, str]]:
         value = getattr(cfg, name)
         try:
             msgspec.convert(value, annotation)
+            # msgspec's bounds let infinity through; a duration of inf seconds is a typo, not a choice
+            ok = not isinstance(value, float) or math.isfinite(value)
         except msgspec.ValidationError:
+            ok = False
+        if not ok:
             why = f"one of {_ENUMS[name].choices()}" if name in _ENUMS else _expected(annotation)
             problems.append((name, f"must be {why}, got {value!r}"))
     period, expiry = cfg.heartbeat_period, cfg.heartbeat_expiry
