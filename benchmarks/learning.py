@@ -12,7 +12,6 @@ rollout_seconds, train_seconds} (rewards averaged over the first / last 5 steps)
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
@@ -86,12 +85,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--staleness", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
     # Any TinyConfig field can be overridden, e.g. --lr 0.002 --group_size 16.
-    for field in dataclasses.fields(TinyConfig):
-        parser.add_argument(f"--{field.name}", type=type(field.default), default=field.default)
+    tunable = {name: field.default for name, field in TinyConfig.model_fields.items()
+               if isinstance(field.default, (int, float))}
+    for name, default in tunable.items():
+        parser.add_argument(f"--{name}", type=type(default), default=default)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    config = TinyConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TinyConfig)})
-    print(f"config {dataclasses.asdict(config)}", flush=True)
+    config = TinyConfig(**{name: getattr(args, name) for name in tunable})
+    print(f"config {config.model_dump()}", flush=True)
     print(json.dumps(simulate(config, steps=args.steps, staleness=args.staleness)))
 
 

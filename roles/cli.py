@@ -103,7 +103,7 @@ def _load(config_path: str, nats: str | None, security_flags: dict | None = None
     if security_flags is not None:
         security = _security(**security_flags, config=cfg.nats.security)
         # only the credential paths: the rest of the nats section (replicas) stays as configured
-        cfg = cfg.with_overrides(nats=dataclasses.replace(cfg.nats, **dataclasses.asdict(security)))
+        cfg = cfg.with_overrides(nats=cfg.nats.replace(**dataclasses.asdict(security)))
     return cfg
 
 

@@ -1,24 +1,29 @@
 """Job configuration: YAML in, typed frozen objects out, every error reported at once.
 
-Field names follow the reference where it has them (`synchronizer.sync_method`, `sync_style`,
-`sync_interval`, `sync_offset`, `sync_timeout`; `trainer.total_steps`, `save_interval`;
-`buffer.batch_size`). See `examples/*.yaml` for complete files.
+One pydantic model per section, each field's constraint on its annotation; unknown keys are
+refused. Field names follow the reference where it has them (`synchronizer.sync_method`,
+`sync_style`, `sync_interval`, `sync_offset`, `sync_timeout`; `trainer.total_steps`,
+`save_interval`; `buffer.batch_size`). The engine's sections (`model:`, `data:`, `algorithm:`)
+are typed in `rolectl.roles.engines.sections`. See `examples/*.yaml` for complete files and
+`docs/configuration.md`, generated from these models by `python -m rolectl.roles.config_reference`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from dataclasses import dataclass, field, fields
+import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Annotated, Any, Literal, Mapping
 
 import yaml
+from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, Strict, ValidationError
 
 from rolectl.bus.connection import parse_server_urls
 from rolectl.bus.security import ClientSecurity
 from rolectl.bus.subjects import check_name
 from rolectl.sync_protocol import ConfigError, SyncConfig
+
+from .engines.config_errors import problems_of, yaml_kind
+from .engines.sections import NonNegativeInt, PathStr, PositiveInt, Seconds, Section, StrictBool
 
 __all__ = [
     "JobConfig",
@@ -27,109 +32,172 @@ __all__ = [
     "BufferConfig",
     "TransportConfig",
     "NatsConfig",
+    "EnvSettings",
+    "env_settings",
     "load_config",
     "parse_config",
 ]
 
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TrainerConfig:
+class TrainerConfig(Section):
     """The train loop: how many steps, how often to save, where."""
 
-    total_steps: int = 40
-    save_interval: int = 1
-    checkpoint_dir: str | None = None  # default: <run_dir>/<job>/trainer
-    keep_versions: int = 2  # published weight versions kept in the object store / checkpoint dir
-    train_batch_tasks: int | None = None  # tasks per train step; default: buffer.batch_size
-    # How long the trainer waits for explorers when every one of them is gone (expired, killed,
-    # restarting) before it gives up and ends the job as incomplete (non-zero exit).
-    explorer_grace_s: float = 300.0
-    # What its process is given under `rolectl up --launcher ray` (its placement-group bundle);
-    # Ray sets CUDA_VISIBLE_DEVICES to the GPUs it reserved. Ignored by the local launcher.
-    num_gpus: int = 0
-    num_cpus: int = 1
+    total_steps: PositiveInt = 40
+    """Train steps; the job ends after the last one."""
+    save_interval: NonNegativeInt = 1
+    """Train steps between checkpoints (0 = never)."""
+    checkpoint_dir: PathStr | None = None
+    """Where the trainer saves its state; default `<run_dir>/<job>/trainer`."""
+    keep_versions: PositiveInt = 2
+    """Published weight versions kept in the object store / checkpoint directory."""
+    train_batch_tasks: PositiveInt | None = None
+    """Tasks per train step; default `buffer.batch_size`."""
+    explorer_grace_s: Seconds = 300.0
+    """How long the trainer waits for explorers when every one of them is gone (expired, killed,
+    restarting) before it ends the job as incomplete (non-zero exit)."""
+    num_gpus: NonNegativeInt = 0
+    """GPUs of its bundle under `rolectl up --launcher ray` (Ray sets CUDA_VISIBLE_DEVICES); ignored
+    by the local launcher."""
+    num_cpus: PositiveInt = 1
+    """CPUs of its bundle under `rolectl up --launcher ray`; ignored by the local launcher."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ExplorerConfig:
+def _as_tuple(value: Any) -> Any:
+    """One number stands for a list of one."""
+    return (value,) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+
+
+class ExplorerConfig(Section):
     """The explorers: how many, how long, how many receiving ranks each brings to a rendezvous."""
 
-    count: int = 2
-    total_steps: int = 20  # explore steps per explorer (the size of its task set)
-    engine_num: int = 1
-    tensor_parallel_size: int = 1
-    # Extra seconds per explore step, per explorer index (cycled): real rollout engines differ in
-    # speed, and the examples/tests use this to run explorers of different speeds.
-    step_delay_s: tuple[float, ...] = (0.0,)
-    stop_with_trainer: bool = True  # stop exploring once the trainer has finished (nobody consumes)
-    # A trainer that went silent (killed, restarting, expired) is waited for this long before an
-    # explorer gives up (non-zero exit): long enough for a restart with imports and checkpoint load.
-    trainer_grace_s: float = 300.0
-    # Under `rolectl up --launcher ray`, each explorer's bundle: num_cpus CPUs and, with use_gpus,
-    # engine_num x tensor_parallel_size GPUs (CUDA_VISIBLE_DEVICES set by Ray). Ignored locally.
-    num_cpus: int = 1
-    use_gpus: bool = False
+    count: PositiveInt = 2
+    """Explorer processes."""
+    total_steps: PositiveInt = 20
+    """Explore steps per explorer (the size of its task set)."""
+    engine_num: PositiveInt = 1
+    """Rollout engines per explorer."""
+    tensor_parallel_size: PositiveInt = 1
+    """GPUs per rollout engine."""
+    step_delay_s: Annotated[tuple[Annotated[float, Strict(), Field(ge=0, allow_inf_nan=False)], ...],
+                            BeforeValidator(_as_tuple), Field(min_length=1)] = (0.0,)
+    """Extra seconds per explore step, per explorer index (cycled; a number or a list): real rollout
+    engines differ in speed, and the examples and tests run explorers of different speeds."""
+    stop_with_trainer: StrictBool = True
+    """Stop exploring once the trainer has finished (nobody consumes)."""
+    trainer_grace_s: Seconds = 300.0
+    """How long a silent trainer (killed, restarting, expired) is waited for before an explorer
+    gives up (non-zero exit): long enough for a restart with imports and checkpoint load."""
+    num_cpus: PositiveInt = 1
+    """CPUs of each explorer's bundle under `rolectl up --launcher ray`."""
+    use_gpus: StrictBool = False
+    """Under `rolectl up --launcher ray`, give each explorer engine_num x tensor_parallel_size GPUs."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class BufferConfig:
+class BufferConfig(Section):
     """Experiences: tasks per explore step, and how long the trainer may hold a batch unacked."""
 
-    batch_size: int = 4
-    ack_wait_s: float = 30.0
+    batch_size: PositiveInt = 4
+    """Tasks per explore step."""
+    ack_wait_s: Seconds = 30.0
+    """Seconds the trainer may hold a batch unacked before it is redelivered."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TransportConfig:
+class TransportConfig(Section):
     """Weight-transport knobs."""
 
-    checkpoint_dir: str | None = None  # shared directory for sync_method=checkpoint
-    # Where the object store keeps weight chunks. "file" (default) keeps every version across a
-    # nats-server restart, so a restart costs only a stall; "memory" fetched up to ~1.4x faster in
-    # benchmarks.weights here, and after a restart its stream is re-created by the next publish
-    # while a fetch of a version lost with it fails clearly (the explorer keeps its weights).
-    object_store_storage: str = "file"
-    bucket_size_mb: int = 512  # torch.distributed broadcast bucket size
-    group_timeout_s: float = 60.0  # a dead peer mid-broadcast fails the transfer after this
+    checkpoint_dir: PathStr | None = None
+    """Shared directory for `sync_method: checkpoint`; default `<run_dir>/<job>/weights`."""
+    object_store_storage: Literal["file", "memory"] = "file"
+    """Where the object store keeps weight chunks: `file` keeps every version across a nats-server
+    restart (a restart costs only a stall); `memory` fetches faster, and a version lost with a
+    restart fails its fetch clearly (the explorer keeps its weights)."""
+    bucket_size_mb: PositiveInt = 512
+    """torch.distributed broadcast bucket size, in MiB."""
+    group_timeout_s: Seconds = 60.0
+    """A dead peer mid-broadcast fails the transfer after this many seconds."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class NatsConfig:
+class NatsConfig(Section):
     """How the job uses its NATS servers (the URLs themselves are the top-level `nats_url`) and
     how clients reach them securely: paths of credential and TLS files (never secrets inline).
-    Flags (--creds, --tls-ca, --tls-cert, --tls-key) and ROLECTL_NATS_* variables override them."""
+    Flags (--creds, --tls-ca, --tls-cert, --tls-key) and ROLECTL_NATS_* variables override them;
+    relative paths are relative to the config file."""
 
-    # Copies of the event, experience and weight streams: 1 on a single server, 3 on a 3-node
-    # cluster (any one node may then be lost). An existing stream with more is accepted.
-    replicas: int = 1
-    creds: str | None = None  # <identity>.nk / .creds / .crt (+ .key), by extension
-    tls_ca: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
+    replicas: Annotated[int, Strict(), Field(gt=0, le=5)] = 1
+    """Copies of the event, experience and weight streams: 1 on a single server, 3 on a 3-node
+    cluster (any one node may then be lost); JetStream allows at most 5. An existing stream with
+    more is accepted."""
+    creds: PathStr | None = None
+    """`<identity>.nk` / `.creds` / `.crt` (+ `.key`), by extension."""
+    tls_ca: PathStr | None = None
+    """CA file that signed the server's certificate."""
+    tls_cert: PathStr | None = None
+    """Client certificate (mTLS), with tls_key."""
+    tls_key: PathStr | None = None
+    """Client certificate's key."""
 
     @property
     def security(self) -> ClientSecurity:
         return ClientSecurity(creds=self.creds, tls_ca=self.tls_ca, tls_cert=self.tls_cert, tls_key=self.tls_key)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class JobConfig:
+def _sync_config(value: Any) -> Any:
+    """A `synchronizer:` mapping becomes the core's `SyncConfig` (its fields are checked there)."""
+    if value is None:
+        return SyncConfig()
+    if isinstance(value, Mapping):
+        try:
+            return SyncConfig.from_mapping(value, where="synchronizer")
+        except ConfigError as exc:
+            raise ValueError("; ".join(f"{name}: {why}" for name, why in exc.problems)) from None
+    return value
+
+
+def _job_name(value: str) -> str:
+    return check_name(value, "job name")
+
+
+def _server_urls(value: str) -> str:
+    parse_server_urls(value)
+    return value
+
+
+def _lower_level(value: Any) -> Any:
+    """Levels are read in any case; a bad one is reported as written."""
+    known = ("debug", "info", "warning", "error")
+    return value.lower() if isinstance(value, str) and value.lower() in known else value
+
+
+_Mapping = Annotated[dict[str, Any], Strict()]
+
+
+class JobConfig(Section):
     """One RL job: its name, where NATS is, and each role's settings."""
 
-    job: str
-    nats_url: str = "nats://127.0.0.1:4222"
-    run_dir: str = "runs"
-    log_level: str = "info"
-    synchronizer: SyncConfig = field(default_factory=SyncConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    explorers: ExplorerConfig = field(default_factory=ExplorerConfig)
-    buffer: BufferConfig = field(default_factory=BufferConfig)
-    transport: TransportConfig = field(default_factory=TransportConfig)
-    nats: NatsConfig = field(default_factory=NatsConfig)
-    model: Mapping[str, Any] = field(default_factory=dict)  # engine settings (roles.engines)
-    data: Mapping[str, Any] | None = None  # task file and rewards (hf / vllm engines)
-    algorithm: Mapping[str, Any] | None = None  # verl advantage estimator and policy loss (hf trainer)
-    source: str | None = None  # the file it was loaded from
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    job: Annotated[str, Strict(), AfterValidator(_job_name)]
+    """The job's name: 1-64 letters, digits, `_` or `-` (it becomes part of NATS subjects)."""
+    nats_url: Annotated[str, Strict(), AfterValidator(_server_urls)] = "nats://127.0.0.1:4222"
+    """NATS server URL(s), comma-separated; `--nats` overrides it."""
+    run_dir: PathStr = "runs"
+    """Where jobs keep their files: `<run_dir>/<job>/`."""
+    log_level: Annotated[Literal["debug", "info", "warning", "error"], BeforeValidator(_lower_level)] = "info"
+    """Log level of every role."""
+    synchronizer: Annotated[SyncConfig, BeforeValidator(_sync_config)] = SyncConfig()
+    """When and how weights move (see the `synchronizer` section)."""
+    trainer: TrainerConfig = TrainerConfig()
+    explorers: ExplorerConfig = ExplorerConfig()
+    buffer: BufferConfig = BufferConfig()
+    transport: TransportConfig = TransportConfig()
+    nats: NatsConfig = NatsConfig()
+    model: _Mapping = {}
+    """The engine's settings, selected by `model.engine` (see the engine sections)."""
+    data: _Mapping | None = None
+    """Task file and rewards (`hf` / `vllm` engines)."""
+    algorithm: _Mapping | None = None
+    """verl advantage estimator and policy loss (`hf` trainer)."""
+    source: str | None = Field(default=None, exclude=True)
+    """The file it was loaded from (set by `load_config`, not written in a file)."""
 
     @property
     def job_dir(self) -> Path:
@@ -151,7 +219,11 @@ class JobConfig:
         return [f"explorer-{i}" for i in range(self.explorers.count)]
 
     def with_overrides(self, **changes: Any) -> "JobConfig":
-        return dataclasses.replace(self, **changes)
+        """This job with `changes` (sections or top-level values), validated like the file was."""
+        try:
+            return self.model_validate({**dict(self), **changes})
+        except ValidationError as exc:
+            raise ConfigError(problems_of(exc, JobConfig), where=self.source or "config") from None
 
     def with_explorer_count(self, count: int) -> tuple["JobConfig", str | None]:
         """This job with `count` explorers, and a note for the user (None when nothing else changes).
@@ -166,13 +238,13 @@ class JobConfig:
         if count < 1:
             raise ConfigError([("explorers.count", f"must be an integer > 0, got {count!r}")])
         old = self.explorers.count
-        cfg = dataclasses.replace(self, explorers=dataclasses.replace(self.explorers, count=count))
+        cfg = self.with_overrides(explorers=self.explorers.replace(count=count))
         if count == old:
             return cfg, None
         batch = self.buffer.batch_size
         tasks = self.trainer.train_batch_tasks
         if tasks == old * batch:
-            cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, train_batch_tasks=count * batch))
+            cfg = cfg.with_overrides(trainer=cfg.trainer.replace(train_batch_tasks=count * batch))
             return cfg, (f"trainer.train_batch_tasks {tasks} -> {count * batch} (= {count} explorers x "
                          f"{batch} tasks): still one train step per round of exploration, as with {old}")
         per_step = tasks or batch
@@ -182,90 +254,60 @@ class JobConfig:
                      f"step per round set trainer.train_batch_tasks: {count * batch} in the config")
 
 
-# -- validation ------------------------------------------------------------------------------------
+class EnvSettings(Section):
+    """Environment variables the roles read (prefix `ROLECTL_`); flags, where a command has one,
+    win over them. Other `ROLECTL_*` names are ignored."""
 
-_POSITIVE_INT = ("total_steps", "count", "engine_num", "tensor_parallel_size", "batch_size",
-                 "keep_versions", "bucket_size_mb", "replicas", "num_cpus")
-_NON_NEGATIVE_INT = ("save_interval", "num_gpus")
-_POSITIVE_FLOAT = ("ack_wait_s", "group_timeout_s", "trainer_grace_s", "explorer_grace_s")
+    model_config = ConfigDict(extra="ignore")
 
-
-def _check_field(section: str, f: dataclasses.Field, value: Any, problems: list) -> Any:
-    where = f"{section}.{f.name}"
-    is_int = isinstance(value, int) and not isinstance(value, bool)
-    if f.name in _POSITIVE_INT and not (is_int and value > 0):
-        problems.append((where, f"must be an integer > 0, got {value!r}"))
-    elif f.name in _NON_NEGATIVE_INT and not (is_int and value >= 0):
-        problems.append((where, f"must be an integer >= 0, got {value!r}"))
-    elif f.name in _POSITIVE_FLOAT and not (
-        (is_int or isinstance(value, float)) and not isinstance(value, bool)
-        and math.isfinite(value) and value > 0
-    ):
-        problems.append((where, f"must be a number > 0, got {value!r}"))
-    elif f.name == "train_batch_tasks" and value is not None and not (is_int and value > 0):
-        problems.append((where, f"must be null or an integer > 0, got {value!r}"))
-    elif f.name in ("checkpoint_dir", "creds", "tls_ca", "tls_cert", "tls_key") and value is not None and not isinstance(value, str):
-        problems.append((where, f"must be a path string or null, got {value!r}"))
-    elif f.name == "object_store_storage" and value not in ("memory", "file"):
-        problems.append((where, f"must be memory or file, got {value!r}"))
-    elif f.name in ("stop_with_trainer", "use_gpus") and not isinstance(value, bool):
-        problems.append((where, f"must be true or false, got {value!r}"))
-    elif f.name == "step_delay_s":
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            value = (float(value),)
-        if (
-            not isinstance(value, (list, tuple)) or not value
-            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in value)
-        ):
-            problems.append((where, f"must be a number >= 0 or a non-empty list of them, got {value!r}"))
-        else:
-            value = tuple(float(v) for v in value)
-    return value
+    torch_threads: Annotated[int, Field(gt=0)] = 1  # not strict: a variable's value is text
+    """Threads torch may use in each role process (`torch.set_num_threads`)."""
+    advertise_host: str | None = None
+    """The address explorers reach the trainer's rank 0 at for a collective (nccl) sync; default this
+    host's IP. The launchers set it (127.0.0.1 locally, the node's IP under Ray)."""
+    nats_creds: str | None = None
+    """Credentials file for NATS (as `--creds` / `nats.creds`)."""
+    nats_tls_ca: str | None = None
+    """CA file that signed the server's certificate (as `--tls-ca` / `nats.tls_ca`)."""
+    nats_tls_cert: str | None = None
+    """Client certificate for mTLS (as `--tls-cert` / `nats.tls_cert`)."""
+    nats_tls_key: str | None = None
+    """Client certificate's key (as `--tls-key` / `nats.tls_key`)."""
 
 
-def _yaml_kind(value: Any) -> str:
-    """What a YAML value is, in YAML's words (not Python's: a user never wrote a "NoneType")."""
-    if value is None:
-        return "nothing (an empty value)"
-    if isinstance(value, bool):
-        return f"a boolean ({value!r})"
-    if isinstance(value, (int, float)):
-        return f"a number ({value!r})"
-    if isinstance(value, str):
-        return f"a string ({value!r})"
-    if isinstance(value, (list, tuple)):
-        return "a list"
-    return type(value).__name__
+ENV_PREFIX = "ROLECTL_"
 
 
-def _section(cls, data: Any, name: str, problems: list) -> Any:
-    if data is None:
-        return cls()
-    if not isinstance(data, Mapping):
-        problems.append((name, f"must be a mapping (indented `key: value` lines), got {_yaml_kind(data)}"))
-        return cls()
-    known = {f.name: f for f in fields(cls)}
-    values = {}
-    for key, value in data.items():
-        if key not in known:
-            problems.append((f"{name}.{key}", f"unknown field; known: {sorted(known)}"))
-            continue
-        values[key] = _check_field(name, known[key], value, problems)
+def env_settings(environ: Mapping[str, str] | None = None) -> EnvSettings:
+    """The `ROLECTL_*` variables of this process (or of `environ`), validated; a bad value raises
+    `ConfigError` naming the variable."""
+    environ = os.environ if environ is None else environ
+    values = {name[len(ENV_PREFIX):].lower(): value for name, value in environ.items() if name.startswith(ENV_PREFIX)}
     try:
-        return cls(**values)
-    except TypeError as exc:  # only reachable with an invalid combination already reported
-        problems.append((name, str(exc)))
-        return cls()
+        return EnvSettings.model_validate(values)
+    except ValidationError as exc:
+        problems = [(f"{ENV_PREFIX}{name.upper()}", why) for name, why in problems_of(exc, EnvSettings)]
+        raise ConfigError(problems, where="environment") from None
 
 
-def _engine_problems(model: Mapping[str, Any], data: Any, algorithm: Any, explorers: ExplorerConfig
-                     ) -> list[tuple[str, str]]:
+# -- loading ---------------------------------------------------------------------------------------
+
+def _engine_problems(data: Mapping[str, Any], explorers: ExplorerConfig) -> list[tuple[str, str]]:
     # Each engine owns its sections (model, data, algorithm) and reports their problems by path.
     from rolectl.roles.engines import EngineSections, engine_config_problems
 
-    return engine_config_problems(EngineSections(model=model, data=data, algorithm=algorithm,
+    return engine_config_problems(EngineSections(model=data.get("model") or {}, data=data.get("data"),
+                                                 algorithm=data.get("algorithm"),
                                                  explorer_count=explorers.count,
                                                  tensor_parallel_size=explorers.tensor_parallel_size))
+
+
+def _explorers_or_default(section: Any) -> ExplorerConfig:
+    """The explorers' layout for checking the engine's sections when the job has other problems."""
+    try:
+        return ExplorerConfig.model_validate(section or {})
+    except ValidationError:
+        return ExplorerConfig()  # its problems are reported already
 
 
 def parse_config(data: Any, *, source: str | None = None, check_engines: bool = True) -> JobConfig:
@@ -275,82 +317,48 @@ def parse_config(data: Any, *, source: str | None = None, check_engines: bool = 
     run an engine: checking them imports the engines (torch, seconds), which a synchronizer, whose
     restart time is the job's stall, has no use for."""
     where = source or "config"
-    problems: list[tuple[str, str]] = []
     if not isinstance(data, Mapping):
         if data is None:
             raise ConfigError([("(file)", "is empty: a job config is a YAML mapping with at least `job: NAME` "
                                           "(see examples/quickstart.yaml)")], where=where)
         raise ConfigError([("(top level)", f"must be a mapping of sections (`job: NAME`, `trainer:` ...), got "
-                                           f"{_yaml_kind(data)} (see examples/quickstart.yaml)")], where=where)
-    top_known = {f.name for f in fields(JobConfig)} - {"source"}
-    for key in data:
-        if key not in top_known:
-            problems.append((str(key), f"unknown section; known: {sorted(top_known)}"))
-
-    job = data.get("job")
-    try:
-        check_name(job, "job name")
-    except ValueError as exc:
-        problems.append(("job", str(exc)))
-        job = "invalid"
-
-    sync = SyncConfig()
-    try:
-        sync = SyncConfig.from_mapping(data.get("synchronizer") or {}, where="synchronizer")
-    except ConfigError as exc:
-        problems.extend(exc.problems)
-
-    trainer = _section(TrainerConfig, data.get("trainer"), "trainer", problems)
-    explorers = _section(ExplorerConfig, data.get("explorers"), "explorers", problems)
-    buffer = _section(BufferConfig, data.get("buffer"), "buffer", problems)
-    transport = _section(TransportConfig, data.get("transport"), "transport", problems)
-    nats = _section(NatsConfig, data.get("nats"), "nats", problems)
-    if isinstance(nats.replicas, int) and nats.replicas > 5:
-        problems.append(("nats.replicas", f"must be at most 5 (JetStream's limit), got {nats.replicas}"))
-    if source is not None:  # relative credential paths are relative to the config file
-        base = Path(source).resolve().parent
-        nats = dataclasses.replace(nats, **{
-            f.name: str(base / getattr(nats, f.name)) for f in fields(NatsConfig) if f.name != "replicas" and getattr(nats, f.name)
-        })
-
-    model = data.get("model") or {}
-    engine_sections = {key: data.get(key) for key in ("data", "algorithm")}
-    for key, value in (("model", model), *engine_sections.items()):
-        if value is not None and not isinstance(value, Mapping):
-            problems.append((key, f"must be a mapping (indented `key: value` lines), got {_yaml_kind(value)}"))
-    if check_engines and all(v is None or isinstance(v, Mapping) for v in (model, *engine_sections.values())):
-        problems.extend(_engine_problems(model, engine_sections["data"], engine_sections["algorithm"], explorers))
-
-    for key in ("nats_url", "run_dir", "log_level"):
-        if key in data and not isinstance(data[key], str):
-            problems.append((key, f"must be a string, got {data[key]!r}"))
-    if isinstance(data.get("nats_url"), str):
+                                           f"{yaml_kind(data)} (see examples/quickstart.yaml)")], where=where)
+    values = {key: value for key, value in data.items() if value is not None or key in ("data", "algorithm")}
+    problems: list[tuple[str, str]] = []
+    # The synchronizer's fields are checked by the core, each by its own path.
+    if isinstance(values.get("synchronizer"), Mapping):
         try:
-            parse_server_urls(data["nats_url"])
-        except ValueError as exc:
-            problems.append(("nats_url", str(exc)))
-    if isinstance(data.get("log_level"), str) and data["log_level"].lower() not in (
-        "debug", "info", "warning", "error"
-    ):
-        problems.append(("log_level", f"must be debug, info, warning or error, got {data['log_level']!r}"))
-
+            values["synchronizer"] = SyncConfig.from_mapping(values["synchronizer"], where="synchronizer")
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+            values["synchronizer"] = SyncConfig()
+    if source is not None:
+        values["source"] = source
+    cfg = None
+    try:
+        cfg = JobConfig.model_validate(values)
+    except ValidationError as exc:
+        problems.extend(problems_of(exc, JobConfig, top_level="section"))
+    explorers = cfg.explorers if cfg is not None else _explorers_or_default(data.get("explorers"))
+    engine_sections_ok = all(isinstance(data.get(key), (Mapping, type(None))) for key in ("model", "data", "algorithm"))
+    if check_engines and engine_sections_ok:
+        problems.extend(_engine_problems(data, explorers))
     if problems:
+        order = {str(key): i for i, key in enumerate(data)}
+        problems.sort(key=lambda problem: order.get(problem[0].split(".")[0].split("[")[0], len(order)))
         raise ConfigError(problems, where=where)
-    extra = {k: data[k] for k in ("nats_url", "run_dir", "log_level") if k in data}
-    return JobConfig(
-        job=job,
-        synchronizer=sync,
-        trainer=trainer,
-        explorers=explorers,
-        buffer=buffer,
-        transport=transport,
-        nats=nats,
-        model=dict(model),
-        data=dict(engine_sections["data"]) if engine_sections["data"] is not None else None,
-        algorithm=dict(engine_sections["algorithm"]) if engine_sections["algorithm"] is not None else None,
-        source=source,
-        **extra,
-    )
+    assert cfg is not None
+    return _relative_to(cfg, source)
+
+
+def _relative_to(cfg: JobConfig, source: str | None) -> JobConfig:
+    """Credential paths written relative to the config file, made absolute."""
+    if source is None:
+        return cfg
+    base = Path(source).resolve().parent
+    paths = {name: str(base / getattr(cfg.nats, name))
+             for name in ("creds", "tls_ca", "tls_cert", "tls_key") if getattr(cfg.nats, name)}
+    return cfg.with_overrides(nats=cfg.nats.replace(**paths)) if paths else cfg
 
 
 def load_config(path: str | Path, *, check_engines: bool = True) -> JobConfig:

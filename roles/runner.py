@@ -11,7 +11,7 @@ import structlog
 
 from rolectl.bus.errors import BusError, describe
 from rolectl.bus.logging import setup_logging
-from rolectl.roles.config import JobConfig
+from rolectl.roles.config import JobConfig, env_settings
 from rolectl.roles.exit_codes import ExitCode
 from rolectl.roles.resume import StartMode, StartRefused
 from rolectl.roles.session import JobIncomplete, MemberReplaced, install_stop_signals
@@ -64,7 +64,7 @@ def run_role(role: str, cfg: JobConfig, member_id: str | None = None, *, start_m
         # thread avoids oversubscription (the torch default is one thread per core, per process).
         import torch
 
-        torch.set_num_threads(int(os.environ.get("ROLECTL_TORCH_THREADS", "1")))
+        torch.set_num_threads(env_settings().torch_threads)
     member_id = member_id or default_member_id(role)
     log = structlog.get_logger().bind(job=cfg.job, role=role, member=member_id)
     if role == "trainer":

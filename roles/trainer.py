@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
 import socket
 import time
@@ -30,7 +29,7 @@ from rolectl.bus.errors import AckFailed, describe
 from rolectl.bus.experiences import ExperienceReader
 from rolectl.bus.security import redact
 from rolectl.bus.weights import TransferError
-from rolectl.roles.config import JobConfig
+from rolectl.roles.config import JobConfig, env_settings
 from rolectl.roles.resume import SavedState, StartMode, decide_resume
 from rolectl.roles.session import JobIncomplete, MemberRejoined, MemberSession, write_json_atomic
 from rolectl.roles.transports import make_pull_transport, make_rendezvous_transport
@@ -521,7 +520,7 @@ class Trainer:
 
 def _advertised_host() -> str:
     """The address explorers reach our rank 0 at: ROLECTL_ADVERTISE_HOST, else this host's IP."""
-    host = os.environ.get("ROLECTL_ADVERTISE_HOST")
+    host = env_settings().advertise_host
     if host:
         return host
     try:

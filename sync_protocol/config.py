@@ -1,19 +1,24 @@
-"""Sync configuration: the knobs that change sync decisions, validated all at once."""
+"""Sync configuration: the knobs that change sync decisions, a frozen struct validated all at once.
+
+The constraint of each field sits on its annotation (`msgspec.Meta`); construction and decoding
+check every field against it and report every problem in one `ConfigError`. The job config
+(`rolectl.roles.config`) validates the same fields from YAML through these annotations.
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from typing import Annotated, Any, Mapping, get_type_hints
+
+import msgspec
+from msgspec import Meta
 
 from .enums import SyncMethod, SyncStyle
 from .errors import ConfigError
 
 __all__ = ["SyncConfig"]
 
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SyncConfig:
+class SyncConfig(msgspec.Struct, frozen=True, kw_only=True):
     """How and when weights move. Defaults follow the reference (nccl, fixed, every step, 3600 s).
 
     Heartbeat period/expiry are in seconds; a member silent for `heartbeat_expiry` is declared
@@ -23,103 +28,116 @@ class SyncConfig:
     so many stream records (0 = never), so restarts fold only the tail and the stream may be trimmed.
     """
 
-    sync_method: SyncMethod = SyncMethod.NCCL
-    sync_style: SyncStyle = SyncStyle.FIXED
-    sync_interval: int = 1
-    sync_offset: int = 0
-    sync_timeout: float = 3600.0
-    heartbeat_period: float = 1.0
-    heartbeat_expiry: float = 5.0
-    max_staleness: int | None = None
-    snapshot_every: int = 10_000
+    sync_method: Annotated[SyncMethod, Meta(
+        description="How weight bytes move: nccl (online), checkpoint (offline), memory (object_store) "
+                    "or cuda_ipc.")] = SyncMethod.NCCL
+    sync_style: Annotated[SyncStyle, Meta(
+        description="Who decides when weights move: fixed, trainer_driven (dynamic_by_trainer), "
+                    "explorer_driven (dynamic_by_explorer) or fully_async.")] = SyncStyle.FIXED
+    sync_interval: Annotated[int, Meta(gt=0, description="Train steps between syncs.")] = 1
+    sync_offset: Annotated[int, Meta(ge=0, description="Steps before the first sync.")] = 0
+    sync_timeout: Annotated[float, Meta(gt=0, description="Seconds a sync round may take before "
+                                                           "it fails.")] = 3600.0
+    heartbeat_period: Annotated[float, Meta(gt=0, description="Seconds between a member's "
+                                                               "heartbeats.")] = 1.0
+    heartbeat_expiry: Annotated[float, Meta(gt=0, description="Seconds of silence after which a "
+                                                               "member is declared expired; longer "
+                                                               "than heartbeat_period.")] = 5.0
+    max_staleness: Annotated[int, Meta(ge=0, description="Versions an experience may lag the "
+                                                         "trainer's; null = unbounded.")] | None = None
+    snapshot_every: Annotated[int, Meta(ge=0, description="Stream records between reducer "
+                                                          "snapshots (0 = never).")] = 10_000
 
     def __post_init__(self) -> None:
-        for name, enum_cls in (("sync_method", SyncMethod), ("sync_style", SyncStyle)):
-            value = getattr(self, name)
-            if isinstance(value, str) and not isinstance(value, enum_cls):
-                try:
-                    object.__setattr__(self, name, enum_cls.parse(value))
-                except ValueError:
-                    pass  # reported below with every other problem
         problems = _problems(self)
         if problems:
             raise ConfigError(problems, where="sync config")
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], *, where: str = "synchronizer") -> "SyncConfig":
-        """Build from a plain mapping (YAML / msgpack), reporting every bad or unknown field at once."""
+        """Build from a plain mapping (YAML / msgpack), accepting the reference's enum aliases in any
+        case and reporting every bad or unknown field at once."""
         if not isinstance(data, Mapping):
             raise ConfigError([(where, f"expected a mapping, got {type(data).__name__}")], where=where)
-        known = {f.name for f in fields(cls)}
-        problems: list[tuple[str, str]] = []
-        values: dict[str, Any] = {}
-        for key, value in data.items():
-            if key not in known:
-                problems.append((f"{where}.{key}", f"unknown field; known: {sorted(known)}"))
-                continue
-            if key == "sync_method":
-                try:
-                    value = SyncMethod.parse(value)
-                except ValueError as exc:
-                    problems.append((f"{where}.{key}", str(exc)))
-                    continue
-            elif key == "sync_style":
-                try:
-                    value = SyncStyle.parse(value)
-                except ValueError as exc:
-                    problems.append((f"{where}.{key}", str(exc)))
-                    continue
-            values[key] = value
-        draft = object.__new__(cls)
-        for f in fields(cls):
-            object.__setattr__(draft, f.name, values.get(f.name, f.default))
-        problems.extend((f"{where}.{name}", why) for name, why in _problems(draft))
+        known = _annotations()
+        problems = [(f"{where}.{key}", f"unknown field; known: {sorted(known)}") for key in data if key not in known]
+        values = {key: _parse_enum(key, value) for key, value in data.items() if key in known}
+        try:
+            cfg = cls(**values)
+        except ConfigError as exc:
+            problems.extend((f"{where}.{name}", why) for name, why in exc.problems)
         if problems:
             raise ConfigError(problems, where=where)
-        return cls(**values)
+        return cfg
 
     def to_mapping(self) -> dict[str, Any]:
         """Plain values (enums as strings), the inverse of `from_mapping`."""
-        out: dict[str, Any] = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            out[f.name] = value.value if isinstance(value, (SyncMethod, SyncStyle)) else value
-        return out
+        return {name: getattr(self, name).value if isinstance(getattr(self, name), (SyncMethod, SyncStyle))
+                else getattr(self, name) for name in self.__struct_fields__}
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+_ENUMS: dict[str, type[SyncMethod] | type[SyncStyle]] = {"sync_method": SyncMethod, "sync_style": SyncStyle}
 
 
-def _is_number(value: Any) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+def _parse_enum(name: str, value: Any) -> Any:
+    """The enum member an alias or any-case spelling names; the value itself when it names none
+    (the field's check then reports it with the choices)."""
+    enum_cls = _ENUMS.get(name)
+    if enum_cls is None:
+        return value
+    try:
+        return enum_cls.parse(value)
+    except ValueError:
+        return value
+
+
+_HINTS: dict[str, Any] = {}
+
+
+def _annotations() -> dict[str, Any]:
+    """Each field's annotation, constraint included (resolved once: they are strings here)."""
+    if not _HINTS:
+        _HINTS.update(get_type_hints(SyncConfig, include_extras=True))
+    return _HINTS
+
+
+_KINDS = {msgspec.inspect.IntType: "an integer", msgspec.inspect.FloatType: "a finite number"}
+_BOUNDS = (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
+
+
+def _expected(annotation: Any) -> str:
+    """What an annotation accepts, in words: `an integer > 0`, `null or an integer >= 0`."""
+    info = msgspec.inspect.type_info(annotation)
+    if isinstance(info, msgspec.inspect.Metadata):
+        info = info.type
+    options = info.types if isinstance(info, msgspec.inspect.UnionType) else (info,)
+    words = []
+    for option in options:
+        if isinstance(option, msgspec.inspect.Metadata):
+            option = option.type
+        if isinstance(option, msgspec.inspect.NoneType):
+            words.append("null")
+            continue
+        bounds = [f"{sign} {getattr(option, key)}" for key, sign in _BOUNDS if getattr(option, key, None) is not None]
+        words.append(" ".join([_KINDS.get(type(option), "a value"), *bounds]))
+    return " or ".join(sorted(words, key=lambda w: w != "null"))
 
 
 def _problems(cfg: SyncConfig) -> list[tuple[str, str]]:
+    """Every field that breaks its annotation, then the one rule across fields."""
     problems: list[tuple[str, str]] = []
-    if not isinstance(cfg.sync_method, SyncMethod):
-        problems.append(("sync_method", f"must be one of {SyncMethod.choices()}, got {cfg.sync_method!r}"))
-    if not isinstance(cfg.sync_style, SyncStyle):
-        problems.append(("sync_style", f"must be one of {SyncStyle.choices()}, got {cfg.sync_style!r}"))
-    if not _is_int(cfg.sync_interval) or cfg.sync_interval <= 0:
-        problems.append(("sync_interval", f"must be an integer > 0, got {cfg.sync_interval!r}"))
-    if not _is_int(cfg.sync_offset) or cfg.sync_offset < 0:
-        problems.append(("sync_offset", f"must be an integer >= 0, got {cfg.sync_offset!r}"))
-    for name in ("sync_timeout", "heartbeat_period", "heartbeat_expiry"):
+    for name, annotation in _annotations().items():
         value = getattr(cfg, name)
-        if not _is_number(value) or value <= 0:
-            problems.append((name, f"must be a number of seconds > 0, got {value!r}"))
-    if (
-        _is_number(cfg.heartbeat_period)
-        and _is_number(cfg.heartbeat_expiry)
-        and cfg.heartbeat_expiry <= cfg.heartbeat_period
-    ):
-        problems.append(
-            ("heartbeat_expiry", f"must be longer than heartbeat_period ({cfg.heartbeat_period} s), "
-             f"got {cfg.heartbeat_expiry!r}")
-        )
-    if not _is_int(cfg.snapshot_every) or cfg.snapshot_every < 0:
-        problems.append(("snapshot_every", f"must be an integer >= 0 (0 = no snapshots), got {cfg.snapshot_every!r}"))
-    if cfg.max_staleness is not None and (not _is_int(cfg.max_staleness) or cfg.max_staleness < 0):
-        problems.append(("max_staleness", f"must be null or an integer >= 0, got {cfg.max_staleness!r}"))
+        try:
+            msgspec.convert(value, annotation)
+            # msgspec's bounds let infinity through; a duration of inf seconds is a typo, not a choice
+            ok = not isinstance(value, float) or math.isfinite(value)
+        except msgspec.ValidationError:
+            ok = False
+        if not ok:
+            why = f"one of {_ENUMS[name].choices()}" if name in _ENUMS else _expected(annotation)
+            problems.append((name, f"must be {why}, got {value!r}"))
+    period, expiry = cfg.heartbeat_period, cfg.heartbeat_expiry
+    if not any(name.startswith("heartbeat") for name, _ in problems) and expiry <= period:
+        problems.append(("heartbeat_expiry", f"must be longer than heartbeat_period ({period} s), got {expiry!r}"))
     return problems

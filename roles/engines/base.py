@@ -16,11 +16,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
-
-from torch import Tensor
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, runtime_checkable
 
 from rolectl.sync_protocol.experience import Experience, ExperienceLimits
+
+if TYPE_CHECKING:
+    from torch import Tensor  # annotations only: the engine contract loads without torch
 
 __all__ = ["Task", "TaskSet", "TrainEngine", "RolloutEngine", "WeightsMismatch"]
 

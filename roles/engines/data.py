@@ -11,57 +11,35 @@ one integer and a restarted explorer resumes exactly where it stopped.
 
 from __future__ import annotations
 
-import dataclasses
 import random
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 from .base import Task
+from .config_errors import validate_section
 from .rewards import reward_spec_problems
+from .sections import DataSection
 
 __all__ = ["DataConfig", "data_config_problems", "data_config_from_mapping", "load_rows", "TextTaskSet"]
 
 _FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DataConfig:
-    """Where tasks come from and how responses are scored."""
-
-    path: str
-    prompt_key: str = "prompt"
-    answer_key: str = "answer"
-    shuffle_seed: int = 0
-    chat_template: str | bool = "auto"  # auto: use the tokenizer's template when it has one
-    # A reward name, `module:function`, or a list of them / of {name, weight}; see roles.engines.rewards.
-    rewards: Any = "exact_match"
-    max_prompt_tokens: int = 512
+DataConfig = DataSection  # the `data:` section, as the engines use it
 
 
 def data_config_problems(values: Any, *, where: str = "data") -> list[tuple[str, str]]:
     """Every problem with a `data:` mapping, as (dotted path, reason); empty when valid."""
+    _, problems = validate_section(DataConfig, values, where=where)
     if not isinstance(values, Mapping):
-        return [(where, f"must be a mapping with at least `path`, got {values!r}")]
-    known = {f.name for f in dataclasses.fields(DataConfig)}
-    problems = [(f"{where}.{k}", f"unknown field; known: {sorted(known)}") for k in values if k not in known]
+        return problems
     path = values.get("path")
-    if not isinstance(path, str) or not path:
-        problems.append((f"{where}.path", f"required: a local .jsonl/.json/.parquet/.csv file, got {path!r}"))
-    elif Path(path).suffix.lower() not in _FORMATS:
-        problems.append((f"{where}.path", f"{path}: unknown file type; use one of {sorted(_FORMATS)}"))
-    elif not Path(path).is_file():
-        problems.append((f"{where}.path", f"{path}: no such file (relative paths are from the working directory "
-                                          f"{Path.cwd()})"))
-    for key in ("prompt_key", "answer_key"):
-        if key in values and (not isinstance(values[key], str) or not values[key]):
-            problems.append((f"{where}.{key}", f"must be a column name, got {values[key]!r}"))
-    for key, low in (("shuffle_seed", 0), ("max_prompt_tokens", 1)):
-        value = values.get(key, low)
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            problems.append((f"{where}.{key}", f"must be an integer >= {low}, got {value!r}"))
-    if values.get("chat_template", "auto") not in ("auto", True, False):
-        problems.append((f"{where}.chat_template", f"must be auto, true or false, got {values['chat_template']!r}"))
+    if isinstance(path, str) and path:
+        if Path(path).suffix.lower() not in _FORMATS:
+            problems.append((f"{where}.path", f"{path}: unknown file type; use one of {sorted(_FORMATS)}"))
+        elif not Path(path).is_file():
+            problems.append((f"{where}.path", f"{path}: no such file (relative paths are from the working "
+                                              f"directory {Path.cwd()})"))
     if "rewards" in values:
         problems.extend(reward_spec_problems(values["rewards"], where=f"{where}.rewards"))
     return problems
@@ -71,7 +49,7 @@ def data_config_from_mapping(values: Mapping[str, Any]) -> DataConfig:
     problems = data_config_problems(values)
     if problems:
         raise ValueError("invalid data config: " + "; ".join(f"{p}: {why}" for p, why in problems))
-    return DataConfig(**values)
+    return DataConfig.model_validate(values)
 
 
 def load_rows(config: DataConfig) -> list[tuple[str, str]]:

@@ -11,7 +11,6 @@ tags each experience with the version it sampled with.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import math
 import zlib
@@ -216,7 +215,7 @@ class HFTrainEngine:
                     state_tensors[f"optimizer.{index}.{key}"] = value.detach().to("cpu", copy=True).contiguous()
                 else:
                     scalars.setdefault(str(index), {})[key] = value
-        state_json = {"step": self.step, "model": dataclasses.asdict(self.config),
+        state_json = {"step": self.step, "model": self.config.model_dump(mode="json"),
                       "optimizer_param_groups": optimizer_state["param_groups"], "optimizer_scalars": scalars}
         _atomic_write(path / _MODEL_FILE, lambda tmp: save_file(self.weights(), tmp))
         _atomic_write(path / _STATE_TENSORS_FILE, lambda tmp: save_file(state_tensors, tmp))

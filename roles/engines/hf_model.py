@@ -12,17 +12,18 @@ weights included under both names (`lm_head.weight` too: vLLM keeps stale logits
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 from torch import Tensor
+
+from .config_errors import validate_section
+from .sections import HFBuildSection, HFModelSection
 
 __all__ = [
     "HFModelConfig",
@@ -38,94 +39,41 @@ __all__ = [
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
-_BUILD_FAMILIES = ("qwen2", "llama")
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>")
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class HFModelConfig:
-    """`model:` for `engine: hf` (trainer and rollouts) and `rollout_engine: vllm`."""
-
-    engine: str = "hf"
-    rollout_engine: str | None = None  # default: engine
-    path: str = ""
-    build: Mapping[str, Any] | None = None  # build a random-init model at `path` when it is missing
-    device: str = "cpu"
-    dtype: str = "float32"
-    seed: int = 0
-    group_size: int = 8
-    max_new_tokens: int = 16
-    temperature: float = 1.0
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    minibatches: int = 1  # optimizer steps per train step, each on a slice of the groups
-    micro_batch_size: int = 64  # sequences per forward/backward (gradient accumulation)
-    gradient_checkpointing: bool = False
-    vllm: Mapping[str, Any] = field(default_factory=dict)  # extra keyword arguments for vllm.LLM
+class HFModelConfig(HFModelSection):
+    """`model:` for `engine: hf` (trainer and rollouts) and `rollout_engine: vllm`: the fields and
+    constraints of `HFModelSection`, and the torch dtype they name."""
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
 
 
-_BUILD_DEFAULTS = {"family": "qwen2", "hidden_size": 64, "num_layers": 2, "num_heads": 2, "head_dim": 32,
-                   "intermediate_size": 256, "seed": 0, "max_position_embeddings": 128}
+_BUILD_DEFAULTS = HFBuildSection().model_dump()
+
+
+def hf_model_path_problems(values: Mapping[str, Any], *, where: str = "model") -> list[tuple[str, str]]:
+    """A model directory that is not there (and will not be built), as (dotted path, reason)."""
+    path = values.get("path")
+    if isinstance(path, str) and path and values.get("build") is None and not (Path(path) / "config.json").is_file():
+        return [(f"{where}.path", f"{path}: no config.json there (a local Hugging Face model directory "
+                                  "is needed; nothing is downloaded), or give model.build to build one")]
+    return []
 
 
 def hf_model_config_problems(values: Mapping[str, Any], *, where: str = "model") -> list[tuple[str, str]]:
     """Every problem with an `hf` `model:` mapping, as (dotted path, reason)."""
-    fields = {f.name: f for f in dataclasses.fields(HFModelConfig)}
-    problems = [(f"{where}.{k}", f"unknown field; known: {sorted(fields)}") for k in values if k not in fields]
-    path = values.get("path")
-    build = values.get("build")
-    if not isinstance(path, str) or not path:
-        problems.append((f"{where}.path", f"required: a local Hugging Face model directory, got {path!r}"))
-    elif build is None and not (Path(path) / "config.json").is_file():
-        problems.append((f"{where}.path", f"{path}: no config.json there (a local Hugging Face model directory "
-                                          "is needed; nothing is downloaded), or give model.build to build one"))
-    if build is not None:
-        if not isinstance(build, Mapping):
-            problems.append((f"{where}.build", f"must be a mapping, got {build!r}"))
-        else:
-            for key, value in build.items():
-                if key not in _BUILD_DEFAULTS:
-                    problems.append((f"{where}.build.{key}", f"unknown field; known: {sorted(_BUILD_DEFAULTS)}"))
-                elif key == "family":
-                    if value not in _BUILD_FAMILIES:
-                        problems.append((f"{where}.build.family", f"must be one of {_BUILD_FAMILIES}, got {value!r}"))
-                elif isinstance(value, bool) or not isinstance(value, int) or value < (0 if key == "seed" else 1):
-                    problems.append((f"{where}.build.{key}", f"must be a positive integer, got {value!r}"))
-    if values.get("dtype", "float32") not in _DTYPES:
-        problems.append((f"{where}.dtype", f"must be one of {sorted(_DTYPES)}, got {values['dtype']!r}"))
-    device = values.get("device", "cpu")
-    if not isinstance(device, str) or not (device == "cpu" or device.startswith("cuda")):
-        problems.append((f"{where}.device", f"must be cpu, cuda or cuda:N, got {device!r}"))
-    for name in ("seed", "group_size", "max_new_tokens", "minibatches", "micro_batch_size"):
-        value = values.get(name, fields[name].default)
-        low = 0 if name == "seed" else (2 if name == "group_size" else 1)
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            why = " (advantages are group-relative)" if name == "group_size" else ""
-            problems.append((f"{where}.{name}", f"must be an integer >= {low}{why}, got {value!r}"))
-    for name in ("temperature", "lr", "max_grad_norm"):
-        value = values.get(name, fields[name].default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            problems.append((f"{where}.{name}", f"must be a number > 0, got {value!r}"))
-    wd = values.get("weight_decay", 0.0)
-    if isinstance(wd, bool) or not isinstance(wd, (int, float)) or wd < 0:
-        problems.append((f"{where}.weight_decay", f"must be a number >= 0, got {wd!r}"))
-    if not isinstance(values.get("gradient_checkpointing", False), bool):
-        problems.append((f"{where}.gradient_checkpointing", "must be true or false"))
-    if not isinstance(values.get("vllm", {}), Mapping):
-        problems.append((f"{where}.vllm", f"must be a mapping of vllm.LLM arguments, got {values['vllm']!r}"))
-    return problems
+    return validate_section(HFModelConfig, values, where=where)[1] + hf_model_path_problems(values, where=where)
 
 
 def hf_model_config_from_mapping(values: Mapping[str, Any]) -> HFModelConfig:
-    problems = hf_model_config_problems(values)
+    config, problems = validate_section(HFModelConfig, values, where="model")
+    problems += hf_model_path_problems(values)
     if problems:
         raise ValueError("invalid model config: " + "; ".join(f"{p}: {why}" for p, why in problems))
-    return HFModelConfig(**values)
+    return config
 
 
 def _word_vocab(data_path: str | None) -> list[str]:
@@ -145,7 +93,7 @@ def _build(config: HFModelConfig, data_path: str | None, out: Path) -> None:
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    spec = {**_BUILD_DEFAULTS, **(config.build or {})}
+    spec = config.build.model_dump() if config.build is not None else _BUILD_DEFAULTS
     vocab = _word_vocab(data_path)
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -178,9 +126,9 @@ def ensure_model(config: HFModelConfig, *, data_path: str | None = None) -> Path
     marker = path / _BUILD_MARKER
     if config.build is not None and marker.is_file():
         built = json.loads(marker.read_text())["build"]
-        if built != {**_BUILD_DEFAULTS, **config.build}:
+        if built != config.build.model_dump():
             raise ValueError(f"model.path {path} holds a model built with {built}, not model.build "
-                             f"{dict(config.build)}; delete {path} or point model.path elsewhere")
+                             f"{config.build.model_dump(exclude_defaults=True)}; delete {path} or point model.path elsewhere")
     if (path / "config.json").is_file() or config.build is None:
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model.path {path}: no Hugging Face model there (config.json missing)")

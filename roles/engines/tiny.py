@@ -6,10 +6,8 @@ trainer and its explorers agree on the base weights without transferring them.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -21,8 +19,10 @@ from rolectl.bus.files import atomic_path
 from rolectl.sync_protocol.experience import Experience, ExperienceLimits
 
 from .base import Task, WeightsMismatch
+from .config_errors import validate_section
 from .grpo import clipped_policy_loss, group_advantages
 from .model import TinyPolicy, build_base_policy, response_logprobs, sample_responses
+from .sections import TinyModelSection
 from .task import EOS, RESPONSE_TOKENS, VOCAB_SIZE, ReverseDigitsTaskSet, score_response
 
 __all__ = [
@@ -35,36 +35,9 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TinyConfig:
-    """Everything that shapes the reference run; the roles' YAML fills it.
-
-    The defaults take mean reward from ~0.07 to >0.7 in 40 trainer steps (~11 s on one CPU core)
-    with one-step-stale weights; see `benchmarks/learning.py`.
-    """
-
-    seed: int = 0
-    # task
-    task_length: int = 4
-    group_size: int = 16
-    tasks_per_step: int = 64
-    # model
-    d_model: int = 64
-    n_layers: int = 2
-    n_heads: int = 4
-    d_ff: int = 256
-    # optimisation
-    lr: float = 3e-3
-    # Optimizer steps per train step, each on a slice of the groups: reuses a batch like PPO epochs.
-    minibatches: int = 4
-    clip_eps: float = 0.2
-    max_grad_norm: float = 1.0
-    temperature: float = 1.0
-
-    def __post_init__(self) -> None:
-        problems = _constraint_problems({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
-        if problems:
-            raise ValueError("invalid TinyConfig: " + "; ".join(f"{name}: {why}" for name, why in problems))
+class TinyConfig(TinyModelSection):
+    """Everything that shapes the reference run: the `model:` section of `engine: tiny` (its fields
+    and constraints are `TinyModelSection`'s), and what the engine derives from it."""
 
     @property
     def prompt_length(self) -> int:
@@ -95,44 +68,15 @@ def build_task_set(config: TinyConfig, *, seed: int, num_batches: int | None = N
 
 def tiny_config_problems(values: Mapping[str, Any]) -> list[tuple[str, str]]:
     """Every problem with a (YAML) mapping of `TinyConfig` fields, as (field, reason); empty when valid."""
-    fields = {f.name: f for f in dataclasses.fields(TinyConfig)}
-    problems = []
-    for name, value in values.items():
-        field = fields.get(name)
-        if field is None:
-            problems.append((name, f"unknown field; known: {sorted(fields)}"))
-        elif isinstance(value, bool) or not isinstance(value, (int, float)):
-            problems.append((name, f"must be a number, got {value!r}"))
-        elif isinstance(field.default, int) and not isinstance(value, int):
-            problems.append((name, f"must be an integer, got {value!r}"))
-    if problems:
-        return problems
-    defaults = {f.name: f.default for f in dataclasses.fields(TinyConfig)}
-    return _constraint_problems({**defaults, **values})
+    return [(path.removeprefix("model."), why) for path, why in validate_section(TinyConfig, values, where="model")[1]]
 
 
 def tiny_config_from_mapping(values: Mapping[str, Any]) -> TinyConfig:
     """A `TinyConfig` from a (YAML) mapping; raises ValueError listing every problem at once."""
-    problems = tiny_config_problems(values)
+    config, problems = validate_section(TinyConfig, values, where="model")
     if problems:
         raise ValueError("invalid tiny engine config: " + "; ".join(f"{name}: {why}" for name, why in problems))
-    return TinyConfig(**values)
-
-
-def _constraint_problems(values: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """Every constraint a complete set of (well-typed) `TinyConfig` values breaks, as (field, reason)."""
-    problems = []
-    for name in ("task_length", "tasks_per_step", "d_model", "n_layers", "n_heads", "d_ff", "minibatches"):
-        if values[name] < 1:
-            problems.append((name, f"must be >= 1, got {values[name]}"))
-    if values["group_size"] < 2:
-        problems.append(("group_size", f"must be >= 2 (advantages are group-relative), got {values['group_size']}"))
-    if values["n_heads"] >= 1 and values["d_model"] % values["n_heads"]:
-        problems.append(("d_model", f"must be divisible by n_heads ({values['n_heads']}), got {values['d_model']}"))
-    for name in ("lr", "clip_eps", "max_grad_norm", "temperature"):
-        if not values[name] > 0:
-            problems.append((name, f"must be > 0, got {values[name]}"))
-    return problems
+    return config
 
 
 _ALLOWED_RESPONSE_TOKENS = torch.tensor(RESPONSE_TOKENS)
@@ -249,7 +193,7 @@ class TinyTrainEngine:
                     per_param_scalars.setdefault(str(index), {})[key] = value
         state_json = {
             "step": self.step,
-            "config": dataclasses.asdict(self.config),
+            "config": self.config.model_dump(),
             "optimizer_param_groups": optimizer_state["param_groups"],
             "optimizer_scalars": per_param_scalars,
         }

@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -61,7 +60,7 @@ class VLLMRolloutEngine:
         self.tokenizer = load_tokenizer(model_path)
         self.eos_id = self.tokenizer.eos_token_id
         # The HF-shaped receive buffers: the model's own state dict on CPU, allocated once.
-        hf_model = load_model(dataclasses.replace(config, device="cpu"), model_path)
+        hf_model = load_model(config.replace(device="cpu"), model_path)
         self.num_parameters = parameter_count(hf_model)
         self._buffers = {name: t.detach().clone().contiguous() for name, t in hf_model.state_dict().items()}
         del hf_model

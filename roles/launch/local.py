@@ -128,10 +128,10 @@ def write_config(cfg: JobConfig, path: Path) -> None:
         "run_dir": cfg.run_dir,
         "log_level": cfg.log_level,
         "synchronizer": cfg.synchronizer.to_mapping(),
-        "trainer": dataclasses.asdict(cfg.trainer),
-        "explorers": {**dataclasses.asdict(cfg.explorers), "step_delay_s": list(cfg.explorers.step_delay_s)},
-        "buffer": dataclasses.asdict(cfg.buffer),
-        "transport": dataclasses.asdict(cfg.transport),
+        "trainer": cfg.trainer.model_dump(mode="json"),
+        "explorers": cfg.explorers.model_dump(mode="json"),
+        "buffer": cfg.buffer.model_dump(mode="json"),
+        "transport": cfg.transport.model_dump(mode="json"),
         # stream replicas; credentials reach each role through its environment, never this file
         "nats": {"replicas": cfg.nats.replicas},
         "model": dict(cfg.model),
@@ -176,7 +176,7 @@ def run_up(cfg: JobConfig, *, explorers: int | None = None, summary_path: str | 
         console.print(f"[red]cannot start the embedded nats-server:[/] {exc}")
         return ExitCode.ERROR
     url = server.url if auth is None else auth.url
-    cfg = dataclasses.replace(cfg, nats_url=url, run_dir=str(run_path))
+    cfg = cfg.with_overrides(nats_url=url, run_dir=str(run_path))
     config_path = run_path / "job.yaml"
     write_config(cfg, config_path)
     secured = "" if auth is None else f" (TLS, identities from {auth.path})"

@@ -338,7 +338,7 @@ def run_up_ray(cfg: JobConfig, *, ray_address: str | None, nats: str | None = No
 
     setup_logging("warning")
     if explorers is not None:
-        cfg = dataclasses.replace(cfg, explorers=dataclasses.replace(cfg.explorers, count=explorers))
+        cfg = cfg.with_overrides(explorers=cfg.explorers.replace(count=explorers))
     bundles = role_bundles(cfg)
     needed_cpus = sum(b["CPU"] for _, _, b in bundles)
     address = ray_address or os.environ.get("RAY_ADDRESS")
@@ -385,7 +385,7 @@ def run_up_ray(cfg: JobConfig, *, ray_address: str | None, nats: str | None = No
             url, monitor_url = ray.get(job_actor.start_nats.remote(str(run_path / "nats"),
                                                                    str(run_path / "logs" / "nats-server.log")),
                                        timeout=120)
-        cfg = dataclasses.replace(cfg, nats_url=url, run_dir=str(run_path))
+        cfg = cfg.with_overrides(nats_url=url, run_dir=str(run_path))
         config_path = run_path / "job.yaml"
         write_config(cfg, config_path)
         console.print(f"[bold]rolectl up --launcher ray[/] job [cyan]{cfg.job}[/]: nats {url}, Ray "

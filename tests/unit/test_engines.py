@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
@@ -261,7 +260,7 @@ def test_checkpoint_round_trip_restores_weights_optimizer_step_and_next_step(tmp
 def test_checkpoint_of_a_different_model_is_rejected(tmp_path):
     TinyTrainEngine(SMALL).save_checkpoint(tmp_path)
     with pytest.raises(ValueError, match="different d_model"):
-        TinyTrainEngine(dataclasses.replace(SMALL, d_model=32)).load_checkpoint(tmp_path)
+        TinyTrainEngine(SMALL.replace(d_model=32)).load_checkpoint(tmp_path)
 
 
 def test_task_set_is_deterministic_resumable_and_finite():
@@ -285,8 +284,9 @@ def test_a_short_run_learns(learned):
 
 
 def test_model_config_problems_lists_every_problem():
+    # every problem at once: a bad type does not hide a broken constraint (d_model % n_heads)
     problems = dict(model_config_problems({"lr": "fast", "d_model": 30, "wings": 2}))
-    assert problems.keys() == {"model.lr", "model.wings"}
+    assert problems.keys() == {"model.lr", "model.wings", "model.d_model"}
     problems = dict(model_config_problems({"d_model": 30, "group_size": 1}))
     assert problems.keys() == {"model.d_model", "model.group_size"}
     assert model_config_problems({"engine": "tiny", "lr": 0.001}) == []

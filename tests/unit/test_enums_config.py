@@ -81,3 +81,10 @@ def test_config_constructor_validates_too():
 def test_config_is_a_value_error_for_callers_that_catch_those():
     with pytest.raises(ValueError):
         SyncConfig.from_mapping(["not", "a", "mapping"])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_durations_must_be_finite(value):
+    with pytest.raises(ConfigError) as info:
+        SyncConfig.from_mapping({"sync_timeout": value})
+    assert info.value.problems == [("synchronizer.sync_timeout", f"must be a finite number > 0, got {value!r}")]

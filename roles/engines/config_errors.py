@@ -1,0 +1,183 @@
+"""Pydantic's validation errors in a YAML user's words: a dotted path, what the field accepts, what it got."""
+
+from __future__ import annotations
+
+import types
+from typing import Annotated, Any, Literal, Mapping, Union, get_args, get_origin
+
+import annotated_types
+from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic.fields import FieldInfo
+
+__all__ = ["problems_of", "validate_section", "yaml_kind", "expected", "section_models"]
+
+_MAPPING_ERRORS = ("model_type", "model_attributes_type", "dict_type", "mapping_type")
+_BOUNDS = ((annotated_types.Gt, "gt", ">"), (annotated_types.Ge, "ge", ">="),
+           (annotated_types.Lt, "lt", "<"), (annotated_types.Le, "le", "at most"))
+_KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def yaml_kind(value: Any) -> str:
+    """What a YAML value is, in YAML's words (not Python's: a user never wrote a "NoneType")."""
+    if value is None:
+        return "nothing (an empty value)"
+    if isinstance(value, bool):
+        return f"a boolean ({value!r})"
+    if isinstance(value, (int, float)):
+        return f"a number ({value!r})"
+    if isinstance(value, str):
+        return f"a string ({value!r})"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    if isinstance(value, dict):
+        return "a mapping"
+    return type(value).__name__
+
+
+def _got(value: Any) -> str:
+    return yaml_kind(value) if isinstance(value, (list, tuple, dict)) or value is None else repr(value)
+
+
+def _unwrap(annotation: Any) -> tuple[Any, list[Any]]:
+    """The bare type and its constraints (from `Annotated[...]` and nested `Field(...)`)."""
+    metadata: list[Any] = []
+    while get_origin(annotation) is Annotated:
+        annotation, *extra = get_args(annotation)
+        for item in extra:
+            metadata.extend(item.metadata if isinstance(item, FieldInfo) else [item])
+    return annotation, metadata
+
+
+def _options(annotation: Any) -> tuple[Any, ...]:
+    return get_args(annotation) if get_origin(annotation) in (Union, types.UnionType) else (annotation,)
+
+
+def expected(annotation: Any, metadata: list[Any] | tuple[Any, ...] = ()) -> str:
+    """What a field accepts, in words: `an integer > 0`, `null or a string`, `one of ['file', 'memory']`."""
+    annotation, inner = _unwrap(annotation)
+    metadata = [*metadata, *inner]
+    words = []
+    for option in _options(annotation):
+        option, option_meta = _unwrap(option)
+        if option is type(None):
+            words.append("null")
+        elif get_origin(option) is Literal:
+            words.append(f"one of {list(get_args(option))}")
+        elif get_origin(option) in (tuple, list):
+            item = get_args(option)[0] if get_args(option) else Any
+            words.append(f"a list of {expected(item).removeprefix('an ').removeprefix('a ')}s")
+        elif isinstance(option, type) and issubclass(option, BaseModel):
+            words.append("a mapping (indented `key: value` lines)")
+        elif get_origin(option) is dict or option is dict:
+            words.append("a mapping (indented `key: value` lines)")
+        else:
+            kind = _KINDS.get(option, getattr(option, "__name__", str(option)))
+            bounds = [f"{sign} {getattr(m, attr)}" for m in (*metadata, *option_meta)
+                      for cls, attr, sign in _BOUNDS if isinstance(m, cls)]
+            words.append(" ".join([kind, " and ".join(bounds)]).strip())
+    return " or ".join(sorted(words, key=lambda w: w != "null"))
+
+
+def section_models(annotation: Any) -> list[type[BaseModel]]:
+    """The section models a field holds: one, or the members of a union selected by a tag."""
+    annotation, _ = _unwrap(annotation)
+    found = []
+    for option in _options(annotation):
+        option, _ = _unwrap(option)
+        if isinstance(option, type) and issubclass(option, BaseModel):
+            found.append(option)
+    return found
+
+
+def _tag_member(members: list[type[BaseModel]], tag: Any) -> type[BaseModel] | None:
+    """The union member `tag` selects (its `engine` field's default is the tag)."""
+    if len(members) < 2:
+        return None
+    return next((m for m in members if "engine" in m.model_fields and m.model_fields["engine"].default == tag), None)
+
+
+def _known(model: type[BaseModel]) -> list[str]:
+    return sorted(name for name, info in model.model_fields.items() if not info.exclude)
+
+
+def problems_of(exc: ValidationError, model: Any, *, prefix: str = "",
+                top_level: str = "field") -> list[tuple[str, str]]:
+    """Every error of `exc` (raised validating `model`: a section model or a union of them) as
+    (dotted path, what to write instead)."""
+    problems = []
+    start = [model] if isinstance(model, type) and issubclass(model, BaseModel) else section_models(model)
+    for error in exc.errors(include_url=False):
+        members: list[type[BaseModel]] = start
+        holder: type[BaseModel] | None = start[0] if len(start) == 1 else None
+        info: FieldInfo | None = None
+        parts = [prefix] if prefix else []
+        item_of = False
+        for item in error["loc"]:
+            if isinstance(item, int):
+                parts[-1:] = [f"{parts[-1]}[{item}]"] if parts else [f"[{item}]"]
+                item_of = True
+                continue
+            tagged = _tag_member(members, item)
+            if tagged is not None:  # the union's tag: not part of the user's path
+                members = [tagged]
+                continue
+            holder = members[0] if members else None
+            info = holder.model_fields.get(str(item)) if holder is not None else None
+            members = section_models(info.annotation) if info is not None else []
+            parts.append(str(item))
+            item_of = False
+        path = ".".join(parts) or "(top level)"
+        problems.append((path, _why(error, holder, info, item_of, top_level if len(parts) == 1 else "field")))
+    return problems
+
+
+def validate_section(model: Any, values: Any, *, where: str) -> tuple[Any, list[tuple[str, str]]]:
+    """`values` validated as `model` (a section model, or a union of them by its annotation), and
+    every problem by its path under `where`; the section is None when there are problems."""
+    if not isinstance(values, Mapping):
+        return None, [(where, f"must be a mapping (indented `key: value` lines), got {yaml_kind(values)}")]
+    try:
+        if isinstance(model, type) and issubclass(model, BaseModel):
+            return model.model_validate(values), []
+        return _adapter(model).validate_python(values), []
+    except ValidationError as exc:
+        return None, problems_of(exc, model, prefix=where)
+
+
+_ADAPTERS: dict[int, TypeAdapter[Any]] = {}
+
+
+def _adapter(annotation: Any) -> TypeAdapter[Any]:
+    """One adapter per annotation (building one compiles a validator)."""
+    found = _ADAPTERS.get(id(annotation))
+    if found is None:
+        found = _ADAPTERS[id(annotation)] = TypeAdapter(annotation)
+    return found
+
+
+def _why(error: Any, holder: type[BaseModel] | None, info: FieldInfo | None, item_of: bool, noun: str) -> str:
+    kind, ctx, value = error["type"], error.get("ctx") or {}, error.get("input")
+    if kind == "extra_forbidden":
+        return f"unknown {noun}; known: {_known(holder)}" if holder is not None else "unknown field"
+    if kind == "missing":
+        hint = _first_line(info.description) if info is not None and info.description else ""
+        return f"required: {hint[:1].lower()}{hint[1:]}" if hint else "required"
+    if kind in _MAPPING_ERRORS and not item_of:
+        return f"must be a mapping (indented `key: value` lines), got {yaml_kind(value)}"
+    if kind in ("value_error", "assertion_error"):
+        return str(ctx.get("error", error["msg"])).removeprefix("Value error, ")
+    if kind == "union_tag_invalid":
+        return f"unknown engine {ctx.get('tag')!r}; known: {ctx.get('expected_tags')}"
+    if kind in ("too_short", "string_too_short"):
+        return f"must not be empty, got {_got(value)}"
+    if info is not None:
+        annotation, metadata = info.annotation, info.metadata
+        if item_of:
+            bare, _ = _unwrap(annotation)
+            annotation, metadata = (get_args(bare) or (Any,))[0], []
+        return f"must be {expected(annotation, metadata)}, got {_got(value)}"
+    return f"{error['msg'][:1].lower()}{error['msg'][1:]}, got {_got(value)}"
+
+
+def _first_line(text: str) -> str:
+    return text.strip().split("\n")[0].rstrip(".")

@@ -1,0 +1,248 @@
+"""Typed config sections: the base every section model shares (frozen, unknown keys refused), the
+named constraints, and the engines' own sections: `model:` (one model per engine, selected by
+`model.engine`), `data:` and `algorithm:`.
+
+It lives with the engines, below the job config (`rolectl.roles.config`) that builds on it, and
+imports neither torch nor NATS: a synchronizer loads the job config without either. What needs the
+engines' libraries or the file system (a model directory, a data file, verl's registries, reward
+functions) is checked by the engines themselves.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Mapping, Union
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Strict,
+    Tag,
+    ValidationInfo,
+    field_validator,
+)
+
+
+__all__ = [
+    "Section",
+    "PositiveInt",
+    "NonNegativeInt",
+    "Seconds",
+    "StrictBool",
+    "PathStr",
+    "TinyModelSection",
+    "HFBuildSection",
+    "HFModelSection",
+    "DataSection",
+    "AlgorithmSection",
+    "ModelSection",
+    "OUTCOME_ESTIMATORS",
+    "LOSS_AGG_MODES",
+    "KL_PENALTIES",
+    "DTYPES",
+]
+
+# Constraints, named once: strict (a YAML `true` or `"3"` is not a count) and finite.
+PositiveInt = Annotated[int, Strict(), Field(gt=0)]
+NonNegativeInt = Annotated[int, Strict(), Field(ge=0)]
+Seconds = Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False)]
+StrictBool = Annotated[bool, Strict()]
+PathStr = Annotated[str, Strict()]
+
+
+class Section(BaseModel):
+    """A config section: frozen, unknown keys refused, fields described by their docstrings."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    def replace(self, **changes: Any) -> "Section":
+        """A copy with `changes`, validated like the file was."""
+        return type(self).model_validate({**dict(self), **changes})
+
+
+PositiveNumber = Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False)]
+NonNegativeNumber = Annotated[float, Strict(), Field(ge=0, allow_inf_nan=False)]
+Name = Annotated[str, Strict(), Field(min_length=1)]
+
+
+class TinyModelSection(Section):
+    """`model:` for `engine: tiny`, the pure-PyTorch reference: a tiny transformer that learns to
+    reverse digits with GRPO on CPU. The defaults take mean reward from ~0.07 to >0.7 in 40 trainer
+    steps with one-step-stale weights (`benchmarks/learning.py`)."""
+
+    engine: Literal["tiny"] = "tiny"
+    """The trainer's engine (and the explorers', unless rollout_engine names another)."""
+    rollout_engine: str | None = None
+    """The explorers' engine; the tiny engine pairs only with itself."""
+    seed: NonNegativeInt = 0
+    """Seed of the version-0 weights and of the task stream."""
+    task_length: PositiveInt = 4
+    """Digits per task."""
+    group_size: Annotated[int, Strict(), Field(ge=2)] = 16
+    """Responses sampled per task (advantages are group-relative)."""
+    tasks_per_step: PositiveInt = 64
+    """Tasks per explore step (buffer.batch_size overrides it in a job)."""
+    n_heads: PositiveInt = 4
+    """Attention heads."""
+    d_model: PositiveInt = 64
+    """Model width; a multiple of n_heads."""
+    n_layers: PositiveInt = 2
+    """Transformer layers."""
+    d_ff: PositiveInt = 256
+    """Feed-forward width."""
+    lr: PositiveNumber = 3e-3
+    """Adam learning rate."""
+    minibatches: PositiveInt = 4
+    """Optimizer steps per train step, each on a slice of the groups (reuses a batch like PPO epochs)."""
+    clip_eps: PositiveNumber = 0.2
+    """PPO clip range."""
+    max_grad_norm: PositiveNumber = 1.0
+    """Gradient-norm clip."""
+    temperature: PositiveNumber = 1.0
+    """Sampling temperature."""
+
+    @field_validator("d_model")
+    @classmethod
+    def _heads_divide_width(cls, d_model: int, info: ValidationInfo) -> int:
+        heads = info.data.get("n_heads")
+        if heads and d_model % heads:
+            raise ValueError(f"must be divisible by n_heads ({heads}), got {d_model}")
+        return d_model
+
+
+class HFBuildSection(Section):
+    """`model.build`: a small random-init model built at `model.path` when it is missing (tests,
+    examples), its tokenizer made from the words of `data.path`."""
+
+    family: Literal["qwen2", "llama"] = "qwen2"
+    """Architecture family."""
+    hidden_size: PositiveInt = 64
+    """Model width."""
+    num_layers: PositiveInt = 2
+    """Decoder layers."""
+    num_heads: PositiveInt = 2
+    """Attention heads."""
+    head_dim: PositiveInt = 32
+    """Width of each head."""
+    intermediate_size: PositiveInt = 256
+    """MLP width."""
+    seed: NonNegativeInt = 0
+    """Seed of the random weights."""
+    max_position_embeddings: PositiveInt = 128
+    """Longest sequence."""
+
+
+DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+
+
+def _device(value: str) -> str:
+    if not (value == "cpu" or value == "cuda" or (value.startswith("cuda:") and value[5:].isdigit())):
+        raise ValueError(f"must be cpu, cuda or cuda:N, got {value!r}")
+    return value
+
+
+class HFModelSection(Section):
+    """`model:` for `engine: hf` (Hugging Face transformers: trainer and rollouts) and
+    `rollout_engine: vllm`. Nothing is ever downloaded."""
+
+    engine: Literal["hf"] = "hf"
+    """The trainer's engine (and the explorers', unless rollout_engine names another)."""
+    rollout_engine: str | None = None
+    """The explorers' engine: hf (default) or vllm."""
+    path: Name
+    """A local Hugging Face model directory (config.json, safetensors weights, tokenizer)."""
+    build: HFBuildSection | None = None
+    """Build a random-init model at `path` when it is missing (see the `model.build` section)."""
+    device: Annotated[str, Strict(), AfterValidator(_device)] = "cpu"
+    """cpu, cuda or cuda:N."""
+    dtype: Literal[DTYPES] = "float32"  # type: ignore[valid-type]
+    """Weights' dtype."""
+    seed: NonNegativeInt = 0
+    """Sampling seed."""
+    group_size: Annotated[int, Strict(), Field(ge=2)] = 8
+    """Responses sampled per task (advantages are group-relative)."""
+    max_new_tokens: PositiveInt = 16
+    """Longest response, in tokens."""
+    temperature: PositiveNumber = 1.0
+    """Sampling temperature."""
+    lr: PositiveNumber = 1e-3
+    """AdamW learning rate."""
+    weight_decay: NonNegativeNumber = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: PositiveNumber = 1.0
+    """Gradient-norm clip."""
+    minibatches: PositiveInt = 1
+    """Optimizer steps per train step, each on a slice of the groups."""
+    micro_batch_size: PositiveInt = 64
+    """Sequences per forward/backward (gradient accumulation)."""
+    gradient_checkpointing: StrictBool = False
+    """Recompute activations in the backward pass (less memory, more time)."""
+    vllm: Annotated[dict[str, Any], Strict()] = {}
+    """Extra keyword arguments for vllm.LLM."""
+
+
+def _engine_of(value: Any) -> Any:
+    """The tag of a `model:` section: its engine, `tiny` when it names none."""
+    if isinstance(value, Mapping):
+        return value.get("engine", "tiny")
+    return getattr(value, "engine", None)
+
+
+ModelSection = Annotated[Union[Annotated[TinyModelSection, Tag("tiny")], Annotated[HFModelSection, Tag("hf")]],
+                         Discriminator(_engine_of)]
+"""A built-in engine's `model:` section, selected by `model.engine`."""
+
+
+class DataSection(Section):
+    """`data:` for the `hf` / `vllm` engines: where tasks come from and how responses are scored."""
+
+    path: Name
+    """A local .jsonl, .json, .parquet or .csv file (relative paths are from the working directory)."""
+    prompt_key: Name = "prompt"
+    """Column holding the prompt."""
+    answer_key: Name = "answer"
+    """Column holding the answer the rewards compare with."""
+    shuffle_seed: NonNegativeInt = 0
+    """Seed of each epoch's order."""
+    chat_template: Literal["auto", True, False] = "auto"
+    """Render prompts with the tokenizer's chat template: auto (when it has one), true or false."""
+    rewards: Any = "exact_match"
+    """A reward name, `module:function`, or a list of them / of {name, weight} (see
+    `rolectl.roles.engines.rewards`)."""
+    max_prompt_tokens: PositiveInt = 512
+    """Prompts are cut to this many tokens."""
+
+
+OUTCOME_ESTIMATORS = ("grpo", "grpo_vectorized", "grpo_passk", "rloo", "rloo_vectorized", "opo", "gpg",
+                      "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+"""verl's estimators that work from outcome rewards + group index alone (no critic values, no
+reward baselines, no per-token policy statistics)."""
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k3+", "low_var_kl+")
+
+
+class AlgorithmSection(Section):
+    """`algorithm:` for the `hf` trainer: verl's advantage estimator and policy loss."""
+
+    advantage: Literal[OUTCOME_ESTIMATORS] = "grpo"  # type: ignore[valid-type]
+    """One of verl's outcome-reward advantage estimators."""
+    norm_adv_by_std_in_grpo: StrictBool = True
+    """GRPO: divide advantages by the group's standard deviation."""
+    policy_loss: Name = "vanilla"
+    """A name in verl's policy-loss registry."""
+    clip_ratio: NonNegativeNumber = 0.2
+    """PPO clip range."""
+    clip_ratio_low: NonNegativeNumber | None = None
+    """Lower clip range; default clip_ratio."""
+    clip_ratio_high: NonNegativeNumber | None = None
+    """Upper clip range; default clip_ratio."""
+    clip_ratio_c: Annotated[float, Strict(), Field(gt=1, allow_inf_nan=False)] = 3.0
+    """Dual-clip lower bound for negative advantages."""
+    loss_agg_mode: Literal[LOSS_AGG_MODES] = "token-mean"  # type: ignore[valid-type]
+    """How token losses are aggregated."""
+    kl_coef: NonNegativeNumber = 0.0
+    """> 0: a KL loss against the version-0 model (kept frozen by the trainer)."""
+    kl_penalty: Literal[KL_PENALTIES] = "low_var_kl"  # type: ignore[valid-type]
+    """verl's KL estimator."""
