@@ -211,7 +211,8 @@ def test_a_synchronizer_starts_without_importing_an_engine(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text("job: j\nmodel:\n  engine: tiny\n  no_such_field: 1\n")
     # the whole start but the synchronizer's loop (which needs a server): config, runner, class
-    probe = ("import sys; from rolectl.roles.cli import _load; import rolectl.roles.runner, rolectl.roles.synchronizer\n"
+    probe = ("import sys; from rolectl.roles.cli import _load\n"
+             "import rolectl.roles.runner, rolectl.roles.synchronizer\n"
              "async def run(self): pass\n"
              "rolectl.roles.synchronizer.Synchronizer.run = run\n"
              f"cfg = _load({str(path)!r}, None, check_engines=False)\n"
