@@ -145,7 +145,7 @@ async def test_cluster_job_survives_losing_the_event_stream_leader(tmp_path):
             except AssertionError as exc:
                 raise AssertionError(f"not settled: {unsettled}\n{exc}") from None
             # The node to kill leads every stream of the job (the weights stream and the lease
-            # bucket too): the case that once stalled the job (README, "A node that leads ...").
+            # bucket too): the case that once stalled the job (docs/fault-tolerance.md).
             leader = cluster.stream_leader(event_stream)
             assert leader is not None, "no leader of the event stream on the monitoring endpoint"
             streams = sorted(cluster.stream_names(job_key))
