@@ -201,8 +201,8 @@ class JobView:
         entry = (predicate, loop.create_future(), what)
         waiters = self._membership_waiters if membership_only else self._waiters
         waiters.append(entry)
-        # A timer on the future itself, not asyncio.wait_for (a second future and two callbacks:
-        # ~8 µs a wait, and a member waits for every decision)
+        # A timer on the future itself, not asyncio.wait_for (a second future and two callbacks
+        # per wait, and a member waits for every decision)
         timer = None if timeout is None else loop.call_later(
             timeout, _time_out, entry[1], f"timed out after {timeout} s waiting for {what}")
         notice = WaitNotice(self._log, what) if announce and timeout is not None else None
