@@ -37,7 +37,7 @@ import json
 import math
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Generator, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -613,7 +613,7 @@ class StreamedChunks:
         """Bytes placed so far (all of them once the stream has ended)."""
         return self._position
 
-    def chunks(self) -> Iterator[tuple[int, list[memoryview], bytes]]:
+    def chunks(self) -> Generator[tuple[int, list[memoryview], bytes], None, None]:
         for bucket in self._buckets:
             self.buckets_read += 1
             yield from self._take_bucket(bucket)
