@@ -31,7 +31,9 @@ Theory of operation
   digest check and the explorer keeps its weights.)
 - **Publish.** Chunks are `nc.max_payload` bytes; many are in flight at once (`window_bytes`), acks
   are gathered as they come, never one round trip per chunk. Each chunk goes out as the tensors' own
-  memory (scatter-gather `sendmsg`), hashed as it is sent.
+  memory (scatter-gather `sendmsg`), hashed just before it is sent. A bucket stream is read one
+  bucket at a time as its chunks go out (`format.StreamedChunks`), so the publisher holds about two
+  buckets; the manifest, which needs every offset and chunk digest, is last anyway.
 - **Fetch.** `$JS.API.DIRECT.GET` batch requests by stream sequence (no consumer to create, so N
   explorers cost the server nothing extra), a few requests in flight so the server never queues more
   than `window_bytes` for us (it drops "slow consumers" past its `max_pending`, 64 MiB by default).

@@ -277,3 +277,21 @@ async def test_publisher_peak_memory_stays_near_a_bucket(nats_url, job_name, tmp
         assert growth[name] <= bound, growth
         # the measure sees memory: publishing the whole mapping holds the whole model
         assert growth[name + "_whole"] >= total_mb * 0.9, growth
+
+
+@pytest.mark.parametrize("room", [64, None], ids=["header-outgrows-its-room", "header-fits"])
+async def test_a_streamed_checkpoint_is_standard_safetensors(tmp_path, room):
+    from safetensors.torch import load_file
+
+    t = CheckpointTransport(tmp_path, chunk_size=256, fsync=False)
+    if room is not None:
+        t._stream_room = room  # too small: the header is written to a new file before the data
+    sent = state(2)
+    ref = await t.publish(1, buckets(sent))
+    assert t.header_rewrites == (1 if room is not None else 0)
+    assert_bit_exact(sent, load_file(t.path_of(1)))
+    assert_bit_exact(sent, await t.fetch(ref))
+    # the next streamed version reserves what the last header needed: no second rewrite
+    await t.publish(2, buckets(sent))
+    assert t.header_rewrites == (1 if room is not None else 0)
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
