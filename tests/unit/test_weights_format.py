@@ -314,4 +314,4 @@ def test_a_stream_repeating_a_name_or_holding_a_non_tensor_is_refused():
 def test_the_layout_of_a_stream_is_known_only_once_it_has_ended():
     chunks = streamed_chunks([[("a", torch.zeros(2))]], chunk_size=8, algorithm="sha256")
     with pytest.raises(RuntimeError, match="only once the stream has ended"):
-        chunks.layout
+        _ = chunks.layout
