@@ -160,18 +160,18 @@ class ObjectStoreTransport:
             raise ValueError(f"version must be an int >= 0 (the trainer step), got {version!r}")
         where = f"publish of version {version} to stream {self.stream}"
         can_restart = restartable(tensors)
-        consumed = False
+        previous: StreamedChunks | None = None
 
         def open_stream(chunk_size: int) -> StreamedChunks:
-            nonlocal consumed
-            if consumed and not can_restart:
+            nonlocal previous
+            if previous is not None and previous.buckets_read and not can_restart:
                 raise TransferError(
                     f"{where} was interrupted after its one-shot bucket stream was partly consumed, "
                     "and cannot start again; pass a mapping, a list of buckets, or a callable that "
                     "makes a fresh stream (e.g. lambda: engine.iter_weight_buckets(n))"
                 )
-            consumed = True
-            return streamed_chunks(tensors, chunk_size=chunk_size, algorithm=self._algorithm, where=where)
+            previous = streamed_chunks(tensors, chunk_size=chunk_size, algorithm=self._algorithm, where=where)
+            return previous
 
         async def stream_lost(exc: BaseException) -> None:
             # A restarted in-memory server lost the stream: look it up (and re-create it) again.
