@@ -6,8 +6,12 @@ from .base import (
     PullTransport,
     RendezvousTransport,
     TransferError,
+    WeightBucket,
+    WeightBuckets,
     WeightsNotFound,
     WeightsRef,
+    WeightsSource,
+    as_buckets,
 )
 
 __all__ = [
@@ -16,6 +20,10 @@ __all__ = [
     "PullTransport",
     "RendezvousTransport",
     "TransferError",
+    "WeightBucket",
+    "WeightBuckets",
     "WeightsNotFound",
     "WeightsRef",
+    "WeightsSource",
+    "as_buckets",
 ]

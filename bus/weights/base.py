@@ -9,12 +9,19 @@ Two families share it:
 
 Every transfer is verified: pull transports check a digest before a tensor is handed out;
 rendezvous transports check tensor names/dtypes/shapes against the sender's header.
+
+Weights leave as a stream: `publish` and `send` take `WeightsSource`, a `{name: tensor}` mapping or
+an iterable of buckets (each a sequence of (name, tensor)), consumed one bucket at a time so the
+sender never holds more than about two buckets of the model (`as_buckets`). A zero-argument callable
+returning such an iterable lets a pull transport start the stream again when a server restart
+interrupts an upload; a one-shot iterator cannot be restarted, so such a publish fails instead.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Protocol, TypeAlias, runtime_checkable
 
 import torch
 
@@ -30,7 +37,48 @@ __all__ = [
     "PeerLost",
     "PullTransport",
     "RendezvousTransport",
+    "NamedTensor",
+    "WeightBucket",
+    "WeightBuckets",
+    "WeightsSource",
+    "TensorMeta",
+    "as_buckets",
+    "restartable",
+    "tensor_meta",
 ]
+
+NamedTensor: TypeAlias = tuple[str, torch.Tensor]
+WeightBucket: TypeAlias = Sequence[NamedTensor]
+"""One bucket of the stream: (name, tensor) pairs, in the order the engine made them."""
+WeightBuckets: TypeAlias = Iterable[WeightBucket]
+"""The weights as a stream of buckets (e.g. `TrainEngine.iter_weight_buckets(bucket_bytes)`)."""
+WeightsSource: TypeAlias = Mapping[str, torch.Tensor] | WeightBuckets | Callable[[], WeightBuckets]
+"""What `publish` / `send` take: a whole mapping, a bucket stream, or a callable making a fresh stream."""
+TensorMeta: TypeAlias = tuple[str, torch.dtype, tuple[int, ...]]
+"""(name, dtype, shape) of one tensor: what a receiver checks before the first byte."""
+
+
+def as_buckets(weights: WeightsSource) -> Iterator[WeightBucket]:
+    """A fresh pass over `weights` as buckets: a mapping is one bucket per tensor (in its order), a
+    callable is called for a new stream, an iterable is iterated (once, if it is an iterator)."""
+    if isinstance(weights, Mapping):
+        return ([(name, tensor)] for name, tensor in weights.items())
+    if callable(weights):
+        return iter(weights())
+    return iter(weights)
+
+
+def restartable(weights: WeightsSource) -> bool:
+    """Whether `as_buckets(weights)` can be called again for the same bytes: a mapping, a callable, or
+    a re-iterable collection (a list of buckets); not a generator or other one-shot iterator."""
+    if isinstance(weights, Mapping) or callable(weights):
+        return True
+    return not isinstance(weights, Iterator)
+
+
+def tensor_meta(tensors: Mapping[str, torch.Tensor]) -> list[TensorMeta]:
+    """(name, dtype, shape) of each tensor of a mapping, in its order."""
+    return [(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -49,8 +97,9 @@ class PullTransport(Protocol):
 
     method: SyncMethod
 
-    async def publish(self, version: int, tensors: Mapping[str, torch.Tensor]) -> WeightsRef:
-        """Store every byte of `tensors` as `version`; return only after the last byte is stored."""
+    async def publish(self, version: int, tensors: WeightsSource) -> WeightsRef:
+        """Store every byte of `tensors` (a mapping or a bucket stream) as `version`; return only after
+        the last byte is stored. A stream is consumed bucket by bucket, never held whole."""
 
     async def fetch(self, ref: WeightsRef, *, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
         """Fetch `ref` into freshly allocated tensors, verifying the digest before returning."""
@@ -77,8 +126,13 @@ class RendezvousTransport(Protocol):
         """A port this host can bind for the next group's rendezvous (the trainer announces it in
         its REQUIRE_SYNC; used only when the decision starts a new group epoch)."""
 
-    async def send(self, ready: RendezvousReady, tensors: Mapping[str, torch.Tensor]) -> int:
-        """Trainer side (rank 0): send `tensors` to the round's group; return bytes sent."""
+    async def send(
+        self, ready: RendezvousReady, tensors: WeightsSource, *, layout: Sequence[TensorMeta] | None = None,
+    ) -> int:
+        """Trainer side (rank 0): send `tensors` (a mapping or a bucket stream) to the round's group;
+        return bytes sent. `layout`: the stream's (name, dtype, shape) in stream order, known without
+        gathering (e.g. from a sharded model's metadata); receivers check it before the first byte,
+        so a stream without it is gathered whole first."""
 
     async def receive(
         self, ready: RendezvousReady, me: MemberRef, into: Mapping[str, torch.Tensor], *,

@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from ..errors import CorruptWeights
+from ..errors import CorruptWeights, TransferError
 from .format import dtype_from_name, dtype_name
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "Layout", "BucketHeader", "can_send", "numel", "plan_buckets", "pack_bucket",
-           "layout_mismatch"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "Layout", "BucketHeader", "can_send", "numel", "plan_buckets",
+           "plan_stream_buckets", "pack_bucket", "layout_mismatch", "in_layout_order"]
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 # 2: dtypes named as in the safetensors format (was torch's names): a receiver of another build
@@ -64,6 +64,54 @@ def plan_buckets(layout: Layout, *, bucket_bytes: int, direct_min_bytes: int) ->
         if current:
             buckets.append(current)
     return buckets
+
+
+def plan_stream_buckets(layout: Layout, *, bucket_bytes: int, direct_min_bytes: int) -> list[list[int]]:
+    """Group tensor indices of `layout` into buckets in stream order: consecutive tensors of one
+    dtype, at most `bucket_bytes` each; a tensor of ≥ `direct_min_bytes` (or larger than a bucket) is
+    a bucket of its own. A sender fills each bucket as the stream brings its tensors, so it never
+    waits for a tensor further down the stream."""
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    filled = 0
+    for i, (_, dtype, shape) in enumerate(layout):
+        nbytes = numel(shape) * dtype.itemsize
+        if nbytes >= direct_min_bytes or nbytes > bucket_bytes:
+            if current:
+                buckets.append(current)
+                current, filled = [], 0
+            buckets.append([i])
+            continue
+        if current and (filled + nbytes > bucket_bytes or layout[current[0]][1] != dtype):
+            buckets.append(current)
+            current, filled = [], 0
+        current.append(i)
+        filled += nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def in_layout_order(layout: Layout, stream: Iterable[Sequence[tuple[str, torch.Tensor]]]) -> Iterator[torch.Tensor]:
+    """The stream's tensors one by one, each checked against `layout` (the same names, dtypes and
+    shapes in the same order: what the receivers were promised); TransferError on the first that
+    differs, or when the stream is shorter or longer."""
+    i = 0
+    for bucket in stream:
+        for name, tensor in bucket:
+            if i >= len(layout):
+                raise TransferError(f"the weight stream has more tensors than its declared layout ({len(layout)}): "
+                                    f"{name!r} is extra")
+            want_name, want_dtype, want_shape = layout[i]
+            if (name, tensor.dtype, tuple(tensor.shape)) != (want_name, want_dtype, tuple(want_shape)):
+                raise TransferError(
+                    f"the weight stream's tensor {i} is {name!r} {tensor.dtype}{list(tensor.shape)}, but its "
+                    f"declared layout says {want_name!r} {want_dtype}{list(want_shape)}")
+            i += 1
+            yield tensor
+        del bucket
+    if i != len(layout):
+        raise TransferError(f"the weight stream ended after {i} tensors; its declared layout has {len(layout)}")
 
 
 def pack_bucket(buf: torch.Tensor, tensors: Sequence[torch.Tensor], bucket: Sequence[int]) -> None:

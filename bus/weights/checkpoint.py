@@ -10,6 +10,16 @@ Theory of operation
 - **Atomic publish.** Written under a hidden temporary name in the same directory, fsync'd, renamed
   over the final name, then the directory is fsync'd: a reader sees the old file or the whole new
   one, never a partial version; a crashed writer leaves only a temporary file, which `prune` removes.
+- **Streams.** `publish` takes a mapping or a bucket stream (see `base`). The data is written as the
+  buckets come (each chunk hashed while it is in cache, then written from the tensors' memory), so
+  the writer holds about one bucket. The header must precede the data but is known only at the end
+  (offsets of a stream's tensors, every chunk digest): the data starts after room reserved for the
+  header, and the header, padded with spaces to fill that room (JSON allows it; so does every
+  safetensors reader), is written last, before the rename. A mapping's header size is known up
+  front, so its room is exact (the file is what it always was). A stream's room is what the
+  previous version's header needed plus an eighth, or `STREAM_HEADER_ROOM` for the first one; a
+  header that does not fit (the first version of a very large model) is written to a new file
+  followed by the data copied in the kernel (`os.copy_file_range`), once.
 - **Why our own writer.** ``safetensors.torch.save_file`` first turns every tensor into a Python
   ``bytes`` copy (2x the model in RAM) and refuses tensors that share memory (tied weights, or the
   views `fetch` returns). Writing the same format from the tensors' own memory avoids both; the
@@ -28,27 +38,30 @@ import os
 import re
 import struct
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
 from rolectl.sync_protocol import SyncMethod
 
 from ..files import atomic_path
-from .base import CorruptWeights, TransferError, WeightsNotFound, WeightsRef
+from .base import CorruptWeights, TransferError, WeightsNotFound, WeightsRef, WeightsSource
 from .format import (
     DEFAULT_CHUNK_SIZE,
     FORMAT,
     Destination,
     Layout,
     Manifest,
-    SourceBytes,
     default_digest_algorithm,
     digest_bytes,
+    plan_layout,
     root_digest,
+    streamed_chunks,
 )
 
-__all__ = ["CheckpointTransport"]
+__all__ = ["CheckpointTransport", "STREAM_HEADER_ROOM"]
+
+STREAM_HEADER_ROOM = 256 * 1024  # room for a streamed version's header before its size is known
 
 _FINAL = re.compile(r"^weights-v(\d{12})\.safetensors$")
 _TEMP = re.compile(r"^\.weights-v(\d{12})\.safetensors\..+\.tmp$")
@@ -77,16 +90,19 @@ class CheckpointTransport:
         self._algorithm = algorithm or default_digest_algorithm()
         self._fsync = fsync
         self._closed = False
+        self._stream_room = STREAM_HEADER_ROOM
+        self.header_rewrites = 0  # streamed versions whose header outgrew its room (tests read it)
 
     def path_of(self, version: int) -> Path:
         return self.root / f"weights-v{int(version):012d}.safetensors"
 
-    async def publish(self, version: int, tensors: Mapping[str, torch.Tensor]) -> WeightsRef:
-        """Write `version` atomically (temp file, fsync, rename); returns once it is durable."""
+    async def publish(self, version: int, tensors: WeightsSource) -> WeightsRef:
+        """Write `version` (a mapping or a bucket stream, see `base`) atomically (temp file, fsync,
+        rename); returns once it is durable. A stream is written as its buckets come."""
         self._check_open()
         if not isinstance(version, int) or version < 0:
             raise ValueError(f"version must be an int >= 0 (the trainer step), got {version!r}")
-        return await asyncio.to_thread(lambda: self._write(version, SourceBytes(tensors)))
+        return await asyncio.to_thread(self._write, version, tensors)
 
     async def fetch(self, ref: WeightsRef, *, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
         """Read `ref`'s file into fresh tensors, every chunk digest-checked; nothing on failure.
@@ -149,32 +165,67 @@ class CheckpointTransport:
             digest=manifest.digest,
         )
 
-    def _write(self, version: int, source: SourceBytes) -> WeightsRef:
-        self.root.mkdir(parents=True, exist_ok=True)
-        layout, chunk_size, algorithm = source.layout, self._chunk_size, self._algorithm
-        bounds = layout.chunk_bounds(chunk_size)
-        # Header size must be known before the data, and the digests go in the header: hash first
-        # (one cold pass), then write from the tensors' memory.
-        digests = [digest_bytes(algorithm, source.segments(a, b)) for a, b in bounds]
-        digest = root_digest(algorithm, layout, chunk_size, digests)
+    def _header(self, version: int, layout: Layout, digests: Sequence[bytes], digest: str) -> bytes:
         header: dict[str, Any] = dict(layout.header())
         header["__metadata__"] = {
             "format": FORMAT,
             "version": str(version),
-            "chunk_size": str(chunk_size),
-            "algorithm": algorithm,
+            "chunk_size": str(self._chunk_size),
+            "algorithm": self._algorithm,
             "digest": digest,
             "chunk_digests": ",".join(d.hex() for d in digests),
         }
-        blob = json.dumps(header, separators=(",", ":")).encode()
-        blob += b" " * (-len(blob) % 8)  # safetensors pads the header so the data is 8-aligned
+        return json.dumps(header, separators=(",", ":")).encode()
+
+    def _room(self, version: int, tensors: WeightsSource) -> int:
+        """Bytes to reserve for the header: exact for a mapping (digests have a fixed length)."""
+        if not isinstance(tensors, Mapping):
+            return self._stream_room
+        layout = plan_layout(tensors)
+        size = len(digest_bytes(self._algorithm, []))
+        chunks = len(layout.chunk_bounds(self._chunk_size))
+        blob = self._header(version, layout, [bytes(size)] * chunks, f"{self._algorithm}:{'0' * 2 * size}")
+        return len(blob) + (-len(blob) % 8)
+
+    def _write(self, version: int, tensors: WeightsSource) -> WeightsRef:
+        self.root.mkdir(parents=True, exist_ok=True)
         final = self.path_of(version)
+        chunks = streamed_chunks(tensors, chunk_size=self._chunk_size, algorithm=self._algorithm,
+                                 where=f"publish of version {version} to {final}")
+        room = self._room(version, tensors)
         # atomic: readers see the old file or the whole new one (durable too, unless fsync=False)
-        with atomic_path(final, fsync=self._fsync) as temp, open(temp, "wb", buffering=0) as f:
-            _write_all(f, [struct.pack("<Q", len(blob)), blob])
-            for a, b in bounds:
-                _write_all(f, source.segments(a, b))
+        with atomic_path(final, fsync=self._fsync) as temp:
+            with open(temp, "wb", buffering=0) as f:
+                f.seek(8 + room)  # the data first (safetensors aligns it to 8); the header last
+                for _, parts, _ in chunks.chunks():
+                    _write_all(f, parts)
+                    del parts
+                layout = chunks.layout
+                digest = root_digest(self._algorithm, layout, self._chunk_size, chunks.chunk_digests)
+                blob = self._header(version, layout, chunks.chunk_digests, digest)
+                if len(blob) <= room:
+                    f.seek(0)
+                    _write_all(f, [struct.pack("<Q", room), blob, b" " * (room - len(blob))])
+            if len(blob) > room:
+                self._rewrite_with_header(temp, blob, room, layout.nbytes)
+        if not isinstance(tensors, Mapping):
+            grown = len(blob) + len(blob) // 8
+            self._stream_room = max(self._stream_room, grown + (-grown % 8))
         return WeightsRef(version=version, location=str(final.resolve()), nbytes=layout.nbytes, digest=digest)
+
+    def _rewrite_with_header(self, temp: Path, blob: bytes, room: int, nbytes: int) -> None:
+        """`temp` holds the data after `room` bytes too few for `blob`: a new `temp` with the header,
+        then the data copied in the kernel."""
+        self.header_rewrites += 1
+        body = temp.with_name(temp.name + ".body.tmp")  # a temp name `prune` cleans after a crash
+        os.replace(temp, body)
+        try:
+            padded = blob + b" " * (-len(blob) % 8)
+            with open(body, "rb", buffering=0) as src, open(temp, "wb", buffering=0) as dst:
+                _write_all(dst, [struct.pack("<Q", len(padded)), padded])
+                _copy_range(src, dst, 8 + room, nbytes)
+        finally:
+            body.unlink(missing_ok=True)
 
     def _read_manifest(self, path: Path, f: io.FileIO | None = None) -> Manifest:
         """Parse (and check against its root digest) the header of a version file."""
@@ -278,6 +329,28 @@ def _write_all(f: io.FileIO, parts: Iterable[bytes | memoryview]) -> None:
         view = memoryview(part)
         while len(view):
             view = view[f.write(view) :]
+
+
+def _copy_range(src: io.FileIO, dst: io.FileIO, offset: int, count: int) -> None:
+    """Append `count` bytes of `src` from `offset` to `dst`, in the kernel where it can."""
+    try:
+        while count:
+            got = os.copy_file_range(src.fileno(), dst.fileno(), count, offset)
+            if not got:
+                raise CorruptWeights(f"{src.name}: ended {count} bytes early while being copied")
+            offset += got
+            count -= got
+        return
+    except (AttributeError, OSError):  # no copy_file_range here (another OS, an old kernel, some filesystems)
+        pass
+    src.seek(offset)
+    buf = memoryview(bytearray(min(count, 8 << 20)))
+    while count:
+        got = src.readinto(buf[: min(count, len(buf))])
+        if not got:
+            raise CorruptWeights(f"{src.name}: ended {count} bytes early while being copied")
+        _write_all(dst, [buf[:got]])
+        count -= got
 
 
 def _read_into(f: io.FileIO, view: memoryview) -> int:

@@ -18,6 +18,12 @@ trainer returns from `send` once every explorer replied, so it never overwrites 
 being read. A missing reply within `timeout` is PeerLost; the trainer then abandons its buckets
 (fresh ones next time) because a slow explorer may still be reading the old ones — torch's IPC
 ref-counting keeps that memory alive until the explorer lets go.
+
+From a bucket stream, the trainer packs each tensor into the shared buckets as the stream brings it
+(buckets cut in stream order: consecutive tensors of one dtype; CPU tensors are copied to the GPU on
+the way), holding at most one bucket of the stream besides the shared buckets, and sends the one
+offer once the stream has ended. The explorer is unchanged: it maps every bucket of the offer at
+once, so the shared buckets still hold one packed copy of the model on the GPU, as they always did.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Mapping, Sequence
+from typing import Any, Awaitable, Callable, Iterator, Mapping, Sequence
 
 import msgpack
 import torch
@@ -34,7 +40,7 @@ from rolectl.sync_protocol import MemberRef, RendezvousReady, SyncMethod
 
 from ..logging import get_logger
 from ..server import free_port
-from .base import CorruptWeights, PeerLost, TransferError
+from .base import CorruptWeights, PeerLost, TensorMeta, TransferError, WeightBucket, WeightsSource, as_buckets
 
 # Layout helpers shared with the broadcast transport, so both plan and check buckets the same way.
 from .buckets import DEFAULT_BUCKET_BYTES, BucketHeader, can_send, layout_mismatch, pack_bucket, plan_buckets
@@ -96,6 +102,16 @@ def _check_method(ready: RendezvousReady) -> None:
         raise TransferError(f"round {ready.round} uses {ready.method}, not this transport's cuda_ipc")
 
 
+def _ipc_device(tensor: torch.Tensor | None) -> torch.device:
+    """Where the shared buckets go: the stream's CUDA device, or this process's current one for
+    CPU tensors (copied to the GPU while packing)."""
+    if tensor is not None and tensor.is_cuda:
+        return tensor.device
+    if not torch.cuda.is_available():
+        raise TransferError("CUDA IPC needs a CUDA device in the trainer; torch sees none")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def _reply(ok: bool, *, error: str = "", message: str = "", nbytes: int = 0) -> bytes:
     payload: bytes = msgpack.packb({"ok": ok, "error": error, "message": message, "nbytes": nbytes})
     return payload
@@ -138,28 +154,24 @@ class CudaIpcTransport:
         # reducer checks every REQUIRE_SYNC of a rendezvous method carries one.
         return free_port("0.0.0.0")
 
-    async def send(self, ready: RendezvousReady, tensors: Mapping[str, torch.Tensor]) -> int:
-        """Pack `tensors` into the shared buckets, hand their IPC handles to every explorer of
-        `ready`, and return once each copied them (bytes of one copy)."""
+    async def send(
+        self, ready: RendezvousReady, tensors: WeightsSource, *, layout: Sequence[TensorMeta] | None = None,
+    ) -> int:
+        """Pack `tensors` (a mapping or a bucket stream, see `base`) into the shared buckets, hand
+        their IPC handles to every explorer of `ready`, and return once each copied them (bytes of
+        one copy). `layout` is accepted for the Protocol and not needed: the one offer goes out
+        after the stream has been packed, with the layout it had."""
         if self._closed:
             raise TransferError("transport is closed")
         if self._send_handles is None:
             raise TransferError("this CudaIpcTransport was built without send_handles (explorer side)")
         _check_method(ready)
-        device = next((t.device for t in tensors.values() if t.is_cuda), None)
-        if device is None:
-            raise TransferError("CUDA IPC needs the trainer's tensors on a CUDA device")
-        layout = tuple((name, t.dtype, tuple(t.shape)) for name, t in tensors.items())
-        for name, dtype, _ in layout:
-            if not can_send(dtype):
-                raise TransferError(f"tensor {name!r} has dtype {dtype}, which cannot be sent")
-        plan = plan_buckets(layout, bucket_bytes=self._bucket_bytes, direct_min_bytes=self._bucket_bytes + 1)
-        header = BucketHeader(round=ready.round, version=ready.version, epoch=ready.epoch, layout=layout,
-                         buckets=tuple(tuple(b) for b in plan))
-        sources = list(tensors.values())
         async with self._lock:
             started = time.monotonic()
-            handles, sizes = await asyncio.to_thread(self._pack_and_share, header, sources, device)
+            if isinstance(tensors, Mapping):
+                header, handles, sizes = await asyncio.to_thread(self._pack_mapping, ready, tensors)
+            else:
+                header, handles, sizes = await asyncio.to_thread(self._pack_stream, ready, as_buckets(tensors))
             payload = _encode_offer(header, handles, sizes)
             members = [p.member for p in ready.participants]
             replies = await asyncio.gather(
@@ -176,6 +188,76 @@ class CudaIpcTransport:
             self._log.debug("weights.ipc_sent", round=ready.round, version=ready.version, nbytes=nbytes,
                             explorers=len(members), seconds=round(time.monotonic() - started, 4))
             return nbytes
+
+    def _pack_mapping(self, ready: RendezvousReady,
+                      tensors: Mapping[str, torch.Tensor]) -> tuple[BucketHeader, list[IpcHandle], list[int]]:
+        device = next((t.device for t in tensors.values() if t.is_cuda), None)
+        if device is None:
+            raise TransferError("CUDA IPC needs the trainer's tensors on a CUDA device")
+        layout = tuple((name, t.dtype, tuple(t.shape)) for name, t in tensors.items())
+        for name, dtype, _ in layout:
+            if not can_send(dtype):
+                raise TransferError(f"tensor {name!r} has dtype {dtype}, which cannot be sent")
+        plan = plan_buckets(layout, bucket_bytes=self._bucket_bytes, direct_min_bytes=self._bucket_bytes + 1)
+        header = BucketHeader(round=ready.round, version=ready.version, epoch=ready.epoch, layout=layout,
+                              buckets=tuple(tuple(b) for b in plan))
+        handles, sizes = self._pack_and_share(header, list(tensors.values()), device)
+        return header, handles, sizes
+
+    def _pack_stream(self, ready: RendezvousReady,
+                     stream: Iterator[WeightBucket]) -> tuple[BucketHeader, list[IpcHandle], list[int]]:
+        """Pack the stream into the shared buckets as it comes (buckets cut in stream order)."""
+        layout: list[TensorMeta] = []
+        plan: list[tuple[int, ...]] = []
+        sizes: list[int] = []
+        current: list[torch.Tensor] = []
+        filled = 0
+        device: torch.device | None = None
+
+        def close_bucket() -> None:
+            nonlocal current, filled
+            if not current:
+                return
+            assert device is not None
+            k = len(plan)
+            plan.append(tuple(range(len(layout) - len(current), len(layout))))
+            sizes.append(filled)
+            with torch.cuda.device(device), torch.no_grad():
+                if not (k < len(self._buckets) and self._buckets[k].numel() >= filled
+                        and self._buckets[k].device == device):
+                    buf = torch.empty(max(filled, 1), dtype=torch.uint8, device=device)
+                    if k < len(self._buckets):
+                        self._buckets[k] = buf
+                    else:
+                        self._buckets.append(buf)
+                pack_bucket(self._buckets[k], current, range(len(current)))
+            current, filled = [], 0
+
+        for bucket in stream:
+            for name, tensor in bucket:
+                if not can_send(tensor.dtype):
+                    raise TransferError(f"tensor {name!r} has dtype {tensor.dtype}, which cannot be sent")
+                if device is None:
+                    device = _ipc_device(tensor)
+                nbytes = tensor.numel() * tensor.element_size()
+                if current and (filled + nbytes > self._bucket_bytes or current[0].dtype != tensor.dtype):
+                    close_bucket()
+                layout.append((name, tensor.dtype, tuple(tensor.shape)))
+                current.append(tensor)
+                filled += nbytes
+            del bucket
+        close_bucket()
+        if device is None:
+            device = _ipc_device(None)
+        del self._buckets[len(plan):]
+        header = BucketHeader(round=ready.round, version=ready.version, epoch=ready.epoch, layout=tuple(layout),
+                              buckets=tuple(plan))
+        with torch.cuda.device(device):
+            # The explorer reads with its own streams: every byte must be in place first.
+            torch.cuda.current_stream(device).synchronize()
+            # torch has no public call that exports a CUDA IPC handle; multiprocessing uses this one.
+            handles = [tuple(buf.untyped_storage()._share_cuda_()) for buf in self._buckets]  # type: ignore[no-untyped-call]
+        return header, handles, sizes
 
     def _pack_and_share(self, header: BucketHeader, sources: list[torch.Tensor],
                         device: torch.device) -> tuple[list[IpcHandle], list[int]]:

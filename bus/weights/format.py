@@ -15,6 +15,14 @@ names as safetensors spells them). Nothing is pickled.
   the manifest's chunk list against that root once, then each chunk as it lands, so a corrupt chunk is
   named (version, chunk, tensors) and no second full pass over the data is needed. The digest depends
   only on the tensors and the chunk size, not on the order the caller gave them in.
+- **Streams** (`StreamedChunks`): a sender that gets the weights as a stream of buckets cannot sort
+  them first. It places each tensor at the current end of the stream as it arrives (so the bytes go
+  out at once and the bucket can be dropped), cuts chunks as they fill and hashes each one on the
+  way; the layout is complete only when the stream ends, which is fine because the manifest (or a
+  checkpoint's header) is written last. A tensor whose size is not a multiple of 8 bytes would
+  misalign whatever comes after it, so it waits and goes at the end, largest element size first:
+  every offset is still a multiple of its element size with no padding, and receivers read the same
+  format. A mapping given whole keeps the sorted layout above (and so the same digest as before).
 - **Algorithm**: BLAKE3 when the ``blake3`` package is installed (cryptographic and several times
   faster than hashlib's), else SHA-256 from hashlib. The algorithm is written into every manifest,
   so a receiver always checks with the sender's choice.
@@ -29,11 +37,11 @@ import json
 import math
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Generator, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from .base import CorruptWeights, TransferError
+from .base import CorruptWeights, TransferError, WeightBucket, WeightsSource, as_buckets
 
 try:  # optional, and much faster than sha256
     import blake3 as _blake3
@@ -56,6 +64,8 @@ __all__ = [
     "root_digest",
     "Manifest",
     "build_manifest",
+    "StreamedChunks",
+    "streamed_chunks",
 ]
 
 FORMAT = "rolectl-weights/1"
@@ -256,15 +266,19 @@ class Layout:
         return start, min(start + chunk_size, self.nbytes)
 
 
+def _check_tensor(name: object, t: object) -> None:
+    if not isinstance(name, str):
+        raise TypeError(f"tensor names must be str, got {name!r}")
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name!r} is a {type(t).__name__}, not a torch.Tensor")
+    if t.layout != torch.strided:
+        raise TypeError(f"tensor {name!r} has layout {t.layout}; only dense (strided) tensors travel")
+
+
 def plan_layout(tensors: Mapping[str, torch.Tensor]) -> Layout:
     """Offsets for `tensors`: largest element size first, then by name, so no offset needs padding."""
     for name, t in tensors.items():
-        if not isinstance(name, str):
-            raise TypeError(f"tensor names must be str, got {name!r}")
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name!r} is a {type(t).__name__}, not a torch.Tensor")
-        if t.layout != torch.strided:
-            raise TypeError(f"tensor {name!r} has layout {t.layout}; only dense (strided) tensors travel")
+        _check_tensor(name, t)
     order = sorted(tensors.items(), key=lambda kv: (-kv[1].element_size(), kv[0]))
     offsets: dict[str, tuple[int, int]] = {}
     position = 0
@@ -517,25 +531,159 @@ class Manifest:
 
 def build_manifest(
     version: int,
-    source: SourceBytes,
+    source: SourceBytes | Layout,
     *,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     algorithm: str | None = None,
     chunk_digests: Sequence[bytes] | None = None,
     extra: Mapping[str, Any] | None = None,
 ) -> Manifest:
-    """The manifest of `source` (chunk digests computed unless given, e.g. hashed while sending)."""
+    """The manifest of `source` (chunk digests computed unless given, e.g. hashed while sending; a
+    bare `Layout` has no bytes to hash, so its digests must be given)."""
     algorithm = algorithm or default_digest_algorithm()
+    layout = source if isinstance(source, Layout) else source.layout
     if chunk_digests is None:
+        if isinstance(source, Layout):
+            raise ValueError("build_manifest of a Layout needs the chunk_digests hashed while streaming")
         chunk_digests = source.chunk_digests(algorithm, chunk_size)
     digests = tuple(chunk_digests)
     return Manifest(
         version=version,
-        layout=source.layout,
+        layout=layout,
         chunk_size=chunk_size,
         algorithm=algorithm,
         chunk_digests=digests,
-        digest=root_digest(algorithm, source.layout, chunk_size, digests),
+        digest=root_digest(algorithm, layout, chunk_size, digests),
         extra=dict(extra or {}),
     )
 
+
+# streams ------------------------------------------------------------------------------------------
+
+_ALIGN = 8  # the largest element size of a dtype that travels: an offset that is a multiple of it fits all
+
+
+class StreamedChunks:
+    """A bucket stream cut into the chunks of its logical byte stream, each hashed as it is made.
+
+    Iterate `chunks()` once: it yields ``(index, parts, digest)`` in stream order, pulling the next
+    bucket only when the chunk being filled needs it. `parts` are views of the tensors' own memory
+    (or of a small copy, see below) and stay valid until the next chunk is asked for; send or write
+    them before that. When the stream ends, `layout` and `chunk_digests` describe what was sent (see
+    the module docstring for the placement rule).
+
+    `planned`: the layout when it is known before the first byte (a mapping given whole: the stream
+    must then bring the tensors in the planned order of offsets). Memory: the bucket being cut, at
+    most one chunk copied out of the previous bucket (so the previous bucket can be freed while the
+    next one is made), and the tensors held for the end (sizes not a multiple of 8 bytes; tiny ones).
+    """
+
+    def __init__(self, buckets: Iterable[WeightBucket], *, chunk_size: int, algorithm: str,
+                 planned: Layout | None = None, where: str = "weights stream"):
+        if chunk_size <= 0:
+            raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+        self._buckets = buckets
+        self.chunk_size = chunk_size
+        self.algorithm = algorithm
+        self._planned = planned
+        self._planned_by_name = {s.name: s for s in planned.specs} if planned is not None else {}
+        self._where = where
+        self._specs: list[TensorSpec] = []
+        self._names: set[str] = set()
+        self._held: list[tuple[str, torch.Tensor]] = []
+        self._position = 0
+        self._parts: list[memoryview] = []
+        self._filled = 0
+        self._index = 0
+        self.chunk_digests: list[bytes] = []
+        self.buckets_read = 0
+        self._done = False
+
+    @property
+    def layout(self) -> Layout:
+        """Where every tensor went; only once `chunks()` has run to its end."""
+        if not self._done:
+            raise RuntimeError(f"{self._where}: the layout is known only once the stream has ended")
+        if self._planned is not None:
+            return self._planned
+        return Layout(tuple(self._specs), self._position)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes placed so far (all of them once the stream has ended)."""
+        return self._position
+
+    def chunks(self) -> Generator[tuple[int, list[memoryview], bytes], None, None]:
+        for bucket in self._buckets:
+            self.buckets_read += 1
+            yield from self._take_bucket(bucket)
+            del bucket  # let the stream free this bucket while it makes the next
+            if self._parts:
+                # The open chunk's views would keep the bucket's tensors alive: copy them (< 1 chunk).
+                self._parts = [memoryview(b"".join(self._parts))]
+        if self._planned is not None:
+            missing = sorted(set(self._planned_by_name) - self._names)
+            if missing:
+                raise ValueError(f"{self._where}: the stream ended without tensors {missing[:5]}")
+        for name, tensor in sorted(self._held, key=lambda nt: (-nt[1].element_size(), nt[0])):
+            yield from self._place(name, tensor)
+        self._held = []
+        if self._filled:
+            yield self._emit()
+        self._done = True
+
+    def _take_bucket(self, bucket: WeightBucket) -> Iterator[tuple[int, list[memoryview], bytes]]:
+        for name, tensor in bucket:
+            yield from self._take(name, tensor)
+
+    def _take(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[int, list[memoryview], bytes]]:
+        _check_tensor(name, tensor)
+        if name in self._names:
+            raise ValueError(f"{self._where}: tensor {name!r} appears twice in the stream")
+        self._names.add(name)
+        if self._planned is None and (tensor.numel() * tensor.element_size()) % _ALIGN:
+            dtype_name(tensor.dtype)  # an unsupported dtype fails now, not at the end
+            self._held.append((name, tensor))  # it would misalign what follows: it goes last
+            return
+        yield from self._place(name, tensor)
+
+    def _place(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[int, list[memoryview], bytes]]:
+        view = _as_bytes(tensor)
+        spec = TensorSpec(name, dtype_name(tensor.dtype), tuple(tensor.shape), self._position,
+                          self._position + len(view))
+        if self._planned is not None:
+            want = self._planned_by_name.get(name)
+            if want != spec:
+                raise ValueError(f"{self._where}: tensor {name!r} arrived as {spec}, the plan says {want}")
+        elif spec.start % max(tensor.element_size(), 1):
+            raise AssertionError(f"{self._where}: {name!r} placed at misaligned offset {spec.start}")
+        self._specs.append(spec)
+        self._position = spec.end
+        while len(view):
+            take = min(len(view), self.chunk_size - self._filled)
+            self._parts.append(view[:take])
+            self._filled += take
+            view = view[take:]
+            if self._filled == self.chunk_size:
+                yield self._emit()
+
+    def _emit(self) -> tuple[int, list[memoryview], bytes]:
+        parts, index = self._parts, self._index
+        digest = digest_bytes(self.algorithm, parts)
+        self.chunk_digests.append(digest)
+        self._parts, self._filled, self._index = [], 0, index + 1
+        return index, parts, digest
+
+
+
+def streamed_chunks(weights: WeightsSource, *, chunk_size: int, algorithm: str,
+                    where: str = "weights stream") -> StreamedChunks:
+    """`StreamedChunks` of a bucket stream (a fresh one from a callable), or of a whole mapping in
+    `plan_layout`'s order and layout (one tensor per bucket), so a mapping keeps the layout and
+    digest it always had."""
+    if isinstance(weights, Mapping):
+        planned = plan_layout(weights)
+        order = sorted(weights.items(), key=lambda kv: (-kv[1].element_size(), kv[0]))
+        return StreamedChunks(([item] for item in order), chunk_size=chunk_size, algorithm=algorithm,
+                              planned=planned, where=where)
+    return StreamedChunks(as_buckets(weights), chunk_size=chunk_size, algorithm=algorithm, where=where)

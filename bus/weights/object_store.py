@@ -31,7 +31,9 @@ Theory of operation
   digest check and the explorer keeps its weights.)
 - **Publish.** Chunks are `nc.max_payload` bytes; many are in flight at once (`window_bytes`), acks
   are gathered as they come, never one round trip per chunk. Each chunk goes out as the tensors' own
-  memory (scatter-gather `sendmsg`), hashed as it is sent.
+  memory (scatter-gather `sendmsg`), hashed just before it is sent. A bucket stream is read one
+  bucket at a time as its chunks go out (`format.StreamedChunks`), so the publisher holds about two
+  buckets; the manifest, which needs every offset and chunk digest, is last anyway.
 - **Fetch.** `$JS.API.DIRECT.GET` batch requests by stream sequence (no consumer to create, so N
   explorers cost the server nothing extra), a few requests in flight so the server never queues more
   than `window_bytes` for us (it drops "slow consumers" past its `max_pending`, 64 MiB by default).
@@ -71,8 +73,8 @@ from ..subjects import JobNames
 from ._wire_client import (
     ConnectionLost, DataConnection, NoDataConnection, Transient, data_endpoint, run_in_thread,
 )
-from .base import CorruptWeights, TransferError, WeightsNotFound, WeightsRef
-from .format import Destination, Manifest, SourceBytes, build_manifest, default_digest_algorithm, digest_bytes
+from .base import CorruptWeights, TransferError, WeightsNotFound, WeightsRef, WeightsSource, restartable
+from .format import Destination, Manifest, StreamedChunks, build_manifest, default_digest_algorithm, streamed_chunks
 
 __all__ = ["ObjectStoreTransport"]
 
@@ -148,56 +150,80 @@ class ObjectStoreTransport:
         limit = self._nc.max_payload
         return min(self._chunk_size or limit, limit)
 
-    async def publish(self, version: int, tensors: Mapping[str, torch.Tensor]) -> WeightsRef:
-        """Store `tensors` as `version`; returns once the manifest (published last) is stored."""
+    async def publish(self, version: int, tensors: WeightsSource) -> WeightsRef:
+        """Store `tensors` (a mapping or a bucket stream, see `base`) as `version`; returns once the
+        manifest (published last) is stored. A stream is consumed one bucket at a time while its
+        chunks go out. An upload that a server restart interrupts starts again from a fresh stream;
+        a one-shot iterator cannot give one, so that publish raises TransferError instead."""
         self._check_open()
         if not isinstance(version, int) or version < 0:
             raise ValueError(f"version must be an int >= 0 (the trainer step), got {version!r}")
-        # Off the event loop: device tensors are copied to host memory here.
-        source = await asyncio.to_thread(SourceBytes, tensors)
+        where = f"publish of version {version} to stream {self.stream}"
+        can_restart = restartable(tensors)
+        previous: StreamedChunks | None = None
+
+        def open_stream(chunk_size: int) -> StreamedChunks:
+            nonlocal previous
+            if previous is not None and previous.buckets_read and not can_restart:
+                raise TransferError(
+                    f"{where} was interrupted after its one-shot bucket stream was partly consumed, "
+                    "and cannot start again; pass a mapping, a list of buckets, or a callable that "
+                    "makes a fresh stream (e.g. lambda: engine.iter_weight_buckets(n))"
+                )
+            previous = streamed_chunks(tensors, chunk_size=chunk_size, algorithm=self._algorithm, where=where)
+            return previous
 
         async def stream_lost(exc: BaseException) -> None:
             # A restarted in-memory server lost the stream: look it up (and re-create it) again.
             self._stream_ready = False
 
         return await self._retrying(
-            lambda: self._publish_once(version, source), what=f"publish of version {version} to stream {self.stream}",
+            lambda: self._publish_once(version, open_stream), what=where,
             retry_for=self._publish_retry_s, before_retry=stream_lost,
         )
 
-    async def _publish_once(self, version: int, source: SourceBytes) -> WeightsRef:
+    async def _publish_once(self, version: int, open_stream: Callable[[int], StreamedChunks]) -> WeightsRef:
         self._check_connected()
         await self._ensure_stream()
         # Leftovers of a crashed upload, or an older upload of the same version, must not mix in.
         await self._purge_version(version)
         chunk_size = self.chunk_size
-        bounds = source.layout.chunk_bounds(chunk_size)
-        subjects = [self.names.weights_chunk(version, i) for i in range(len(bounds))]
         where = f"publish of version {version} to stream {self.stream}"
+
+        def subject(index: int) -> str:
+            return self.names.weights_chunk(version, index)
+
+        chunks: StreamedChunks | None = None
         if self._data_connection_usable():
+            inbox = self._nc.new_inbox()  # here, not in the thread: nats-py's NUID is not thread-safe
+            window = self._window(chunk_size)
+
+            def publish_raw(conn: DataConnection) -> dict[int, int]:
+                nonlocal chunks
+                # Made only once the connection is open: a refused one falls back before any bucket is read.
+                chunks = open_stream(chunk_size)
+                return _publish_raw(conn, inbox, chunks, subject, window, where)
+
             try:
-                inbox = self._nc.new_inbox()  # here, not in the thread: nats-py's NUID is not thread-safe
-                digests, seqs = await self._in_thread(
-                    lambda conn: _publish_raw(conn, inbox, source, bounds, subjects,
-                                              self._algorithm, self._window(chunk_size), where),
-                )
+                seqs = await self._in_thread(publish_raw)
             except NoDataConnection:
                 self._use_data_connection = False
-                digests, seqs = await self._publish_nats_py(source, bounds, subjects, chunk_size, where)
-        else:
-            digests, seqs = await self._publish_nats_py(source, bounds, subjects, chunk_size, where)
+                chunks = None
+        if chunks is None:
+            chunks = open_stream(chunk_size)
+            seqs = await self._publish_nats_py(chunks, subject, chunk_size, where)
         extra: dict[str, Any] = {"stream": self.stream}
         if seqs:
-            extra.update(first_seq=min(seqs), last_seq=max(seqs))
+            extra.update(first_seq=min(seqs.values()), last_seq=max(seqs.values()))
         manifest = build_manifest(
-            version, source, chunk_size=chunk_size, algorithm=self._algorithm,
-            chunk_digests=digests, extra=extra,
+            version, chunks.layout, chunk_size=chunk_size, algorithm=self._algorithm,
+            chunk_digests=chunks.chunk_digests, extra=extra,
         )
         payload = manifest.to_bytes()
         if len(payload) > self._nc.max_payload:
             raise TransferError(
                 f"{where}: manifest is {len(payload)} bytes, over the server's max_payload "
-                f"{self._nc.max_payload} ({len(bounds)} chunks); raise max_payload in the server config"
+                f"{self._nc.max_payload} ({len(manifest.chunks)} chunks); raise max_payload in the server config"
             )
         await self._js.publish(self.names.weights_manifest(version), payload, stream=self.stream)
         ref = WeightsRef(
@@ -484,9 +510,8 @@ class ObjectStoreTransport:
     # data plane: nats-py fallback -----------------------------------------------------------------
 
     async def _publish_nats_py(
-        self, source: SourceBytes, bounds: list[tuple[int, int]], subjects: list[str],
-        chunk_size: int, where: str,
-    ) -> tuple[list[bytes], list[int]]:
+        self, chunks: StreamedChunks, subject: Callable[[int], str], chunk_size: int, where: str,
+    ) -> dict[int, int]:
         inbox = self._nc.new_inbox()
         acks: asyncio.Queue[Msg] = asyncio.Queue()
 
@@ -494,26 +519,38 @@ class ObjectStoreTransport:
             acks.put_nowait(msg)
 
         sub = await self._nc.subscribe(f"{inbox}.*", cb=on_ack)
-        digests: list[bytes] = []
-        seqs = [0] * len(bounds)
+        seqs: dict[int, int] = {}
         outstanding = 0
         window = self._window(chunk_size)
+
+        async def take_ack() -> None:
+            nonlocal outstanding
+            msg = await self._wait(acks.get(), f"{where}: waiting for chunk acks")
+            index = int(msg.subject.rsplit(".", 1)[1])
+            seqs[index] = _parse_ack(msg.data, (msg.headers or {}).get("Status"), where, index)
+            outstanding -= 1
+
+        it = chunks.chunks()
         try:
-            for i, (a, b) in enumerate(bounds):
-                segments = source.segments(a, b)
-                digests.append(digest_bytes(self._algorithm, segments))
-                payload = segments[0] if len(segments) == 1 else b"".join(segments)
+            while True:
+                # Off the event loop: making a bucket may gather it from shards or copy it off a device.
+                item = await asyncio.to_thread(next, it, None)
+                if item is None:
+                    break
+                index, parts, _ = item
+                payload = parts[0] if len(parts) == 1 else b"".join(parts)
                 # nats-py sends any bytes-like payload; bytes() here would copy the chunk.
-                await self._nc.publish(subjects[i], payload, reply=f"{inbox}.{i}")  # type: ignore[arg-type]
+                await self._nc.publish(subject(index), payload, reply=f"{inbox}.{index}")  # type: ignore[arg-type]
+                del item, parts, payload
                 outstanding += 1
-                while outstanding >= window or (i == len(bounds) - 1 and outstanding):
-                    msg = await self._wait(acks.get(), f"{where}: waiting for chunk acks")
-                    index = int(msg.subject.rsplit(".", 1)[1])
-                    seqs[index] = _parse_ack(msg.data, (msg.headers or {}).get("Status"), where, index)
-                    outstanding -= 1
+                while outstanding >= window:
+                    await take_ack()
+            while outstanding:
+                await take_ack()
         finally:
+            it.close()
             await sub.unsubscribe()
-        return digests, seqs
+        return seqs
 
     async def _fetch_nats_py(self, plan: "_ChunkPlan") -> None:
         inbox = self._nc.new_inbox()
@@ -683,13 +720,13 @@ class _StreamGone(Transient):
 
 
 def _publish_raw(
-    conn: DataConnection, inbox: str, source: SourceBytes, bounds: list[tuple[int, int]],
-    subjects: list[str], algorithm: str, window: int, where: str,
-) -> tuple[list[bytes], list[int]]:
-    """Publish every chunk (at most `window` unacknowledged); return their digests and sequences."""
+    conn: DataConnection, inbox: str, chunks: StreamedChunks, subject: Callable[[int], str],
+    window: int, where: str,
+) -> dict[int, int]:
+    """Publish every chunk of the stream as it is cut (at most `window` unacknowledged); return
+    each chunk's stream sequence (their digests are in `chunks`)."""
     conn.subscribe(f"{inbox}.*")
-    digests: list[bytes] = []
-    seqs = [0] * len(bounds)
+    seqs: dict[int, int] = {}
     outstanding = 0
 
     def take_ack() -> None:
@@ -700,16 +737,19 @@ def _publish_raw(
         seqs[index] = _parse_ack(data, msg.status, where, index)
         outstanding -= 1
 
-    for i, (a, b) in enumerate(bounds):
-        segments = source.segments(a, b)
-        digests.append(digest_bytes(algorithm, segments))
-        conn.publish(subjects[i], f"{inbox}.{i}", segments)
-        outstanding += 1
-        while outstanding >= window:
+    it = chunks.chunks()
+    try:
+        for index, parts, _ in it:
+            conn.publish(subject(index), f"{inbox}.{index}", parts)  # in the kernel once this returns
+            del parts
+            outstanding += 1
+            while outstanding >= window:
+                take_ack()
+        while outstanding:
             take_ack()
-    while outstanding:
-        take_ack()
-    return digests, seqs
+    finally:
+        it.close()
+    return seqs
 
 
 def _fetch_raw(conn: DataConnection, inbox: str, api_subject: str, plan: _ChunkPlan) -> None:

@@ -25,6 +25,15 @@ A round on the wire:
    the group stays healthy);
 3. one broadcast per bucket, all as raw bytes (uint8), so any dtype travels, bf16 and fp8 included.
 
+Sending from a stream: receivers check the whole layout (step 2) before a data byte moves, so the
+header comes first and the trainer declares the layout of a bucket stream up front (`send(...,
+layout=...)`: names, dtypes and shapes, which a sharded model knows from its parameters' metadata
+without gathering them). The bucket plan is then cut in stream order (consecutive tensors of one
+dtype), each bucket is broadcast as soon as the stream has brought its tensors, and at most two
+broadcasts are in flight, so rank 0 holds about two buckets. Receivers are unchanged: the header
+carries any plan. A stream that differs from its declared layout fails the round (TransferError;
+the group is dropped). Without `layout` a stream is gathered whole first.
+
 Buckets hold one dtype each, up to `bucket_bytes`. A tensor of at least `direct_min_bytes` is a
 bucket of its own and is broadcast straight from / into the tensor when it is contiguous on the
 group's device (no packing copy: the big tensors are most of the bytes). Smaller tensors are packed
@@ -47,13 +56,15 @@ from __future__ import annotations
 import asyncio
 import datetime
 import ipaddress
+import itertools
 import json
 import os
 import time
 import weakref
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Literal, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -65,8 +76,13 @@ from rolectl.sync_protocol import MemberRef, RendezvousReady, SyncMethod
 
 from ..logging import get_logger
 from ..server import free_port
-from .base import CorruptWeights, PeerLost, TransferError
-from .buckets import DEFAULT_BUCKET_BYTES, BucketHeader, can_send, layout_mismatch, pack_bucket, plan_buckets
+from .base import (
+    CorruptWeights, PeerLost, TensorMeta, TransferError, WeightBucket, WeightsSource, as_buckets, tensor_meta,
+)
+from .buckets import (
+    DEFAULT_BUCKET_BYTES, BucketHeader, can_send, in_layout_order, layout_mismatch, pack_bucket, plan_buckets,
+    plan_stream_buckets,
+)
 from .pinned import PinnedStaging
 
 __all__ = [
@@ -178,7 +194,8 @@ class _Link:
 
     # ---- rank 0 ----------------------------------------------------------------------------------
 
-    def send_round(self, header: BucketHeader, tensors: Sequence[torch.Tensor]) -> None:
+    def send_header(self, header: BucketHeader) -> None:
+        """The header, then every rank's verdict on it: CorruptWeights when any rank rejected it."""
         raw = header.encode()
         length = torch.tensor([len(raw)], dtype=torch.int64, device=self.device)
         self._wait(self._broadcast(_as_bytes(length)))
@@ -189,6 +206,9 @@ class _Link:
                 f"round {header.round}: an explorer rank rejected the layout of version "
                 f"{header.version} (see its log); nothing was sent"
             )
+
+    def send_round(self, header: BucketHeader, tensors: Sequence[torch.Tensor]) -> None:
+        self.send_header(header)
         with torch.no_grad():
             pending = []
             slot_work: list[Any] = [None, None]
@@ -212,6 +232,43 @@ class _Link:
                 slot ^= 1
             for work in pending:
                 self._wait(work)
+        self._sync_device()
+
+    def send_stream_round(self, header: BucketHeader, stream: Iterable[WeightBucket]) -> None:
+        """`send_round` from a bucket stream whose tensors come in `header.layout` order (buckets
+        planned in stream order): each bucket is broadcast as soon as its tensors have come, and at
+        most two broadcasts (with their tensors) are in flight, so about two buckets are held."""
+        self.send_header(header)
+        tensors = in_layout_order(header.layout, stream)
+        with torch.no_grad():
+            in_flight: deque[tuple[Work, list[torch.Tensor]]] = deque()
+            slot_work: list[Any] = [None, None]
+            slot = 0
+            channel = -1
+            for bucket in header.buckets:
+                members = [next(tensors) for _ in bucket]
+                nbytes = header.bucket_nbytes(bucket)
+                if nbytes == 0:
+                    continue
+                channel += 1
+                if len(members) == 1 and _contiguous_on(members[0], self.device):
+                    in_flight.append((self._broadcast(_as_bytes(members[0]), channel), members))
+                else:
+                    if slot_work[slot] is not None:
+                        self._wait(slot_work[slot])  # its previous bucket is on the wire still
+                    buf = self.scratch(slot, nbytes)
+                    pack_bucket(buf, members, range(len(members)))
+                    work = self._broadcast(buf, channel)
+                    slot_work[slot] = work
+                    slot ^= 1
+                    in_flight.append((work, []))
+                del members
+                while len(in_flight) > 2:
+                    self._wait(in_flight.popleft()[0])
+            while in_flight:
+                self._wait(in_flight.popleft()[0])
+            for _ in tensors:  # the stream must end here: in_layout_order raises if it does not
+                pass
         self._sync_device()
 
     # ---- receivers -------------------------------------------------------------------------------
@@ -448,37 +505,65 @@ class TorchDistTransport:
         # current group is reused otherwise), so a stale TCPStore port is never reused.
         return free_port("0.0.0.0")
 
-    async def send(self, ready: RendezvousReady, tensors: Mapping[str, torch.Tensor]) -> int:
+    async def send(
+        self, ready: RendezvousReady, tensors: WeightsSource, *, layout: Sequence[TensorMeta] | None = None,
+    ) -> int:
         """Trainer side (rank 0): broadcast `tensors` to every explorer rank of `ready`; return bytes.
 
-        Raises CorruptWeights when an explorer rejects the layout (nothing sent; the group stays),
-        PeerLost when a peer dies, hangs past `timeout`, or never joins (the group is dropped).
+        `tensors` is a mapping or a bucket stream (see `base`). Receivers check the whole layout
+        before the first byte, so a stream needs `layout`, its (name, dtype, shape) in stream order,
+        known without gathering (a sharded model's metadata); the stream is then broadcast bucket by
+        bucket as it comes, holding about two buckets. A stream without `layout` is gathered whole
+        first. Raises CorruptWeights when an explorer rejects the layout (nothing sent; the group
+        stays), PeerLost when a peer dies, hangs past `timeout`, or never joins (the group is
+        dropped), TransferError when the stream differs from its declared layout (the group is
+        dropped: the explorers got part of a version).
         """
         self._check_open()
         _check_ready(ready)
-        layout = [(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
-        for name, dtype, _ in layout:
+        stream: Iterator[WeightBucket] | None = None
+        first: WeightBucket | None = None
+        if not isinstance(tensors, Mapping):
+            if layout is None:
+                tensors = {name: t for bucket in as_buckets(tensors) for name, t in bucket}
+        if isinstance(tensors, Mapping):
+            meta = tensor_meta(tensors)
+            sources = list(tensors.values())
+        else:
+            assert layout is not None
+            meta = [(name, dtype, tuple(shape)) for name, dtype, shape in layout]
+            buckets = as_buckets(tensors)
+            # The first bucket says where the tensors are (auto backend, nccl device).
+            first = await asyncio.to_thread(lambda: next(buckets, None))
+            sources = [t for _, t in first] if first is not None else []
+            stream = itertools.chain([first] if first is not None else [], buckets)
+        for name, dtype, _ in meta:
             if not can_send(dtype):
                 raise TransferError(f"tensor {name!r} has dtype {dtype}, which cannot be sent")
-        sources = list(tensors.values())
         backend = self._backend
         if backend == "auto":
             backend = "nccl" if sources and all(t.is_cuda for t in sources) else "gloo"
         direct = self._direct_min_bytes or DEFAULT_DIRECT_MIN_BYTES[backend]
         channels = self._channels or DEFAULT_CHANNELS[backend]
+        plan = plan_buckets if stream is None else plan_stream_buckets
         header = BucketHeader(
             round=ready.round,
             version=ready.version,
             epoch=ready.epoch,
-            layout=tuple(layout),
-            buckets=tuple(tuple(b) for b in plan_buckets(
-                layout, bucket_bytes=self._bucket_bytes, direct_min_bytes=direct)),
+            layout=tuple(meta),
+            buckets=tuple(tuple(b) for b in plan(
+                meta, bucket_bytes=self._bucket_bytes, direct_min_bytes=direct)),
         )
         device = _rank0_device(backend, sources)
         async with self._lock:
             group = await self._ensure_group(ready, ranks=[0], devices=[device], backend=backend, channels=channels)
             started = time.monotonic()
-            await self._run(group, [lambda link: link.send_round(header, sources)], ready)
+            if stream is None:
+                await self._run(group, [lambda link: link.send_round(header, sources)], ready)
+            else:
+                sources, first = [], None  # the stream holds the first bucket now, and lets it go once sent
+                chained = stream
+                await self._run(group, [lambda link: link.send_stream_round(header, chained)], ready)
             nbytes = sum(header.bucket_nbytes(b) for b in header.buckets)
             self._log.debug("weights.broadcast_sent", round=ready.round, version=ready.version,
                             epoch=ready.epoch, nbytes=nbytes, seconds=round(time.monotonic() - started, 4))

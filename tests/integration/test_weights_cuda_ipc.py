@@ -196,5 +196,30 @@ async def test_an_explorer_that_never_confirms_is_peer_lost_after_the_timeout():
         assert trainer._buckets == []  # a late reader may still map them: never reused
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("device", ["cuda:0", "cpu"])
+async def test_a_bucket_stream_arrives_bit_exact_packed_as_it_comes(spawn, device):
+    # A stream of CPU tensors (what a sharded engine's gather hands out) is copied to the GPU buckets.
+    rounds = [_ready(1, 1), _ready(2, 2)]
+    explorer = await spawn(rounds)
+    made = []
+
+    def stream(version):
+        for name, t in _state_dict(version, device).items():
+            made.append(name)
+            yield [(name, t)]
+
+    async with CudaIpcTransport(send_handles=explorer.send_handles, bucket_bytes=1 << 20, timeout=30.0) as trainer:
+        sent = await trainer.send(rounds[0], stream(1))
+        first = await explorer.result()
+        sent_again = await trainer.send(rounds[1], lambda: stream(2))
+        second = await explorer.result()
+    assert sent == sent_again == sum(t.numel() * t.element_size() for t in _state_dict(1, "cpu").values())
+    assert made == [name for name, _, _ in _layout()] * 2
+    for got in (first, second):
+        assert got["outcome"] == "ok" and got["exact"] and got["nbytes"] == sent
+    assert await explorer.proc.wait() == 0
+
+
 if __name__ == "__main__":
     asyncio.run(_explorer_main(json.loads(sys.argv[1])))

@@ -349,5 +349,82 @@ def test_staging_buffer_is_reused_across_rounds_and_grows_with_headroom():
     assert staging.capacity == 0
 
 
+# --------------------------------------------------------------------------------------------------
+# sending from a bucket stream (issue 27): the layout first, then the buckets as they come
+
+
+def _stream(version: int, kind: str, per_bucket: int, made: list[int], sent: list[int]):
+    """The state dict of `version` as a bucket stream of fresh tensors; records, as each bucket is
+    made, how many of the tensor bytes made before it had been broadcast."""
+    tensors = list(_state_dict(version, kind).items())
+    produced = 0
+    for i in range(0, len(tensors), per_bucket):
+        made.append(produced - sent[0])
+        bucket = [(name, t.clone()) for name, t in tensors[i : i + per_bucket]]
+        produced += sum(t.numel() * t.element_size() for _, t in bucket)
+        yield bucket
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("kind,per_bucket", [("mixed", 3), ("many", 4)])
+async def test_a_bucket_stream_with_its_layout_arrives_bit_exact_and_is_read_lazily(
+        explorers, monkeypatch, kind, per_bucket):
+    from rolectl.bus.weights import torch_dist
+
+    sent = [0]
+    real = torch_dist._Link._broadcast
+
+    def counting(self, t, channel=0):
+        work = real(self, t, channel)
+        if t.numel() > 64:  # data, not the header length / verdict
+            sent[0] += t.numel()
+        return work
+
+    monkeypatch.setattr(torch_dist._Link, "_broadcast", counting)
+    port = free_port()
+    ready = _ready(1, 3, 1, port, [1])
+    proc = await explorers(_spec(0, [ready], ranks=1, kind=kind))
+    made: list[int] = []
+    async with TorchDistTransport(timeout=5.0, connect_timeout=60.0, **SMALL) as trainer:
+        nbytes = await trainer.send(ready, _stream(3, kind, per_bucket, made, sent), layout=_layout(kind))
+    expected = _state_dict(3, kind)
+    assert nbytes == sum(t.numel() * t.element_size() for t in expected.values())
+    got = await proc.result()
+    assert got["outcome"] == "ok" and got["exact"] and got["nbytes"] == nbytes
+    assert await proc.finish() == 0
+    # never more than two of the stream's buckets ahead of the broadcasts (the header is not counted)
+    largest = max(sum(t.numel() * t.element_size() for t in list(expected.values())[i : i + per_bucket])
+                  for i in range(0, len(expected), per_bucket))
+    assert len(made) == -(-len(expected) // per_bucket)
+    assert max(made) <= 2 * largest, (max(made), largest)
+    assert sent[0] >= nbytes - 64 * len(expected)  # the count of broadcast bytes does count
+
+
+@pytest.mark.timeout(60)
+async def test_a_stream_that_differs_from_its_declared_layout_fails_the_round(explorers):
+    port = free_port()
+    ready = _ready(1, 3, 1, port, [1])
+    proc = await explorers(_spec(0, [ready], ranks=1))
+    layout = _layout("mixed")
+    wrong = [list(_state_dict(3).items())[:-1]]  # the last tensor is missing
+    async with TorchDistTransport(timeout=3.0, connect_timeout=60.0, **SMALL) as trainer:
+        with pytest.raises(TransferError, match="stream ended after 11 tensors; its declared layout has 12"):
+            await trainer.send(ready, iter(wrong), layout=layout)
+        assert trainer.epoch is None  # the explorer got part of a version: the group is dropped
+    got = await proc.result()
+    assert got["outcome"] == "PeerLost"
+
+
+@pytest.mark.timeout(60)
+async def test_a_stream_without_its_layout_is_gathered_first_and_still_arrives(explorers):
+    port = free_port()
+    ready = _ready(1, 4, 1, port, [1])
+    proc = await explorers(_spec(0, [ready], ranks=1))
+    async with TorchDistTransport(timeout=5.0, connect_timeout=60.0, **SMALL) as trainer:
+        await trainer.send(ready, _stream(4, "mixed", 5, [], [0]))
+    got = await proc.result()
+    assert got["outcome"] == "ok" and got["exact"]
+
+
 if __name__ == "__main__":
     asyncio.run(_explorer_main(json.loads(sys.argv[1])))

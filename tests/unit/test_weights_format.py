@@ -14,11 +14,13 @@ from rolectl.bus.weights.format import (
     Layout,
     Manifest,
     SourceBytes,
+    StreamedChunks,
     build_manifest,
     default_digest_algorithm,
     dtype_from_name,
     dtype_name,
     plan_layout,
+    streamed_chunks,
 )
 
 
@@ -237,3 +239,79 @@ def test_sparse_and_non_tensors_are_refused():
         plan_layout({"s": torch.eye(3).to_sparse()})
     with pytest.raises(TypeError, match="not a torch.Tensor"):
         plan_layout({"x": [1, 2]})
+
+
+# streams (issue 27) -------------------------------------------------------------------------------
+
+
+def _mixed() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {
+        "w.bf16": torch.randn(8, 4, generator=g).bfloat16(),
+        "bias.f32": torch.randn(3, generator=g),  # 12 bytes: not a multiple of 8
+        "ids.i64": torch.arange(5),
+        "norm.f16": torch.randn(5, generator=g).half(),  # 10 bytes
+        "w.f32": torch.randn(4, 4, generator=g),
+        "flag": torch.tensor([True, False, True]),
+        "empty": torch.empty(0, 3),
+    }
+
+
+def _streamed_bytes(chunks: StreamedChunks) -> bytes:
+    return b"".join(b"".join(bytes(p) for p in parts) for _, parts, _ in chunks.chunks())
+
+
+def test_a_stream_is_laid_out_in_arrival_order_with_odd_sizes_last_and_aligned():
+    state = _mixed()
+    chunks = streamed_chunks([[(n, t)] for n, t in state.items()], chunk_size=16, algorithm="sha256")
+    data = _streamed_bytes(chunks)
+    layout = Layout.from_header(chunks.layout.header())  # what a receiver accepts
+    starts = {s.name: s.start for s in layout.specs}
+    assert [n for n in sorted(starts, key=lambda n: (starts[n], n)) if state[n].numel()] == [
+        "w.bf16", "ids.i64", "w.f32", "bias.f32", "norm.f16", "flag"]
+    dest = Destination(layout)
+    dest.view[:] = data
+    got = dest.tensors()
+    assert all(torch.equal(got[n], t) for n, t in state.items())
+    assert len(chunks.chunk_digests) == -(-len(data) // 16)
+
+
+def test_a_mapping_streams_with_the_layout_and_digest_it_always_had():
+    state = _mixed()
+    chunks = streamed_chunks(state, chunk_size=16, algorithm="sha256")
+    data = _streamed_bytes(chunks)
+    before = build_manifest(1, SourceBytes(state), chunk_size=16, algorithm="sha256")
+    now = build_manifest(1, chunks.layout, chunk_size=16, algorithm="sha256", chunk_digests=chunks.chunk_digests)
+    assert now.digest == before.digest and chunks.layout == plan_layout(state)
+    buf = bytearray(len(data))
+    SourceBytes(state).read_into(0, memoryview(buf))
+    assert bytes(buf) == data
+
+
+def test_a_stream_is_read_one_bucket_at_a_time():
+    made = []
+
+    def stream():
+        for k in range(5):
+            made.append(k)
+            yield [(f"t{k}", torch.full((8,), float(k)))]  # 32 bytes: two 16-byte chunks
+
+    chunks = streamed_chunks(stream(), chunk_size=16, algorithm="sha256")
+    seen = []
+    for index, _, _ in chunks.chunks():
+        seen.append((index, len(made)))
+    assert seen == [(0, 1), (1, 1), (2, 2), (3, 2), (4, 3), (5, 3), (6, 4), (7, 4), (8, 5), (9, 5)]
+
+
+def test_a_stream_repeating_a_name_or_holding_a_non_tensor_is_refused():
+    with pytest.raises(ValueError, match="'a' appears twice"):
+        _streamed_bytes(streamed_chunks([[("a", torch.zeros(2))], [("a", torch.zeros(2))]],
+                                        chunk_size=8, algorithm="sha256"))
+    with pytest.raises(TypeError, match="not a torch.Tensor"):
+        _streamed_bytes(streamed_chunks([[("a", [1, 2])]], chunk_size=8, algorithm="sha256"))
+
+
+def test_the_layout_of_a_stream_is_known_only_once_it_has_ended():
+    chunks = streamed_chunks([[("a", torch.zeros(2))]], chunk_size=8, algorithm="sha256")
+    with pytest.raises(RuntimeError, match="only once the stream has ended"):
+        _ = chunks.layout
