@@ -70,7 +70,7 @@ _LEADING = ("step", "total_steps", "reward", "version", "waiting_for")
 _TRAILING = ("job", "role", "member", "ts")
 
 
-def _lead_with_progress(_logger: Any, _method: str, event: dict) -> dict:
+def _lead_with_progress(_logger: Any, _method: str, event: MutableMapping[str, Any]) -> dict[str, Any]:
     """Console lines: what happened, then step and reward, then the rest; who says it last."""
     first = {k: event[k] for k in ("level", "event", *_LEADING) if k in event}
     last = {k: event[k] for k in _TRAILING if k in event}

@@ -264,7 +264,8 @@ class EventReader:
         our consumer; checking at once saves up to poll_s of stall."""
         seen = self.conn.reconnects
         while not self.conn.is_closed:
-            await self.conn.wait_for(lambda seen=seen: self.conn.reconnects > seen or self.conn.is_closed)
+            # awaited here, before `seen` changes (B023 is about closures called later)
+            await self.conn.wait_for(lambda: self.conn.reconnects > seen or self.conn.is_closed)  # noqa: B023
             seen = self.conn.reconnects
             self._wake()
 
