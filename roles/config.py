@@ -32,6 +32,9 @@ __all__ = [
     "BufferConfig",
     "TransportConfig",
     "NatsConfig",
+    "EvalConfig",
+    "MonitorConfig",
+    "TRACKERS",
     "EnvSettings",
     "env_settings",
     "load_config",
@@ -140,6 +143,72 @@ class NatsConfig(Section):
         return ClientSecurity(creds=self.creds, tls_ca=self.tls_ca, tls_cert=self.tls_cert, tls_key=self.tls_key)
 
 
+class EvalConfig(Section):
+    """Evaluation on a held-out task set: the explorer runs the whole set with the weights it holds,
+    after explore step `eval_interval`, `2 x eval_interval`, ... (then syncs) and, with
+    `eval_on_startup`, before its first step; each eval is recorded as an `EvalFinished` event (the
+    eval curve in `replay`, `status`, the summary and the dashboard) and trains nothing. Only the
+    first explorer (`explorer-0`) evaluates: every explorer holds the same version at a boundary.
+    `rolectl bench` evaluates saved versions on the same set."""
+
+    path: PathStr | None = None
+    """The eval task file: .jsonl, .json, .parquet or .csv, read with `datasets` like `data.path`
+    (relative paths are from the working directory). For the tiny engine each prompt's digits are the
+    string to reverse (`{"prompt": "reverse 3 1 4 0 =", "answer": "0 4 1 3"}`)."""
+    prompt_key: Annotated[str, Strict(), Field(min_length=1)] = "prompt"
+    """Column holding the prompt."""
+    answer_key: Annotated[str, Strict(), Field(min_length=1)] = "answer"
+    """Column holding the answer the rewards compare with."""
+    rewards: tuple[Annotated[str, Strict(), Field(min_length=1)], ...] | None = None
+    """Reward names (built-ins or `module:function`) whose means are reported; default the names in
+    `data.rewards`, or `positional_match` and `exact_match` for the tiny engine."""
+    temperature: Annotated[float, Strict(), Field(ge=0, allow_inf_nan=False)] = 0.0
+    """Sampling temperature; 0 is greedy (the default)."""
+    samples: PositiveInt = 1
+    """Responses per eval task."""
+    max_tasks: PositiveInt | None = None
+    """Evaluate only the file's first `max_tasks` rows (default all)."""
+    eval_interval: NonNegativeInt = 0
+    """Evaluate after every `eval_interval`-th explore step (0 = never during the run)."""
+    eval_on_startup: StrictBool = False
+    """Evaluate the starting weights before the first explore step (not on a resume)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.path is not None and (self.eval_interval > 0 or self.eval_on_startup)
+
+
+TRACKERS = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
+"""Experiment trackers by name, and the optional extra (`pip install 'rolectl[NAME]'`) each needs."""
+
+
+def _known_trackers(value: tuple[str, ...]) -> tuple[str, ...]:
+    unknown = [name for name in value if name not in TRACKERS]
+    if unknown:
+        raise ValueError(f"unknown tracker {', '.join(map(repr, unknown))}; known: {sorted(TRACKERS)}")
+    if len(set(value)) != len(value):
+        raise ValueError(f"a tracker is named twice: {list(value)}")
+    return value
+
+
+class MonitorConfig(Section):
+    """Experiment trackers: each role logs its figures to them (the trainer's by train step, the
+    explorers' and evals' by explore step, sync rounds by round, the job's config as
+    hyper-parameters). A tracker that fails mid-run is logged once and counted; the job goes on."""
+
+    backends: Annotated[tuple[str, ...], AfterValidator(_known_trackers)] = ()
+    """Trackers to log to: `tensorboard`, `mlflow`, `wandb` (each an optional extra of that name)."""
+    dir: PathStr | None = None
+    """Where trackers write: TensorBoard event files, the MLflow file store and W&B's offline runs;
+    default `<run_dir>/<job>/monitor`."""
+    mlflow_tracking_uri: str | None = None
+    """MLflow tracking URI; default a file store under `dir`."""
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """W&B mode: `offline` writes runs under `dir` (sync them later with `wandb sync`)."""
+    project: str | None = None
+    """Project / experiment name in the trackers; default the job's name."""
+
+
 def _sync_config(value: Any) -> Any:
     """A `synchronizer:` mapping becomes the core's `SyncConfig` (its fields are checked there)."""
     if value is None:
@@ -190,6 +259,8 @@ class JobConfig(Section):
     buffer: BufferConfig = BufferConfig()
     transport: TransportConfig = TransportConfig()
     nats: NatsConfig = NatsConfig()
+    eval: EvalConfig = EvalConfig()
+    monitor: MonitorConfig = MonitorConfig()
     model: _Mapping = {}
     """The engine's settings, selected by `model.engine` (see the engine sections)."""
     data: _Mapping | None = None
@@ -214,6 +285,10 @@ class JobConfig(Section):
             if self.transport.checkpoint_dir
             else self.job_dir / "weights"
         )
+
+    @property
+    def monitor_dir(self) -> Path:
+        return Path(self.monitor.dir) if self.monitor.dir else self.job_dir / "monitor"
 
     def explorer_ids(self) -> list[str]:
         return [f"explorer-{i}" for i in range(self.explorers.count)]
@@ -302,6 +377,18 @@ def _engine_problems(data: Mapping[str, Any], explorers: ExplorerConfig) -> list
                                                  tensor_parallel_size=explorers.tensor_parallel_size))
 
 
+def _eval_problems(cfg: JobConfig) -> list[tuple[str, str]]:
+    # The eval file is read like a task file, by the engines (it needs `datasets`).
+    if cfg.eval.path is None:
+        if cfg.eval.eval_interval or cfg.eval.eval_on_startup:
+            return [("eval.path", "required when eval.eval_interval or eval.eval_on_startup is set: "
+                                  "the held-out task file to evaluate on")]
+        return []
+    from rolectl.roles.engines.evaluation import eval_config_problems
+
+    return eval_config_problems(cfg)
+
+
 def _explorers_or_default(section: Any) -> ExplorerConfig:
     """The explorers' layout for checking the engine's sections when the job has other problems."""
     try:
@@ -343,6 +430,8 @@ def parse_config(data: Any, *, source: str | None = None, check_engines: bool = 
     engine_sections_ok = all(isinstance(data.get(key), (Mapping, type(None))) for key in ("model", "data", "algorithm"))
     if check_engines and engine_sections_ok:
         problems.extend(_engine_problems(data, explorers))
+    if check_engines and cfg is not None:
+        problems.extend(_eval_problems(cfg))
     if problems:
         order = {str(key): i for i, key in enumerate(data)}
         problems.sort(key=lambda problem: order.get(problem[0].split(".")[0].split("[")[0], len(order)))

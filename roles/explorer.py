@@ -8,6 +8,10 @@ Reads top to bottom like the reference explore loop:
   (trainer_driven / fully_async with a rendezvous method: only if the trainer is waiting);
 - fully_async with a pull method never blocks: new versions are fetched in the background and
   swapped in between steps;
+- with an `eval:` section, the first explorer evaluates the weights it holds on the eval set before
+  its first step (`eval_on_startup`) and after every `eval_interval`-th step, before that step's
+  sync (explore steps, then eval, then sync, as the reference does); an eval trains nothing and is
+  recorded as `EvalFinished`;
 - every experience carries the version of the weights that produced it; STOPPED is published when
   the task set is exhausted (or the trainer finished), and the step is saved so a restart resumes;
 - a trainer that goes silent (killed, restarting, expired) is waited for, up to
@@ -30,6 +34,7 @@ from rolectl.roles.resume import SavedState, StartMode, decide_resume
 from rolectl.roles.session import JobIncomplete, MemberRejoined, MemberSession, stop_task, write_json_atomic
 from rolectl.roles.transports import make_pull_transport, make_rendezvous_transport
 from rolectl.sync_protocol import (
+    EvalFinished,
     MemberReleased,
     ReleaseReason,
     RendezvousReady,
@@ -47,7 +52,7 @@ __all__ = ["Explorer"]
 
 class Explorer:
     def __init__(self, cfg: JobConfig, member_id: str, *, start_mode: StartMode = StartMode.AUTO):
-        from rolectl.roles.engines import make_rollout_engine, make_taskset
+        from rolectl.roles.engines import make_eval_tasks, make_rollout_engine, make_taskset
 
         self.cfg = cfg
         self.sync = cfg.synchronizer
@@ -61,6 +66,9 @@ class Explorer:
         self.extra_ranks = [make_rollout_engine(cfg, f"{member_id}-r{r}") for r in range(1, ranks)]
         self.taskset = make_taskset(cfg, seed=index, total_batches=cfg.explorers.total_steps,
                                     batch_size=cfg.buffer.batch_size)
+        # One explorer evaluates: at a boundary every explorer holds the same version.
+        self.evaluates = cfg.eval.enabled and index == 0
+        self.eval_tasks = make_eval_tasks(cfg) if self.evaluates else []
         self.state_file = cfg.job_dir / member_id / "explorer_state.json"
         self.explore_step = 0
         self.version = -1  # no weights pulled yet (the engine holds the base model, version 0)
@@ -108,6 +116,8 @@ class Explorer:
             await session.join(step=self.explore_step, version=self.version)
             try:
                 await self.sync_weight()  # the first pull, before exploring
+                if self.evaluates and self.cfg.eval.eval_on_startup and self.explore_step == 0:
+                    await self.evaluate()
                 if self.sync.sync_style is SyncStyle.FULLY_ASYNC and not self.method.is_rendezvous:
                     self._background = asyncio.create_task(self._follow_versions(), name="background-pull")
                 await self.explore()
@@ -151,8 +161,25 @@ class Explorer:
                                                        **self.engine.rollout_metrics}))
             self._save_state()
             self.log.info("explore_step", step=step, version=self.engine.version, reward=round(reward, 4))
+            if self.need_eval():
+                await self.evaluate()
             if self.need_sync():
                 await self.sync_weight()
+
+    def need_eval(self) -> bool:
+        interval = self.cfg.eval.eval_interval
+        return self.evaluates and interval > 0 and self.explore_step % interval == 0
+
+    async def evaluate(self) -> None:
+        """The whole eval set with the weights we hold; recorded, never trained on."""
+        from rolectl.roles.engines.evaluation import evaluate
+
+        result = await asyncio.to_thread(evaluate, self.engine, self.eval_tasks, self.cfg, seed=self.explore_step)
+        await self.s.publish(EvalFinished(member=self.s.me, version=self.engine.version, step=self.explore_step,
+                                          rewards=result.rewards, tasks=result.tasks, responses=result.responses,
+                                          seconds=result.seconds))
+        self.log.info("eval_finished", step=self.explore_step, version=self.engine.version,
+                      rewards={k: round(v, 4) for k, v in result.rewards.items()}, seconds=round(result.seconds, 3))
 
     def _rollout(self, tasks, step: int) -> list:
         """Split the step's tasks across this explorer's engines (one per local rank)."""

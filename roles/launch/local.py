@@ -134,6 +134,8 @@ def write_config(cfg: JobConfig, path: Path) -> None:
         "transport": cfg.transport.model_dump(mode="json"),
         # stream replicas; credentials reach each role through its environment, never this file
         "nats": {"replicas": cfg.nats.replicas},
+        "eval": cfg.eval.model_dump(mode="json"),
+        "monitor": cfg.monitor.model_dump(mode="json"),
         "model": dict(cfg.model),
         "data": cfg.data,
         "algorithm": cfg.algorithm,

@@ -106,3 +106,15 @@ def test_a_job_short_of_experiences_by_stale_drops_says_so(tmp_path):
     assert "trainer: no more experiences after step" in said, run.output[-3000:]
     assert "were dropped as stale (older than synchronizer.max_staleness = 0" in said, run.output[-3000:]
     assert "are fewer than" not in said, run.output[-3000:]
+
+
+def test_eval_and_tracking_ends_with_the_eval_curve_in_the_summary(tmp_path):
+    config = shortened("eval_and_tracking.yaml", tmp_path, steps=10)
+    run = run_up(config, tmp_path, timeout=300, extra=("--run-dir", str(tmp_path / "runs")))
+    s = run.summary
+    assert run.rc == 0 and s["complete"] is True, f"exit {run.rc}\n{run.output[-2000:]}\n{run.role_logs()}"
+    # on start-up (the base model, version 0) and after explore step 10, before its sync
+    assert [(e["version"], e["step"]) for e in s["eval"]] == [(0, 0), (9, 10)], s["eval"]
+    for e in s["eval"]:
+        assert e["tasks"] == 64 and set(e["rewards"]) == {"positional_match", "exact_match"}
+    assert s["eval"][1]["rewards"]["positional_match"] > s["eval"][0]["rewards"]["positional_match"], s["eval"]

@@ -1,0 +1,106 @@
+"""Evaluation on a held-out set: the `eval:` section, its file through the data loader, greedy scoring."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rolectl.roles.config import parse_config
+from rolectl.roles.engines import make_eval_tasks, make_rollout_engine
+from rolectl.roles.engines.evaluation import evaluate
+from rolectl.sync_protocol import ConfigError
+from tests.support.tiny_llm import built_model, data_section, model_section
+
+ROOT = Path(__file__).resolve().parents[2]
+EVAL_FILE = ROOT / "examples/data/reverse_digits_eval.jsonl"
+LLM_DATA = ROOT / "examples/data/reverse_digits.jsonl"
+
+
+def _tiny(**eval_section):
+    return parse_config({"job": "eval-test", "model": {"engine": "tiny"},
+                         "eval": {"path": str(EVAL_FILE), "eval_interval": 5, **eval_section}})
+
+
+def _problems(data) -> dict[str, str]:
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    return dict(info.value.problems)
+
+
+def test_an_eval_file_that_does_not_exist_is_a_config_error_naming_it(tmp_path):
+    problems = _problems({"job": "j", "eval": {"path": str(tmp_path / "nope.jsonl"), "eval_interval": 2}})
+    assert "no such file" in problems["eval.path"] and "nope.jsonl" in problems["eval.path"]
+
+
+def test_an_eval_file_that_does_not_parse_is_a_config_error_saying_so(tmp_path):
+    bad = tmp_path / "broken.jsonl"
+    bad.write_text('{"prompt": "reverse 1 2 3 4 =", "answer": "4 3 2 1"}\n{"prompt": oops\n')
+    problems = _problems({"job": "j", "eval": {"path": str(bad), "eval_interval": 2}})
+    assert "does not parse as jsonl" in problems["eval.path"] and str(bad) in problems["eval.path"]
+
+
+def test_eval_problems_are_each_reported_by_path(tmp_path):
+    wrong = tmp_path / "three.jsonl"
+    wrong.write_text('{"prompt": "reverse 1 2 3 =", "answer": "3 2 1"}\n')
+    problems = _problems({"job": "j", "eval": {"path": str(wrong), "eval_interval": 1, "rewards": ["no_such"],
+                                               "temperature": -1}})
+    assert "temperature" in " ".join(problems)  # the section's own constraint
+    problems = _problems({"job": "j", "eval": {"path": str(wrong), "eval_interval": 1, "rewards": ["no_such"]}})
+    assert "unknown reward 'no_such'" in problems["eval.rewards[0]"]
+    assert "reverses 4 digits" in problems["eval.path"] and "row 0" in problems["eval.path"]
+    assert "required" in _problems({"job": "j", "eval": {"eval_on_startup": True}})["eval.path"]
+    missing = _problems({"job": "j", "eval": {"path": str(EVAL_FILE), "eval_interval": 1, "prompt_key": "q"}})
+    assert "no column 'q'" in missing["eval.path"] and "eval.prompt_key" in missing["eval.path"]
+
+
+def test_a_tiny_eval_is_greedy_deterministic_and_reports_each_reward():
+    cfg = _tiny()
+    tasks = make_eval_tasks(cfg)
+    assert len(tasks) == 64 and tasks[0].answer == "1 4 1 9" and tasks[0].target == (1, 4, 1, 9)
+    engine = make_rollout_engine(cfg, "explorer-0")
+    first = evaluate(engine, tasks, cfg, seed=1)
+    again = evaluate(engine, tasks, cfg, seed=2)  # greedy: the seed changes nothing
+    assert first.rewards == again.rewards
+    assert set(first.rewards) == {"positional_match", "exact_match"}
+    assert first.tasks == first.responses == 64
+    assert 0 <= first.rewards["exact_match"] <= first.rewards["positional_match"] <= 1
+
+
+def test_sampled_evals_differ_by_seed_and_count_every_response():
+    cfg = _tiny(temperature=1.0, samples=3, max_tasks=10, rewards=["positional_match"])
+    engine = make_rollout_engine(cfg, "explorer-0")
+    tasks = make_eval_tasks(cfg)
+    one, two = evaluate(engine, tasks, cfg, seed=1), evaluate(engine, tasks, cfg, seed=2)
+    assert one.tasks == 10 and one.responses == 30 and set(one.rewards) == {"positional_match"}
+    assert one.rewards != two.rewards
+
+
+def test_the_tiny_engines_eval_reward_matches_its_training_reward():
+    # the text rewards on decoded digits score as the token-level task does
+    from rolectl.roles.engines.rewards import positional_match
+    from rolectl.roles.engines.task import score_response
+
+    cfg = _tiny(rewards=["positional_match"])
+    engine = make_rollout_engine(cfg, "explorer-0")
+    tasks = make_eval_tasks(cfg)[:8]
+    texts = engine.generate(tasks, temperature=0.0, samples=1, seed=0)
+    for task, (text,) in zip(tasks, texts):
+        tokens = [int(t) for t in text.split()]
+        assert positional_match(text, task.answer) == pytest.approx(score_response(tokens, task.target))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return built_model(tmp_path_factory.mktemp("hf-eval"))
+
+
+def test_an_hf_eval_uses_the_data_rewards_and_is_greedy(model_dir):
+    cfg = parse_config({"job": "hf-eval", "model": model_section(model_dir, rollout_engine="hf"),
+                        "data": data_section(), "eval": {"path": str(LLM_DATA), "max_tasks": 6, "eval_interval": 1}})
+    tasks = make_eval_tasks(cfg)
+    assert len(tasks) == 6 and all(t.prompt for t in tasks)
+    engine = make_rollout_engine(cfg, "explorer-0")
+    first, again = evaluate(engine, tasks, cfg, seed=1), evaluate(engine, tasks, cfg, seed=5)
+    assert set(first.rewards) == {"positional_match", "exact_match"}  # data.rewards' names
+    assert first.rewards == again.rewards and first.responses == 6
