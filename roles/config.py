@@ -35,6 +35,7 @@ __all__ = [
     "EvalConfig",
     "MonitorConfig",
     "TRACKERS",
+    "tracker_problems",
     "EnvSettings",
     "env_settings",
     "load_config",
@@ -191,6 +192,14 @@ def _known_trackers(value: tuple[str, ...]) -> tuple[str, ...]:
     return value
 
 
+def tracker_problems(backends: tuple[str, ...]) -> list[tuple[str, str]]:
+    """Trackers whose package is not installed, by path, with the extra that installs each."""
+    import importlib.util
+
+    return [(f"monitor.backends[{i}]", f"{name} is not installed; pip install 'rolectl[{TRACKERS[name]}]'")
+            for i, name in enumerate(backends) if importlib.util.find_spec(name) is None]
+
+
 class MonitorConfig(Section):
     """Experiment trackers: each role logs its figures to them (the trainer's by train step, the
     explorers' and evals' by explore step, sync rounds by round, the job's config as
@@ -199,10 +208,11 @@ class MonitorConfig(Section):
     backends: Annotated[tuple[str, ...], AfterValidator(_known_trackers)] = ()
     """Trackers to log to: `tensorboard`, `mlflow`, `wandb` (each an optional extra of that name)."""
     dir: PathStr | None = None
-    """Where trackers write: TensorBoard event files, the MLflow file store and W&B's offline runs;
+    """Where trackers write: TensorBoard event files, the local MLflow store and W&B's offline runs;
     default `<run_dir>/<job>/monitor`."""
     mlflow_tracking_uri: str | None = None
-    """MLflow tracking URI; default a file store under `dir`."""
+    """MLflow tracking URI; default a local SQLite store, `<dir>/mlflow/mlflow.db` (open it with
+    `mlflow ui --backend-store-uri sqlite:///<that path>`)."""
     wandb_mode: Literal["offline", "online"] = "offline"
     """W&B mode: `offline` writes runs under `dir` (sync them later with `wandb sync`)."""
     project: str | None = None
@@ -432,6 +442,7 @@ def parse_config(data: Any, *, source: str | None = None, check_engines: bool = 
         problems.extend(_engine_problems(data, explorers))
     if check_engines and cfg is not None:
         problems.extend(_eval_problems(cfg))
+        problems.extend(tracker_problems(cfg.monitor.backends))
     if problems:
         order = {str(key): i for i, key in enumerate(data)}
         problems.sort(key=lambda problem: order.get(problem[0].split(".")[0].split("[")[0], len(order)))

@@ -108,7 +108,7 @@ def test_a_job_short_of_experiences_by_stale_drops_says_so(tmp_path):
     assert "are fewer than" not in said, run.output[-3000:]
 
 
-def test_eval_and_tracking_ends_with_the_eval_curve_in_the_summary(tmp_path):
+def test_eval_and_tracking_ends_with_the_eval_curve_and_tracker_files(tmp_path):
     config = shortened("eval_and_tracking.yaml", tmp_path, steps=10)
     run = run_up(config, tmp_path, timeout=300, extra=("--run-dir", str(tmp_path / "runs")))
     s = run.summary
@@ -118,3 +118,12 @@ def test_eval_and_tracking_ends_with_the_eval_curve_in_the_summary(tmp_path):
     for e in s["eval"]:
         assert e["tasks"] == 64 and set(e["rewards"]) == {"positional_match", "exact_match"}
     assert s["eval"][1]["rewards"]["positional_match"] > s["eval"][0]["rewards"]["positional_match"], s["eval"]
+    # TensorBoard's own reader finds the trainer's figures by train step and the evals by explore step
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert s["tracker_failures"] == {} and s["trackers"] == ["tensorboard", "mlflow"], s
+    (logdir,) = {p.parent for p in Path(s["run_dir"]).glob("*/monitor/tensorboard/*/events.out.tfevents.*")}
+    acc = EventAccumulator(str(logdir)).Reload()
+    assert [x.step for x in acc.Scalars("trainer/loss")] == list(range(1, 11))
+    assert [x.step for x in acc.Scalars("eval/positional_match")] == [0, 10]
+    assert (Path(s["monitor_dir"]) / "mlflow" / "mlflow.db").is_file()
