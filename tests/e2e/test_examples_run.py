@@ -5,6 +5,7 @@ and it must exit 0 with `complete: true`. A new example without a run here fails
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -127,3 +128,13 @@ def test_eval_and_tracking_ends_with_the_eval_curve_and_tracker_files(tmp_path):
     assert [x.step for x in acc.Scalars("trainer/loss")] == list(range(1, 11))
     assert [x.step for x in acc.Scalars("eval/positional_match")] == [0, 10]
     assert (Path(s["monitor_dir"]) / "mlflow" / "mlflow.db").is_file()
+    # `rolectl bench` evaluates what the finished job kept: the base model and the trainer's checkpoints
+    bench = subprocess.run([sys.executable, "-m", "rolectl.roles.cli", "bench", "--config", str(config),
+                            "--run-dir", str(Path(s["run_dir"]).parent), "--json"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert bench.returncode == 0, bench.stderr[-2000:]
+    rows = json.loads(bench.stdout)
+    assert [r["version"] for r in rows] == [0, 5, 10], rows
+    rewards = [r["rewards"]["positional_match"] for r in rows]
+    assert round(rewards[0], 4) == s["eval"][0]["rewards"]["positional_match"]  # the same eval as in the run
+    assert rewards[-1] > rewards[0], rows

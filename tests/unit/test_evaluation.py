@@ -104,3 +104,31 @@ def test_an_hf_eval_uses_the_data_rewards_and_is_greedy(model_dir):
     first, again = evaluate(engine, tasks, cfg, seed=1), evaluate(engine, tasks, cfg, seed=5)
     assert set(first.rewards) == {"positional_match", "exact_match"}  # data.rewards' names
     assert first.rewards == again.rewards and first.responses == 6
+
+
+def test_bench_evaluates_the_base_model_and_each_kept_checkpoint(tmp_path):
+    from rolectl.roles.engines import make_train_engine
+    from rolectl.roles.observe.bench import run_bench
+
+    cfg = _tiny(max_tasks=16).with_overrides(run_dir=str(tmp_path))
+    trainer = make_train_engine(cfg)
+    trainer.step = 3  # the base weights, saved as if after step 3: the same eval as version 0
+    trainer.save_checkpoint(tmp_path / "eval-test" / "trainer" / "step-3")
+    (tmp_path / "eval-test" / "trainer" / "step-7").mkdir()  # an empty (unfinished) save is not a version
+    rows = run_bench(cfg)
+    assert [(r.version, r.tasks) for r in rows] == [(0, 16), (3, 16)]
+    assert rows[0].rewards == rows[1].rewards and rows[0].source == "base model"
+    assert [r.version for r in run_bench(cfg, versions=[3])] == [3]
+
+
+def test_bench_says_what_is_missing(tmp_path):
+    from rolectl.roles.observe.bench import BenchError, run_bench
+
+    no_eval = parse_config({"job": "j", "run_dir": str(tmp_path)})
+    with pytest.raises(BenchError, match="no eval set: set eval.path"):
+        run_bench(no_eval)
+    with pytest.raises(BenchError, match="no saved versions of job 'eval-test'.*--run-dir"):
+        run_bench(_tiny().with_overrides(run_dir=str(tmp_path)))
+    (tmp_path / "eval-test" / "trainer").mkdir(parents=True)
+    with pytest.raises(BenchError, match=r"version\(s\) \[4\] are not kept; kept: \[0\]"):
+        run_bench(_tiny().with_overrides(run_dir=str(tmp_path)), versions=[4])
