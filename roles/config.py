@@ -10,6 +10,7 @@ are typed in `rolectl.roles.engines.sections`. See `examples/*.yaml` for complet
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping
@@ -90,6 +91,12 @@ class ExplorerConfig(Section):
     trainer_grace_s: Seconds = 300.0
     """How long a silent trainer (killed, restarting, expired) is waited for before an explorer
     gives up (non-zero exit): long enough for a restart with imports and checkpoint load."""
+    over_rollout_ratio: Annotated[float, Strict(), Field(ge=0, lt=1, allow_inf_nan=False)] = 0.0
+    """Over-rollout: an explore step completes once `ceil((1 - ratio) x buffer.batch_size)` of its
+    tasks are done; tasks not started by then are cancelled (the ones running finish and are dropped),
+    so a straggler does not hold the step. Tasks are then rolled out one by one per engine (rank),
+    which is slower on the batched tiny engine; 0 (the default) rolls the batch out at once. Counted
+    in the summary (`over_rollout_tasks_cut`)."""
     num_cpus: PositiveInt = 1
     """CPUs of each explorer's bundle under `rolectl up --launcher ray`."""
     use_gpus: StrictBool = False
@@ -387,6 +394,23 @@ def _engine_problems(data: Mapping[str, Any], explorers: ExplorerConfig) -> list
                                                  tensor_parallel_size=explorers.tensor_parallel_size))
 
 
+def _over_rollout_problems(cfg: JobConfig) -> list[tuple[str, str]]:
+    # A train step that needs more tasks than a round of cut steps brings would stall every round
+    # (explorers wait for a version the trainer cannot train) until the sync timeout.
+    ratio = cfg.explorers.over_rollout_ratio
+    if not ratio:
+        return []
+    per_step = math.ceil(cfg.buffer.batch_size * (1 - ratio))
+    per_round = cfg.explorers.count * per_step
+    needed = cfg.trainer.train_batch_tasks or cfg.buffer.batch_size
+    if needed <= per_round:
+        return []
+    return [("explorers.over_rollout_ratio",
+             f"{ratio:g} keeps {per_step} of each step's {cfg.buffer.batch_size} tasks, {per_round} per round of "
+             f"{cfg.explorers.count} explorers, fewer than the {needed} a train step takes; set "
+             f"trainer.train_batch_tasks: {per_round} (or lower the ratio)")]
+
+
 def _eval_problems(cfg: JobConfig) -> list[tuple[str, str]]:
     # The eval file is read like a task file, by the engines (it needs `datasets`).
     if cfg.eval.path is None:
@@ -440,6 +464,8 @@ def parse_config(data: Any, *, source: str | None = None, check_engines: bool = 
     engine_sections_ok = all(isinstance(data.get(key), (Mapping, type(None))) for key in ("model", "data", "algorithm"))
     if check_engines and engine_sections_ok:
         problems.extend(_engine_problems(data, explorers))
+    if cfg is not None:
+        problems.extend(_over_rollout_problems(cfg))
     if check_engines and cfg is not None:
         problems.extend(_eval_problems(cfg))
         problems.extend(tracker_problems(cfg.monitor.backends))

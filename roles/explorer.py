@@ -21,9 +21,12 @@ Reads top to bottom like the reference explore loop:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import math
 import time
 import zlib
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 from rolectl.bus.errors import describe
 from rolectl.bus.experiences import ExperienceBatch, ExperiencePublisher
@@ -75,6 +78,8 @@ class Explorer:
         self.sync_wait_s: list[float] = []
         self.finished = False  # our work is done: the task set is exhausted or the trainer finished
         self._background: asyncio.Task | None = None
+        self._pools: list[ThreadPoolExecutor] | None = None  # one per engine, for over-rollout
+        self.tasks_cut = 0  # tasks of the last step cancelled or dropped by over-rollout
         # (version, tensors, nbytes, fetch seconds) fetched in the background, applied between steps
         self._pending_weights: tuple[int, dict, int, float] | None = None
         self.start_mode = start_mode  # resumed or not in run(), once the stream says whether this is a restart
@@ -158,6 +163,8 @@ class Explorer:
                                               metrics={"reward_mean": reward, "experiences": float(len(experiences)),
                                                        "total_steps": float(self.cfg.explorers.total_steps),
                                                        "seconds": time.monotonic() - started,
+                                                       **({"over_rollout_tasks_cut": float(self.tasks_cut)}
+                                                          if self.cfg.explorers.over_rollout_ratio else {}),
                                                        **self.engine.rollout_metrics}))
             self._save_state()
             self.log.info("explore_step", step=step, version=self.engine.version, reward=round(reward, 4))
@@ -184,6 +191,14 @@ class Explorer:
     def _rollout(self, tasks, step: int) -> list:
         """Split the step's tasks across this explorer's engines (one per local rank)."""
         engines = [self.engine, *self.extra_ranks]
+        ratio = self.cfg.explorers.over_rollout_ratio
+        if ratio:
+            if self._pools is None:
+                self._pools = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rollout-r{i}")
+                               for i in range(len(engines))]
+            experiences, self.tasks_cut = over_rollout(engines, self._pools, tasks, step=step, member=self.member_id,
+                                                       wait_for=math.ceil(len(tasks) * (1 - ratio)))
+            return experiences
         per = -(-len(tasks) // len(engines))
         experiences = []
         for i, engine in enumerate(engines):
@@ -354,6 +369,8 @@ class Explorer:
                                                nbytes=nbytes, seconds=seconds))
 
     async def _cleanup(self) -> None:
+        for pool in self._pools or ():
+            pool.shutdown(wait=False, cancel_futures=True)
         if self._background is not None:
             await stop_task(self._background, log=self.log)  # a plain cancel can be lost (see stop_task)
         if self.s.replaced_by is not None:  # fenced: the successor owns the saved state
@@ -370,6 +387,35 @@ class Explorer:
         self.log.info("explorer_finished" if self.finished else "explorer_stopped_early",
                       step=self.explore_step, version=self.engine.version, sync_waits=len(self.sync_wait_s),
                       sync_wait_max_s=round(max(self.sync_wait_s), 3) if self.sync_wait_s else None)
+
+
+def over_rollout(engines, pools, tasks, *, step: int, member: str, wait_for: int) -> tuple[list, int]:
+    """The experiences of the tasks done once at least `wait_for` are, and how many tasks were cut.
+
+    Tasks go round-robin to the engines, one at a time each (`pools`: one worker per engine); once
+    `wait_for` are done, those not started are cancelled and those still running are dropped when
+    they finish. Each task is its own rollout call: its sampling seed is drawn from (step, task) and
+    its experiences get the ids a whole-batch rollout would give it (`member-step-task-k`)."""
+    futures = {}
+    for i, task in enumerate(tasks):
+        engine = engines[i % len(engines)]
+        # a distinct explore_step per task: engines seed their sampling from it
+        futures[pools[i % len(pools)].submit(engine.rollout, [task], explore_step=step * 1_000_003 + i)] = i
+    done_tasks: dict[int, list] = {}
+    pending = set(futures)
+    while len(done_tasks) < wait_for and pending:
+        finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+        for future in finished:
+            done_tasks[futures[future]] = future.result()  # an engine's error ends the step, as without
+    for future in pending:
+        future.cancel()  # not started: never runs; running: its result is ignored
+    experiences = []
+    for i in sorted(done_tasks):  # every task done by now is kept, in task order
+        group = f"{member}-{step}-{i}"
+        experiences.extend(dataclasses.replace(e, group=group, id=f"{group}-{e.id.rsplit('-', 1)[1]}")
+                           for e in done_tasks[i])
+    kept = len({e.group for e in experiences})
+    return experiences, len(tasks) - kept
 
 
 def _explorer_index(member_id: str) -> int:

@@ -260,6 +260,7 @@ SUMMARY_MEANINGS: dict[str, str] = {
     "weights_bytes_moved": "bytes explorers loaded",
     "experiences_dropped_stale": "past the staleness bound",
     "eval": "eval set's reward means, by version",
+    "over_rollout_tasks_cut": "tasks a step did not wait for",
 }
 
 
@@ -347,6 +348,7 @@ class JobObserver:
         self.experiences_produced: dict[tuple[str, int], int] = {}  # (explorer, step) -> n (a step
         self.experiences_trained: dict[int, int] = {}  # step -> n           reported twice counts once)
         self.dropped_stale = 0
+        self.tasks_cut: dict[tuple[str, int], int] = {}  # (explorer, step) -> tasks over-rollout cut
         self._asked_at: dict[str, int] = {}  # explorer key -> time it went require_sync
         # the decisions taken from the message at last_seq: a decision batch gives several records
         # that share its sequence, a reader that restarted gives none of them twice
@@ -566,6 +568,8 @@ class JobObserver:
         elif event.member.role is Role.EXPLORER:
             self.explorer_steps[event.member.id] = max(self.explorer_steps.get(event.member.id, 0), event.step)
             self.experiences_produced[(event.member.id, event.step)] = int(m.get("experiences", 0))
+            if "over_rollout_tasks_cut" in m:
+                self.tasks_cut[(event.member.id, event.step)] = int(m["over_rollout_tasks_cut"])
 
     def eval_curve(self) -> list[dict[str, Any]]:
         """The evals as recorded: version, explore step, each reward's mean, tasks, responses."""
@@ -608,6 +612,7 @@ class JobObserver:
             "experiences_produced": sum(self.experiences_produced.values()),
             "experiences_trained": sum(self.experiences_trained.values()),
             "experiences_dropped_stale": self.dropped_stale,
+            "over_rollout_tasks_cut": sum(self.tasks_cut.values()),
             "sync_wait_ms": {"p50": percentile(waits, 0.5), "p99": percentile(waits, 0.99), "count": len(waits),
                              "by_answer": dict(sorted(Counter(a for _, a, _ in self.sync_waits).items()))},
             "eval": [{"version": e["version"], "step": e["step"],

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from rolectl.bus.server import NatsCluster
-from tests.support.e2e import ROOT, run_up
+from tests.support.e2e import ROOT, job_config, run_up
 
 pytestmark = pytest.mark.e2e
 
@@ -138,3 +138,15 @@ def test_eval_and_tracking_ends_with_the_eval_curve_and_tracker_files(tmp_path):
     rewards = [r["rewards"]["positional_match"] for r in rows]
     assert round(rewards[0], 4) == s["eval"][0]["rewards"]["positional_match"]  # the same eval as in the run
     assert rewards[-1] > rewards[0], rows
+
+
+def test_over_rollout_steps_cut_their_tail_and_the_job_completes(tmp_path):
+    # each explore step keeps ceil(0.75 x 4) = 3 of its 4 tasks; a train step takes one round's 6
+    config = job_config(tmp_path, job="e2e-over-rollout", synchronizer={"sync_method": "memory"},
+                        explorers={"over_rollout_ratio": 0.25}, trainer={"train_batch_tasks": 6})
+    run = run_up(config, tmp_path, timeout=300)
+    s = run.summary
+    assert run.rc == 0 and s["complete"] is True, f"exit {run.rc}\n{run.output[-2000:]}\n{run.role_logs()}"
+    steps = sum(s["explorer_steps"].values())
+    assert s["over_rollout_tasks_cut"] == steps, s  # one task cut per explore step (4 -> 3)
+    assert s["experiences_produced"] == steps * 3 * 4  # 3 tasks x group_size 4
