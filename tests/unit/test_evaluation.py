@@ -132,3 +132,24 @@ def test_bench_says_what_is_missing(tmp_path):
     (tmp_path / "eval-test" / "trainer").mkdir(parents=True)
     with pytest.raises(BenchError, match=r"version\(s\) \[4\] are not kept; kept: \[0\]"):
         run_bench(_tiny().with_overrides(run_dir=str(tmp_path)), versions=[4])
+
+
+def test_replay_and_the_summary_show_the_eval_curve(capsys):
+    from rolectl.roles.observe.render import print_timeline
+    from rolectl.roles.observe.timeline import build_timeline, summarize
+    from rolectl.sync_protocol import EvalFinished, MemberJoined, MemberRef, Recorded, Role
+
+    e = MemberRef(role=Role.EXPLORER, id="explorer-0", incarnation=0)
+    events = [MemberJoined(member=e, host="h", pid=1, step=0, version=-1),
+              EvalFinished(member=e, version=0, step=0, rewards={"positional_match": 0.1}, tasks=64, responses=64),
+              EvalFinished(member=e, version=9, step=10, rewards={"positional_match": 0.5}, tasks=64, responses=64)]
+    records = [Recorded(seq=i + 1, time_ms=1000 * i, event=ev) for i, ev in enumerate(events)]
+    assert summarize(records, job="j")["eval"] == [
+        {"version": 0, "step": 0, "rewards": {"positional_match": 0.1}, "tasks": 64},
+        {"version": 9, "step": 10, "rewards": {"positional_match": 0.5}, "tasks": 64}]
+    timeline = build_timeline(records)
+    timeline.update(source="test", until=None)
+    print_timeline(timeline)
+    out = capsys.readouterr().out
+    assert "evals: 2 on the eval set (64 tasks)" in out
+    assert any(line.split()[:3] == ["9", "10", "0.5000"] for line in out.splitlines()), out
