@@ -466,5 +466,40 @@ def dashboard(job, nats, port, host, monitor_url, **security) -> None:
                              security=_security(**security)))
 
 
+@main.command()
+@click.option("--config", "config_path", required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--versions", default=None,
+              help="Comma-separated versions to evaluate (default every kept one: 0, the base model, and the "
+                   "trainer's checkpoints).")
+@click.option("--run-dir", default=None,
+              help="The run directory `rolectl up` printed (default: the config's run_dir, or the newest "
+                   "`up` run of the job under it).")
+@click.option("--eval", "eval_file", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="Eval task file; overrides the config's eval.path.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def bench(config_path, versions, run_dir, eval_file, as_json) -> None:
+    """Evaluate a job's saved versions on its eval set: one row per version, each reward's mean."""
+    from rolectl.bus.logging import setup_logging
+    from rolectl.roles.engines.evaluation import eval_config_problems
+    from rolectl.roles.observe.bench import BenchError, print_bench, run_bench
+
+    setup_logging("warning")
+    cfg = _load(config_path, None)
+    if eval_file:
+        cfg = cfg.with_overrides(eval=cfg.eval.replace(path=eval_file))
+        problems = eval_config_problems(cfg)
+        if problems:
+            raise InputError("; ".join(f"{path}: {why}" for path, why in problems))
+    try:
+        wanted = [int(v) for v in versions.split(",")] if versions else None
+    except ValueError:
+        raise InputError(f"--versions: a comma-separated list of integers, got {versions!r}") from None
+    try:
+        rows = run_bench(cfg, run_dir=run_dir, versions=wanted)
+    except BenchError as exc:
+        raise InputError(str(exc)) from None
+    print_bench(rows, as_json=as_json)
+
+
 if __name__ == "__main__":
     main()

@@ -10,6 +10,7 @@ are typed in `rolectl.roles.engines.sections`. See `examples/*.yaml` for complet
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping
@@ -32,6 +33,10 @@ __all__ = [
     "BufferConfig",
     "TransportConfig",
     "NatsConfig",
+    "EvalConfig",
+    "MonitorConfig",
+    "TRACKERS",
+    "tracker_problems",
     "EnvSettings",
     "env_settings",
     "load_config",
@@ -86,6 +91,12 @@ class ExplorerConfig(Section):
     trainer_grace_s: Seconds = 300.0
     """How long a silent trainer (killed, restarting, expired) is waited for before an explorer
     gives up (non-zero exit): long enough for a restart with imports and checkpoint load."""
+    over_rollout_ratio: Annotated[float, Strict(), Field(ge=0, lt=1, allow_inf_nan=False)] = 0.0
+    """Over-rollout: an explore step completes once `ceil((1 - ratio) x buffer.batch_size)` of its
+    tasks are done; tasks not started by then are cancelled (the ones running finish and are dropped),
+    so a straggler does not hold the step. Tasks are then rolled out one by one per engine (rank),
+    which is slower on the batched tiny engine; 0 (the default) rolls the batch out at once. Counted
+    in the summary (`over_rollout_tasks_cut`)."""
     num_cpus: PositiveInt = 1
     """CPUs of each explorer's bundle under `rolectl up --launcher ray`."""
     use_gpus: StrictBool = False
@@ -140,6 +151,81 @@ class NatsConfig(Section):
         return ClientSecurity(creds=self.creds, tls_ca=self.tls_ca, tls_cert=self.tls_cert, tls_key=self.tls_key)
 
 
+class EvalConfig(Section):
+    """Evaluation on a held-out task set: the explorer runs the whole set with the weights it holds,
+    after explore step `eval_interval`, `2 x eval_interval`, ... (then syncs) and, with
+    `eval_on_startup`, before its first step; each eval is recorded as an `EvalFinished` event (the
+    eval curve in `replay`, `status`, the summary and the dashboard) and trains nothing. Only the
+    first explorer (`explorer-0`) evaluates: every explorer holds the same version at a boundary.
+    `rolectl bench` evaluates saved versions on the same set."""
+
+    path: PathStr | None = None
+    """The eval task file: .jsonl, .json, .parquet or .csv, read with `datasets` like `data.path`
+    (relative paths are from the working directory). For the tiny engine each prompt's digits are the
+    string to reverse (`{"prompt": "reverse 3 1 4 0 =", "answer": "0 4 1 3"}`)."""
+    prompt_key: Annotated[str, Strict(), Field(min_length=1)] = "prompt"
+    """Column holding the prompt."""
+    answer_key: Annotated[str, Strict(), Field(min_length=1)] = "answer"
+    """Column holding the answer the rewards compare with."""
+    rewards: tuple[Annotated[str, Strict(), Field(min_length=1)], ...] | None = None
+    """Reward names (built-ins or `module:function`) whose means are reported; default the names in
+    `data.rewards`, or `positional_match` and `exact_match` for the tiny engine."""
+    temperature: Annotated[float, Strict(), Field(ge=0, allow_inf_nan=False)] = 0.0
+    """Sampling temperature; 0 is greedy (the default)."""
+    samples: PositiveInt = 1
+    """Responses per eval task."""
+    max_tasks: PositiveInt | None = None
+    """Evaluate only the file's first `max_tasks` rows (default all)."""
+    eval_interval: NonNegativeInt = 0
+    """Evaluate after every `eval_interval`-th explore step (0 = never during the run)."""
+    eval_on_startup: StrictBool = False
+    """Evaluate the starting weights before the first explore step (not on a resume)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.path is not None and (self.eval_interval > 0 or self.eval_on_startup)
+
+
+TRACKERS = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
+"""Experiment trackers by name, and the optional extra (`pip install 'rolectl[NAME]'`) each needs."""
+
+
+def _known_trackers(value: tuple[str, ...]) -> tuple[str, ...]:
+    unknown = [name for name in value if name not in TRACKERS]
+    if unknown:
+        raise ValueError(f"unknown tracker {', '.join(map(repr, unknown))}; known: {sorted(TRACKERS)}")
+    if len(set(value)) != len(value):
+        raise ValueError(f"a tracker is named twice: {list(value)}")
+    return value
+
+
+def tracker_problems(backends: tuple[str, ...]) -> list[tuple[str, str]]:
+    """Trackers whose package is not installed, by path, with the extra that installs each."""
+    import importlib.util
+
+    return [(f"monitor.backends[{i}]", f"{name} is not installed; pip install 'rolectl[{TRACKERS[name]}]'")
+            for i, name in enumerate(backends) if importlib.util.find_spec(name) is None]
+
+
+class MonitorConfig(Section):
+    """Experiment trackers: each role logs its figures to them (the trainer's by train step, the
+    explorers' and evals' by explore step, sync rounds by round, the job's config as
+    hyper-parameters). A tracker that fails mid-run is logged once and counted; the job goes on."""
+
+    backends: Annotated[tuple[str, ...], AfterValidator(_known_trackers)] = ()
+    """Trackers to log to: `tensorboard`, `mlflow`, `wandb` (each an optional extra of that name)."""
+    dir: PathStr | None = None
+    """Where trackers write: TensorBoard event files, the local MLflow store and W&B's offline runs;
+    default `<run_dir>/<job>/monitor`."""
+    mlflow_tracking_uri: str | None = None
+    """MLflow tracking URI; default a local SQLite store, `<dir>/mlflow/mlflow.db` (open it with
+    `mlflow ui --backend-store-uri sqlite:///<that path>`)."""
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """W&B mode: `offline` writes runs under `dir` (sync them later with `wandb sync`)."""
+    project: str | None = None
+    """Project / experiment name in the trackers; default the job's name."""
+
+
 def _sync_config(value: Any) -> Any:
     """A `synchronizer:` mapping becomes the core's `SyncConfig` (its fields are checked there)."""
     if value is None:
@@ -190,6 +276,8 @@ class JobConfig(Section):
     buffer: BufferConfig = BufferConfig()
     transport: TransportConfig = TransportConfig()
     nats: NatsConfig = NatsConfig()
+    eval: EvalConfig = EvalConfig()
+    monitor: MonitorConfig = MonitorConfig()
     model: _Mapping = {}
     """The engine's settings, selected by `model.engine` (see the engine sections)."""
     data: _Mapping | None = None
@@ -214,6 +302,10 @@ class JobConfig(Section):
             if self.transport.checkpoint_dir
             else self.job_dir / "weights"
         )
+
+    @property
+    def monitor_dir(self) -> Path:
+        return Path(self.monitor.dir) if self.monitor.dir else self.job_dir / "monitor"
 
     def explorer_ids(self) -> list[str]:
         return [f"explorer-{i}" for i in range(self.explorers.count)]
@@ -302,6 +394,35 @@ def _engine_problems(data: Mapping[str, Any], explorers: ExplorerConfig) -> list
                                                  tensor_parallel_size=explorers.tensor_parallel_size))
 
 
+def _over_rollout_problems(cfg: JobConfig) -> list[tuple[str, str]]:
+    # A train step that needs more tasks than a round of cut steps brings would stall every round
+    # (explorers wait for a version the trainer cannot train) until the sync timeout.
+    ratio = cfg.explorers.over_rollout_ratio
+    if not ratio:
+        return []
+    per_step = math.ceil(cfg.buffer.batch_size * (1 - ratio))
+    per_round = cfg.explorers.count * per_step
+    needed = cfg.trainer.train_batch_tasks or cfg.buffer.batch_size
+    if needed <= per_round:
+        return []
+    return [("explorers.over_rollout_ratio",
+             f"{ratio:g} keeps {per_step} of each step's {cfg.buffer.batch_size} tasks, {per_round} per round of "
+             f"{cfg.explorers.count} explorers, fewer than the {needed} a train step takes; set "
+             f"trainer.train_batch_tasks: {per_round} (or lower the ratio)")]
+
+
+def _eval_problems(cfg: JobConfig) -> list[tuple[str, str]]:
+    # The eval file is read like a task file, by the engines (it needs `datasets`).
+    if cfg.eval.path is None:
+        if cfg.eval.eval_interval or cfg.eval.eval_on_startup:
+            return [("eval.path", "required when eval.eval_interval or eval.eval_on_startup is set: "
+                                  "the held-out task file to evaluate on")]
+        return []
+    from rolectl.roles.engines.evaluation import eval_config_problems
+
+    return eval_config_problems(cfg)
+
+
 def _explorers_or_default(section: Any) -> ExplorerConfig:
     """The explorers' layout for checking the engine's sections when the job has other problems."""
     try:
@@ -343,6 +464,11 @@ def parse_config(data: Any, *, source: str | None = None, check_engines: bool = 
     engine_sections_ok = all(isinstance(data.get(key), (Mapping, type(None))) for key in ("model", "data", "algorithm"))
     if check_engines and engine_sections_ok:
         problems.extend(_engine_problems(data, explorers))
+    if cfg is not None:
+        problems.extend(_over_rollout_problems(cfg))
+    if check_engines and cfg is not None:
+        problems.extend(_eval_problems(cfg))
+        problems.extend(tracker_problems(cfg.monitor.backends))
     if problems:
         order = {str(key): i for i, key in enumerate(data)}
         problems.sort(key=lambda problem: order.get(problem[0].split(".")[0].split("[")[0], len(order)))

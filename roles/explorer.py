@@ -8,6 +8,10 @@ Reads top to bottom like the reference explore loop:
   (trainer_driven / fully_async with a rendezvous method: only if the trainer is waiting);
 - fully_async with a pull method never blocks: new versions are fetched in the background and
   swapped in between steps;
+- with an `eval:` section, the first explorer evaluates the weights it holds on the eval set before
+  its first step (`eval_on_startup`) and after every `eval_interval`-th step, before that step's
+  sync (explore steps, then eval, then sync, as the reference does); an eval trains nothing and is
+  recorded as `EvalFinished`;
 - every experience carries the version of the weights that produced it; STOPPED is published when
   the task set is exhausted (or the trainer finished), and the step is saved so a restart resumes;
 - a trainer that goes silent (killed, restarting, expired) is waited for, up to
@@ -17,9 +21,12 @@ Reads top to bottom like the reference explore loop:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import math
 import time
 import zlib
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 from rolectl.bus.errors import describe
 from rolectl.bus.experiences import ExperienceBatch, ExperiencePublisher
@@ -30,6 +37,7 @@ from rolectl.roles.resume import SavedState, StartMode, decide_resume
 from rolectl.roles.session import JobIncomplete, MemberRejoined, MemberSession, stop_task, write_json_atomic
 from rolectl.roles.transports import make_pull_transport, make_rendezvous_transport
 from rolectl.sync_protocol import (
+    EvalFinished,
     MemberReleased,
     ReleaseReason,
     RendezvousReady,
@@ -47,7 +55,7 @@ __all__ = ["Explorer"]
 
 class Explorer:
     def __init__(self, cfg: JobConfig, member_id: str, *, start_mode: StartMode = StartMode.AUTO):
-        from rolectl.roles.engines import make_rollout_engine, make_taskset
+        from rolectl.roles.engines import make_eval_tasks, make_rollout_engine, make_taskset
 
         self.cfg = cfg
         self.sync = cfg.synchronizer
@@ -61,12 +69,17 @@ class Explorer:
         self.extra_ranks = [make_rollout_engine(cfg, f"{member_id}-r{r}") for r in range(1, ranks)]
         self.taskset = make_taskset(cfg, seed=index, total_batches=cfg.explorers.total_steps,
                                     batch_size=cfg.buffer.batch_size)
+        # One explorer evaluates: at a boundary every explorer holds the same version.
+        self.evaluates = cfg.eval.enabled and index == 0
+        self.eval_tasks = make_eval_tasks(cfg) if self.evaluates else []
         self.state_file = cfg.job_dir / member_id / "explorer_state.json"
         self.explore_step = 0
         self.version = -1  # no weights pulled yet (the engine holds the base model, version 0)
         self.sync_wait_s: list[float] = []
         self.finished = False  # our work is done: the task set is exhausted or the trainer finished
         self._background: asyncio.Task | None = None
+        self._pools: list[ThreadPoolExecutor] | None = None  # one per engine, for over-rollout
+        self.tasks_cut = 0  # tasks of the last step cancelled or dropped by over-rollout
         # (version, tensors, nbytes, fetch seconds) fetched in the background, applied between steps
         self._pending_weights: tuple[int, dict, int, float] | None = None
         self.start_mode = start_mode  # resumed or not in run(), once the stream says whether this is a restart
@@ -108,6 +121,8 @@ class Explorer:
             await session.join(step=self.explore_step, version=self.version)
             try:
                 await self.sync_weight()  # the first pull, before exploring
+                if self.evaluates and self.cfg.eval.eval_on_startup and self.explore_step == 0:
+                    await self.evaluate()
                 if self.sync.sync_style is SyncStyle.FULLY_ASYNC and not self.method.is_rendezvous:
                     self._background = asyncio.create_task(self._follow_versions(), name="background-pull")
                 await self.explore()
@@ -148,15 +163,42 @@ class Explorer:
                                               metrics={"reward_mean": reward, "experiences": float(len(experiences)),
                                                        "total_steps": float(self.cfg.explorers.total_steps),
                                                        "seconds": time.monotonic() - started,
+                                                       **({"over_rollout_tasks_cut": float(self.tasks_cut)}
+                                                          if self.cfg.explorers.over_rollout_ratio else {}),
                                                        **self.engine.rollout_metrics}))
             self._save_state()
             self.log.info("explore_step", step=step, version=self.engine.version, reward=round(reward, 4))
+            if self.need_eval():
+                await self.evaluate()
             if self.need_sync():
                 await self.sync_weight()
+
+    def need_eval(self) -> bool:
+        interval = self.cfg.eval.eval_interval
+        return self.evaluates and interval > 0 and self.explore_step % interval == 0
+
+    async def evaluate(self) -> None:
+        """The whole eval set with the weights we hold; recorded, never trained on."""
+        from rolectl.roles.engines.evaluation import evaluate
+
+        result = await asyncio.to_thread(evaluate, self.engine, self.eval_tasks, self.cfg, seed=self.explore_step)
+        await self.s.publish(EvalFinished(member=self.s.me, version=self.engine.version, step=self.explore_step,
+                                          rewards=result.rewards, tasks=result.tasks, responses=result.responses,
+                                          seconds=result.seconds))
+        self.log.info("eval_finished", step=self.explore_step, version=self.engine.version,
+                      rewards={k: round(v, 4) for k, v in result.rewards.items()}, seconds=round(result.seconds, 3))
 
     def _rollout(self, tasks, step: int) -> list:
         """Split the step's tasks across this explorer's engines (one per local rank)."""
         engines = [self.engine, *self.extra_ranks]
+        ratio = self.cfg.explorers.over_rollout_ratio
+        if ratio:
+            if self._pools is None:
+                self._pools = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rollout-r{i}")
+                               for i in range(len(engines))]
+            experiences, self.tasks_cut = over_rollout(engines, self._pools, tasks, step=step, member=self.member_id,
+                                                       wait_for=math.ceil(len(tasks) * (1 - ratio)))
+            return experiences
         per = -(-len(tasks) // len(engines))
         experiences = []
         for i, engine in enumerate(engines):
@@ -327,6 +369,8 @@ class Explorer:
                                                nbytes=nbytes, seconds=seconds))
 
     async def _cleanup(self) -> None:
+        for pool in self._pools or ():
+            pool.shutdown(wait=False, cancel_futures=True)
         if self._background is not None:
             await stop_task(self._background, log=self.log)  # a plain cancel can be lost (see stop_task)
         if self.s.replaced_by is not None:  # fenced: the successor owns the saved state
@@ -343,6 +387,35 @@ class Explorer:
         self.log.info("explorer_finished" if self.finished else "explorer_stopped_early",
                       step=self.explore_step, version=self.engine.version, sync_waits=len(self.sync_wait_s),
                       sync_wait_max_s=round(max(self.sync_wait_s), 3) if self.sync_wait_s else None)
+
+
+def over_rollout(engines, pools, tasks, *, step: int, member: str, wait_for: int) -> tuple[list, int]:
+    """The experiences of the tasks done once at least `wait_for` are, and how many tasks were cut.
+
+    Tasks go round-robin to the engines, one at a time each (`pools`: one worker per engine); once
+    `wait_for` are done, those not started are cancelled and those still running are dropped when
+    they finish. Each task is its own rollout call: its sampling seed is drawn from (step, task) and
+    its experiences get the ids a whole-batch rollout would give it (`member-step-task-k`)."""
+    futures = {}
+    for i, task in enumerate(tasks):
+        engine = engines[i % len(engines)]
+        # a distinct explore_step per task: engines seed their sampling from it
+        futures[pools[i % len(pools)].submit(engine.rollout, [task], explore_step=step * 1_000_003 + i)] = i
+    done_tasks: dict[int, list] = {}
+    pending = set(futures)
+    while len(done_tasks) < wait_for and pending:
+        finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+        for future in finished:
+            done_tasks[futures[future]] = future.result()  # an engine's error ends the step, as without
+    for future in pending:
+        future.cancel()  # not started: never runs; running: its result is ignored
+    experiences = []
+    for i in sorted(done_tasks):  # every task done by now is kept, in task order
+        group = f"{member}-{step}-{i}"
+        experiences.extend(dataclasses.replace(e, group=group, id=f"{group}-{e.id.rsplit('-', 1)[1]}")
+                           for e in done_tasks[i])
+    kept = len({e.group for e in experiences})
+    return experiences, len(tasks) - kept
 
 
 def _explorer_index(member_id: str) -> int:

@@ -43,6 +43,7 @@ __all__ = [
     "WeightsBroadcast",
     "SyncFailed",
     "StepFinished",
+    "EvalFinished",
     "MemberExpired",
     "RoundTimedOut",
     # decisions
@@ -208,6 +209,19 @@ class StepFinished(Event, frozen=True, kw_only=True, tag="step_finished"):
     metrics: Mapping[str, float] = msgspec.field(default_factory=dict)
 
 
+class EvalFinished(Event, frozen=True, kw_only=True, tag="eval_finished"):
+    """An explorer evaluated weights `version` on the eval set after explore step `step`:
+    `rewards` is each reward's mean over `responses` responses to `tasks` tasks, in `seconds`.
+    A record for the eval curve only: the reducer decides nothing on it."""
+
+    version: int
+    step: int
+    rewards: Mapping[str, float] = msgspec.field(default_factory=dict)
+    tasks: int = 0
+    responses: int = 0
+    seconds: float = 0.0
+
+
 class MemberExpired(Event, frozen=True, kw_only=True, tag="member_expired"):
     """The synchronizer's clock saw no heartbeat from `expired` for `silent_for` seconds."""
 
@@ -294,6 +308,7 @@ INPUT_KINDS: dict[str, type[Event]] = {
         WeightsBroadcast,
         SyncFailed,
         StepFinished,
+        EvalFinished,
         MemberExpired,
         RoundTimedOut,
     )

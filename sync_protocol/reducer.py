@@ -47,6 +47,7 @@ from .enums import (
 from .errors import IllegalEvent
 from .events import (
     Decision,
+    EvalFinished,
     Event,
     JobConfigured,
     MemberExpired,
@@ -170,6 +171,7 @@ SENDERS: Mapping[type[Event], tuple[Role, ...]] = MappingProxyType({
     MemberJoined: _ANYONE,
     StatusChanged: _ANYONE,  # a synchronizer's status is recorded, never part of a round
     StepFinished: _ANYONE,
+    EvalFinished: (_EXPLORER,),
     VersionPublished: (_TRAINER,),
     NoNewVersion: (_TRAINER,),
     WeightsBroadcast: (_TRAINER,),
@@ -795,6 +797,10 @@ def _on_step_finished(tx: _Tx, event: StepFinished, member: MemberState) -> None
                      metrics=metrics)
 
 
+def _on_eval_finished(tx: _Tx, event: EvalFinished, member: MemberState) -> None:
+    pass  # a record for the eval curve (observers fold it); no sync decision depends on it
+
+
 def _on_member_expired(tx: _Tx, event: MemberExpired, _: None) -> None:
     target = event.expired
     member = tx.members.get(target.key)
@@ -822,6 +828,7 @@ _HANDLERS: dict[type[Event], _Handler] = {
     WeightsBroadcast: _on_weights_broadcast,
     SyncFailed: _on_sync_failed,
     StepFinished: _on_step_finished,
+    EvalFinished: _on_eval_finished,
     MemberExpired: _on_member_expired,
     RoundTimedOut: _on_round_timed_out,
 }

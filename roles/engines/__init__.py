@@ -59,6 +59,7 @@ __all__ = [
     "make_train_engine",
     "make_rollout_engine",
     "make_taskset",
+    "make_eval_tasks",
     "engine_summary",
 ]
 
@@ -93,6 +94,8 @@ class EngineSpec:
     train: Callable[[EngineSections], TrainEngine] | None = None
     rollout: Callable[[EngineSections, str], RolloutEngine] | None = None
     taskset: Callable[..., TaskSet] | None = None
+    eval_tasks: Callable[[EngineSections, Sequence[tuple[str, str]], str], list[Task]] | None = None
+    """Tasks from the eval file's (prompt, answer) rows (its path for messages); None: no eval."""
 
 
 def _model_problems(sections: EngineSections) -> list[tuple[str, str]]:
@@ -140,6 +143,12 @@ def _tiny_taskset(sections: EngineSections, *, seed: int, total_batches: int | N
     if batch_size is not None:
         config = config.replace(tasks_per_step=batch_size)
     return build_task_set(config, seed=config.seed * 1000 + seed, num_batches=total_batches)
+
+
+def _tiny_eval_tasks(sections: EngineSections, rows: Sequence[tuple[str, str]], path: str) -> list[Task]:
+    from .evaluation import tiny_eval_tasks
+
+    return tiny_eval_tasks(rows, task_length=_tiny_config(sections).task_length, path=path)
 
 
 # -- hf / vllm (imported lazily: transformers and vllm are optional extras) --------------------------
@@ -217,12 +226,25 @@ def _text_taskset(sections: EngineSections, *, seed: int, total_batches: int | N
                        batch_size=batch_size or 4, num_batches=total_batches)
 
 
+def _text_eval_tasks(sections: EngineSections, rows: Sequence[tuple[str, str]], path: str) -> list[Task]:
+    """Tokenized as the training tasks are (the data section's chat template and prompt limit)."""
+    from .data import TextTaskSet
+    from .hf_model import load_tokenizer
+
+    _, data, model_path = _hf_parts(sections)
+    tasks = TextTaskSet(data.model_copy(update={"path": path}), load_tokenizer(model_path), shard=0, num_shards=1,
+                        batch_size=1, rows=list(rows))
+    return [tasks.tasks[i] for i in range(len(rows))]
+
+
 _BUILTIN = {
     "tiny": EngineSpec(name="tiny", problems=_tiny_problems, train=_tiny_train,
-                       rollout=_tiny_rollout, taskset=_tiny_taskset),
-    "hf": EngineSpec(name="hf", problems=_hf_problems, train=_hf_train, rollout=_hf_rollout, taskset=_text_taskset),
+                       rollout=_tiny_rollout, taskset=_tiny_taskset, eval_tasks=_tiny_eval_tasks),
+    "hf": EngineSpec(name="hf", problems=_hf_problems, train=_hf_train, rollout=_hf_rollout, taskset=_text_taskset,
+                     eval_tasks=_text_eval_tasks),
     # vllm is a rollout engine only; its trainer is `hf`, which validates the sections.
-    "vllm": EngineSpec(name="vllm", problems=lambda s: [], rollout=_vllm_rollout, taskset=_text_taskset),
+    "vllm": EngineSpec(name="vllm", problems=lambda s: [], rollout=_vllm_rollout, taskset=_text_taskset,
+                       eval_tasks=_text_eval_tasks),
 }
 
 
@@ -298,6 +320,18 @@ def make_taskset(job: Any, *, seed: int, total_batches: int | None = None, batch
     sections = _checked(job)
     return engines()[engine_names(sections.model)["explorer"]].taskset(
         sections, seed=seed, total_batches=total_batches, batch_size=batch_size)
+
+
+def make_eval_tasks(job: Any) -> list[Task]:
+    """The eval set of a `JobConfig` (its `eval:` file) as the explorers' engine's tasks."""
+    from .evaluation import load_eval_rows
+
+    sections = _checked(job)
+    name = engine_names(sections.model)["explorer"]
+    spec = engines()[name]
+    if spec.eval_tasks is None:
+        raise ValueError(f"the {name} engine cannot evaluate (its EngineSpec has no eval_tasks)")
+    return spec.eval_tasks(sections, load_eval_rows(job), str(job.eval.path))
 
 
 def engine_summary(model: Mapping[str, Any], records: Sequence[Any]) -> dict[str, Any]:

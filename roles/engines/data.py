@@ -52,17 +52,24 @@ def data_config_from_mapping(values: Mapping[str, Any]) -> DataConfig:
     return DataConfig.model_validate(values)
 
 
-def load_rows(config: DataConfig) -> list[tuple[str, str]]:
-    """(prompt, answer) of every row, in file order; errors name the file, row and column."""
+def load_rows(config: DataConfig, *, section: str = "data") -> list[tuple[str, str]]:
+    """(prompt, answer) of every row, in file order; errors name the file, row and column (and the
+    config `section` whose keys name the columns)."""
     import datasets
 
     kind = _FORMATS[Path(config.path).suffix.lower()]
     datasets.disable_progress_bars()
-    table = datasets.load_dataset(kind, data_files=str(config.path), split="train")
+    try:
+        table = datasets.load_dataset(kind, data_files=str(config.path), split="train")
+    except Exception as exc:  # datasets wraps each format's parser error in its own types
+        cause = exc.__cause__ or exc
+        raise ValueError(f"{config.path}: does not parse as {Path(config.path).suffix.lower()[1:]} "
+                         f"({type(cause).__name__}: {cause}); fix the file or point {section}.path at "
+                         "another") from None
     missing = [k for k in (config.prompt_key, config.answer_key) if k not in table.column_names]
     if missing:
         raise ValueError(f"{config.path}: no column {', '.join(map(repr, missing))}; it has "
-                         f"{table.column_names} (set data.prompt_key / data.answer_key)")
+                         f"{table.column_names} (set {section}.prompt_key / {section}.answer_key)")
     if len(table) == 0:
         raise ValueError(f"{config.path}: no rows")
     rows = []

@@ -317,6 +317,26 @@ class HFRolloutEngine:
                 for (group, k, prompt, response, lp), reward in zip(experiences, totals)]
 
 
+    @torch.no_grad()
+    def generate(self, tasks: Sequence[Task], *, temperature: float, samples: int, seed: int) -> list[list[str]]:
+        """`samples` decoded responses per task, for evaluation: greedy at temperature 0."""
+        device = self.config.device
+        devices = [torch.device(device)] if device.startswith("cuda") else []
+        sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 \
+            else dict(do_sample=False)
+        out = []
+        for task_idx, task in enumerate(tasks):
+            input_ids = torch.tensor([list(task.prompt)] * samples, dtype=torch.long, device=device)
+            with torch.random.fork_rng(devices=devices):
+                torch.manual_seed((seed * 1_000_003 + task_idx) % 2**63)
+                sequences = self.model.generate(
+                    input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **sampling,
+                    max_new_tokens=self.config.max_new_tokens, pad_token_id=self.pad_id, eos_token_id=self.eos_id)
+            out.append([self.tokenizer.decode(row[input_ids.shape[1]:].tolist(), skip_special_tokens=True)
+                        for row in sequences])
+        return out
+
+
 def _atomic_write(final: Path, write) -> None:
     with atomic_path(final) as tmp:
         write(str(tmp))

@@ -126,7 +126,8 @@ def sample_responses(
     temperature: float,
     generator: torch.Generator,
 ) -> tuple[list[list[int]], list[list[float]]]:
-    """Sample one response per prompt row, stopping each at EOS; returns tokens and their logprobs.
+    """Sample one response per prompt row (greedy at temperature 0), stopping each at EOS; returns
+    tokens and their logprobs.
 
     Recomputes the whole (short) sequence each step: no KV cache, fewer moving parts.
     """
@@ -135,8 +136,12 @@ def sample_responses(
     finished = torch.zeros(batch, dtype=torch.bool)
     sampled, sampled_logprobs = [], []
     for _ in range(max_new_tokens):
-        logprobs = _masked_log_softmax(policy(tokens)[:, -1], allowed_tokens, temperature)
-        next_tokens = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
+        # temperature 0 is greedy: the most likely allowed token (its logprob at temperature 1)
+        logprobs = _masked_log_softmax(policy(tokens)[:, -1], allowed_tokens, temperature or 1.0)
+        if temperature == 0:
+            next_tokens = logprobs.argmax(dim=-1)
+        else:
+            next_tokens = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
         next_tokens = next_tokens.masked_fill(finished, eos_token)
         sampled.append(next_tokens)
         sampled_logprobs.append(logprobs.gather(-1, next_tokens.unsqueeze(-1)).squeeze(-1))

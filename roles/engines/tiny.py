@@ -304,6 +304,20 @@ class TinyRolloutEngine:
         return experiences
 
 
+    def generate(self, tasks: Sequence[Task], *, temperature: float, samples: int, seed: int) -> list[list[str]]:
+        """`samples` responses per task as text (digits separated by spaces, up to EOS), for
+        evaluation: greedy at temperature 0; nothing is recorded."""
+        if not tasks:
+            return []
+        prompts = torch.tensor([task.prompt for task in tasks]).repeat_interleave(samples, dim=0)
+        responses, _ = sample_responses(
+            self.policy, prompts, max_new_tokens=self.config.max_response_length,
+            allowed_tokens=_ALLOWED_RESPONSE_TOKENS, eos_token=EOS, temperature=temperature,
+            generator=torch.Generator().manual_seed(seed % 2**63))
+        texts = [" ".join(str(t) for t in response if t != EOS) for response in responses]
+        return [texts[i * samples:(i + 1) * samples] for i in range(len(tasks))]
+
+
 def _atomic_write(final: Path, write) -> None:
     with atomic_path(final) as tmp:
         write(str(tmp))

@@ -119,3 +119,16 @@ class VLLMRolloutEngine:
                            logprobs=tuple(lp), reward=reward, model_version=self.version)
                 for (group, k, prompt, ids, lp), reward in zip(rows, totals)]
 
+    def generate(self, tasks: Sequence[Task], *, temperature: float, samples: int, seed: int) -> list[list[str]]:
+        """`samples` decoded responses per task, for evaluation: greedy at temperature 0."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=list(task.prompt)) for task in tasks]
+        params = [SamplingParams(n=samples, temperature=temperature, top_p=1.0, top_k=0,
+                                 max_tokens=self.config.max_new_tokens, seed=seed + i,
+                                 stop_token_ids=[self.eos_id] if self.eos_id is not None else None)
+                  for i in range(len(tasks))]
+        outputs = self._thread.submit(self.llm.generate, prompts, params, use_tqdm=False).result()
+        return [[self.tokenizer.decode(list(c.token_ids), skip_special_tokens=True) for c in output.outputs]
+                for output in outputs]

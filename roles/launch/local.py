@@ -35,6 +35,7 @@ from rolectl.roles.launch.base import Launcher, RoleHandle
 from rolectl.roles.observe.dashboard import start_dashboard
 from rolectl.roles.observe.observer import SUMMARY_MEANINGS, JobObserver, member_status
 from rolectl.roles.observe.replay import summarize, write_export
+from rolectl.roles.observe.trackers import Trackers
 from rolectl.roles.provision import provision_job
 from rolectl.roles.runner import EXIT_ERROR, EXIT_INCOMPLETE, EXIT_INTERRUPTED
 from rolectl.roles.session import stop_task
@@ -134,6 +135,8 @@ def write_config(cfg: JobConfig, path: Path) -> None:
         "transport": cfg.transport.model_dump(mode="json"),
         # stream replicas; credentials reach each role through its environment, never this file
         "nats": {"replicas": cfg.nats.replicas},
+        "eval": cfg.eval.model_dump(mode="json"),
+        "monitor": cfg.monitor.model_dump(mode="json"),
         "model": dict(cfg.model),
         "data": cfg.data,
         "algorithm": cfg.algorithm,
@@ -237,7 +240,10 @@ async def supervise(cfg: JobConfig, launcher: Launcher, run_path: Path, *, monit
             await ensure_event_stream(conn.js, conn.names, replicas=cfg.nats.replicas)
             await ensure_experience_stream(conn.js, conn.names, replicas=cfg.nats.replicas)
             view = JobObserver(log_tail=0)
-            following = asyncio.create_task(_follow(conn, view), name="up-follow")
+            trackers = await asyncio.to_thread(
+                Trackers.start, cfg, run_path.name,
+                warn=lambda message: console.print(f"[yellow]{message}[/]", highlight=False, markup=False))
+            following = asyncio.create_task(_follow(conn, view, trackers), name="up-follow")
             if dashboard:
                 try:
                     handle = await start_dashboard(job=cfg.job, nats_url=url, security=observer,
@@ -297,6 +303,13 @@ async def supervise(cfg: JobConfig, launcher: Launcher, run_path: Path, *, monit
                            run_dir=str(run_path), events_file=str(events_file),
                            launcher=launcher.name, exit_codes={p.name: p.returncode for p in everyone},
                            restarts={p.name: p.restarts for p in everyone if p.restarts})
+            await stop_task(following)
+            for rec in records:  # what the live reader had not reached yet (seen records are skipped)
+                trackers.apply(rec)
+            await asyncio.to_thread(trackers.close)
+            if cfg.monitor.backends:
+                summary.update(trackers=list(cfg.monitor.backends), tracker_failures=dict(trackers.failures),
+                               monitor_dir=str(cfg.monitor_dir))
             summary.update(extra_summary or {})
             summary.update(engine_summary(cfg.model, records))
             (run_path / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -357,11 +370,14 @@ def _auth_mismatch(cfg: JobConfig, auth: AuthDir) -> str | None:
     return None
 
 
-async def _follow(conn: BusConnection, observer: JobObserver) -> None:
-    """Fold the job's stream into `observer` as it grows (the progress table reads it)."""
+async def _follow(conn: BusConnection, observer: JobObserver, trackers: Trackers | None = None) -> None:
+    """Fold the job's stream into `observer` as it grows (the progress table reads it), and into
+    the experiment trackers."""
     async with read_events(conn, from_seq=1, include_decisions=True) as reader:
         async for rec in reader:
             observer.apply(rec)
+            if trackers is not None:
+                trackers.apply(rec)
 
 
 _PIPE_LINE_S = 10.0  # how often `up` in a pipe prints a progress line

@@ -278,6 +278,9 @@ class Dashboard:
                           "series": _thin([[s, m, d] for s, m, d in obs.staleness])},
             "series": {
                 "reward": _thin([[step, reward] for step, reward, _ in obs.reward]),
+                # eval means by version, on the reward's axis: version N is the weights after train step N
+                "eval": {name: _thin([[e["version"], e["rewards"][name]] for e in obs.evals if name in e["rewards"]])
+                         for name in dict.fromkeys(k for e in obs.evals for k in e["rewards"])},
                 "sync_time": _thin([[r.id, r.duration_ms / 1000 if r.duration_ms is not None else None,
                                      r.transfer_seconds] for r in closed]),
             },

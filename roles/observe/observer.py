@@ -26,6 +26,7 @@ from typing import Any
 
 from rolectl.sync_protocol import (
     Decision,
+    EvalFinished,
     Event,
     IllegalEvent,
     JobConfigured,
@@ -196,6 +197,9 @@ def describe(event: Event | Decision) -> str:
         reward = event.metrics.get("reward_mean")
         extra = f", reward {reward:.3f}" if reward is not None else ""
         return f"step {event.step} done with v{event.version}{extra}"
+    if isinstance(event, EvalFinished):
+        rewards = ", ".join(f"{name} {mean:.3f}" for name, mean in event.rewards.items())
+        return f"eval of v{event.version} at step {event.step}: {rewards} ({event.tasks} tasks, {event.seconds:.2f} s)"
     if isinstance(event, MemberExpired):
         return f"{event.expired} expired (silent {event.silent_for:.1f} s)"
     if isinstance(event, RoundTimedOut):
@@ -255,6 +259,8 @@ SUMMARY_MEANINGS: dict[str, str] = {
     "sync_wait_ms": "explorer ask → answer",
     "weights_bytes_moved": "bytes explorers loaded",
     "experiences_dropped_stale": "past the staleness bound",
+    "eval": "eval set's reward means, by version",
+    "over_rollout_tasks_cut": "tasks a step did not wait for",
 }
 
 
@@ -328,6 +334,7 @@ class JobObserver:
         self.reward: deque[tuple[int, float, int]] = deque(maxlen=max_points)  # (step, reward, time)
         self.staleness: deque[tuple[int, float, float]] = deque(maxlen=max_points)  # (step, mean, dropped)
         self.background_transfers: deque[Transfer] = deque(maxlen=max_points)
+        self.evals: deque[dict[str, Any]] = deque(maxlen=max_points)  # EvalFinished, in stream order
         self.bytes_loaded_total = 0
         self.heartbeats: dict[str, int] = {}
         # run figures (what `summary()` reports)
@@ -341,6 +348,7 @@ class JobObserver:
         self.experiences_produced: dict[tuple[str, int], int] = {}  # (explorer, step) -> n (a step
         self.experiences_trained: dict[int, int] = {}  # step -> n           reported twice counts once)
         self.dropped_stale = 0
+        self.tasks_cut: dict[tuple[str, int], int] = {}  # (explorer, step) -> tasks over-rollout cut
         self._asked_at: dict[str, int] = {}  # explorer key -> time it went require_sync
         # the decisions taken from the message at last_seq: a decision batch gives several records
         # that share its sequence, a reader that restarted gives none of them twice
@@ -505,6 +513,11 @@ class JobObserver:
                 self._asked_at.pop(event.member.key, None)  # withdrew its ask (gave up, stopped)
         if isinstance(event, StepFinished):
             self._count_step(event)
+        if isinstance(event, EvalFinished):
+            self.evals.append({"version": event.version, "step": event.step, "rewards": dict(event.rewards),
+                               "tasks": event.tasks, "responses": event.responses,
+                               "seconds": round(event.seconds, 3), "member": event.member.key,
+                               "time_ms": rec.time_ms})
         if isinstance(event, VersionPublished):
             self.versions.append(VersionView(version=event.version, step=event.step, method=event.method.value,
                                              nbytes=event.nbytes, seq=rec.seq, time_ms=rec.time_ms))
@@ -555,6 +568,13 @@ class JobObserver:
         elif event.member.role is Role.EXPLORER:
             self.explorer_steps[event.member.id] = max(self.explorer_steps.get(event.member.id, 0), event.step)
             self.experiences_produced[(event.member.id, event.step)] = int(m.get("experiences", 0))
+            if "over_rollout_tasks_cut" in m:
+                self.tasks_cut[(event.member.id, event.step)] = int(m["over_rollout_tasks_cut"])
+
+    def eval_curve(self) -> list[dict[str, Any]]:
+        """The evals as recorded: version, explore step, each reward's mean, tasks, responses."""
+        keep = ("version", "step", "rewards", "tasks", "responses", "seconds")
+        return [{k: e[k] for k in keep} for e in self.evals]
 
     def outcome(self) -> JobOutcome:
         """How the job stands or ended, by the trainer's record (only its final STOPPED ends a job)."""
@@ -592,7 +612,11 @@ class JobObserver:
             "experiences_produced": sum(self.experiences_produced.values()),
             "experiences_trained": sum(self.experiences_trained.values()),
             "experiences_dropped_stale": self.dropped_stale,
+            "over_rollout_tasks_cut": sum(self.tasks_cut.values()),
             "sync_wait_ms": {"p50": percentile(waits, 0.5), "p99": percentile(waits, 0.99), "count": len(waits),
                              "by_answer": dict(sorted(Counter(a for _, a, _ in self.sync_waits).items()))},
+            "eval": [{"version": e["version"], "step": e["step"],
+                      "rewards": {k: round(v, 4) for k, v in e["rewards"].items()}, "tasks": e["tasks"]}
+                     for e in self.evals],
             "events": self.records,
         }

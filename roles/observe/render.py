@@ -74,6 +74,14 @@ def print_timeline(t: dict[str, Any]) -> None:
           "dim")
     for m in t["members"]:
         _line(out, f"  {m['role']:<12} {m['id']:<14.14} {m['status']:<12} {m['step']:>6} {m['version']:>7}  {_seen(m)}")
+    evals = t.get("eval") or []
+    if evals:
+        names = list(evals[0]["rewards"])
+        _line(out, f"evals: {len(evals)} on the eval set ({evals[0]['tasks']} tasks)", "bold")
+        _line(out, f"  {'version':>7} {'step':>6}  " + "  ".join(f"{n:>16.16}" for n in names), "dim")
+        for e in evals:
+            _line(out, f"  {e['version']:>7} {e['step']:>6}  "
+                       + "  ".join(f"{e['rewards'].get(n, float('nan')):>16.4f}" for n in names))
     _line(out, "(--json: every release, whom each round waited for, transfer rates)", "dim")
     if t["illegal_inputs"]:
         _line(out, f"{len(t['illegal_inputs'])} input(s) refused by the reducer (skipped):", "yellow")

@@ -85,7 +85,8 @@ async def print_status(job: str, nats: str, *, as_json: bool = False, connect_ti
     latest = observer.latest()
     if as_json:
         json.dump({"job": job, "latest": latest, "members": rows, "last_seq": observer.state.last_seq,
-                   "open_rounds": sorted(observer.state.rounds), "illegal_events": observer.illegal_total},
+                   "open_rounds": sorted(observer.state.rounds), "illegal_events": observer.illegal_total,
+                   "eval": observer.eval_curve()},
                   sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
@@ -103,6 +104,12 @@ async def print_status(job: str, nats: str, *, as_json: bool = False, connect_ti
     elif observer.state.rounds:
         table.caption = f"open sync rounds: {', '.join(map(str, sorted(observer.state.rounds)))}"
     out.print(table)
+    curve = observer.eval_curve()
+    if curve:
+        last = curve[-1]
+        rewards = ", ".join(f"{name} {mean:.4f}" for name, mean in last["rewards"].items())
+        out.print(f"last eval: v{last['version']} at step {last['step']}: {rewards} ({len(curve)} evals)",
+                  highlight=False, markup=False)
     return 0
 
 

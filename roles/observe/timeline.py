@@ -117,6 +117,7 @@ def build_timeline(records: list[Recorded], until: int | _dt.datetime | str | No
         "last_time": _iso(end_ms),
         "until": (until.isoformat() if isinstance(until, _dt.datetime) else until),
         "decisions_source": "recorded" if recorded_decisions else "recomputed",
+        "eval": observer.eval_curve(),
         "config": state.config.to_mapping() if state.config else None,
         "latest": observer.latest(),
         "versions": [vars(v) | {"at": _iso(v.time_ms)} for v in observer.versions],

@@ -109,6 +109,10 @@ def test_dashboard_shows_members_and_a_moving_version(running_job, tmp_path):
             page.wait_for_function(
                 "() => document.querySelectorAll('#plot-reward svg circle').length >= 6"
                 " && document.querySelectorAll('#rounds tbody tr[data-round]').length >= 8", timeout=90_000)
+            # the eval curve beside it, in the legend, once explorer-0 evaluated a trained version
+            page.wait_for_function(
+                "() => (document.querySelector('#plot-reward .legend') || {}).textContent?.includes("
+                "'eval positional_match')", timeout=90_000)
 
             rows = page.locator("#members tbody tr[data-member]")
             keys = [rows.nth(i).get_attribute("data-member") for i in range(rows.count())]

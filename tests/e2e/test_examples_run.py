@@ -5,6 +5,7 @@ and it must exit 0 with `complete: true`. A new example without a run here fails
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -15,7 +16,7 @@ import pytest
 import yaml
 
 from rolectl.bus.server import NatsCluster
-from tests.support.e2e import ROOT, run_up
+from tests.support.e2e import ROOT, job_config, run_up
 
 pytestmark = pytest.mark.e2e
 
@@ -106,3 +107,46 @@ def test_a_job_short_of_experiences_by_stale_drops_says_so(tmp_path):
     assert "trainer: no more experiences after step" in said, run.output[-3000:]
     assert "were dropped as stale (older than synchronizer.max_staleness = 0" in said, run.output[-3000:]
     assert "are fewer than" not in said, run.output[-3000:]
+
+
+def test_eval_and_tracking_ends_with_the_eval_curve_and_tracker_files(tmp_path):
+    config = shortened("eval_and_tracking.yaml", tmp_path, steps=10)
+    run = run_up(config, tmp_path, timeout=300, extra=("--run-dir", str(tmp_path / "runs")))
+    s = run.summary
+    assert run.rc == 0 and s["complete"] is True, f"exit {run.rc}\n{run.output[-2000:]}\n{run.role_logs()}"
+    # on start-up (the base model, version 0) and after explore step 10, before its sync
+    assert [(e["version"], e["step"]) for e in s["eval"]] == [(0, 0), (9, 10)], s["eval"]
+    for e in s["eval"]:
+        assert e["tasks"] == 64 and set(e["rewards"]) == {"positional_match", "exact_match"}
+    assert s["eval"][1]["rewards"]["positional_match"] > s["eval"][0]["rewards"]["positional_match"], s["eval"]
+    # TensorBoard's own reader finds the trainer's figures by train step and the evals by explore step
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert s["tracker_failures"] == {} and s["trackers"] == ["tensorboard", "mlflow"], s
+    (logdir,) = {p.parent for p in Path(s["run_dir"]).glob("*/monitor/tensorboard/*/events.out.tfevents.*")}
+    acc = EventAccumulator(str(logdir)).Reload()
+    assert [x.step for x in acc.Scalars("trainer/loss")] == list(range(1, 11))
+    assert [x.step for x in acc.Scalars("eval/positional_match")] == [0, 10]
+    assert (Path(s["monitor_dir"]) / "mlflow" / "mlflow.db").is_file()
+    # `rolectl bench` evaluates what the finished job kept: the base model and the trainer's checkpoints
+    bench = subprocess.run([sys.executable, "-m", "rolectl.roles.cli", "bench", "--config", str(config),
+                            "--run-dir", str(Path(s["run_dir"]).parent), "--json"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert bench.returncode == 0, bench.stderr[-2000:]
+    rows = json.loads(bench.stdout)
+    assert [r["version"] for r in rows] == [0, 5, 10], rows
+    rewards = [r["rewards"]["positional_match"] for r in rows]
+    assert round(rewards[0], 4) == s["eval"][0]["rewards"]["positional_match"]  # the same eval as in the run
+    assert rewards[-1] > rewards[0], rows
+
+
+def test_over_rollout_steps_cut_their_tail_and_the_job_completes(tmp_path):
+    # each explore step keeps ceil(0.75 x 4) = 3 of its 4 tasks; a train step takes one round's 6
+    config = job_config(tmp_path, job="e2e-over-rollout", synchronizer={"sync_method": "memory"},
+                        explorers={"over_rollout_ratio": 0.25}, trainer={"train_batch_tasks": 6})
+    run = run_up(config, tmp_path, timeout=300)
+    s = run.summary
+    assert run.rc == 0 and s["complete"] is True, f"exit {run.rc}\n{run.output[-2000:]}\n{run.role_logs()}"
+    steps = sum(s["explorer_steps"].values())
+    assert s["over_rollout_tasks_cut"] == steps, s  # one task cut per explore step (4 -> 3)
+    assert s["experiences_produced"] == steps * 3 * 4  # 3 tasks x group_size 4

@@ -162,3 +162,17 @@ async def test_the_page_stops_saying_live_once_the_job_ended(nats_server, job_na
         assert "ended ·" in script
     finally:
         await handle.aclose()
+
+
+def test_the_eval_curve_is_plotted_by_version_beside_the_reward():
+    from rolectl.roles.observe.observer import JobObserver
+    from rolectl.sync_protocol import EvalFinished, MemberJoined, MemberRef, Recorded, Role
+
+    e = MemberRef(role=Role.EXPLORER, id="explorer-0", incarnation=0)
+    events = [MemberJoined(member=e, host="h", pid=1, step=0, version=-1),
+              EvalFinished(member=e, version=0, step=0, rewards={"positional_match": 0.1, "exact_match": 0.0}),
+              EvalFinished(member=e, version=9, step=10, rewards={"positional_match": 0.5, "exact_match": 0.25})]
+    dashboard = Dashboard(job="evals", nats_url="nats://127.0.0.1:4222", monitor_url=None)
+    dashboard.observer = JobObserver().extend(Recorded(seq=i + 1, time_ms=i, event=ev) for i, ev in enumerate(events))
+    series = dashboard.snapshot()["series"]["eval"]
+    assert series == {"positional_match": [[0, 0.1], [9, 0.5]], "exact_match": [[0, 0.0], [9, 0.25]]}

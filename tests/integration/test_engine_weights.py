@@ -118,3 +118,21 @@ def test_weight_load_into_vllm_is_fast_and_reusable(vllm_engine, trained):
 
 def _as_mapping(cfg) -> dict:
     return {"job": cfg.job, "model": dict(cfg.model), "data": dict(cfg.data), "explorers": {"count": 1}}
+
+
+def test_a_vllm_eval_is_greedy_and_answers_as_the_hf_engine_does(cfg, vllm_engine):
+    from rolectl.roles.engines import make_eval_tasks
+    from rolectl.roles.engines.evaluation import evaluate
+
+    data = data_section()["path"]
+    with_eval = cfg.with_overrides(eval=cfg.eval.replace(path=data, max_tasks=12, eval_interval=1))
+    tasks = make_eval_tasks(with_eval)
+    hf_cfg = with_eval.with_overrides(model={**with_eval.model, "rollout_engine": "hf"})
+    hf_engine = make_rollout_engine(hf_cfg, "explorer-0")
+    hf_engine.load_weights({k: v.clone() for k, v in vllm_engine.weight_buffers().items()}, vllm_engine.version)
+    # greedy: the same weights give the same answers on both engines, whatever the seed
+    texts = vllm_engine.generate(tasks, temperature=0.0, samples=1, seed=1)
+    assert texts == vllm_engine.generate(tasks, temperature=0.0, samples=1, seed=7)
+    assert texts == hf_engine.generate(tasks, temperature=0.0, samples=1, seed=3)
+    result = evaluate(vllm_engine, tasks, with_eval)
+    assert result.tasks == result.responses == 12 and set(result.rewards) == {"positional_match", "exact_match"}

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 from rolectl.sync_protocol import (
+    EvalFinished,
     KINDS,
     SCHEMA_VERSION,
     Decision,
@@ -78,6 +79,9 @@ SAMPLES: list = [
     MemberReleased(round=17, cause_seq=102, released=E, reason=ReleaseReason.NEW_VERSION, version=9,
                    reload=True, location="obj/v9", digest="sha256:abcd", nbytes=99),
     RoundClosed(round=17, cause_seq=103, outcome=RoundOutcome.ABANDONED),
+    # added after the batch samples above, whose indices the batch test names
+    EvalFinished(member=E, version=9, step=13, rewards={"positional_match": 0.5, "exact_match": 0.25},
+                 tasks=64, responses=64, seconds=0.75),
 ]
 
 
@@ -460,6 +464,12 @@ _RECORDED = {
     "round_closed": (
         "85a6736368656d6104a46b696e64ac726f756e645f636c6f736564a5726f756e6411a963617573655f736571"
         "67a76f7574636f6d65a96162616e646f6e6564"
+    ),
+    "eval_finished": (
+        "89a6736368656d6104a46b696e64ad6576616c5f66696e6973686564a66d656d62657283a4726f6c65a86578"
+        "706c6f726572a26964aa6578706c6f7265722d37a3696e6301a776657273696f6e09a4737465700da7726577"
+        "6172647382b0706f736974696f6e616c5f6d61746368cb3fe0000000000000ab65786163745f6d61746368cb"
+        "3fd0000000000000a57461736b7340a9726573706f6e73657340a77365636f6e6473cb3fe8000000000000"
     ),
 }
 _RECORDED_BATCH = (

@@ -116,3 +116,4 @@ def test_the_shipped_quickstart_data_is_what_its_script_writes():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert (ROOT / "examples/data/reverse_digits.jsonl").read_text() == module.render()
+    assert (ROOT / "examples/data/reverse_digits_eval.jsonl").read_text() == module.render_eval()

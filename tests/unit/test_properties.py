@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rolectl.sync_protocol import (
+    EvalFinished,
     JobConfigured,
     MemberExpired,
     MemberJoined,
@@ -56,7 +57,7 @@ EXPLORER_IDS = ("e0", "e1", "e2")
 ACTIONS = (
     ("step", "req", "req", "load", "load", "t_step", "t_req", "t_req", "t_broadcast", "t_broadcast",
      "t_publish")
-    + ("fail", "t_fail", "t_no_new", "stop", "restart", "expire", "t_stop", "t_restart", "t_expire",
+    + ("eval", "fail", "t_fail", "t_no_new", "stop", "restart", "expire", "t_stop", "t_restart", "t_expire",
        "timeout", "configure", "stale", "join", "t_join", "finish", "t_finish")
 )
 _LIFECYCLE = frozenset({"join", "t_join", "restart", "t_restart", "expire", "t_expire", "stale",
@@ -113,6 +114,9 @@ class _Model:
                                 version=0 if key == trainer else -1, ranks=1)
         if action == "step":
             return StepFinished(member=ref, step=step + 1, version=max(version, 0))
+        if action == "eval":  # a record only: it must never change a decision
+            return EvalFinished(member=ref, version=max(version, 0), step=step, rewards={"r": 0.5}, tasks=2,
+                                responses=2, seconds=0.1)
         if action == "t_step":
             return StepFinished(member=ref, step=step + 1, version=version)
         if action == "req":
@@ -268,6 +272,15 @@ def test_folding_the_same_events_twice_gives_identical_states_and_decisions(conf
     assert first[0] == second[0]
     assert first[1] == second[1]
     assert [str(e) for e in first[2]] == [str(e) for e in second[2]]
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+@given(config=_configs, script=_scripts)
+def test_eval_records_change_no_decision(config, script):
+    # EvalFinished is a record for the eval curve: the same stream without it decides the same
+    records = _stream(config, script, True)
+    without = [r for r in records if not isinstance(r.event, EvalFinished)]
+    assert fold_lenient(records)[1] == fold_lenient(without)[1]
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))

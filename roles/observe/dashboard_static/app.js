@@ -245,8 +245,12 @@ function renderVersions(s) {
 }
 
 function renderPlots(s) {
-  lineChart($("plot-reward"), [{ name: "reward_mean", color: "#7a3fc7", points: s.series.reward }],
-    { xLabel: "trainer step", intX: true, empty: "no trainer step yet" });
+  // the eval curve beside the training reward: eval of version N sits at trainer step N
+  const evalColors = ["#d9822b", "#1f9d55", "#2a7f95", "#d64545"];
+  const evals = Object.entries(s.series.eval || {}).map(([name, points], i) =>
+    ({ name: `eval ${name}`, color: evalColors[i % evalColors.length], points }));
+  lineChart($("plot-reward"), [{ name: "reward_mean", color: "#7a3fc7", points: s.series.reward }, ...evals],
+    { xLabel: "trainer step (= version)", intX: true, empty: "no trainer step yet" });
   const sync = s.series.sync_time;
   lineChart($("plot-sync"), [
     { name: "open → close", color: "#2f6fde", points: sync.map((p) => [p[0], p[1]]) },

@@ -1,0 +1,145 @@
+"""Evaluation on a held-out task set: the `eval:` file as tasks, every response scored by reward name.
+
+The file is read with the same loader as `data:` (`datasets`); each engine turns its rows into tasks
+(the tiny engine reads each prompt's digits, the `hf` / `vllm` engines tokenize the prompt as they do
+their training tasks). An eval samples `eval.samples` responses per task with the weights the engine
+holds (greedy at temperature 0), scores each with every reward, and returns each reward's mean; it
+makes no experiences. The explorer records the result as an `EvalFinished` event; `rolectl bench`
+runs the same on saved versions.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from .base import Task
+from .task import BOS, SEP
+
+__all__ = [
+    "EVAL_FORMATS",
+    "EvalResult",
+    "Generates",
+    "eval_config_problems",
+    "eval_reward_names",
+    "load_eval_rows",
+    "tiny_eval_tasks",
+    "evaluate",
+]
+
+EVAL_FORMATS = (".jsonl", ".json", ".parquet", ".csv")
+_TINY_REWARDS = ("positional_match", "exact_match")
+
+
+@runtime_checkable
+class Generates(Protocol):
+    """A rollout engine that can evaluate: plain sampling, as text, nothing recorded."""
+
+    def generate(self, tasks: Sequence[Task], *, temperature: float, samples: int, seed: int) -> list[list[str]]:
+        """`samples` decoded responses per task, in task order; greedy at temperature 0."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EvalResult:
+    """Each reward's mean over `responses` responses to `tasks` tasks, and how long it took."""
+
+    rewards: dict[str, float] = field(default_factory=dict)
+    tasks: int = 0
+    responses: int = 0
+    seconds: float = 0.0
+
+
+def eval_reward_names(job: Any) -> tuple[str, ...]:
+    """The rewards an eval reports: `eval.rewards`, else those of `data.rewards`, else the tiny task's."""
+    if job.eval.rewards:
+        return tuple(job.eval.rewards)
+    if job.data and "rewards" in job.data:
+        from .rewards import parse_reward_specs
+
+        return tuple(r.name for r in parse_reward_specs(job.data["rewards"]))
+    return _TINY_REWARDS
+
+
+def load_eval_rows(job: Any) -> list[tuple[str, str]]:
+    """(prompt, answer) of the eval file's rows (the first `eval.max_tasks`); ValueError names the file."""
+    from .data import DataConfig, load_rows
+
+    section = job.eval
+    rows = load_rows(DataConfig(path=section.path, prompt_key=section.prompt_key, answer_key=section.answer_key),
+                     section="eval")
+    return rows[:section.max_tasks] if section.max_tasks else rows
+
+
+def tiny_eval_tasks(rows: Sequence[tuple[str, str]], *, task_length: int, path: str) -> list[Task]:
+    """The tiny engine's tasks from text rows: the prompt's digits are the string to reverse."""
+    tasks = []
+    for i, (prompt, answer) in enumerate(rows):
+        digits = [int(d) for d in re.findall(r"\d", prompt)]
+        if len(digits) != task_length:
+            raise ValueError(f"{path} row {i}: the tiny engine reverses {task_length} digits (model.task_length), "
+                             f"this prompt has {len(digits)}: {prompt!r}")
+        target = tuple(int(d) for d in re.findall(r"\d", answer))
+        tasks.append(Task(id=f"eval-row{i}", prompt=(BOS, *digits, SEP), target=target, answer=answer))
+    return tasks
+
+
+def eval_config_problems(job: Any) -> list[tuple[str, str]]:
+    """Every problem with `eval:` that needs the file system or the engines: the file (exists,
+    parses, has the columns), the reward names, and whether the explorers' engine can evaluate."""
+    from .rewards import resolve_reward
+
+    section = job.eval
+    problems = []
+    for i, name in enumerate(eval_reward_names(job) if section.rewards else ()):
+        try:
+            resolve_reward(name)
+        except ValueError as exc:
+            problems.append((f"eval.rewards[{i}]", str(exc)))
+    path = Path(section.path)
+    if path.suffix.lower() not in EVAL_FORMATS:
+        return problems + [("eval.path", f"{path}: unknown file type; use one of {list(EVAL_FORMATS)}")]
+    if not path.is_file():
+        return problems + [("eval.path", f"{path}: no such file (relative paths are from the working "
+                                         f"directory {Path.cwd()})")]
+    try:
+        import datasets  # noqa: F401
+    except ImportError as exc:
+        return problems + [("eval.path", f"eval files are read with `datasets` ({exc}); pip install -e '.[hf]'")]
+    try:
+        rows = load_eval_rows(job)
+        if (job.model or {}).get("engine", "tiny") == "tiny":
+            from .sections import TinyModelSection
+
+            length = TinyModelSection.model_validate(job.model or {}).task_length
+            tiny_eval_tasks(rows, task_length=length, path=str(path))
+    except ValueError as exc:
+        problems.append(("eval.path", str(exc)))
+    return problems
+
+
+def evaluate(engine: Any, tasks: Sequence[Task], job: Any, *, seed: int = 0, batch: int = 64) -> EvalResult:
+    """Run every task `eval.samples` times with the engine's current weights; each reward's mean."""
+    from .rewards import resolve_reward
+
+    if not isinstance(engine, Generates):
+        raise TypeError(f"the rollout engine {type(engine).__name__} cannot evaluate (it has no `generate`)")
+    section = job.eval
+    names = eval_reward_names(job)
+    fns = {name: resolve_reward(name) for name in names}
+    started = time.monotonic()
+    totals = dict.fromkeys(names, 0.0)
+    responses = 0
+    for start in range(0, len(tasks), batch):
+        chunk = tasks[start:start + batch]
+        texts = engine.generate(chunk, temperature=section.temperature, samples=section.samples, seed=seed + start)
+        for task, answers in zip(chunk, texts):
+            for text in answers:
+                responses += 1
+                for name, fn in fns.items():
+                    totals[name] += float(fn(text, task.answer))
+    means = {name: total / max(responses, 1) for name, total in totals.items()}
+    return EvalResult(rewards=means, tasks=len(tasks), responses=responses, seconds=time.monotonic() - started)
