@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Build device_carry/wheels: the wheels benchmarks/gpu_suite.sh installs on a GPU machine without internet.
-#   benchmarks/gpu_carry.sh [--update-list] [DEST]     (DEST defaults to device_carry/wheels)
-# --update-list first rewrites benchmarks/gpu_suite_requirements.txt from this venv (rolectl's
-# non-torch requirements, pinned at the installed versions; `gpu_suite --dry-run` checks it in CI).
+#   benchmarks/gpu_carry.sh [DEST]     (DEST defaults to device_carry/wheels)
+# It first rewrites benchmarks/gpu_suite_requirements.txt from this venv (rolectl's non-torch
+# requirements, pinned at the installed versions; `gpu_suite --dry-run` checks its names in CI).
 # Binary wheels for CPython 3.11 and 3.12 on x86_64 Linux (a source-only pure-Python package is built
 # into a wheel here), without dependencies: the list is already the whole closure, and torch (with
 # numpy) must never be replaced on the GPU machine.
@@ -10,14 +10,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 LIST=benchmarks/gpu_suite_requirements.txt
-if [[ "${1:-}" == "--update-list" ]]; then
-    "$PY" -m benchmarks.gpu_suite --requirements > "$LIST"
-    shift
-fi
+"$PY" -m benchmarks.gpu_suite --requirements > "$LIST"
 DEST=${1:-device_carry/wheels}
 mkdir -p "$DEST"
 PIP=("$PY" -m pip)
-"$PY" -m pip --version >/dev/null 2>&1 || PIP=(/work/main/.venv/bin/pip --python "$PY")
+"$PY" -m pip --version >/dev/null 2>&1 || PIP=(pip --python "$PY")  # a venv made --without-pip
 PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
            --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 --platform linux_x86_64)
 grep -v '^#' "$LIST" | grep . | while read -r req; do

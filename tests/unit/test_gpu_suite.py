@@ -30,11 +30,11 @@ def test_a_carry_list_that_does_not_resolve_says_which_line_and_what_to_run(tmp_
     path = tmp_path / "requirements.txt"
     path.write_text("\n".join(wrong) + "\n")
     problems = "\n".join(gpu_suite.check_requirements(path))
-    assert "msgpack is pinned at 0.0.1 but" in problems
+    assert "msgpack" not in problems  # an older or newer pin is fine: the carry pins this venv's
     assert "structlog (needed by rolectl or a listed distribution) is not listed" in problems
     assert "'blake3' is not pinned as name==version" in problems
     assert "no-such-dist is not installed" in problems
-    assert "gpu_carry.sh --update-list" in problems
+    assert "run benchmarks/gpu_carry.sh" in problems
 
 
 def test_the_committed_carry_list_is_the_one_this_venv_computes():
