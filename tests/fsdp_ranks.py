@@ -18,11 +18,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from rolectl.roles.engines.algorithms import AlgorithmConfig
-from rolectl.roles.engines.fsdp import FSDPTrainEngine, fsdp_config_from_mapping
+from rolectl.roles.config import parse_config
+from rolectl.roles.engines import make_train_engine
+from rolectl.roles.engines.fsdp import FSDPTrainEngine
 from rolectl.sync_protocol.experience import Experience
 
-from llm_support import model_section  # beside this script: on sys.path when run as one
+from llm_support import data_section, model_section  # beside this script: on sys.path when run as one
 
 BUCKET_BYTES = 16 << 10
 PROBE = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 4, 5, 6]]
@@ -43,8 +44,10 @@ def probe_logits(engine: FSDPTrainEngine) -> torch.Tensor:
 def main(scenario: str, workdir: Path) -> None:
     out = workdir / scenario
     out.mkdir(exist_ok=True)
-    engine = FSDPTrainEngine(fsdp_config_from_mapping(model_section(workdir / "model", **FSDP_SETTINGS)),
-                             AlgorithmConfig(), model_path=workdir / "model")
+    job = parse_config({"job": "fsdp-test", "model": model_section(workdir / "model", **FSDP_SETTINGS),
+                        "data": data_section()})
+    engine = make_train_engine(job)
+    assert isinstance(engine, FSDPTrainEngine)
     rank, batches = engine.rank, load_batches(workdir)
     report: dict = {"rank": rank, "world_size": engine.world_size}
     if scenario == "train":

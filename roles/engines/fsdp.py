@@ -40,7 +40,7 @@ from .hf import response_logprobs
 from .hf_model import HFModelConfig, hf_model_config_problems, load_tokenizer
 from .streaming import DEFAULT_BUCKET_BYTES, NamedTensors, buckets_of
 
-__all__ = ["FSDPConfig", "FSDPTrainEngine", "fsdp_config_problems", "fsdp_config_from_mapping"]
+__all__ = ["FSDPConfig", "FSDPTrainEngine", "fsdp_config_from_mapping", "fsdp_config_problems", "fsdp_section_problems"]
 
 _STATE_JSON_FILE = "engine_state.json"
 _DCP_DIR = "dcp"
@@ -73,7 +73,13 @@ _OWN_FIELDS = ("param_dtype", "reshard_after_forward", "weight_bucket_bytes", "t
 
 def fsdp_config_problems(values: Mapping[str, Any], *, where: str = "model") -> list[tuple[str, str]]:
     """Every problem with an `fsdp` `model:` mapping, as (dotted path, reason)."""
-    problems = hf_model_config_problems({k: v for k, v in values.items() if k != "fsdp"}, where=where)
+    return [*hf_model_config_problems({k: v for k, v in values.items() if k != "fsdp"}, where=where),
+            *fsdp_section_problems(values, where=where)]
+
+
+def fsdp_section_problems(values: Mapping[str, Any], *, where: str = "model") -> list[tuple[str, str]]:
+    """The problems an `fsdp` `model:` mapping has beyond the `hf` engine's: its `fsdp:` and `dtype`."""
+    problems: list[tuple[str, str]] = []
     if values.get("dtype", "float32") not in ("float32", "fp32"):
         problems.append((f"{where}.dtype", "the fsdp engine keeps float32 weights (the optimizer's master copy); "
                                            "set model.fsdp.param_dtype for the compute dtype instead"))

@@ -218,3 +218,24 @@ def test_fsdp_config_problems_are_reported_at_once_by_path(workdir):
     assert paths == {"model.dtype", "model.fsdp.param_dtype", "model.fsdp.reshard_after_forward",
                      "model.fsdp.weight_bucket_bytes", "model.fsdp.shards"}
     assert fsdp_config_problems({**model_section(workdir / "model"), "fsdp": {"param_dtype": "bfloat16"}}) == []
+
+
+def test_an_fsdp_trainer_is_registered_and_pairs_with_hf_or_vllm_explorers(workdir):
+    from rolectl.roles.config import parse_config
+    from rolectl.roles.engines import engine_names
+    from rolectl.sync_protocol import ConfigError
+
+    def job(**model):
+        return {"job": "fsdp", "model": {**model_section(workdir / "model"), "engine": "fsdp", **model},
+                "data": data_section()}
+
+    config = parse_config(job(fsdp={"param_dtype": "float32", "weight_bucket_bytes": 1 << 20}))
+    assert engine_names(config.model) == {"trainer": "fsdp", "explorer": "fsdp"}  # explorers: the hf rollout
+    parse_config(job(rollout_engine="hf", fsdp={"reshard_after_forward": False}))
+    with pytest.raises(ConfigError) as info:
+        parse_config(job(rollout_engine="hf", lr=0, fsdp={"param_dtype": "fp8"}))
+    problems = info.value.problems
+    assert sorted(path for path, _ in problems) == ["model.fsdp.param_dtype", "model.lr"]  # each once
+    with pytest.raises(ConfigError) as info:
+        parse_config({**job(), "model": {**job()["model"], "engine": "hf", "fsdp": {}}})
+    assert [path for path, _ in info.value.problems] == ["model.fsdp"]  # only an fsdp trainer reads it
