@@ -6,7 +6,7 @@ MASTER_ADDR, MASTER_PORT), set by `tests/unit/test_fsdp_engine.py`. Inputs are i
 
 - `train`: 3 steps, the stream, a DCP checkpoint, a Hugging Face export and the logits of a probe
   batch; then a 4th step.
-- `resume`: load `train`'s checkpoint, then the same 4th step.
+- `resume`: load `train`'s checkpoint, then the same 4th step (with gradient checkpointing).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from llm_support import data_section, model_section  # beside this script: on sy
 BUCKET_BYTES = 16 << 10
 PROBE = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 4, 5, 6]]
 FSDP_SETTINGS = {"engine": "fsdp", "group_size": 3, "minibatches": 2, "micro_batch_size": 1}
+ALGORITHM = {"kl_coef": 0.05}  # exercises the sharded frozen reference model too
 
 
 def load_batches(workdir: Path) -> list[list[Experience]]:
@@ -44,8 +45,10 @@ def probe_logits(engine: FSDPTrainEngine) -> torch.Tensor:
 def main(scenario: str, workdir: Path) -> None:
     out = workdir / scenario
     out.mkdir(exist_ok=True)
-    job = parse_config({"job": "fsdp-test", "model": model_section(workdir / "model", **FSDP_SETTINGS),
-                        "data": data_section()})
+    # Resuming recomputes activations in backward: the same step, by another path.
+    settings = {**FSDP_SETTINGS, "gradient_checkpointing": scenario == "resume"}
+    job = parse_config({"job": "fsdp-test", "model": model_section(workdir / "model", **settings),
+                        "data": data_section(), "algorithm": ALGORITHM})
     engine = make_train_engine(job)
     assert isinstance(engine, FSDPTrainEngine)
     rank, batches = engine.rank, load_batches(workdir)

@@ -103,7 +103,8 @@ def hf_run(workdir) -> dict:
     """The same 4 steps by the one-process `hf` engine (micro-batches of 4 rows, not 1)."""
     settings = {**model_section(workdir / "model"), "group_size": 3, "minibatches": 2, "micro_batch_size": 4}
     settings.pop("engine")
-    engine = HFTrainEngine(hf_model_config_from_mapping(settings), AlgorithmConfig(), model_path=workdir / "model")
+    engine = HFTrainEngine(hf_model_config_from_mapping(settings), AlgorithmConfig(**fsdp_ranks.ALGORITHM),
+                           model_path=workdir / "model")
     batches = fsdp_ranks.load_batches(workdir)
     initial = engine.weights()
     metrics = [engine.train_step(batch, current_version=step) for step, batch in enumerate(batches[:3])]
@@ -130,6 +131,7 @@ def test_two_fsdp_ranks_train_as_one_hf_process(workdir, two_ranks, hf_run):
         assert grad_norms == pytest.approx([m["grad_norm"] for m in hf_run["metrics"][:3]], rel=1e-4)
         # verl's per-micro-batch statistics are averaged over micro-batches, whose size differs here
         assert all(0 <= m["pg_clipfrac"] <= 1 for m in rank["metrics"])
+        assert rank["metrics"][2]["kl_loss"] > 0  # the frozen reference is the version-0 model
     _assert_close(load_file(workdir / "train" / "weights-4.safetensors"), hf_run["weights_4"], atol=2 * ATOL)
 
 
