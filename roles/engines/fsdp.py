@@ -186,9 +186,17 @@ class FSDPTrainEngine:
         import transformers
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-        # Every rank loads the full fp32 model, then keeps its shard only.
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            self.model_path, local_files_only=True, dtype=torch.float32).to(self.device)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        # Every rank builds the model without memory (meta), shards it, then allocates its shard;
+        # rank 0 alone reads the weights and sends each rank its part, so no other rank ever holds
+        # the whole model.
+        path = self.model_path
+        model_config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+        if (path / "generation_config.json").is_file():
+            model.generation_config = transformers.GenerationConfig.from_pretrained(path, local_files_only=True)
         if trainable and self.config.model.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         policy = MixedPrecisionPolicy(param_dtype=self.config.compute_dtype, reduce_dtype=torch.float32)
@@ -196,6 +204,21 @@ class FSDPTrainEngine:
         for layer in _decoder_layers(model):
             fully_shard(layer, mesh=self.mesh, mp_policy=policy, reshard_after_forward=reshard)
         fully_shard(model, mesh=self.mesh, mp_policy=policy, reshard_after_forward=reshard)
+        model.to_empty(device=self.device)
+        full = None
+        if self.rank == 0:
+            full = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+        set_model_state_dict(model, full.state_dict() if full is not None else {},
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        # Buffers outside the state dict (rotary frequencies) were computed at load on rank 0 only.
+        own_buffers = dict(full.named_buffers()) if full is not None else {}
+        with torch.no_grad():
+            for name, buffer in model.named_buffers():
+                if full is not None:
+                    buffer.copy_(own_buffers[name])
+                if self.world_size > 1:
+                    dist.broadcast(buffer, src=0)
+        del full, own_buffers
         if trainable:
             # The loss is normalised by the whole minibatch's tokens on every rank: sum the ranks'
             # gradients rather than average them, as one process would (a plain SUM: gloo has no
