@@ -8,7 +8,9 @@ directory, starts `--ranks` CPU ranks (gloo, one process each) of the `fsdp` eng
 - ``stream_growth_mb``: the peak RSS growth (VmHWM reset through /proc/self/clear_refs) while
   `iter_weight_buckets(bucket)` is driven to its end, each bucket dropped when the next arrives
   (what a transport sending from the stream holds), against ``bound_mb`` = 2 x max(bucket, largest
-  tensor): the bucket being sent and the one being gathered;
+  tensor) + 4 x largest tensor: the bucket being sent, the one being filled, and the transient of
+  gathering one tensor (gloo's all-gather buffers and the result) (freed heap is trimmed before each
+  measure; ``first_stream_growth_mb`` is the first stream's, which also sets up gloo buffers);
 - ``whole_growth_mb``: the same, keeping every bucket (the whole model on rank 0, as a transport
   taking a `{name: tensor}` mapping must);
 - ``shard_mb``: the rank's own shard of the parameters; ``stream_gbps``: streamed bytes per second
@@ -18,6 +20,7 @@ directory, starts `--ranks` CPU ranks (gloo, one process each) of the `fsdp` eng
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import os
@@ -63,8 +66,11 @@ def worker(workdir: Path, args: argparse.Namespace) -> None:
     shard = sum(p.to_local().numel() * p.to_local().element_size() for p in engine.model.parameters())
     largest = max(engine._streamed_nbytes.values())
 
+    libc = ctypes.CDLL("libc.so.6")
+
     def measure(keep: bool) -> tuple[float, float, int]:
         gc.collect()
+        libc.malloc_trim(0)  # return freed heap to the OS, so the baseline is what is live
         _reset_peak()
         base = _status_kb("VmRSS")
         kept, streamed, start = [], 0, time.perf_counter()
@@ -79,11 +85,12 @@ def worker(workdir: Path, args: argparse.Namespace) -> None:
         gc.collect()
         return growth, seconds, streamed
 
-    measure(keep=False)  # first use: gloo buffers, the state-dict hooks, the allocator's arenas
+    first_growth, _, _ = measure(keep=False)  # first use also sets up gloo buffers and state-dict hooks
     stream_growth, seconds, streamed = measure(keep=False)
     whole_growth, _, _ = measure(keep=True)
     report = {"rank": engine.rank, "shard_mb": round(shard / MB, 1), "bucket_mb": args.bucket_mb,
-              "largest_tensor_mb": round(largest / MB, 1), "bound_mb": round(2 * max(bucket_bytes, largest) / MB, 1),
+              "largest_tensor_mb": round(largest / MB, 1), "bound_mb": round((2 * max(bucket_bytes, largest) + 4 * largest) / MB, 1),
+              "first_stream_growth_mb": round(first_growth, 1),
               "stream_growth_mb": round(stream_growth, 1), "whole_growth_mb": round(whole_growth, 1),
               "streamed_mb": round(streamed / MB, 1), "stream_seconds": round(seconds, 3),
               "stream_gbps": round(streamed / seconds / 1e9, 3) if streamed else 0.0,

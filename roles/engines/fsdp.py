@@ -350,10 +350,12 @@ class FSDPTrainEngine:
         dtype = self.config.model.torch_dtype
         keep = all_ranks or self.rank == 0
         for name, tensor in self.model.state_dict().items():
-            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            gathered = isinstance(tensor, DTensor)
+            full = tensor.full_tensor() if gathered else tensor
             if keep:
+                # A gathered tensor is already a fresh copy; a plain one is live and must be copied.
                 yield name, full.detach().to("cpu", dtype=dtype if full.is_floating_point() else full.dtype,
-                                             copy=True).contiguous()
+                                             copy=not gathered).contiguous()
             else:
                 yield name, full.new_empty(0)  # keeps every rank's bucket boundaries the same
             del full
