@@ -71,7 +71,10 @@ def main(scenario: str, workdir: Path) -> None:
         loaded = engine.weights()  # a collective: every rank gathers
         if rank == 0:
             save_file(loaded, str(out / "weights-3.safetensors"))
+    kept = {n: t.clone() for n, t in loaded.items()} if scenario == "resume" else {}
     report["metrics_4"] = engine.train_step(batches[3], current_version=3)
+    # What the stream gave is a snapshot: the next step must not change it under its consumer.
+    report["snapshot_unchanged"] = all(torch.equal(loaded[n], t) for n, t in kept.items())
     weights = engine.weights()
     if rank == 0:
         save_file(weights, str(out / "weights-4.safetensors"))

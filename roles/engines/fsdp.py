@@ -350,15 +350,17 @@ class FSDPTrainEngine:
         dtype = self.config.model.torch_dtype
         keep = all_ranks or self.rank == 0
         for name, tensor in self.model.state_dict().items():
-            gathered = isinstance(tensor, DTensor)
-            full = tensor.full_tensor() if gathered else tensor
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
             if keep:
-                # A gathered tensor is already a fresh copy; a plain one is live and must be copied.
+                # A gathered tensor is fresh memory, unless it is the live shard itself (one rank):
+                # copy only what the next train step could change under the consumer.
+                live = full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
                 yield name, full.detach().to("cpu", dtype=dtype if full.is_floating_point() else full.dtype,
-                                             copy=not gathered).contiguous()
+                                             copy=live).contiguous()
             else:
                 yield name, full.new_empty(0)  # keeps every rank's bucket boundaries the same
-            del full
+            del full, local
 
     def iter_weight_buckets(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, *,
                             all_ranks: bool = False) -> Iterator[NamedTensors]:
