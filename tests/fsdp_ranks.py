@@ -54,7 +54,9 @@ def main(scenario: str, workdir: Path) -> None:
     rank, batches = engine.rank, load_batches(workdir)
     report: dict = {"rank": rank, "world_size": engine.world_size}
     if scenario == "train":
-        report["metrics"] = [engine.train_step(batch, current_version=step) for step, batch in enumerate(batches[:3])]
+        # Rank 0 alone holds each batch, as the rank that reads the bus will; the others receive it.
+        report["metrics"] = [engine.train_step(engine.share_batch(batch if rank == 0 else None), current_version=step)
+                             for step, batch in enumerate(batches[:3])]
         buckets = list(engine.iter_weight_buckets(BUCKET_BYTES))
         report["buckets"] = [[(name, list(t.shape)) for name, t in bucket] for bucket in buckets]
         if rank == 0:

@@ -232,6 +232,28 @@ class FSDPTrainEngine:
 
     # -- training ----------------------------------------------------------------------------------
 
+    def share_batch(self, experiences: Sequence[Experience] | None) -> list[Experience]:
+        """Rank 0's `experiences` on every rank (a collective; the other ranks pass None): the rank
+        that reads the bus hands each batch to its followers before they all call `train_step`.
+        Sent as JSON bytes over the process group (no pickle)."""
+        if self.rank == 0 and experiences is None:
+            raise ValueError("share_batch: rank 0 must pass the batch")
+        if self.world_size == 1:
+            return list(experiences or ())
+        payload = b""
+        if self.rank == 0:
+            payload = json.dumps([dataclasses.asdict(e) for e in experiences or ()]).encode()
+        size = torch.tensor([len(payload)], dtype=torch.int64)
+        dist.broadcast(size, src=0)
+        buffer = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if self.rank == 0
+                  else torch.empty(int(size), dtype=torch.uint8))
+        dist.broadcast(buffer, src=0)
+        if self.rank == 0:
+            return list(experiences or ())
+        return [Experience(**{**e, "prompt": tuple(e["prompt"]), "response": tuple(e["response"]),
+                              "logprobs": tuple(e["logprobs"])})
+                for e in json.loads(buffer.numpy().tobytes())]
+
     def train_step(self, experiences: Sequence[Experience], *, current_version: int) -> dict[str, float]:
         """One optimizer step per minibatch; every rank passes the same `experiences`."""
         if not experiences:
