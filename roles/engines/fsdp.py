@@ -52,7 +52,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 class FSDPConfig:
     """`model:` for `engine: fsdp`: the `hf` engine's settings, plus `model.fsdp:` (how to shard).
 
-    `micro_batch_size` counts sequences per rank per forward/backward.
+    `micro_batch_size` counts sequences per rank per forward/backward. `model.dtype` is what the
+    explorers load, so the weight stream and the Hugging Face export carry it; the trainer itself
+    keeps float32 weights (the optimizer's master copy) and computes in `param_dtype`.
     """
 
     model: HFModelConfig
@@ -78,11 +80,8 @@ def fsdp_config_problems(values: Mapping[str, Any], *, where: str = "model") -> 
 
 
 def fsdp_section_problems(values: Mapping[str, Any], *, where: str = "model") -> list[tuple[str, str]]:
-    """The problems an `fsdp` `model:` mapping has beyond the `hf` engine's: its `fsdp:` and `dtype`."""
+    """The problems an `fsdp` `model:` mapping has beyond the `hf` engine's: its `fsdp:` section."""
     problems: list[tuple[str, str]] = []
-    if values.get("dtype", "float32") not in ("float32", "fp32"):
-        problems.append((f"{where}.dtype", "the fsdp engine keeps float32 weights (the optimizer's master copy); "
-                                           "set model.fsdp.param_dtype for the compute dtype instead"))
     own = values.get("fsdp", {})
     if not isinstance(own, Mapping):
         return [*problems, (f"{where}.fsdp", f"must be a mapping, got {own!r}")]
@@ -184,9 +183,8 @@ class FSDPTrainEngine:
 
     def _sharded_model(self, *, trainable: bool):
         import transformers
-        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
         # Every rank builds the model without memory (meta), shards it, then allocates its shard;
         # rank 0 alone reads the weights and sends each rank its part, so no other rank ever holds

@@ -215,7 +215,7 @@ def test_buckets_are_cut_lazily_and_a_large_tensor_stands_alone():
 
 
 def test_fsdp_config_problems_are_reported_at_once_by_path(workdir):
-    section = {**model_section(workdir / "model"), "engine": "fsdp", "dtype": "bf16",
+    section = {**model_section(workdir / "model"), "engine": "fsdp", "dtype": "fp8",
                "fsdp": {"param_dtype": "fp8", "reshard_after_forward": "yes", "weight_bucket_bytes": 0, "shards": 2}}
     paths = {path for path, _ in fsdp_config_problems(section)}
     assert paths == {"model.dtype", "model.fsdp.param_dtype", "model.fsdp.reshard_after_forward",
