@@ -408,7 +408,6 @@ class FSDPTrainEngine:
         path = Path(path)
         index: dict[str, str] = {}
         total = 0
-        files: list[str] = []
         for number, bucket in enumerate(self.iter_weight_buckets(bucket_bytes)):
             if self.rank != 0:
                 continue
@@ -420,7 +419,6 @@ class FSDPTrainEngine:
                 continue
             with atomic_path(path / file) as tmp:
                 save_file(tensors, str(tmp), metadata={"format": "pt"})
-            files.append(file)
             index.update({n: file for n in tensors})
             total += sum(t.numel() * t.element_size() for t in tensors.values())
         if self.rank == 0:
