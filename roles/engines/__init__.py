@@ -2,7 +2,8 @@
 
 `model.engine` names the trainer's engine and, unless `model.rollout_engine` names another, the
 explorers'. Built in: `tiny` (the pure-PyTorch reference, train + rollout), `hf` (Hugging Face
-transformers, train + rollout) and `vllm` (rollout). Other packages add engines through the
+transformers, train + rollout), `fsdp` (the `hf` model sharded over ranks with FSDP2, train; its
+explorers are `hf` unless `rollout_engine` says otherwise) and `vllm` (rollout). Other packages add engines through the
 `rolectl.engines` entry-point group: each entry point loads an `EngineSpec`.
 
 Each engine validates its own sections (`model:`, and for `hf`/`vllm` also `data:` and `algorithm:`)
@@ -144,12 +145,20 @@ def _tiny_taskset(sections: EngineSections, *, seed: int, total_batches: int | N
 
 # -- hf / vllm (imported lazily: transformers and vllm are optional extras) --------------------------
 
+def _hf_model(sections: EngineSections) -> Mapping[str, Any]:
+    """The `model:` settings the hf engines read: an `fsdp` trainer's `model:` read as `hf` (its
+    explorers are `hf`/`vllm` rollouts), its own `model.fsdp:` left out."""
+    if sections.model.get("engine") == "fsdp":
+        return {**{k: v for k, v in sections.model.items() if k != "fsdp"}, "engine": "hf"}
+    return sections.model
+
+
 def _hf_problems(sections: EngineSections) -> list[tuple[str, str]]:
     try:
         from .hf_model import hf_model_path_problems
     except ImportError as exc:
         return [("model.engine", f"the hf engine needs transformers ({exc}); pip install -e '.[hf]'")]
-    problems = _model_problems(sections) + hf_model_path_problems(sections.model)
+    problems = _model_problems(sections) + hf_model_path_problems(_hf_model(sections))
     try:
         import datasets  # noqa: F401
         import transformers  # noqa: F401
@@ -177,7 +186,7 @@ def _hf_parts(sections: EngineSections):
     from .data import data_config_from_mapping
     from .hf_model import ensure_model, hf_model_config_from_mapping
 
-    model = hf_model_config_from_mapping(sections.model)
+    model = hf_model_config_from_mapping(_hf_model(sections))
     data = data_config_from_mapping(sections.data or {})
     return model, data, ensure_model(model, data_path=data.path)
 
@@ -188,6 +197,15 @@ def _hf_train(sections: EngineSections) -> TrainEngine:
 
     model, _, path = _hf_parts(sections)
     return HFTrainEngine(model, algorithm_config_from_mapping(sections.algorithm or {}), model_path=path)
+
+
+def _fsdp_train(sections: EngineSections) -> TrainEngine:
+    from .algorithms import algorithm_config_from_mapping
+    from .fsdp import FSDPTrainEngine, fsdp_config_from_mapping
+
+    _, _, path = _hf_parts(sections)
+    return FSDPTrainEngine(fsdp_config_from_mapping(sections.model),
+                           algorithm_config_from_mapping(sections.algorithm or {}), model_path=path)
 
 
 def _hf_rollout(sections: EngineSections, member: str) -> RolloutEngine:
@@ -221,6 +239,8 @@ _BUILTIN = {
     "tiny": EngineSpec(name="tiny", problems=_tiny_problems, train=_tiny_train,
                        rollout=_tiny_rollout, taskset=_tiny_taskset),
     "hf": EngineSpec(name="hf", problems=_hf_problems, train=_hf_train, rollout=_hf_rollout, taskset=_text_taskset),
+    "fsdp": EngineSpec(name="fsdp", problems=_hf_problems, train=_fsdp_train, rollout=_hf_rollout,
+                       taskset=_text_taskset),
     # vllm is a rollout engine only; its trainer is `hf`, which validates the sections.
     "vllm": EngineSpec(name="vllm", problems=lambda s: [], rollout=_vllm_rollout, taskset=_text_taskset),
 }
@@ -262,8 +282,8 @@ def engine_config_problems(sections: EngineSections) -> list[tuple[str, str]]:
     if "tiny" in names.values() and names["trainer"] != names["explorer"]:
         return [("model.rollout_engine", "the tiny engine pairs only with itself (its task is token ids, not text)")]
     problems = train.problems(sections)
-    if rollout is not train:
-        problems += rollout.problems(sections)
+    if rollout is not train:  # an fsdp trainer and hf explorers check the same sections: report each once
+        problems += [p for p in rollout.problems(sections) if p not in problems]
     return problems
 
 
