@@ -36,8 +36,8 @@ from rolectl.bus.files import atomic_path
 from rolectl.sync_protocol.experience import Experience, ExperienceLimits
 
 from .algorithms import AlgorithmConfig, VerlAlgorithm
-from .hf import response_logprobs
 from .config_errors import validate_section
+from .hf import response_logprobs
 from .hf_model import HFModelConfig, hf_model_path_problems, load_tokenizer
 from .sections import FSDPModelSection
 from .streaming import DEFAULT_BUCKET_BYTES, NamedTensors, buckets_of

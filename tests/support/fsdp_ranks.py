@@ -23,7 +23,6 @@ from rolectl.roles.config import parse_config
 from rolectl.roles.engines import make_train_engine
 from rolectl.roles.engines.fsdp import FSDPTrainEngine
 from rolectl.sync_protocol.experience import Experience
-
 from tests.support.tiny_llm import data_section, model_section
 
 BUCKET_BYTES = 16 << 10
