@@ -321,11 +321,16 @@ def make_taskset(job: Any, *, seed: int, total_batches: int | None = None, batch
 
 
 def engine_summary(model: Mapping[str, Any], records: Sequence[Any]) -> dict[str, Any]:
-    """What `rolectl up`'s summary says about the engines: their names and the model's parameter count
-    (as the trainer reported it in its recorded `StepFinished` metrics)."""
+    """What `rolectl up`'s summary says about the engines: their names, the model's parameter count
+    and, for a trainer of ranks, their number (as the trainer reported them in its recorded
+    `StepFinished` metrics)."""
     from rolectl.sync_protocol import Role, StepFinished
 
     metrics = [r.event.metrics for r in records
                if isinstance(r.event, StepFinished) and r.event.member.role is Role.TRAINER]
     count = next((int(m["model_parameters"]) for m in reversed(metrics) if "model_parameters" in m), None)
-    return {"engines": engine_names(model), "model_parameters": count}
+    summary = {"engines": engine_names(model), "model_parameters": count}
+    world = next((int(m["world_size"]) for m in reversed(metrics) if "world_size" in m), None)
+    if world is not None:
+        summary["trainer_world_size"] = world
+    return summary
