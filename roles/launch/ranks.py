@@ -24,9 +24,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import structlog
 
@@ -211,13 +212,21 @@ class RankLayout:
                 "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(port)}
 
 
+def _die_with_parent() -> None:
+    """In a rank, before exec: SIGKILL when the agent dies (Linux), so no rank outlives its trainer."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def _start_ranks(layout: RankLayout, argv: list[str], port: int) -> dict[int, subprocess.Popen]:
     procs = {}
     for rank in layout.ranks():
         env = {**os.environ, **layout.env(rank, port), "PYTHONUNBUFFERED": "1"}
         # Their own session: a terminal's Ctrl-C reaches the agent, which tells rank 0 once.
         procs[rank] = subprocess.Popen([sys.executable, "-m", "rolectl.roles.cli", *argv], env=env,
-                                       start_new_session=True)
+                                       start_new_session=True, preexec_fn=_die_with_parent)
     return procs
 
 
