@@ -268,11 +268,15 @@ def _agent(cfg: JobConfig, layout: RankLayout, argv: list[str], log: Any) -> int
                 log.info("trainer_ranks_exited", exit_code=code,
                          codes={str(r): p.returncode for r, p in procs.items()})
                 return code
-            failed = {rank: code for rank, code in exited.items() if code != 0 or rank != 0}
-            if failed:
+            # A follower exits 0 only after rank 0's `stop`: rank 0 is ending, wait for its code.
+            failed = {rank: code for rank, code in exited.items() if code != 0}
+            if failed or (leader is None and len(exited) == len(procs)):
                 break
             time.sleep(_POLL_S)
-        # A rank died (or left before rank 0 said stop): the trainer is not whole any more.
+        if not failed:  # a host without rank 0: every rank left when rank 0 said stop
+            log.info("trainer_ranks_exited", exit_code=0)
+            return ExitCode.OK
+        # A rank died: the trainer is not whole any more.
         _kill_all(procs)
         log.error("trainer_rank_died", failed={str(r): c for r, c in failed.items()},
                   restarts_left=restarts_left, stopping=bool(stopping))
