@@ -35,7 +35,7 @@ from rolectl.bus.server import free_port
 from rolectl.roles.config import JobConfig
 from rolectl.roles.exit_codes import ExitCode
 
-__all__ = ["RANK_ENV", "RankLeader", "follow", "run_trainer", "RankLayout"]
+__all__ = ["RANK_ENV", "RankLeader", "follow", "run_trainer", "RankLayout", "supervise_ranks"]
 
 RANK_ENV = "ROLECTL_TRAINER_RANK"
 """Set by the agent in each rank's environment: this process is that rank, not an agent."""
@@ -220,13 +220,12 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _start_ranks(layout: RankLayout, argv: list[str], port: int) -> dict[int, subprocess.Popen]:
+def _start_ranks(layout: RankLayout, command: list[str], port: int) -> dict[int, subprocess.Popen]:
     procs = {}
     for rank in layout.ranks():
         env = {**os.environ, **layout.env(rank, port), "PYTHONUNBUFFERED": "1"}
         # Their own session: a terminal's Ctrl-C reaches the agent, which tells rank 0 once.
-        procs[rank] = subprocess.Popen([sys.executable, "-m", "rolectl.roles.cli", *argv], env=env,
-                                       start_new_session=True, preexec_fn=_die_with_parent)
+        procs[rank] = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_die_with_parent)
     return procs
 
 
@@ -238,7 +237,10 @@ def _kill_all(procs: dict[int, subprocess.Popen]) -> None:
         proc.wait()
 
 
-def _agent(cfg: JobConfig, layout: RankLayout, argv: list[str], log: Any) -> int:
+def supervise_ranks(layout: RankLayout, command: list[str], *, max_restarts: int, log: Any) -> int:
+    """Run `command` once per rank of this host (its rank in the environment) until rank 0 ends
+    the trainer; a rank that dies ends them all, and they start again together while restarts are
+    left (one host). Returns the trainer's exit code."""
     stopping: list[int] = []
 
     def on_signal(sig: int, _frame: Any) -> None:
@@ -246,10 +248,10 @@ def _agent(cfg: JobConfig, layout: RankLayout, argv: list[str], log: Any) -> int
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    restarts_left = cfg.trainer.max_restarts if layout.nnodes == 1 else 0
+    restarts_left = max_restarts if layout.nnodes == 1 else 0
     while True:
         port = layout.master_port or free_port(layout.master_addr)
-        procs = _start_ranks(layout, argv, port)
+        procs = _start_ranks(layout, command, port)
         log.info("trainer_ranks_started", ranks={str(r): p.pid for r, p in procs.items()},
                  world_size=layout.world_size, master=f"{layout.master_addr}:{port}")
         told = False
@@ -283,7 +285,7 @@ def _agent(cfg: JobConfig, layout: RankLayout, argv: list[str], log: Any) -> int
         if stopping or restarts_left == 0:
             return ExitCode.INTERRUPTED if stopping else ExitCode.ERROR
         restarts_left -= 1
-        argv = [a for a in argv if a != "--fresh"]  # the restart resumes what this start began
+        command = [a for a in command if a != "--fresh"]  # the restart resumes what this start began
         log.warning("trainer_ranks_restarting", hint="every rank resumes from the last checkpoint")
 
 
@@ -310,4 +312,5 @@ def run_trainer(cfg: JobConfig, member_id: str | None, *, start_mode: Any, log_j
     log = structlog.get_logger().bind(job=cfg.job, role="trainer", member=member_id or "trainer", agent=True)
     layout = RankLayout(cfg.trainer.world_size, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
                         master_port=master_port)
-    return _agent(cfg, layout, argv, log)
+    return supervise_ranks(layout, [sys.executable, "-m", "rolectl.roles.cli", *argv],
+                           max_restarts=cfg.trainer.max_restarts, log=log)

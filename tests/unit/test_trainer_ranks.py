@@ -70,3 +70,75 @@ def test_a_rank_layout_the_job_cannot_use_is_a_usage_error(tmp_path):
     path.write_text(yaml.safe_dump(_fsdp_example(tmp_path)))
     result = CliRunner().invoke(main, ["start", "trainer", "--config", str(path), "--nnodes", "2"])
     assert result.exit_code == 2 and "--master-addr and --master-port" in result.output
+
+
+# -- the agent, with scripted ranks (real processes; each reads its rank from the environment) -----
+
+# Rank 1 writes its pid and exits (with the code in FOLLOWER_CODES for this attempt); rank 0 waits
+# until that process is gone, then exits with LEADER_CODE: a follower always leaves first.
+RANK_SCRIPT = """
+import json, os, sys, time
+from pathlib import Path
+work = Path(sys.argv[1]); plan = json.loads((work / "plan.json").read_text())
+rank = int(os.environ["RANK"]); attempt = len(list(work.glob(f"start-{rank}-*")))
+(work / f"start-{rank}-{attempt}").write_text(" ".join(sys.argv[2:]))
+if rank == 1:
+    (work / f"pid-{attempt}").write_text(str(os.getpid()))
+    sys.exit(plan["follower_codes"][min(attempt, len(plan["follower_codes"]) - 1)])
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:
+    pid_file = work / f"pid-{attempt}"
+    if pid_file.exists():
+        try:
+            os.kill(int(pid_file.read_text()), 0)
+        except ProcessLookupError:
+            break
+    time.sleep(0.05)
+sys.exit(plan["leader_code"])
+"""
+
+
+class _Log:
+    def __init__(self):
+        self.events = []
+
+    def __getattr__(self, level):
+        return lambda event, **kw: self.events.append(event)
+
+
+def _supervise(tmp_path, *, follower_codes, leader_code=0, max_restarts=3):
+    import json
+    import sys
+
+    from rolectl.roles.launch.ranks import supervise_ranks
+
+    (tmp_path / "plan.json").write_text(json.dumps({"follower_codes": follower_codes, "leader_code": leader_code}))
+    log = _Log()
+    code = supervise_ranks(RankLayout(2), [sys.executable, "-c", RANK_SCRIPT, str(tmp_path), "--fresh"],
+                           max_restarts=max_restarts, log=log)
+    starts = sorted(p.name for p in tmp_path.glob("start-0-*"))
+    return code, log.events, starts
+
+
+def test_a_follower_leaving_after_stop_is_no_failure(tmp_path):
+    code, events, starts = _supervise(tmp_path, follower_codes=[0], leader_code=0)
+    assert code == 0 and starts == ["start-0-0"] and "trainer_rank_died" not in events
+
+
+def test_a_dead_rank_restarts_every_rank_together_without_fresh(tmp_path):
+    # rank 1 dies (as by kill -9) on the first attempt; the second attempt ends normally
+    code, events, starts = _supervise(tmp_path, follower_codes=[-9 % 256, 0])
+    assert code == 0 and starts == ["start-0-0", "start-0-1"], events
+    assert events.count("trainer_ranks_restarting") == 1
+    assert (tmp_path / "start-0-0").read_text() == "--fresh" and (tmp_path / "start-0-1").read_text() == ""
+
+
+def test_a_trainer_that_keeps_dying_fails_after_its_restarts(tmp_path):
+    code, events, starts = _supervise(tmp_path, follower_codes=[1], max_restarts=1)
+    assert code == 1 and len(starts) == 2 and events.count("trainer_rank_died") == 2
+
+
+@pytest.mark.parametrize("leader_code", [2, 3])
+def test_rank_0s_own_end_is_the_trainers_and_never_restarted(tmp_path, leader_code):
+    code, events, starts = _supervise(tmp_path, follower_codes=[0], leader_code=leader_code)
+    assert code == leader_code and starts == ["start-0-0"]
