@@ -143,9 +143,18 @@ def main() -> None:
 @click.option("--keep-running", is_flag=True, default=False,
               help="sync only: keep following the job after every member finished (default: exit 0 once "
                    "the trainer and every explorer that joined stopped for good).")
+@click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True,
+              help="trainer of trainer.world_size ranks: hosts they are spread over (each runs world_size/nnodes).")
+@click.option("--node-rank", type=click.IntRange(min=0), default=0, show_default=True,
+              help="trainer ranks: this host's index, 0..nnodes-1 (host 0 runs rank 0, which speaks on NATS).")
+@click.option("--master-addr", default=None, help="trainer ranks: rank 0's host, reachable from every host "
+                                                  "(default 127.0.0.1; required with --nnodes > 1).")
+@click.option("--master-port", type=click.IntRange(1, 65535), default=None,
+              help="trainer ranks: a free port on --master-addr (default: any free port; required with --nnodes > 1).")
 @client_options
 def start(role: str, config_path: str, member_id: str | None, job: str | None, nats: str | None, resume: bool,
-          fresh: bool, log_format: str, keep_running: bool, **security) -> None:
+          fresh: bool, log_format: str, keep_running: bool, nnodes: int, node_rank: int, master_addr: str | None,
+          master_port: int | None, **security) -> None:
     """Run one ROLE (trainer, explorer or sync) in the foreground. Ctrl-C stops it cleanly.
 
     A trainer or explorer that finds saved state resumes from it when the job's stream records its
@@ -180,6 +189,21 @@ def start(role: str, config_path: str, member_id: str | None, job: str | None, n
     if role == "explorer":
         _check_explorer_id(member_id or "explorer-0", cfg)
     log_json = log_format == "json" or (log_format == "auto" and not sys.stderr.isatty())
+    rank_flags = nnodes != 1 or node_rank != 0 or master_addr is not None or master_port is not None
+    if role == "trainer" and cfg.trainer.world_size > 1:
+        from rolectl.roles.launch.ranks import RankLayout, run_trainer
+
+        try:
+            RankLayout(cfg.trainer.world_size, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
+                       master_port=master_port)
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
+        sys.exit(run_trainer(cfg, member_id, start_mode=StartMode(start_mode or "auto"), log_json=log_json,
+                             argv=sys.argv[1:], nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
+                             master_port=master_port))
+    if rank_flags:
+        raise click.UsageError("--nnodes/--node-rank/--master-addr/--master-port place the ranks of a trainer "
+                               "with trainer.world_size > 1 (model.engine: fsdp)")
     sys.exit(run_role(role, cfg, member_id, start_mode=StartMode(start_mode or "auto"), log_json=log_json,
                       keep_running=keep_running))
 

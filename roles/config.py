@@ -64,6 +64,16 @@ class TrainerConfig(Section):
     by the local launcher."""
     num_cpus: PositiveInt = 1
     """CPUs of its bundle under `rolectl up --launcher ray`; ignored by the local launcher."""
+    world_size: PositiveInt = 1
+    """Ranks of the trainer (`model.engine: fsdp` when > 1): one member on the job's stream, rank 0
+    speaking for all; `rolectl start trainer` starts them on this host, or its share of them with
+    `--nnodes/--node-rank/--master-addr/--master-port` (docs/operations.md)."""
+    max_restarts: NonNegativeInt = 3
+    """A trainer of several ranks: how many times its ranks are restarted together, from the last
+    checkpoint, after one of them dies (one host only; across hosts the launcher restarts them)."""
+    hf_save_interval: NonNegativeInt = 0
+    """Train steps between Hugging Face `save_pretrained` exports in `<run_dir>/<job>/hf/step-N`
+    (0: only the final one, `hf/final`); engines that can export (`fsdp`)."""
 
 
 def _as_tuple(value: Any) -> Any:
@@ -292,6 +302,11 @@ class JobConfig(Section):
         return Path(self.run_dir) / self.job
 
     @property
+    def hf_export_dir(self) -> Path:
+        """Where the trainer writes its Hugging Face exports (`final`, `step-N`)."""
+        return self.job_dir / "hf"
+
+    @property
     def trainer_checkpoint_dir(self) -> Path:
         return Path(self.trainer.checkpoint_dir) if self.trainer.checkpoint_dir else self.job_dir / "trainer"
 
@@ -469,6 +484,9 @@ def parse_config(data: Any, *, source: str | None = None, check_engines: bool = 
     if check_engines and cfg is not None:
         problems.extend(_eval_problems(cfg))
         problems.extend(tracker_problems(cfg.monitor.backends))
+    if cfg is not None and cfg.trainer.world_size > 1 and cfg.model.get("engine") != "fsdp":
+        problems.append(("trainer.world_size", f"{cfg.trainer.world_size} ranks need a sharded engine: set "
+                                               "`model.engine: fsdp`, or world_size: 1"))
     if problems:
         order = {str(key): i for i, key in enumerate(data)}
         problems.sort(key=lambda problem: order.get(problem[0].split(".")[0].split("[")[0], len(order)))

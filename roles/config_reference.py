@@ -32,7 +32,15 @@ from .config import (
     TransportConfig,
 )
 from .engines.config_errors import _BOUNDS, _options, _unwrap
-from .engines.sections import AlgorithmSection, DataSection, HFBuildSection, HFModelSection, TinyModelSection
+from .engines.sections import (
+    AlgorithmSection,
+    DataSection,
+    FSDPModelSection,
+    FSDPSection,
+    HFBuildSection,
+    HFModelSection,
+    TinyModelSection,
+)
 
 __all__ = ["render", "main"]
 
@@ -62,6 +70,8 @@ _SECTIONS: tuple[tuple[str, type[BaseModel], str], ...] = (
      "`model:` is one section per engine, selected by `model.engine` (`tiny` when absent)."),
     ("model (engine: hf)", HFModelSection, ""),
     ("model.build", HFBuildSection, ""),
+    ("model (engine: fsdp)", FSDPModelSection, "The `hf` fields above, plus `fsdp:`. "),
+    ("model.fsdp", FSDPSection, ""),
     ("data", DataSection, "Required by `engine: hf` (the tiny engine has its own task and refuses it). "),
     ("algorithm", AlgorithmSection, "The tiny engine has its own loss and refuses it. "),
 )

@@ -52,13 +52,15 @@ __all__ = ["Trainer"]
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig, member_id: str = "trainer", *, start_mode: StartMode = StartMode.AUTO):
+    def __init__(self, cfg: JobConfig, member_id: str = "trainer", *, start_mode: StartMode = StartMode.AUTO,
+                 engine: object | None = None):
         from rolectl.roles.engines import make_train_engine
 
         self.cfg = cfg
         self.sync = cfg.synchronizer
         self.member_id = member_id
-        self.engine = make_train_engine(cfg)
+        # Given: rank 0's engine of a trainer of several ranks (roles.launch.ranks.RankLeader).
+        self.engine = engine if engine is not None else make_train_engine(cfg)
         self.ckpt_dir = cfg.trainer_checkpoint_dir
         self.total_steps = cfg.trainer.total_steps
         self.save_interval = cfg.trainer.save_interval
@@ -224,6 +226,9 @@ class Trainer:
             # repeats one (a step saved but not reported is reported by the restart).
             if self.need_save():
                 await self.save_checkpoint()
+            interval = self.cfg.trainer.hf_save_interval
+            if interval and self.engine.step % interval == 0:
+                await self._export_hf(f"step-{self.engine.step}")
             await self._step_finished(metrics)
             if await self.need_sync():
                 await self.sync_weight()
@@ -450,6 +455,18 @@ class Trainer:
                 self.acked_at_save.add(msg.seq)
         self._record_held()
 
+    async def _export_hf(self, name: str) -> None:
+        """A Hugging Face `save_pretrained` directory of the current weights, by engines that can
+        write one (`fsdp`): `<run_dir>/<job>/hf/<name>`."""
+        export = getattr(self.engine, "save_hf_model", None)
+        if export is None:
+            return
+        path = self.cfg.hf_export_dir / name
+        started = time.monotonic()
+        await asyncio.to_thread(export, path)
+        self.log.info("hf_model_saved", path=str(path), step=self.engine.step,
+                      seconds=round(time.monotonic() - started, 3))
+
     async def _ack(self, msg) -> bool:
         """Ack a trained message; an unconfirmed ack is logged, not fatal (it comes back and is acked)."""
         try:
@@ -501,6 +518,11 @@ class Trainer:
         except Exception as exc:
             self.log.error("final_save_failed", error=describe(exc))
         finished = self.engine.step >= self.total_steps
+        if finished:
+            try:
+                await self._export_hf("final")  # before the job is declared done
+            except Exception as exc:
+                self.log.error("hf_export_failed", error=describe(exc))
         try:
             # final: the job is done, explorers may stop; otherwise a restart is expected
             await self.s.set_status(RunningStatus.STOPPED, final=finished)

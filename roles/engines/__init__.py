@@ -2,7 +2,8 @@
 
 `model.engine` names the trainer's engine and, unless `model.rollout_engine` names another, the
 explorers'. Built in: `tiny` (the pure-PyTorch reference, train + rollout), `hf` (Hugging Face
-transformers, train + rollout) and `vllm` (rollout). Other packages add engines through the
+transformers, train + rollout), `fsdp` (the `hf` model sharded over ranks with FSDP2, train; its
+explorers are `hf` unless `rollout_engine` says otherwise) and `vllm` (rollout). Other packages add engines through the
 `rolectl.engines` entry-point group: each entry point loads an `EngineSpec`.
 
 Each engine validates its own sections (`model:`, and for `hf`/`vllm` also `data:` and `algorithm:`)
@@ -153,12 +154,20 @@ def _tiny_eval_tasks(sections: EngineSections, rows: Sequence[tuple[str, str]], 
 
 # -- hf / vllm (imported lazily: transformers and vllm are optional extras) --------------------------
 
+def _hf_model(sections: EngineSections) -> Mapping[str, Any]:
+    """The `model:` settings the hf engines read: an `fsdp` trainer's `model:` read as `hf` (its
+    explorers are `hf`/`vllm` rollouts), its own `model.fsdp:` left out."""
+    if sections.model.get("engine") == "fsdp":
+        return {**{k: v for k, v in sections.model.items() if k != "fsdp"}, "engine": "hf"}
+    return sections.model
+
+
 def _hf_problems(sections: EngineSections) -> list[tuple[str, str]]:
     try:
         from .hf_model import hf_model_path_problems
     except ImportError as exc:
         return [("model.engine", f"the hf engine needs transformers ({exc}); pip install -e '.[hf]'")]
-    problems = _model_problems(sections) + hf_model_path_problems(sections.model)
+    problems = _model_problems(sections) + hf_model_path_problems(_hf_model(sections))
     try:
         import datasets  # noqa: F401
         import transformers  # noqa: F401
@@ -186,7 +195,7 @@ def _hf_parts(sections: EngineSections):
     from .data import data_config_from_mapping
     from .hf_model import ensure_model, hf_model_config_from_mapping
 
-    model = hf_model_config_from_mapping(sections.model)
+    model = hf_model_config_from_mapping(_hf_model(sections))
     data = data_config_from_mapping(sections.data or {})
     return model, data, ensure_model(model, data_path=data.path)
 
@@ -197,6 +206,15 @@ def _hf_train(sections: EngineSections) -> TrainEngine:
 
     model, _, path = _hf_parts(sections)
     return HFTrainEngine(model, algorithm_config_from_mapping(sections.algorithm or {}), model_path=path)
+
+
+def _fsdp_train(sections: EngineSections) -> TrainEngine:
+    from .algorithms import algorithm_config_from_mapping
+    from .fsdp import FSDPTrainEngine, fsdp_config_from_mapping
+
+    _, _, path = _hf_parts(sections)
+    return FSDPTrainEngine(fsdp_config_from_mapping(sections.model),
+                           algorithm_config_from_mapping(sections.algorithm or {}), model_path=path)
 
 
 def _hf_rollout(sections: EngineSections, member: str) -> RolloutEngine:
@@ -242,6 +260,8 @@ _BUILTIN = {
                        rollout=_tiny_rollout, taskset=_tiny_taskset, eval_tasks=_tiny_eval_tasks),
     "hf": EngineSpec(name="hf", problems=_hf_problems, train=_hf_train, rollout=_hf_rollout, taskset=_text_taskset,
                      eval_tasks=_text_eval_tasks),
+    "fsdp": EngineSpec(name="fsdp", problems=_hf_problems, train=_fsdp_train, rollout=_hf_rollout,
+                       taskset=_text_taskset, eval_tasks=_text_eval_tasks),
     # vllm is a rollout engine only; its trainer is `hf`, which validates the sections.
     "vllm": EngineSpec(name="vllm", problems=lambda s: [], rollout=_vllm_rollout, taskset=_text_taskset,
                        eval_tasks=_text_eval_tasks),
@@ -284,8 +304,8 @@ def engine_config_problems(sections: EngineSections) -> list[tuple[str, str]]:
     if "tiny" in names.values() and names["trainer"] != names["explorer"]:
         return [("model.rollout_engine", "the tiny engine pairs only with itself (its task is token ids, not text)")]
     problems = train.problems(sections)
-    if rollout is not train:
-        problems += rollout.problems(sections)
+    if rollout is not train:  # an fsdp trainer and hf explorers check the same sections: report each once
+        problems += [p for p in rollout.problems(sections) if p not in problems]
     return problems
 
 
@@ -335,11 +355,16 @@ def make_eval_tasks(job: Any) -> list[Task]:
 
 
 def engine_summary(model: Mapping[str, Any], records: Sequence[Any]) -> dict[str, Any]:
-    """What `rolectl up`'s summary says about the engines: their names and the model's parameter count
-    (as the trainer reported it in its recorded `StepFinished` metrics)."""
+    """What `rolectl up`'s summary says about the engines: their names, the model's parameter count
+    and, for a trainer of ranks, their number (as the trainer reported them in its recorded
+    `StepFinished` metrics)."""
     from rolectl.sync_protocol import Role, StepFinished
 
     metrics = [r.event.metrics for r in records
                if isinstance(r.event, StepFinished) and r.event.member.role is Role.TRAINER]
     count = next((int(m["model_parameters"]) for m in reversed(metrics) if "model_parameters" in m), None)
-    return {"engines": engine_names(model), "model_parameters": count}
+    summary = {"engines": engine_names(model), "model_parameters": count}
+    world = next((int(m["world_size"]) for m in reversed(metrics) if "world_size" in m), None)
+    if world is not None:
+        summary["trainer_world_size"] = world
+    return summary

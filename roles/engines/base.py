@@ -9,19 +9,22 @@ HF / vLLM / verl engines are interchangeable:
   measure (and bound) staleness.
 - weights travel as a flat `{name: tensor}` mapping whose names, shapes and dtypes are the same on
   both sides: `TrainEngine.weights()` is what a transport ships, `RolloutEngine.weight_buffers()` is
-  what an in-place receive (torch.distributed, CUDA IPC) writes into.
+  what an in-place receive (torch.distributed, CUDA IPC) writes into; `TrainEngine.iter_weight_buckets()`
+  yields the same tensors a bucket at a time, for models no one process holds whole.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
 from rolectl.sync_protocol.experience import Experience, ExperienceLimits
 
 if TYPE_CHECKING:
     from torch import Tensor  # annotations only: the engine contract loads without torch
+
+    from .streaming import NamedTensors
 
 __all__ = ["Task", "TaskSet", "TrainEngine", "RolloutEngine", "WeightsMismatch"]
 
@@ -87,6 +90,12 @@ class TrainEngine(Protocol):
 
     def weights(self) -> dict[str, Tensor]:
         """A detached, contiguous snapshot of the tensors explorers need, by parameter name."""
+
+    def iter_weight_buckets(self, bucket_bytes: int) -> Iterator[NamedTensors]:
+        """The same tensors as `weights()`, in order, as lists of (name, tensor) of about `bucket_bytes`
+        each (a larger tensor alone), made one bucket at a time: a consumer that drops each bucket
+        once sent never holds the whole model. A sharded engine's stream is a collective: every rank
+        drives it to the end, and ranks other than 0 get empty buckets."""
 
     def save_checkpoint(self, path: Path) -> None:
         """Write model, optimizer, step and RNG state under directory `path` (no pickle)."""

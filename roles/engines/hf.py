@@ -15,7 +15,7 @@ import json
 import math
 import zlib
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -28,6 +28,7 @@ from .algorithms import AlgorithmConfig, VerlAlgorithm
 from .base import Task, WeightsMismatch
 from .hf_model import HFModelConfig, flat_weights, load_model, load_tokenizer, parameter_count
 from .rewards import WeightedReward, score_all
+from .streaming import DEFAULT_BUCKET_BYTES, NamedTensors, buckets_of
 
 __all__ = ["HFTrainEngine", "HFRolloutEngine", "response_logprobs", "task_seed", "score_texts", "check_weights"]
 
@@ -199,6 +200,11 @@ class HFTrainEngine:
         # Copies on CPU: a transport may still be serialising while the next step runs; tied weights
         # are copied under each of their names (the receiver needs lm_head.weight).
         return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in flat_weights(self.model).items()}
+
+    def iter_weight_buckets(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[NamedTensors]:
+        """`weights()` in buckets, each tensor copied only when its bucket is cut."""
+        named = ((name, t.detach().to("cpu", copy=True).contiguous()) for name, t in flat_weights(self.model).items())
+        return buckets_of(named, bucket_bytes)
 
     def save_checkpoint(self, path: Path) -> None:
         """Three files under `path`; the JSON, written last, marks a complete checkpoint."""

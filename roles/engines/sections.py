@@ -35,6 +35,8 @@ __all__ = [
     "TinyModelSection",
     "HFBuildSection",
     "HFModelSection",
+    "FSDPSection",
+    "FSDPModelSection",
     "DataSection",
     "AlgorithmSection",
     "ModelSection",
@@ -183,6 +185,32 @@ class HFModelSection(Section):
     """Extra keyword arguments for vllm.LLM."""
 
 
+class FSDPSection(Section):
+    """`model.fsdp`: how an `fsdp` trainer shards the model over its ranks (FSDP2)."""
+
+    param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Dtype the gathered parameters compute in (the optimizer keeps float32 weights); auto: bfloat16
+    on CUDA, float32 on CPU."""
+    reshard_after_forward: StrictBool = True
+    """Free each layer's gathered parameters after its forward (less memory, one more all-gather)."""
+    weight_bucket_bytes: PositiveInt = 256 << 20
+    """Size of the buckets the weights are gathered and streamed in (a weight sync, the HF export)."""
+    timeout_s: Seconds = 600.0
+    """A collective waiting longer than this fails the rank (a peer died): the trainer stops as a whole."""
+
+
+class FSDPModelSection(HFModelSection):
+    """`model:` for `engine: fsdp`: the `hf` engine's model sharded over the trainer's ranks with
+    FSDP2 (`trainer.world_size`). Explorers use the `hf` rollout (or `rollout_engine: vllm`).
+    `micro_batch_size` counts sequences per rank per forward/backward; `dtype` is what the explorers
+    load and what the weight stream and the Hugging Face export carry."""
+
+    engine: Literal["fsdp"] = "fsdp"  # type: ignore[assignment]
+    """The trainer's engine (its explorers use the hf rollout unless rollout_engine names another)."""
+    fsdp: FSDPSection = FSDPSection()
+    """How the model is sharded (see the `model.fsdp` section)."""
+
+
 def _engine_of(value: Any) -> Any:
     """The tag of a `model:` section: its engine, `tiny` when it names none."""
     if isinstance(value, Mapping):
@@ -190,7 +218,8 @@ def _engine_of(value: Any) -> Any:
     return getattr(value, "engine", None)
 
 
-ModelSection = Annotated[Union[Annotated[TinyModelSection, Tag("tiny")], Annotated[HFModelSection, Tag("hf")]],
+ModelSection = Annotated[Union[Annotated[TinyModelSection, Tag("tiny")], Annotated[HFModelSection, Tag("hf")],
+                               Annotated[FSDPModelSection, Tag("fsdp")]],
                          Discriminator(_engine_of)]
 """A built-in engine's `model:` section, selected by `model.engine`."""
 

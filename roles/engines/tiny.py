@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -23,6 +23,7 @@ from .config_errors import validate_section
 from .grpo import clipped_policy_loss, group_advantages
 from .model import TinyPolicy, build_base_policy, response_logprobs, sample_responses
 from .sections import TinyModelSection
+from .streaming import DEFAULT_BUCKET_BYTES, NamedTensors, buckets_of
 from .task import EOS, RESPONSE_TOKENS, VOCAB_SIZE, ReverseDigitsTaskSet, score_response
 
 __all__ = [
@@ -177,6 +178,11 @@ class TinyTrainEngine:
     def weights(self) -> dict[str, Tensor]:
         # A copy, not a view: a transport may still be serialising while the next step runs.
         return {name: p.detach().clone().contiguous() for name, p in self.policy.named_parameters()}
+
+    def iter_weight_buckets(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[NamedTensors]:
+        """`weights()` in buckets, each tensor copied only when its bucket is cut."""
+        named = ((name, p.detach().clone().contiguous()) for name, p in self.policy.named_parameters())
+        return buckets_of(named, bucket_bytes)
 
     def save_checkpoint(self, path: Path) -> None:
         """Three files under `path`; the JSON is written last so its presence marks a complete checkpoint."""

@@ -312,6 +312,8 @@ async def supervise(cfg: JobConfig, launcher: Launcher, run_path: Path, *, monit
                                monitor_dir=str(cfg.monitor_dir))
             summary.update(extra_summary or {})
             summary.update(engine_summary(cfg.model, records))
+            if (cfg.hf_export_dir / "final").is_dir():
+                summary["hf_model_dir"] = str(cfg.hf_export_dir / "final")
             (run_path / "summary.json").write_text(json.dumps(summary, indent=2))
             if summary_path:
                 Path(summary_path).write_text(json.dumps(summary, indent=2))
@@ -441,10 +443,14 @@ def _progress_table(cfg: JobConfig, view: JobObserver, processes: list[RoleHandl
     return table
 
 
-SUMMARY_SHOWN = ("job", "complete", "end_reason", "engines", "model_parameters", "trainer_steps", "explorer_steps",
+SUMMARY_SHOWN = ("job", "complete", "end_reason", "engines", "trainer_world_size", "hf_model_dir", "model_parameters",
+                 "trainer_steps", "explorer_steps",
                  "syncs", "rounds", "weight_loads", "final_version", "reward_first", "reward_last",
                  "experiences_produced", "experiences_trained", "experiences_dropped_stale", "weights_bytes_moved",
                  "sync_wait_ms", "wall_s", "run_dir")
+
+
+_SHOWN_WHEN_SET = ("trainer_world_size", "hf_model_dir")  # a trainer of ranks; an engine that exports
 
 
 def _summary_table(summary: dict) -> Table:
@@ -454,5 +460,7 @@ def _summary_table(summary: dict) -> Table:
     table.add_column("value", overflow="fold", ratio=1)
     table.add_column("what it counts", style="dim", no_wrap=True)
     for key in SUMMARY_SHOWN:
+        if key in _SHOWN_WHEN_SET and key not in summary:
+            continue
         table.add_row(key, json.dumps(summary.get(key)), SUMMARY_MEANINGS.get(key, ""))
     return table

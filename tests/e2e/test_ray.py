@@ -235,3 +235,20 @@ def test_up_of_a_job_already_on_the_cluster_is_refused(ray_head, tmp_path):
         ray.get(holder.stop_nats.remote(), timeout=30)  # and the holder was left alone
     finally:
         ray.shutdown()
+
+
+def test_a_two_rank_fsdp_trainer_runs_in_its_ray_bundle(ray_head, tmp_path):
+    """The trainer's actor runs the rank agent: both ranks share the trainer's bundle, the job
+    completes with one trainer of world size 2 and its Hugging Face export."""
+    from tests.e2e.test_llm_quickstart import shortened
+
+    config = shortened(tmp_path, "llm_quickstart_fsdp.yaml", steps=2)
+    result = subprocess.run(_up_args(config, tmp_path, "--ray-address", ray_head.address),
+                            capture_output=True, text=True, env=RAY_ENV, timeout=600, cwd=ROOT)
+    summary_file = tmp_path / "summary.json"
+    assert summary_file.exists(), f"no summary (exit {result.returncode})\n{result.stderr[-5000:]}"
+    s = json.loads(summary_file.read_text())
+    assert result.returncode == 0 and s["launcher"] == "ray" and s["complete"], (s, result.stderr[-3000:])
+    assert s["engines"]["trainer"] == "fsdp" and s["trainer_world_size"] == 2, s
+    assert (Path(s["hf_model_dir"]) / "config.json").is_file(), s
+    assert_decisions_replay(load_export(s["events_file"]))

@@ -1,0 +1,493 @@
+"""The `fsdp` train engine: a Hugging Face causal LM sharded over N ranks with FSDP2, trained with verl's losses.
+
+Every rank builds the same engine and calls the same methods in the same order (SPMD): `train_step`
+gets the whole batch on every rank (the trainer's rank 0 receives it and broadcasts it) and each rank
+trains on its slice of each minibatch's rows; gradients are summed across ranks, so N ranks take the
+same optimizer step as the one-process `hf` engine on the same batch.
+
+- Sharding: `fully_shard` (torch.distributed.fsdp, FSDP2) on each decoder layer (the model's
+  `_no_split_modules`) and on the root, over a 1-D device mesh; gloo on CPU, NCCL on CUDA.
+- Precision: parameters are kept in fp32 (the optimizer's master copy); on CUDA they are all-gathered
+  as bf16 for compute and gradients reduced in fp32; on CPU everything is fp32.
+- Weights leave as a stream: `iter_weight_buckets` gathers one parameter at a time
+  (`DTensor.full_tensor()`, a collective every rank joins) into buckets, and only rank 0 keeps them.
+- Checkpoints are `torch.distributed.checkpoint` (DCP) directories: each rank writes its shards of
+  the model and the optimizer and its RNG state; rank 0 writes the scalars and the caller's
+  bookkeeping as JSON. A checkpoint written by N ranks loads on M ranks.
+- `save_hf_model` writes a `save_pretrained` directory from the stream: safetensors, config, tokenizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from rolectl.bus.files import atomic_path
+from rolectl.sync_protocol.experience import Experience, ExperienceLimits
+
+from .algorithms import AlgorithmConfig, VerlAlgorithm
+from .config_errors import validate_section
+from .hf import response_logprobs
+from .hf_model import HFModelConfig, hf_model_path_problems, load_tokenizer
+from .sections import FSDPModelSection
+from .streaming import DEFAULT_BUCKET_BYTES, NamedTensors, buckets_of
+
+__all__ = ["FSDPConfig", "FSDPTrainEngine", "fsdp_config_from_mapping", "fsdp_config_problems"]
+
+_STATE_JSON_FILE = "engine_state.json"
+_DCP_DIR = "dcp"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FSDPConfig:
+    """What an `fsdp` engine is built from: the `hf` engine's model settings and `model.fsdp`
+    (see `FSDPModelSection`, whose fields these are)."""
+
+    model: HFModelConfig
+    param_dtype: str = "auto"
+    reshard_after_forward: bool = True
+    weight_bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    timeout_s: float = 600.0
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        if self.param_dtype == "auto":
+            return torch.bfloat16 if self.model.device.startswith("cuda") else torch.float32
+        return _DTYPES[self.param_dtype]
+
+
+def fsdp_config_problems(values: Mapping[str, Any], *, where: str = "model") -> list[tuple[str, str]]:
+    """Every problem with an `fsdp` `model:` mapping, as (dotted path, reason)."""
+    values = {**values, "engine": "fsdp"}
+    return validate_section(FSDPModelSection, values, where=where)[1] + hf_model_path_problems(values, where=where)
+
+
+def fsdp_config_from_mapping(values: Mapping[str, Any]) -> FSDPConfig:
+    problems = fsdp_config_problems(values)
+    if problems:
+        raise ValueError("invalid model config: " + "; ".join(f"{p}: {why}" for p, why in problems))
+    section = FSDPModelSection.model_validate({**values, "engine": "fsdp"})
+    hf = section.model_dump(exclude={"fsdp", "engine"})
+    return FSDPConfig(model=HFModelConfig.model_validate(hf), **section.fsdp.model_dump())
+
+
+def _join_process_group(device: str, timeout: timedelta) -> tuple[int, int, bool]:
+    """(rank, world size, whether we created the group): an existing group, one from torchrun-style
+    environment variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or a group of one."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), False
+    # CPU tensors (metrics, the weight stream's bookkeeping) travel over gloo even on GPUs.
+    backend = "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return dist.get_rank(), dist.get_world_size(), True
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules to shard one by one: those whose class the model names as not to be split."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} names no decoder layer class (`_no_split_modules` is "
+                         f"{sorted(names)}); the fsdp engine shards per decoder layer")
+    return layers
+
+
+class FSDPTrainEngine:
+    """Trainer side of the `fsdp` engine; one instance per rank."""
+
+    def __init__(self, config: FSDPConfig, algorithm: AlgorithmConfig, *, model_path: Path) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.config = config
+        self.algorithm_config = algorithm
+        model_config = config.model
+        self.rank, self.world_size, self._owns_group = _join_process_group(
+            model_config.device, timedelta(seconds=config.timeout_s))
+        if model_config.device.startswith("cuda"):
+            index = int(os.environ.get("LOCAL_RANK", "0")) if model_config.device == "cuda" else None
+            self.device = torch.device("cuda", index) if index is not None else torch.device(model_config.device)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+        torch.manual_seed(model_config.seed)
+        self.model_path = Path(model_path)
+        self.tokenizer = load_tokenizer(model_path)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.model = self._sharded_model(trainable=True)
+        self.reference = self._sharded_model(trainable=False) if algorithm.kl_coef > 0 else None
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=model_config.lr,
+                                           weight_decay=model_config.weight_decay)
+        self.algorithm = VerlAlgorithm(algorithm, group_size=model_config.group_size)
+        self.group_size = model_config.group_size
+        self.vocab_size = int(self.model.config.vocab_size)
+        self.num_parameters = sum(p.numel() for p in self.model.parameters())  # DTensors count their global size
+        state = self.model.state_dict(keep_vars=True)
+        itemsize = torch.empty(0, dtype=model_config.torch_dtype).element_size()
+        # Full sizes as streamed, so every rank cuts the same buckets without gathering to measure.
+        self._streamed_nbytes = {n: t.numel() * (itemsize if t.is_floating_point() else t.element_size())
+                                 for n, t in state.items()}
+        # Names that alias an earlier name's tensor (a tied `lm_head.weight`): saved once in HF form.
+        seen: set[int] = set()
+        self._tied_names: set[str] = set()
+        for name, tensor in state.items():
+            if id(tensor) in seen:
+                self._tied_names.add(name)
+            seen.add(id(tensor))
+        self.experience_limits = ExperienceLimits(
+            vocab_size=self.vocab_size, prompt_length=None, max_response_length=model_config.max_new_tokens,
+            group_size=model_config.group_size)
+        self.updates_skipped_nonfinite = 0
+        self.step = 0
+
+    def _sharded_model(self, *, trainable: bool):
+        import transformers
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+        # Every rank builds the model without memory (meta), shards it, then allocates its shard;
+        # rank 0 alone reads the weights and sends each rank its part, so no other rank ever holds
+        # the whole model.
+        path = self.model_path
+        model_config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+        if (path / "generation_config.json").is_file():
+            model.generation_config = transformers.GenerationConfig.from_pretrained(path, local_files_only=True)
+        if trainable and self.config.model.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        policy = MixedPrecisionPolicy(param_dtype=self.config.compute_dtype, reduce_dtype=torch.float32)
+        reshard = self.config.reshard_after_forward
+        for layer in _decoder_layers(model):
+            fully_shard(layer, mesh=self.mesh, mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(model, mesh=self.mesh, mp_policy=policy, reshard_after_forward=reshard)
+        model.to_empty(device=self.device)
+        full = None
+        if self.rank == 0:
+            full = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+        set_model_state_dict(model, full.state_dict() if full is not None else {},
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        # Buffers outside the state dict (rotary frequencies) were computed at load on rank 0 only.
+        own_buffers = dict(full.named_buffers()) if full is not None else {}
+        with torch.no_grad():
+            for name, buffer in model.named_buffers():
+                if full is not None:
+                    buffer.copy_(own_buffers[name])
+                if self.world_size > 1:
+                    dist.broadcast(buffer, src=0)
+        del full, own_buffers
+        if trainable:
+            # The loss is normalised by the whole minibatch's tokens on every rank: sum the ranks'
+            # gradients rather than average them, as one process would (a plain SUM: gloo has no
+            # pre-multiplied sum).
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module.set_gradient_divide_factor(1.0)
+                    module.set_force_sum_reduction_for_comms(True)
+            return model.train()
+        return model.eval().requires_grad_(False)
+
+    # -- training ----------------------------------------------------------------------------------
+
+    def share_batch(self, experiences: Sequence[Experience] | None) -> list[Experience]:
+        """Rank 0's `experiences` on every rank (a collective; the other ranks pass None): the rank
+        that reads the bus hands each batch to its followers before they all call `train_step`.
+        Sent as JSON bytes over the process group (no pickle)."""
+        if self.rank == 0 and experiences is None:
+            raise ValueError("share_batch: rank 0 must pass the batch")
+        if self.world_size == 1:
+            return list(experiences or ())
+        payload = b""
+        if self.rank == 0:
+            payload = json.dumps([dataclasses.asdict(e) for e in experiences or ()]).encode()
+        size = torch.tensor([len(payload)], dtype=torch.int64)
+        dist.broadcast(size, src=0)
+        buffer = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if self.rank == 0
+                  else torch.empty(int(size), dtype=torch.uint8))
+        dist.broadcast(buffer, src=0)
+        if self.rank == 0:
+            return list(experiences or ())
+        return [Experience(**{**e, "prompt": tuple(e["prompt"]), "response": tuple(e["response"]),
+                              "logprobs": tuple(e["logprobs"])})
+                for e in json.loads(buffer.numpy().tobytes())]
+
+    def train_step(self, experiences: Sequence[Experience], *, current_version: int) -> dict[str, float]:
+        """One optimizer step per minibatch; every rank passes the same `experiences`."""
+        if not experiences:
+            raise ValueError("train_step needs at least one experience")
+        max_len = max(1, max(len(e.response) for e in experiences))
+        old_logprobs = torch.zeros(len(experiences), max_len)
+        mask = torch.zeros(len(experiences), max_len, dtype=torch.bool)
+        for row, e in enumerate(experiences):
+            old_logprobs[row, :len(e.response)] = torch.tensor(e.logprobs, dtype=torch.float32)
+            mask[row, :len(e.response)] = True
+        rewards = torch.tensor([e.reward for e in experiences], dtype=torch.float32)
+        advantages = self.algorithm.advantages(rewards, mask, [e.group for e in experiences])
+
+        group_order = list(dict.fromkeys(e.group for e in experiences))
+        num_minibatches = min(self.config.model.minibatches, len(group_order))
+        micro_size = self.config.model.micro_batch_size
+        losses, grad_norms = [], []
+        metric_sums: dict[str, float] = {}
+        metric_count = 0
+        for minibatch in range(num_minibatches):
+            groups = set(group_order[minibatch::num_minibatches])
+            rows = [i for i, e in enumerate(experiences) if e.group in groups]
+            tokens = int(mask[rows].sum())
+            mine = rows[self.rank::self.world_size]
+            # Every rank runs the same number of forward/backward passes (each is a collective);
+            # a rank out of rows runs one on a borrowed row with its loss zeroed.
+            passes = math.ceil(math.ceil(len(rows) / self.world_size) / micro_size)
+            self.optimizer.zero_grad(set_to_none=True)
+            local_loss = 0.0
+            for index in range(passes):
+                micro = mine[index * micro_size:(index + 1) * micro_size]
+                real = bool(micro)
+                micro = micro or rows[:1]
+                loss, metrics = self._micro_loss(experiences, micro, old_logprobs, advantages,
+                                                 tokens=tokens, sequences=len(rows))
+                if not real:
+                    loss = loss * 0.0
+                loss.backward()
+                if real:
+                    local_loss += float(loss.detach())
+                    metric_count += 1
+                    for key, value in metrics.items():
+                        metric_sums[key] = metric_sums.get(key, 0.0) + value
+            minibatch_loss = self._sum_over_ranks([local_loss])[0]
+            grad_norm = self._clip_gradients()
+            if not (math.isfinite(minibatch_loss) and math.isfinite(grad_norm)):
+                # a non-finite loss or gradient would poison the weights: skip this update, count it
+                self.optimizer.zero_grad(set_to_none=True)
+                self.updates_skipped_nonfinite += 1
+                continue
+            grad_norms.append(grad_norm)
+            self.optimizer.step()
+            losses.append(minibatch_loss)
+        self.step += 1
+        keys = sorted(metric_sums)
+        summed = self._sum_over_ranks([metric_sums[k] for k in keys] + [float(metric_count)])
+        averaged = {k.replace("actor/", ""): v / max(summed[-1], 1.0) for k, v in zip(keys, summed)}
+        staleness = [current_version - e.model_version for e in experiences]
+        return {
+            "loss": sum(losses) / len(losses) if losses else 0.0,
+            "updates_skipped_nonfinite": float(self.updates_skipped_nonfinite),
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std(correction=0)),
+            "reward_max": float(rewards.max()),
+            "grad_norm": max(grad_norms, default=0.0),
+            "staleness_mean": sum(staleness) / len(staleness),
+            "staleness_max": float(max(staleness)),
+            "response_length_mean": float(mask.sum(dim=1).float().mean()),
+            "num_experiences": float(len(experiences)),
+            "model_parameters": float(self.num_parameters),
+            "world_size": float(self.world_size),
+            **averaged,
+        }
+
+    def _micro_loss(self, experiences: Sequence[Experience], micro: list[int], old_logprobs: Tensor,
+                    advantages: Tensor, *, tokens: int, sequences: int) -> tuple[Tensor, dict[str, float]]:
+        batch = [experiences[i] for i in micro]
+        width = max(1, max(len(e.response) for e in batch))
+        prompts, responses = [e.prompt for e in batch], [e.response for e in batch]
+        device, temperature = str(self.device), self.config.model.temperature
+        logprobs, micro_mask = response_logprobs(self.model, prompts, responses, pad_id=self.pad_id,
+                                                 device=device, temperature=temperature)
+        loss, metrics = self.algorithm.policy_loss(
+            old_logprobs[micro, :width].to(self.device), logprobs, advantages[micro, :width].to(self.device),
+            micro_mask, batch_num_tokens=tokens, global_batch_size=sequences)
+        numeric = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float, Tensor))}
+        if self.reference is not None:
+            with torch.no_grad():
+                ref, _ = response_logprobs(self.reference, prompts, responses, pad_id=self.pad_id, device=device,
+                                           temperature=temperature)
+            kl = self.algorithm.kl_loss(logprobs, ref, micro_mask, batch_num_tokens=tokens,
+                                        global_batch_size=sequences)
+            numeric["kl_loss"] = float(kl.detach())
+            loss = loss + self.algorithm_config.kl_coef * kl
+        return loss, numeric
+
+    def _clip_gradients(self) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.model.max_grad_norm)
+        full = getattr(norm, "full_tensor", None)
+        return float(full() if full is not None else norm)
+
+    def _sum_over_ranks(self, values: list[float]) -> list[float]:
+        if self.world_size == 1:
+            return values
+        buffer = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(buffer, op=dist.ReduceOp.SUM)  # CPU tensor: gloo (beside NCCL on GPUs)
+        return buffer.tolist()
+
+    # -- weights out -------------------------------------------------------------------------------
+
+    def _gathered(self, *, all_ranks: bool) -> Iterator[tuple[str, Tensor]]:
+        """Each tensor of the state dict (tied weights under each name), gathered on demand, cast to
+        the model's dtype, on CPU; ranks that do not keep it drop it at once."""
+        from torch.distributed.tensor import DTensor
+
+        dtype = self.config.model.torch_dtype
+        keep = all_ranks or self.rank == 0
+        for name, tensor in self.model.state_dict().items():
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            if keep:
+                # A gathered tensor is fresh memory, unless it is the live shard itself (one rank):
+                # copy only what the next train step could change under the consumer.
+                live = full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
+                yield name, full.detach().to("cpu", dtype=dtype if full.is_floating_point() else full.dtype,
+                                             copy=live).contiguous()
+            else:
+                yield name, full.new_empty(0)  # keeps every rank's bucket boundaries the same
+            del full, local
+
+    def iter_weight_buckets(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, *,
+                            all_ranks: bool = False) -> Iterator[NamedTensors]:
+        """The weights (the names and dtypes `HFTrainEngine.weights()` gives) in buckets of about
+        `bucket_bytes`, gathered from the shards one parameter at a time.
+
+        A collective: every rank must drive the iterator to its end. Rank 0 (every rank with
+        `all_ranks`) gets the tensors; the others get the same number of buckets, empty.
+        """
+        keep = all_ranks or self.rank == 0
+        # Sized by the full tensors on every rank, so all ranks cut the same buckets.
+        for bucket in buckets_of(self._gathered(all_ranks=all_ranks), bucket_bytes,
+                                 nbytes=lambda name, _: self._streamed_nbytes[name]):
+            yield bucket if keep else []
+
+    def weights(self) -> dict[str, Tensor]:
+        """The whole model on every rank: for small models and tests; transports use the stream."""
+        return {name: tensor for bucket in self.iter_weight_buckets(all_ranks=True) for name, tensor in bucket}
+
+    def save_hf_model(self, path: Path, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        """A `save_pretrained` directory at `path` (rank 0 writes; every rank must call): one
+        safetensors file per bucket and their index, the config and the tokenizer."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        index: dict[str, str] = {}
+        total = 0
+        for number, bucket in enumerate(self.iter_weight_buckets(bucket_bytes)):
+            if self.rank != 0:
+                continue
+            path.mkdir(parents=True, exist_ok=True)
+            file = f"model-{number + 1:05d}.safetensors"
+            # Tied weights are saved once, as save_pretrained does; loading ties them again.
+            tensors = {n: t for n, t in bucket if n not in self._tied_names}
+            if not tensors:
+                continue
+            with atomic_path(path / file) as tmp:
+                save_file(tensors, str(tmp), metadata={"format": "pt"})
+            index.update({n: file for n in tensors})
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
+        if self.rank == 0:
+            self.model.config.save_pretrained(path)
+            generation = getattr(self.model, "generation_config", None)
+            if generation is not None:
+                generation.save_pretrained(path)
+            self.tokenizer.save_pretrained(path)
+            index_json = {"metadata": {"total_size": total}, "weight_map": dict(sorted(index.items()))}
+            with atomic_path(path / "model.safetensors.index.json") as tmp:
+                Path(tmp).write_text(json.dumps(index_json, indent=1))
+        self._barrier()
+
+    # -- checkpoints -------------------------------------------------------------------------------
+
+    def _state_dicts(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        return get_state_dict(self.model, self.optimizer,
+                              options=StateDictOptions(flatten_optimizer_state_dict=True))
+
+    def save_checkpoint(self, path: Path, *, extra: Mapping[str, Any] | None = None) -> None:
+        """A DCP directory under `path` (every rank writes its shards) and, last, rank 0's JSON of
+        the step, the optimizer's scalars and `extra` (the caller's bookkeeping: data position,
+        trained experiences; JSON-able). The JSON marks a complete checkpoint."""
+        import torch.distributed.checkpoint as dcp
+
+        path = Path(path)
+        model_state, optimizer_state = self._state_dicts()
+        tensors = {f"model.{k}": v for k, v in model_state.items()}
+        tensors.update({f"optimizer.{k}": v for k, v in optimizer_state.items() if isinstance(v, Tensor)})
+        # Each rank's RNG under its own name: DCP keeps one copy of a replicated (plain) tensor.
+        tensors[f"rng.{self.rank}.cpu"] = torch.get_rng_state()
+        if self.device.type == "cuda":
+            tensors[f"rng.{self.rank}.cuda"] = torch.cuda.get_rng_state(self.device)
+        scalars = {k: list(v) if isinstance(v, tuple) else v for k, v in optimizer_state.items()
+                   if not isinstance(v, Tensor)}
+        dcp.save(tensors, checkpoint_id=str(path / _DCP_DIR))
+        if self.rank == 0:
+            state = {"step": self.step, "world_size": self.world_size, "updates_skipped_nonfinite":
+                     self.updates_skipped_nonfinite, "model": self.config.model.model_dump(),
+                     "optimizer_scalars": scalars, "extra": dict(extra or {})}
+            with atomic_path(path / _STATE_JSON_FILE) as tmp:
+                Path(tmp).write_text(json.dumps(state, indent=1))
+        self._barrier()
+
+    def load_checkpoint(self, path: Path) -> dict[str, Any]:
+        """Restore what `save_checkpoint(path)` wrote, on any number of ranks; returns its `extra`.
+
+        Rank r takes the RNG state rank r saved (rank 0's when the checkpoint had fewer ranks).
+        """
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        path = Path(path)
+        state = json.loads((path / _STATE_JSON_FILE).read_text())
+        model_state, optimizer_state = self._state_dicts()
+        missing = [k for k in optimizer_state if not isinstance(optimizer_state[k], Tensor)
+                   and k not in state["optimizer_scalars"]]
+        if missing:
+            raise ValueError(f"{path}: the checkpoint's optimizer settings lack {missing[:5]}: not a checkpoint "
+                             "of this model and optimizer")
+        source = self.rank if self.rank < int(state["world_size"]) else 0
+        tensors = {f"model.{k}": v for k, v in model_state.items()}
+        tensors.update({f"optimizer.{k}": v for k, v in optimizer_state.items() if isinstance(v, Tensor)})
+        tensors[f"rng.{source}.cpu"] = torch.get_rng_state()
+        cuda_rng = self.device.type == "cuda"
+        if cuda_rng:
+            tensors[f"rng.{source}.cuda"] = torch.cuda.get_rng_state(self.device)
+        dcp.load(tensors, checkpoint_id=str(path / _DCP_DIR))
+        model_state = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+        optimizer_loaded: dict[str, Any] = {k[len("optimizer."):]: v for k, v in tensors.items()
+                                            if k.startswith("optimizer.")}
+        for key, value in state["optimizer_scalars"].items():
+            current = optimizer_state.get(key)
+            optimizer_loaded[key] = tuple(value) if isinstance(current, tuple) else value
+        set_state_dict(self.model, self.optimizer, model_state_dict=model_state,
+                       optim_state_dict=optimizer_loaded,
+                       options=StateDictOptions(flatten_optimizer_state_dict=True))
+        torch.set_rng_state(tensors[f"rng.{source}.cpu"])
+        if cuda_rng:
+            torch.cuda.set_rng_state(tensors[f"rng.{source}.cuda"], self.device)
+        self.step = int(state["step"])
+        self.updates_skipped_nonfinite = int(state["updates_skipped_nonfinite"])
+        return dict(state["extra"])
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    def _barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    def close(self) -> None:
+        """Leave the process group if this engine created it (safe twice)."""
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_group = False
+

@@ -1,0 +1,88 @@
+"""One rank of the `fsdp` engine tests, run as its own process (`python -m tests.support.fsdp_ranks SCENARIO WORKDIR`
+from the repository root).
+
+Rank, world size and rendezvous come from torchrun's environment variables (RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT), set by `tests/unit/test_fsdp_engine.py`. Inputs are in WORKDIR
+(`experiences.json`, `model/`); each scenario writes what the test asserts on under WORKDIR/<scenario>/.
+
+- `train`: 3 steps, the stream, a DCP checkpoint, a Hugging Face export and the logits of a probe
+  batch; then a 4th step.
+- `resume`: load `train`'s checkpoint, then the same 4th step (with gradient checkpointing).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from rolectl.roles.config import parse_config
+from rolectl.roles.engines import make_train_engine
+from rolectl.roles.engines.fsdp import FSDPTrainEngine
+from rolectl.sync_protocol.experience import Experience
+from tests.support.tiny_llm import data_section, model_section
+
+BUCKET_BYTES = 16 << 10
+PROBE = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 4, 5, 6]]
+FSDP_SETTINGS = {"engine": "fsdp", "group_size": 3, "minibatches": 2, "micro_batch_size": 1}
+ALGORITHM = {"kl_coef": 0.05}  # exercises the sharded frozen reference model too
+
+
+def load_batches(workdir: Path) -> list[list[Experience]]:
+    return [[Experience(**{**e, "prompt": tuple(e["prompt"]), "response": tuple(e["response"]),
+                           "logprobs": tuple(e["logprobs"])}) for e in batch]
+            for batch in json.loads((workdir / "experiences.json").read_text())]
+
+
+def probe_logits(engine: FSDPTrainEngine) -> torch.Tensor:
+    with torch.no_grad():
+        return engine.model(input_ids=torch.tensor(PROBE)).logits.float()
+
+
+def main(scenario: str, workdir: Path) -> None:
+    out = workdir / scenario
+    out.mkdir(exist_ok=True)
+    # Resuming recomputes activations in backward: the same step, by another path.
+    settings = {**FSDP_SETTINGS, "gradient_checkpointing": scenario == "resume"}
+    job = parse_config({"job": "fsdp-test", "model": model_section(workdir / "model", **settings),
+                        "data": data_section(), "algorithm": ALGORITHM})
+    engine = make_train_engine(job)
+    assert isinstance(engine, FSDPTrainEngine)
+    rank, batches = engine.rank, load_batches(workdir)
+    report: dict = {"rank": rank, "world_size": engine.world_size}
+    if scenario == "train":
+        # Rank 0 alone holds each batch, as the rank that reads the bus will; the others receive it.
+        report["metrics"] = [engine.train_step(engine.share_batch(batch if rank == 0 else None), current_version=step)
+                             for step, batch in enumerate(batches[:3])]
+        buckets = list(engine.iter_weight_buckets(BUCKET_BYTES))
+        report["buckets"] = [[(name, list(t.shape)) for name, t in bucket] for bucket in buckets]
+        if rank == 0:
+            save_file({n: t for bucket in buckets for n, t in bucket}, str(out / "weights-3.safetensors"))
+        del buckets
+        engine.save_checkpoint(workdir / "ckpt", extra={"data_position": 3, "trained": ["a", "b"]})
+        engine.save_hf_model(workdir / "hf", bucket_bytes=BUCKET_BYTES)
+        logits = probe_logits(engine)
+        if rank == 0:
+            save_file({"logits": logits}, str(out / "logits.safetensors"))
+    else:
+        report["extra"] = engine.load_checkpoint(workdir / "ckpt")
+        report["step_after_load"] = engine.step
+        loaded = engine.weights()  # a collective: every rank gathers
+        if rank == 0:
+            save_file(loaded, str(out / "weights-3.safetensors"))
+    kept = {n: t.clone() for n, t in loaded.items()} if scenario == "resume" else {}
+    report["metrics_4"] = engine.train_step(batches[3], current_version=3)
+    # What the stream gave is a snapshot: the next step must not change it under its consumer.
+    report["snapshot_unchanged"] = all(torch.equal(loaded[n], t) for n, t in kept.items())
+    weights = engine.weights()
+    if rank == 0:
+        save_file(weights, str(out / "weights-4.safetensors"))
+    (out / f"report-{rank}.json").write_text(json.dumps(report))
+    engine.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]))

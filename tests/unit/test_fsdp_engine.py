@@ -1,0 +1,244 @@
+"""The `fsdp` engine on CPU: 2 ranks (gloo, one process each) train as one `hf` process, stream their
+weights, checkpoint 2 -> 1 with DCP and export a Hugging Face model; the `hf` and `tiny` weight streams."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rolectl.bus.server import free_port
+from rolectl.roles.engines import make_train_engine
+from rolectl.roles.engines.algorithms import AlgorithmConfig
+from rolectl.roles.engines.fsdp import fsdp_config_problems
+from rolectl.roles.engines.hf import HFTrainEngine
+from rolectl.roles.engines.hf_model import hf_model_config_from_mapping
+from rolectl.roles.engines.streaming import buckets_of
+from tests.support import fsdp_ranks
+from tests.support.tiny_llm import built_model, data_section, model_section
+
+ROOT = Path(__file__).resolve().parents[2]
+
+RANK_TIMEOUT_S = 240
+# fp32 sums in another order (two ranks' shards, micro-batches of 1 against 4): AdamW's first steps
+# divide by sqrt(v), so parameter differences stay at the fp32 rounding of gradients.
+ATOL = 2e-5
+
+
+def _experiences(vocab_size: int, *, batches: int = 4, groups: int = 3, group_size: int = 3) -> list[list[dict]]:
+    generator = torch.Generator().manual_seed(1)
+    out = []
+    for step in range(batches):
+        batch = []
+        for g in range(groups):
+            prompt = torch.randint(4, vocab_size, (4,), generator=generator).tolist()
+            for k in range(group_size):
+                length = int(torch.randint(1, 6, (1,), generator=generator))
+                response = torch.randint(4, vocab_size, (length,), generator=generator).tolist()
+                batch.append({"id": f"e-{step}-{g}-{k}", "group": f"e-{step}-{g}", "prompt": prompt,
+                              "response": response, "logprobs": [-2.9] * length,
+                              "reward": float(torch.rand(1, generator=generator)), "model_version": step})
+        out.append(batch)
+    return out
+
+
+def run_ranks(scenario: str, workdir: Path, world_size: int) -> list[dict]:
+    """Run `tests/support/fsdp_ranks.py scenario` as `world_size` processes; their reports, by rank.
+
+    Bounded: a rank still running after RANK_TIMEOUT_S, or any rank failing, kills them all.
+    """
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        log = open(workdir / f"{scenario}-rank{rank}.log", "w")
+        procs.append((subprocess.Popen([sys.executable, "-m", "tests.support.fsdp_ranks", scenario, str(workdir)],
+                                       cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    deadline = time.monotonic() + RANK_TIMEOUT_S
+    try:
+        for proc, _ in procs:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            if proc.returncode != 0:
+                break
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for proc, log in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+            log.close()
+    failed = [rank for rank, (proc, _) in enumerate(procs) if proc.returncode != 0]
+    if failed:
+        tails = "\n".join(f"--- rank {r} (exit {procs[r][0].returncode}):\n"
+                          + (workdir / f"{scenario}-rank{r}.log").read_text()[-3000:] for r in failed)
+        pytest.fail(f"{scenario}: ranks {failed} failed or ran past {RANK_TIMEOUT_S} s\n{tails}")
+    return [json.loads((workdir / scenario / f"report-{rank}.json").read_text()) for rank in range(world_size)]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("fsdp")
+    model = built_model(root)
+    vocab_size = json.loads((model / "config.json").read_text())["vocab_size"]
+    (root / "experiences.json").write_text(json.dumps(_experiences(vocab_size)))
+    return root
+
+
+@pytest.fixture(scope="module")
+def two_ranks(workdir) -> list[dict]:
+    return run_ranks("train", workdir, 2)
+
+
+@pytest.fixture(scope="module")
+def hf_run(workdir) -> dict:
+    """The same 4 steps by the one-process `hf` engine (micro-batches of 4 rows, not 1)."""
+    settings = {**model_section(workdir / "model"), "group_size": 3, "minibatches": 2, "micro_batch_size": 4}
+    settings.pop("engine")
+    engine = HFTrainEngine(hf_model_config_from_mapping(settings), AlgorithmConfig(**fsdp_ranks.ALGORITHM),
+                           model_path=workdir / "model")
+    batches = fsdp_ranks.load_batches(workdir)
+    initial = engine.weights()
+    metrics = [engine.train_step(batch, current_version=step) for step, batch in enumerate(batches[:3])]
+    after_3 = engine.weights()
+    metrics.append(engine.train_step(batches[3], current_version=3))
+    return {"initial": initial, "metrics": metrics, "weights_3": after_3, "weights_4": engine.weights()}
+
+
+def _assert_close(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], *, atol: float) -> None:
+    assert sorted(got) == sorted(expected)
+    worst = max((float((got[n] - expected[n]).abs().max()), n) for n in expected)
+    assert worst[0] <= atol, f"largest difference {worst[0]:.3g} at {worst[1]}"
+
+
+def test_two_fsdp_ranks_train_as_one_hf_process(workdir, two_ranks, hf_run):
+    fsdp_weights = load_file(workdir / "train" / "weights-3.safetensors")
+    assert any(not torch.equal(fsdp_weights[n], t) for n, t in hf_run["initial"].items())  # training moved them
+    _assert_close(fsdp_weights, hf_run["weights_3"], atol=ATOL)
+    for rank in two_ranks:  # every rank reports the whole batch's metrics
+        assert rank["world_size"] == 2
+        losses = [m["loss"] for m in rank["metrics"]]
+        assert losses == pytest.approx([m["loss"] for m in hf_run["metrics"][:3]], rel=1e-4, abs=1e-6)
+        grad_norms = [m["grad_norm"] for m in rank["metrics"]]
+        assert grad_norms == pytest.approx([m["grad_norm"] for m in hf_run["metrics"][:3]], rel=1e-4)
+        # verl's per-micro-batch statistics are averaged over micro-batches, whose size differs here
+        assert all(0 <= m["pg_clipfrac"] <= 1 for m in rank["metrics"])
+        assert rank["metrics"][2]["kl_loss"] > 0  # the frozen reference is the version-0 model
+    _assert_close(load_file(workdir / "train" / "weights-4.safetensors"), hf_run["weights_4"], atol=2 * ATOL)
+
+
+def test_the_weight_stream_gathers_bucket_by_bucket_into_rank_0_only(workdir, two_ranks, hf_run):
+    rank0, rank1 = two_ranks[0]["buckets"], two_ranks[1]["buckets"]
+    assert len(rank0) == len(rank1) > 1 and all(bucket == [] for bucket in rank1)
+    expected = hf_run["weights_3"]
+    assert [name for bucket in rank0 for name, _ in bucket] == list(expected)  # every name once, in order
+    for bucket in rank0:
+        sizes = [torch.Size(shape).numel() * 4 for _, shape in bucket]
+        assert len(bucket) == 1 or sum(sizes) <= fsdp_ranks.BUCKET_BYTES, bucket
+        assert all(tuple(shape) == tuple(expected[name].shape) for name, shape in bucket)
+
+
+def test_a_checkpoint_written_by_two_ranks_resumes_on_one(workdir, two_ranks):
+    (report,) = run_ranks("resume", workdir, 1)
+    assert report["step_after_load"] == 3
+    assert report["snapshot_unchanged"]  # one rank: the stream copies rather than hands out live shards
+    assert report["extra"] == {"data_position": 3, "trained": ["a", "b"]}
+    saved, loaded = (load_file(workdir / run / "weights-3.safetensors") for run in ("train", "resume"))
+    _assert_close(loaded, saved, atol=0.0)
+    # The optimizer's moments came back too: the next step is the 2-rank trainer's 4th step.
+    _assert_close(load_file(workdir / "resume" / "weights-4.safetensors"),
+                  load_file(workdir / "train" / "weights-4.safetensors"), atol=ATOL)
+    assert report["metrics_4"]["loss"] == pytest.approx(two_ranks[0]["metrics_4"]["loss"], rel=1e-4, abs=1e-6)
+
+
+def test_the_hugging_face_export_loads_and_gives_the_engines_logits(workdir, two_ranks):
+    import transformers
+
+    export = workdir / "hf"
+    assert {"config.json", "tokenizer.json", "model.safetensors.index.json"} <= {p.name for p in export.iterdir()}
+    assert not any(p.suffix in (".bin", ".pt", ".pkl") for p in export.iterdir())
+    model = transformers.AutoModelForCausalLM.from_pretrained(export, local_files_only=True, dtype=torch.float32)
+    _assert_close(dict(model.state_dict()), load_file(workdir / "train" / "weights-3.safetensors"), atol=0.0)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(fsdp_ranks.PROBE)).logits.float()
+    expected = load_file(workdir / "train" / "logits.safetensors")["logits"]
+    assert float((logits - expected).abs().max()) <= 1e-5
+    tokenizer = transformers.AutoTokenizer.from_pretrained(export, local_files_only=True)
+    assert tokenizer.eos_token == "<eos>"
+
+
+@pytest.mark.parametrize("engine", ["hf", "tiny"])
+def test_hf_and_tiny_engines_stream_their_weights_in_buckets(engine, workdir):
+    if engine == "hf":
+        trainer = make_train_engine(parse_hf_job(workdir))
+    else:
+        trainer = make_train_engine({"engine": "tiny"})
+    weights = trainer.weights()
+    limit = max(t.numel() * t.element_size() for t in weights.values()) // 2
+    buckets = list(trainer.iter_weight_buckets(limit))
+    assert len(buckets) > 1
+    streamed = [(name, tensor) for bucket in buckets for name, tensor in bucket]
+    assert [n for n, _ in streamed] == list(weights)
+    assert all(torch.equal(tensor, weights[name]) for name, tensor in streamed)
+    for bucket in buckets:
+        assert len(bucket) == 1 or sum(t.numel() * t.element_size() for _, t in bucket) <= limit
+
+
+def parse_hf_job(workdir: Path):
+    from rolectl.roles.config import parse_config
+
+    return parse_config({"job": "stream", "model": model_section(workdir / "model"), "data": data_section()})
+
+
+def test_buckets_are_cut_lazily_and_a_large_tensor_stands_alone():
+    pulled = []
+
+    def named():
+        for index, numel in enumerate([4, 4, 16, 4]):
+            pulled.append(index)
+            yield f"t{index}", torch.zeros(numel)
+
+    stream = buckets_of(named(), 40)
+    assert [n for n, _ in next(stream)] == ["t0", "t1"] and pulled == [0, 1, 2]  # one tensor ahead, no more
+    assert [n for n, _ in next(stream)] == ["t2"]
+    assert [n for n, _ in next(stream)] == ["t3"]
+    with pytest.raises(ValueError, match="bucket_bytes must be a positive integer"):
+        next(buckets_of(named(), 0))
+
+
+def test_fsdp_config_problems_are_reported_at_once_by_path(workdir):
+    section = {**model_section(workdir / "model"), "engine": "fsdp", "dtype": "fp8",
+               "fsdp": {"param_dtype": "fp8", "reshard_after_forward": "yes", "weight_bucket_bytes": 0, "shards": 2}}
+    paths = {path for path, _ in fsdp_config_problems(section)}
+    assert paths == {"model.dtype", "model.fsdp.param_dtype", "model.fsdp.reshard_after_forward",
+                     "model.fsdp.weight_bucket_bytes", "model.fsdp.shards"}
+    assert fsdp_config_problems({**model_section(workdir / "model"), "fsdp": {"param_dtype": "bfloat16"}}) == []
+
+
+def test_an_fsdp_trainer_is_registered_and_pairs_with_hf_or_vllm_explorers(workdir):
+    from rolectl.roles.config import parse_config
+    from rolectl.roles.engines import engine_names
+    from rolectl.sync_protocol import ConfigError
+
+    def job(**model):
+        return {"job": "fsdp", "model": {**model_section(workdir / "model"), "engine": "fsdp", **model},
+                "data": data_section()}
+
+    config = parse_config(job(fsdp={"param_dtype": "float32", "weight_bucket_bytes": 1 << 20}))
+    assert engine_names(config.model) == {"trainer": "fsdp", "explorer": "fsdp"}  # explorers: the hf rollout
+    parse_config(job(rollout_engine="hf", fsdp={"reshard_after_forward": False}))
+    with pytest.raises(ConfigError) as info:
+        parse_config(job(rollout_engine="hf", lr=0, fsdp={"param_dtype": "fp8"}))
+    problems = info.value.problems
+    assert sorted(path for path, _ in problems) == ["model.fsdp.param_dtype", "model.lr"]  # each once
+    with pytest.raises(ConfigError) as info:
+        parse_config({**job(), "model": {**job()["model"], "engine": "hf", "fsdp": {}}})
+    assert [path for path, _ in info.value.problems] == ["model.fsdp"]  # only an fsdp trainer reads it
