@@ -23,7 +23,9 @@ import json
 import shutil
 import socket
 import time
+from collections.abc import Generator, Iterator
 from pathlib import Path
+from typing import Any
 
 from rolectl.bus.errors import AckFailed, describe
 from rolectl.bus.experiences import ExperienceReader
@@ -369,8 +371,12 @@ class Trainer:
             # hold a newer version, and versions never go down.
             self.log.info("version_already_published", step=step, latest=self.s.view.state.latest.version)
         elif step > 0:
-            weights = self.engine.weights()
-            ref = await self.transport.publish(step, weights)
+            # bucket by bucket: a sharded trainer never gathers the whole model in one process
+            buckets = _to_the_end(self.engine.iter_weight_buckets())
+            try:
+                ref = await self.transport.publish(step, buckets)
+            finally:
+                buckets.close()
             await self.s.publish(VersionPublished(member=self.s.me, version=step, step=step,
                                                   method=self.method, location=ref.location,
                                                   nbytes=ref.nbytes, digest=ref.digest))
@@ -538,6 +544,16 @@ class Trainer:
                 await closing()
             except Exception as exc:  # closing must not hide how the run ended
                 self.log.warning("close_failed", what=closing.__qualname__, error=describe(exc))
+
+
+def _to_the_end(stream: Iterator[Any]) -> Generator[Any, None, None]:
+    """`stream`, and when the consumer stops early (a failed publish), the rest of it unread: a
+    sharded engine's weight stream is a collective every rank must finish."""
+    try:
+        yield from stream
+    finally:
+        for _ in stream:
+            pass
 
 
 def _advertised_host() -> str:

@@ -91,11 +91,12 @@ class TrainEngine(Protocol):
     def weights(self) -> dict[str, Tensor]:
         """A detached, contiguous snapshot of the tensors explorers need, by parameter name."""
 
-    def iter_weight_buckets(self, bucket_bytes: int) -> Iterator[NamedTensors]:
+    def iter_weight_buckets(self, bucket_bytes: int = ...) -> Iterator[NamedTensors]:
         """The same tensors as `weights()`, in order, as lists of (name, tensor) of about `bucket_bytes`
-        each (a larger tensor alone), made one bucket at a time: a consumer that drops each bucket
-        once sent never holds the whole model. A sharded engine's stream is a collective: every rank
-        drives it to the end, and ranks other than 0 get empty buckets."""
+        each (a larger tensor alone; by default the engine's own size), made one bucket at a time: a
+        consumer that drops each bucket once sent never holds the whole model. A sharded engine's
+        stream is a collective: every rank drives it to the end, and ranks other than 0 get empty
+        buckets."""
 
     def save_checkpoint(self, path: Path) -> None:
         """Write model, optimizer, step and RNG state under directory `path` (no pickle)."""
