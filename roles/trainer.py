@@ -503,7 +503,8 @@ class Trainer:
         finished = self.engine.step >= self.total_steps
         try:
             # final: the job is done, explorers may stop; otherwise a restart is expected
-            await self.s.set_status(RunningStatus.STOPPED, final=finished)
+            await self.s.set_status(RunningStatus.STOPPED, final=finished,
+                                    metrics={"dropped_stale_total": float(self.dropped_stale)})
         except Exception as exc:
             self.log.error("stopped_not_published", error=describe(exc))
         await self._close()

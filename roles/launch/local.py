@@ -427,7 +427,8 @@ def _progress_table(cfg: JobConfig, view: JobObserver, processes: list[RoleHandl
 
 SUMMARY_SHOWN = ("job", "complete", "end_reason", "engines", "model_parameters", "trainer_steps", "explorer_steps",
                  "syncs", "rounds", "weight_loads", "final_version", "reward_first", "reward_last",
-                 "experiences_produced", "experiences_trained", "experiences_dropped_stale", "weights_bytes_moved",
+                 "experiences_produced", "experiences_trained", "experiences_dropped_stale",
+                 "experiences_left_untrained", "weights_bytes_moved",
                  "sync_wait_ms", "wall_s", "run_dir")
 
 
