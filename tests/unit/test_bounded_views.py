@@ -1,7 +1,8 @@
 """Every long-lived fold is bounded: a member's `JobView` and a `JobObserver` (dashboard, `up`'s
 progress) driven through 10^6 records of a job hold no more after them than after 3 x 10^5 (once
-their windows are full), and their counts still cover every record. Also the summary's experience counts: a step reported
-again counts once, and drops after the trainer's last step are counted from its final STOPPED."""
+their windows are full), and their counts still cover every record.
+Also the summary's experience counts: a step reported again counts once, and drops after the
+trainer's last step are counted from its final STOPPED."""
 
 from __future__ import annotations
 
