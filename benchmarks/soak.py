@@ -204,6 +204,8 @@ class Soak:
         summary = summarize(records, job=JOB)
         left = summary["experiences_left_untrained"]
         mismatches = [m for m in check_decisions(records) if not m.warning]
+        seqs = {r.seq for r in records}
+        gaps = len(set(range(1, max(seqs, default=0) + 1)) - seqs)
         slopes = {key: _slope_per_1k(points) for key, points in self.rss.items()}
         slopes = {k: v for k, v in slopes.items() if v is not None}
         per_process: dict[str, float] = {}
@@ -224,6 +226,8 @@ class Soak:
             "experiences_lost": max(0, left - left_in_stream),
             "experiences_duplicated": max(0, left_in_stream - left),
             "replay_check_mismatches": len(mismatches),
+            "replay_check_first": [m.describe() for m in mismatches[:3]],
+            "history_missing_seqs": gaps,
             "hangs": self.hangs,
             "longest_trainer_gap_s": round(self.longest_gap_s, 1),
             "rss_slope_mb_per_1k_steps": per_process,

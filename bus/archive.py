@@ -74,7 +74,7 @@ def segments(directory: Path) -> list[Segment]:
         match = _NAME.match(path.name)
         if match and path.with_name(path.name + ".sha256").exists():
             found.append(Segment(path, int(match.group(1)), int(match.group(2))))
-    return sorted(found, key=lambda s: s.first)
+    return sorted(found, key=lambda s: (s.first, s.last))
 
 
 def archived_upto(directory: Path) -> int:
@@ -137,7 +137,10 @@ def read_archive(directory: Path) -> list[Recorded]:
     """Every archived record, oldest first; `ArchiveError` at the first damaged segment."""
     records: list[Recorded] = []
     for segment in segments(directory):
-        records.extend(read_segment(segment))
+        # Segments may overlap (a replica paused mid-archive finishes after its successor archived
+        # further): they hold the same records of the same stream, so each sequence is taken once.
+        last = records[-1].seq if records else 0
+        records.extend(rec for rec in read_segment(segment) if rec.seq > last)
     return records
 
 

@@ -430,7 +430,7 @@ class Synchronizer:
             if await self.snapshots.save(self.state, self.log_seq):
                 self._snapshot_seq = self.state.last_seq
                 self.log.info("snapshot_saved", seq=self.state.last_seq)
-                if self._archiving is None or self._archiving.done():
+                if self.active and (self._archiving is None or self._archiving.done()):
                     self._archiving = asyncio.create_task(self._archive(self._snapshot_seq, self.log_seq),
                                                           name="archive")
 

@@ -16,7 +16,14 @@ import textwrap
 import pytest
 import structlog.testing
 
-from rolectl.bus.archive import ArchiveError, archive_and_trim, archived_upto, read_archive, segments
+from rolectl.bus.archive import (
+    ArchiveError,
+    archive_and_trim,
+    archived_upto,
+    read_archive,
+    segments,
+    write_segment,
+)
 from rolectl.bus.connection import connect
 from rolectl.bus.events import last_sequence, read_all
 from rolectl.bus.snapshots import SnapshotStore
@@ -125,3 +132,15 @@ async def test_kill9_mid_archive_trims_nothing_that_is_not_archived(nats_url, jo
         # and a later archiver takes it from there
         await archive_and_trim(conn, archive, end)
         assert archived_upto(archive) == end
+
+
+async def test_overlapping_segments_read_back_each_record_once(nats_url, job_name, tmp_path):
+    """A replica paused mid-archive may finish a segment after its successor archived further: the
+    two overlap, and the history holds each record once."""
+    end = await run_scripted_job(nats_url, job_name, steps=3, run_dir=str(tmp_path / "sync"))
+    async with connect(nats_url, job=job_name, role="observer", member="archive-test") as conn:
+        records = await read_all(conn)
+    archive = tmp_path / "archive"
+    write_segment(archive, [r for r in records if r.seq <= end // 2])
+    write_segment(archive, records)  # the successor's, from the same first record further on
+    assert read_archive(archive) == records
