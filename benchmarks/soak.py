@@ -70,7 +70,9 @@ class Soak:
     def __init__(self, args):
         self.args = args
         self.rng = random.Random(args.seed)
-        self.root = Path(tempfile.mkdtemp(prefix="rolectl-soak-"))
+        # kept after the run: the roles' logs, the archive and the server's store, for a post-mortem
+        self.root = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="rolectl-soak-"))
+        self.root.mkdir(parents=True, exist_ok=True)
         self.config = _config(self.root, args.explorers)
         self.cfg = load_config(self.config)
         (self.root / "logs").mkdir()
@@ -298,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--hang-s", type=float, default=120.0, help="a trainer silent this long is a hang")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="where logs, archive and store go (default: a new temp dir)")
     args = parser.parse_args(argv)
     setup_logging("warning")  # the soak's own lines; every role logs to its file under workdir
     result = asyncio.run(Soak(args).run())

@@ -19,7 +19,7 @@ def test_a_three_minute_soak_with_ten_faults_or_more_loses_nothing(tmp_path):
     out = tmp_path / "soak.json"
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.soak", "--minutes", "3", "--explorers", "2", "--fault-every", "10",
-         "--seed", "7", "--json", str(out)],
+         "--seed", "7", "--json", str(out), "--workdir", str(tmp_path / "soak")],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
