@@ -2,7 +2,10 @@
 
 - The **event stream** records every input event and decision (`rft.<job>.evt.>`, `rft.<job>.sync.>`)
   with limits retention: it is the job's history, replayed by a restarted synchronizer and by
-  `rolectl replay`, so nothing is removed when it is read; only age (7 days by default) trims it.
+  `rolectl replay`, so nothing is removed when it is read. After each reducer snapshot the active
+  synchronizer archives the records the snapshot covers (`bus.archive`) and only then purges them,
+  so the stream holds about `snapshot_every` records however long the job runs; age (7 days by
+  default) trims it too.
 - The **experience stream** (`rft.<job>.exp.>`) uses **work-queue** retention: each batch is meant
   for exactly one reader, the trainer's durable consumer, and is deleted once the trainer acks it.
   Unacked batches survive trainer and server restarts; acked ones do not pile up on disk for the

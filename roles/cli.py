@@ -426,12 +426,15 @@ def server(port: int, http_port: int, store_dir: str | None, host: str, cluster_
 @click.option("--job", required=True)
 @nats_option("nats://127.0.0.1:4222", "NATS URL(s), comma-separated.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.option("--archive", "archive", type=click.Path(file_okay=False), default=None,
+              help="The job's archived history (default place: RUN_DIR/JOB/archive), read before the stream.")
 @client_options
-def status(job: str, nats: str, as_json: bool, **security) -> None:
+def status(job: str, nats: str, as_json: bool, archive: str | None, **security) -> None:
     """Members of a job (role, id, status, step, version, last seen), read from its stream."""
     from rolectl.roles.observe.status import print_status
 
-    sys.exit(asyncio.run(print_status(job, nats, as_json=as_json, security=_security(**security))))
+    sys.exit(asyncio.run(print_status(job, nats, as_json=as_json, security=_security(**security),
+                                      archive_dir=Path(archive) if archive else None)))
 
 
 @main.command()
@@ -439,16 +442,22 @@ def status(job: str, nats: str, as_json: bool, **security) -> None:
 @nats_option("nats://127.0.0.1:4222", "NATS URL(s), comma-separated.")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
               help="File to write (.jsonl for JSON lines, .msgpack for msgpack).")
+@click.option("--archive", "archive", type=click.Path(file_okay=False), default=None,
+              help="The job's archived history (default place: RUN_DIR/JOB/archive), read before the stream.")
 @client_options
-def export(job: str, nats: str, output: str, **security) -> None:
+def export(job: str, nats: str, output: str, archive: str | None, **security) -> None:
     """Write a job's recorded events and decisions, with sequences and server timestamps."""
+    from rolectl.bus.archive import ArchiveError
     from rolectl.bus.errors import BusError
     from rolectl.bus.logging import setup_logging
     from rolectl.roles.observe.replay import ExportError, export_job
 
     setup_logging("warning")
     try:
-        n = asyncio.run(export_job(job, nats, Path(output), security=_security(**security)))
+        n = asyncio.run(export_job(job, nats, Path(output), security=_security(**security),
+                                   archive_dir=Path(archive) if archive else None))
+    except ArchiveError as exc:  # a damaged segment: named, nothing written
+        raise InputError(str(exc)) from None
     except BusError as exc:  # NATS away, no such job: exit 1 as every command
         raise click.ClickException(str(exc)) from None
     except (ExportError, ValueError) as exc:  # a bad output path or job name: exit 2
@@ -464,15 +473,17 @@ def export(job: str, nats: str, output: str, **security) -> None:
 @click.option("--until", default=None, help="Stop at this stream sequence (int) or time (ISO 8601).")
 @click.option("--check", is_flag=True, help="Recompute every decision and compare with the recorded one.")
 @click.option("--json", "as_json", is_flag=True, help="Print the timeline as JSON.")
+@click.option("--archive", "archive", type=click.Path(file_okay=False), default=None,
+              help="The job's archived history (default place: RUN_DIR/JOB/archive), read before the stream.")
 @client_options
-def replay(job, nats, file_, until, check, as_json, **security) -> None:
+def replay(job, nats, file_, until, check, as_json, archive, **security) -> None:
     """Fold a job's events into a readable timeline; with --check, verify every decision."""
     from rolectl.roles.observe.replay import run_replay
 
     if (job is None) == (file_ is None):
         raise click.UsageError("give exactly one of --job or --file")
     sys.exit(run_replay(job=job, nats=nats, file=file_, until=until, check=check, as_json=as_json,
-                        security=_security(**security)))
+                        security=_security(**security), archive=archive))
 
 
 @main.command()

@@ -277,6 +277,10 @@ class JobConfig(Section):
     """NATS server URL(s), comma-separated; `--nats` overrides it."""
     run_dir: PathStr = "runs"
     """Where jobs keep their files: `<run_dir>/<job>/`."""
+    archive_dir: PathStr | None = None
+    """Where the active synchronizer archives the event stream's history (segments with digests)
+    before it trims the stream to its newest snapshot; default `<run_dir>/<job>/archive`.
+    `rolectl replay|export|status --archive DIR` read it back with the stream's tail."""
     log_level: Annotated[Literal["debug", "info", "warning", "error"], BeforeValidator(_lower_level)] = "info"
     """Log level of every role."""
     synchronizer: Annotated[SyncConfig, BeforeValidator(_sync_config)] = SyncConfig()
@@ -305,6 +309,10 @@ class JobConfig(Section):
     def hf_export_dir(self) -> Path:
         """Where the trainer writes its Hugging Face exports (`final`, `step-N`)."""
         return self.job_dir / "hf"
+
+    @property
+    def event_archive_dir(self) -> Path:
+        return Path(self.archive_dir) if self.archive_dir else self.job_dir / "archive"
 
     @property
     def trainer_checkpoint_dir(self) -> Path:

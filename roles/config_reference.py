@@ -75,7 +75,7 @@ _SECTIONS: tuple[tuple[str, type[BaseModel], str], ...] = (
     ("data", DataSection, "Required by `engine: hf` (the tiny engine has its own task and refuses it). "),
     ("algorithm", AlgorithmSection, "The tiny engine has its own loss and refuses it. "),
 )
-_TOP_LEVEL = ("job", "nats_url", "run_dir", "log_level")
+_TOP_LEVEL = ("job", "nats_url", "run_dir", "archive_dir", "log_level")
 _KINDS = {int: "integer", float: "number", bool: "boolean", str: "string", dict: "mapping"}
 
 

@@ -84,6 +84,25 @@ class Explorer:
         self._pending_weights: tuple[int, dict, int, float] | None = None
         self.start_mode = start_mode  # resumed or not in run(), once the stream says whether this is a restart
 
+    def _trainer_finished_before_join(self, view) -> bool:
+        """An explorer started after the trainer's final stop learns it from the stream and ends at
+        once, without a synchronizer (which has exited with the job): 0 when its work ends with the
+        trainer's (`explorers.stop_with_trainer`), `JobIncomplete` (3) when it still had steps to
+        explore that nothing will ever train."""
+        if not view.all_finished(Role.TRAINER):
+            return False
+        trainer = view.state.trainer_state
+        left = self.cfg.explorers.total_steps - self.explore_step
+        if self.cfg.explorers.stop_with_trainer or left <= 0:
+            self.finished = True
+            self.log.info("trainer_already_finished", trainer_step=trainer.step, step=self.explore_step,
+                          hint="the job is over: this explorer has nothing left to do")
+            return True
+        raise JobIncomplete(
+            f"the trainer finished the job at step {trainer.step} before explorer {self.member_id!r} joined, "
+            f"and {left} of its {self.cfg.explorers.total_steps} steps are left: nothing will train them "
+            "(explorers.stop_with_trainer is false); start a new job to explore more")
+
     def _resume_or_start_fresh(self, view) -> None:
         """Resume from the saved step if this is a restart (see roles.resume), else start at 0."""
         state = json.loads(self.state_file.read_text()) if self.state_file.exists() else None
@@ -112,6 +131,8 @@ class Explorer:
             await session.view.start()
             session.refuse_if_live()  # before anything that touches its saved state
             self._resume_or_start_fresh(session.view)
+            if self._trainer_finished_before_join(session.view):
+                return  # nothing joined, nothing published: the job is over
             self.method = self.sync.sync_method
             if self.method.is_rendezvous:
                 self.transport = await make_rendezvous_transport(self.cfg, session)

@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import time
+import weakref
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
@@ -91,6 +92,11 @@ def _may_change_membership(event: Event) -> bool:
         isinstance(event, StatusChanged) and event.status is RunningStatus.STOPPED)
 
 
+DECISIONS_KEPT = 1024
+"""A view keeps the decisions its live waiters have not looked at yet, plus at least this many of
+the newest: a member's wait starts from its own request, published just before, so it never needs
+an older one. A days-long job records millions; a member holds a few thousand at most."""
+
 _BURST_MAX = 16
 """Waiters are answered after each burst of delivered records, and at least every this many: under
 a steady flow (64 explorers) a burst never ends, and a decision must not wait for it to."""
@@ -106,7 +112,10 @@ class JobView:
     def __init__(self, conn: BusConnection, *, log=None):
         self._conn = conn
         self.state = State.initial()
+        # the newest recorded decisions (see DECISIONS_KEPT); `_decisions_base` were dropped before them
         self.decisions: list[Recorded] = []
+        self._decisions_base = 0
+        self._cursors: weakref.WeakSet[_DecisionCursor] = weakref.WeakSet()  # live first_decision waits
         self.inputs_seen = 0
         self.last_seq = 0
         self.broadcast_version = 0  # the newest version a trainer reported broadcast (rendezvous)
@@ -151,22 +160,7 @@ class JobView:
                 # fold a burst (what is already delivered, up to _BURST_MAX) before answering anyone
                 while burst := await reader.next_burst(_BURST_MAX):
                     for rec in burst:
-                        if isinstance(rec.event, Decision):
-                            self.decisions.append(rec)
-                        else:
-                            self.inputs_seen += 1
-                            if isinstance(rec.event, WeightsBroadcast):
-                                self.broadcast_version = max(self.broadcast_version, rec.event.version)
-                            # Illegal inputs are skipped exactly as the synchronizer skips them.
-                            self.state, _, error = reduce_lenient(self.state, rec)
-                            if error is not None:
-                                self._log.debug("view_skipped_event", seq=rec.seq, reason=str(error))
-                            elif _may_change_membership(rec.event):
-                                if isinstance(rec.event, MemberJoined):
-                                    self.joins[rec.event.member.key] = rec.event
-                                self._note_absences()
-                                self._membership_moved = True
-                        self.last_seq = rec.seq
+                        self.fold(rec)
                     self._answer_waiters()
         except Exception as exc:
             stopped = str(exc)
@@ -176,6 +170,27 @@ class JobView:
             # Tell the waiters: they see the view has stopped (wait_for raises) instead of
             # waiting out their timeout (hours for a sync decision; for ever without one).
             self._answer_waiters(stopped=stopped)
+
+    def fold(self, rec: Recorded) -> None:
+        """Take the next record of the stream (the follower calls it; a test may, without a bus)."""
+        if isinstance(rec.event, Decision):
+            self.decisions.append(rec)
+            if len(self.decisions) > 2 * DECISIONS_KEPT:
+                self._forget_old_decisions()
+        else:
+            self.inputs_seen += 1
+            if isinstance(rec.event, WeightsBroadcast):
+                self.broadcast_version = max(self.broadcast_version, rec.event.version)
+            # Illegal inputs are skipped exactly as the synchronizer skips them.
+            self.state, _, error = reduce_lenient(self.state, rec)
+            if error is not None:
+                self._log.debug("view_skipped_event", seq=rec.seq, reason=str(error))
+            elif _may_change_membership(rec.event):
+                if isinstance(rec.event, MemberJoined):
+                    self.joins[rec.event.member.key] = rec.event
+                self._note_absences()
+                self._membership_moved = True
+        self.last_seq = rec.seq
 
     def _answer_waiters(self, *, stopped: str | None = None) -> None:
         self._waiters = _answer(self._waiters, self, stopped)
@@ -223,27 +238,28 @@ class JobView:
                 pass  # answered: the follower took it off the list
 
     def decisions_after(self, seq: int):
-        """Recorded decisions with a stream sequence greater than `seq` (newest last)."""
+        """Kept decisions with a stream sequence greater than `seq` (newest last)."""
         return self.decisions[bisect.bisect_right(self.decisions, seq, key=_seq_of):]
 
     def first_decision(self, after_seq: int, match: Callable[[Decision], object]) -> Callable[[JobView], object]:
         """A `wait_for` predicate: `match(d)` for the first decision `d` recorded after `after_seq`
         for which it is truthy (None until there is one). Each recorded decision is looked at once,
         however many bursts the wait spans: a member waiting among 64 others is not walked through
-        every decision since its request at each burst."""
-        index = bisect.bisect_right(self.decisions, after_seq, key=_seq_of)
+        every decision since its request at each burst. While the predicate lives, the decisions
+        it has not looked at yet are kept."""
+        cursor = _DecisionCursor(self._decisions_base + bisect.bisect_right(self.decisions, after_seq, key=_seq_of),
+                                 match)
+        self._cursors.add(cursor)
+        return cursor
 
-        def found(view: JobView) -> object:
-            nonlocal index
-            decisions = view.decisions
-            while index < len(decisions):
-                value = match(decisions[index].event)
-                index += 1
-                if value:
-                    return value
-            return None
-
-        return found
+    def _forget_old_decisions(self) -> None:
+        """Drop all but the newest `DECISIONS_KEPT` decisions, never one a live wait has yet to see."""
+        drop = len(self.decisions) - DECISIONS_KEPT
+        for cursor in self._cursors:
+            drop = min(drop, cursor.index - self._decisions_base)
+        if drop > 0:
+            del self.decisions[:drop]
+            self._decisions_base += drop
 
     def all_gone(self, role: Role) -> bool:
         """True when members of `role` have joined and none is alive any more."""
@@ -298,6 +314,27 @@ def _answer(waiters: list, view: JobView, stopped: str | None) -> list:
         else:
             waiting.append((predicate, future, what))
     return waiting
+
+
+class _DecisionCursor:
+    """`first_decision`'s predicate: where in the view's decisions (counted from the job's first)
+    the wait has looked so far."""
+
+    __slots__ = ("index", "_match", "__weakref__")
+
+    def __init__(self, index: int, match: Callable[[Decision], object]):
+        self.index = index
+        self._match = match
+
+    def __call__(self, view: JobView) -> object:
+        decisions, base = view.decisions, view._decisions_base
+        self.index = max(self.index, base)
+        while self.index - base < len(decisions):
+            value = self._match(decisions[self.index - base].event)
+            self.index += 1
+            if value:
+                return value
+        return None
 
 
 def _time_out(future: asyncio.Future, message: str) -> None:
@@ -555,11 +592,11 @@ class MemberSession:
             return result
 
     async def set_status(self, status: RunningStatus, *, rendezvous: str | None = None,
-                         final: bool = False) -> int:
+                         final: bool = False, metrics: dict[str, float] | None = None) -> int:
         self.status = status
         return await self.publish(
             StatusChanged(member=self.me, status=status, step=self.step, version=self.version,
-                          rendezvous=rendezvous, final=final)
+                          rendezvous=rendezvous, final=final, metrics=metrics or {})
         )
 
     async def _heartbeat(self) -> None:

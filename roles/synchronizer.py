@@ -56,6 +56,7 @@ from collections import OrderedDict, deque
 
 import structlog
 
+from rolectl.bus.archive import ArchiveError, archive_and_trim
 from rolectl.bus.connection import connect
 from rolectl.bus.errors import DecisionSuperseded, PayloadTooLarge, describe
 from rolectl.bus.events import (
@@ -125,6 +126,8 @@ class Synchronizer:
         self._expired_sent: set[tuple[str, int]] = set()
         self._timeouts_sent: set[int] = set()
         self._snapshot_seq = 0  # last_seq of the newest snapshot written or loaded
+        self.archive_dir = cfg.event_archive_dir  # the stream's history below the newest snapshot
+        self._archiving: asyncio.Task | None = None
         self._standby_of: str | None = None  # the active replica we last logged standing by for
         # publishing (see "Speed" above): the pending decisions not handed to a publish yet (in
         # computed order), the batch in flight, how often in a row junk was met on the log
@@ -185,7 +188,8 @@ class Synchronizer:
                 follow.result()
             finally:
                 self._stopping = True
-                for task in [*tasks, *([self._in_flight] if self._in_flight else [])]:
+                for task in [*tasks, *([self._in_flight] if self._in_flight else []),
+                             *([self._archiving] if self._archiving else [])]:
                     await stop_task(task, log=self.log)
                 if self.active:
                     await self.lease.release()  # a standby takes over at once instead of after the ttl
@@ -426,6 +430,23 @@ class Synchronizer:
             if await self.snapshots.save(self.state, self.log_seq):
                 self._snapshot_seq = self.state.last_seq
                 self.log.info("snapshot_saved", seq=self.state.last_seq)
+                if self.active and (self._archiving is None or self._archiving.done()):
+                    self._archiving = asyncio.create_task(self._archive(self._snapshot_seq, self.log_seq),
+                                                          name="archive")
+
+    async def _archive(self, upto: int, log_seq: int) -> None:
+        """Archive the history the new snapshot covers, then trim the stream below it (see
+        bus.archive): the stream stays bounded for a job of any length. Only the active replica
+        snapshots, so only it archives and trims; a failure trims nothing and says why."""
+        try:
+            trimmed = await archive_and_trim(self.conn, self.archive_dir, upto, keep_from=log_seq)
+        except ArchiveError as exc:
+            self.log.error("archive_failed_not_trimmed", upto_seq=upto, reason=str(exc))
+        except Exception as exc:  # the server away: the next snapshot tries again
+            self.log.warning("archive_or_trim_failed", upto_seq=upto, error=describe(exc))
+        else:
+            if trimmed:
+                self.log.info("stream_trimmed", below_seq=trimmed, archive=str(self.archive_dir))
 
     # -- liveness ----------------------------------------------------------------------------------
     def _on_heartbeat(self, heartbeat) -> None:

@@ -250,8 +250,9 @@ class Trainer:
 
     async def _sample(self):
         """Collect one step's experiences; while waiting, answer explorer-driven sync requests."""
+        # `batch` stays `self.leftover` while it fills: a stop mid-fill saves what it holds as
+        # untrained (not acked), instead of acking experiences it never trained
         batch = self.leftover
-        self.leftover = []
         with WaitNotice(self.log, f"experiences for step {self.engine.step + 1}",
                         detail=lambda: f"{len(batch)} of {self.experiences_per_step} in hand, "
                                        f"{self.dropped_stale} dropped as stale so far; {self._explorers_now()}"):
@@ -286,7 +287,7 @@ class Trainer:
             self._record_held()
             if not received and self._explorers_done():
                 # Nobody will produce more: train on what is left, or stop.
-                self.in_step = batch
+                self.in_step, self.leftover = batch, []
                 return [exp for _, _, exp in batch] or None
             await self._extend_held()
         self.leftover = batch[self.experiences_per_step:]
@@ -531,7 +532,8 @@ class Trainer:
                 self.log.error("hf_export_failed", error=describe(exc))
         try:
             # final: the job is done, explorers may stop; otherwise a restart is expected
-            await self.s.set_status(RunningStatus.STOPPED, final=finished)
+            await self.s.set_status(RunningStatus.STOPPED, final=finished,
+                                    metrics={"dropped_stale_total": float(self.dropped_stale)})
         except Exception as exc:
             self.log.error("stopped_not_published", error=describe(exc))
         await self._close()

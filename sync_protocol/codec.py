@@ -62,9 +62,17 @@ _ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 _DECODER = msgspec.msgpack.Decoder()
 
 
+# Fields added to a kind after its schema was fixed: left out while at their default, so such a
+# record is byte-identical to what earlier builds wrote (and read by them).
+_ADDED_LATER: dict[str, tuple[str, ...]] = {"status_changed": ("metrics",)}
+
+
 def to_plain(event: Event | Decision) -> dict[str, Any]:
     """The event as a plain map (JSON/msgpack-ready): schema, kind and every field."""
     fields: dict[str, Any] = msgspec.to_builtins(event, enc_hook=_enc_hook)
+    for name in _ADDED_LATER.get(event.KIND, ()):
+        if not fields.get(name):
+            fields.pop(name, None)
     return {"schema": SCHEMA_VERSION, **fields}  # msgspec puts the tag (`kind`) first
 
 

@@ -146,6 +146,9 @@ class StatusChanged(Event, frozen=True, kw_only=True, tag="status_changed"):
     `final` marks a STOPPED that ends the member's work for good: the trainer trained its last
     step, an explorer exhausted its task set. Any other STOPPED (Ctrl-C, a crash-time cleanup) is
     a pause: a restart may follow, and nobody gives up on the member because of it.
+
+    `metrics` on a STOPPED are the member's totals at its end (a trainer's experiences dropped as
+    stale after its last StepFinished are counted only here).
     """
 
     status: RunningStatus
@@ -153,6 +156,7 @@ class StatusChanged(Event, frozen=True, kw_only=True, tag="status_changed"):
     version: int
     rendezvous: str | None = None
     final: bool = False
+    metrics: Mapping[str, float] = msgspec.field(default_factory=dict)
 
 
 class VersionPublished(Event, frozen=True, kw_only=True, tag="version_published"):

@@ -21,10 +21,11 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from rolectl.bus.archive import ArchiveError
 from rolectl.bus.auth import AuthDir
 from rolectl.bus.connection import BusConnection, connect
 from rolectl.bus.errors import BusError
-from rolectl.bus.events import read_all, read_events
+from rolectl.bus.events import read_events
 from rolectl.bus.logging import setup_logging
 from rolectl.bus.security import redact
 from rolectl.bus.server import NatsServer, NatsServerError
@@ -33,6 +34,7 @@ from rolectl.roles.config import JobConfig
 from rolectl.roles.exit_codes import ExitCode
 from rolectl.roles.launch.base import Launcher, RoleHandle
 from rolectl.roles.observe.dashboard import start_dashboard
+from rolectl.roles.observe.export import read_history
 from rolectl.roles.observe.observer import SUMMARY_MEANINGS, JobObserver, member_status
 from rolectl.roles.observe.replay import summarize, write_export
 from rolectl.roles.observe.trackers import Trackers
@@ -127,6 +129,7 @@ def write_config(cfg: JobConfig, path: Path) -> None:
         "job": cfg.job,
         "nats_url": cfg.nats_url,
         "run_dir": cfg.run_dir,
+        "archive_dir": str(cfg.event_archive_dir),  # where `up` reads the history back at the end
         "log_level": cfg.log_level,
         "synchronizer": cfg.synchronizer.to_mapping(),
         "trainer": cfg.trainer.model_dump(mode="json"),
@@ -288,8 +291,9 @@ async def supervise(cfg: JobConfig, launcher: Launcher, run_path: Path, *, monit
             # Let the synchronizer see the last events, then stop it and record the run.
             await _stop_roles(launcher, everyone, hurry)
             try:
-                records = await asyncio.wait_for(read_all(conn), timeout=30.0)
-            except (asyncio.TimeoutError, BusError, nats.errors.Error) as exc:
+                # the whole history: what the synchronizer archived (and trimmed), then the stream
+                records = await asyncio.wait_for(read_history(conn, cfg.event_archive_dir), timeout=30.0)
+            except (asyncio.TimeoutError, BusError, ArchiveError, nats.errors.Error) as exc:
                 console.print("[yellow]the job's stream could not be read for the export:[/] "
                               f"{exc or type(exc).__name__}")
                 records = []
@@ -446,7 +450,8 @@ def _progress_table(cfg: JobConfig, view: JobObserver, processes: list[RoleHandl
 SUMMARY_SHOWN = ("job", "complete", "end_reason", "engines", "trainer_world_size", "hf_model_dir", "model_parameters",
                  "trainer_steps", "explorer_steps",
                  "syncs", "rounds", "weight_loads", "final_version", "reward_first", "reward_last",
-                 "experiences_produced", "experiences_trained", "experiences_dropped_stale", "weights_bytes_moved",
+                 "experiences_produced", "experiences_trained", "experiences_dropped_stale",
+                 "experiences_left_untrained", "weights_bytes_moved",
                  "sync_wait_ms", "wall_s", "run_dir")
 
 

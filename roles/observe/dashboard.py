@@ -38,6 +38,7 @@ from rolectl.bus.errors import BusError, describe
 from rolectl.bus.events import last_sequence, read_events, subscribe_heartbeats
 from rolectl.bus.logging import setup_logging
 from rolectl.bus.security import redact
+from rolectl.bus.snapshots import SnapshotStore
 from rolectl.bus.subjects import JobNames
 from rolectl.roles.exit_codes import ExitCode
 from rolectl.roles.observe.observer import JobObserver
@@ -175,6 +176,12 @@ class Dashboard:
                                 await asyncio.sleep(_STREAM_RETRY_S)
                         await self._set_connection("live", None)
                         start = self.observer.state.last_seq + 1
+                        first = (await conn.js.stream_info(conn.names.event_stream)).state.first_seq
+                        if first > start:  # trimmed below what we hold (archived): the newest snapshot
+                            snapshot = await SnapshotStore(conn).latest()
+                            if snapshot is not None and snapshot.state.last_seq >= start:
+                                self.observer = JobObserver(log_tail=_LOG_SHOWN, start=snapshot.state)
+                                start = snapshot.state.last_seq + 1
                         async with read_events(conn, from_seq=start, include_decisions=True) as reader:
                             async for rec in reader:
                                 self.observer.apply(rec)

@@ -23,6 +23,7 @@ from typing import Any
 
 import msgpack
 
+from rolectl.bus.archive import read_archive
 from rolectl.bus.connection import connect
 from rolectl.bus.events import last_sequence, read_all
 from rolectl.bus.files import atomic_path
@@ -36,6 +37,7 @@ __all__ = [
     "ExportError",
     "export_job",
     "load_export",
+    "read_history",
     "read_job",
     "read_job_from_snapshot",
     "write_export",
@@ -103,16 +105,29 @@ def write_export(records: Iterable[Recorded], path: str | Path, *, job: str | No
     return n
 
 
-async def read_job(job: str, nats: str, *, connect_timeout: float = 5.0, security=None) -> list[Recorded]:
-    """Every record of the job's stream up to its end as of now. Raises `bus.errors.BusError`."""
+async def read_history(conn, archive_dir: Path | None, *, verify_identity: bool = True) -> list[Recorded]:
+    """The job's history as one: the archived segments in `archive_dir` (digests checked; a damaged
+    one raises `bus.archive.ArchiveError` naming it), then the stream's records after them."""
+    archived = read_archive(archive_dir) if archive_dir is not None else []
+    tail = await read_all(conn, verify_identity=verify_identity)
+    if not archived:
+        return tail
+    last = archived[-1].seq
+    return archived + [rec for rec in tail if rec.seq > last]
+
+
+async def read_job(job: str, nats: str, *, connect_timeout: float = 5.0, security=None,
+                   archive_dir: Path | None = None) -> list[Recorded]:
+    """Every record of the job (its archive, when given, then its stream) up to the stream's end as
+    of now. Raises `bus.errors.BusError`, or `bus.archive.ArchiveError` for a damaged segment."""
     async with connect(nats, job=job, role="observer", member=f"export-{os.getpid()}",
                        connect_timeout=connect_timeout, security=security) as conn:
         await last_sequence(conn)  # a clear error when the job has no stream
         # Forged records are kept, with their real subject: they are evidence, and --check names them.
-        return await read_all(conn, verify_identity=False)
+        return await read_history(conn, archive_dir, verify_identity=False)
 
 
-async def export_job(job: str, nats: str, path: Path, *, security=None) -> int:
+async def export_job(job: str, nats: str, path: Path, *, security=None, archive_dir: Path | None = None) -> int:
     """Write the job's recorded events and decisions (stream seq, server time, subject) to `path`.
 
     The suffix picks the format (.jsonl or .msgpack). Returns the number of records written.
@@ -120,7 +135,7 @@ async def export_job(job: str, nats: str, path: Path, *, security=None) -> int:
     """
     path = Path(path)
     _suffix(path)  # fail before reading a long stream
-    records = await read_job(job, nats, security=security)
+    records = await read_job(job, nats, security=security, archive_dir=archive_dir)
     return write_export(records, path, job=job)
 
 
@@ -194,15 +209,19 @@ def load_export(path: str | Path) -> list[Recorded]:
     return records
 
 
-async def read_job_from_snapshot(job: str, nats: str, *, security=None) -> tuple[list[Recorded], State | None]:
+async def read_job_from_snapshot(job: str, nats: str, *, security=None, archive_dir: Path | None = None
+                                 ) -> tuple[list[Recorded], State | None]:
+    """The job's history (archive, when given, and stream), and the reducer snapshot to fold it
+    from when it no longer starts at the first record (trimmed, and not archived where we look)."""
     async with connect(nats, job=job, role="observer", member=f"replay-{os.getpid()}",
                        security=security) as conn:
         await last_sequence(conn)  # a clear error when the job has no stream
-        records = await read_all(conn)
+        records = await read_history(conn, archive_dir)
         if not records or records[0].seq <= 1:
             return records, None
         snapshot = await SnapshotStore(conn).latest()
         if snapshot is None or snapshot.state.last_seq + 1 < records[0].seq:
             raise ExportError(f"the stream of job {job} starts at seq {records[0].seq} (trimmed) and no "
-                              "snapshot covers what was trimmed: the job's state cannot be rebuilt")
+                              "snapshot covers what was trimmed: the job's state cannot be rebuilt; "
+                              "pass the job's archive (--archive RUN_DIR/JOB/archive)")
         return records, snapshot.state

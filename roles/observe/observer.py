@@ -237,6 +237,34 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
+class StepCounts:
+    """A total of per-step counts where a step reported again (a restart repeats the step after
+    its last save) counts once, with its latest figure. Bounded: only the newest `window` steps of
+    each member are remembered; a repeat is always one of them."""
+
+    def __init__(self, window: int = 64):
+        self.total = 0
+        self._window = window
+        self._recent: dict[str, OrderedDict[int, int]] = {}
+
+    def add(self, member: str, step: int, n: int) -> None:
+        recent = self._recent.setdefault(member, OrderedDict())
+        if step in recent:
+            self.total += n - recent[step]
+            recent[step] = n
+            return
+        if recent and step < next(iter(recent)):
+            return  # older than the window: a repeat of a step counted long ago
+        self.total += n
+        recent[step] = n
+        while len(recent) > self._window:
+            recent.popitem(last=False)
+
+    def size(self) -> int:
+        """How many step figures are remembered (for the bound's test)."""
+        return sum(len(r) for r in self._recent.values())
+
+
 @dataclass(frozen=True)
 class JobOutcome:
     """How a recorded job ended: `complete` (the trainer's final STOPPED after its last step),
@@ -261,7 +289,13 @@ SUMMARY_MEANINGS: dict[str, str] = {
     "experiences_dropped_stale": "past the staleness bound",
     "eval": "eval set's reward means, by version",
     "over_rollout_tasks_cut": "tasks a step did not wait for",
+    "experiences_left_untrained": "produced, never trained nor dropped",
 }
+
+
+_CAUSE_TIMES_KEPT = 20_000
+"""Server times of the newest inputs kept, to time the decisions they cause (a decision's cause is
+among the last few hundred records even with 64 explorers)."""
 
 
 def format_ago(ms: int | None) -> str:
@@ -315,7 +349,9 @@ class JobObserver:
 
     `apply_computed=True` builds rounds from the reducer's own decisions instead of recorded ones
     (for recordings that hold inputs only). Bounded: at most `max_rounds` rounds, `max_points`
-    points per series and `log_tail` log lines are kept, so a dashboard can follow a long job.
+    points per series and `log_tail` log lines are kept (rolling windows), beside totals for the
+    run's counts, so a dashboard or `up` can follow a job of any length; what grows is per member,
+    never per step (`size()` says how much is held).
     """
 
     def __init__(self, *, apply_computed: bool = False, log_tail: int = 200, max_rounds: int = 2000,
@@ -340,15 +376,16 @@ class JobObserver:
         # run figures (what `summary()` reports)
         self.round_outcomes: Counter[str] = Counter()  # outcome -> rounds closed with it
         self.sync_waits: deque[tuple[str, str, int]] = deque(maxlen=max_points)  # (member, answer, ms)
+        self.sync_wait_answers: Counter[str] = Counter()  # answer -> waits (all, not only the window)
         self.weight_loads = 0
         self.final_version = 0
         self.trainer_steps = 0
         self.explorer_steps: dict[str, int] = {}
         self.rewards_first: list[float] = []  # the first five trainer rewards (the last are in `reward`)
-        self.experiences_produced: dict[tuple[str, int], int] = {}  # (explorer, step) -> n (a step
-        self.experiences_trained: dict[int, int] = {}  # step -> n           reported twice counts once)
+        self.experiences_produced = StepCounts()  # a step reported twice counts once
+        self.experiences_trained = StepCounts()
         self.dropped_stale = 0
-        self.tasks_cut: dict[tuple[str, int], int] = {}  # (explorer, step) -> tasks over-rollout cut
+        self.tasks_cut = StepCounts()  # tasks over-rollout cut, a step reported twice counts once
         self._asked_at: dict[str, int] = {}  # explorer key -> time it went require_sync
         # the decisions taken from the message at last_seq: a decision batch gives several records
         # that share its sequence, a reader that restarted gives none of them twice
@@ -379,7 +416,7 @@ class JobObserver:
                 self._on_decision(event, rec.seq, rec.time_ms)
             return None
         self._times[rec.seq] = rec.time_ms
-        if len(self._times) > 100_000:
+        if len(self._times) > _CAUSE_TIMES_KEPT:
             self._times.popitem(last=False)
         self.state, computed, error = reduce_lenient(self.state, rec)
         if error is not None:
@@ -502,6 +539,7 @@ class JobObserver:
         asked = self._asked_at.pop(key, None)
         if asked is not None:
             self.sync_waits.append((key, answer, time_ms - asked))
+            self.sync_wait_answers[answer] += 1
 
     def _on_input(self, event: Event, rec: Recorded) -> None:
         if isinstance(event, (VersionPublished, WeightsLoaded, WeightsBroadcast)):
@@ -513,6 +551,10 @@ class JobObserver:
                 self._asked_at.pop(event.member.key, None)  # withdrew its ask (gave up, stopped)
         if isinstance(event, StepFinished):
             self._count_step(event)
+        elif (isinstance(event, StatusChanged) and event.member.role is Role.TRAINER
+              and event.status is RunningStatus.STOPPED):
+            # drops after the trainer's last StepFinished (it stopped while filling a step)
+            self.dropped_stale = max(self.dropped_stale, int(event.metrics.get("dropped_stale_total", 0)))
         if isinstance(event, EvalFinished):
             self.evals.append({"version": event.version, "step": event.step, "rewards": dict(event.rewards),
                                "tasks": event.tasks, "responses": event.responses,
@@ -540,6 +582,15 @@ class JobObserver:
             if "mean_staleness" in m or "dropped_stale_total" in m:
                 self.staleness.append((event.step, m.get("mean_staleness", 0.0), m.get("dropped_stale_total", 0.0)))
 
+    def size(self) -> int:
+        """How many items the observer holds in all (the bound's test watches it)."""
+        return (len(self.rounds) + len(self.versions) + len(self.log) + len(self.illegal) + len(self.reward)
+                + len(self.staleness) + len(self.background_transfers) + len(self.heartbeats)
+                + len(self.sync_waits) + len(self.sync_wait_answers) + len(self.explorer_steps)
+                + self.experiences_produced.size() + self.experiences_trained.size() + len(self._asked_at)
+                + len(self._round_info) + len(self._tracking) + len(self._times) + len(self._at_last_seq)
+                + len(self.state.members) + len(self.state.rounds))
+
     # -- views -----------------------------------------------------------------------------------
 
     def members(self, now_ms: int | None = None) -> list[dict[str, Any]]:
@@ -563,13 +614,13 @@ class JobObserver:
             self.trainer_steps = max(self.trainer_steps, event.step)
             if "reward_mean" in m and len(self.rewards_first) < 5:
                 self.rewards_first.append(m["reward_mean"])
-            self.experiences_trained[event.step] = int(m.get("num_experiences", 0))
+            self.experiences_trained.add(event.member.id, event.step, int(m.get("num_experiences", 0)))
             self.dropped_stale = max(self.dropped_stale, int(m.get("dropped_stale_total", 0)))
         elif event.member.role is Role.EXPLORER:
             self.explorer_steps[event.member.id] = max(self.explorer_steps.get(event.member.id, 0), event.step)
-            self.experiences_produced[(event.member.id, event.step)] = int(m.get("experiences", 0))
+            self.experiences_produced.add(event.member.id, event.step, int(m.get("experiences", 0)))
             if "over_rollout_tasks_cut" in m:
-                self.tasks_cut[(event.member.id, event.step)] = int(m["over_rollout_tasks_cut"])
+                self.tasks_cut.add(event.member.id, event.step, int(m["over_rollout_tasks_cut"]))
 
     def eval_curve(self) -> list[dict[str, Any]]:
         """The evals as recorded: version, explore step, each reward's mean, tasks, responses."""
@@ -607,14 +658,19 @@ class JobObserver:
             "reward_first": round(statistics.fmean(self.rewards_first), 4) if self.rewards_first else None,
             "reward_last": round(statistics.fmean(last), 4) if last else None,
             "weights_bytes_moved": self.bytes_loaded_total,
-            # every experience produced is trained or dropped as too stale; what is left over was
-            # produced after the trainer had what it needed (explorers stop with the trainer)
-            "experiences_produced": sum(self.experiences_produced.values()),
-            "experiences_trained": sum(self.experiences_trained.values()),
+            # every experience produced is trained, dropped as too stale, or left untrained: produced
+            # after the trainer had what it needed (it stays in the experience stream; a test checks
+            # that the stream holds exactly this many at the end of a run)
+            "experiences_produced": self.experiences_produced.total,
+            "experiences_trained": self.experiences_trained.total,
             "experiences_dropped_stale": self.dropped_stale,
-            "over_rollout_tasks_cut": sum(self.tasks_cut.values()),
-            "sync_wait_ms": {"p50": percentile(waits, 0.5), "p99": percentile(waits, 0.99), "count": len(waits),
-                             "by_answer": dict(sorted(Counter(a for _, a, _ in self.sync_waits).items()))},
+            "experiences_left_untrained": (self.experiences_produced.total - self.experiences_trained.total
+                                           - self.dropped_stale),
+            "over_rollout_tasks_cut": self.tasks_cut.total,
+            # percentiles of the newest `max_points` waits; the counts are of every wait
+            "sync_wait_ms": {"p50": percentile(waits, 0.5), "p99": percentile(waits, 0.99),
+                             "count": sum(self.sync_wait_answers.values()),
+                             "by_answer": dict(sorted(self.sync_wait_answers.items()))},
             "eval": [{"version": e["version"], "step": e["step"],
                       "rewards": {k: round(v, 4) for k, v in e["rewards"].items()}, "tasks": e["tasks"]}
                      for e in self.evals],

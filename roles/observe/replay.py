@@ -15,6 +15,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from rolectl.bus.archive import ArchiveError
 from rolectl.bus.errors import BusError
 from rolectl.bus.logging import setup_logging
 from rolectl.bus.security import redact
@@ -62,7 +63,7 @@ __all__ = [
 
 
 def _load(job: str | None, nats: str, file: str | Path | None,
-          security=None) -> tuple[list[Recorded], State | None]:
+          security=None, archive: str | Path | None = None) -> tuple[list[Recorded], State | None]:
     """The records, and the reducer snapshot to fold them from when the job's stream no longer
     starts at its first record (trimmed by age or size): None when the records are complete."""
     if file is not None:
@@ -71,11 +72,12 @@ def _load(job: str | None, nats: str, file: str | Path | None,
             raise ExportError(f"{file} holds no records: write one with `rolectl export --job JOB -o FILE` "
                               "(or use the events.jsonl in a `rolectl up` run directory)")
         return records, None
-    return asyncio.run(read_job_from_snapshot(job, nats, security=security))
+    return asyncio.run(read_job_from_snapshot(job, nats, security=security,
+                                              archive_dir=Path(archive) if archive else None))
 
 
 def run_replay(*, job: str | None, nats: str, file: str | Path | None, until: str | None, check: bool,
-               as_json: bool, security=None) -> int:
+               as_json: bool, security=None, archive: str | Path | None = None) -> int:
     """`rolectl replay`: 0 when fine (and, with `check`, every decision matches and the job did not
     end short of its last step), 1 on a mismatch or an incomplete job or when NATS or the job cannot
     be reached (as every command: roles.runner.EXIT_CODES), 2 when the input is wrong (a bad or empty
@@ -84,7 +86,10 @@ def run_replay(*, job: str | None, nats: str, file: str | Path | None, until: st
     err = Console(stderr=True)
     try:
         moment = parse_until(until)
-        records, start = _load(job, nats, file, security)
+        records, start = _load(job, nats, file, security, archive)
+    except ArchiveError as exc:  # a damaged segment: named, and the replay stops there
+        err.print(f"rolectl replay: {exc}", style="red", highlight=False, markup=False, soft_wrap=True)
+        return 2
     except BusError as exc:
         err.print(f"rolectl replay: {exc}", style="red", highlight=False, markup=False, soft_wrap=True)
         return 1

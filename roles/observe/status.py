@@ -8,14 +8,17 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
+from rolectl.bus.archive import ArchiveError, read_archive
 from rolectl.bus.connection import connect
 from rolectl.bus.errors import BusError
 from rolectl.bus.events import last_sequence, read_events, subscribe_heartbeats
 from rolectl.bus.logging import setup_logging
+from rolectl.bus.snapshots import SnapshotStore
 from rolectl.roles.exit_codes import ExitCode
 from rolectl.roles.observe.observer import JobObserver, format_ago
 from rolectl.sync_protocol import Role
@@ -24,7 +27,8 @@ __all__ = ["collect_status", "print_status"]
 
 
 async def collect_status(job: str, nats: str, *, heartbeat_wait_s: float | None = None,
-                         connect_timeout: float = 5.0, security=None) -> tuple[JobObserver, int]:
+                         connect_timeout: float = 5.0, security=None,
+                         archive_dir: Path | None = None) -> tuple[JobObserver, int]:
     """Read the job's stream to its current end and listen briefly for heartbeats.
 
     Returns the observer and the local time (ms) the snapshot was taken. Raises `bus.errors.BusError`
@@ -32,6 +36,11 @@ async def collect_status(job: str, nats: str, *, heartbeat_wait_s: float | None 
     for at most `heartbeat_wait_s` (default: 1.5 heartbeat periods of the job's config).
     """
     observer = JobObserver()
+    from_seq = 1
+    if archive_dir is not None:  # the archived history first (a damaged segment: ArchiveError)
+        for rec in read_archive(archive_dir):
+            observer.apply(rec)
+            from_seq = rec.seq + 1
     async with connect(nats, job=job, role="observer", member=f"status-{os.getpid()}",
                        connect_timeout=connect_timeout, security=security) as conn:
         all_beating = asyncio.Event()
@@ -44,7 +53,13 @@ async def collect_status(job: str, nats: str, *, heartbeat_wait_s: float | None 
         sub = await subscribe_heartbeats(conn, on_heartbeat)
         try:
             await last_sequence(conn)  # a clear error when the job has no stream
-            async with read_events(conn, from_seq=1, include_decisions=True, stop_at_end=True) as reader:
+            first = (await conn.js.stream_info(conn.names.event_stream)).state.first_seq
+            if first > from_seq:  # trimmed below what we hold: start from the newest snapshot
+                snapshot = await SnapshotStore(conn).latest()
+                if snapshot is not None and snapshot.state.last_seq >= from_seq:
+                    observer = JobObserver(start=snapshot.state)
+                    from_seq = snapshot.state.last_seq + 1
+            async with read_events(conn, from_seq=from_seq, include_decisions=True, stop_at_end=True) as reader:
                 async for rec in reader:
                     observer.apply(rec)
             if _every_live_member_beat(observer):
@@ -69,13 +84,14 @@ def _every_live_member_beat(observer: JobObserver) -> bool:
 
 
 async def print_status(job: str, nats: str, *, as_json: bool = False, connect_timeout: float = 5.0,
-                       security=None) -> int:
+                       security=None, archive_dir: Path | None = None) -> int:
     """Print a table (or JSON) of the job's members; 0 on success, 1 when NATS or the job is missing."""
     setup_logging("warning")  # stdout is for the table (and JSON); logs go to stderr
     err = Console(stderr=True)
     try:
-        observer, now_ms = await collect_status(job, nats, connect_timeout=connect_timeout, security=security)
-    except BusError as exc:
+        observer, now_ms = await collect_status(job, nats, connect_timeout=connect_timeout, security=security,
+                                                archive_dir=archive_dir)
+    except (BusError, ArchiveError) as exc:
         err.print(f"rolectl status: {exc}", style="red", highlight=False, markup=False, soft_wrap=True)
         return ExitCode.ERROR
     except ValueError as exc:  # a job name that cannot be a NATS token

@@ -49,8 +49,12 @@ def _check_outcome(job: LiveJob, total: int) -> dict:
     assert_decisions_replay(records)
     summary = summarize(records, job=job.cfg.job)
     assert summary["complete"], summary["end_reason"]
+    # the accounting identity (experiences left untrained are counted since issue 28); these
+    # runs consume everything produced, so nothing is left
     assert summary["experiences_produced"] == (
-        summary["experiences_trained"] + summary["experiences_dropped_stale"]), summary
+        summary["experiences_trained"] + summary["experiences_dropped_stale"]
+        + summary["experiences_left_untrained"]), summary
+    assert summary["experiences_left_untrained"] == 0, summary
     return summary
 
 

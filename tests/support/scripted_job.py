@@ -8,6 +8,7 @@ one in about a second. Every step waits for the decision it needs (with a timeou
 from __future__ import annotations
 
 import asyncio
+import tempfile
 import contextlib
 from dataclasses import dataclass, field
 
@@ -93,14 +94,15 @@ async def stop_task(task: asyncio.Task) -> None:
 
 
 async def run_scripted_job(nats_url: str, job: str, *, steps: int = 4, stop: bool = True,
-                           snapshot_every: int | None = None) -> int:
+                           snapshot_every: int | None = None, run_dir: str | None = None) -> int:
     """Run the scripted job to its end; returns the stream's last sequence number.
 
     Each trainer step publishes a version; explorer-0 syncs every step (usually finding the new
     version at once), explorer-1 asks for a version before the trainer has it and so waits.
     """
+    # the synchronizer archives the stream's history under run_dir once it snapshots
     cfg = parse_config({
-        "job": job, "nats_url": nats_url,
+        "job": job, "nats_url": nats_url, "run_dir": run_dir or tempfile.mkdtemp(prefix="rolectl-scripted-"),
         "synchronizer": {"sync_method": "memory", "sync_style": "fixed", "sync_interval": 1,
                          "heartbeat_expiry": 600, "sync_timeout": 600,
                          **({"snapshot_every": snapshot_every} if snapshot_every is not None else {})},

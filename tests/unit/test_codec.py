@@ -519,3 +519,12 @@ def test_a_member_listed_twice_is_found_at_its_first_place_as_a_scan_would():
                             participants=(RankAssignment(member=E, rank_offset=1, ranks=1),
                                           RankAssignment(member=E, rank_offset=2, ranks=2)))
     assert twice.assignment_of(E).rank_offset == 1
+
+
+def test_a_stopped_members_totals_travel_and_an_empty_set_is_not_written():
+    stopped = StatusChanged(member=T, status=RunningStatus.STOPPED, step=4, version=4, final=False,
+                            metrics={"dropped_stale_total": 7.0})
+    assert decode(encode(stopped)) == stopped
+    bare = msgspec.structs.replace(stopped, metrics={})
+    assert b"metrics" not in encode(bare)  # byte-identical to what earlier builds wrote
+    assert decode(encode(bare)) == bare

@@ -1,0 +1,321 @@
+"""A chaos soak: a long tiny-engine job (a trainer, N explorers, two synchronizer replicas, each its
+own process, one nats-server) under seeded faults, checked continuously and at the end.
+
+    .venv/bin/python -m benchmarks.soak --minutes 60 --explorers 16 --fault-every 12 --seed 1 --json F
+
+Faults, one every `--fault-every` s, picked by the seed: kill -9 of a role (trainer, an explorer, a
+synchronizer replica), restarted at once; SIGSTOP of a role for longer than the heartbeat expiry,
+then SIGCONT; kill -9 of the nats-server, restarted on the same port and store. (Losing a node of a
+3-node cluster is not injected here: see benchmarks.cluster_failover.)
+
+Checked: every trainer step trained once (no step reported twice, none missing); experiences
+produced = trained + dropped as stale + left untrained, where "left untrained" is compared with what
+the experience stream really holds at the end (less: lost; more: trained twice); `replay --check`
+over archive + tail; hangs (the trainer without a new step for longer than `--hang-s`); every
+process's RSS against the trainer's step (slope per 1,000 steps, per process; the max is reported);
+the event stream's bytes over time (archived and trimmed after each snapshot). Prints a table and
+writes JSON with at least faults_injected, experiences_lost, experiences_duplicated, hangs,
+rss_slope_mb_per_1k_steps, event_stream_bytes_max, minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from rolectl.bus.connection import connect
+from rolectl.bus.events import read_events
+from rolectl.bus.experiences import decode_batch
+from rolectl.bus.logging import setup_logging
+from rolectl.bus.server import NatsServer
+from rolectl.roles.config import load_config
+from rolectl.roles.launch.local import summarize
+from rolectl.roles.observe.check import check_decisions
+from rolectl.roles.observe.export import read_history
+from rolectl.sync_protocol import Role, StepFinished
+
+JOB = "soak"
+EXPIRY_S = 4.0
+
+
+def _config(root: Path, explorers: int) -> Path:
+    data = {
+        "job": JOB, "run_dir": str(root / "runs"), "log_level": "warning",
+        "synchronizer": {"sync_method": "memory", "sync_style": "fixed", "sync_interval": 1, "sync_timeout": 60,
+                         "heartbeat_period": 0.5, "heartbeat_expiry": EXPIRY_S, "snapshot_every": 300},
+        "trainer": {"total_steps": 1_000_000, "save_interval": 1, "train_batch_tasks": 4 * explorers},
+        "explorers": {"count": explorers, "total_steps": 1_000_000, "engine_num": 1, "step_delay_s": [0.0],
+                      "trainer_grace_s": 900},
+        "buffer": {"batch_size": 4, "ack_wait_s": 30},
+        "model": {"engine": "tiny", "group_size": 4},
+    }
+    path = root / "soak.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    load_config(path)
+    return path
+
+
+class Soak:
+    def __init__(self, args):
+        self.args = args
+        self.rng = random.Random(args.seed)
+        # kept after the run: the roles' logs, the archive and the server's store, for a post-mortem
+        self.root = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="rolectl-soak-"))
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.config = _config(self.root, args.explorers)
+        self.cfg = load_config(self.config)
+        (self.root / "logs").mkdir()
+        self.server = NatsServer(store_dir=str(self.root / "nats"), log_file=str(self.root / "logs" / "nats.log"))
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.roles = {"sync-0": "sync", "sync-1": "sync", "trainer": "trainer",
+                      **{f"explorer-{i}": "explorer" for i in range(args.explorers)}}
+        self.faults: dict[str, int] = {}
+        self.trainer_step = 0
+        self.progress_at = time.monotonic()
+        self.longest_gap_s = 0.0
+        self.hangs = 0
+        self.rss: dict[str, list[tuple[int, float]]] = {}  # "member#pid" -> (trainer step, MB)
+        self.stream_bytes: list[tuple[float, int]] = []
+
+    def start(self, member: str) -> None:
+        log = open(self.root / "logs" / f"{member}.log", "ab")
+        self.procs[member] = subprocess.Popen(
+            [sys.executable, "-m", "rolectl.roles.cli", "start", self.roles[member], "--config", str(self.config),
+             "--nats", self.server.url, "--id", member],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env=dict(os.environ, PYTHONUNBUFFERED="1", ROLECTL_ADVERTISE_HOST="127.0.0.1"))
+        log.close()
+
+    # -- faults ------------------------------------------------------------------------------------
+    async def fault(self) -> None:
+        kind = self.rng.choices(["kill9", "sigstop", "server"], weights=[6, 3, 1])[0]
+        member = self.rng.choice(sorted(self.procs))
+        proc = self.procs[member]
+        if kind == "server":
+            await asyncio.to_thread(self.server.kill)
+            await asyncio.to_thread(self.server.start)
+        elif proc.poll() is not None:
+            self.start(member)  # it had exited (gave up): start it again, not a fault
+            return
+        elif kind == "kill9":
+            os.kill(proc.pid, signal.SIGKILL)  # a process this soak started, by its PID
+            proc.wait()
+            self.start(member)
+        else:
+            os.kill(proc.pid, signal.SIGSTOP)
+            await asyncio.sleep(EXPIRY_S + 1.0)  # past the heartbeat expiry: the member is expired
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGCONT)
+        self.faults[kind] = self.faults.get(kind, 0) + 1
+        print(f"[{time.strftime('%H:%M:%S')}] fault {kind} {'' if kind == 'server' else member} "
+              f"(trainer step {self.trainer_step})", flush=True)
+
+    # -- watching ----------------------------------------------------------------------------------
+    async def follow(self) -> None:
+        """Trainer steps from the stream (its StepFinished), across server restarts."""
+        seq = 0
+        while True:
+            try:
+                async with connect(self.server.url, job=JOB, role="observer", member="soak") as conn:
+                    async with read_events(conn, from_seq=seq + 1, include_decisions=False) as reader:
+                        async for rec in reader:
+                            seq = rec.seq
+                            ev = rec.event
+                            if isinstance(ev, StepFinished) and ev.member.role is Role.TRAINER \
+                                    and ev.step > self.trainer_step:
+                                self.trainer_step = ev.step
+                                self.progress_at = time.monotonic()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                await asyncio.sleep(1.0)  # the server is away: read again once it is back
+
+    async def sample(self) -> None:
+        while True:
+            gap = time.monotonic() - self.progress_at
+            self.longest_gap_s = max(self.longest_gap_s, gap)
+            if gap > self.args.hang_s:
+                self.hangs += 1
+                self.progress_at = time.monotonic()  # count each silence once
+                print(f"HANG: no trainer step for {gap:.0f} s", flush=True)
+            for member, proc in self.procs.items():
+                mb = _rss_mb(proc.pid)
+                if mb is not None:
+                    self.rss.setdefault(f"{member}#{proc.pid}", []).append((self.trainer_step, mb))
+            try:
+                async with connect(self.server.url, job=JOB, role="observer", member="soak-bytes",
+                                   connect_timeout=2.0) as conn:
+                    info = await conn.js.stream_info(conn.names.event_stream)
+                    self.stream_bytes.append((time.monotonic(), info.state.bytes))
+            except Exception:
+                pass
+            await asyncio.sleep(2.0)
+
+    # -- the run -----------------------------------------------------------------------------------
+    async def run(self) -> dict:
+        started = time.monotonic()
+        await asyncio.to_thread(self.server.start)
+        for member in self.roles:
+            self.start(member)
+        watchers = [asyncio.create_task(self.follow()), asyncio.create_task(self.sample())]
+        try:
+            end = started + 60 * self.args.minutes
+            while time.monotonic() + self.args.fault_every < end:
+                await asyncio.sleep(self.args.fault_every * self.rng.uniform(0.5, 1.5))
+                await self.fault()
+            await asyncio.sleep(max(0.0, end - time.monotonic()))
+        finally:
+            for task in watchers:
+                task.cancel()
+            await asyncio.gather(*watchers, return_exceptions=True)
+            await self.stop_roles()
+        result = await self.check()
+        result["minutes"] = round((time.monotonic() - started) / 60, 2)
+        await asyncio.to_thread(self.server.stop)
+        return result
+
+    async def stop_roles(self) -> None:
+        """Ctrl-C every role (explorers and trainer first, the synchronizers last), then wait."""
+        members = [m for m in self.procs if not m.startswith("sync")]
+        for group in (members, ["sync-0", "sync-1"]):
+            for member in group:
+                proc = self.procs[member]
+                if proc.poll() is None:
+                    os.kill(proc.pid, signal.SIGCONT)  # one stopped by a fault must hear the SIGINT
+                    proc.send_signal(signal.SIGINT)
+            for member in group:
+                _wait(self.procs[member], 60)
+
+    async def check(self) -> dict:
+        async with connect(self.server.url, job=JOB, role="observer", member="soak-check") as conn:
+            records = await read_history(conn, self.cfg.event_archive_dir)
+            left_in_stream = await _left_in_stream(conn, self.cfg)
+        steps = [r.event.step for r in records if isinstance(r.event, StepFinished)
+                 and r.event.member.role is Role.TRAINER]
+        summary = summarize(records, job=JOB)
+        left = summary["experiences_left_untrained"]
+        mismatches = [m for m in check_decisions(records) if not m.warning]
+        seqs = {r.seq for r in records}
+        gaps = len(set(range(1, max(seqs, default=0) + 1)) - seqs)
+        slopes = {key: _slope_per_1k(points) for key, points in self.rss.items()}
+        slopes = {k: v for k, v in slopes.items() if v is not None}
+        per_process: dict[str, float] = {}
+        for key, value in slopes.items():
+            member = key.split("#")[0]
+            per_process[member] = max(per_process.get(member, value), value)
+        return {
+            "faults_injected": sum(self.faults.values()),
+            "faults": dict(sorted(self.faults.items())),
+            "trainer_steps": max(steps, default=0),
+            "trainer_steps_reported_twice": len(steps) - len(set(steps)),
+            "trainer_steps_missing": len(set(range(1, max(steps, default=0) + 1)) - set(steps)),
+            "experiences_produced": summary["experiences_produced"],
+            "experiences_trained": summary["experiences_trained"],
+            "experiences_dropped_stale": summary["experiences_dropped_stale"],
+            "experiences_left_untrained": left,
+            "experiences_left_in_stream": left_in_stream,
+            "experiences_lost": max(0, left - left_in_stream),
+            "experiences_duplicated": max(0, left_in_stream - left),
+            "replay_check_mismatches": len(mismatches),
+            "replay_check_first": [m.describe() for m in mismatches[:3]],
+            "history_missing_seqs": gaps,
+            "hangs": self.hangs,
+            "longest_trainer_gap_s": round(self.longest_gap_s, 1),
+            "rss_slope_mb_per_1k_steps": per_process,
+            "rss_slope_mb_per_1k_steps_max": max(per_process.values(), default=None),
+            "event_stream_bytes_max": max((b for _, b in self.stream_bytes), default=0),
+            "event_stream_bytes_last": self.stream_bytes[-1][1] if self.stream_bytes else 0,
+            "records": len(records),
+            "workdir": str(self.root),
+        }
+
+
+def _wait(proc: subprocess.Popen, timeout: float) -> None:
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # a process this soak started
+        proc.wait()
+
+
+def _rss_mb(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def _slope_per_1k(points: list[tuple[int, float]]) -> float | None:
+    """Least-squares MB per 1,000 trainer steps, over the second half of a process's life (its
+    imports and first steps are warm-up); None when it saw fewer than 50 steps."""
+    points = points[len(points) // 2:]
+    if len(points) < 5 or points[-1][0] - points[0][0] < 50:
+        return None
+    n = len(points)
+    mx = sum(s for s, _ in points) / n
+    my = sum(m for _, m in points) / n
+    var = sum((s - mx) ** 2 for s, _ in points)
+    if var == 0:
+        return None
+    return round(1000 * sum((s - mx) * (m - my) for s, m in points) / var, 3)
+
+
+async def _left_in_stream(conn, cfg) -> int:
+    """Experiences the experience stream holds, less the trained part of batches the trainer holds
+    partly trained (its checkpoint lists their untrained indices)."""
+    state_file = cfg.trainer_checkpoint_dir / "trainer_state.json"
+    partial = json.loads(state_file.read_text()).get("partial", {}) if state_file.exists() else {}
+    js, name = conn.js, conn.names.experience_stream
+    info = await js.stream_info(name)
+    left = 0
+    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        try:
+            msg = await js.get_msg(name, seq)
+        except Exception:  # acked (deleted)
+            continue
+        n = len(decode_batch(msg.data).experiences)
+        left += len(partial[str(seq)]) if str(seq) in partial else n
+    return left
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=60.0)
+    parser.add_argument("--explorers", type=int, default=16)
+    parser.add_argument("--fault-every", type=float, default=12.0, help="seconds between faults (mean)")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--hang-s", type=float, default=120.0, help="a trainer silent this long is a hang")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="where logs, archive and store go (default: a new temp dir)")
+    args = parser.parse_args(argv)
+    setup_logging("warning")  # the soak's own lines; every role logs to its file under workdir
+    result = asyncio.run(Soak(args).run())
+    result["command"] = "python -m benchmarks.soak " + " ".join(sys.argv[1:] if argv is None else argv)
+    width = max(map(len, result))
+    for key, value in result.items():
+        print(f"{key:<{width}}  {value}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    ok = (result["experiences_lost"] == 0 and result["experiences_duplicated"] == 0 and result["hangs"] == 0
+          and result["replay_check_mismatches"] == 0 and result["trainer_steps_reported_twice"] == 0
+          and result["trainer_steps_missing"] == 0)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
