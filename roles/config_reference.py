@@ -26,6 +26,7 @@ from .config import (
     ExplorerConfig,
     JobConfig,
     NatsConfig,
+    ServeConfig,
     TrainerConfig,
     TransportConfig,
 )
@@ -54,6 +55,7 @@ _SECTIONS: tuple[tuple[str, type[BaseModel], str], ...] = (
     ("buffer", BufferConfig, ""),
     ("transport", TransportConfig, ""),
     ("nats", NatsConfig, ""),
+    ("serve", ServeConfig, ""),
     ("model (engine: tiny)", TinyModelSection,
      "`model:` is one section per engine, selected by `model.engine` (`tiny` when absent)."),
     ("model (engine: hf)", HFModelSection, ""),
