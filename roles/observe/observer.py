@@ -255,7 +255,11 @@ SUMMARY_MEANINGS: dict[str, str] = {
     "sync_wait_ms": "explorer ask → answer",
     "weights_bytes_moved": "bytes explorers loaded",
     "experiences_dropped_stale": "past the staleness bound",
+    "served_requests": "completions served (serve mode)",
+    "rewarded": "served trajectories rewarded (trained on)",
+    "expired": "served trajectories never rewarded",
 }
+_SERVED = ("served_requests", "rewarded", "expired")
 
 
 def format_ago(ms: int | None) -> str:
@@ -338,6 +342,8 @@ class JobObserver:
         self.trainer_steps = 0
         self.explorer_steps: dict[str, int] = {}
         self.rewards_first: list[float] = []  # the first five trainer rewards (the last are in `reward`)
+        # serve mode: each serving explorer incarnation's latest traffic counts (they only grow)
+        self.served: dict[tuple[str, int], dict[str, float]] = {}
         self.experiences_produced: dict[tuple[str, int], int] = {}  # (explorer, step) -> n (a step
         self.experiences_trained: dict[int, int] = {}  # step -> n           reported twice counts once)
         self.dropped_stale = 0
@@ -555,6 +561,8 @@ class JobObserver:
         elif event.member.role is Role.EXPLORER:
             self.explorer_steps[event.member.id] = max(self.explorer_steps.get(event.member.id, 0), event.step)
             self.experiences_produced[(event.member.id, event.step)] = int(m.get("experiences", 0))
+            if "served_requests" in m:
+                self.served[(event.member.id, event.member.incarnation)] = {k: m.get(k, 0.0) for k in _SERVED}
 
     def outcome(self) -> JobOutcome:
         """How the job stands or ended, by the trainer's record (only its final STOPPED ends a job)."""
@@ -594,5 +602,6 @@ class JobObserver:
             "experiences_dropped_stale": self.dropped_stale,
             "sync_wait_ms": {"p50": percentile(waits, 0.5), "p99": percentile(waits, 0.99), "count": len(waits),
                              "by_answer": dict(sorted(Counter(a for _, a, _ in self.sync_waits).items()))},
+            **({key: int(sum(c[key] for c in self.served.values())) for key in _SERVED} if self.served else {}),
             "events": self.records,
         }

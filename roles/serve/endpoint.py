@@ -69,7 +69,11 @@ class ServeEndpoint:
             self._check_key(request)
             return await handler(request)
         except ApiError as exc:
-            return error_response(exc, {"Retry-After": "1"} if exc.status == 429 else None)
+            # 429: retry shortly; 503: the job is over, and `x-should-retry` tells OpenAI's clients
+            # not to retry it (they retry every 5xx otherwise)
+            headers = {"Retry-After": "1"} if exc.status == 429 else {"x-should-retry": "false"} \
+                if exc.status == 503 else None
+            return error_response(exc, headers)
         except web.HTTPException as exc:  # unknown path or method
             return error_response(ApiError(exc.status, f"{request.method} {request.path}: {exc.reason}",
                                            code="not_found" if exc.status == 404 else None))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -160,7 +161,9 @@ class ServingExplorer(Explorer):
                                           metrics=metrics))
 
     async def _start_agent(self, url: str, api_key: str | None) -> asyncio.subprocess.Process:
-        env = {**os.environ, "OPENAI_BASE_URL": url, "OPENAI_API_KEY": api_key or "none",
+        # `python` in the command is this interpreter's (the job's virtual environment)
+        path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+        env = {**os.environ, "PATH": path, "OPENAI_BASE_URL": url, "OPENAI_API_KEY": api_key or "none",
                "ROLECTL_SERVE_MODEL": self.endpoint.model_name}
         command = list(self.serve.agent or ())
         proc = await asyncio.create_subprocess_exec(*command, env=env, cwd=str(Path.cwd()),
