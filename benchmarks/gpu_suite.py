@@ -232,7 +232,8 @@ def _check_flags(step: Step, helps: dict[str, subprocess.CompletedProcess]) -> l
     if proc.returncode != 0:
         return [f"{step.name}: python -m {step.module} --help exited {proc.returncode}: {proc.stderr[-1000:]}"]
     return [f"{step.name}: python -m {step.module} has no option {flag}"
-            for flag in step.argv if flag.startswith("--") and not re.search(rf"{re.escape(flag)}(?![\w-])", proc.stdout)]
+            for flag in step.argv
+            if flag.startswith("--") and not re.search(rf"{re.escape(flag)}(?![\w-])", proc.stdout)]
 
 
 def _check_job_config(work: Path) -> list[str]:

@@ -25,7 +25,16 @@ from rolectl.bus.events import publish_heartbeat, read_events, subscribe_heartbe
 from rolectl.bus.logging import setup_logging
 from rolectl.bus.server import NatsServer
 from rolectl.bus.streams import ensure_event_stream
-from rolectl.sync_protocol import Decision, MemberRef, RunningStatus, StepFinished, SyncMethod, VersionPublished, encode, Role
+from rolectl.sync_protocol import (
+    Decision,
+    MemberRef,
+    Role,
+    RunningStatus,
+    StepFinished,
+    SyncMethod,
+    VersionPublished,
+    encode,
+)
 from rolectl.sync_protocol.reducer import reduce_lenient
 from rolectl.sync_protocol.state import State
 

@@ -85,7 +85,8 @@ def _job_yaml(path: Path, *, job: str, url: str, method: str, explorers: int, sn
         "job": job,
         "run_dir": str(path.parent / "runs"),
         "nats_url": url,
-        "log_level": os.environ.get("SYNC_LATENCY_LOG_LEVEL", "warning"),  # the synchronizer logs every decision at info: not what we measure
+        # the synchronizer logs every decision at info: not what we measure
+        "log_level": os.environ.get("SYNC_LATENCY_LOG_LEVEL", "warning"),
         "synchronizer": {"sync_method": method, "sync_style": "fixed", "sync_interval": 1,
                          "sync_timeout": 300, "heartbeat_period": 1.0, "heartbeat_expiry": 30,
                          "snapshot_every": snapshot_every},
@@ -343,7 +344,9 @@ async def measure(server: NatsServer, workdir: Path, *, method: str, explorers: 
                 except asyncio.TimeoutError:
                     log_tail = (workdir / f"{job}.sync.log").read_text(errors="replace")[-3000:]
                     raise RuntimeError(f"{method} N={explorers}: round {r} not over after {ROUND_TIMEOUT_S} s "
-                                       f"(view at seq {view.last_seq}, open rounds {list(view.state.rounds.values())}); the synchronizer's log ends:\n{log_tail}") from None
+                                       f"(view at seq {view.last_seq}, "
+                                       f"open rounds {list(view.state.rounds.values())}); "
+                                       f"the synchronizer's log ends:\n{log_tail}") from None
             wall = time.perf_counter() - started
             counted_s = time.perf_counter() - counted_from
             sync_cpu, members_cpu, server_cpu = (_cpu_seconds(pid) - before for pid, before
@@ -431,7 +434,8 @@ async def _publish_history(conn: BusConnection, history) -> None:
 async def measure_catch_up(server: NatsServer, workdir: Path, events: int) -> dict:
     job = f"catchup-{events}-{os.getpid()}"
     history, (snapshot_state, snapshot_log_seq) = _synthetic_history(events)
-    config = _job_yaml(workdir / f"{job}.yaml", job=job, url=server.url, method="memory", explorers=8, snapshot_every=10_000)
+    config = _job_yaml(workdir / f"{job}.yaml", job=job, url=server.url, method="memory", explorers=8,
+                       snapshot_every=10_000)
     async with connect(server.url, job=job, role="observer", member="bench-history") as conn:
         # a long job's stream is sized for it (the default 64 MiB holds about 300k events)
         await ensure_event_stream(conn.js, conn.names, max_bytes=max(64 << 20, events * 400))
@@ -512,7 +516,8 @@ def main(argv: list[str] | None = None) -> dict:
                           f"({res['samples']} samples, {res['rounds']} rounds in {res['seconds']} s; synchronizer CPU "
                           f"{res['sync_cpu_ms_per_decision']} ms per decision; load {res['loadavg']:.1f})", flush=True)
                     cpu = res["cpu_ms_per_round"]
-                    print(f"{'':>13}a round {res['round_ms']} ms; CPU ms per round: synchronizer {cpu['synchronizer']}, "
+                    print(f"{'':>13}a round {res['round_ms']} ms; "
+                          f"CPU ms per round: synchronizer {cpu['synchronizer']}, "
                           f"members {cpu['members']}, nats-server {cpu['nats_server']}", flush=True)
             if sizes:
                 base = asyncio.run(_startup_only(server, workdir))

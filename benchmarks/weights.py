@@ -693,7 +693,7 @@ def render(result: dict) -> None:
     for key, value in result["limits"].items():
         table.add_row(f"limit {key.removesuffix('_gbps')}", f"{value:.2f}", *[""] * 7)
     for name, t in result["transports"].items():
-        def fmt(key, spec):
+        def fmt(key, spec, t=t):
             return format(t[key], spec) if key in t else ""
         table.add_row(
             name, fmt("gbps", ".2f"), fmt("seconds", ".3f"), fmt("median_gbps", ".2f"),

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import datetime
 import json
 import math
@@ -147,7 +148,8 @@ async def _worker(spec: dict) -> None:
         dicts[mode] = tensors
         if mode in ("gloo", "nccl"):
             transport = TorchDistTransport(backend=mode, bucket_bytes=spec["bucket_bytes"], timeout=120,
-                                           **({"direct_min_bytes": spec["direct_bytes"]} if spec.get("direct_bytes") else {}))
+                                           **({"direct_min_bytes": spec["direct_bytes"]}
+                                              if spec.get("direct_bytes") else {}))
             port = spec["ports"][mode]
 
             async def op(round_: int, transport=transport, tensors=tensors, port=port) -> None:
@@ -159,16 +161,17 @@ async def _worker(spec: dict) -> None:
 
             ops[mode] = op
         elif mode == "cuda_ipc":
-            # Handles travel through the control store: a tiny request/reply channel of bytes.
-            async def send_handles(member: MemberRef, payload: bytes, state={"n": 0}) -> bytes:
-                state["n"] += 1
-                key = f"ipc/{state['n']}/{member.id}"
+            # Handles travel through the control store: a tiny request/reply channel of bytes; each
+            # side numbers its exchanges, so request n meets reply n.
+            sent, received = itertools.count(1), itertools.count(1)
+
+            async def send_handles(member: MemberRef, payload: bytes, sent=sent) -> bytes:
+                key = f"ipc/{next(sent)}/{member.id}"
                 await asyncio.to_thread(ctl.set, f"{key}/req", payload)
                 return await asyncio.to_thread(ctl.get, f"{key}/rep")
 
-            async def recv_handles(state={"n": 0}) -> HandleRequest:
-                state["n"] += 1
-                key = f"ipc/{state['n']}/{me.id}"
+            async def recv_handles(received=received) -> HandleRequest:
+                key = f"ipc/{next(received)}/{me.id}"
                 payload = await asyncio.to_thread(ctl.get, f"{key}/req")
 
                 async def reply(data: bytes) -> None:
@@ -270,7 +273,8 @@ def measure(size_mb: int, explorers: int, *, reps: int = 5, bucket_mb: int = 512
     ctl_port = _free_port()
     ctl = TCPStore("127.0.0.1", ctl_port, None, True, datetime.timedelta(seconds=timeout), wait_for_workers=False)
     base = {"world": world, "ctl_port": ctl_port, "size_mb": size_mb, "reps": reps, "modes": modes,
-            "bucket_bytes": bucket_mb << 20, "direct_bytes": direct_kib << 10 if direct_kib else None, "shape": shape, "ports": {"gloo": _free_port(), "nccl": _free_port()}}
+            "bucket_bytes": bucket_mb << 20, "direct_bytes": direct_kib << 10 if direct_kib else None,
+            "shape": shape, "ports": {"gloo": _free_port(), "nccl": _free_port()}}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(_ROOT), os.environ.get("PYTHONPATH", "")])}
     procs = [
         subprocess.Popen([sys.executable, "-m", "benchmarks.weights_dist", "--worker", json.dumps({**base, "rank": r})],

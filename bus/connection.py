@@ -631,7 +631,8 @@ def connect(
     `url` may list several servers of one cluster, comma-separated (`nats://a:4222,nats://b:4222`);
     the first connect tries them in random order, and a lost connection rotates to another server
     (one that has failed least, not the one just lost) with jittered backoff. A malformed list
-    raises `ValueError` naming the bad entry. The connection is named `<job>/<role>/<member>` (visible in the server's /connz). Raises
+    raises `ValueError` naming the bad entry. The connection is named `<job>/<role>/<member>`
+    (visible in the server's /connz). Raises
     `BusUnavailable` if no server with JetStream answers within `connect_timeout` seconds; once
     connected it reconnects for ever. `security` (credential and TLS files) defaults to the
     ROLECTL_NATS_* environment variables; URL passwords never appear in logs or errors.

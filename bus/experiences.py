@@ -423,7 +423,8 @@ class ExperienceReader:
         except (nats.js.errors.APIError, nats.errors.Error) as exc:
             # Server restarting (503), consumer recreated elsewhere (409), buffer full while
             # reconnecting: bind again on the next call. The trainer's loop just sees "nothing yet".
-            self.conn.log.info("bus.experience_fetch_failed", stream=self._stream, durable=self.durable, error=describe(exc))
+            self.conn.log.info("bus.experience_fetch_failed", stream=self._stream, durable=self.durable,
+                               error=describe(exc))
             await self.aclose()
             await asyncio.sleep(min(timeout, 1.0))
             return []

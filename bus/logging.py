@@ -1,4 +1,5 @@
-"""structlog setup for every rolectl process: one JSON event per line (or console text), with bound job/role/member context.
+"""structlog setup for every rolectl process: one JSON event per line (or console text), with bound
+job/role/member context.
 
 Call `setup_logging()` once at process start (the CLI does); library code only calls `get_logger()`
 and binds what it knows (job, role, member, version, round). Until `setup_logging()` runs, structlog's

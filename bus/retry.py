@@ -2,8 +2,9 @@
 publish and request path in `bus` goes through (events, experiences, stream ensure, object store).
 
 What counts as *transient* is what a server restart, a cluster leader election or a lost ack looks
-like from a client: a connection reset under a request, request timeouts, "no responders" (JetStream not listening yet), "no stream
-listens on this subject" (a restarted server still recovering its streams), JetStream's own 503s
+like from a client: a connection reset under a request, request timeouts, "no responders"
+(JetStream not listening yet), "no stream listens on this subject" (a restarted server still
+recovering its streams), JetStream's own 503s
 ("temporarily unavailable", "not leader", stream offline) and a connection that is reconnecting.
 Everything else (the stream refused the message, a bad config, a closed connection) is raised at
 once: retrying would only delay the error the operator has to act on.

@@ -398,7 +398,8 @@ class NatsCluster:
         names = {d["name"] for details in views.values() for d in details}
         for name in sorted(names):
             seen = [d for details in views.values() for d in details if d["name"] == name]
-            leader = next(((d.get("cluster") or {}).get("leader") for d in seen if (d.get("cluster") or {}).get("leader")), None)
+            leaders = ((d.get("cluster") or {}).get("leader") for d in seen)
+            leader = next((name for name in leaders if name), None)
             if leader is None or leader not in views:
                 unsettled[name] = "no leader" if leader is None else f"leader {leader} does not answer"
                 continue
@@ -414,7 +415,8 @@ class NatsCluster:
             # a majority (leader + current followers) can elect a new leader when the leader
             # dies; a follower of a busy stream may lag now and then
             if len(replicas) + 1 < want or current < want // 2:
-                unsettled[name] = f"want {want} replicas; followers {[(r.get('name'), r.get('current')) for r in replicas]}"
+                followers = [(r.get("name"), r.get("current")) for r in replicas]
+                unsettled[name] = f"want {want} replicas; followers {followers}"
         return unsettled
 
     def index_of(self, server_name: str) -> int:

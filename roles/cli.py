@@ -256,7 +256,7 @@ def up(config_path, explorers, summary, dashboard, dashboard_port, run_dir, auth
         given = [flag for flag, value in (("--auth-dir", auth_dir),) if value]
         if given:
             raise click.UsageError(f"{given[0]} is not supported with --launcher ray yet; run secured jobs "
-                                   "with the local launcher or start the roles yourself (README, Secure deployment)")
+                                   "with the local launcher or start the roles yourself (docs/security.md)")
         from rolectl.roles.launch.ray import RayLaunchError, RayUnavailable, run_up_ray
 
         try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["ExitCode", "exit_code_table"]
+__all__ = ["ExitCode", "exit_code_markdown", "exit_code_table"]
 
 
 class ExitCode(enum.IntEnum):
@@ -37,3 +37,9 @@ _MEANINGS = {
 def exit_code_table() -> str:
     """The table as plain text, one code a line."""
     return "\n".join(f"{int(code):>4}  {code.meaning}" for code in ExitCode)
+
+
+def exit_code_markdown() -> str:
+    """The table as the docs show it (docs/operations.md; a test keeps the two equal)."""
+    rows = [f"| `{int(code)}` | {code.meaning} |" for code in ExitCode]
+    return "\n".join(["| code | meaning |", "| --- | --- |", *rows])

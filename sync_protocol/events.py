@@ -308,7 +308,7 @@ for _kind, _cls in KINDS.items():
     _cls.KIND = _kind
 del _kind, _cls
 
-AnyEvent = Union[Event, Decision]
+AnyEvent = Event | Decision
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

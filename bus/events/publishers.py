@@ -192,7 +192,7 @@ class DecisionPublisher:
             after = seq
             try:
                 msg = await self.conn.retry(
-                    lambda: self.conn.js.get_msg(stream, seq=after + 1, subject=subject, next=True),
+                    lambda after=after: self.conn.js.get_msg(stream, seq=after + 1, subject=subject, next=True),
                     what=f"read {subject} after seq {after}", retry_for=self.retry_for)
             except nats.js.errors.NotFoundError:
                 break

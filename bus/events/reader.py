@@ -190,7 +190,8 @@ class EventReader:
                 if self.conn.nc.is_closed:
                     raise BusClosed(f"event reader stopped: connection {self.conn.name} is closed") from exc
                 attempt += 1
-                self.conn.log.debug("bus.reader_create_retry", stream=self._stream, attempt=attempt, error=describe(exc))
+                self.conn.log.debug("bus.reader_create_retry", stream=self._stream, attempt=attempt,
+                                    error=describe(exc))
                 await asyncio.sleep(min(2.0, 0.05 * 2**attempt))
         self._consumer = info.name
         self._sub = sub
@@ -263,7 +264,7 @@ class EventReader:
         our consumer; checking at once saves up to poll_s of stall."""
         seen = self.conn.reconnects
         while not self.conn.is_closed:
-            await self.conn.wait_for(lambda: self.conn.reconnects > seen or self.conn.is_closed)
+            await self.conn.wait_for(lambda seen=seen: self.conn.reconnects > seen or self.conn.is_closed)
             seen = self.conn.reconnects
             self._wake()
 

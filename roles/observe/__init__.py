@@ -1,1 +1,2 @@
-"""Who watches the job: one fold of the event stream (observer) and the tools built on it — status, replay/export, the dashboard."""
+"""Who watches the job: one fold of the event stream (observer) and the tools built on it: status,
+replay/export, the dashboard."""

@@ -76,7 +76,7 @@ async def test_random_kill9_of_every_role_job_completes(tmp_path, seed):
     async with LiveJob(tmp_path, config) as job:
         job.start_all()
         for victim, step in zip(victims, at_steps):
-            await job.wait_for(lambda recs: last_trainer_step(recs) >= step, timeout=120,
+            await job.wait_for(lambda recs, step=step: last_trainer_step(recs) >= step, timeout=120,
                                what=f"trainer step {step}")
             job.kill9(victim)
             role = {"trainer": "trainer", "sync-0": "sync"}.get(victim, "explorer")

@@ -248,7 +248,7 @@ async def test_peer_dies_mid_broadcast_nccl(tmp_path):
             job.current(victim).send_signal(signal.SIGSTOP)  # frozen: it cannot take part any more
             try:
                 ready = await job.wait_for(
-                    lambda recs: [r for r in of_kind(recs, RendezvousReady)
+                    lambda recs, request=request: [r for r in of_kind(recs, RendezvousReady)
                                   if victim in {p.member.id for p in r.event.participants} and r.seq > request.seq],
                     timeout=60, what=f"a RendezvousReady with the frozen {victim}")
                 await job.stream_caught_up()

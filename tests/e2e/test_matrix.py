@@ -34,7 +34,8 @@ def _check_run(run, *, method: str, style: str, engine_num: int) -> None:
     # Every explorer-step's tasks were produced before the trainer could consume them.
     explorer_finished = of_kind(run.records, StepFinished, role=Role.EXPLORER)
     produced = sum(int(r.event.metrics["experiences"]) for r in explorer_finished)
-    trained = sum(int(r.event.metrics["num_experiences"]) for r in of_kind(run.records, StepFinished, role=Role.TRAINER))
+    steps = of_kind(run.records, StepFinished, role=Role.TRAINER)
+    trained = sum(int(r.event.metrics["num_experiences"]) for r in steps)
     assert 0 < trained <= produced, (trained, produced)
     assert s["final_version"] > 0, s
     assert_decisions_replay(run.records)
@@ -48,7 +49,8 @@ def _check_run(run, *, method: str, style: str, engine_num: int) -> None:
         for d in readies:
             assert all(p.ranks == engine_num for p in d.participants), d
             assert d.world_size == 1 + engine_num * len(d.participants), d
-            assert [p.rank_offset for p in d.participants] == [1 + engine_num * i for i in range(len(d.participants))], d
+            offsets = [1 + engine_num * i for i in range(len(d.participants))]
+            assert [p.rank_offset for p in d.participants] == offsets, d
         # fixed / explorer_driven: every explorer waits at its boundaries; trainer_driven: both
         # explore until the trainer has finished. Either way both meet the trainer.
         full = [d for d in readies if {p.member.id for p in d.participants} == {"explorer-0", "explorer-1"}]

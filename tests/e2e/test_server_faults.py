@@ -123,7 +123,8 @@ async def test_cluster_job_survives_losing_the_event_stream_leader(tmp_path):
             await ensure_experience_stream(conn.js, conn.names, replicas=3)
             event_stream = conn.names.event_stream
             names = conn.names
-        job_key = "e2e-cluster-leader"  # in every stream name of the job (RFT_E2E_CLUSTER_LEADER_*, KV_rft_e2e-cluster-leader_*)
+        # in every stream name of the job (RFT_E2E_CLUSTER_LEADER_*, KV_rft_e2e-cluster-leader_*)
+        job_key = "e2e-cluster-leader"
         job = LiveJob(tmp_path, config)
         job.server = cluster  # roles get the comma-separated URL list (LiveJob.url)
         async with job:
@@ -144,7 +145,7 @@ async def test_cluster_job_survives_losing_the_event_stream_leader(tmp_path):
             except AssertionError as exc:
                 raise AssertionError(f"not settled: {unsettled}\n{exc}") from None
             # The node to kill leads every stream of the job (the weights stream and the lease
-            # bucket too): the case that once stalled the job (README, "A node that leads ...").
+            # bucket too): the case that once stalled the job (docs/fault-tolerance.md).
             leader = cluster.stream_leader(event_stream)
             assert leader is not None, "no leader of the event stream on the monitoring endpoint"
             streams = sorted(cluster.stream_names(job_key))
@@ -164,7 +165,8 @@ async def test_cluster_job_survives_losing_the_event_stream_leader(tmp_path):
             killed_ms = time.time() * 1000
             first = await job.wait_for(lambda recs: _first_trainer_step_stored_after(recs, killed_ms),
                                        timeout=120, what="a trainer step after the leader was killed")
-            print(f"\ncluster: {leader}, leader of every stream of the job, killed; first new trainer step {first.event.step} "
+            print(f"\ncluster: {leader}, leader of every stream of the job, killed; "
+                  f"first new trainer step {first.event.step} "
                   f"{(first.time_ms - killed_ms) / 1000:.2f} s later")
             # a survivor may name the dead leader for a moment: wait for a live one, for every
             # stream (the event stream, the weights stream and the lease bucket too)

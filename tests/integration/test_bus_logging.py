@@ -33,7 +33,8 @@ def test_one_json_event_per_line_with_bound_context(log_stream):
 
     first, second = _lines(log_stream)
     assert first["event"] == "step_done" and first["level"] == "info" and "ts" in first
-    assert (first["job"], first["role"], first["member"], first["version"], first["step"]) == ("j", "trainer", "t0", 3, 1)
+    bound = (first["job"], first["role"], first["member"], first["version"], first["step"])
+    assert bound == ("j", "trainer", "t0", 3, 1)
     assert second["round"] == 2 and second["event"] == "waiting\nfor weights"
 
 

@@ -27,7 +27,8 @@ async def test_snapshot_is_the_fold_of_the_stream_up_to_it_and_views_start_from_
         assert snapshot.state == head_state
         # the decision log's guard it carries names a real message of the log, no older than the
         # last one the snapshot's fold had read
-        on_log = sorted({r.seq for r in records if isinstance(r.event, Decision) and r.subject == conn.names.decision_log})
+        on_log = sorted({r.seq for r in records
+                         if isinstance(r.event, Decision) and r.subject == conn.names.decision_log})
         assert snapshot.decision_log_seq in on_log
         assert snapshot.decision_log_seq >= max(seq for seq in on_log if seq <= snapshot.state.last_seq)
         whole_state, _, _ = fold_lenient(records)

@@ -20,7 +20,8 @@ from rolectl.roles.resume import StartMode, StartRefused
 from rolectl.roles.runner import EXIT_USAGE
 from rolectl.roles.trainer import Trainer
 from rolectl.sync_protocol import Role, StepFinished
-from test_trainer_guard import _config, _publish_rollouts  # same folder (on sys.path); `tests` may be another package's (vllm ships one)
+# same folder (on sys.path); `tests` may be another package's (vllm ships one)
+from test_trainer_guard import _config, _publish_rollouts
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -127,7 +127,8 @@ async def _explorer_main(spec: dict) -> None:
             kind = spec.get("kind", "mixed")
             dests = [
                 _destination(kind, local_rank=j,
-                             bad=spec.get("bad") if j == spec["ranks"] - 1 and ready.round in spec.get("bad_rounds", ()) else None)
+                             bad=(spec.get("bad") if j == spec["ranks"] - 1
+                                  and ready.round in spec.get("bad_rounds", ()) else None))
                 for j in range(spec["ranks"])
             ]
             if spec.get("kill_on_copy"):

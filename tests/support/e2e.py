@@ -180,7 +180,8 @@ def assert_decisions_replay(records: list[Recorded], *, allow_cut: bool = False)
     assert not problems, "recorded decisions differ from the fold of the recorded inputs:\n" + "\n".join(problems)
 
 
-def of_kind(records: list[Recorded], cls: type, *, role: Role | None = None, member: str | None = None) -> list[Recorded]:
+def of_kind(records: list[Recorded], cls: type, *, role: Role | None = None,
+            member: str | None = None) -> list[Recorded]:
     out = []
     for rec in records:
         ev = rec.event

@@ -1,6 +1,6 @@
 """What a new user meets first: bad input gets exit 2 and a message that says what and what to do,
 the explorer count keeps the train batch one round, saved state resumes only on a restart, and the
-README's exit-code table is the code's."""
+documented exit-code table is the code's."""
 
 from __future__ import annotations
 
@@ -178,17 +178,20 @@ def test_replay_of_an_empty_file_exits_2(tmp_path, capsys):
 # -- one exit-code table ---------------------------------------------------------------------------
 
 def test_the_documented_exit_code_table_is_the_codes():
+    from rolectl.roles.exit_codes import exit_code_markdown
+
     doc = (ROOT / "docs" / "operations.md").read_text()
     section = doc.split("\n## Exit codes\n", 1)[1].split("\n#", 1)[0]
     documented = {int(code) for code in re.findall(r"^\| `(\d+)` \|", section, flags=re.M)}
     assert documented == set(EXIT_CODES)
+    assert exit_code_markdown() in section, "regenerate the table from roles/exit_codes.exit_code_markdown()"
 
 
 
 def test_a_role_started_by_the_cli_keeps_the_configured_stream_replicas(tmp_path):
     """`rolectl start` merges the credential flags into the nats section; it once rebuilt the section
     from them alone, so every role ran with `replicas: 1` and made the lease bucket and the weights
-    stream with one copy: a cluster node loss took them with it (README, "Server restarts and clusters")."""
+    stream with one copy: a cluster node loss took them with it (docs/fault-tolerance.md)."""
     from rolectl.roles.cli import _load
 
     path = tmp_path / "job.yaml"
@@ -211,7 +214,8 @@ def test_a_synchronizer_starts_without_importing_an_engine(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text("job: j\nmodel:\n  engine: tiny\n  no_such_field: 1\n")
     # the whole start but the synchronizer's loop (which needs a server): config, runner, class
-    probe = ("import sys; from rolectl.roles.cli import _load; import rolectl.roles.runner, rolectl.roles.synchronizer\n"
+    probe = ("import sys; from rolectl.roles.cli import _load\n"
+             "import rolectl.roles.runner, rolectl.roles.synchronizer\n"
              "async def run(self): pass\n"
              "rolectl.roles.synchronizer.Synchronizer.run = run\n"
              f"cfg = _load({str(path)!r}, None, check_engines=False)\n"

@@ -47,7 +47,7 @@ def test_every_roles_module_is_in_a_layer():
     layers = [name.strip() for layer in _contract()["layers"] for name in layer.split(":")]
     modules = {"rolectl.roles." + ".".join(p.relative_to(ROOT / "roles").with_suffix("").parts)
                for p in (ROOT / "roles").rglob("*.py") if p.name != "__init__.py"}
-    unplaced = sorted(m for m in modules if not any(m == l or m.startswith(l + ".") for l in layers))
+    unplaced = sorted(m for m in modules if not any(m == layer or m.startswith(layer + ".") for layer in layers))
     assert unplaced == []
 
 

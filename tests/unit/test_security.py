@@ -189,7 +189,7 @@ def test_readme_secure_deployment_lists_every_identity_and_the_options_that_exis
     readme = (Path(__file__).resolve().parents[2] / "docs" / "security.md").read_text()
     section = readme.split("\n## Secure deployment\n", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(r"^\| `([a-z<>\-]+)` \|", section, flags=re.M)
-    generic = {re.sub(r"-\d+$", lambda m: "-<i>" if "explorer" in i else "-<k>", i) for i, _ in identities(2, 2)}
+    generic = {re.sub(r"-\d+$", "-<i>" if "explorer" in i else "-<k>", i) for i, _ in identities(2, 2)}
     assert set(rows) == generic
     for identity in generic:
         assert f"`{identity}.nk`" in section, f"the README does not name {identity}'s credential file"
