@@ -52,6 +52,7 @@ class ServeEndpoint:
         self.closing: str | None = None  # why new requests are refused (the job finished)
         self.inflight = 0
         self.refused_busy = 0
+        self.disconnected = 0  # clients gone before their stream ended
         self.created = int(time.time())
         self.app = web.Application(middlewares=[self._errors])
         self.app.add_routes([
@@ -229,7 +230,6 @@ class ServeEndpoint:
         version = self.engine.version  # generation started under the lock: this is its version
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                **self._headers(version)})
-        await response.prepare(request)
 
         def chunk(text: str | None, finish: str | None, first: bool = False) -> bytes:
             if chat:
@@ -250,6 +250,7 @@ class ServeEndpoint:
         seen: list[int] = []
         sent = ""
         try:
+            await response.prepare(request)
             if chat:
                 await response.write(chunk("", None, first=True))
             while True:
@@ -268,11 +269,13 @@ class ServeEndpoint:
             self._record(cid, prompt, out, req.session_id)
             await response.write(chunk(None if chat else "", out.finish_reason))
             await response.write(b"data: [DONE]\n\n")
-        except (ConnectionResetError, asyncio.CancelledError):
-            # the client went away mid-stream: the generation finishes on its own (the engine
-            # stays consistent); its completion was never delivered, so it is not recorded
+        except (ConnectionResetError, asyncio.CancelledError) as exc:
+            # the client went away mid-stream: the generation finishes on its own (it holds the
+            # engine lock until then); the completion was not delivered, so it is not recorded
             getter.cancel()
-            raise
+            self.disconnected += 1
+            if isinstance(exc, asyncio.CancelledError):
+                raise
         return response
 
     async def rewards(self, request: web.Request) -> web.Response:

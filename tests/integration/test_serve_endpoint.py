@@ -225,3 +225,22 @@ async def test_weights_loaded_between_requests_change_the_version_it_reports(ser
     after = await client.completions.create(model=MODEL, prompt="reverse 1 2 3 =")
     assert int(after.system_fingerprint.removeprefix("rolectl-v")) == int(
         before.system_fingerprint.removeprefix("rolectl-v")) + 1
+
+
+async def test_a_client_gone_mid_stream_leaves_the_endpoint_serving(serving):
+    endpoint, client, url = await serving()
+    body = {"model": MODEL, "prompt": "reverse 1 2 3 =", "stream": True}
+    await endpoint.engine_lock.acquire()  # its generation waits: the client leaves before the stream ends
+    try:
+        async with httpx.AsyncClient() as http:
+            leaving = asyncio.ensure_future(http.post(f"{url}/completions", json=body))
+            await wait_until(lambda: endpoint.inflight == 1, timeout=30, poll=0.01, what="the stream queued")
+            leaving.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await leaving
+    finally:
+        endpoint.engine_lock.release()
+    await wait_until(lambda: endpoint.inflight == 0 and endpoint.disconnected == 1, timeout=30, poll=0.01,
+                     what="the abandoned stream ended")
+    reply = await client.completions.create(model=MODEL, prompt="reverse 1 2 3 =")
+    assert reply.choices and endpoint.ledger.served == 1  # only the delivered one is recorded
