@@ -1,7 +1,8 @@
 """An agent application for a served rolectl explorer: reverses digit strings over the OpenAI API.
 
-Each episode is a short multi-turn session: it asks the model to reverse a task from
-examples/data/reverse_digits.jsonl ("reverse 6 0 4 =" -> "4 0 6"); if the answer is not exact it
+Each episode is a short multi-turn session (`--attempts` of them side by side per task): it asks
+the model to reverse a task from examples/data/reverse_digits.jsonl ("reverse 6 0 4 =" -> "4 0 6");
+if the answer is not exact it
 asks once more (the conversation so far, then the task again), and it reports the mean of its
 answers' scores (the fraction of digits in place) as the session's reward to `POST /v1/rewards`. The served
 explorer turns rewarded sessions into experiences, the trainer learns from them, and the explorer
@@ -66,7 +67,10 @@ async def main() -> int:
                         help="the served model id (default: $ROLECTL_SERVE_MODEL, which the explorer sets)")
     parser.add_argument("--data", default=str(DATA), help="tasks, one JSON object per line (prompt, answer)")
     parser.add_argument("--turns", type=int, default=2, help="calls per session at most")
-    parser.add_argument("--concurrency", type=int, default=4, help="sessions in flight")
+    parser.add_argument("--attempts", type=int, default=4,
+                        help="sessions per task, run side by side (the served explorer groups the turns of "
+                             "sessions that began with the same prompt: set it to model.group_size)")
+    parser.add_argument("--concurrency", type=int, default=1, help="tasks in flight (each with its attempts)")
     parser.add_argument("--episodes", type=int, default=0, help="stop after this many (0: until the job ends)")
     parser.add_argument("--report-every", type=int, default=200, help="print the mean reward every N episodes")
     parser.add_argument("--seed", type=int, default=0)
@@ -84,10 +88,11 @@ async def main() -> int:
     async def worker() -> None:
         nonlocal started
         while not stop.is_set() and (not args.episodes or started < args.episodes):
-            started += 1
+            started += args.attempts
             task = rng.choice(tasks)
             try:
-                reward, _ = await episode(client, args.model, task, args.turns)
+                done = await asyncio.gather(*(episode(client, args.model, task, args.turns)
+                                              for _ in range(args.attempts)))
             except openai.APIStatusError as exc:
                 if exc.status_code == 503:
                     stop.set()  # the job finished
@@ -96,8 +101,9 @@ async def main() -> int:
             except openai.APIConnectionError:
                 stop.set()  # the endpoint is gone
                 return
-            rewards.append(reward)
-            if len(rewards) % args.report_every == 0:
+            before = len(rewards) // args.report_every
+            rewards.extend(reward for reward, _ in done)
+            if len(rewards) // args.report_every > before:
                 recent = rewards[-args.report_every:]
                 print(f"episodes {len(rewards)}: mean reward of the last {len(recent)} "
                       f"{statistics.fmean(recent):.3f}", flush=True)

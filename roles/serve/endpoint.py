@@ -283,7 +283,7 @@ class ServeEndpoint:
         if (req.id is None) == (req.session is None):
             raise ApiError(400, "a reward names exactly one of `id` (a completion) and `session`", param="id")
         try:
-            turns = self.ledger.reward(req.reward, completion_id=req.id, session=req.session)
+            turns = self.ledger.reward(req.reward, completion_id=req.id, session=req.session, now_s=self.clock())
         except BadReward as exc:
             raise ApiError(400, str(exc), param="reward") from None
         except UnknownCompletion as exc:

@@ -128,7 +128,7 @@ class ServingExplorer(Explorer):
                 pass
 
     async def _publish_rewarded(self) -> None:
-        experiences = self.ledger.take_groups()
+        experiences = self.ledger.take_groups(time.monotonic())
         if not experiences:
             return
         step = self.explore_step + 1

@@ -5,8 +5,10 @@ A trajectory is one completion, or every completion of one session (several call
 id). Its turns are trained on as experiences whose prompt is what the model saw at that turn and
 whose response is only what the model generated then, so the tokens of the user, tools or the
 environment are context, never trained on. Every turn of a trajectory carries the trajectory's
-reward. Experiences are grouped in arrival order, `group_size` at a time (the trainer takes whole
-groups; within a group the other trajectories are the baseline).
+reward. The trainer takes whole groups of `group_size` experiences, and group-relative advantages
+are most informative when a group answers one prompt: turn k of trajectories that began with the same
+prompt group together (an agent that tries a task several times makes GRPO's groups); experiences
+that found no such company within `straggler_s` are grouped with others in arrival order.
 """
 
 from __future__ import annotations
@@ -46,13 +48,15 @@ class _Trajectory:
 class RewardLedger:
     """Completions by id and by session, until rewarded (-> experiences) or expired (-> counted)."""
 
-    def __init__(self, *, prefix: str, group_size: int, timeout_s: float) -> None:
+    def __init__(self, *, prefix: str, group_size: int, timeout_s: float, straggler_s: float = 5.0) -> None:
         self.prefix = prefix  # unique per process: group ids never collide across restarts
         self.group_size = group_size
         self.timeout_s = timeout_s
         self._open: dict[str, _Trajectory] = {}  # by trajectory key: the session id, or the completion id
         self._by_completion: dict[str, str] = {}  # completion id -> trajectory key
-        self._ready: list[Experience] = []  # rewarded, not yet in a full group
+        self.straggler_s = straggler_s
+        # rewarded, not yet in a full group: (same-prompt key, rewarded at, experience)
+        self._ready: list[tuple[tuple, float, Experience]] = []
         self._groups = 0
         self.served = 0
         self.rewarded = 0
@@ -71,7 +75,8 @@ class RewardLedger:
         self._by_completion[turn.completion_id] = key
         self.served += 1
 
-    def reward(self, value: float, *, completion_id: str | None = None, session: str | None = None) -> int:
+    def reward(self, value: float, *, completion_id: str | None = None, session: str | None = None,
+               now_s: float = 0.0) -> int:
         """Reward the trajectory of a completion id or a session; return its number of turns."""
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise BadReward(f"reward must be a finite number, got {value!r}")
@@ -89,10 +94,11 @@ class RewardLedger:
                                     f"after {self.timeout_s:g} s: serve.reward_timeout_s)")
         self._forget(trajectory)
         self.rewarded += 1
+        first = trajectory.turns[0].prompt
         self._ready.extend(
-            Experience(id=t.completion_id, group="", prompt=t.prompt, response=t.response, logprobs=t.logprobs,
-                       reward=float(value), model_version=t.version)
-            for t in trajectory.turns)
+            ((first, k), now_s, Experience(id=t.completion_id, group="", prompt=t.prompt, response=t.response,
+                                           logprobs=t.logprobs, reward=float(value), model_version=t.version))
+            for k, t in enumerate(trajectory.turns))
         return len(trajectory.turns)
 
     def expire(self, now_s: float) -> int:
@@ -108,15 +114,28 @@ class RewardLedger:
         for turn in trajectory.turns:
             self._by_completion.pop(turn.completion_id, None)
 
-    def take_groups(self) -> list[Experience]:
-        """Every full group of rewarded experiences (possibly none), each tagged with its group id."""
-        full = len(self._ready) - len(self._ready) % self.group_size
-        taken, self._ready = self._ready[:full], self._ready[full:]
+    def take_groups(self, now_s: float = 0.0) -> list[Experience]:
+        """Every full group of rewarded experiences (possibly none), each tagged with its group id:
+        same-prompt groups first, then stragglers older than `straggler_s` in arrival order."""
+        by_key: dict[tuple, list[int]] = {}
+        for i, (key, _, _) in enumerate(self._ready):
+            by_key.setdefault(key, []).append(i)
+        chunks = []
+        for rows in by_key.values():
+            full = len(rows) - len(rows) % self.group_size
+            chunks += [rows[j:j + self.group_size] for j in range(0, full, self.group_size)]
+        taken = {i for chunk in chunks for i in chunk}
+        old = [i for i, (_, at, _) in enumerate(self._ready)
+               if i not in taken and now_s - at >= self.straggler_s]
+        full = len(old) - len(old) % self.group_size
+        chunks += [old[j:j + self.group_size] for j in range(0, full, self.group_size)]
+        taken |= set(old[:full])
         out = []
-        for start in range(0, full, self.group_size):
+        for chunk in chunks:
             self._groups += 1
             group = f"{self.prefix}-g{self._groups}"
-            out.extend(_with_group(e, group) for e in taken[start:start + self.group_size])
+            out.extend(_with_group(self._ready[i][2], group) for i in chunk)
+        self._ready = [r for i, r in enumerate(self._ready) if i not in taken]
         return out
 
     @property

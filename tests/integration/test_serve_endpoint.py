@@ -129,10 +129,11 @@ async def test_a_rewarded_session_becomes_experiences_of_its_generated_tokens(se
     # two single completions make the group of four with the session's two turns
     singles = [await client.chat.completions.create(model=MODEL, messages=history[:1]) for _ in range(2)]
     assert (await _reward(url, {"session": "s1", "reward": 0.75})).json()["turns"] == 2
-    assert endpoint.ledger.take_groups() == []  # two of four
     for i, single in enumerate(singles):
         assert (await _reward(url, {"id": single.id, "reward": float(i)})).status_code == 200
-    experiences = endpoint.ledger.take_groups()
+    # three first turns of one prompt and one second turn: no same-prompt group of four yet
+    assert endpoint.ledger.take_groups(0.0) == []
+    experiences = endpoint.ledger.take_groups(10.0)  # then they are grouped in arrival order
     assert len(experiences) == engine.group_size == 4
     assert len({e.group for e in experiences}) == 1
     by_id = {e.id: e for e in experiences}
