@@ -344,6 +344,7 @@ class JobObserver:
         self.rewards_first: list[float] = []  # the first five trainer rewards (the last are in `reward`)
         # serve mode: each serving explorer incarnation's latest traffic counts (they only grow)
         self.served: dict[tuple[str, int], dict[str, float]] = {}
+        self.served_times: deque[tuple[int, int]] = deque(maxlen=64)  # (time, served so far), for a rate
         self.experiences_produced: dict[tuple[str, int], int] = {}  # (explorer, step) -> n (a step
         self.experiences_trained: dict[int, int] = {}  # step -> n           reported twice counts once)
         self.dropped_stale = 0
@@ -511,6 +512,8 @@ class JobObserver:
                 self._asked_at.pop(event.member.key, None)  # withdrew its ask (gave up, stopped)
         if isinstance(event, StepFinished):
             self._count_step(event)
+            if "served_requests" in event.metrics:
+                self.served_times.append((rec.time_ms, self.served_total("served_requests")))
         if isinstance(event, VersionPublished):
             self.versions.append(VersionView(version=event.version, step=event.step, method=event.method.value,
                                              nbytes=event.nbytes, seq=rec.seq, time_ms=rec.time_ms))
@@ -564,6 +567,19 @@ class JobObserver:
             if "served_requests" in m:
                 self.served[(event.member.id, event.member.incarnation)] = {k: m.get(k, 0.0) for k in _SERVED}
 
+    def served_total(self, key: str) -> int:
+        """A serve-mode count over every serving explorer incarnation (0 when nobody serves)."""
+        return int(sum(c[key] for c in self.served.values()))
+
+    def served_view(self) -> dict[str, Any] | None:
+        """Served traffic for the dashboard: the counts and requests/s over the last reports."""
+        if not self.served:
+            return None
+        times = list(self.served_times)
+        span = (times[-1][0] - times[0][0]) / 1000 if len(times) > 1 else 0.0
+        rate = (times[-1][1] - times[0][1]) / span if span > 0 else None
+        return {**{key: self.served_total(key) for key in _SERVED}, "per_s": rate}
+
     def outcome(self) -> JobOutcome:
         """How the job stands or ended, by the trainer's record (only its final STOPPED ends a job)."""
         trainer = self.state.trainer_state
@@ -602,6 +618,6 @@ class JobObserver:
             "experiences_dropped_stale": self.dropped_stale,
             "sync_wait_ms": {"p50": percentile(waits, 0.5), "p99": percentile(waits, 0.99), "count": len(waits),
                              "by_answer": dict(sorted(Counter(a for _, a, _ in self.sync_waits).items()))},
-            **({key: int(sum(c[key] for c in self.served.values())) for key in _SERVED} if self.served else {}),
+            **({key: self.served_total(key) for key in _SERVED} if self.served else {}),
             "events": self.records,
         }
