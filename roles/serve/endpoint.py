@@ -266,6 +266,9 @@ class ServeEndpoint:
                     break
                 done, _ = await asyncio.wait({job, getter}, return_when=asyncio.FIRST_COMPLETED)
             out = job.result()
+            rest = self._text(out.tokens)[len(sent):]  # what a cut multi-byte character held back
+            if rest:
+                await response.write(chunk(rest, None))
             self._record(cid, prompt, out, req.session_id)
             await response.write(chunk(None if chat else "", out.finish_reason))
             await response.write(b"data: [DONE]\n\n")
