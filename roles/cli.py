@@ -151,10 +151,14 @@ def main() -> None:
                                                   "(default 127.0.0.1; required with --nnodes > 1).")
 @click.option("--master-port", type=click.IntRange(1, 65535), default=None,
               help="trainer ranks: a free port on --master-addr (default: any free port; required with --nnodes > 1).")
+@click.option("--serve", "serve", is_flag=True, default=False,
+              help="explorer only: serve an OpenAI-compatible endpoint instead of exploring (as `serve.enabled`).")
+@click.option("--port", type=click.IntRange(0, 65535), default=None,
+              help="With --serve: the endpoint's port (overrides serve.port; 0 = a free one).")
 @client_options
 def start(role: str, config_path: str, member_id: str | None, job: str | None, nats: str | None, resume: bool,
           fresh: bool, log_format: str, keep_running: bool, nnodes: int, node_rank: int, master_addr: str | None,
-          master_port: int | None, **security) -> None:
+          master_port: int | None, serve: bool, port: int | None, **security) -> None:
     """Run one ROLE (trainer, explorer or sync) in the foreground. Ctrl-C stops it cleanly.
 
     A trainer or explorer that finds saved state resumes from it when the job's stream records its
@@ -188,6 +192,9 @@ def start(role: str, config_path: str, member_id: str | None, job: str | None, n
             raise click.BadParameter(str(exc), param_hint="--id") from None
     if role == "explorer":
         _check_explorer_id(member_id or "explorer-0", cfg)
+    make_runner = _serving(role, cfg, serve, port)
+    if make_runner is not None:
+        cfg = cfg.with_overrides(serve=cfg.serve.replace(enabled=True, port=cfg.serve.port if port is None else port))
     log_json = log_format == "json" or (log_format == "auto" and not sys.stderr.isatty())
     rank_flags = nnodes != 1 or node_rank != 0 or master_addr is not None or master_port is not None
     if role == "trainer" and cfg.trainer.world_size > 1:
@@ -205,7 +212,24 @@ def start(role: str, config_path: str, member_id: str | None, job: str | None, n
         raise click.UsageError("--nnodes/--node-rank/--master-addr/--master-port place the ranks of a trainer "
                                "with trainer.world_size > 1 (model.engine: fsdp)")
     sys.exit(run_role(role, cfg, member_id, start_mode=StartMode(start_mode or "auto"), log_json=log_json,
-                      keep_running=keep_running))
+                      keep_running=keep_running, make_runner=make_runner))
+
+
+def _serving(role: str, cfg, serve: bool, port: int | None):
+    """The serving explorer's class when this start serves (--serve or serve.enabled), else None."""
+    if (serve or port is not None) and role != "explorer":
+        raise click.UsageError(f"--serve and --port are for `rolectl start explorer` (not {role})")
+    if port is not None and not (serve or cfg.serve.enabled):
+        raise click.UsageError("--port is the served endpoint's port: give --serve too (or serve.enabled: true)")
+    if role != "explorer" or not (serve or cfg.serve.enabled):
+        return None
+    from rolectl.roles.serve import ServingExplorer, serve_problems
+    from rolectl.sync_protocol import ConfigError
+
+    problems = serve_problems(cfg)
+    if problems:
+        raise InputError(str(ConfigError(problems, where=cfg.source or "config")))
+    return ServingExplorer
 
 
 def _check_explorer_id(member_id: str, cfg) -> None:

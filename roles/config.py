@@ -37,6 +37,7 @@ __all__ = [
     "MonitorConfig",
     "TRACKERS",
     "tracker_problems",
+    "ServeConfig",
     "EnvSettings",
     "env_settings",
     "load_config",
@@ -135,6 +136,35 @@ class TransportConfig(Section):
     """torch.distributed broadcast bucket size, in MiB."""
     group_timeout_s: Seconds = 60.0
     """A dead peer mid-broadcast fails the transfer after this many seconds."""
+
+
+class ServeConfig(Section):
+    """Serve mode: explorers answer OpenAI-compatible requests (`/v1/chat/completions`,
+    `/v1/completions`, `/v1/models`) from agent applications instead of exploring the task set, and
+    rewarded completions (`POST /v1/rewards`) become experiences. Needs `sync_style: fully_async`
+    with a pull method (`memory` or `checkpoint`): weights are swapped in between two requests."""
+
+    enabled: StrictBool = False
+    """Explorers serve (as `rolectl start explorer --serve` does) instead of exploring."""
+    host: Annotated[str, Strict()] = "127.0.0.1"
+    """Address the endpoint listens on (`0.0.0.0` for every interface)."""
+    port: Annotated[int, Strict(), Field(ge=0, le=65535)] = 0
+    """Port of explorer-0; explorer-N listens on `port + N` (0: each takes a free port, written to
+    `<run_dir>/<job>/<member>/serve_url`)."""
+    model_name: Annotated[str, Strict(), Field(min_length=1)] | None = None
+    """The model id clients pass as `model` (default: the job name); any other id gets 404."""
+    api_key_env: Annotated[str, Strict(), Field(min_length=1)] | None = None
+    """Environment variable holding the API key clients must send as `Authorization: Bearer`; unset:
+    no key is asked for. The variable must be set where the explorer runs."""
+    max_queue: PositiveInt = 16
+    """Requests waiting for or in generation at once; one more is refused with 429 (retry later)."""
+    reward_timeout_s: Seconds = 300.0
+    """How long a completion waits for its reward; after that it expires, is counted and is never
+    trained on."""
+    agent: tuple[Annotated[str, Strict()], ...] | None = None
+    """A command explorer-0 runs once it listens (an agent application), with `OPENAI_BASE_URL`,
+    `OPENAI_API_KEY` and `ROLECTL_SERVE_MODEL` set; its output goes to the explorer's log. The
+    explorer stops serving when the trainer finishes; an agent that fails fails the explorer."""
 
 
 class NatsConfig(Section):
@@ -292,6 +322,8 @@ class JobConfig(Section):
     nats: NatsConfig = NatsConfig()
     eval: EvalConfig = EvalConfig()
     monitor: MonitorConfig = MonitorConfig()
+    serve: ServeConfig = ServeConfig()
+    """Serve mode: an OpenAI-compatible endpoint on each explorer (off by default)."""
     model: _Mapping = {}
     """The engine's settings, selected by `model.engine` (see the engine sections)."""
     data: _Mapping | None = None

@@ -28,6 +28,7 @@ from .config import (
     JobConfig,
     MonitorConfig,
     NatsConfig,
+    ServeConfig,
     TrainerConfig,
     TransportConfig,
 )
@@ -66,6 +67,7 @@ _SECTIONS: tuple[tuple[str, type[BaseModel], str], ...] = (
     ("nats", NatsConfig, ""),
     ("eval", EvalConfig, ""),
     ("monitor", MonitorConfig, ""),
+    ("serve", ServeConfig, ""),
     ("model (engine: tiny)", TinyModelSection,
      "`model:` is one section per engine, selected by `model.engine` (`tiny` when absent)."),
     ("model (engine: hf)", HFModelSection, ""),

@@ -52,13 +52,15 @@ def default_member_id(role: str) -> str:
 
 
 def run_role(role: str, cfg: JobConfig, member_id: str | None = None, *, start_mode: StartMode = StartMode.AUTO,
-             log_json: bool = True, keep_running: bool = False, engine: object | None = None) -> int:
+             log_json: bool = True, keep_running: bool = False, engine: object | None = None,
+             make_runner=None) -> int:
     """Run `role` until it finishes; return the process exit code (see EXIT_CODES).
 
     `start_mode` says what a trainer or explorer does with saved state (see roles.resume);
     `log_json` picks one JSON object per line (files, log shippers) over aligned console text; a
     synchronizer finishes once every member of the job did, unless `keep_running`; a trainer's
-    `engine` is built from `cfg` unless given (rank 0 of a trainer of several ranks)."""
+    `engine` is built from `cfg` unless given (rank 0 of a trainer of several ranks). `make_runner`
+    replaces the explorer's class (the serving explorer, from a layer above this one)."""
     setup_logging(cfg.log_level, json=log_json)
     if role != "sync":  # a synchronizer runs no engine: it (re)starts without importing torch
         # Each role process gets a share of a machine that also runs its peers: one intra-op
@@ -75,7 +77,7 @@ def run_role(role: str, cfg: JobConfig, member_id: str | None = None, *, start_m
     elif role == "explorer":
         from rolectl.roles.explorer import Explorer
 
-        runner = Explorer(cfg, member_id, start_mode=start_mode)
+        runner = (make_runner or Explorer)(cfg, member_id, start_mode=start_mode)
     elif role == "sync":
         from rolectl.roles.synchronizer import Synchronizer
 

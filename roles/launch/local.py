@@ -140,6 +140,7 @@ def write_config(cfg: JobConfig, path: Path) -> None:
         "nats": {"replicas": cfg.nats.replicas},
         "eval": cfg.eval.model_dump(mode="json"),
         "monitor": cfg.monitor.model_dump(mode="json"),
+        "serve": cfg.serve.model_dump(mode="json"),
         "model": dict(cfg.model),
         "data": cfg.data,
         "algorithm": cfg.algorithm,
@@ -255,12 +256,15 @@ async def supervise(cfg: JobConfig, launcher: Launcher, run_path: Path, *, monit
                 except Exception as exc:  # the job matters more than its window
                     console.print(f"[yellow]dashboard not started:[/] {exc}")
             failed = None
+            served: set[str] = set()
             progress = _Progress(cfg.trainer.total_steps)
             next_line = time.monotonic() + _PIPE_LINE_S
             with Live(_progress_view(cfg, view, everyone, progress), console=console, refresh_per_second=2,
                       transient=not console.is_terminal) as live:
                 while True:
                     progress.update(view.trainer_steps, time.monotonic())
+                    if cfg.serve.enabled:
+                        _print_serve_urls(cfg, served)
                     live.update(_progress_view(cfg, view, everyone, progress))
                     if not console.is_terminal and time.monotonic() >= next_line:
                         # in a pipe the live table shows nothing until the end: a plain line now and then
@@ -386,6 +390,21 @@ async def _follow(conn: BusConnection, observer: JobObserver, trackers: Trackers
                 trackers.apply(rec)
 
 
+def _print_serve_urls(cfg: JobConfig, printed: set[str]) -> None:
+    """Each serving explorer's endpoint, once it listens (it writes its URL when it does)."""
+    for member in cfg.explorer_ids():
+        path = cfg.job_dir / member / "serve_url"
+        if member in printed or not path.is_file():
+            continue
+        try:
+            url = json.loads(path.read_text())["url"]
+        except (OSError, ValueError, KeyError):
+            continue  # being replaced: read it next time
+        printed.add(member)
+        console.print(f"serving: {member} [link={url}]{url}[/link] (OpenAI-compatible; "
+                      f"rewards: POST {url}/rewards)", highlight=False)
+
+
 _PIPE_LINE_S = 10.0  # how often `up` in a pipe prints a progress line
 
 
@@ -464,7 +483,8 @@ def _summary_table(summary: dict) -> Table:
     table.add_column("figure", no_wrap=True)
     table.add_column("value", overflow="fold", ratio=1)
     table.add_column("what it counts", style="dim", no_wrap=True)
-    for key in SUMMARY_SHOWN:
+    served = ("served_requests", "rewarded", "expired") if "served_requests" in summary else ()
+    for key in (*SUMMARY_SHOWN, *served):
         if key in _SHOWN_WHEN_SET and key not in summary:
             continue
         table.add_row(key, json.dumps(summary.get(key)), SUMMARY_MEANINGS.get(key, ""))

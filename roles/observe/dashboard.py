@@ -281,6 +281,7 @@ class Dashboard:
             "throughput": {"bytes_loaded_total": obs.bytes_loaded_total, "last_gbps": last_rate,
                            # every load with bytes since the start, as the summary's weight_loads
                            "transfers": obs.weight_loads},
+            "served": obs.served_view(),  # serve mode's traffic (None when no explorer serves)
             "staleness": {"mean": stale[1] if stale else None, "dropped_total": stale[2] if stale else None,
                           "series": _thin([[s, m, d] for s, m, d in obs.staleness])},
             "series": {

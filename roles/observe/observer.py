@@ -290,7 +290,11 @@ SUMMARY_MEANINGS: dict[str, str] = {
     "eval": "eval set's reward means, by version",
     "over_rollout_tasks_cut": "tasks a step did not wait for",
     "experiences_left_untrained": "produced, never trained nor dropped",
+    "served_requests": "completions served (serve mode)",
+    "rewarded": "served trajectories rewarded (trained on)",
+    "expired": "served trajectories never rewarded",
 }
+_SERVED = ("served_requests", "rewarded", "expired")
 
 
 _CAUSE_TIMES_KEPT = 20_000
@@ -384,6 +388,9 @@ class JobObserver:
         self.rewards_first: list[float] = []  # the first five trainer rewards (the last are in `reward`)
         self.experiences_produced = StepCounts()  # a step reported twice counts once
         self.experiences_trained = StepCounts()
+        # serve mode: each serving explorer incarnation's latest traffic counts (they only grow)
+        self.served: dict[tuple[str, int], dict[str, float]] = {}
+        self.served_times: deque[tuple[int, int]] = deque(maxlen=64)  # (time, served so far), for a rate
         self.dropped_stale = 0
         self.tasks_cut = StepCounts()  # tasks over-rollout cut, a step reported twice counts once
         self._asked_at: dict[str, int] = {}  # explorer key -> time it went require_sync
@@ -551,6 +558,8 @@ class JobObserver:
                 self._asked_at.pop(event.member.key, None)  # withdrew its ask (gave up, stopped)
         if isinstance(event, StepFinished):
             self._count_step(event)
+            if "served_requests" in event.metrics:
+                self.served_times.append((rec.time_ms, self.served_total("served_requests")))
         elif (isinstance(event, StatusChanged) and event.member.role is Role.TRAINER
               and event.status is RunningStatus.STOPPED):
             # drops after the trainer's last StepFinished (it stopped while filling a step)
@@ -621,11 +630,26 @@ class JobObserver:
             self.experiences_produced.add(event.member.id, event.step, int(m.get("experiences", 0)))
             if "over_rollout_tasks_cut" in m:
                 self.tasks_cut.add(event.member.id, event.step, int(m["over_rollout_tasks_cut"]))
+            if "served_requests" in m:
+                self.served[(event.member.id, event.member.incarnation)] = {k: m.get(k, 0.0) for k in _SERVED}
 
     def eval_curve(self) -> list[dict[str, Any]]:
         """The evals as recorded: version, explore step, each reward's mean, tasks, responses."""
         keep = ("version", "step", "rewards", "tasks", "responses", "seconds")
         return [{k: e[k] for k in keep} for e in self.evals]
+
+    def served_total(self, key: str) -> int:
+        """A serve-mode count over every serving explorer incarnation (0 when nobody serves)."""
+        return int(sum(c[key] for c in self.served.values()))
+
+    def served_view(self) -> dict[str, Any] | None:
+        """Served traffic for the dashboard: the counts and requests/s over the last reports."""
+        if not self.served:
+            return None
+        times = list(self.served_times)
+        span = (times[-1][0] - times[0][0]) / 1000 if len(times) > 1 else 0.0
+        rate = (times[-1][1] - times[0][1]) / span if span > 0 else None
+        return {**{key: self.served_total(key) for key in _SERVED}, "per_s": rate}
 
     def outcome(self) -> JobOutcome:
         """How the job stands or ended, by the trainer's record (only its final STOPPED ends a job)."""
@@ -674,5 +698,6 @@ class JobObserver:
             "eval": [{"version": e["version"], "step": e["step"],
                       "rewards": {k: round(v, 4) for k, v in e["rewards"].items()}, "tasks": e["tasks"]}
                      for e in self.evals],
+            **({key: self.served_total(key) for key in _SERVED} if self.served else {}),
             "events": self.records,
         }

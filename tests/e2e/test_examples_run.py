@@ -23,9 +23,9 @@ pytestmark = pytest.mark.e2e
 EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.yaml"))
 STEPS = 6  # trainer steps of a shortened run
 # The LLM examples (hf/vLLM, a model to build) run shortened in test_llm_quickstart.py, the 2-rank
-# fsdp one in test_trainer_ranks.py.
+# fsdp one in test_trainer_ranks.py, the served one (its agent beside it) below.
 RUN_ELSEWHERE = {"llm_quickstart.yaml": "test_llm_quickstart.py", "llm_quickstart_hf.yaml": "test_llm_quickstart.py",
-                 "llm_quickstart_fsdp.yaml": "test_trainer_ranks.py"}
+                 "llm_quickstart_fsdp.yaml": "test_trainer_ranks.py", "serve_quickstart.yaml": "test_examples_run.py"}
 ON_A_CLUSTER = {"cluster.yaml"}
 
 
@@ -152,3 +152,26 @@ def test_over_rollout_steps_cut_their_tail_and_the_job_completes(tmp_path):
     steps = sum(s["explorer_steps"].values())
     assert s["over_rollout_tasks_cut"] == steps, s  # one task cut per explore step (4 -> 3)
     assert s["experiences_produced"] == steps * 3 * 4  # 3 tasks x group_size 4
+
+
+def test_serve_quickstart_runs_its_agent_and_counts_the_traffic(tmp_path):
+    """The served explorer, its agent (examples/agent_digits.py with the openai client) and the trainer:
+    `up` prints the endpoint, the job completes, and the summary counts the served traffic."""
+    config = shortened("serve_quickstart.yaml", tmp_path)
+    data = yaml.safe_load(config.read_text())
+    data["model"]["path"] = str(tmp_path / "model")
+    config.write_text(yaml.safe_dump(data, sort_keys=False))
+    run = run_up(config, tmp_path, timeout=400, extra=("--run-dir", str(tmp_path / "runs")))
+    s = run.summary
+    assert run.rc == 0, f"exit {run.rc}: {s.get('exit_codes')}\n{run.output[-2000:]}\n{run.role_logs()}"
+    assert s["complete"] is True and s["trainer_steps"] == STEPS, s
+    said = " ".join(run.output.split())
+    assert "serving: explorer-0 http://127.0.0.1:" in said, run.output[-2000:]
+    # every trained experience is a rewarded served turn: a session has 1 or 2 turns
+    needed = STEPS * data["trainer"]["train_batch_tasks"] * data["model"]["group_size"]
+    assert s["experiences_trained"] >= needed, s
+    assert 2 * s["rewarded"] >= needed, s  # at most two turns per rewarded session
+    # each trajectory (rewarded or expired) holds at least one served request
+    assert s["expired"] >= 0 and s["served_requests"] >= s["rewarded"] + s["expired"], s
+    for key in ("served_requests", "rewarded", "expired"):  # the summary table shows them
+        assert key in said, run.output[-3000:]

@@ -198,6 +198,12 @@ function renderKpis(s) {
   const st = s.staleness;
   $("staleness").textContent = st.mean != null ? st.mean.toFixed(2) : "–";
   $("staleness-sub").textContent = st.mean != null ? `versions behind · ${fmtNum(st.dropped_total, 0)} dropped` : "no trainer step yet";
+  const sv = s.served;  // serve mode only
+  $("served-kpi").hidden = !sv;
+  if (sv) {
+    $("served-rate").textContent = sv.per_s != null ? `${fmtNum(sv.per_s, 1)}/s` : "–";
+    $("served-sub").textContent = `${fmtNum(sv.served_requests, 0)} served · ${fmtNum(sv.rewarded, 0)} rewarded · ${fmtNum(sv.expired, 0)} expired`;
+  }
   const n = s.nats;
   if (n.ok) {
     $("nats-conns").textContent = n.server.connections;

@@ -1,0 +1,193 @@
+"""A serving explorer: the explorer role with its explore loop replaced by an OpenAI-compatible endpoint.
+
+Everything else is the explorer's: joining the job, the first pull, following newer versions in the
+background (`fully_async`), the saved step, the trainer's grace. Its loop, every `_TICK_S` or when a
+reward arrives: load the newest fetched weights between two requests, expire completions whose reward
+did not come, publish every full group of rewarded experiences as one batch (validated as the trainer
+will), and report the traffic counts with the step. It stops serving once the trainer has finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from aiohttp import web
+
+from rolectl.bus.errors import describe
+from rolectl.bus.experiences import ExperienceBatch, validate_batch
+from rolectl.roles.explorer import Explorer
+from rolectl.roles.resume import StartMode
+from rolectl.roles.session import JobIncomplete, write_json_atomic
+from rolectl.sync_protocol import ConfigError, Role, StepFinished, SyncStyle
+from rolectl.sync_protocol.experience import ExperienceLimits
+
+from .endpoint import ServeEndpoint
+from .ledger import RewardLedger
+
+__all__ = ["ServingExplorer", "serve_problems"]
+
+_TICK_S = 1.0
+_AGENT_STOP_S = 10.0
+
+
+def serve_problems(cfg) -> list[tuple[str, str]]:
+    """What keeps this job from serving, as (dotted path, reason)."""
+    problems = []
+    sync = cfg.synchronizer
+    if sync.sync_style is not SyncStyle.FULLY_ASYNC or sync.sync_method.is_rendezvous:
+        problems.append(("synchronizer.sync_style",
+                         f"serve mode needs sync_style fully_async with a pull method (memory or checkpoint), "
+                         f"got {sync.sync_style.value} with {sync.sync_method.value}: a served request must never "
+                         "wait for a sync"))
+    engine = cfg.model.get("rollout_engine") or cfg.model.get("engine")
+    if engine != "hf":
+        problems.append(("model.rollout_engine", f"serve mode serves from the `hf` rollout engine, got {engine!r}"))
+    env = cfg.serve.api_key_env
+    if env is not None and not os.environ.get(env):
+        problems.append(("serve.api_key_env", f"the variable {env} is not set (or empty) where the explorer runs: "
+                                              "set it to the API key clients must send"))
+    return problems
+
+
+class ServingExplorer(Explorer):
+    """An explorer that serves requests instead of exploring its task set."""
+
+    def __init__(self, cfg, member_id: str, *, start_mode: StartMode = StartMode.AUTO):
+        problems = serve_problems(cfg)
+        if problems:
+            raise ConfigError(problems, where=cfg.source or "config")
+        super().__init__(cfg, member_id, start_mode=start_mode)
+        self.serve = cfg.serve
+        self.index = int(member_id.rsplit("-", 1)[-1]) if member_id.rsplit("-", 1)[-1].isdigit() else 0
+        self.ledger = RewardLedger(prefix=f"{member_id}-serve-{uuid.uuid4().hex[:8]}",
+                                   group_size=self.engine.group_size, timeout_s=self.serve.reward_timeout_s)
+        self.url_file = cfg.job_dir / member_id / "serve_url"
+        self._wake = asyncio.Event()
+        self._last_batch_size = 0
+        self._reported: dict[str, float] = {}
+        self.limits = ExperienceLimits(vocab_size=int(self.engine.model.config.vocab_size), prompt_length=None,
+                                       max_response_length=int(self.engine.config.max_new_tokens),
+                                       group_size=self.engine.group_size)
+
+    async def explore(self) -> None:
+        api_key = os.environ.get(self.serve.api_key_env) if self.serve.api_key_env else None
+        self.endpoint = ServeEndpoint(self.engine, self.ledger, model_name=self.serve.model_name or self.cfg.job,
+                                      api_key=api_key, max_queue=self.serve.max_queue, on_reward=self._wake.set)
+        runner = web.AppRunner(self.endpoint.app, access_log=None)
+        await runner.setup()
+        agent: asyncio.subprocess.Process | None = None
+        try:
+            port = self.serve.port + self.index if self.serve.port else 0
+            site = web.TCPSite(runner, self.serve.host, port)
+            await site.start()
+            bound = runner.addresses[0][1]
+            host = "127.0.0.1" if self.serve.host in ("0.0.0.0", "") else self.serve.host
+            url = f"http://{host}:{bound}/v1"
+            self.url_file.parent.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(self.url_file, {"url": url, "model": self.endpoint.model_name})
+            self.log.info("serving", url=url, model=self.endpoint.model_name, version=self.engine.version,
+                          api_key=bool(api_key))
+            if self.serve.agent and self.index == 0:
+                agent = await self._start_agent(url, api_key)
+            await self._serve_loop(agent)
+        finally:
+            if self.endpoint.closing is None:
+                self.endpoint.closing = "the explorer is stopping"
+            if agent is not None:
+                await self._stop_agent(agent)
+            await runner.cleanup()
+            self.url_file.unlink(missing_ok=True)
+
+    async def _serve_loop(self, agent: asyncio.subprocess.Process | None) -> None:
+        while True:
+            async with self.endpoint.engine_lock:  # between two requests, never during one
+                await self._apply_background_weights()
+            self.ledger.expire(time.monotonic())
+            await self._publish_rewarded()
+            await self._report_counts()
+            if self.cfg.explorers.stop_with_trainer and self.s.view.all_finished(Role.TRAINER):
+                self.log.info("trainer_finished_stop_serving", **self.ledger.counts())
+                self.endpoint.closing = "the job's trainer has finished"
+                self.finished = True
+                return
+            gone = self._trainer_gone_for_good(self.s.view)
+            if gone:
+                raise JobIncomplete(gone)
+            if agent is not None and agent.returncode not in (None, 0):
+                raise JobIncomplete(f"the agent {' '.join(self.serve.agent or ())!r} exited with code "
+                                    f"{agent.returncode} (its output is in this log)")
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), _TICK_S)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _publish_rewarded(self) -> None:
+        experiences = self.ledger.take_groups(time.monotonic())
+        if not experiences:
+            return
+        step = self.explore_step + 1
+        batch = ExperienceBatch(member=self.member_id, explore_step=step,
+                                model_version=max(e.model_version for e in experiences),
+                                experiences=tuple(experiences))
+        validate_batch(batch, self.limits)  # what the trainer will check: refuse here, not there
+        await self.s.fence()
+        await self.experiences.publish(batch)
+        self.explore_step = step
+        self.s.step = step
+        self._last_batch_size = len(experiences)
+        reward = sum(e.reward for e in experiences) / len(experiences)
+        await self._report_counts(force=True, reward=reward)
+        self._save_state()
+        self.log.info("served_batch", step=step, experiences=len(experiences), reward=round(reward, 4),
+                      **self.ledger.counts())
+
+    async def _report_counts(self, *, force: bool = False, reward: float | None = None) -> None:
+        """A StepFinished carries the traffic counts (the job's one fold reads them from there)."""
+        counts = {**self.ledger.counts(), "refused_busy": float(self.endpoint.refused_busy)}
+        if not force and (counts == self._reported or self.explore_step == 0):
+            return
+        self._reported = counts
+        metrics = {**counts, "experiences": float(self._last_batch_size),
+                   "total_steps": float(self.cfg.explorers.total_steps)}
+        if reward is not None:
+            metrics["reward_mean"] = reward
+        await self.s.publish(StepFinished(member=self.s.me, step=self.explore_step, version=self.engine.version,
+                                          metrics=metrics))
+
+    async def _start_agent(self, url: str, api_key: str | None) -> asyncio.subprocess.Process:
+        # `python` in the command is this interpreter's (the job's virtual environment)
+        path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+        env = {**os.environ, "PATH": path, "OPENAI_BASE_URL": url, "OPENAI_API_KEY": api_key or "none",
+               "ROLECTL_SERVE_MODEL": self.endpoint.model_name}
+        command = list(self.serve.agent or ())
+        proc = await asyncio.create_subprocess_exec(*command, env=env, cwd=str(Path.cwd()),
+                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        self.log.info("agent_started", command=command, pid=proc.pid)
+        self._agent_log = asyncio.create_task(self._follow_agent(proc), name="agent-log")
+        return proc
+
+    async def _follow_agent(self, proc: asyncio.subprocess.Process) -> None:
+        assert proc.stdout is not None
+        async for line in proc.stdout:
+            self.log.info("agent", line=line.decode(errors="replace").rstrip())
+        code = await proc.wait()
+        self.log.info("agent_exited", code=code)
+        self._wake.set()
+
+    async def _stop_agent(self, proc: asyncio.subprocess.Process) -> None:
+        """The agent sees 503 and ends; one that does not is terminated."""
+        try:
+            await asyncio.wait_for(proc.wait(), _AGENT_STOP_S)
+        except asyncio.TimeoutError:
+            self.log.warning("agent_terminated", pid=proc.pid)
+            proc.terminate()
+            await proc.wait()
+        except Exception as exc:
+            self.log.warning("agent_stop_failed", error=describe(exc))
+        await asyncio.wait_for(self._agent_log, _AGENT_STOP_S)

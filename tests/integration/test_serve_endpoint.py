@@ -1,0 +1,247 @@
+"""The served endpoint, talked to by the official `openai` client over real HTTP: completions, chat,
+streaming, sessions, rewards into experiences, OpenAI-style errors, the API key, back-pressure."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+from aiohttp import web
+
+from rolectl.roles.config import parse_config
+from rolectl.roles.engines import make_rollout_engine
+from rolectl.roles.serve.endpoint import VERSION_HEADER, ServeEndpoint
+from rolectl.roles.serve.ledger import RewardLedger
+from tests.support.tiny_llm import built_model, data_section, model_section
+from tests.support.wait import wait_until
+
+MODEL = "serve-test"
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    model_dir = built_model(tmp_path_factory.mktemp("hf"))
+    cfg = parse_config({"job": MODEL, "model": model_section(model_dir, rollout_engine="hf"), "data": data_section(),
+                        "explorers": {"count": 1}})
+    return make_rollout_engine(cfg, "explorer-0")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+async def serving(engine):
+    """Start an endpoint; yield (endpoint, AsyncOpenAI client, base url)."""
+    started = []
+
+    async def start(*, api_key=None, max_queue=8, timeout_s=60.0):
+        ledger = RewardLedger(prefix="explorer-0-serve-t", group_size=engine.group_size, timeout_s=timeout_s)
+        endpoint = ServeEndpoint(engine, ledger, model_name=MODEL, api_key=api_key, max_queue=max_queue,
+                                 clock=Clock())
+        runner = web.AppRunner(endpoint.app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
+        client = openai.AsyncOpenAI(base_url=url, api_key=api_key or "none", max_retries=0)
+        started.append((runner, client))
+        return endpoint, client, url
+
+    yield start
+    for runner, client in started:
+        await client.close()
+        await runner.cleanup()
+
+
+async def test_a_chat_completion_names_its_model_version_and_is_recorded(serving, engine):
+    endpoint, client, _ = await serving()
+    raw = await client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "reverse 3 1 4 ="}])
+    reply = raw.parse()
+    assert raw.headers[VERSION_HEADER] == str(engine.version)
+    assert reply.system_fingerprint == f"rolectl-v{engine.version}"
+    assert reply.model_extra["model_version"] == engine.version
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    assert 0 < reply.usage.completion_tokens <= engine.config.max_new_tokens
+    assert reply.usage.prompt_tokens == 5
+    assert endpoint.ledger.served == 1 and endpoint.ledger.waiting == 1
+
+
+async def test_a_text_completion_and_the_model_list(serving):
+    _, client, _ = await serving()
+    models = await client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    reply = await client.completions.create(model=MODEL, prompt="reverse 1 2 3 =", max_tokens=2)
+    assert reply.id.startswith("cmpl-")
+    assert reply.usage.completion_tokens <= 2
+    assert reply.system_fingerprint.startswith("rolectl-v")
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completion"])
+async def test_streaming_yields_the_tokens_then_the_finish_reason(serving, chat):
+    endpoint, client, _ = await serving()
+    if chat:
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "reverse 3 1 4 ="}], stream=True, seed=3)
+        chunks = [c async for c in stream]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    else:
+        stream = await client.completions.create(model=MODEL, prompt="reverse 3 1 4 =", stream=True, seed=3)
+        chunks = [c async for c in stream]
+        text = "".join(c.choices[0].text for c in chunks)
+    assert len(chunks) >= 3  # at least the opening, one token, the finish
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    assert all(c.system_fingerprint == chunks[0].system_fingerprint for c in chunks)
+    assert len({c.id for c in chunks}) == 1
+    # the same seed without streaming samples the same text
+    if chat:
+        again = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "reverse 3 1 4 ="}], seed=3)
+        assert again.choices[0].message.content == text
+    else:
+        again = await client.completions.create(model=MODEL, prompt="reverse 3 1 4 =", seed=3)
+        assert again.choices[0].text == text
+    assert endpoint.ledger.served == 2
+
+
+async def _reward(url: str, body, *, key: str = "none") -> httpx.Response:
+    async with httpx.AsyncClient() as http:
+        return await http.post(f"{url}/rewards", content=body if isinstance(body, (str, bytes)) else None,
+                               json=None if isinstance(body, (str, bytes)) else body,
+                               headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+
+
+async def test_a_rewarded_session_becomes_experiences_of_its_generated_tokens(serving, engine):
+    endpoint, client, url = await serving()
+    history = [{"role": "user", "content": "reverse 3 1 4 ="}]
+    first = await client.chat.completions.create(model=MODEL, messages=history, extra_body={"session_id": "s1"})
+    history += [{"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "reverse 3 1 4 ="}]
+    second = await client.chat.completions.create(model=MODEL, messages=history, extra_body={"session_id": "s1"})
+    # two single completions make the group of four with the session's two turns
+    singles = [await client.chat.completions.create(model=MODEL, messages=history[:1]) for _ in range(2)]
+    assert (await _reward(url, {"session": "s1", "reward": 0.75})).json()["turns"] == 2
+    for i, single in enumerate(singles):
+        assert (await _reward(url, {"id": single.id, "reward": float(i)})).status_code == 200
+    # three first turns of one prompt and one second turn: no same-prompt group of four yet
+    assert endpoint.ledger.take_groups(0.0) == []
+    experiences = endpoint.ledger.take_groups(10.0)  # then they are grouped in arrival order
+    assert len(experiences) == engine.group_size == 4
+    assert len({e.group for e in experiences}) == 1
+    by_id = {e.id: e for e in experiences}
+    turn1, turn2 = by_id[first.id], by_id[second.id]
+    assert turn1.reward == turn2.reward == 0.75
+    tokenizer = engine.tokenizer
+    # the second turn's prompt holds the first turn's answer and the new user message; only the
+    # tokens the model generated are responses (trained on)
+    assert tokenizer.decode(turn2.prompt, skip_special_tokens=True).startswith("reverse 3 1 4 =")
+    assert len(turn2.prompt) > len(turn1.prompt)
+    for turn, reply in ((turn1, first), (turn2, second)):
+        assert tokenizer.decode(turn.response, skip_special_tokens=True) == reply.choices[0].message.content
+        assert len(turn.logprobs) == len(turn.response) and all(lp <= 0 for lp in turn.logprobs)
+        assert turn.model_version == engine.version
+    assert endpoint.ledger.rewarded == 3
+
+
+async def test_reward_errors_unknown_twice_expired_and_not_finite(serving):
+    endpoint, client, url = await serving(timeout_s=5.0)
+    reply = await client.completions.create(model=MODEL, prompt="reverse 1 2 3 =")
+    assert (await _reward(url, {"id": "cmpl-nope", "reward": 1.0})).status_code == 404
+    bad = await _reward(url, '{"id": "' + reply.id + '", "reward": NaN}')
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "reward"
+    assert (await _reward(url, {"id": reply.id, "session": "x", "reward": 1.0})).status_code == 400
+    assert (await _reward(url, {"id": reply.id, "reward": 1.0})).status_code == 200
+    again = await _reward(url, {"id": reply.id, "reward": 1.0})
+    assert again.status_code == 404 and "already rewarded" in again.json()["error"]["message"]
+    late = await client.completions.create(model=MODEL, prompt="reverse 1 2 3 =")
+    endpoint.clock.now = 6.0
+    assert endpoint.ledger.expire(endpoint.clock()) == 1
+    expired = await _reward(url, {"id": late.id, "reward": 1.0})
+    assert expired.status_code == 404 and "expired" in expired.json()["error"]["message"]
+    assert endpoint.ledger.counts()["expired"] == 1.0
+
+
+async def test_openai_style_errors_for_bad_requests(serving):
+    _, client, url = await serving()
+    with pytest.raises(openai.NotFoundError) as unknown:
+        await client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+    assert unknown.value.code == "model_not_found" and "serve-test" in unknown.value.message
+    with pytest.raises(openai.BadRequestError) as long:
+        await client.completions.create(model=MODEL, prompt=[1] * 100_000)
+    assert long.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as hot:
+        await client.completions.create(model=MODEL, prompt="reverse 1 2 3 =", temperature=0.2)
+    assert hot.value.param == "temperature"
+    async with httpx.AsyncClient() as http:
+        broken = await http.post(f"{url}/chat/completions", content=b"{not json",
+                                 headers={"Content-Type": "application/json"})
+        assert broken.status_code == 400 and broken.json()["error"]["code"] == "invalid_json"
+        empty = await http.post(f"{url}/chat/completions", json={"model": MODEL, "messages": []})
+        assert empty.status_code == 400 and empty.json()["error"]["param"] == "messages"
+
+
+async def test_an_api_key_is_required_when_configured(serving):
+    _, client, url = await serving(api_key="sekret")
+    assert (await client.models.list()).data[0].id == MODEL
+    wrong = openai.AsyncOpenAI(base_url=url, api_key="guess", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as refused:
+        await wrong.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    assert refused.value.status_code == 401 and refused.value.code == "invalid_api_key"
+    await wrong.close()
+    async with httpx.AsyncClient() as http:
+        assert (await http.get(f"{url}/models")).status_code == 401  # no key at all
+        assert (await http.post(f"{url}/rewards", json={"id": "x", "reward": 1})).status_code == 401
+
+
+async def test_a_burst_beyond_the_queue_gets_429_and_the_rest_are_served(serving):
+    endpoint, client, _ = await serving(max_queue=2)
+    await endpoint.engine_lock.acquire()  # hold the engine, as a long generation would
+    calls = [asyncio.ensure_future(client.completions.create(model=MODEL, prompt="reverse 1 2 3 =")) for _ in range(5)]
+    try:
+        await wait_until(lambda: endpoint.inflight == 2 and endpoint.refused_busy == 3, timeout=30, poll=0.01,
+                         what="two requests queued and three refused")
+    finally:
+        endpoint.engine_lock.release()
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    refused = [r for r in results if isinstance(r, openai.RateLimitError)]
+    served = [r for r in results if not isinstance(r, Exception)]
+    assert len(refused) == 3 and len(served) == 2
+    assert refused[0].code == "queue_full"
+    assert (await client.completions.create(model=MODEL, prompt="reverse 1 2 3 =")).choices  # still serving
+
+
+async def test_weights_loaded_between_requests_change_the_version_it_reports(serving, engine):
+    endpoint, client, _ = await serving()
+    before = await client.completions.create(model=MODEL, prompt="reverse 1 2 3 =")
+    async with endpoint.engine_lock:  # the serving explorer loads under this lock
+        engine.load_weights(engine.weight_buffers(), engine.version + 1)
+    after = await client.completions.create(model=MODEL, prompt="reverse 1 2 3 =")
+    assert int(after.system_fingerprint.removeprefix("rolectl-v")) == int(
+        before.system_fingerprint.removeprefix("rolectl-v")) + 1
+
+
+async def test_a_client_gone_mid_stream_leaves_the_endpoint_serving(serving):
+    endpoint, client, url = await serving()
+    body = {"model": MODEL, "prompt": "reverse 1 2 3 =", "stream": True}
+    await endpoint.engine_lock.acquire()  # its generation waits: the client leaves before the stream ends
+    try:
+        async with httpx.AsyncClient() as http:
+            leaving = asyncio.ensure_future(http.post(f"{url}/completions", json=body))
+            await wait_until(lambda: endpoint.inflight == 1, timeout=30, poll=0.01, what="the stream queued")
+            leaving.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await leaving
+    finally:
+        endpoint.engine_lock.release()
+    await wait_until(lambda: endpoint.inflight == 0 and endpoint.disconnected == 1, timeout=30, poll=0.01,
+                     what="the abandoned stream ended")
+    reply = await client.completions.create(model=MODEL, prompt="reverse 1 2 3 =")
+    assert reply.choices and endpoint.ledger.served == 1  # only the delivered one is recorded
