@@ -33,13 +33,12 @@ import urllib.request
 from pathlib import Path
 
 import nats
-from nats.js.api import StorageType
+from nats.js.api import KeyValueConfig, StorageType
 
 from rolectl.bus.lease import ensure_lease_bucket
 from rolectl.bus.server import NatsCluster
 from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream, weights_stream_config
 from rolectl.bus.subjects import JobNames
-from nats.js.api import KeyValueConfig
 
 JOB = "failover"
 

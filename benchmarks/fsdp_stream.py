@@ -89,7 +89,8 @@ def worker(workdir: Path, args: argparse.Namespace) -> None:
     stream_growth, seconds, streamed = measure(keep=False)
     whole_growth, _, _ = measure(keep=True)
     report = {"rank": engine.rank, "shard_mb": round(shard / MB, 1), "bucket_mb": args.bucket_mb,
-              "largest_tensor_mb": round(largest / MB, 1), "bound_mb": round((2 * max(bucket_bytes, largest) + 4 * largest) / MB, 1),
+              "largest_tensor_mb": round(largest / MB, 1),
+              "bound_mb": round((2 * max(bucket_bytes, largest) + 4 * largest) / MB, 1),
               "first_stream_growth_mb": round(first_growth, 1),
               "stream_growth_mb": round(stream_growth, 1), "whole_growth_mb": round(whole_growth, 1),
               "streamed_mb": round(streamed / MB, 1), "stream_seconds": round(seconds, 3),

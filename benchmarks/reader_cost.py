@@ -28,11 +28,11 @@ import resource
 import tempfile
 from pathlib import Path
 
+from benchmarks.protocol import build_job
 from rolectl.bus.connection import connect
 from rolectl.bus.events import EventPublisher, read_events
 from rolectl.bus.server import NatsServer
 from rolectl.bus.streams import ensure_event_stream
-from benchmarks.protocol import build_job
 from rolectl.sync_protocol import State
 from rolectl.sync_protocol.reducer import reduce_lenient
 

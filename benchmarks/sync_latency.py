@@ -38,7 +38,6 @@ import asyncio
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -60,8 +59,8 @@ from rolectl.roles.session import JobView, MemberSession, stop_task
 from rolectl.sync_protocol import (
     Decision,
     MemberJoined,
-    MemberReleased,
     MemberRef,
+    MemberReleased,
     Recorded,
     RendezvousReady,
     Role,

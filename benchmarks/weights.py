@@ -52,9 +52,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import torch
 
@@ -266,7 +267,7 @@ async def limit_stock_object_store(url: str, data: memoryview) -> dict[str, floa
     return {"put_seconds": t1 - t0, "get_seconds": t2 - t1}
 
 
-async def measure_limits(ctx: "BenchContext", *, stock: bool = True) -> None:
+async def measure_limits(ctx: BenchContext, *, stock: bool = True) -> None:
     """Measure (again) and keep the best figure of every run: called before and after the transports,
     so a burst of background load during one of them does not flatter the transports."""
     data = ctx.flat

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import datetime
+import itertools
 import json
 import math
 import os
@@ -93,11 +93,10 @@ async def _worker(spec: dict) -> None:
     import torch.distributed as dist
     from torch.distributed import PrefixStore, TCPStore
 
+    from rolectl.bus.logging import setup_logging
     from rolectl.bus.weights.cuda_ipc import CudaIpcTransport, HandleRequest
     from rolectl.bus.weights.torch_dist import TorchDistTransport
     from rolectl.sync_protocol import MemberRef, RankAssignment, RendezvousReady, Role, SyncMethod
-
-    from rolectl.bus.logging import setup_logging
 
     setup_logging("warning", stream=sys.stderr)  # stdout carries the result line
     torch.set_num_threads(1)  # K+1 processes share the cores; oversubscription only adds noise

@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import msgpack
 
@@ -127,7 +129,7 @@ def read_segment(segment: Segment) -> list[Recorded]:
     return records
 
 
-def _rows(payload: bytes):
+def _rows(payload: bytes) -> Iterator[Any]:
     unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
     unpacker.feed(payload)
     yield from unpacker

@@ -22,23 +22,30 @@ import itertools
 import json
 import time
 import urllib.parse
-from typing import Any, Awaitable, Callable, Generator, Mapping, TypeVar
+from collections.abc import Awaitable, Callable, Generator, Mapping
+from typing import Any, TypeVar
 
 import nats
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.client import ReconnectToServerHandler, Server
+from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
-from nats.aio.msg import Msg
 from nats.js.api import Header, PubAck
 
 from rolectl.sync_protocol import Role
 
 from ._natspy_compat import callbackless_subscriptions
 from .errors import (
-    BusClosed, BusUnavailable, PayloadTooLarge, PublishFailed, PublishRejected, RetriesExhausted, describe,
+    BusClosed,
+    BusUnavailable,
+    PayloadTooLarge,
+    PublishFailed,
+    PublishRejected,
+    RetriesExhausted,
+    describe,
 )
 from .logging import get_logger
 from .retry import Interrupted, backoff_delay, is_transient, retry_transient
@@ -432,7 +439,7 @@ class BusConnection:
                 except Exception as exc:  # e.g. the server is gone: flushing fails, the socket is closed anyway
                     self.log.debug("bus.close_failed", url=self.url, error=describe(exc))
 
-    async def __aenter__(self) -> "BusConnection":
+    async def __aenter__(self) -> BusConnection:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:

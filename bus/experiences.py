@@ -486,7 +486,7 @@ class ExperienceReader:
         sub, self._sub = self._sub, None
         await self.conn.unsubscribe_quietly(sub)
 
-    async def __aenter__(self) -> "ExperienceReader":
+    async def __aenter__(self) -> ExperienceReader:
         await self._ensure()
         return self
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging as _stdlib_logging
 import sys
 import time
-from typing import Any, Callable, MutableMapping, TextIO
+from collections.abc import Callable, MutableMapping
+from typing import Any, TextIO
 
 import structlog
 

@@ -20,9 +20,10 @@ from __future__ import annotations
 import os
 import re
 import ssl
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 __all__ = ["ClientSecurity", "SecurityError", "redact", "inbox_prefix", "ENV_VARS", "ADMIN_IDENTITY"]
 
@@ -68,11 +69,11 @@ class ClientSecurity:
     tls_key: str | None = None
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> "ClientSecurity":
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ClientSecurity:
         env = os.environ if env is None else env
         return cls(**{name: (env.get(var) or None) for name, var in ENV_VARS.items()})
 
-    def over(self, base: "ClientSecurity | None") -> "ClientSecurity":
+    def over(self, base: ClientSecurity | None) -> ClientSecurity:
         """These settings where set, `base`'s elsewhere (flags over env over the config file)."""
         if base is None:
             return self

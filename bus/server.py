@@ -96,7 +96,7 @@ class NatsServer:
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
-    def start(self, *, wait: bool = True) -> "NatsServer":
+    def start(self, *, wait: bool = True) -> NatsServer:
         """Start the process; with `wait` (default) return once its JetStream answers on /healthz."""
         if self.running:
             return self
@@ -204,13 +204,13 @@ class NatsServer:
             self._log_handle.close()
             self._log_handle = None
 
-    def __enter__(self) -> "NatsServer":
+    def __enter__(self) -> NatsServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    async def __aenter__(self) -> "NatsServer":
+    async def __aenter__(self) -> NatsServer:
         await asyncio.to_thread(self.start)
         return self
 
@@ -254,7 +254,7 @@ class NatsCluster:
     def running(self) -> bool:
         return any(node.running for node in self.nodes)
 
-    def start(self) -> "NatsCluster":
+    def start(self) -> NatsCluster:
         """Start every node and wait until each is fully healthy (the meta group has a leader)."""
         if self.running:
             return self
@@ -442,13 +442,13 @@ class NatsCluster:
             self.store_dir = None
             self.nodes = []
 
-    def __enter__(self) -> "NatsCluster":
+    def __enter__(self) -> NatsCluster:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    async def __aenter__(self) -> "NatsCluster":
+    async def __aenter__(self) -> NatsCluster:
         await asyncio.to_thread(self.start)
         return self
 

@@ -14,8 +14,9 @@
   instead of consuming.
 
 Both use file storage and `replicas` copies (1 by default; 3 on a 3-node cluster, so losing a node
-loses nothing). An existing stream with at least the requested replicas is accepted. Their duplicate windows make `Nats-Msg-Id` dedup work: events are retried
-within seconds (120 s window); a restarted explorer may re-publish a step minutes later (1 h window).
+loses nothing). An existing stream with at least the requested replicas is accepted. Their
+duplicate windows make `Nats-Msg-Id` dedup work: events are retried within seconds (120 s window);
+a restarted explorer may re-publish a step minutes later (1 h window).
 
 **Bounded.** Anyone who may publish on a job's subjects could otherwise fill the server's disk. Both
 streams cap the size of one message (`max_msg_size`) and their total (`max_bytes`), and refuse
@@ -23,11 +24,12 @@ what does not fit (`DiscardPolicy.NEW`): history is never dropped silently to ma
 stream is a clear error (`StreamFull`, saying how to raise the limit) instead. The defaults are sized
 from measured bytes per step (`python -m benchmarks.stream_bytes`; figures in the docs): about 100x
 the largest event and the largest quickstart batch per message, and thousands of quickstart steps
-of events (hundreds of batches of experiences) in all. Why not more: the server *reserves* every stream's max_bytes against its JetStream
-store (`max_file_store`, by default 75 % of the free disk) when the stream is created, so one server
-holds only so many jobs' worth of limits. Size a long or wide job's streams on the server before it
-starts (`nats stream add`/`edit`, or `ensure_event_stream(max_bytes=...)`): limits are checked on
-creation only, an existing stream's own limits are never taken for a mismatch.
+of events (hundreds of batches of experiences) in all. Why not more: the server *reserves* every
+stream's max_bytes against its JetStream store (`max_file_store`, by default 75 % of the free
+disk) when the stream is created, so one server holds only so many jobs' worth of limits. Size a
+long or wide job's streams on the server before it starts (`nats stream add`/`edit`, or
+`ensure_event_stream(max_bytes=...)`): limits are checked on creation only, an existing stream's
+own limits are never taken for a mismatch.
 """
 
 from __future__ import annotations

@@ -65,7 +65,8 @@ def client_options(command):
     file = click.Path(exists=True, dir_okay=False)
     for flag, env, text in reversed([
         ("--creds", "ROLECTL_NATS_CREDS",
-         "Credential file of this identity: nkey seed (.nk), NATS JWT creds (.creds) or client certificate (.crt, key in .key)."),
+         "Credential file of this identity: nkey seed (.nk), NATS JWT creds (.creds) or client certificate "
+         "(.crt, key in .key)."),
         ("--tls-ca", "ROLECTL_NATS_TLS_CA", "CA file that signed the server's certificate."),
         ("--tls-cert", "ROLECTL_NATS_TLS_CERT", "Client certificate (mTLS), with --tls-key."),
         ("--tls-key", "ROLECTL_NATS_TLS_KEY", "Client certificate's key."),
@@ -366,7 +367,8 @@ def auth_init(directory, job, explorers, synchronizers, hosts, port, http_port, 
 
 
 @main.command()
-@click.option("--port", type=click.IntRange(1, 65535), default=4222, show_default=True, help="Client port (single server).")
+@click.option("--port", type=click.IntRange(1, 65535), default=4222, show_default=True,
+              help="Client port (single server).")
 @click.option("--http-port", type=click.IntRange(1, 65535), default=8222, show_default=True,
               help="Monitoring port (single server); give it to `rolectl dashboard --monitor-url`.")
 @click.option("--store-dir", default=None, type=click.Path(file_okay=False),

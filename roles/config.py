@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal, Mapping
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, Strict, ValidationError
@@ -365,14 +366,14 @@ class JobConfig(Section):
     def explorer_ids(self) -> list[str]:
         return [f"explorer-{i}" for i in range(self.explorers.count)]
 
-    def with_overrides(self, **changes: Any) -> "JobConfig":
+    def with_overrides(self, **changes: Any) -> JobConfig:
         """This job with `changes` (sections or top-level values), validated like the file was."""
         try:
             return self.model_validate({**dict(self), **changes})
         except ValidationError as exc:
             raise ConfigError(problems_of(exc, JobConfig), where=self.source or "config") from None
 
-    def with_explorer_count(self, count: int) -> tuple["JobConfig", str | None]:
+    def with_explorer_count(self, count: int) -> tuple[JobConfig, str | None]:
         """This job with `count` explorers, and a note for the user (None when nothing else changes).
 
         A round of exploration makes `count x buffer.batch_size` tasks. A config whose

@@ -361,7 +361,7 @@ class Explorer:
         fetched = self.version
         while True:
             latest = await self.s.view.wait_for(
-                lambda v: v.state.latest if v.state.latest.version > fetched else None,
+                lambda v, fetched=fetched: v.state.latest if v.state.latest.version > fetched else None,
                 timeout=None, what="a newer version",
             )
             ref = WeightsRef(version=latest.version, location=latest.location, nbytes=latest.nbytes,

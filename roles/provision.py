@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from rolectl.bus.connection import connect
 from rolectl.bus.lease import ensure_lease_bucket
-from rolectl.bus.snapshots import SnapshotStore
 from rolectl.bus.security import ClientSecurity
+from rolectl.bus.snapshots import SnapshotStore
 from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream
 from rolectl.roles.config import JobConfig
 from rolectl.sync_protocol import SyncMethod

@@ -70,8 +70,8 @@ from rolectl.bus.events import (
 from rolectl.bus.lease import Lease
 from rolectl.bus.snapshots import SnapshotStore
 from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream
-from rolectl.roles.session import freeze_heap, new_incarnation, stop_task
 from rolectl.roles.config import JobConfig
+from rolectl.roles.session import freeze_heap, new_incarnation, stop_task
 from rolectl.sync_protocol import (
     Decision,
     JobConfigured,

@@ -8,7 +8,8 @@ check every field against it and report every problem in one `ConfigError`. The 
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Mapping, get_type_hints
+from collections.abc import Mapping
+from typing import Annotated, Any, get_type_hints
 
 import msgspec
 from msgspec import Meta
@@ -54,7 +55,7 @@ class SyncConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError(problems, where="sync config")
 
     @classmethod
-    def from_mapping(cls, data: Mapping[str, Any], *, where: str = "synchronizer") -> "SyncConfig":
+    def from_mapping(cls, data: Mapping[str, Any], *, where: str = "synchronizer") -> SyncConfig:
         """Build from a plain mapping (YAML / msgpack), accepting the reference's enum aliases in any
         case and reporting every bad or unknown field at once."""
         if not isinstance(data, Mapping):

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Annotated, ClassVar, Union
+from typing import Annotated, ClassVar
 
 import msgspec
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import inspect
 import socket
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import msgpack
 import nats.errors
@@ -147,7 +148,7 @@ class HeartbeatSubscription:
         sub, self._sub = self._sub, None
         await self.conn.unsubscribe_quietly(sub)
 
-    async def __aenter__(self) -> "HeartbeatSubscription":
+    async def __aenter__(self) -> HeartbeatSubscription:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:

@@ -7,7 +7,7 @@ replicas record one history (see the package docstring).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import nats.errors
 import nats.js.errors

@@ -11,8 +11,8 @@ import asyncio
 import datetime as _dt
 import json
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import nats.errors
 import nats.js.errors
@@ -399,7 +399,7 @@ class EventReader:
 
     # -- iteration -------------------------------------------------------------------------------
 
-    def __aiter__(self) -> "EventReader":
+    def __aiter__(self) -> EventReader:
         return self
 
     async def __anext__(self) -> Recorded:
@@ -440,7 +440,7 @@ class EventReader:
         self._wake()
         await self._drop_consumer()
 
-    async def __aenter__(self) -> "EventReader":
+    async def __aenter__(self) -> EventReader:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:

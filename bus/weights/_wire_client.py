@@ -17,9 +17,10 @@ import asyncio
 import contextlib
 import json
 import socket
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Callable, Mapping, Protocol, Sequence, TypeVar
+from typing import Protocol, TypeVar
 
 from nats.aio.client import Client
 
@@ -206,7 +207,7 @@ class DataConnection:
                     else:
                         views[0] = head[sent:]
                         sent = 0
-        except socket.timeout:
+        except TimeoutError:
             raise Transient(f"data connection to {self._addr}: send stalled for {self._timeout} s") from None
         except OSError as exc:
             raise Transient(f"data connection to {self._addr} failed while sending: {exc}") from None
@@ -253,7 +254,7 @@ class DataConnection:
         sock = self._connected()
         try:
             got = sock.recv_into(view)
-        except socket.timeout:
+        except TimeoutError:
             raise Transient(
                 f"data connection to {self._addr}: no bytes for {self._timeout} s; is the server overloaded?"
             ) from None

@@ -5,8 +5,9 @@ names), the one dtype table of the weights layer."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -151,7 +152,7 @@ class BucketHeader:
         }
 
     @classmethod
-    def from_doc(cls, doc: Any) -> "BucketHeader":
+    def from_doc(cls, doc: Any) -> BucketHeader:
         """Validate plain data into a header, or raise CorruptWeights saying what is wrong."""
         try:
             if doc.get("schema") != _SCHEMA:
@@ -184,7 +185,7 @@ class BucketHeader:
         return json.dumps(self.to_doc(), separators=(",", ":")).encode()
 
     @classmethod
-    def decode(cls, raw: bytes) -> "BucketHeader":
+    def decode(cls, raw: bytes) -> BucketHeader:
         try:
             doc = json.loads(raw)
         except ValueError as exc:

@@ -37,8 +37,9 @@ import json
 import os
 import re
 import struct
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -145,7 +146,7 @@ class CheckpointTransport:
     async def aclose(self) -> None:
         self._closed = True
 
-    async def __aenter__(self) -> "CheckpointTransport":
+    async def __aenter__(self) -> CheckpointTransport:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

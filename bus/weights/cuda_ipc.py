@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import msgpack
 import torch
@@ -280,7 +281,8 @@ class CudaIpcTransport:
             handles = [tuple(buf.untyped_storage()._share_cuda_()) for buf in self._buckets]  # type: ignore[no-untyped-call]
         return handles, sizes
 
-    def _judge(self, replies: list[bytes | BaseException], members: list[MemberRef], ready: RendezvousReady) -> Exception | None:
+    def _judge(self, replies: list[bytes | BaseException], members: list[MemberRef],
+               ready: RendezvousReady) -> Exception | None:
         for member, reply in zip(members, replies):
             if isinstance(reply, asyncio.TimeoutError):
                 self._log.warning("weights.peer_lost", round=ready.round, member=str(member))
@@ -348,7 +350,8 @@ class CudaIpcTransport:
             return nbytes
 
     @staticmethod
-    def _copy_out(header: BucketHeader, handles: list[IpcHandle], sizes: list[int], into: Mapping[str, torch.Tensor]) -> None:
+    def _copy_out(header: BucketHeader, handles: list[IpcHandle], sizes: list[int],
+                  into: Mapping[str, torch.Tensor]) -> None:
         dests = [into[name] for name, _, _ in header.layout]
         with torch.no_grad():
             for bucket, handle, nbytes in zip(header.buckets, handles, sizes):
@@ -380,7 +383,7 @@ class CudaIpcTransport:
         if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
 
-    async def __aenter__(self) -> "CudaIpcTransport":
+    async def __aenter__(self) -> CudaIpcTransport:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:

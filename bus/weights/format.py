@@ -36,8 +36,9 @@ import hashlib
 import json
 import math
 import sys
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generator, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -147,7 +148,7 @@ def digest_bytes(algorithm: str, parts: Sequence[memoryview | bytes]) -> bytes:
     return digest
 
 
-def root_digest(algorithm: str, layout: "Layout", chunk_size: int, chunk_digests: Sequence[bytes]) -> str:
+def root_digest(algorithm: str, layout: Layout, chunk_size: int, chunk_digests: Sequence[bytes]) -> str:
     """The version digest: hash of format, canonical header, chunk size and every chunk digest."""
     h = _hasher(algorithm)
     h.update(FORMAT.encode())
@@ -202,7 +203,7 @@ class Layout:
         }
 
     @classmethod
-    def from_header(cls, header: Mapping[str, Any]) -> "Layout":
+    def from_header(cls, header: Mapping[str, Any]) -> Layout:
         """Parse and validate a header from the wire: ValueError says which entry is wrong and how."""
         if not isinstance(header, Mapping):
             raise ValueError(f"header must be a JSON object, got {type(header).__name__}")
@@ -377,7 +378,8 @@ def _empty_huge(nbytes: int) -> torch.Tensor:
     """An uninitialised uint8 tensor whose pages fault in as 2 MiB huge pages where the kernel allows.
 
     A fresh buffer costs one page fault per 4 KiB the first time it is written, a large part of a
-    whole fetch; MADV_HUGEPAGE (THP in "madvise" mode) cuts the faults 512-fold. Best effort: without THP this is a plain allocation plus 2 MiB of slack.
+    whole fetch; MADV_HUGEPAGE (THP in "madvise" mode) cuts the faults 512-fold. Best effort:
+    without THP this is a plain allocation plus 2 MiB of slack.
     """
     if _madvise is None:
         return torch.empty(nbytes, dtype=torch.uint8)
@@ -462,7 +464,7 @@ class Manifest:
         return json.dumps(self.to_json(), separators=(",", ":")).encode()
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any], *, where: str) -> "Manifest":
+    def from_json(cls, data: Mapping[str, Any], *, where: str) -> Manifest:
         """Parse and verify a manifest (its chunk list against its digest); CorruptWeights if bad."""
         try:
             if data.get("format") != FORMAT:
@@ -496,7 +498,7 @@ class Manifest:
         return manifest
 
     @classmethod
-    def from_bytes(cls, data: bytes, *, where: str) -> "Manifest":
+    def from_bytes(cls, data: bytes, *, where: str) -> Manifest:
         try:
             parsed = json.loads(data)
         except (ValueError, UnicodeDecodeError) as exc:

@@ -54,7 +54,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from typing import Any, Awaitable, Callable, Iterable, Mapping, TypeVar
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import Any, TypeVar
 
 import torch
 from nats.aio.client import Client
@@ -71,7 +72,12 @@ from ..retry import is_transient, retry_transient
 from ..streams import stream_differences, weights_stream_config
 from ..subjects import JobNames
 from ._wire_client import (
-    ConnectionLost, DataConnection, NoDataConnection, Transient, data_endpoint, run_in_thread,
+    ConnectionLost,
+    DataConnection,
+    NoDataConnection,
+    Transient,
+    data_endpoint,
+    run_in_thread,
 )
 from .base import CorruptWeights, TransferError, WeightsNotFound, WeightsRef, WeightsSource, restartable
 from .format import Destination, Manifest, StreamedChunks, build_manifest, default_digest_algorithm, streamed_chunks
@@ -87,8 +93,9 @@ class ObjectStoreTransport:
     """Publish / fetch weight versions through a per-job JetStream stream (see module docstring).
 
     `nc` is a connected nats-py client; the transport makes its own JetStream context and never
-    closes `nc`. `storage` is "memory" (this class's default, used by tests and benchmarks; faster) or "file" (a job config's default: keeps versions across a server restart;
-    see the module docstring). The publisher calls `prune` to bound storage; `timeout` bounds every
+    closes `nc`. `storage` is "memory" (this class's default, used by tests and benchmarks; faster)
+    or "file" (a job config's default: keeps versions across a server restart; see the module
+    docstring). The publisher calls `prune` to bound storage; `timeout` bounds every
     wait for bulk bytes, `api_timeout` every control request.
     `reconnected` (e.g. `BusConnection.reconnect_signal`) lets a publish or fetch caught by an
     outage start again as soon as the connection is back, instead of after `api_timeout`.
@@ -350,7 +357,7 @@ class ObjectStoreTransport:
         """Stop accepting calls. The nats-py client belongs to the caller and stays open."""
         self._closed = True
 
-    async def __aenter__(self) -> "ObjectStoreTransport":
+    async def __aenter__(self) -> ObjectStoreTransport:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -481,7 +488,7 @@ class ObjectStoreTransport:
     def _data_connection_usable(self) -> bool:
         return self._use_data_connection and data_endpoint(self._nc) is not None
 
-    async def _in_thread(self, work: Callable[["DataConnection"], Any]) -> Any:
+    async def _in_thread(self, work: Callable[[DataConnection], Any]) -> Any:
         """Run `work` on a fresh data connection in a worker thread; cancellation aborts the socket."""
         endpoint = data_endpoint(self._nc)
         if endpoint is None:
@@ -491,7 +498,7 @@ class ObjectStoreTransport:
         host, port, auth = endpoint
         return await run_in_thread(DataConnection(host, port, auth, timeout=self._timeout), work)
 
-    async def _fetch_data_connection(self, plan: "_ChunkPlan") -> None:
+    async def _fetch_data_connection(self, plan: _ChunkPlan) -> None:
         """Fetch over data connections; if the server drops one (a slow consumer: more than its
         max_pending queued for us, seen here when explorers starve for CPU), go on with the missing
         chunks on a new connection with half the window, down to one chunk in flight."""
@@ -499,7 +506,8 @@ class ObjectStoreTransport:
         while True:
             inbox = self._nc.new_inbox()  # here, not in the thread: nats-py's NUID is not thread-safe
             try:
-                await self._in_thread(lambda conn: _fetch_raw(conn, inbox, self._direct_get_subject, plan))
+                # awaited in this iteration, before `inbox` changes
+                await self._in_thread(lambda conn: _fetch_raw(conn, inbox, self._direct_get_subject, plan))  # noqa: B023
                 return
             except ConnectionLost:
                 if window <= plan.manifest.chunk_size:
@@ -552,7 +560,7 @@ class ObjectStoreTransport:
             await sub.unsubscribe()
         return seqs
 
-    async def _fetch_nats_py(self, plan: "_ChunkPlan") -> None:
+    async def _fetch_nats_py(self, plan: _ChunkPlan) -> None:
         inbox = self._nc.new_inbox()
         inbound: asyncio.Queue[Msg] = asyncio.Queue()
 

@@ -62,25 +62,39 @@ import os
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Literal, Mapping, Sequence
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from torch.distributed import AllreduceOptions, BroadcastOptions, ReduceOp, Work
+
 # torch re-exports its C extension's stores without listing them in __all__.
-from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
+from torch.distributed import AllreduceOptions, BroadcastOptions, PrefixStore, ReduceOp, TCPStore, Work  # type: ignore[attr-defined]
 
 from rolectl.sync_protocol import MemberRef, RendezvousReady, SyncMethod
 
 from ..logging import get_logger
 from ..server import free_port
 from .base import (
-    CorruptWeights, PeerLost, TensorMeta, TransferError, WeightBucket, WeightsSource, as_buckets, tensor_meta,
+    CorruptWeights,
+    PeerLost,
+    TensorMeta,
+    TransferError,
+    WeightBucket,
+    WeightsSource,
+    as_buckets,
+    tensor_meta,
 )
 from .buckets import (
-    DEFAULT_BUCKET_BYTES, BucketHeader, can_send, in_layout_order, layout_mismatch, pack_bucket, plan_buckets,
+    DEFAULT_BUCKET_BYTES,
+    BucketHeader,
+    can_send,
+    in_layout_order,
+    layout_mismatch,
+    pack_bucket,
+    plan_buckets,
     plan_stream_buckets,
 )
 from .pinned import PinnedStaging
@@ -623,7 +637,7 @@ class TorchDistTransport:
         if group is not None:
             await asyncio.to_thread(group.close, failed=False)
 
-    async def __aenter__(self) -> "TorchDistTransport":
+    async def __aenter__(self) -> TorchDistTransport:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -735,8 +749,8 @@ class TorchDistTransport:
                 raise errors[0]
             raise PeerLost(f"epoch {ready.epoch}: group of {ready.world_size} did not form within "
                            f"{self._connect_timeout.total_seconds():g}s: {errors[0]}") from None
-        group = _Group(key=key, port=ready.master_port, epoch=ready.epoch, backend=backend, channels=channels, store=store, links=[o for o in outcomes if isinstance(o, _Link)],
-                       executor=executor)
+        group = _Group(key=key, port=ready.master_port, epoch=ready.epoch, backend=backend, channels=channels,
+                       store=store, links=[o for o in outcomes if isinstance(o, _Link)], executor=executor)
         # The trainer leaves the old group only now: every explorer has joined the new one, so
         # it has left the old one already (explorers tear down first).
         await self._drop_group(failed=False)

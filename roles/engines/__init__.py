@@ -15,9 +15,10 @@ libraries (a model directory, a data file, verl, vllm) is checked here and in th
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from .base import RolloutEngine, Task, TaskSet, TrainEngine, WeightsMismatch
 from .config_errors import validate_section
@@ -77,7 +78,7 @@ class EngineSections:
     tensor_parallel_size: int = 1
 
     @classmethod
-    def of(cls, job: Any) -> "EngineSections":
+    def of(cls, job: Any) -> EngineSections:
         """From a `JobConfig`, or from a bare `model:` mapping (tests of the tiny engine)."""
         if isinstance(job, Mapping):
             return cls(model=job)
@@ -115,19 +116,19 @@ def _tiny_problems(sections: EngineSections) -> list[tuple[str, str]]:
     return problems
 
 
-def _tiny_config(sections: EngineSections) -> "TinyConfig":
+def _tiny_config(sections: EngineSections) -> TinyConfig:
     from .tiny import tiny_config_from_mapping
 
     return tiny_config_from_mapping(sections.model)
 
 
-def _tiny_train(sections: EngineSections) -> "TinyTrainEngine":
+def _tiny_train(sections: EngineSections) -> TinyTrainEngine:
     from .tiny import TinyTrainEngine
 
     return TinyTrainEngine(_tiny_config(sections))
 
 
-def _tiny_rollout(sections: EngineSections, member: str) -> "TinyRolloutEngine":
+def _tiny_rollout(sections: EngineSections, member: str) -> TinyRolloutEngine:
     """Its sampling seed derives from the member name, so explorers differ from each other but a
     restarted explorer samples exactly as before."""
     from .tiny import TinyRolloutEngine

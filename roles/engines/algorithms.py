@@ -10,7 +10,8 @@ does), so every estimator that needs only rewards, a response mask and a group i
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch

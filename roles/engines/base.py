@@ -15,9 +15,10 @@ HF / vLLM / verl engines are interchangeable:
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from rolectl.sync_protocol.experience import Experience, ExperienceLimits
 

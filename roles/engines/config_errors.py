@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import types
-from typing import Annotated, Any, Literal, Mapping, Union, get_args, get_origin
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import annotated_types
 from pydantic import BaseModel, TypeAdapter, ValidationError

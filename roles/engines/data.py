@@ -12,8 +12,9 @@ one integer and a restarted explorer resumes exactly where it stopped.
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from .base import Task
 from .config_errors import validate_section

@@ -23,10 +23,11 @@ import dataclasses
 import json
 import math
 import os
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist

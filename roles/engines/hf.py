@@ -14,8 +14,9 @@ import copy
 import json
 import math
 import zlib
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -89,7 +90,8 @@ def check_weights(member: str, own: Mapping[str, Tensor], received: Mapping[str,
     for name, tensor in received.items():
         mine = own.get(name)
         if mine is not None and (tensor.shape != mine.shape or tensor.dtype != mine.dtype):
-            problems.append(f"{name}: got {tensor.dtype} {tuple(tensor.shape)}, expected {mine.dtype} {tuple(mine.shape)}")
+            problems.append(f"{name}: got {tensor.dtype} {tuple(tensor.shape)}, "
+                            f"expected {mine.dtype} {tuple(mine.shape)}")
     if problems:
         raise WeightsMismatch(f"{member}: weights for version {version} do not match the model "
                               f"(kept version {held}): " + "; ".join(problems))
@@ -311,7 +313,8 @@ class HFRolloutEngine:
     def rollout(self, tasks: Sequence[Task], *, explore_step: int) -> list[Experience]:
         experiences, texts, answers = [], [], []
         for task_idx, task in enumerate(tasks):
-            responses, logprobs = self._sample(task.prompt, task_seed(self.config.seed, self.member, explore_step, task_idx))
+            seed = task_seed(self.config.seed, self.member, explore_step, task_idx)
+            responses, logprobs = self._sample(task.prompt, seed)
             group = f"{self.member}-{explore_step}-{task_idx}"
             for k, (response, lp) in enumerate(zip(responses, logprobs)):
                 texts.append(self.tokenizer.decode(response, skip_special_tokens=True))

@@ -16,8 +16,9 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -128,7 +129,8 @@ def ensure_model(config: HFModelConfig, *, data_path: str | None = None) -> Path
         built = json.loads(marker.read_text())["build"]
         if built != config.build.model_dump():
             raise ValueError(f"model.path {path} holds a model built with {built}, not model.build "
-                             f"{config.build.model_dump(exclude_defaults=True)}; delete {path} or point model.path elsewhere")
+                             f"{config.build.model_dump(exclude_defaults=True)}; delete {path} "
+                             "or point model.path elsewhere")
     if (path / "config.json").is_file() or config.build is None:
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model.path {path}: no Hugging Face model there (config.json missing)")

@@ -22,9 +22,10 @@ from __future__ import annotations
 import importlib
 import math
 import re
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 __all__ = [
     "RewardFn",

@@ -10,7 +10,8 @@ functions) is checked by the engines themselves.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Mapping, Union
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -23,7 +24,6 @@ from pydantic import (
     ValidationInfo,
     field_validator,
 )
-
 
 __all__ = [
     "Section",
@@ -59,7 +59,7 @@ class Section(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
-    def replace(self, **changes: Any) -> "Section":
+    def replace(self, **changes: Any) -> Section:
         """A copy with `changes`, validated like the file was."""
         return type(self).model_validate({**dict(self), **changes})
 
@@ -218,8 +218,9 @@ def _engine_of(value: Any) -> Any:
     return getattr(value, "engine", None)
 
 
-ModelSection = Annotated[Union[Annotated[TinyModelSection, Tag("tiny")], Annotated[HFModelSection, Tag("hf")],
-                               Annotated[FSDPModelSection, Tag("fsdp")]],
+ModelSection = Annotated[Annotated[TinyModelSection, Tag("tiny")]
+                         | Annotated[HFModelSection, Tag("hf")]
+                         | Annotated[FSDPModelSection, Tag("fsdp")],
                          Discriminator(_engine_of)]
 """A built-in engine's `model:` section, selected by `model.engine`."""
 

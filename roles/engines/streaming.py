@@ -7,7 +7,8 @@ publish a model no single process could hold.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from torch import Tensor  # annotations only: the engine contract loads without torch

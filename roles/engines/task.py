@@ -7,7 +7,8 @@ A prompt is `BOS d1 .. dL SEP`; the expected response is `dL .. d1 EOS`.
 from __future__ import annotations
 
 import random
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from .base import Task
 

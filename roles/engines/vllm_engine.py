@@ -18,9 +18,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Mapping, Sequence
 
 import torch
 from torch import Tensor

@@ -13,7 +13,6 @@ import pytest
 
 from rolectl.bus.events import Heartbeat, encode_heartbeat, read_events
 from rolectl.bus.experiences import ExperienceBatch, encode_batch
-from tests.support.e2e import LiveJob, assert_decisions_replay, job_config, of_kind, trainer_steps
 from rolectl.roles.engines import make_rollout_engine, make_taskset
 from rolectl.sync_protocol import (
     INPUT_KINDS,
@@ -30,6 +29,7 @@ from rolectl.sync_protocol import (
     VersionPublished,
     encode,
 )
+from tests.support.e2e import LiveJob, assert_decisions_replay, job_config, of_kind, trainer_steps
 
 pytestmark = pytest.mark.e2e
 

@@ -9,16 +9,6 @@ import signal
 import pytest
 
 from rolectl.roles.observe.replay import check_decisions
-from tests.support.e2e import (
-    LiveJob,
-    assert_decisions_replay,
-    decision_problems,
-    job_config,
-    last_trainer_step,
-    of_kind,
-    stream_experiences,
-    trainer_steps,
-)
 from rolectl.sync_protocol import (
     Decision,
     MemberExpired,
@@ -34,6 +24,16 @@ from rolectl.sync_protocol import (
     VersionPublished,
     WeightsBroadcast,
     WeightsLoaded,
+)
+from tests.support.e2e import (
+    LiveJob,
+    assert_decisions_replay,
+    decision_problems,
+    job_config,
+    last_trainer_step,
+    of_kind,
+    stream_experiences,
+    trainer_steps,
 )
 
 pytestmark = pytest.mark.e2e

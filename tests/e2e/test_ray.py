@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 
 from rolectl.bus.server import free_port
+from rolectl.roles.observe.replay import load_export
+from rolectl.sync_protocol import MemberJoined
 from tests.support.e2e import (
     ROOT,
     LiveJob,
@@ -29,8 +31,6 @@ from tests.support.e2e import (
     of_kind,
     trainer_steps,
 )
-from rolectl.roles.observe.replay import load_export
-from rolectl.sync_protocol import MemberJoined
 from tests.support.wait import wait_until_sync
 
 # one Ray head per module: with `-n 3 --dist loadgroup` its tests stay on one worker (one head)

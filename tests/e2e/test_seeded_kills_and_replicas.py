@@ -10,6 +10,8 @@ import random
 
 import pytest
 
+from rolectl.roles.launch.local import summarize
+from rolectl.sync_protocol import Decision, MemberExpired, MemberJoined, Role, StatusChanged
 from tests.support.e2e import (
     LiveJob,
     assert_decisions_replay,
@@ -19,8 +21,6 @@ from tests.support.e2e import (
     of_kind,
     trainer_steps,
 )
-from rolectl.roles.launch.local import summarize
-from rolectl.sync_protocol import Decision, MemberExpired, MemberJoined, Role, StatusChanged
 
 pytestmark = pytest.mark.e2e
 

@@ -15,6 +15,7 @@ import pytest
 from rolectl.bus.connection import connect
 from rolectl.bus.server import NatsCluster
 from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream
+from rolectl.sync_protocol import Role, StepFinished
 from tests.support.e2e import (
     LiveJob,
     assert_decisions_replay,
@@ -25,7 +26,6 @@ from tests.support.e2e import (
     stream_experiences,
     trainer_steps,
 )
-from rolectl.sync_protocol import Role, StepFinished
 
 pytestmark = pytest.mark.e2e
 

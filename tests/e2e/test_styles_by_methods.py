@@ -3,10 +3,8 @@ different speeds, and every run's recorded decisions are exactly a fold of its r
 
 from __future__ import annotations
 
-
 import pytest
 
-from tests.support.e2e import assert_decisions_replay, job_config, of_kind, run_up, trainer_steps
 from rolectl.sync_protocol import (
     MemberReleased,
     RendezvousReady,
@@ -16,6 +14,7 @@ from rolectl.sync_protocol import (
     VersionPublished,
     WeightsBroadcast,
 )
+from tests.support.e2e import assert_decisions_replay, job_config, of_kind, run_up, trainer_steps
 
 pytestmark = pytest.mark.e2e
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.e2e import LiveJob, assert_decisions_replay, job_config, of_kind
 from rolectl.sync_protocol import MemberJoined, MemberReleased, Role, RunningStatus, StatusChanged
+from tests.support.e2e import LiveJob, assert_decisions_replay, job_config, of_kind
 
 pytestmark = pytest.mark.e2e
 
@@ -60,9 +60,9 @@ async def test_keep_running_synchronizer_stays_after_the_job(tmp_path):
     import subprocess
     import sys
 
-    from tests.support.e2e import ROOT
     from rolectl.bus.events import EventPublisher
     from rolectl.sync_protocol import JobConfigured, MemberRef
+    from tests.support.e2e import ROOT
 
     config = job_config(tmp_path, job="e2e-sync-keep", synchronizer={"sync_method": "memory"})
     async with LiveJob(tmp_path, config) as job:

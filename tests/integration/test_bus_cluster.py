@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from rolectl.bus.connection import connect, parse_server_urls
 from rolectl.bus.errors import StreamMismatch
@@ -23,8 +24,6 @@ from rolectl.bus.subjects import JobNames
 from rolectl.bus.weights.object_store import ObjectStoreTransport
 from rolectl.sync_protocol import MemberRef, Role, StepFinished
 from tests.support.wait import wait_until
-
-import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 ME = MemberRef(role=Role.TRAINER, id="t0", incarnation=0)

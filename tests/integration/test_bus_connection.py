@@ -9,12 +9,12 @@ import time
 import urllib.request
 
 import pytest
+from nats.js.api import RetentionPolicy, StorageType
 
 from rolectl.bus.connection import connect
 from rolectl.bus.errors import BusClosed, BusUnavailable, PublishFailed, StreamMismatch
 from rolectl.bus.server import free_port
 from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream
-from nats.js.api import RetentionPolicy, StorageType
 from rolectl.sync_protocol import Role
 
 

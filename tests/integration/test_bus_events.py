@@ -6,9 +6,8 @@ import asyncio
 
 import pytest
 
-from rolectl.bus.errors import DecisionSuperseded
-
 from rolectl.bus.connection import connect
+from rolectl.bus.errors import DecisionSuperseded
 from rolectl.bus.events import (
     DecisionPublisher,
     EventPublisher,
@@ -25,9 +24,10 @@ from rolectl.sync_protocol import (
     MemberRef,
     MemberReleased,
     ReleaseReason,
+    Role,
     RoundClosed,
-    RoundOutcome,
     RoundOpened,
+    RoundOutcome,
     RoundTimedOut,
     RunningStatus,
     StatusChanged,
@@ -35,7 +35,6 @@ from rolectl.sync_protocol import (
     SyncMethod,
     VersionPublished,
     encode,
-    Role,
 )
 from tests.support.wait import wait_until
 

@@ -18,6 +18,7 @@ from rolectl.bus.subjects import identity_problem
 from rolectl.roles.observe.replay import check_decisions, export_job, load_export, run_replay
 from rolectl.sync_protocol import (
     MemberRef,
+    Role,
     RoundClosed,
     RoundOutcome,
     RunningStatus,
@@ -26,7 +27,6 @@ from rolectl.sync_protocol import (
     SyncMethod,
     VersionPublished,
     encode,
-    Role,
 )
 
 TRAINER = MemberRef(role=Role.TRAINER, id="trainer", incarnation=1)

@@ -15,7 +15,7 @@ from rolectl.bus.streams import (
     ensure_experience_stream,
 )
 from rolectl.bus.weights.object_store import ObjectStoreTransport
-from rolectl.sync_protocol import MemberRef, StepFinished, Role
+from rolectl.sync_protocol import MemberRef, Role, StepFinished
 
 EXPLORER = MemberRef(role=Role.EXPLORER, id="e0", incarnation=1)
 

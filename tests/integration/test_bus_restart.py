@@ -8,7 +8,7 @@ from rolectl.bus.connection import connect
 from rolectl.bus.events import EventPublisher, EventReader, read_events
 from rolectl.bus.experiences import ExperienceBatch, ExperiencePublisher, ExperienceReader
 from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream
-from rolectl.sync_protocol import MemberRef, StepFinished, Role
+from rolectl.sync_protocol import MemberRef, Role, StepFinished
 
 ME = MemberRef(role=Role.TRAINER, id="t0", incarnation=0)
 

@@ -13,10 +13,10 @@ import torch
 
 from rolectl.bus.weights.checkpoint import CheckpointTransport
 from rolectl.bus.weights.object_store import ObjectStoreTransport
-from tests.support.tiny_llm import built_model, data_section, model_section
 from rolectl.roles.config import parse_config
 from rolectl.roles.engines import WeightsMismatch, make_rollout_engine, make_taskset, make_train_engine
 from rolectl.roles.engines.hf import response_logprobs
+from tests.support.tiny_llm import built_model, data_section, model_section
 
 
 @pytest.fixture(scope="module")

@@ -13,14 +13,11 @@ import sys
 from pathlib import Path
 
 import pytest
-
+from prometheus_client import CollectorRegistry
 from rich.console import Console
 
 from rolectl.bus.errors import BusError
-from tests.support.scripted_job import run_scripted_job
 from rolectl.roles.launch.local import _summary_table
-from prometheus_client import CollectorRegistry
-
 from rolectl.roles.observe.dashboard import Dashboard, _Collector
 from rolectl.roles.observe.observer import SUMMARY_MEANINGS, JobObserver
 from rolectl.roles.observe.replay import (
@@ -36,6 +33,7 @@ from rolectl.roles.observe.replay import (
 )
 from rolectl.sync_protocol import Decision, MemberReleased, RoundClosed, VersionPublished, decision_identity
 from rolectl.sync_protocol.reducer import fold_lenient
+from tests.support.scripted_job import run_scripted_job
 
 
 @pytest.fixture

@@ -7,14 +7,14 @@ import asyncio
 
 from rolectl.bus.connection import connect
 from rolectl.bus.snapshots import SnapshotStore
-from tests.support.scripted_job import run_scripted_job
-from rolectl.roles.session import JobView
 from rolectl.roles.observe.export import read_history
 from rolectl.roles.observe.replay import run_replay
+from rolectl.roles.session import JobView
 from rolectl.sync_protocol import Decision
 from rolectl.sync_protocol.reducer import fold_lenient
 from rolectl.sync_protocol.snapshot import encode_state
 from rolectl.sync_protocol.state import State
+from tests.support.scripted_job import run_scripted_job
 
 
 async def test_snapshot_is_the_fold_of_the_stream_up_to_it_and_views_start_from_it(nats_url, job_name, tmp_path):

@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+# same folder (on sys.path); `tests` may be another package's (vllm ships one)
+from test_trainer_guard import _config, _publish_rollouts
+
 from rolectl.bus.connection import connect
 from rolectl.bus.events import read_all
 from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream
@@ -20,8 +23,6 @@ from rolectl.roles.resume import StartMode, StartRefused
 from rolectl.roles.runner import EXIT_USAGE
 from rolectl.roles.trainer import Trainer
 from rolectl.sync_protocol import Role, StepFinished
-# same folder (on sys.path); `tests` may be another package's (vllm ships one)
-from test_trainer_guard import _config, _publish_rollouts
 
 ROOT = Path(__file__).resolve().parents[2]
 

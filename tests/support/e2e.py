@@ -16,9 +16,10 @@ import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 
@@ -205,7 +206,7 @@ def last_trainer_step(records: list[Recorded]) -> int:
     return steps[-1] if steps else 0
 
 
-async def stream_experiences(job: "LiveJob") -> int:
+async def stream_experiences(job: LiveJob) -> int:
     """Experiences still stored in the job's experience stream (not acked by the trainer)."""
     from rolectl.bus.experiences import decode_batch
 
@@ -277,7 +278,7 @@ class LiveJob:
         """`identity`'s client settings (None without auth)."""
         return None if self.auth is None else self.auth.security(identity)
 
-    async def __aenter__(self) -> "LiveJob":
+    async def __aenter__(self) -> LiveJob:
         self._changed = asyncio.Condition()
         await asyncio.to_thread(self.server.start)
         try:

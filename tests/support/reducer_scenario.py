@@ -8,7 +8,7 @@ and method, a release's location/digest/size, and that every decision survives t
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from rolectl.sync_protocol import (
     Decision,

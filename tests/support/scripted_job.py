@@ -8,8 +8,8 @@ one in about a second. Every step waits for the decision it needs (with a timeou
 from __future__ import annotations
 
 import asyncio
-import tempfile
 import contextlib
+import tempfile
 from dataclasses import dataclass, field
 
 from rolectl.bus.connection import BusConnection, connect
@@ -29,9 +29,9 @@ from rolectl.sync_protocol import (
     RunningStatus,
     StatusChanged,
     StepFinished,
+    SyncMethod,
     VersionPublished,
     WeightsLoaded,
-    SyncMethod,
 )
 from tests.support.wait import wait_until
 

@@ -9,12 +9,13 @@ import msgspec
 import pytest
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
+
 from rolectl.sync_protocol import (
-    EvalFinished,
     KINDS,
     SCHEMA_VERSION,
     Decision,
     DecodeError,
+    EvalFinished,
     JobConfigured,
     MemberExpired,
     MemberJoined,

@@ -8,8 +8,9 @@ import json
 import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYER_FOLDERS = {"rolectl": "rolectl", "rolectl/sync_protocol": "sync_protocol", "rolectl/bus": "bus",

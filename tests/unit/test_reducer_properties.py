@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rolectl.sync_protocol import (
+    DecodeError,
     EvalFinished,
     JobConfigured,
     MemberExpired,
@@ -47,7 +48,6 @@ from rolectl.sync_protocol import (
     reduce,
     reduce_lenient,
 )
-from rolectl.sync_protocol import DecodeError
 from rolectl.sync_protocol.snapshot import decode_state, encode_state
 from rolectl.sync_protocol.state import RoundPhase
 

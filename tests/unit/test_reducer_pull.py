@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from rolectl.sync_protocol import MemberRef, MemberReleased, ReleaseReason, Role, SyncConfig, SyncMethod, SyncStyle
 from tests.support.reducer_scenario import (
     E1,
     E2,
@@ -23,7 +24,6 @@ from tests.support.reducer_scenario import (
     step_done,
     stop,
 )
-from rolectl.sync_protocol import MemberRef, MemberReleased, ReleaseReason, Role, SyncConfig, SyncMethod, SyncStyle
 
 PULL_METHODS = [SyncMethod.CHECKPOINT, SyncMethod.MEMORY]
 

@@ -4,12 +4,23 @@ from __future__ import annotations
 
 import pytest
 
+from rolectl.sync_protocol import (
+    IllegalEvent,
+    MemberRef,
+    RendezvousReady,
+    Role,
+    RunningStatus,
+    StatusChanged,
+    SyncConfig,
+    SyncMethod,
+    SyncStyle,
+)
 from tests.support.reducer_scenario import (
     E1,
     E2,
     E3,
-    T,
     Job,
+    T,
     broadcast,
     configured,
     expired,
@@ -23,17 +34,6 @@ from tests.support.reducer_scenario import (
     snapshot,
     stop,
     timed_out,
-)
-from rolectl.sync_protocol import (
-    IllegalEvent,
-    MemberRef,
-    RendezvousReady,
-    Role,
-    RunningStatus,
-    StatusChanged,
-    SyncConfig,
-    SyncMethod,
-    SyncStyle,
 )
 
 RENDEZVOUS_METHODS = [SyncMethod.NCCL, SyncMethod.CUDA_IPC]

@@ -5,26 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.reducer_scenario import (
-    E1,
-    E2,
-    E3,
-    SYNC,
-    T,
-    Job,
-    configured,
-    expired,
-    failed,
-    join,
-    loaded,
-    no_new,
-    publish,
-    req,
-    snapshot,
-    step_done,
-    stop,
-    timed_out,
-)
 from rolectl.sync_protocol import (
     IllegalEvent,
     MemberExpired,
@@ -42,6 +22,26 @@ from rolectl.sync_protocol import (
     fold_lenient,
     reduce,
     reduce_lenient,
+)
+from tests.support.reducer_scenario import (
+    E1,
+    E2,
+    E3,
+    SYNC,
+    Job,
+    T,
+    configured,
+    expired,
+    failed,
+    join,
+    loaded,
+    no_new,
+    publish,
+    req,
+    snapshot,
+    step_done,
+    stop,
+    timed_out,
 )
 
 MEMORY_FIXED = SyncConfig(sync_method=SyncMethod.MEMORY, sync_style=SyncStyle.FIXED)

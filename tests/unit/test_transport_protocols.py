@@ -14,7 +14,6 @@ from rolectl.bus.weights.checkpoint import CheckpointTransport
 from rolectl.bus.weights.cuda_ipc import CudaIpcTransport
 from rolectl.bus.weights.torch_dist import TorchDistTransport
 
-
 ROOT = Path(__file__).resolve().parents[2]
 
 
