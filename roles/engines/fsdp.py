@@ -38,7 +38,7 @@ from rolectl.sync_protocol.experience import Experience, ExperienceLimits
 
 from .algorithms import AlgorithmConfig, VerlAlgorithm
 from .config_errors import validate_section
-from .hf import response_logprobs
+from .hf import batch_inputs, response_logprobs
 from .hf_model import HFModelConfig, hf_model_path_problems, load_tokenizer
 from .sections import FSDPModelSection
 from .streaming import DEFAULT_BUCKET_BYTES, NamedTensors, buckets_of
@@ -229,18 +229,7 @@ class FSDPTrainEngine:
 
     def train_step(self, experiences: Sequence[Experience], *, current_version: int) -> dict[str, float]:
         """One optimizer step per minibatch; every rank passes the same `experiences`."""
-        if not experiences:
-            raise ValueError("train_step needs at least one experience")
-        max_len = max(1, max(len(e.response) for e in experiences))
-        old_logprobs = torch.zeros(len(experiences), max_len)
-        mask = torch.zeros(len(experiences), max_len, dtype=torch.bool)
-        for row, e in enumerate(experiences):
-            old_logprobs[row, :len(e.response)] = torch.tensor(e.logprobs, dtype=torch.float32)
-            mask[row, :len(e.response)] = True
-        rewards = torch.tensor([e.reward for e in experiences], dtype=torch.float32)
-        advantages = self.algorithm.advantages(rewards, mask, [e.group for e in experiences])
-
-        group_order = list(dict.fromkeys(e.group for e in experiences))
+        old_logprobs, mask, rewards, advantages, group_order = batch_inputs(experiences, self.algorithm)
         num_minibatches = min(self.config.model.minibatches, len(group_order))
         micro_size = self.config.model.micro_batch_size
         losses, grad_norms = [], []

@@ -38,6 +38,23 @@ _STATE_TENSORS_FILE = "engine_state.safetensors"
 _STATE_JSON_FILE = "engine_state.json"
 
 
+def batch_inputs(experiences: Sequence[Experience], algorithm: VerlAlgorithm
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, list[Any]]:
+    """What a train step needs of its batch: the sampling logprobs and the response mask (padded to
+    the longest response), the rewards, their advantages, and the groups in first-seen order."""
+    if not experiences:
+        raise ValueError("train_step needs at least one experience")
+    max_len = max(1, max(len(e.response) for e in experiences))
+    old_logprobs = torch.zeros(len(experiences), max_len)
+    mask = torch.zeros(len(experiences), max_len, dtype=torch.bool)
+    for row, e in enumerate(experiences):
+        old_logprobs[row, :len(e.response)] = torch.tensor(e.logprobs, dtype=torch.float32)
+        mask[row, :len(e.response)] = True
+    rewards = torch.tensor([e.reward for e in experiences], dtype=torch.float32)
+    advantages = algorithm.advantages(rewards, mask, [e.group for e in experiences])
+    return old_logprobs, mask, rewards, advantages, list(dict.fromkeys(e.group for e in experiences))
+
+
 def task_seed(seed: int, member: str, explore_step: int, task_idx: int) -> int:
     """The sampling seed of one task's group: a replayed explore step samples the same responses."""
     return zlib.crc32(f"{seed}/{member}/{explore_step}/{task_idx}".encode())
@@ -127,18 +144,7 @@ class HFTrainEngine:
         self.step = 0
 
     def train_step(self, experiences: Sequence[Experience], *, current_version: int) -> dict[str, float]:
-        if not experiences:
-            raise ValueError("train_step needs at least one experience")
-        max_len = max(1, max(len(e.response) for e in experiences))
-        old_logprobs = torch.zeros(len(experiences), max_len)
-        mask = torch.zeros(len(experiences), max_len, dtype=torch.bool)
-        for row, e in enumerate(experiences):
-            old_logprobs[row, :len(e.response)] = torch.tensor(e.logprobs, dtype=torch.float32)
-            mask[row, :len(e.response)] = True
-        rewards = torch.tensor([e.reward for e in experiences], dtype=torch.float32)
-        advantages = self.algorithm.advantages(rewards, mask, [e.group for e in experiences])
-
-        group_order = list(dict.fromkeys(e.group for e in experiences))
+        old_logprobs, mask, rewards, advantages, group_order = batch_inputs(experiences, self.algorithm)
         num_minibatches = min(self.config.minibatches, len(group_order))
         losses, grad_norms, pg_metrics = [], [], []
         device = self.config.device
