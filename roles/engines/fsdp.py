@@ -38,7 +38,7 @@ from rolectl.sync_protocol.experience import Experience, ExperienceLimits
 
 from .algorithms import AlgorithmConfig, VerlAlgorithm
 from .config_errors import validate_section
-from .hf import batch_inputs, response_logprobs
+from .hf import batch_inputs, batch_metrics, response_logprobs
 from .hf_model import HFModelConfig, hf_model_path_problems, load_tokenizer
 from .sections import FSDPModelSection
 from .streaming import DEFAULT_BUCKET_BYTES, NamedTensors, buckets_of
@@ -273,18 +273,11 @@ class FSDPTrainEngine:
         keys = sorted(metric_sums)
         summed = self._sum_over_ranks([metric_sums[k] for k in keys] + [float(metric_count)])
         averaged = {k.replace("actor/", ""): v / max(summed[-1], 1.0) for k, v in zip(keys, summed)}
-        staleness = [current_version - e.model_version for e in experiences]
         return {
             "loss": sum(losses) / len(losses) if losses else 0.0,
             "updates_skipped_nonfinite": float(self.updates_skipped_nonfinite),
-            "reward_mean": float(rewards.mean()),
-            "reward_std": float(rewards.std(correction=0)),
-            "reward_max": float(rewards.max()),
+            **batch_metrics(experiences, rewards, mask, current_version=current_version),
             "grad_norm": max(grad_norms, default=0.0),
-            "staleness_mean": sum(staleness) / len(staleness),
-            "staleness_max": float(max(staleness)),
-            "response_length_mean": float(mask.sum(dim=1).float().mean()),
-            "num_experiences": float(len(experiences)),
             "model_parameters": float(self.num_parameters),
             "world_size": float(self.world_size),
             **averaged,

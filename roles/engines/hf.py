@@ -55,6 +55,21 @@ def batch_inputs(experiences: Sequence[Experience], algorithm: VerlAlgorithm
     return old_logprobs, mask, rewards, advantages, list(dict.fromkeys(e.group for e in experiences))
 
 
+def batch_metrics(experiences: Sequence[Experience], rewards: Tensor, mask: Tensor, *,
+                  current_version: int) -> dict[str, float]:
+    """A train step's figures about its batch: rewards, staleness, response lengths, size."""
+    staleness = [current_version - e.model_version for e in experiences]
+    return {
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std(correction=0)),
+        "reward_max": float(rewards.max()),
+        "staleness_mean": sum(staleness) / len(staleness),
+        "staleness_max": float(max(staleness)),
+        "response_length_mean": float(mask.sum(dim=1).float().mean()),
+        "num_experiences": float(len(experiences)),
+    }
+
+
 def task_seed(seed: int, member: str, explore_step: int, task_idx: int) -> int:
     """The sampling seed of one task's group: a replayed explore step samples the same responses."""
     return zlib.crc32(f"{seed}/{member}/{explore_step}/{task_idx}".encode())
@@ -188,18 +203,11 @@ class HFTrainEngine:
         self.step += 1
         averaged = {key.replace("actor/", ""): sum(m[key] for m in pg_metrics) / len(pg_metrics)
                     for key in pg_metrics[0] if isinstance(pg_metrics[0][key], (int, float))}
-        staleness = [current_version - e.model_version for e in experiences]
         return {
             "loss": sum(losses) / len(losses) if losses else 0.0,
             "updates_skipped_nonfinite": float(self.updates_skipped_nonfinite),
-            "reward_mean": float(rewards.mean()),
-            "reward_std": float(rewards.std(correction=0)),
-            "reward_max": float(rewards.max()),
+            **batch_metrics(experiences, rewards, mask, current_version=current_version),
             "grad_norm": max(grad_norms, default=0.0),
-            "staleness_mean": sum(staleness) / len(staleness),
-            "staleness_max": float(max(staleness)),
-            "response_length_mean": float(mask.sum(dim=1).float().mean()),
-            "num_experiences": float(len(experiences)),
             "model_parameters": float(self.num_parameters),
             **averaged,
         }
