@@ -277,9 +277,6 @@ async def supervise(cfg: JobConfig, launcher: Launcher, run_path: Path, *, monit
                         failed = "stopped" if stop.is_set() else "timeout"
                         break
                     await asyncio.sleep(0.5)  # refresh cadence of the progress table
-            if not console.is_terminal:
-                progress.update(view.trainer_steps, time.monotonic())
-                console.print(progress.line(), highlight=False)  # where it ended, in a pipe too
             if failed is not None and not isinstance(failed, str):
                 exit_code = failed.returncode if failed.returncode > 0 else EXIT_ERROR
                 console.print(f"[red]{failed.name} exited with code {failed.returncode}[/]; last log lines:")
@@ -304,6 +301,10 @@ async def supervise(cfg: JobConfig, launcher: Launcher, run_path: Path, *, monit
             events_file = run_path / "events.jsonl"
             write_export(records, events_file, job=cfg.job)
             summary = summarize(records, job=cfg.job)
+            if not console.is_terminal:
+                # where it ended, in a pipe too: from the whole history, which the live view may trail
+                progress.update(max(view.trainer_steps, summary["trainer_steps"]), time.monotonic())
+                console.print(progress.line(), highlight=False)
             if exit_code == 0 and not summary["complete"]:
                 exit_code = EXIT_INCOMPLETE  # every process exited 0 and still the job fell short
                 console.print(f"[red]job incomplete:[/] {summary['end_reason']}")

@@ -150,8 +150,11 @@ def test_over_rollout_steps_cut_their_tail_and_the_job_completes(tmp_path):
     s = run.summary
     assert run.rc == 0 and s["complete"] is True, f"exit {run.rc}\n{run.output[-2000:]}\n{run.role_logs()}"
     steps = sum(s["explorer_steps"].values())
-    assert s["over_rollout_tasks_cut"] == steps, s  # one task cut per explore step (4 -> 3)
-    assert s["experiences_produced"] == steps * 3 * 4  # 3 tasks x group_size 4
+    # A step waits for 3 of its 4 tasks and cuts the 4th, unless that one finished in the same
+    # instant (then it is kept): at most one cut per step, and at least one in the run.
+    cut = s["over_rollout_tasks_cut"]
+    assert 1 <= cut <= steps, s
+    assert s["experiences_produced"] == (steps * 4 - cut) * 4, s  # group_size 4 per task kept
 
 
 def test_serve_quickstart_runs_its_agent_and_counts_the_traffic(tmp_path):
