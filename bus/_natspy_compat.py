@@ -10,6 +10,8 @@ release until someone runs it and adds that release.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from nats.aio.client import Client
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
@@ -21,6 +23,7 @@ __all__ = [
     "callbackless_subscriptions",
     "client_of",
     "inbox_prefix",
+    "nonce_credentials",
     "signs_server_nonce",
     "unique_name",
 ]
@@ -59,6 +62,14 @@ def signs_server_nonce(nc: Client) -> bool:
     """Whether the client authenticates with nkeys or a JWT: it signs the server's nonce through a
     callback at connect, which a second, plain connection cannot copy."""
     return nc._signature_cb is not None or nc._user_jwt_cb is not None
+
+
+def nonce_credentials(
+    nc: Client,
+) -> tuple[Callable[[str], bytes] | None, Callable[[], bytes | bytearray] | None, str | None]:
+    """The client's nonce signer, JWT callback and public nkey (each None if unused), so a second
+    connection (the weights' data connection) can authenticate as the same nkey / JWT identity."""
+    return nc._signature_cb, nc._user_jwt_cb, nc._public_nkey
 
 
 def inbox_prefix(nc: Client) -> str:

@@ -1,14 +1,18 @@
-"""A minimal blocking NATS client for bulk bytes: one plain connection, driven from a worker thread.
+"""A minimal blocking NATS client for bulk bytes: one connection, driven from a worker thread.
 
 nats-py parses every inbound byte in Python, a few KiB at a time; weight chunks are megabytes. This
 client speaks the ordinary NATS client protocol (INFO / CONNECT / PING / SUB / PUB / HMSG) over a
 blocking socket, receives payloads straight into the caller's buffer (hashing each piece while it
 is still in cache) and sends with scatter-gather `sendmsg`, so no payload is copied or joined.
 
-It copies the credentials of an existing nats-py client (user/password or token); where that client
-uses TLS, nkeys or a JWT, `data_endpoint` returns None and the caller stays on nats-py. Errors:
-`Transient` (and its `ConnectionLost`) for what a restarting server causes, `NoDataConnection` when
-the server rules this client out, `TransferError` for a protocol violation.
+`data_endpoint` copies how an existing nats-py client connected: its server, its credentials
+(user/password, token, an nkey or a JWT, whose signature over the server's nonce is made with the
+client's own callback), and its TLS context (upgraded after INFO as the server asks, or handshake
+first). Under TLS, sends go through the TLS socket part by part, small parts joined (a TLS socket
+has no `sendmsg`); receives still land straight in the caller's buffer. Only websocket clients get
+None, and the caller stays on nats-py. Errors: `Transient` (and its `ConnectionLost`) for what a
+restarting server causes, `NoDataConnection` when the server rules this client out,
+`TransferError` for a protocol violation.
 """
 
 from __future__ import annotations
@@ -17,19 +21,21 @@ import asyncio
 import contextlib
 import json
 import socket
+import ssl
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Protocol, TypeVar
 
 from nats.aio.client import Client
 
-from .._natspy_compat import signs_server_nonce
+from .._natspy_compat import nonce_credentials
 from ..errors import TransferError
 
 __all__ = [
     "ConnectionLost",
     "DataConnection",
+    "Endpoint",
     "Hasher",
     "Incoming",
     "NoDataConnection",
@@ -45,6 +51,7 @@ CRLF = b"\r\n"
 _IOV_MAX = 1024  # Linux limit on buffers per sendmsg
 _HASH_PIECE = 256 * 1024  # hash received bytes in pieces of at least this, while cache-hot
 _READ_BUFFER = 256 * 1024  # protocol lines and small payloads are read through this buffer
+_TLS_JOIN = 64 * 1024  # under TLS, parts smaller than this are joined: one TLS record, not several
 
 
 class NoDataConnection(Exception):
@@ -76,13 +83,45 @@ class Incoming:
     size: int
 
 
-def data_endpoint(nc: Client) -> tuple[str, int, dict[str, str]] | None:
-    """Host, port and CONNECT credentials for a second plain connection, or None if we can't copy them."""
+@dataclass(frozen=True)
+class Endpoint:
+    """Where and as whom a data connection connects: a copy of a nats-py client's connection.
+
+    `auth` holds the CONNECT fields that are plain values (user/pass, auth_token). A client that
+    signs the server's nonce (nkeys, JWT) gives its callbacks: `sign_nonce(nonce)` returns the
+    base64 signature, `user_jwt()` the JWT, and `public_nkey` names the nkey. `tls` is the context
+    used when the server requires TLS (the default context if None); `tls_first` makes the TLS
+    handshake before the server's INFO, as a server with `handshake_first` expects.
+    """
+
+    host: str
+    port: int
+    auth: Mapping[str, str] = field(default_factory=dict)
+    tls: ssl.SSLContext | None = None
+    tls_hostname: str | None = None
+    tls_first: bool = False
+    sign_nonce: Callable[[str], bytes] | None = None
+    user_jwt: Callable[[], bytes | bytearray] | None = None
+    public_nkey: str | None = None
+
+    def connect_fields(self, info: Mapping[str, object]) -> dict[str, str]:
+        """The credential fields of CONNECT for a server that sent `info` (signing its nonce)."""
+        fields = dict(self.auth)
+        nonce = info.get("nonce")
+        if nonce is not None and self.sign_nonce is not None:
+            fields["sig"] = self.sign_nonce(str(nonce)).decode()
+            if self.user_jwt is not None:
+                fields["jwt"] = self.user_jwt().decode()
+            elif self.public_nkey is not None:
+                fields["nkey"] = self.public_nkey
+        return fields
+
+
+def data_endpoint(nc: Client) -> Endpoint | None:
+    """How to open a second connection to `nc`'s server as `nc`'s identity, or None if we can't
+    (not connected, or a websocket)."""
     uri = nc.connected_url
-    if uri is None or uri.scheme != "nats" or not uri.hostname:
-        return None
-    # nkeys / JWT sign a server nonce with callbacks; TLS needs the client's context. Not copied.
-    if nc.options.get("tls") is not None or signs_server_nonce(nc):
+    if uri is None or uri.scheme not in ("nats", "tls") or not uri.hostname:
         return None
 
     def value(v: object) -> object:
@@ -96,7 +135,15 @@ def data_endpoint(nc: Client) -> tuple[str, int, dict[str, str]] | None:
         auth = {"auth_token": str(token)}
     elif uri.username is not None:
         auth = {"auth_token": uri.username} if uri.password is None else {"user": uri.username, "pass": uri.password}
-    return uri.hostname, uri.port or 4222, auth
+    sign_nonce, user_jwt, public_nkey = nonce_credentials(nc)
+    tls = nc.options.get("tls")
+    return Endpoint(
+        uri.hostname, uri.port or 4222, auth,
+        tls=tls if isinstance(tls, ssl.SSLContext) else None,
+        tls_hostname=nc.options.get("tls_hostname") or uri.hostname,
+        tls_first=bool(nc.options.get("tls_handshake_first")),
+        sign_nonce=sign_nonce, user_jwt=user_jwt, public_nkey=public_nkey,
+    )
 
 
 class DataConnection:
@@ -107,11 +154,12 @@ class DataConnection:
     bounded by `timeout` seconds.
     """
 
-    def __init__(self, host: str, port: int, auth: Mapping[str, str], *, timeout: float):
-        self._addr = (host, port)
-        self._auth = dict(auth)
+    def __init__(self, endpoint: Endpoint, *, timeout: float):
+        self._endpoint = endpoint
+        self._addr = (endpoint.host, endpoint.port)
         self._timeout = timeout
         self._sock: socket.socket | None = None
+        self._tls = False
         self._buf = bytearray(_READ_BUFFER)
         self._mv = memoryview(self._buf)
         self._lo = self._hi = 0
@@ -141,16 +189,23 @@ class DataConnection:
             raise Transient(f"data connection to {self._addr} aborted while connecting")
         # Socket buffers are left to TCP autotuning: a fixed SO_RCVBUF turns it off.
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        endpoint = self._endpoint
+        if endpoint.tls_first:
+            self._start_tls()
         line = self._readline()
         if not line.startswith(b"INFO "):
             raise NoDataConnection(f"server greeting is not INFO: {line[:80]!r}")
         info = json.loads(line[5:])
-        if info.get("tls_required") or not info.get("headers"):
-            raise NoDataConnection("server requires TLS or lacks header support")
+        if not info.get("headers"):
+            raise NoDataConnection("server lacks header support")
+        if info.get("tls_required") and not self._tls:
+            if self._lo != self._hi:
+                raise TransferError(f"data connection to {self._addr}: bytes after INFO before the TLS handshake")
+            self._start_tls()
         connect = {
             "verbose": False, "pedantic": False, "protocol": 1, "headers": True,
             "no_responders": True, "lang": "python3", "version": "rolectl-weights",
-            "name": "rolectl-weights-data", **self._auth,
+            "name": "rolectl-weights-data", **endpoint.connect_fields(info),
         }
         self.send([b"CONNECT " + json.dumps(connect).encode() + b"\r\nPING\r\n"])
         while True:
@@ -161,6 +216,19 @@ class DataConnection:
                 raise NoDataConnection(f"server refused the data connection: {line.decode(errors='replace')}")
             if line == b"PING":
                 self.send([b"PONG\r\n"])
+
+    def _start_tls(self) -> None:
+        """Wrap the open socket in TLS with the endpoint's context (the default one if it has none)."""
+        endpoint = self._endpoint
+        context = endpoint.tls or ssl.create_default_context()
+        try:
+            self._sock = context.wrap_socket(self._connected(), server_hostname=endpoint.tls_hostname or endpoint.host)
+        except ssl.SSLCertVerificationError as exc:
+            # The nats-py client got through with this context, so this server is not the one it trusts.
+            raise NoDataConnection(f"TLS to {self._addr} failed: {exc}") from None
+        except OSError as exc:
+            raise Transient(f"TLS handshake with {self._addr} failed: {exc}") from None
+        self._tls = True
 
     def close(self) -> None:
         sock, self._sock = self._sock, None
@@ -173,7 +241,9 @@ class DataConnection:
         sock = self._sock
         if sock is not None:
             with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
+                # The plain socket's shutdown, also under TLS: SSLSocket.shutdown would drop its TLS
+                # state under the thread still reading it.
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)
 
     # writing --------------------------------------------------------------------------------------
 
@@ -197,6 +267,9 @@ class DataConnection:
         sock = self._connected()
         views = [memoryview(p) for p in parts if len(p)]
         try:
+            if self._tls:
+                _send_tls(sock, views)
+                return
             while views:
                 sent = sock.sendmsg(views[:_IOV_MAX])
                 while sent:
@@ -309,6 +382,22 @@ class DataConnection:
         out = bytearray(n)
         self._read_into(memoryview(out))
         return bytes(out)
+
+
+def _send_tls(sock: socket.socket, views: list[memoryview]) -> None:
+    """Send `views` through a TLS socket (no sendmsg there): large parts as they are, runs of small
+    ones (protocol lines, CRLFs) joined so each does not cost a TLS record and a syscall."""
+    small = bytearray()
+    for view in views:
+        if len(view) < _TLS_JOIN:
+            small += view
+            continue
+        if small:
+            sock.sendall(small)
+            small.clear()
+        sock.sendall(view)
+    if small:
+        sock.sendall(small)
 
 
 def parse_headers(raw: bytes) -> tuple[str | None, dict[str, str]]:

@@ -42,11 +42,11 @@ Theory of operation
   chunk passes the whole version is verified. On any failure the buffer is dropped: the caller gets
   `CorruptWeights` / `WeightsNotFound` / `TransferError` and no tensors.
 - **Data connection.** nats-py parses every inbound byte in Python, a few KiB at a time, which
-  is too slow for bulk bytes. They go over a second, plain NATS connection to the same server
+  is too slow for bulk bytes. They go over a second NATS connection to the same server
   (`_wire_client`), driven from a worker thread that receives straight into the tensors and hashes
-  each piece while it is in cache. It copies the nats-py client's credentials (user/password or
-  token); where it cannot be used (TLS, nkeys/JWT, websocket) the transport falls back to the
-  nats-py connection for everything, same semantics.
+  each piece while it is in cache. It connects as the nats-py client did (user/password, token,
+  nkey or JWT; TLS with the client's context); where it cannot be used (websocket) the transport
+  falls back to the nats-py connection for everything, same semantics.
 """
 
 from __future__ import annotations
@@ -494,9 +494,8 @@ class ObjectStoreTransport:
         if endpoint is None:
             if not self._nc.is_connected:
                 raise Transient("the NATS connection is reconnecting")
-            raise NoDataConnection("client options rule out a plain connection")
-        host, port, auth = endpoint
-        return await run_in_thread(DataConnection(host, port, auth, timeout=self._timeout), work)
+            raise NoDataConnection("client options rule out a data connection")
+        return await run_in_thread(DataConnection(endpoint, timeout=self._timeout), work)
 
     async def _fetch_data_connection(self, plan: _ChunkPlan) -> None:
         """Fetch over data connections; if the server drops one (a slow consumer: more than its

@@ -3,6 +3,7 @@ upgrade of nats-py that moves one of its internals fails here."""
 
 from __future__ import annotations
 
+import base64
 import importlib.metadata
 
 import nats
@@ -66,6 +67,26 @@ async def test_a_client_with_a_signing_callback_signs_the_server_nonce(nats_url,
     client = await nats.connect(nats_url, **{callback: lambda *args: b""})
     try:
         assert compat.signs_server_nonce(client) is True
+    finally:
+        await client.close()
+
+
+async def test_a_plain_client_has_no_nonce_credentials(nc):
+    assert compat.nonce_credentials(nc) == (None, None, None)
+
+
+async def test_an_nkey_client_s_nonce_credentials_sign_as_its_public_key(nats_url, tmp_path):
+    import nkeys
+
+    seed_file = tmp_path / "user.nk"
+    seed_file.write_bytes(nkeys.encode_seed(bytes(32), nkeys.PREFIX_BYTE_USER))
+    # The server asks for no nonce, so the client keeps its callbacks without using them.
+    client = await nats.connect(nats_url, nkeys_seed=str(seed_file))
+    try:
+        sign, user_jwt, public_nkey = compat.nonce_credentials(client)
+        key = nkeys.from_seed(seed_file.read_bytes())
+        assert user_jwt is None and public_nkey == key.public_key.decode()
+        assert key.verify(b"nonce", base64.urlsafe_b64decode(sign("nonce") + b"=="))
     finally:
         await client.close()
 

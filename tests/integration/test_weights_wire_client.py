@@ -1,28 +1,35 @@
-"""The plain NATS data connection (`bus.weights._wire_client`) against a real nats-server: connect,
-publish, fetch, errors, closing twice and cancellation."""
+"""The NATS data connection (`bus.weights._wire_client`) against a real nats-server: connect,
+publish, fetch, errors, closing twice, cancellation, and TLS + nkeys on a server from `rolectl auth init`."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import threading
+import urllib.request
 
 import nats
 import pytest
+import torch
 from nats.js.api import StorageType
 
+from rolectl.bus.auth import init_auth_dir, parse_nkeys
 from rolectl.bus.errors import TransferError
 from rolectl.bus.server import NatsServer, free_port
+from rolectl.bus.subjects import JobNames
 from rolectl.bus.weights._wire_client import (
     ConnectionLost,
     DataConnection,
+    Endpoint,
     NoDataConnection,
     Transient,
     data_endpoint,
     parse_headers,
     run_in_thread,
 )
+from rolectl.bus.weights.object_store import ObjectStoreTransport
 
 
 @pytest.fixture
@@ -35,8 +42,7 @@ async def nc(nats_url):
 def open_to(nc, *, timeout: float = 10.0) -> DataConnection:
     endpoint = data_endpoint(nc)
     assert endpoint is not None
-    host, port, auth = endpoint
-    conn = DataConnection(host, port, auth, timeout=timeout)
+    conn = DataConnection(endpoint, timeout=timeout)
     conn.open()
     return conn
 
@@ -45,7 +51,9 @@ def open_to(nc, *, timeout: float = 10.0) -> DataConnection:
 
 
 async def test_data_endpoint_of_a_plain_client_is_its_server_without_credentials(nc, nats_server):
-    assert data_endpoint(nc) == ("127.0.0.1", nats_server.port, {})
+    endpoint = data_endpoint(nc)
+    assert (endpoint.host, endpoint.port, dict(endpoint.auth)) == ("127.0.0.1", nats_server.port, {})
+    assert (endpoint.tls, endpoint.sign_nonce, endpoint.public_nkey) == (None, None, None)
 
 
 async def test_open_connects_and_a_message_to_itself_comes_back(nc):
@@ -67,12 +75,13 @@ async def test_credentials_are_copied_from_the_nats_py_client(tmp_path):
     try:
         client = await nats.connect(server.url, user="weights", password="s3cret")
         try:
-            host, port, auth = data_endpoint(client)
-            assert auth == {"user": "weights", "pass": "s3cret"}
-            with DataConnection(host, port, auth, timeout=10) as conn:
+            endpoint = data_endpoint(client)
+            assert endpoint.auth == {"user": "weights", "pass": "s3cret"}
+            with DataConnection(endpoint, timeout=10) as conn:
                 await asyncio.to_thread(conn.open)
                 assert conn.is_open
-            with DataConnection(host, port, {"user": "weights", "pass": "wrong"}, timeout=10) as conn:
+            wrong = dataclasses.replace(endpoint, auth={"user": "weights", "pass": "wrong"})
+            with DataConnection(wrong, timeout=10) as conn:
                 with pytest.raises(NoDataConnection, match="refused"):
                     await asyncio.to_thread(conn.open)
         finally:
@@ -158,7 +167,7 @@ def test_parse_headers_reads_status_and_fields():
 
 
 def test_nothing_listening_is_transient():
-    conn = DataConnection("127.0.0.1", free_port(), {}, timeout=5)
+    conn = DataConnection(Endpoint("127.0.0.1", free_port()), timeout=5)
     with pytest.raises(Transient, match="cannot open a data connection"):
         conn.open()
     assert not conn.is_open
@@ -193,7 +202,7 @@ async def test_a_server_that_goes_away_mid_read_is_connection_lost(own_server):
 
 
 def test_a_connection_never_opened_refuses_to_send():
-    conn = DataConnection("127.0.0.1", free_port(), {}, timeout=5)
+    conn = DataConnection(Endpoint("127.0.0.1", free_port()), timeout=5)
     with pytest.raises(TransferError, match="not open"):
         conn.send([b"PING\r\n"])
 
@@ -217,8 +226,7 @@ async def test_close_is_safe_twice_and_after_the_context(nc):
 
 
 async def test_cancelling_run_in_thread_aborts_the_blocked_read_and_closes(nc):
-    host, port, auth = data_endpoint(nc)
-    conn = DataConnection(host, port, auth, timeout=300)  # only the abort can end the read in time
+    conn = DataConnection(data_endpoint(nc), timeout=300)  # only the abort can end the read in time
     blocked = threading.Event()
 
     def work(c: DataConnection) -> None:
@@ -235,8 +243,7 @@ async def test_cancelling_run_in_thread_aborts_the_blocked_read_and_closes(nc):
 
 
 async def test_an_abort_before_open_makes_open_fail(nc):
-    host, port, auth = data_endpoint(nc)
-    conn = DataConnection(host, port, auth, timeout=10)
+    conn = DataConnection(data_endpoint(nc), timeout=10)
     conn.abort()
     with pytest.raises(Transient, match="aborted"):
         conn.open()
@@ -244,7 +251,127 @@ async def test_an_abort_before_open_makes_open_fail(nc):
 
 
 async def test_run_in_thread_returns_the_work_result_and_closes(nc):
-    host, port, auth = data_endpoint(nc)
-    conn = DataConnection(host, port, auth, timeout=10)
+    conn = DataConnection(data_endpoint(nc), timeout=10)
     assert await run_in_thread(conn, lambda c: c.is_open) is True
     assert not conn.is_open
+
+
+# secured: TLS + nkeys, as `rolectl auth init` sets a job up ------------------------------------------
+
+SECURE_JOB = "wiresec"
+
+
+def _secured_server(base, *, handshake_first: bool = False):
+    """(AuthDir, started NatsServer) from `rolectl auth init`'s files; `handshake_first` makes the
+    server expect TLS before its INFO."""
+    auth = init_auth_dir(base / "auth", job=SECURE_JOB, explorers=1, port=free_port(), http_port=free_port(),
+                         store_dir=str(base / "store"))
+    conf = auth.server_conf
+    if handshake_first:
+        text = conf.read_text()
+        assert "  timeout: 5\n" in text
+        conf = base / "handshake_first.conf"
+        conf.write_text(text.replace("  timeout: 5\n", "  timeout: 5\n  handshake_first: true\n"))
+    server = NatsServer(config_file=str(conf), port=auth.port, http_port=auth.http_port,
+                        log_file=str(base / "nats.log"))
+    server.start()
+    return auth, server
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory):
+    auth, server = _secured_server(tmp_path_factory.mktemp("wire-secured"))
+    yield auth, server
+    server.stop()
+
+
+def _data_connections(server: NatsServer, state: str = "open") -> list[dict]:
+    url = f"{server.monitor_url}/connz?auth=true&state={state}&limit=1000"
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return [c for c in json.load(resp)["connections"] if c.get("name") == "rolectl-weights-data"]
+
+
+async def _connect_as(auth, identity: str, **extra):
+    return await nats.connect(auth.url, **auth.security(identity).connect_options(SECURE_JOB), **extra)
+
+
+async def test_a_secured_client_s_data_connection_is_tls_signed_with_its_nkey(secured):
+    auth, server = secured
+    client = await _connect_as(auth, "trainer")
+    try:
+        endpoint = data_endpoint(client)
+        assert endpoint.tls is not None and endpoint.sign_nonce is not None
+        with DataConnection(endpoint, timeout=10) as conn:
+            await asyncio.to_thread(conn.open)
+            inbox = client.new_inbox()  # the only inboxes this identity may subscribe to
+            conn.subscribe(inbox)
+            # A weights subject the trainer may publish on; no stream listens yet, so the server
+            # answers "no responders" on the reply inbox: a big and a small part went out, one came back.
+            chunk = JobNames(SECURE_JOB).weights_chunk(99, 0)
+            await asyncio.to_thread(conn.publish, chunk, inbox, [b"x" * 100_000, b"-tail"])
+            msg = await asyncio.to_thread(conn.next_message)
+            await asyncio.to_thread(conn.read_payload, msg.size)
+            assert (msg.subject, msg.status) == (inbox, "503")
+            (seen,) = _data_connections(server)
+        assert seen.get("tls_version"), seen
+        assert seen["authorized_user"] == endpoint.public_nkey == parse_nkeys(auth.server_conf.read_text())["trainer"]
+    finally:
+        await client.close()
+
+
+async def test_a_secured_data_connection_keeps_its_identity_s_permissions(secured):
+    auth, _ = secured
+    client = await _connect_as(auth, "explorer-0")
+    try:
+        with DataConnection(data_endpoint(client), timeout=10) as conn:
+            await asyncio.to_thread(conn.open)
+            conn.subscribe("_INBOX.someone-else.>")
+            with pytest.raises(TransferError, match="Permissions Violation"):
+                await asyncio.to_thread(conn.next_message)
+    finally:
+        await client.close()
+
+
+async def test_a_data_connection_without_the_signature_is_refused(secured):
+    auth, _ = secured
+    client = await _connect_as(auth, "trainer")
+    try:
+        unsigned = dataclasses.replace(data_endpoint(client), sign_nonce=None)
+        with DataConnection(unsigned, timeout=10) as conn, pytest.raises(NoDataConnection, match="refused"):
+            await asyncio.to_thread(conn.open)
+    finally:
+        await client.close()
+
+
+async def test_a_server_that_wants_the_tls_handshake_first_gets_it(tmp_path):
+    auth, server = _secured_server(tmp_path, handshake_first=True)
+    try:
+        client = await _connect_as(auth, "trainer", tls_handshake_first=True)
+        try:
+            endpoint = data_endpoint(client)
+            assert endpoint.tls_first
+            with DataConnection(endpoint, timeout=10) as conn:
+                await asyncio.to_thread(conn.open)
+                assert _data_connections(server)[0].get("tls_version")
+        finally:
+            await client.close()
+    finally:
+        await asyncio.to_thread(server.stop)
+
+
+async def test_a_secured_job_moves_weights_over_its_data_connections(tmp_path):
+    auth, server = _secured_server(tmp_path)  # its own: the module's server must keep no weights stream
+    weights = {"w": torch.arange(3 << 20, dtype=torch.float32), "b": torch.ones(7, dtype=torch.bfloat16)}
+    admin, trainer, explorer = [await _connect_as(auth, i) for i in ("admin", "trainer", "explorer-0")]
+    try:
+        await ObjectStoreTransport(admin, SECURE_JOB).ensure_stream()
+        ref = await ObjectStoreTransport(trainer, SECURE_JOB).publish(1, weights)
+        got = await ObjectStoreTransport(explorer, SECURE_JOB).fetch(ref)
+        assert all(torch.equal(got[k], weights[k]) for k in weights)
+        nkeys = parse_nkeys(auth.server_conf.read_text())
+        used = {c["authorized_user"] for c in _data_connections(server, "closed") if c.get("tls_version")}
+        assert {nkeys["trainer"], nkeys["explorer-0"]} <= used  # both ends went over TLS data connections
+    finally:
+        for nc in (admin, trainer, explorer):
+            await nc.close()
+        await asyncio.to_thread(server.stop)
