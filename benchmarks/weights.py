@@ -2,6 +2,7 @@
 
     python -m benchmarks.weights [--size-mb 256] [--explorers 4] [--repeat 5] [--json PATH] [--no-dist]
         [--shape qwen2-1.5b|qwen2-7b] [--device cuda] [--fanout 4 8]
+        [--sizes 256 1024 4096] [--beside-job] [--storage memory|file] [--file-storage-above MB]
 
 Starts its own nats-server. A transformer-shaped state dict of `--size-mb` MiB (bf16 attention and
 MLP-down, fp32 MLP-up / norms / biases, int64 buffers) goes from the trainer (this process) to
@@ -31,6 +32,16 @@ as many layers as fit in ``--size-mb``; `SHAPES`) instead. ``--device cuda`` has
 CUDA tensors: the pinned H2D, D2H and D2D copies join the limits (``ratio_to_h2d`` per transport) and
 each fetch reports the receiver's peak GPU memory too (``receiver_peak_gpu_mib``). ``--fanout K ...``
 adds, per version, a fetch by K explorers at once for each K (``fanout_by_explorers``).
+
+Every round records the machine's 1-minute load average with its figures (``rounds``), and each
+transport reports ``best_over_median`` and ``spread`` (worst / best) and the peak memory of every
+process: receiver (``receiver_peak_mib``, growth during a fetch), publisher (``publisher_peak_mib``,
+growth during a publish) and nats-server (``server_peak_rss_mib``, its whole RSS: memory storage
+holds the kept versions there). ``--sizes`` runs the size curve and writes one JSON whose ``curve``
+has one point per size; ``--beside-job`` runs the quickstart job (``rolectl up
+examples/quickstart.yaml``, its own nats-server, trainer and two explorers) beside the transfers,
+as roles share hosts in a real job; ``--file-storage-above MB`` makes the object store use file
+storage above that size (memory storage keeps two versions in the server's RAM).
 
 Adding a transport: put an ``async def bench(ctx: BenchContext) -> dict`` into ``TRANSPORT_BENCHES``
 (pull transports can reuse ``bench_pull`` with a worker factory in ``WORKER_FACTORIES``). If
@@ -335,12 +346,19 @@ WORKER_FACTORIES: dict[str, Callable[[dict], Awaitable[tuple[Any, Callable[[], A
 }
 
 
-def _rss_kib(field_name: str) -> int:
-    with open("/proc/self/status") as f:
+def _rss_kib(field_name: str, pid: int | str = "self") -> int:
+    with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith(field_name + ":"):
                 return int(line.split()[1])
     return 0
+
+
+def _reset_peak(pid: int | str = "self") -> int:
+    """Reset `pid`'s VmHWM to its current RSS (Linux >= 4.0; our own children only); its RSS in KiB."""
+    with contextlib.suppress(OSError):
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+    return _rss_kib("VmRSS", pid)
 
 
 async def _worker_main(spec: dict) -> None:
@@ -429,6 +447,68 @@ class _Explorers:
                 proc.kill()
 
 
+# a job beside the transfer ----------------------------------------------------------------------------
+
+
+class BesideJob:
+    """`rolectl up` of examples/quickstart.yaml (its own nats-server, a trainer and two explorers),
+    run beside the transfer as trainer and explorers share hosts with it in a real job; long enough
+    to outlast the benchmark, stopped (SIGINT, then SIGKILL of its process group) at the end."""
+
+    STEPS = 1_000_000  # never reached: the benchmark stops the job
+
+    def __init__(self, workdir: str, *, ready_timeout: float = 300.0):
+        import yaml
+
+        data = yaml.safe_load((_ROOT / "examples" / "quickstart.yaml").read_text())
+        data["job"] = "beside"
+        data["run_dir"] = str(Path(workdir) / "beside-runs")
+        data["trainer"]["total_steps"] = data["explorers"]["total_steps"] = self.STEPS
+        self.run_dir = Path(data["run_dir"])
+        self.config = Path(workdir) / "beside.yaml"
+        self.config.write_text(yaml.safe_dump(data, sort_keys=False))
+        self.ready_timeout = ready_timeout
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.out = Path(workdir) / "beside.out"
+
+    def start(self) -> None:
+        with open(self.out, "wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "rolectl.roles.cli", "up", "--config", str(self.config), "--no-dashboard"],
+                cwd=str(_ROOT), stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+
+    async def ready(self) -> int:
+        """Wait (bounded) until the job's trainer has trained a step; the steps so far."""
+        deadline = _now() + self.ready_timeout
+        while _now() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the job beside exited with {self.proc.returncode}: {self.out.read_text()[-2000:]}")
+            if steps := self.steps():
+                return steps
+            await asyncio.sleep(1.0)  # polling a log file: there is no event to wait on across processes
+        raise RuntimeError(f"the job beside trained no step in {self.ready_timeout:.0f} s; see {self.out}")
+
+    def steps(self) -> int:
+        """Train steps the job's trainer has logged (how much it ran beside the transfer)."""
+        return sum(log.read_text(errors="replace").count("train_step")
+                   for log in self.run_dir.glob("*/logs/trainer*.log"))
+
+    def stop(self) -> None:
+        import signal
+
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGINT)  # `up` stops its roles in order
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: only what it started
+            self.proc.wait()
+
+
 # transports -----------------------------------------------------------------------------------------
 
 
@@ -450,6 +530,8 @@ class BenchContext:
     stock_mb: int = 8  # MiB the stock nats-py object store reference moves
     device: str = "cpu"  # where explorers fetch into
     fanout: tuple[int, ...] = ()  # extra fan-out sizes measured per version
+    server_pid: int | None = None  # the nats-server the transport under test talks to (its peak RSS)
+    storage: str = "memory"  # the object store's storage in the plain `object_store` bench
 
     @property
     def nbytes(self) -> int:
@@ -464,14 +546,23 @@ async def bench_pull(ctx: BenchContext, transport, worker_spec: dict, limit_key:
     try:
         await explorers.ready()
         publish, single, fanout, peaks = [], [], [], []
+        rounds: list[dict[str, Any]] = []
+        publisher_peaks, server_peaks = [], []
         for version in range(1, ctx.repeat + 1):
+            rss0 = _reset_peak()
+            server_rss0 = _reset_peak(ctx.server_pid) if ctx.server_pid else 0
             t0 = _now()
             ref = await transport.publish(version, ctx.state)
             publish.append(_now() - t0)
+            publisher_peaks.append(_rss_kib("VmHWM") - rss0)
             await transport.prune(2)  # as the trainer does, untimed
             one = await explorers.fetch(1, ref)
             single.append(one[0]["t1"] - one[0]["t0"])
             peaks.append(one[0]["peak_kib"])
+            if ctx.server_pid:
+                server_peaks.append((_rss_kib("VmHWM", ctx.server_pid), server_rss0))
+            rounds.append({"publish_s": publish[-1], "fetch_s": single[-1],
+                           "fetch_gbps": ctx.nbytes / single[-1] / 1e9, "loadavg_1m": os.getloadavg()[0]})
             gpu_peaks += [r["gpu_peak_kib"] for r in one if "gpu_peak_kib" in r]
             if ctx.explorers > 1:
                 many = await explorers.fetch(ctx.explorers, ref)
@@ -498,7 +589,16 @@ async def bench_pull(ctx: BenchContext, transport, worker_spec: dict, limit_key:
         "end_to_end_seconds": min(publish) + best,
         "receiver_peak_mib": max(peaks) / 1024,
         "receiver_peak_over_model": max(peaks) * 1024 / ctx.nbytes,
+        # the spread a user sees: how far the median and the worst round fall below the best
+        "best_over_median": statistics.median(single) / best,
+        "spread": max(single) / best,
+        "publisher_peak_mib": max(publisher_peaks) / 1024,
+        "rounds": rounds,
     }
+    if server_peaks:
+        # absolute: with memory storage the server holds the kept versions, with file storage the page cache does
+        out["server_peak_rss_mib"] = max(peak for peak, _ in server_peaks) / 1024
+        out["server_peak_growth_mib"] = max(peak - before for peak, before in server_peaks) / 1024
     if gpu_peaks:
         out.update(device=ctx.device, receiver_peak_gpu_mib=max(gpu_peaks) / 1024,
                    receiver_peak_gpu_over_model=max(gpu_peaks) * 1024 / ctx.nbytes)
@@ -540,8 +640,8 @@ async def _bench_object_store(ctx: BenchContext, storage: str) -> dict:
 
 
 async def bench_object_store(ctx: BenchContext) -> dict:
-    """The default configuration: memory storage."""
-    return await _bench_object_store(ctx, "memory")
+    """The default configuration: memory storage (file with `--storage file`)."""
+    return await _bench_object_store(ctx, ctx.storage)
 
 
 async def bench_object_store_file(ctx: BenchContext) -> dict:
@@ -551,8 +651,8 @@ async def bench_object_store_file(ctx: BenchContext) -> dict:
 
 async def bench_object_store_secure(ctx: BenchContext) -> dict:
     """Memory storage on a server from `rolectl auth init` (TLS, nkeys, least privilege): admin
-    makes the stream, the trainer identity publishes, explorer identities fetch (the nats-py data
-    path: the plain data connection cannot carry TLS or nkey signatures)."""
+    makes the stream, the trainer identity publishes, explorer identities fetch (through the
+    data connection, over TLS and signed with the identity's nkey like the nats-py client)."""
     import nats
 
     from rolectl.bus.auth import init_auth_dir
@@ -562,25 +662,28 @@ async def bench_object_store_secure(ctx: BenchContext) -> dict:
     job = "bench-secure"
     auth = init_auth_dir(Path(ctx.workdir) / "auth", job=job, explorers=1, port=free_port(),
                          http_port=free_port(), store_dir=str(Path(ctx.workdir) / "nats-secure"))
-    async with NatsServer(config_file=str(auth.server_conf), port=auth.port, http_port=auth.http_port):
+    storage = ctx.storage
+    async with NatsServer(config_file=str(auth.server_conf), port=auth.port, http_port=auth.http_port) as server:
         admin = await nats.connect(auth.url, **auth.security("admin").connect_options(job))
         try:
-            await ObjectStoreTransport(admin, job).ensure_stream()
+            await ObjectStoreTransport(admin, job, storage=storage).ensure_stream()
         finally:
             await admin.close()
         nc = await nats.connect(auth.url, **auth.security("trainer").connect_options(job))
+        plain_server, ctx.server_pid = ctx.server_pid, server.pid
         try:
-            transport = ObjectStoreTransport(nc, job)
+            transport = ObjectStoreTransport(nc, job, storage=storage)
             explorer = auth.security("explorer-0")
             result = await bench_pull(
                 ctx, transport,
-                {"factory": "object_store", "url": auth.url, "job": job,
+                {"factory": "object_store", "url": auth.url, "job": job, "storage": storage,
                  "security": {"creds": explorer.creds, "tls_ca": explorer.tls_ca}},
                 "loopback_socket_gbps",
             )
-            result.update(storage="memory", chunk_bytes=transport.chunk_size, tls=True, nkeys=True)
+            result.update(storage=storage, chunk_bytes=transport.chunk_size, tls=True, nkeys=True)
             return result
         finally:
+            ctx.server_pid = plain_server
             await nc.close()
 
 
@@ -609,43 +712,35 @@ TRANSPORT_BENCHES: dict[str, Callable[[BenchContext], Awaitable[dict]]] = {
 async def run(size_mb: int, explorers: int, repeat: int, *, dist: bool = True,
               only: list[str] | None = None, progress: Callable[[str], None] = print,
               stock_mb: int = 8, shape: str | None = None, device: str = "cpu",
-              fanout: tuple[int, ...] = ()) -> dict:
+              fanout: tuple[int, ...] = (), beside_job: bool = False, storage: str = "memory") -> dict:
     from rolectl.bus.server import NatsServer
     from rolectl.bus.weights.format import default_digest_algorithm
 
     state = shaped_state_dict(shape, size_mb) if shape else build_state_dict(size_mb)
+    beside: BesideJob | None = None
     with tempfile.TemporaryDirectory(prefix="rolectl-bench-") as workdir:
         async with NatsServer(store_dir=str(Path(workdir) / "nats")) as server:
             ctx = BenchContext(size_mb=size_mb, explorers=explorers, repeat=repeat, url=server.url,
                                workdir=workdir, state=state, flat=_flat_bytes(state), progress=progress,
-                               stock_mb=stock_mb, device=device, fanout=tuple(fanout))
-            load_before = os.getloadavg()
-            await measure_limits(ctx)
-            for name, bench in TRANSPORT_BENCHES.items():
-                if only and name not in only:
-                    continue
-                progress(f"transport {name}...")
-                try:
-                    ctx.transports[name] = await bench(ctx)
-                except Exception:
-                    progress(f"nats-server's closed connections: {_closed_reasons(server.monitor_url)}")
-                    raise
-            await measure_limits(ctx, stock=False)
-            for t in ctx.transports.values():  # against the best limits of the whole run
-                if "limit" in t:
-                    t["ratio_to_limit"] = t["gbps"] / ctx.limits[t["limit"]]
-            load_after = os.getloadavg()
-    result: dict[str, Any] = {
-        "size_mb": size_mb,
-        "nbytes": ctx.nbytes,
-        "explorers": explorers,
-        "repeat": repeat,
-        "digest": default_digest_algorithm(),
-        "machine": {"cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": load_after},
-        "limits": ctx.limits,
-        "limit_details": ctx.details,
-        "transports": ctx.transports,
-    }
+                               stock_mb=stock_mb, device=device, fanout=tuple(fanout),
+                               server_pid=server.pid, storage=storage)
+            if beside_job:
+                beside = BesideJob(workdir)
+                beside.start()
+                progress("waiting for the quickstart job beside to train a step...")
+                steps_before = await beside.ready()
+            try:
+                result = await _measure(ctx, server.monitor_url, only, progress)
+            finally:
+                if beside is not None:
+                    steps_during = beside.steps() - steps_before
+                    beside.stop()
+    if beside is not None:
+        # proof it ran all along: the trainer beside kept training while the transfers were timed
+        result["beside_job"] = {"config": "examples/quickstart.yaml (total_steps raised; stopped at the end)",
+                                "train_steps_during": steps_during}
+    result.update(size_mb=size_mb, explorers=explorers, repeat=repeat, digest=default_digest_algorithm(),
+                  storage=storage)
     if shape:
         result["shape"] = {"name": shape, **SHAPES[shape], "num_hidden_layers": shape_layers(shape, size_mb),
                            "dtype": "bfloat16", "tensors": len(state)}
@@ -667,6 +762,33 @@ async def run(size_mb: int, explorers: int, repeat: int, *, dist: bool = True,
     return result
 
 
+async def _measure(ctx: BenchContext, monitor_url: str, only: list[str] | None,
+                   progress: Callable[[str], None]) -> dict[str, Any]:
+    """Limits, every transport asked for, limits again; the machine's load around them."""
+    load_before = os.getloadavg()
+    await measure_limits(ctx)
+    for name, bench in TRANSPORT_BENCHES.items():
+        if only and name not in only:
+            continue
+        progress(f"transport {name}...")
+        try:
+            ctx.transports[name] = await bench(ctx)
+        except Exception:
+            progress(f"nats-server's closed connections: {_closed_reasons(monitor_url)}")
+            raise
+    await measure_limits(ctx, stock=False)
+    for t in ctx.transports.values():  # against the best limits of the whole run
+        if "limit" in t:
+            t["ratio_to_limit"] = t["gbps"] / ctx.limits[t["limit"]]
+    return {
+        "nbytes": ctx.nbytes,
+        "machine": {"cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
+        "limits": ctx.limits,
+        "limit_details": ctx.details,
+        "transports": ctx.transports,
+    }
+
+
 def _closed_reasons(monitor_url: str) -> dict[str, int]:
     """Why the server closed connections (slow consumers show here, not in its log)."""
     import urllib.request
@@ -680,6 +802,50 @@ def _closed_reasons(monitor_url: str) -> dict[str, int]:
     for c in conns:
         reasons[c.get("reason", "?")] = reasons.get(c.get("reason", "?"), 0) + 1
     return reasons
+
+
+def curve_point(result: dict) -> dict[str, Any]:
+    """One size of the size curve: per transport best, median, spread and peak memory per process,
+    with the machine's load while its rounds ran (this machine is shared: read figures with it)."""
+    point: dict[str, Any] = {"size_mb": result["size_mb"], "nbytes": result["nbytes"],
+                             "storage": result.get("storage", "memory"),
+                             "loadavg_before": result["machine"]["loadavg_before"],
+                             "loadavg_after": result["machine"]["loadavg_after"],
+                             "limits_gbps": result["limits"], "transports": {}}
+    for name, t in result["transports"].items():
+        if "rounds" not in t:
+            continue
+        loads = [r["loadavg_1m"] for r in t["rounds"]]
+        point["transports"][name] = {
+            "best_gbps": t["gbps"], "median_gbps": t["median_gbps"], "best_over_median": t["best_over_median"],
+            "spread": t["spread"], "of_limit": t.get("ratio_to_limit"), "limit": t.get("limit"),
+            "rounds": len(t["rounds"]), "loadavg_1m_min": min(loads), "loadavg_1m_max": max(loads),
+            "receiver_peak_mib": t["receiver_peak_mib"], "publisher_peak_mib": t["publisher_peak_mib"],
+            "server_peak_rss_mib": t.get("server_peak_rss_mib"), "storage": t.get("storage"),
+            **({"fanout_ratio": t["fanout_ratio"], "explorers": t["explorers"]} if "fanout_ratio" in t else {}),
+        }
+    if "beside_job" in result:
+        point["beside_job"] = result["beside_job"]
+    return point
+
+
+def render_curve(curve: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="size curve: GB/s = 1e9 B/s; load = 1-minute load average over the rounds")
+    for col in ("size MiB", "transport", "best", "median", "median/best s", "spread", "of limit",
+                "recv MiB", "pub MiB", "server MiB", "load"):
+        table.add_column(col, justify="right")
+    for point in curve:
+        for name, t in point["transports"].items():
+            server = t["server_peak_rss_mib"]
+            table.add_row(str(point["size_mb"]), name, f"{t['best_gbps']:.2f}", f"{t['median_gbps']:.2f}",
+                          f"{t['best_over_median']:.2f}", f"{t['spread']:.2f}",
+                          f"{t['of_limit']:.0%}" if t["of_limit"] else "", f"{t['receiver_peak_mib']:.0f}",
+                          f"{t['publisher_peak_mib']:.0f}", f"{server:.0f}" if server else "",
+                          f"{t['loadavg_1m_min']:.1f}-{t['loadavg_1m_max']:.1f}")
+    Console(width=160).print(table)
 
 
 def render(result: dict) -> None:
@@ -724,6 +890,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu", help="where explorers fetch into: cpu or cuda[:N]")
     parser.add_argument("--fanout", type=int, nargs="*", default=[],
                         help="also time K explorers fetching at once, for each K given")
+    parser.add_argument("--sizes", type=int, nargs="*", default=[],
+                        help="the size curve: run every size (MiB) in turn, one JSON with a `curve` of them")
+    parser.add_argument("--beside-job", action="store_true",
+                        help="run the quickstart job (rolectl up examples/quickstart.yaml) beside the transfers")
+    parser.add_argument("--storage", choices=("memory", "file"), default="memory",
+                        help="the object store's storage (object_store and object_store_secure)")
+    parser.add_argument("--file-storage-above", type=int, default=None, metavar="MB",
+                        help="with --sizes: file storage for sizes above MB (memory storage keeps two "
+                             "versions in the server's RAM)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -737,10 +912,29 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--device {args.device!r}: use cpu or cuda[:N]")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: torch sees no CUDA device here (torch {torch.__version__})")
-    result = asyncio.run(run(args.size_mb, args.explorers, args.repeat, dist=not args.no_dist, only=args.only,
-                             progress=lambda m: print(m, file=sys.stderr, flush=True), stock_mb=args.stock_mb,
-                             shape=args.shape, device=args.device, fanout=tuple(args.fanout)))
-    render(result)
+    if any(size <= 0 for size in args.sizes):
+        parser.error("--sizes must be positive")
+
+    def one(size_mb: int) -> dict:
+        storage = args.storage
+        if args.file_storage_above is not None and size_mb > args.file_storage_above:
+            storage = "file"
+        return asyncio.run(run(size_mb, args.explorers, args.repeat, dist=not args.no_dist, only=args.only,
+                               progress=lambda m: print(m, file=sys.stderr, flush=True), stock_mb=args.stock_mb,
+                               shape=args.shape, device=args.device, fanout=tuple(args.fanout),
+                               beside_job=args.beside_job, storage=storage))
+
+    if args.sizes:
+        runs = []
+        for size_mb in args.sizes:
+            print(f"size {size_mb} MiB...", file=sys.stderr, flush=True)
+            runs.append(one(size_mb))
+            render(runs[-1])
+        result = {"curve": [curve_point(r) for r in runs], "beside_job": args.beside_job, "runs": runs}
+        render_curve(result["curve"])
+    else:
+        result = one(args.size_mb)
+        render(result)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
         print(f"wrote {args.json}")
