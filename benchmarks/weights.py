@@ -12,7 +12,9 @@ fetch = manifest lookup + every byte received + every chunk digest checked + ten
 Limits, measured in the same run on the same bytes:
 - ``loopback_socket_gbps``: a plain TCP socket over loopback, sender thread ``sendall`` -> receiver
   ``recv_into`` a preallocated, already-touched buffer (no protocol, no digest, no allocation);
-- ``host_memcpy_gbps``: one ``torch`` copy between two touched buffers;
+- ``host_memcpy_gbps``: one copy between two touched buffers;
+- ``fresh_memory_gbps``: one copy into freshly allocated memory (page faults and kernel zeroing on
+  first touch: what every receiver of new tensors pays; the other limits write touched memory);
 - ``page_cache_read_gbps``: ``readinto`` of a page-cached file into a touched buffer (the limit the
   checkpoint transport is measured against);
 - ``stock_nats_object_store_gbps``: nats-py's own ObjectStore ``get`` of the first ``--stock-mb``
@@ -200,6 +202,21 @@ def limit_host_memcpy(data: memoryview, repeat: int) -> list[float]:
     return times
 
 
+def limit_fresh_memory(data: memoryview, repeat: int) -> list[float]:
+    """One copy by one thread into freshly allocated memory: every page faulted in and zeroed by the
+    kernel on first touch, as a receiver's new tensors are (the other limits write touched memory)."""
+    src = torch.frombuffer(data, dtype=torch.uint8)
+    times = []
+    for _ in range(repeat):
+        t0 = _now()
+        dst = torch.empty(len(data), dtype=torch.uint8)
+        for a in range(0, len(data), 64 << 20):  # in pieces: torch would copy a whole buffer on every core
+            dst[a : a + (64 << 20)].copy_(src[a : a + (64 << 20)])
+        times.append(_now() - t0)
+        del dst
+    return times
+
+
 def limit_loopback_socket(data: memoryview, repeat: int) -> list[float]:
     """Seconds to move `data` over one loopback TCP connection into a touched buffer, per round."""
     dst = bytearray(len(data))  # zero-filled, hence touched
@@ -285,6 +302,7 @@ async def measure_limits(ctx: BenchContext, *, stock: bool = True) -> None:
     n = len(data)
     for key, times in (
         ("host_memcpy", limit_host_memcpy(data, ctx.repeat)),
+        ("fresh_memory", limit_fresh_memory(data, ctx.repeat)),
         ("loopback_socket", limit_loopback_socket(data, ctx.repeat)),
         ("page_cache_read", limit_page_cache_read(data, ctx.workdir, ctx.repeat)),
     ):
@@ -914,6 +932,12 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--device {args.device}: torch sees no CUDA device here (torch {torch.__version__})")
     if any(size <= 0 for size in args.sizes):
         parser.error("--sizes must be positive")
+    if args.shape:
+        smallest = sum(s.numel() * 2 for s in _meta_params(args.shape, 1).values()) >> 20
+        too_small = [size for size in (args.sizes or [args.size_mb]) if size < smallest]
+        if too_small:
+            parser.error(f"--shape {args.shape} needs at least {smallest} MiB (its embeddings and one layer); "
+                         f"{too_small} MiB would be measured at {smallest} MiB: drop --shape for those sizes")
 
     def one(size_mb: int) -> dict:
         storage = args.storage
