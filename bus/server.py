@@ -74,6 +74,9 @@ class NatsServer:
     # A complete nats-server config (e.g. `rolectl auth init`'s, with TLS and identities): used as
     # is (its own JetStream store), with `host`/`port`/`http_port` saying where it listens.
     config_file: str | None = None
+    # Go's GOGC for the server unless the environment sets one: memory storage keeps weight versions
+    # in the Go heap, and the default (100) lets it grow to about twice what is stored.
+    go_gc: int | None = 25
 
     _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
     _terminating: bool = field(default=False, init=False, repr=False)  # SIGTERM sent, not waited for yet
@@ -139,7 +142,10 @@ class NatsServer:
         if self.log_file:
             self._log_handle = open(self.log_file, "ab")
             out = self._log_handle
-        self._proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+        env = dict(os.environ)
+        if self.go_gc is not None:
+            env.setdefault("GOGC", str(self.go_gc))
+        self._proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
         if wait:
             self.wait_ready()
 
