@@ -654,6 +654,9 @@ async def _bench_object_store(ctx: BenchContext, storage: str) -> dict:
         result.update(storage=storage, chunk_bytes=transport.chunk_size)
         return result
     finally:
+        with contextlib.suppress(Exception):
+            # Its versions would stay in the server's memory through the next benches (2 x the size).
+            await nc.jetstream().delete_stream(transport.stream)
         await nc.close()
 
 
