@@ -4,21 +4,26 @@
     python docs/gen_benchmarks.py --check    # exit 1 if the committed page differs
 
 Each JSON file: {"order"?, "title", "command", "what", "runs": [{"date", "commit", "machine", "conditions",
-"command"?, "columns", "rows", "notes"?, "commit_note"?}], "notes"?}. Figures are strings, copied
-as measured; this script only lays them out.
+"command"?, "columns", "rows", "notes"?, "commit_note"?, "plot"?}], "notes"?}. Figures are strings, copied
+as measured; this script only lays them out. A run's "plot" ({"file", "title", "x_label", "y_label",
+"series": [{"name", "points": [[x, y], ...], "dashed"?}]}) is drawn as an SVG line chart into
+docs/img/<file> (x on a log2 axis, one tick per x given) and shown under the run's table.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
+from xml.sax.saxutils import escape
 
-__all__ = ["PAGE", "RESULTS", "load_results", "render"]
+__all__ = ["IMAGES", "PAGE", "RESULTS", "load_results", "render", "render_plots", "svg_line_chart"]
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PAGE = ROOT / "docs" / "benchmarks.md"
+IMAGES = ROOT / "docs" / "img"
 
 _HEADER = """# Benchmarks
 
@@ -83,6 +88,9 @@ def render(results: list[tuple[str, dict]]) -> str:
             out.append("")
             out += _table(run["columns"], run["rows"])
             out.append("")
+            if run.get("plot"):
+                plot = run["plot"]
+                out += [f"![{plot['title']}](img/{plot['file']})", ""]
             if run.get("notes"):
                 out += [run["notes"], ""]
         if data.get("notes"):
@@ -90,14 +98,84 @@ def render(results: list[tuple[str, dict]]) -> str:
     return "\n".join(out).rstrip("\n") + "\n"
 
 
+_COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
+
+
+def _nice_step(top: float) -> float:
+    """A round tick step giving 4-8 ticks up to `top`."""
+    raw = top / 5
+    power = 10 ** math.floor(math.log10(raw))
+    return next(m * power for m in (1, 2, 2.5, 5, 10) if m * power >= raw)
+
+
+def svg_line_chart(plot: dict) -> str:
+    """A small self-contained SVG line chart of `plot` (see the module docstring); deterministic."""
+    width, height, left, right, top, bottom = 640, 360, 60, 190, 40, 50
+    xs = sorted({float(x) for series in plot["series"] for x, _ in series["points"]})
+    ymax = max(float(y) for series in plot["series"] for _, y in series["points"])
+    step = _nice_step(ymax or 1.0)
+    ytop = step * math.ceil((ymax or 1.0) / step)
+    lo, hi = math.log2(xs[0]), math.log2(xs[-1])
+
+    def px(x: float) -> float:
+        span = hi - lo
+        return left + (0.5 if span == 0 else (math.log2(x) - lo) / span) * (width - left - right)
+
+    def py(y: float) -> float:
+        return top + (1 - y / ytop) * (height - top - bottom)
+
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="12">',
+           f'<rect width="{width}" height="{height}" fill="white"/>',
+           f'<text x="{width / 2:.0f}" y="20" text-anchor="middle" font-size="14">{escape(plot["title"])}</text>']
+    ticks = int(round(ytop / step))
+    for i in range(ticks + 1):
+        y = i * step
+        out.append(f'<line x1="{left}" y1="{py(y):.1f}" x2="{width - right}" y2="{py(y):.1f}" stroke="#ddd"/>')
+        out.append(f'<text x="{left - 6}" y="{py(y) + 4:.1f}" text-anchor="end">{y:g}</text>')
+    for x in xs:
+        out.append(f'<text x="{px(x):.1f}" y="{height - bottom + 18}" text-anchor="middle">{x:g}</text>')
+    out.append(f'<line x1="{left}" y1="{height - bottom}" x2="{width - right}" y2="{height - bottom}" stroke="black"/>')
+    out.append(f'<line x1="{left}" y1="{top}" x2="{left}" y2="{height - bottom}" stroke="black"/>')
+    out.append(f'<text x="{(left + width - right) / 2:.0f}" y="{height - 10}" text-anchor="middle">'
+               f'{escape(plot["x_label"])}</text>')
+    out.append(f'<text x="16" y="{(top + height - bottom) / 2:.0f}" text-anchor="middle" '
+               f'transform="rotate(-90 16 {(top + height - bottom) / 2:.0f})">{escape(plot["y_label"])}</text>')
+    for i, series in enumerate(plot["series"]):
+        colour = _COLOURS[i // 2 % len(_COLOURS)] if plot.get("pair_colours") else _COLOURS[i % len(_COLOURS)]
+        dash = ' stroke-dasharray="6 4"' if series.get("dashed") else ""
+        points = sorted((float(x), float(y)) for x, y in series["points"])
+        path = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in points)
+        out.append(f'<polyline points="{path}" fill="none" stroke="{colour}" stroke-width="2"{dash}/>')
+        out += [f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3" fill="{colour}"/>' for x, y in points]
+        ly = top + 10 + 18 * i
+        out.append(f'<line x1="{width - right + 12}" y1="{ly}" x2="{width - right + 36}" y2="{ly}" '
+                   f'stroke="{colour}" stroke-width="2"{dash}/>')
+        out.append(f'<text x="{width - right + 42}" y="{ly + 4}">{escape(series["name"])}</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+def render_plots(results: list[tuple[str, dict]]) -> dict[Path, str]:
+    """Every run's plot: image path -> SVG text."""
+    return {IMAGES / run["plot"]["file"]: svg_line_chart(run["plot"])
+            for _, data in results for run in data["runs"] if run.get("plot")}
+
+
 def main(argv: list[str]) -> int:
-    text = render(load_results())
+    results = load_results()
+    text, plots = render(results), render_plots(results)
     if "--check" in argv:
+        stale = [str(path) for path, svg in plots.items() if not path.is_file() or path.read_text() != svg]
         if PAGE.read_text() != text:
-            print(f"{PAGE} is out of date: run python docs/gen_benchmarks.py", file=sys.stderr)
+            stale.append(str(PAGE))
+        if stale:
+            print(f"out of date: {', '.join(stale)}: run python docs/gen_benchmarks.py", file=sys.stderr)
             return 1
         return 0
     PAGE.write_text(text)
+    for path, svg in plots.items():
+        path.write_text(svg)
     return 0
 
 

@@ -39,6 +39,23 @@ def test_benchmarks_page_is_rendered_from_the_results():
     assert gen.PAGE.read_text() == expected, "docs/benchmarks.md is stale: run python docs/gen_benchmarks.py"
 
 
+def test_benchmark_plots_are_rendered_from_the_results():
+    gen = _gen_benchmarks()
+    plots = gen.render_plots(gen.load_results())
+    assert plots, "no results file draws a plot"
+    for path, svg in plots.items():
+        assert path.is_file() and path.read_text() == svg, f"{path} is stale: run python docs/gen_benchmarks.py"
+
+
+def test_a_plot_draws_one_line_per_series_with_its_legend():
+    gen = _gen_benchmarks()
+    svg = gen.svg_line_chart({"file": "x.svg", "title": "t & u", "x_label": "size", "y_label": "GB/s", "series": [
+        {"name": "best", "points": [[256, 0.5], [1024, 0.4]]},
+        {"name": "median", "dashed": True, "points": [[256, 0.3], [1024, 0.2]]}]})
+    assert svg.count("<polyline") == 2 and svg.count("stroke-dasharray") == 2  # the line and its legend
+    assert ">best<" in svg and ">median<" in svg and "t &amp; u" in svg
+
+
 def test_every_results_file_names_machine_commit_command_and_date():
     gen = _gen_benchmarks()
     results = gen.load_results()
