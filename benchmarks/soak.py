@@ -98,6 +98,7 @@ class Soak:
         self.hangs = 0
         self.rss: dict[str, list[tuple[int, float]]] = {}  # "member#pid" -> (trainer step, MB)
         self.stream_bytes: list[tuple[float, int]] = []
+        self.load: list[float] = []  # the machine's 1-minute load average, sampled with the RSS
 
     def start(self, member: str) -> None:
         log = open(self.root / "logs" / f"{member}.log", "ab")
@@ -199,6 +200,7 @@ class Soak:
                 self.hangs += 1
                 self.progress_at = time.monotonic()  # count each silence once
                 print(f"HANG: no trainer step for {gap:.0f} s", flush=True)
+            self.load.append(os.getloadavg()[0])
             for member, proc in self.procs.items():
                 mb = _rss_mb(proc.pid)
                 if mb is not None:
@@ -293,6 +295,9 @@ class Soak:
             "event_stream_bytes_max": max((b for _, b in self.stream_bytes), default=0),
             "event_stream_bytes_last": self.stream_bytes[-1][1] if self.stream_bytes else 0,
             "records": len(records),
+            # the machine's load while it ran (it is shared): 1-minute load average, min/mean/max
+            "load_avg_1m": {"min": round(min(self.load), 1), "mean": round(sum(self.load) / len(self.load), 1),
+                            "max": round(max(self.load), 1), "cpus": os.cpu_count()} if self.load else None,
             "workdir": str(self.root),
         }
 
