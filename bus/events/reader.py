@@ -358,8 +358,10 @@ class EventReader:
         if self.end_seq is not None and d.stream_seq > self.end_seq:
             self._done = True
             return []
-        expected = self.last_seq + 1 if self.last_seq else (self.from_seq or 1)
-        trimmed = self._backfill(expected, d.stream_seq - 1) if self.backfill and d.stream_seq > expected else []
+        # the sequence due next (unknown for a reader started at a time, until its first record)
+        expected = self.last_seq + 1 if self.last_seq else None if self.from_time else (self.from_seq or 1)
+        trimmed = (self._backfill(expected, d.stream_seq - 1)
+                   if self.backfill and expected is not None and d.stream_seq > expected else [])
         self.last_seq = d.stream_seq
         if self.end_seq is not None and (d.stream_seq >= self.end_seq or d.pending == 0):
             self._done = True
