@@ -9,16 +9,17 @@ import asyncio
 
 import pytest
 
-from rolectl.bus.archive import read_range, segments
+from rolectl.bus.archive import archive_and_trim, read_range, segments
 from rolectl.bus.connection import connect
 from rolectl.bus.errors import HistoryGap
-from rolectl.bus.events import read_events
+from rolectl.bus.events import EventPublisher, EventReader, read_events
 from rolectl.bus.snapshots import SnapshotStore
+from rolectl.bus.streams import ensure_event_stream
 from rolectl.roles.config import parse_config
 from rolectl.roles.observe.check import check_decisions
 from rolectl.roles.observe.export import read_history
 from rolectl.roles.synchronizer import Synchronizer
-from rolectl.sync_protocol import Decision
+from rolectl.sync_protocol import Decision, MemberRef, Role, StepFinished
 from rolectl.sync_protocol.reducer import fold_lenient
 from rolectl.sync_protocol.snapshot import encode_state
 from tests.support.scripted_job import run_scripted_job
@@ -48,6 +49,31 @@ async def test_a_reader_behind_a_trim_reads_the_trimmed_records_back_from_the_ar
             async with read_events(conn, from_seq=1, stop_at_end=True,
                                    backfill=lambda a, b: read_range(empty, a, b)) as reader:
                 [rec async for rec in reader]
+
+
+async def test_a_reader_paused_while_the_stream_is_trimmed_under_it_misses_nothing(nats_url, job_name, tmp_path):
+    """The soak's case exactly: a replica's live reader stands still (SIGSTOP) while the active one
+    archives and purges past its position; when it reads on, the purged records come from the archive."""
+    archive = tmp_path / "archive"
+    explorer = MemberRef(role=Role.EXPLORER, id="explorer-0", incarnation=1)
+    async with connect(nats_url, job=job_name, role="explorer", member="explorer-0") as conn:
+        await ensure_event_stream(conn.js, conn.names)
+        publisher = EventPublisher(conn, explorer)
+        for step in range(1, 4):
+            await publisher.publish(StepFinished(member=explorer, step=step, version=0))
+        # one record per pull request: the reader holds nothing delivered ahead of where it stands
+        reader = EventReader(conn, from_seq=1, batch=1, backfill=lambda a, b: read_range(archive, a, b))
+        try:
+            seen = [(await reader.__anext__()).seq for _ in range(3)]
+            for step in range(4, 10):
+                await publisher.publish(StepFinished(member=explorer, step=step, version=0))
+            assert await archive_and_trim(conn, archive, 7) == 8  # records 1..7 archived, purged
+            while seen[-1] < 9:
+                seen.append((await asyncio.wait_for(reader.__anext__(), 30)).seq)
+        finally:
+            await reader.aclose()
+        assert seen == list(range(1, 10))
+        assert reader.backfilled >= 1
 
 
 async def test_a_synchronizer_starting_behind_the_trim_decides_what_the_stream_says(nats_url, job_name, tmp_path):
