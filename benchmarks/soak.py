@@ -52,6 +52,9 @@ from rolectl.sync_protocol.reducer import fold_lenient
 JOB = "soak"
 EXPIRY_S = 4.0
 SETTLE_S = 120.0  # a node back must have caught up within this long before the next node fault
+# a restarted server recovers its store before it serves: on a loaded machine that took over 20 s
+# (the roles wait for it meanwhile; only a server that never comes back ends the soak)
+SERVER_READY_S = 180.0
 
 
 def _config(root: Path, explorers: int, replicas: int = 1) -> Path:
@@ -84,9 +87,11 @@ class Soak:
         (self.root / "logs").mkdir()
         self.server: NatsServer | NatsCluster
         if args.cluster:
-            self.server = NatsCluster(size=3, store_dir=str(self.root / "nats"), log_dir=str(self.root / "logs"))
+            self.server = NatsCluster(size=3, store_dir=str(self.root / "nats"), log_dir=str(self.root / "logs"),
+                                      ready_timeout=SERVER_READY_S)
         else:
-            self.server = NatsServer(store_dir=str(self.root / "nats"), log_file=str(self.root / "logs" / "nats.log"))
+            self.server = NatsServer(store_dir=str(self.root / "nats"), log_file=str(self.root / "logs" / "nats.log"),
+                                     ready_timeout=SERVER_READY_S)
         self.unsettled = 0  # node faults skipped because the cluster had not caught up within SETTLE_S
         self.procs: dict[str, subprocess.Popen] = {}
         self.roles = {"sync-0": "sync", "sync-1": "sync", "trainer": "trainer",
