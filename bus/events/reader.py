@@ -11,7 +11,7 @@ import asyncio
 import datetime as _dt
 import json
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import nats.errors
@@ -20,7 +20,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, Header, StatusCode
 
-from rolectl.sync_protocol import DecodeError, Recorded, decode_all
+from rolectl.sync_protocol import Decision, DecodeError, Event, Recorded, decode_all
 
 from .._natspy_compat import api_prefix, unique_name
 from ..aio import raise_if_cancelling
@@ -379,7 +379,7 @@ class EventReader:
         return trimmed + [Recorded(seq=d.stream_seq, time_ms=time_ms, event=event, subject=msg.subject)
                           for event in held]
 
-    def _vouched(self, subject: str | None, held: list, seq: int) -> bool:
+    def _vouched(self, subject: str | None, held: Sequence[Event | Decision], seq: int) -> bool:
         """Does the subject vouch for every record of the message (one for all of a batch or none)?"""
         if self.verify_identity and subject is not None:  # an archived row of an older build has none
             for event in held:
