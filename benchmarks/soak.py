@@ -5,8 +5,11 @@ own process, one nats-server) under seeded faults, checked continuously and at t
 
 Faults, one every `--fault-every` s, picked by the seed: kill -9 of a role (trainer, an explorer, a
 synchronizer replica), restarted at once; SIGSTOP of a role for longer than the heartbeat expiry,
-then SIGCONT; kill -9 of the nats-server, restarted on the same port and store. (Losing a node of a
-3-node cluster is not injected here: see benchmarks.cluster_failover.)
+then SIGCONT; kill -9 of the nats-server, restarted on the same port and store. With `--cluster` the
+job runs on a local 3-node cluster (`nats.replicas: 3`) and the server fault is a node lost instead:
+kill -9 of one node (half the time the event stream's leader), started again after the heartbeat
+expiry; the next node fault waits until every stream of the job has its 3 copies current again
+(what an operator's rolling restart waits for: with two nodes away a 3-node cluster has no quorum).
 
 Checked: every trainer step trained once (no step reported twice, none missing); experiences
 produced = trained + dropped as stale + left untrained, where "left untrained" is compared with what
@@ -38,18 +41,23 @@ from rolectl.bus.connection import connect
 from rolectl.bus.events import read_events
 from rolectl.bus.experiences import decode_batch
 from rolectl.bus.logging import setup_logging
-from rolectl.bus.server import NatsServer
+from rolectl.bus.server import NatsCluster, NatsServer
 from rolectl.roles.config import load_config
 from rolectl.roles.launch.local import summarize
 from rolectl.roles.observe.check import check_decisions
 from rolectl.roles.observe.export import read_history
 from rolectl.sync_protocol import Role, StepFinished
+from rolectl.sync_protocol.reducer import fold_lenient
 
 JOB = "soak"
 EXPIRY_S = 4.0
+SETTLE_S = 120.0  # a node back must have caught up within this long before the next node fault
+# a restarted server recovers its store before it serves: on a loaded machine that took over 20 s
+# (the roles wait for it meanwhile; only a server that never comes back ends the soak)
+SERVER_READY_S = 180.0
 
 
-def _config(root: Path, explorers: int) -> Path:
+def _config(root: Path, explorers: int, replicas: int = 1) -> Path:
     data = {
         "job": JOB, "run_dir": str(root / "runs"), "log_level": "warning",
         "synchronizer": {"sync_method": "memory", "sync_style": "fixed", "sync_interval": 1, "sync_timeout": 60,
@@ -59,6 +67,7 @@ def _config(root: Path, explorers: int) -> Path:
                       "trainer_grace_s": 900},
         "buffer": {"batch_size": 4, "ack_wait_s": 30},
         "model": {"engine": "tiny", "group_size": 4},
+        "nats": {"replicas": replicas},
     }
     path = root / "soak.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -73,10 +82,17 @@ class Soak:
         # kept after the run: the roles' logs, the archive and the server's store, for a post-mortem
         self.root = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="rolectl-soak-"))
         self.root.mkdir(parents=True, exist_ok=True)
-        self.config = _config(self.root, args.explorers)
+        self.config = _config(self.root, args.explorers, replicas=3 if args.cluster else 1)
         self.cfg = load_config(self.config)
         (self.root / "logs").mkdir()
-        self.server = NatsServer(store_dir=str(self.root / "nats"), log_file=str(self.root / "logs" / "nats.log"))
+        self.server: NatsServer | NatsCluster
+        if args.cluster:
+            self.server = NatsCluster(size=3, store_dir=str(self.root / "nats"), log_dir=str(self.root / "logs"),
+                                      ready_timeout=SERVER_READY_S)
+        else:
+            self.server = NatsServer(store_dir=str(self.root / "nats"), log_file=str(self.root / "logs" / "nats.log"),
+                                     ready_timeout=SERVER_READY_S)
+        self.unsettled = 0  # node faults skipped because the cluster had not caught up within SETTLE_S
         self.procs: dict[str, subprocess.Popen] = {}
         self.roles = {"sync-0": "sync", "sync-1": "sync", "trainer": "trainer",
                       **{f"explorer-{i}": "explorer" for i in range(args.explorers)}}
@@ -87,24 +103,34 @@ class Soak:
         self.hangs = 0
         self.rss: dict[str, list[tuple[int, float]]] = {}  # "member#pid" -> (trainer step, MB)
         self.stream_bytes: list[tuple[float, int]] = []
+        self.load: list[float] = []  # the machine's 1-minute load average, sampled with the RSS
 
     def start(self, member: str) -> None:
         log = open(self.root / "logs" / f"{member}.log", "ab")
         self.procs[member] = subprocess.Popen(
             [sys.executable, "-m", "rolectl.roles.cli", "start", self.roles[member], "--config", str(self.config),
-             "--nats", self.server.url, "--id", member],
+             "--nats", self.url, "--id", member],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             env=dict(os.environ, PYTHONUNBUFFERED="1", ROLECTL_ADVERTISE_HOST="127.0.0.1"))
         log.close()
 
+    @property
+    def url(self) -> str:
+        return self.server.url  # a cluster's is the comma-separated list of its nodes
+
     # -- faults ------------------------------------------------------------------------------------
     async def fault(self) -> None:
-        kind = self.rng.choices(["kill9", "sigstop", "server"], weights=[6, 3, 1])[0]
+        server_fault = "node" if self.args.cluster else "server"
+        kind = self.rng.choices(["kill9", "sigstop", server_fault], weights=[6, 3, 1])[0]
         member = self.rng.choice(sorted(self.procs))
         proc = self.procs[member]
         if kind == "server":
             await asyncio.to_thread(self.server.kill)
             await asyncio.to_thread(self.server.start)
+        elif kind == "node":
+            member = await self.lose_node()
+            if member is None:
+                return
         elif proc.poll() is not None:
             self.start(member)  # it had exited (gave up): start it again, not a fault
             return
@@ -121,13 +147,43 @@ class Soak:
         print(f"[{time.strftime('%H:%M:%S')}] fault {kind} {'' if kind == 'server' else member} "
               f"(trainer step {self.trainer_step})", flush=True)
 
+    async def lose_node(self) -> str | None:
+        """kill -9 one node of the cluster (half the time the event stream's leader), start it again
+        after the heartbeat expiry; None (no fault) while the last one back has not caught up."""
+        cluster = self.server
+        assert isinstance(cluster, NatsCluster)
+        if not await self._settled():
+            self.unsettled += 1
+            print(f"[{time.strftime('%H:%M:%S')}] node fault skipped: the cluster has not caught up "
+                  f"within {SETTLE_S:.0f} s", flush=True)
+            return None
+        names = [node.server_name for node in cluster.nodes]
+        leader = await asyncio.to_thread(cluster.stream_leader, f"RFT_{JOB.upper()}_EVENTS")
+        name = leader if leader in names and self.rng.random() < 0.5 else self.rng.choice(names)
+        index = names.index(name)
+        await asyncio.to_thread(cluster.kill_node, index)
+        await asyncio.sleep(EXPIRY_S + 1.0)  # away longer than the heartbeat expiry
+        await asyncio.to_thread(cluster.start_node, index)
+        return f"{name}{' (leader)' if name == leader else ''}"
+
+    async def _settled(self) -> bool:
+        """Every stream of the job (events, experiences, weights, buckets) can lose a node now."""
+        cluster = self.server
+        assert isinstance(cluster, NatsCluster)
+        deadline = time.monotonic() + SETTLE_S
+        while time.monotonic() < deadline:
+            if await asyncio.to_thread(cluster.unsettled_streams, JOB, min_replicas=3) == {}:
+                return True
+            await asyncio.sleep(1.0)  # polling the monitoring endpoints: they push nothing
+        return False
+
     # -- watching ----------------------------------------------------------------------------------
     async def follow(self) -> None:
         """Trainer steps from the stream (its StepFinished), across server restarts."""
         seq = 0
         while True:
             try:
-                async with connect(self.server.url, job=JOB, role="observer", member="soak") as conn:
+                async with connect(self.url, job=JOB, role="observer", member="soak") as conn:
                     async with read_events(conn, from_seq=seq + 1, include_decisions=False) as reader:
                         async for rec in reader:
                             seq = rec.seq
@@ -149,12 +205,13 @@ class Soak:
                 self.hangs += 1
                 self.progress_at = time.monotonic()  # count each silence once
                 print(f"HANG: no trainer step for {gap:.0f} s", flush=True)
+            self.load.append(os.getloadavg()[0])
             for member, proc in self.procs.items():
                 mb = _rss_mb(proc.pid)
                 if mb is not None:
                     self.rss.setdefault(f"{member}#{proc.pid}", []).append((self.trainer_step, mb))
             try:
-                async with connect(self.server.url, job=JOB, role="observer", member="soak-bytes",
+                async with connect(self.url, job=JOB, role="observer", member="soak-bytes",
                                    connect_timeout=2.0) as conn:
                     info = await conn.js.stream_info(conn.names.event_stream)
                     self.stream_bytes.append((time.monotonic(), info.state.bytes))
@@ -198,11 +255,15 @@ class Soak:
                 _wait(self.procs[member], 60)
 
     async def check(self) -> dict:
-        async with connect(self.server.url, job=JOB, role="observer", member="soak-check") as conn:
+        async with connect(self.url, job=JOB, role="observer", member="soak-check") as conn:
             records = await read_history(conn, self.cfg.event_archive_dir)
             left_in_stream = await _left_in_stream(conn, self.cfg)
+        # a step counts once the fold took it: a StepFinished refused (an expired incarnation's)
+        # is counted nowhere in the summary either
+        _, _, refused = fold_lenient(records)
+        refused_seqs = {e.seq for e in refused}
         steps = [r.event.step for r in records if isinstance(r.event, StepFinished)
-                 and r.event.member.role is Role.TRAINER]
+                 and r.event.member.role is Role.TRAINER and r.seq not in refused_seqs]
         summary = summarize(records, job=JOB)
         left = summary["experiences_left_untrained"]
         mismatches = [m for m in check_decisions(records) if not m.warning]
@@ -217,6 +278,8 @@ class Soak:
         return {
             "faults_injected": sum(self.faults.values()),
             "faults": dict(sorted(self.faults.items())),
+            "cluster": bool(self.args.cluster),
+            "node_faults_skipped_unsettled": self.unsettled,
             "trainer_steps": max(steps, default=0),
             "trainer_steps_reported_twice": len(steps) - len(set(steps)),
             "trainer_steps_missing": len(set(range(1, max(steps, default=0) + 1)) - set(steps)),
@@ -237,6 +300,9 @@ class Soak:
             "event_stream_bytes_max": max((b for _, b in self.stream_bytes), default=0),
             "event_stream_bytes_last": self.stream_bytes[-1][1] if self.stream_bytes else 0,
             "records": len(records),
+            # the machine's load while it ran (it is shared): 1-minute load average, min/mean/max
+            "load_avg_1m": {"min": round(min(self.load), 1), "mean": round(sum(self.load) / len(self.load), 1),
+                            "max": round(max(self.load), 1), "cpus": os.cpu_count()} if self.load else None,
             "workdir": str(self.root),
         }
 
@@ -298,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--explorers", type=int, default=16)
     parser.add_argument("--fault-every", type=float, default=12.0, help="seconds between faults (mean)")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--cluster", action="store_true",
+                        help="a local 3-node cluster (nats.replicas 3); the server fault loses one node")
     parser.add_argument("--hang-s", type=float, default=120.0, help="a trainer silent this long is a hang")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--workdir", type=Path, default=None,

@@ -44,7 +44,7 @@ from .events import read_events
 from .files import atomic_path
 
 __all__ = ["ArchiveError", "Segment", "segments", "archived_upto", "write_segment", "read_segment",
-           "read_archive", "archive_and_trim"]
+           "read_archive", "read_range", "archive_and_trim"]
 
 _NAME = re.compile(r"^events-(\d{12})-(\d{12})\.msgpack$")
 
@@ -144,6 +144,28 @@ def read_archive(directory: Path) -> list[Recorded]:
         last = records[-1].seq if records else 0
         records.extend(rec for rec in read_segment(segment) if rec.seq > last)
     return records
+
+
+def read_range(directory: Path, first: int, last: int) -> list[Recorded]:
+    """The archived records with sequences `first`..`last`, oldest first, reading only the segments
+    that hold them: what a reader left behind by a trim fills its gap with. `ArchiveError` when the
+    archive does not cover the whole range (a hole in the history: nobody may fold past it)."""
+    records: list[Recorded] = []
+    covered = first - 1  # the archive holds every sequence up to here
+    for segment in segments(directory):
+        if segment.last <= covered or segment.first > last:
+            continue
+        if segment.first > covered + 1:
+            break
+        # segments may overlap (see read_archive): each sequence is taken from the first that has it
+        records.extend(rec for rec in read_segment(segment) if covered < rec.seq <= last)
+        covered = max(covered, min(segment.last, last))
+        if covered >= last:
+            return records
+    raise ArchiveError(
+        f"records {first}..{last} were trimmed from the event stream and the archive in {directory} holds "
+        f"them only up to {covered} (segments: {', '.join(s.path.name for s in segments(directory)) or 'none'}); "
+        "point this process at the job's archive directory (run_dir or archive_dir on shared storage)")
 
 
 async def archive_and_trim(conn: BusConnection, directory: Path, upto_seq: int, *, keep_from: int = 0) -> int:

@@ -22,6 +22,7 @@ __all__ = [
     "PayloadTooLarge",
     "PublishRejected",
     "RetriesExhausted",
+    "HistoryGap",
     "AckFailed",
     "MalformedExperience",
     "DecisionSuperseded",
@@ -107,6 +108,11 @@ class PublishRejected(PublishFailed):
         self.code = code
         self.err_code = err_code
         self.description = description
+
+
+class HistoryGap(BusError):
+    """A reader that must see every record found a stretch of the stream trimmed (archived and
+    purged while it lagged behind) and could not read it back from the archive."""
 
 
 class RetriesExhausted(BusError):

@@ -1,6 +1,7 @@
 """Reducer snapshots in a JetStream key-value bucket (`rft_<job>_snapshots`, key `latest`).
 
-The active synchronizer writes one every `synchronizer.snapshot_every` records; synchronizers,
+The active synchronizer writes one every `synchronizer.snapshot_every` records, never over a newer
+one (compare-and-set on the key's revision); synchronizers,
 members' job views and `rolectl replay` start from the newest one and fold the stream's tail. The
 bytes are `sync_protocol.snapshot.encode_state` (msgpack with a schema version; no pickle). A
 snapshot that does not decode is ignored with a warning: the fold then starts from the stream's
@@ -75,11 +76,36 @@ class SnapshotStore:
             return False
         try:
             kv = await self._bucket(create=True)
-            await kv.put(_KEY, payload)
+            try:
+                entry = await kv.get(_KEY)
+            except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+                entry = None
+            stored = self._last_seq_of(entry.value) if entry is not None else None
+            if stored is not None and stored > state.last_seq:
+                # A replica that lagged (paused, cut off) must not put an older snapshot over a
+                # newer one: the stream may be trimmed up to the newer one, and a restart from the
+                # older one would start before the stream's first record.
+                self.conn.log.info("bus.snapshot_not_newer", seq=state.last_seq, stored_seq=stored)
+                return False
+            if entry is None:
+                await kv.create(_KEY, payload)
+            else:
+                await kv.update(_KEY, payload, last=entry.revision)  # nobody wrote in between
+        except nats.js.errors.KeyWrongLastSequenceError:
+            self.conn.log.info("bus.snapshot_not_saved", bucket=self.bucket, seq=state.last_seq,
+                               error="another replica saved one meanwhile")
+            return False
         except (asyncio.TimeoutError, nats.errors.Error) as exc:
             self.conn.log.info("bus.snapshot_not_saved", bucket=self.bucket, error=describe(exc))
             return False
         return True
+
+    def _last_seq_of(self, payload: bytes | None) -> int | None:
+        try:
+            state, _ = decode_state(payload or b"")
+        except (DecodeError, ValueError, TypeError):
+            return None  # unreadable: any snapshot we write is better
+        return state.last_seq
 
     async def latest(self) -> Snapshot | None:
         """The newest snapshot, or None (no bucket, no snapshot yet, or one that does not decode)."""

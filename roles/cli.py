@@ -513,18 +513,35 @@ def replay(job, nats, file_, until, check, as_json, archive, **security) -> None
 
 
 @main.command()
-@click.option("--job", required=True)
-@nats_option("nats://127.0.0.1:4222", "NATS URL(s), comma-separated.")
+@click.option("--job", default=None, help="The job to watch (required without --config).")
+@nats_option(None, "NATS URL(s), comma-separated [default: the config's nats_url, else nats://127.0.0.1:4222].")
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="The job's config: its job name, NATS URL, credentials and archive directory.")
+@click.option("--archive", "archive", type=click.Path(file_okay=False), default=None,
+              help="The job's archived history (default with --config: RUN_DIR/JOB/archive), read before the stream.")
 @click.option("--port", type=int, default=8080, show_default=True)
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--monitor-url", default=None, help="nats-server monitoring URL (default: same host, port 8222).")
 @client_options
-def dashboard(job, nats, port, host, monitor_url, **security) -> None:
-    """Serve the live dashboard of a job (members, versions, rounds, NATS health, /metrics)."""
+def dashboard(job, nats, config_path, archive, port, host, monitor_url, **security) -> None:
+    """Serve the live dashboard of a job (members, versions, rounds, NATS health, /metrics): its archived
+    history, then its stream live, as one history."""
     from rolectl.roles.observe.dashboard import serve_dashboard
 
+    if config_path is not None:
+        cfg = _load(config_path, nats, security, check_engines=False)
+        if job is not None and job != cfg.job:
+            raise click.UsageError(f"--job {job} is not the job of {config_path} ({cfg.job}); give one of them")
+        job, nats, client = cfg.job, cfg.nats_url, cfg.nats.security
+        archive_dir = Path(archive) if archive else cfg.event_archive_dir
+    elif job is None:
+        raise click.UsageError("give --job (with --nats), or --config with the job's config file")
+    else:
+        nats = nats or "nats://127.0.0.1:4222"
+        client = _security(**security)
+        archive_dir = Path(archive) if archive else None
     sys.exit(serve_dashboard(job=job, nats=nats, host=host, port=port, monitor_url=monitor_url,
-                             security=_security(**security)))
+                             security=client, archive_dir=archive_dir))
 
 
 @main.command()

@@ -311,7 +311,9 @@ class JobConfig(Section):
     archive_dir: PathStr | None = None
     """Where the active synchronizer archives the event stream's history (segments with digests)
     before it trims the stream to its newest snapshot; default `<run_dir>/<job>/archive`.
-    `rolectl replay|export|status --archive DIR` read it back with the stream's tail."""
+    `rolectl replay|export|status|dashboard --archive DIR` read it back with the stream's tail (the
+    dashboard also finds it through `--config`, and `rolectl up`'s dashboard reads it). Members and
+    synchronizer replicas that lag behind a trim read the trimmed records back from it."""
     log_level: Annotated[Literal["debug", "info", "warning", "error"], BeforeValidator(_lower_level)] = "info"
     """Log level of every role."""
     synchronizer: Annotated[SyncConfig, BeforeValidator(_sync_config)] = SyncConfig()

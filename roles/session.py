@@ -16,7 +16,9 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 
 import structlog
+from msgspec.structs import replace
 
+from rolectl.bus.archive import read_range
 from rolectl.bus.connection import BusConnection, connect
 from rolectl.bus.errors import BusError, describe
 from rolectl.bus.events import EventPublisher, last_sequence, publish_heartbeat, read_events
@@ -27,7 +29,9 @@ from rolectl.roles.config import JobConfig
 from rolectl.roles.waiting import WaitNotice
 from rolectl.sync_protocol import (
     Decision,
+    EvalFinished,
     Event,
+    IllegalEvent,
     JobConfigured,
     MemberExpired,
     MemberJoined,
@@ -36,6 +40,8 @@ from rolectl.sync_protocol import (
     Role,
     RunningStatus,
     StatusChanged,
+    StepFinished,
+    VersionPublished,
     WeightsBroadcast,
 )
 from rolectl.sync_protocol.reducer import reduce_lenient
@@ -109,8 +115,13 @@ class JobView:
     know the latest version, whether the trainer is alive, and to wait for decisions about them.
     """
 
-    def __init__(self, conn: BusConnection, *, log=None):
+    def __init__(self, conn: BusConnection, *, log=None,
+                 backfill: Callable[[int, int], list[Recorded]] | None = None):
         self._conn = conn
+        # the records a trim purged while this view lagged behind it (see bus.events.read_events)
+        self._backfill = backfill
+        # on_refused(rec, error): an input the fold refused (the session republishes its own)
+        self.on_refused: Callable[[Recorded, IllegalEvent], None] | None = None
         self.state = State.initial()
         # the newest recorded decisions (see DECISIONS_KEPT); `_decisions_base` were dropped before them
         self.decisions: list[Recorded] = []
@@ -156,7 +167,8 @@ class JobView:
     async def _follow(self, from_seq: int = 1) -> None:
         stopped = "it was closed"
         try:
-            async with read_events(self._conn, from_seq=from_seq, include_decisions=True) as reader:
+            async with read_events(self._conn, from_seq=from_seq, include_decisions=True,
+                                   backfill=self._backfill) as reader:
                 # fold a burst (what is already delivered, up to _BURST_MAX) before answering anyone
                 while burst := await reader.next_burst(_BURST_MAX):
                     for rec in burst:
@@ -185,6 +197,8 @@ class JobView:
             self.state, _, error = reduce_lenient(self.state, rec)
             if error is not None:
                 self._log.debug("view_skipped_event", seq=rec.seq, reason=str(error))
+                if self.on_refused is not None:
+                    self.on_refused(rec, error)
             elif _may_change_membership(rec.event):
                 if isinstance(rec.event, MemberJoined):
                     self.joins[rec.event.member.key] = rec.event
@@ -378,6 +392,11 @@ class MemberSession:
     # monotonic time up to which a chain of heartbeats, each within `_trust_s` of the one before,
     # shows this process was not paused: past it, the record is read again before acting (fence)
     _current_at: float = field(default=0.0, repr=False, compare=False)
+    # records of ours the fold refused because they landed after our expiry (or after our rejoin
+    # overtook them), to be said again by the incarnation we joined as (see _note_refused)
+    _refused: list[Event] = field(default_factory=list, repr=False, compare=False)
+    _ours: set[int] = field(default_factory=set, repr=False, compare=False)  # incarnations of this process
+    _republishing: set[asyncio.Task] = field(default_factory=set, repr=False, compare=False)
 
     @property
     def me(self) -> MemberRef:
@@ -407,7 +426,10 @@ class MemberSession:
             await self._stack.aclose()
             raise
         self.publisher = EventPublisher(self.conn, self.me)
-        self.view = JobView(self.conn, log=self.log)
+        self._ours.add(self.incarnation)
+        archive = self.cfg.event_archive_dir
+        self.view = JobView(self.conn, log=self.log, backfill=lambda first, last: read_range(archive, first, last))
+        self.view.on_refused = self._note_refused
         return self
 
     async def join(self, *, step: int, version: int) -> int:
@@ -535,12 +557,52 @@ class MemberSession:
             await publisher.publish(JobConfigured(member=new, config=self.cfg.synchronizer))
             await publisher.publish(MemberJoined(member=new, host=socket.gethostname(), pid=os.getpid(),
                                                  step=self.step, version=self.version, ranks=self.ranks))
+            self._ours.add(new.incarnation)
             self.incarnation, self.publisher = new.incarnation, publisher
             self.status = RunningStatus.RUNNING
             self.rejoins += 1
             self.log.warning("rejoined_after_expiry", expired_incarnation=old.incarnation,
                              incarnation=self.incarnation, step=self.step, version=self.version,
                              rejoins=self.rejoins)
+            self._republish_refused()
+
+    # Facts about work this process did (a step trained or explored, an eval, a version stored): a
+    # record of one that lands after our expiry is refused by the fold, yet the work happened (the
+    # experiences were acked, the bytes stored). The new incarnation records it again, or the job's
+    # accounting (experiences trained, produced) would miss it. Requests are not here: a waiter
+    # asks again itself (MemberRejoined).
+    _REPUBLISHED = (StepFinished, EvalFinished, VersionPublished)
+
+    def _note_refused(self, rec: Recorded, error: IllegalEvent) -> None:
+        event = rec.event
+        if (isinstance(event, self._REPUBLISHED) and event.member.key == self.key
+                and event.member.incarnation in self._ours and self.replaced_by is None):
+            self.log.warning("record_refused_after_expiry", seq=rec.seq, kind=event.KIND, reason=str(error))
+            self._refused.append(event)
+            del self._refused[:-64]  # bounded: a rejoin follows within one expiry
+            self._republish_refused()
+
+    def _republish_refused(self) -> None:
+        """Say again, as the incarnation we are now, what the fold refused from an older one of ours
+        (one still expired waits for its rejoin)."""
+        ready = [e for e in self._refused if e.member.incarnation < self.incarnation]
+        if not ready or self.replaced_by is not None:
+            return
+        self._refused = [e for e in self._refused if e.member.incarnation >= self.incarnation]
+        task = asyncio.get_running_loop().create_task(self._republish(ready), name="republish")
+        self._republishing.add(task)
+        task.add_done_callback(self._republishing.discard)
+
+    async def _republish(self, events: list[Event]) -> None:
+        for event in events:
+            if isinstance(event, VersionPublished) and event.version <= self.view.state.latest.version:
+                continue  # published again meanwhile (the trainer's next sync does)
+            try:
+                seq = await self.publish(replace(event, member=self.me))
+            except Exception as exc:  # the server away: the job's accounting misses it, the work stands
+                self.log.warning("republish_failed", kind=event.KIND, error=describe(exc))
+                continue
+            self.log.info("republished_after_rejoin", kind=event.KIND, seq=seq, incarnation=self.incarnation)
 
     async def wait_decision(self, match: Callable[[Decision], object], *, after: int, what: str,
                             give_up: Callable[[JobView], str | None] | None = None,
@@ -626,6 +688,8 @@ class MemberSession:
                 raise MemberReplaced(self._replaced_message())
 
     async def _close(self) -> None:
+        for task in list(self._republishing):
+            await stop_task(task, log=self.log)
         if self._rejoin_task is not None:
             await stop_task(self._rejoin_task, log=self.log)
         if self._heartbeat_task is not None:

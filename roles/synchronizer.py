@@ -56,7 +56,7 @@ from collections import OrderedDict, deque
 
 import structlog
 
-from rolectl.bus.archive import ArchiveError, archive_and_trim
+from rolectl.bus.archive import ArchiveError, archive_and_trim, read_range
 from rolectl.bus.connection import connect
 from rolectl.bus.errors import DecisionSuperseded, PayloadTooLarge, describe
 from rolectl.bus.events import (
@@ -232,7 +232,11 @@ class Synchronizer:
 
     async def _follow(self, from_seq: int, end: int) -> None:
         """Fold the stream live; after each burst, send what it decided; stop when the job is done."""
-        async with read_events(self.conn, from_seq=from_seq, include_decisions=True, known=self._own) as reader:
+        # A replica that lags behind a trim (paused, or started from a snapshot older than the
+        # trim point) reads the purged stretch back from the archive: folding past a hole would
+        # decide differently from the stream (HistoryGap ends the role when it cannot).
+        async with read_events(self.conn, from_seq=from_seq, include_decisions=True, known=self._own,
+                               backfill=lambda first, last: read_range(self.archive_dir, first, last)) as reader:
             while burst := await reader.next_burst():
                 for rec in burst:
                     self._on_record(rec)
@@ -427,8 +431,10 @@ class Synchronizer:
     async def _maybe_snapshot(self) -> None:
         every = self.sync_cfg.snapshot_every
         if every and self.state.last_seq - self._snapshot_seq >= every:
-            if await self.snapshots.save(self.state, self.log_seq):
-                self._snapshot_seq = self.state.last_seq
+            saved = await self.snapshots.save(self.state, self.log_seq)
+            # not saved (a newer one is stored, the server away): the next try is `every` records on
+            self._snapshot_seq = self.state.last_seq
+            if saved:
                 self.log.info("snapshot_saved", seq=self.state.last_seq)
                 if self.active and (self._archiving is None or self._archiving.done()):
                     self._archiving = asyncio.create_task(self._archive(self._snapshot_seq, self.log_seq),

@@ -11,7 +11,7 @@ import asyncio
 import datetime as _dt
 import json
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import nats.errors
@@ -20,12 +20,12 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, Header, StatusCode
 
-from rolectl.sync_protocol import DecodeError, Recorded, decode_all
+from rolectl.sync_protocol import Decision, DecodeError, Event, Recorded, decode_all
 
 from .._natspy_compat import api_prefix, unique_name
 from ..aio import raise_if_cancelling
 from ..connection import BusConnection
-from ..errors import BusClosed, BusError, describe
+from ..errors import BusClosed, BusError, HistoryGap, describe
 from ..logging import LogBudget
 from ..subjects import identity_problem
 
@@ -98,9 +98,12 @@ class EventReader:
         batch: int = 256,
         poll_s: float = 5.0,
         known: Callable[[int], bool] | None = None,
+        backfill: Callable[[int, int], list[Recorded]] | None = None,
     ):
         if from_seq is not None and from_time is not None:
             raise ValueError("give from_seq or from_time, not both")
+        if backfill is not None and not include_decisions:
+            raise ValueError("backfill needs include_decisions=True: a filtered reader skips sequences by design")
         self.conn = conn
         self.from_seq = from_seq
         self.from_time = _start_time(from_time) if from_time is not None else None
@@ -112,6 +115,10 @@ class EventReader:
         # known(seq): the caller already has this record (e.g. a publisher reading its own acked
         # messages back); it is passed over without being decoded
         self.known = known
+        # backfill(first, last): the records a trim removed from the stream while we lagged
+        # behind it (bus.archive.read_range); without it such a stretch is skipped unseen
+        self.backfill = backfill
+        self.backfilled = 0
         self.malformed = 0
         self.rejected = 0
         self._malformed_log = LogBudget(conn.log, "bus.event_malformed")
@@ -351,27 +358,59 @@ class EventReader:
         if self.end_seq is not None and d.stream_seq > self.end_seq:
             self._done = True
             return []
+        # the sequence due next (unknown for a reader started at a time, until its first record)
+        expected = self.last_seq + 1 if self.last_seq else None if self.from_time else (self.from_seq or 1)
+        trimmed = (self._backfill(expected, d.stream_seq - 1)
+                   if self.backfill and expected is not None and d.stream_seq > expected else [])
         self.last_seq = d.stream_seq
         if self.end_seq is not None and (d.stream_seq >= self.end_seq or d.pending == 0):
             self._done = True
         if self.known is not None and self.known(d.stream_seq):
-            return []
+            return trimmed
         try:
             held = decode_all(msg.data)
         except DecodeError as exc:
             self.malformed += 1
             self._malformed_log.warn(subject=msg.subject, seq=d.stream_seq, reason=str(exc))
-            return []
-        if self.verify_identity:
-            for event in held:  # one subject vouches for all of a batch or none
-                problem = identity_problem(msg.subject, event)
+            return trimmed
+        if not self._vouched(msg.subject, held, d.stream_seq):
+            return trimmed
+        time_ms = d.time_ns // 1_000_000
+        return trimmed + [Recorded(seq=d.stream_seq, time_ms=time_ms, event=event, subject=msg.subject)
+                          for event in held]
+
+    def _vouched(self, subject: str | None, held: Sequence[Event | Decision], seq: int) -> bool:
+        """Does the subject vouch for every record of the message (one for all of a batch or none)?"""
+        if self.verify_identity and subject is not None:  # an archived row of an older build has none
+            for event in held:
+                problem = identity_problem(subject, event)
                 if problem is not None:
                     self.rejected += 1
-                    self._rejected_log.warn(subject=msg.subject, seq=d.stream_seq, reason=problem,
-                                            rejected_total=self.rejected)
-                    return []
-        time_ms = d.time_ns // 1_000_000
-        return [Recorded(seq=d.stream_seq, time_ms=time_ms, event=event, subject=msg.subject) for event in held]
+                    self._rejected_log.warn(subject=subject, seq=seq, reason=problem, rejected_total=self.rejected)
+                    return False
+        return True
+
+    def _backfill(self, first: int, last: int) -> list[Recorded]:
+        """Records `first`..`last`, trimmed from the stream while we lagged, read back from the
+        archive and passed through the same checks as live ones; `HistoryGap` when it lacks them."""
+        assert self.backfill is not None
+        try:
+            found = self.backfill(first, last)
+        except Exception as exc:
+            raise HistoryGap(f"records {first}..{last} of stream {self._stream} were trimmed while this reader "
+                             f"lagged behind, and cannot be read back: {exc}") from exc
+        self.conn.log.info("bus.reader_backfilled", stream=self._stream, first=first, last=last, records=len(found))
+        out: list[Recorded] = []
+        by_seq: dict[int, list[Recorded]] = {}
+        for rec in found:
+            by_seq.setdefault(rec.seq, []).append(rec)
+        for seq, held in by_seq.items():
+            if self.known is not None and self.known(seq):
+                continue
+            if self._vouched(held[0].subject, [r.event for r in held], seq):
+                out.extend(held)
+        self.backfilled += len(out)
+        return out
 
     async def record_ready(self) -> bool:
         """True when the next record comes without waiting on the server: a consumer can fold a
@@ -467,6 +506,7 @@ def read_events(
     stop_at_end: bool = False,
     verify_identity: bool = True,
     known: Callable[[int], bool] | None = None,
+    backfill: Callable[[int, int], list[Recorded]] | None = None,
 ) -> EventReader:
     """Read the job's event stream as `Recorded(seq, time_ms, event)`, in order.
 
@@ -479,12 +519,16 @@ def read_events(
     unless `verify_identity=False`. Both are logged at a bounded rate (`bus.logging.LogBudget`).
     Every record carries the subject it was recorded on. `known(seq)` true passes a message over
     undecoded: the caller has it already (the synchronizer, the decisions it published).
+    `backfill(first, last)` returns the records a trim purged while the reader lagged behind it
+    (`bus.archive.read_range`): a reader that folds must see every record, and one that cannot
+    get them raises `HistoryGap` instead of folding past a hole.
 
     Use as `async with read_events(conn, ...) as reader: async for rec in reader: ...` so the
     server-side consumer is deleted when you stop early.
     """
     return EventReader(conn, from_seq=from_seq, from_time=from_time, include_decisions=include_decisions,
-                       stop_at_end=stop_at_end, verify_identity=verify_identity, known=known)
+                       stop_at_end=stop_at_end, verify_identity=verify_identity, known=known,
+                       backfill=backfill)
 
 
 async def last_sequence(conn: BusConnection) -> int:

@@ -251,7 +251,8 @@ async def supervise(cfg: JobConfig, launcher: Launcher, run_path: Path, *, monit
             if dashboard:
                 try:
                     handle = await start_dashboard(job=cfg.job, nats_url=url, security=observer,
-                                                   monitor_url=monitor_url, port=dashboard_port)
+                                                   monitor_url=monitor_url, port=dashboard_port,
+                                                   archive_dir=cfg.event_archive_dir)
                     console.print(f"dashboard: [link={handle.url}]{handle.url}[/link]")
                 except Exception as exc:  # the job matters more than its window
                     console.print(f"[yellow]dashboard not started:[/] {exc}")

@@ -3,7 +3,10 @@
 
 Theory of operation
 -------------------
-The dashboard is a read-only observer. It follows the job's stream with `read_events` and folds it
+The dashboard is a read-only observer. It folds the job's archived history first (when it knows the
+archive directory: `--archive`, the job's config, or `rolectl up`), then follows the stream with
+`read_events` from where the archive ends (a stretch trimmed meanwhile is read back from the
+archive), so archive and live tail are one history. It folds it
 with `roles.observe.observer.JobObserver` (the pure reducer, skipping illegal inputs like the synchronizer),
 listens to heartbeats for "last seen", and polls the nats-server monitoring endpoint (`/varz`,
 `/jsz`) for server health. Every change bumps a counter; each open page gets a fresh snapshot over
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -33,6 +37,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from rich.console import Console
 
+from rolectl.bus.archive import ArchiveError, archived_upto, read_range, read_segment, segments
 from rolectl.bus.connection import connect
 from rolectl.bus.errors import BusError, describe
 from rolectl.bus.events import last_sequence, read_events, subscribe_heartbeats
@@ -114,8 +119,13 @@ def _thin(points: list, limit: int = _POINTS_SHOWN) -> list:
 class Dashboard:
     """The dashboard's model and background work: follow the stream, heartbeats, server health."""
 
-    def __init__(self, *, job: str, nats_url: str, monitor_url: str | None, security=None):
+    def __init__(self, *, job: str, nats_url: str, monitor_url: str | None, security=None,
+                 archive_dir: Path | None = None):
         self.job = job
+        self.archive_dir = Path(archive_dir) if archive_dir is not None else None
+        # what was folded from the archive: records, the last sequence, why it stopped short (if so)
+        self.archived: dict[str, Any] = {"dir": str(self.archive_dir) if self.archive_dir else None,
+                                         "records": 0, "upto_seq": 0, "error": None}
         self.names = JobNames(job)  # a bad job name fails here, before anything starts
         self._connect_url = nats_url
         self.nats_url = redact(nats_url)  # what the page and /api/state show
@@ -175,14 +185,28 @@ class Dashboard:
                                 await self._set_connection("waiting for the job's stream", str(exc))
                                 await asyncio.sleep(_STREAM_RETRY_S)
                         await self._set_connection("live", None)
+                        if self.archive_dir is not None and not self.observer.records:
+                            await self._fold_archive()
                         start = self.observer.state.last_seq + 1
                         first = (await conn.js.stream_info(conn.names.event_stream)).state.first_seq
-                        if first > start:  # trimmed below what we hold (archived): the newest snapshot
+                        backfill = None
+                        if self.archive_dir is not None and not self.archived["error"]:
+                            archive = self.archive_dir
+                            held = archived_upto(archive)
+                            if first > start and held < first - 1:
+                                self.archived["error"] = (
+                                    f"the archive in {archive} holds records up to seq {held} and the stream "
+                                    f"starts at {first}: the history shown starts at the newest snapshot")
+                            else:
+                                backfill = functools.partial(read_range, archive)
+                        if backfill is None and first > start:
+                            # trimmed below what we hold, no archive to read it from: the newest snapshot
                             snapshot = await SnapshotStore(conn).latest()
                             if snapshot is not None and snapshot.state.last_seq >= start:
                                 self.observer = JobObserver(log_tail=_LOG_SHOWN, start=snapshot.state)
                                 start = snapshot.state.last_seq + 1
-                        async with read_events(conn, from_seq=start, include_decisions=True) as reader:
+                        async with read_events(conn, from_seq=start, include_decisions=True,
+                                               backfill=backfill) as reader:
                             async for rec in reader:
                                 self.observer.apply(rec)
                                 await self._bump()
@@ -193,6 +217,24 @@ class Dashboard:
             except Exception as exc:  # NATS away or the reader failed: show it, try again
                 await self._set_connection("reconnecting", describe(exc))
                 await asyncio.sleep(1.0)
+
+    async def _fold_archive(self) -> None:
+        """Fold the archived segments, oldest first, one at a time (a long job's archive is never
+        held whole). A damaged segment stops it there, and the page says so: the history shown
+        then starts at the newest snapshot, as without an archive."""
+        assert self.archive_dir is not None
+        for segment in segments(self.archive_dir):
+            try:
+                records = await asyncio.to_thread(read_segment, segment)
+            except ArchiveError as exc:
+                self.archived["error"] = str(exc)
+                self.observer = JobObserver(log_tail=_LOG_SHOWN)
+                self.archived.update(records=0, upto_seq=0)
+                break
+            for rec in records:
+                self.observer.apply(rec)  # a sequence already folded (segments overlap) is passed over
+            self.archived.update(records=self.observer.records, upto_seq=self.observer.state.last_seq)
+            await self._bump()
 
     async def _set_connection(self, state: str, error: str | None) -> None:
         if (self.connection, self.error) != (state, error):
@@ -265,6 +307,7 @@ class Dashboard:
             "job": self.job,
             "now_ms": now,
             "connection": {"state": self.connection, "error": self.error, "nats_url": self.nats_url},
+            "archive": dict(self.archived),
             "job_state": _job_state(obs),
             "stream": {"last_seq": state.last_seq, "records": obs.records, "decisions": obs.decisions_recorded,
                        "illegal": obs.illegal_total, "first_ms": obs.first_time_ms, "last_ms": obs.last_time_ms},
@@ -515,9 +558,11 @@ class DashboardHandle:
 
 
 async def start_dashboard(*, job: str, nats_url: str, monitor_url: str | None, host: str = "127.0.0.1",
-                          port: int = 0, security=None) -> DashboardHandle:
-    """Serve the dashboard of `job` on `host:port` (0: a free port) inside the running event loop."""
-    dashboard = Dashboard(job=job, nats_url=nats_url, monitor_url=monitor_url, security=security)
+                          port: int = 0, security=None, archive_dir: Path | None = None) -> DashboardHandle:
+    """Serve the dashboard of `job` on `host:port` (0: a free port) inside the running event loop;
+    with `archive_dir`, the job's archived history comes first (see the module's docstring)."""
+    dashboard = Dashboard(job=job, nats_url=nats_url, monitor_url=monitor_url, security=security,
+                          archive_dir=archive_dir)
     runner = web.AppRunner(_app(dashboard), access_log=None, shutdown_timeout=1.0)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
@@ -534,7 +579,7 @@ async def start_dashboard(*, job: str, nats_url: str, monitor_url: str | None, h
 
 
 def serve_dashboard(*, job: str, nats: str, host: str, port: int, monitor_url: str | None,
-                    security=None) -> int:
+                    security=None, archive_dir: Path | None = None) -> int:
     """`rolectl dashboard`: serve until Ctrl-C. 0 on a clean stop, 1 when it cannot start."""
     setup_logging("warning")
     console = Console(stderr=True)
@@ -543,7 +588,7 @@ def serve_dashboard(*, job: str, nats: str, host: str, port: int, monitor_url: s
     async def main() -> int:
         try:
             handle = await start_dashboard(job=job, nats_url=nats, monitor_url=monitor, host=host, port=port,
-                                           security=security)
+                                           security=security, archive_dir=archive_dir)
         except OSError as exc:  # the port is taken (or the host cannot be bound): as `rolectl server`, exit 2
             console.print(f"rolectl dashboard: --port {port}: {host}:{port} cannot be used ({exc.strerror or exc}); "
                           "pass a free --port, or stop what listens there", style="red", markup=False,

@@ -1,6 +1,7 @@
 """The chaos soak, short: `python -m benchmarks.soak` for 3 minutes with a fault every ~10 s (kill -9
 and SIGSTOP of roles, nats-server kill -9 and restart, seeded) loses, duplicates and hangs nothing,
-and `replay --check` is clean over archive and tail. The long run's figures are in the docs."""
+and `replay --check` is clean over archive and tail; and on a 3-node cluster, losing nodes. The long
+run's figures are in the docs."""
 
 from __future__ import annotations
 
@@ -23,6 +24,26 @@ def test_a_three_minute_soak_with_ten_faults_or_more_loses_nothing(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
+    assert result["faults_injected"] >= 10, result
+    assert result["trainer_steps"] > 0, result
+    for key in ("experiences_lost", "experiences_duplicated", "hangs", "replay_check_mismatches",
+                "trainer_steps_reported_twice", "trainer_steps_missing"):
+        assert result[key] == 0, (key, result)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+
+
+def test_a_three_minute_soak_on_a_three_node_cluster_losing_nodes_loses_nothing(tmp_path):
+    """The same soak on a local 3-node cluster (`nats.replicas: 3`), where the server fault is a node
+    lost (kill -9, back after the heartbeat expiry; half the time the event stream's leader). Seed 27
+    draws node faults as the 4th and 8th faults."""
+    out = tmp_path / "soak.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.soak", "--minutes", "3", "--explorers", "2", "--fault-every", "10",
+         "--seed", "27", "--cluster", "--json", str(out), "--workdir", str(tmp_path / "soak")],
+        cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["cluster"] and result["faults"].get("node", 0) >= 1, result
     assert result["faults_injected"] >= 10, result
     assert result["trainer_steps"] > 0, result
     for key in ("experiences_lost", "experiences_duplicated", "hangs", "replay_check_mismatches",

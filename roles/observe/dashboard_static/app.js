@@ -170,9 +170,15 @@ function renderHeader(s) {
   pill.title = ended ? s.job_state.reason : "";
   pill.className = "pill " + (ended ? "pill-wait" : state === "live" ? "pill-live" : state === "reconnecting" ? "pill-bad" : "pill-wait");
   $("stream-seq").textContent = s.stream.last_seq;
+  // archive + live tail read as one history: say how much of it came from the archive
+  const history = $("history");
+  history.hidden = !s.archive.dir;
+  history.dataset.archivedUpto = s.archive.upto_seq;
+  history.textContent = s.archive.upto_seq ? `· archive to seq ${s.archive.upto_seq} + live stream` : "· no archive yet";
   const banner = $("banner");
   const problems = [];
   if (s.connection.error) problems.push(s.connection.error);
+  if (s.archive.error) problems.push(s.archive.error);
   if (s.stream.illegal) problems.push(`${s.stream.illegal} input(s) refused by the reducer (see the event log)`);
   banner.hidden = !problems.length;
   banner.textContent = problems.join(" · ");
