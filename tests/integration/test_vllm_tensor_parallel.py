@@ -98,8 +98,11 @@ def _raw(t: torch.Tensor) -> bytes:
 def _new_version(engine, seed: int) -> dict[str, torch.Tensor]:
     """The engine's weights moved by seeded noise: a version no worker holds yet."""
     gen = torch.Generator().manual_seed(seed)
-    return {n: (t + 0.05 * torch.randn(t.shape, generator=gen, dtype=t.dtype)).contiguous()
-            for n, t in engine.weight_buffers().items()}
+    moved = {n: (t + 0.05 * torch.randn(t.shape, generator=gen, dtype=t.dtype)).contiguous()
+             for n, t in engine.weight_buffers().items()}
+    if engine.hf_config.tie_word_embeddings:  # one tensor in the trainer: sent twice, equal
+        moved["lm_head.weight"] = moved["model.embed_tokens.weight"].clone()
+    return moved
 
 
 def test_cpu_binding_splits_the_cpus_and_refuses_too_few():
