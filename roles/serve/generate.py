@@ -5,6 +5,7 @@ gate that lets the explorer load new weights between requests, never during one.
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -123,7 +124,6 @@ class ContinuousBatcher:
         self._abort: list[str] = []
         self._wake = asyncio.Event()
         self._driver: asyncio.Task | None = None
-        self._ids = 0
         self.steps = 0
         self.largest_batch = 0
 
@@ -131,8 +131,9 @@ class ContinuousBatcher:
         from rolectl.roles.engines.vllm_engine import ServeRequest
 
         async with self.gate.request():
-            self._ids += 1
-            request = ServeRequest(id=f"serve-{self._ids}", prompt=tuple(prompt), max_tokens=max_tokens, seed=seed)
+            # unique across endpoints: several may share one engine (and its running requests)
+            request = ServeRequest(id=f"serve-{uuid.uuid4().hex}", prompt=tuple(prompt), max_tokens=max_tokens,
+                                   seed=seed)
             item = _Running(request, on_token, asyncio.get_running_loop().create_future(), self.engine.version)
             self._waiting.append(item)
             self._wake.set()
