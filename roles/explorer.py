@@ -63,10 +63,12 @@ class Explorer:
         index = _explorer_index(member_id)
         self.step_delay_s = cfg.explorers.step_delay_s[index % len(cfg.explorers.step_delay_s)]
         self.engine = make_rollout_engine(cfg, member_id)
-        # Further local ranks (engine_num x tensor_parallel_size > 1) each hold their own copy of
-        # the weights, as separate rollout engines (or tensor-parallel shards) would.
-        ranks = cfg.explorers.engine_num * cfg.explorers.tensor_parallel_size
-        self.extra_ranks = [make_rollout_engine(cfg, f"{member_id}-r{r}") for r in range(1, ranks)]
+        # Further local ranks each hold their own copy of the weights, as separate rollout engines
+        # (or tensor-parallel shards) would; an engine that runs its own tensor parallelism (vLLM's
+        # workers) is one rank however many workers it has.
+        self.local_ranks = cfg.explorers.engine_num * (
+            1 if getattr(self.engine, "tensor_parallel_size", 1) > 1 else cfg.explorers.tensor_parallel_size)
+        self.extra_ranks = [make_rollout_engine(cfg, f"{member_id}-r{r}") for r in range(1, self.local_ranks)]
         self.taskset = make_taskset(cfg, seed=index, total_batches=cfg.explorers.total_steps,
                                     batch_size=cfg.buffer.batch_size)
         # One explorer evaluates: at a boundary every explorer holds the same version.
@@ -124,8 +126,7 @@ class Explorer:
 
     # -- setup -------------------------------------------------------------------------------------
     async def run(self) -> None:
-        ranks = self.cfg.explorers.engine_num * self.cfg.explorers.tensor_parallel_size
-        async with MemberSession(self.cfg, Role.EXPLORER, self.member_id, ranks=ranks) as session:
+        async with MemberSession(self.cfg, Role.EXPLORER, self.member_id, ranks=self.local_ranks) as session:
             self.s = session
             self.log = session.log
             await session.view.start()
@@ -348,6 +349,8 @@ class Explorer:
                 ready, self.s.me, self.engine.weight_buffers(),
                 also_into=[e.weight_buffers() for e in self.extra_ranks],
             )
+            for engine in (self.engine, *self.extra_ranks):  # received in place; vLLM reloads its workers
+                engine.load_weights(engine.weight_buffers(), ready.version)
         except TransferError as exc:
             self.log.warning("receive_failed", round=ready.round, epoch=ready.epoch, error=describe(exc))
             await self.s.publish(SyncFailed(member=self.s.me, version=self.version, reason=str(exc), round=ready.round))

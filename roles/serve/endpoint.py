@@ -1,10 +1,11 @@
 """The OpenAI-compatible HTTP endpoint of a serving explorer (aiohttp, as the dashboard).
 
-Generation runs one request at a time on the explorer's `hf` rollout engine, under `engine_lock`;
-the explorer loads new weights under the same lock, so a sync lands between two requests, never in
-one. Every response names the version that produced it (`system_fingerprint` `rolectl-v<N>`, the
-field `model_version`, the header `X-Rolectl-Model-Version`). At most `serve.max_queue` requests wait
-or run at once; one more gets 429 at once instead of piling up.
+Generation runs on the explorer's rollout engine through a runner (`generate.make_runner`): batched
+on `vllm` (concurrent requests step together), one at a time on `hf`. The explorer loads new weights
+inside the runner's gate (`engine_lock`), so a sync lands between requests, never in one. Every
+response names the version that produced it (`system_fingerprint` `rolectl-v<N>`, the field
+`model_version`, the header `X-Rolectl-Model-Version`). At most `serve.max_queue` requests wait or
+run at once; one more gets 429 at once instead of piling up.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
 from openai.types.chat.chat_completion_chunk import ChoiceDelta
 
 from .api import ApiError, ChatRequest, CompletionRequest, RewardRequest, error_response, parse
-from .generate import Generated, generate, prompt_limit
+from .generate import Generated, make_runner, model_config, prompt_limit
 from .ledger import BadReward, RewardLedger, Turn, UnknownCompletion
 
 __all__ = ["ServeEndpoint", "VERSION_HEADER"]
@@ -39,8 +40,10 @@ class ServeEndpoint:
 
     def __init__(self, engine: Any, ledger: RewardLedger, *, model_name: str, api_key: str | None,
                  max_queue: int, clock: Callable[[], float] = time.monotonic,
-                 on_reward: Callable[[], None] = lambda: None) -> None:
+                 on_reward: Callable[[], None] = lambda: None, max_batch: int = 256) -> None:
         self.engine = engine
+        self.runner = make_runner(engine, max_batch=max_batch)
+        self.engine_lock = self.runner.gate  # `async with` it: no request runs inside
         self.tokenizer = engine.tokenizer
         self.ledger = ledger
         self.model_name = model_name
@@ -48,7 +51,6 @@ class ServeEndpoint:
         self.max_queue = max_queue
         self.clock = clock
         self.on_reward = on_reward
-        self.engine_lock = asyncio.Lock()
         self.closing: str | None = None  # why new requests are refused (the job finished)
         self.inflight = 0
         self.refused_busy = 0
@@ -78,6 +80,12 @@ class ServeEndpoint:
         except web.HTTPException as exc:  # unknown path or method
             return error_response(ApiError(exc.status, f"{request.method} {request.path}: {exc.reason}",
                                            code="not_found" if exc.status == 404 else None))
+
+    async def aclose(self) -> None:
+        """Stop the runner's background work (the batcher's driver); the app is the caller's."""
+        close = getattr(self.runner, "aclose", None)
+        if close is not None:
+            await close()
 
     def _check_key(self, request: web.Request) -> None:
         if self.api_key is None:
@@ -134,7 +142,7 @@ class ServeEndpoint:
 
     def _completion_prompt(self, req: CompletionRequest) -> list[int]:
         if isinstance(req.prompt, list):
-            vocab = int(self.engine.model.config.vocab_size)
+            vocab = int(model_config(self.engine).vocab_size)
             bad = [t for t in req.prompt if t >= vocab]
             if bad:
                 raise ApiError(400, f"prompt token {bad[0]} is outside the vocabulary [0, {vocab})", param="prompt")
@@ -154,11 +162,9 @@ class ServeEndpoint:
                                 f"{self.max_queue}); retry shortly", type="rate_limit_error", code="queue_full")
         self.inflight += 1
         try:
-            async with self.engine_lock:
-                # a seed per request: the client's, else one from a fresh id (sampling stays random)
-                actual = seed if seed is not None else zlib.crc32(uuid.uuid4().bytes)
-                return await asyncio.to_thread(generate, self.engine, prompt, max_tokens=max_tokens,
-                                               seed=actual, on_token=on_token)
+            # a seed per request: the client's, else one from a fresh id (sampling stays random)
+            actual = seed if seed is not None else zlib.crc32(uuid.uuid4().bytes)
+            return await self.runner.run(prompt, max_tokens=max_tokens, seed=actual, on_token=on_token)
         finally:
             self.inflight -= 1
 
@@ -227,7 +233,7 @@ class ServeEndpoint:
         if job in done and job.exception() is not None:  # refused (429, 503): an error, not a stream
             getter.cancel()
             raise job.exception()  # type: ignore[misc]
-        version = self.engine.version  # generation started under the lock: this is its version
+        version = self.engine.version  # generation started inside the gate: this is its version
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                **self._headers(version)})
 
@@ -273,8 +279,8 @@ class ServeEndpoint:
             await response.write(chunk(None if chat else "", out.finish_reason))
             await response.write(b"data: [DONE]\n\n")
         except (ConnectionResetError, asyncio.CancelledError) as exc:
-            # the client went away mid-stream: the generation finishes on its own (it holds the
-            # engine lock until then); the completion was not delivered, so it is not recorded
+            # the client went away mid-stream: the generation finishes on its own (inside the gate
+            # until then); the completion was not delivered, so it is not recorded
             getter.cancel()
             self.disconnected += 1
             if isinstance(exc, asyncio.CancelledError):

@@ -27,6 +27,7 @@ from rolectl.sync_protocol import ConfigError, Role, StepFinished, SyncStyle
 from rolectl.sync_protocol.experience import ExperienceLimits
 
 from .endpoint import ServeEndpoint
+from .generate import model_config
 from .ledger import RewardLedger
 
 __all__ = ["ServingExplorer", "serve_problems"]
@@ -45,8 +46,9 @@ def serve_problems(cfg) -> list[tuple[str, str]]:
                          f"got {sync.sync_style.value} with {sync.sync_method.value}: a served request must never "
                          "wait for a sync"))
     engine = cfg.model.get("rollout_engine") or cfg.model.get("engine")
-    if engine != "hf":
-        problems.append(("model.rollout_engine", f"serve mode serves from the `hf` rollout engine, got {engine!r}"))
+    if engine not in ("hf", "vllm"):
+        problems.append(("model.rollout_engine",
+                         f"serve mode serves from the `hf` or `vllm` rollout engine, got {engine!r}"))
     env = cfg.serve.api_key_env
     if env is not None and not os.environ.get(env):
         problems.append(("serve.api_key_env", f"the variable {env} is not set (or empty) where the explorer runs: "
@@ -70,7 +72,7 @@ class ServingExplorer(Explorer):
         self._wake = asyncio.Event()
         self._last_batch_size = 0
         self._reported: dict[str, float] = {}
-        self.limits = ExperienceLimits(vocab_size=int(self.engine.model.config.vocab_size), prompt_length=None,
+        self.limits = ExperienceLimits(vocab_size=int(model_config(self.engine).vocab_size), prompt_length=None,
                                        max_response_length=int(self.engine.config.max_new_tokens),
                                        group_size=self.engine.group_size)
 
@@ -86,7 +88,9 @@ class ServingExplorer(Explorer):
             site = web.TCPSite(runner, self.serve.host, port)
             await site.start()
             bound = runner.addresses[0][1]
-            host = "127.0.0.1" if self.serve.host in ("0.0.0.0", "") else self.serve.host
+            # a wildcard bind is reached at the address the launcher advertises for this machine
+            wildcard = self.serve.host in ("0.0.0.0", "", "::")
+            host = (os.environ.get("ROLECTL_ADVERTISE_HOST") or "127.0.0.1") if wildcard else self.serve.host
             url = f"http://{host}:{bound}/v1"
             self.url_file.parent.mkdir(parents=True, exist_ok=True)
             write_json_atomic(self.url_file, {"url": url, "model": self.endpoint.model_name})
@@ -101,6 +105,7 @@ class ServingExplorer(Explorer):
             if agent is not None:
                 await self._stop_agent(agent)
             await runner.cleanup()
+            await self.endpoint.aclose()
             self.url_file.unlink(missing_ok=True)
 
     async def _serve_loop(self, agent: asyncio.subprocess.Process | None) -> None:

@@ -157,12 +157,15 @@ def test_over_rollout_steps_cut_their_tail_and_the_job_completes(tmp_path):
     assert s["experiences_produced"] == (steps * 4 - cut) * 4, s  # group_size 4 per task kept
 
 
-def test_serve_quickstart_runs_its_agent_and_counts_the_traffic(tmp_path):
-    """The served explorer, its agent (examples/agent_digits.py with the openai client) and the trainer:
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_serve_quickstart_runs_its_agent_and_counts_the_traffic(tmp_path, engine):
+    """The served explorer (on the example's `hf` engine, and on `vllm`, which batches the agent's
+    concurrent sessions), its agent (examples/agent_digits.py with the openai client) and the trainer:
     `up` prints the endpoint, the job completes, and the summary counts the served traffic."""
     config = shortened("serve_quickstart.yaml", tmp_path)
     data = yaml.safe_load(config.read_text())
     data["model"]["path"] = str(tmp_path / "model")
+    data["model"]["rollout_engine"] = engine
     config.write_text(yaml.safe_dump(data, sort_keys=False))
     run = run_up(config, tmp_path, timeout=400, extra=("--run-dir", str(tmp_path / "runs")))
     s = run.summary

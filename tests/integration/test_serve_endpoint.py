@@ -20,11 +20,13 @@ from tests.support.wait import wait_until
 MODEL = "serve-test"
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    model_dir = built_model(tmp_path_factory.mktemp("hf"))
-    cfg = parse_config({"job": MODEL, "model": model_section(model_dir, rollout_engine="hf"), "data": data_section(),
-                        "explorers": {"count": 1}})
+@pytest.fixture(scope="module", params=["hf", "vllm"])
+def engine(request, tmp_path_factory):
+    """Each test runs on both engines: `hf` serves one request at a time, `vllm` batches them."""
+    model_dir = built_model(tmp_path_factory.mktemp(request.param))
+    extra = {"vllm": {"kv_cache_memory_bytes": 64 << 20}} if request.param == "vllm" else {}
+    cfg = parse_config({"job": MODEL, "model": model_section(model_dir, rollout_engine=request.param, **extra),
+                        "data": data_section(), "explorers": {"count": 1}})
     return make_rollout_engine(cfg, "explorer-0")
 
 
@@ -39,12 +41,13 @@ class Clock:
 @pytest.fixture
 async def serving(engine):
     """Start an endpoint; yield (endpoint, AsyncOpenAI client, base url)."""
-    started = []
+    started, endpoints = [], []
 
     async def start(*, api_key=None, max_queue=8, timeout_s=60.0):
         ledger = RewardLedger(prefix="explorer-0-serve-t", group_size=engine.group_size, timeout_s=timeout_s)
         endpoint = ServeEndpoint(engine, ledger, model_name=MODEL, api_key=api_key, max_queue=max_queue,
                                  clock=Clock())
+        endpoints.append(endpoint)
         runner = web.AppRunner(endpoint.app, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -58,6 +61,8 @@ async def serving(engine):
     for runner, client in started:
         await client.close()
         await runner.cleanup()
+    for endpoint in endpoints:
+        await endpoint.aclose()
 
 
 async def test_a_chat_completion_names_its_model_version_and_is_recorded(serving, engine):
@@ -245,3 +250,35 @@ async def test_a_client_gone_mid_stream_leaves_the_endpoint_serving(serving):
                      what="the abandoned stream ended")
     reply = await client.completions.create(model=MODEL, prompt="reverse 1 2 3 =")
     assert reply.choices and endpoint.ledger.served == 1  # only the delivered one is recorded
+
+
+async def test_concurrent_clients_are_served_together_and_sample_as_alone(serving, engine):
+    """On `vllm` requests in flight together step together (one batch); on `hf` one at a time. A
+    request's seed decides its sample either way: batching changes no response."""
+    endpoint, client, _ = await serving(max_queue=16)
+    prompts = [f"reverse {i} {i + 1} {i + 2} =" for i in range(8)]
+    alone = [(await client.completions.create(model=MODEL, prompt=p, seed=i)).choices[0].text
+             for i, p in enumerate(prompts)]
+    together = await asyncio.gather(*(client.completions.create(model=MODEL, prompt=p, seed=i)
+                                      for i, p in enumerate(prompts)))
+    assert [r.choices[0].text for r in together] == alone
+    assert endpoint.ledger.served == 2 * len(prompts)
+    if hasattr(engine, "serve_step"):
+        assert endpoint.runner.largest_batch > 1  # the burst shared engine steps
+        assert endpoint.runner.steps < 2 * len(prompts) * engine.config.max_new_tokens
+
+
+async def test_a_weight_load_waits_for_the_requests_running_then_holds_new_ones(serving, engine):
+    endpoint, client, _ = await serving()
+    running = [asyncio.ensure_future(client.completions.create(model=MODEL, prompt="reverse 1 2 3 =", seed=i))
+               for i in range(3)]
+    await wait_until(lambda: endpoint.engine_lock.running > 0, timeout=30, poll=0.01, what="requests running")
+    before = engine.version
+    async with endpoint.engine_lock:  # what the serving explorer does to load weights
+        assert endpoint.engine_lock.running == 0  # every request that was running has finished
+        late = asyncio.ensure_future(client.completions.create(model=MODEL, prompt="reverse 4 5 6 ="))
+        await wait_until(lambda: endpoint.inflight == 1, timeout=30, poll=0.01, what="the late request queued")
+        engine.load_weights(engine.weight_buffers(), before + 1)
+    done = await asyncio.gather(*running)
+    assert all(r.model_extra["model_version"] == before for r in done)
+    assert (await late).model_extra["model_version"] == before + 1  # it waited for the load

@@ -73,3 +73,39 @@ def test_bad_serve_values_are_reported_by_path(tmp_path, serve, says):
     with pytest.raises(ConfigError) as info:
         load_config(_variant(tmp_path, serve=serve), check_engines=False)
     assert says in str(info.value)
+
+
+class _RemoteHandle:
+    """A role handle whose launcher reads the URL where the role runs (as `RayRole.serve_url` does)."""
+
+    def __init__(self, member_id: str, answers: list[str | None]) -> None:
+        self.member_id = member_id
+        self.answers = answers
+        self.asked: list[str] = []
+
+    def serve_url(self, path: str) -> str | None:
+        self.asked.append(path)
+        return self.answers.pop(0)
+
+
+def test_up_prints_each_serving_url_once_local_or_read_where_the_explorer_runs(tmp_path, capsys):
+    from rolectl.roles.config import parse_config
+    from rolectl.roles.launch.local import _print_serve_urls, read_serve_url
+
+    cfg = parse_config({"job": "urls", "run_dir": str(tmp_path), "explorers": {"count": 2}})
+    local = cfg.job_dir / "explorer-0" / "serve_url"
+    local.parent.mkdir(parents=True)
+    local.write_text("{not json")  # being written: not printed yet
+    assert read_serve_url(local) is None
+    remote = _RemoteHandle("explorer-1", [None, "http://10.0.0.7:8400/v1"])
+    printed: set[str] = set()
+    _print_serve_urls(cfg, printed, [remote])
+    assert printed == set()
+    local.write_text('{"url": "http://127.0.0.1:8400/v1", "model": "urls"}')
+    _print_serve_urls(cfg, printed, [remote])
+    _print_serve_urls(cfg, printed, [remote])  # each once
+    out = " ".join(capsys.readouterr().err.split())  # up's console writes to stderr
+    assert printed == {"explorer-0", "explorer-1"}
+    assert out.count("serving: explorer-0 http://127.0.0.1:8400/v1") == 1
+    assert out.count("serving: explorer-1 http://10.0.0.7:8400/v1") == 1
+    assert remote.asked == [str(cfg.job_dir / "explorer-1" / "serve_url")] * 2
