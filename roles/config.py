@@ -536,6 +536,10 @@ def parse_config(data: Any, *, source: str | None = None, check_engines: bool = 
     if check_engines and cfg is not None:
         problems.extend(_eval_problems(cfg))
         problems.extend(tracker_problems(cfg.monitor.backends))
+    if cfg is not None and cfg.transport.wire_dtype is not None and cfg.synchronizer.sync_method.is_rendezvous:
+        problems.append(("transport.wire_dtype", f"applies to the pull methods (memory, checkpoint), not to "
+                                                 f"{cfg.synchronizer.sync_method.value}: remove it, or set "
+                                                 "model.dtype for what the explorers load"))
     if cfg is not None and cfg.trainer.world_size > 1 and cfg.model.get("engine") != "fsdp":
         problems.append(("trainer.world_size", f"{cfg.trainer.world_size} ranks need a sharded engine: set "
                                                "`model.engine: fsdp`, or world_size: 1"))
