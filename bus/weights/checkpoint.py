@@ -52,7 +52,7 @@ from rolectl.sync_protocol import SyncMethod
 
 from ..files import atomic_path
 from .base import CorruptWeights, TransferError, WeightsNotFound, WeightsRef, WeightsSource
-from .delta import ChunkDecoder, DeltaChunks, DeltaInfo, DeltaPublisher, HeldVersion, delta_info
+from .delta import ChunkDecoder, DeltaChunks, DeltaInfo, DeltaPublisher, HeldVersion, ParallelDecode, delta_info
 from .format import (
     DEFAULT_CHUNK_SIZE,
     FORMAT,
@@ -334,11 +334,15 @@ class CheckpointTransport:
     def _apply_file(self, f: io.FileIO, manifest: Manifest, info: DeltaInfo, dest: Destination,
                     base: memoryview, path: Path) -> None:
         """Decode every chunk of the delta file `f` onto `base` into `dest`, each checked."""
-        decoder = ChunkDecoder(manifest, info, dest.view, base, str(path))
-        f.seek(0)
-        for index, size in enumerate(info.sizes):
-            payload = f.read(size)
-            decoder.apply(index, payload)
+        decoding = ParallelDecode(ChunkDecoder(manifest, info, dest.view, base, str(path)))
+        try:
+            f.seek(0)
+            for index, size in enumerate(info.sizes):
+                decoding.submit(index, f.read(size))
+        except BaseException:
+            decoding.abandon()
+            raise
+        decoding.finish()  # CorruptWeights of the first bad chunk
 
     def _rebuild(self, manifest: Manifest, info: DeltaInfo, f: io.FileIO,
                  path: Path) -> tuple[Destination, int, list[int]]:

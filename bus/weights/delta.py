@@ -30,8 +30,11 @@ Theory of operation
 
 from __future__ import annotations
 
+import os
+import threading
 import zlib
 from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,14 +55,20 @@ __all__ = [
     "DeltaPublisher",
     "DeltaChunks",
     "HeldVersion",
+    "ParallelDecode",
     "apply_chunk",
     "cast_source",
     "default_codec",
     "delta_info",
     "xor_into",
+    "xor_shuffled",
+    "xor_unshuffled",
 ]
 
 _ZSTD_LEVEL = 1  # the XOR is mostly zeros: higher levels cost time and save little
+# Bytes are regrouped by their position in 2-byte words before compressing: the high bytes of a bf16
+# XOR are almost all zero and the low ones sparse, which compresses ~20 % smaller (and faster) apart.
+_SHUFFLE = 2
 
 
 def _zlib_codec() -> tuple[Any, Any]:
@@ -94,6 +103,43 @@ def _u8(buffer: Any) -> np.ndarray:
     return np.frombuffer(buffer, dtype=np.uint8)
 
 
+def xor_shuffled(a: Any, b: Any, width: int) -> np.ndarray:
+    """a XOR b with the bytes grouped by their position within `width`-byte words (all first bytes,
+    then all second bytes, ...; a trailing partial word stays at the end), in one pass."""
+    x, y = _u8(a), _u8(b)
+    n = len(x)
+    if len(y) != n:
+        raise ValueError(f"xor of {n} and {len(y)} bytes")
+    out = np.empty(n, dtype=np.uint8)
+    whole = n - n % width if width > 1 else 0
+    h = whole // width
+    for j in range(width if whole else 0):
+        np.bitwise_xor(x[j:whole:width], y[j:whole:width], out=out[j * h:(j + 1) * h])
+    np.bitwise_xor(x[whole:], y[whole:], out=out[whole:])
+    return out
+
+
+def xor_unshuffled(out: memoryview, base: Any | None, plain: Any, width: int) -> None:
+    """out = base XOR (the inverse of the grouping `xor_shuffled` made) of `plain`; with no base,
+    out = the ungrouped `plain`. `out` may be `base`."""
+    o, p = _u8(out), _u8(plain)
+    n = len(o)
+    if len(p) != n or (base is not None and len(base) != n):
+        raise ValueError(f"{len(p)} bytes onto {n}")
+    b = _u8(base) if base is not None else None
+    whole = n - n % width if width > 1 else 0
+    h = whole // width
+    for j in range(width if whole else 0):
+        if b is None:
+            o[j:whole:width] = p[j * h:(j + 1) * h]
+        else:
+            np.bitwise_xor(b[j:whole:width], p[j * h:(j + 1) * h], out=o[j:whole:width])
+    if b is None:
+        o[whole:] = p[whole:]
+    else:
+        np.bitwise_xor(b[whole:], p[whole:], out=o[whole:])
+
+
 def xor_into(out: memoryview, a: Any, b: Any) -> None:
     """out = a XOR b, byte by byte (8 bytes at a time when the lengths allow); `out` may be `a`."""
     n = len(out)
@@ -121,11 +167,12 @@ class DeltaInfo:
     sizes: tuple[int, ...]
     whole: frozenset[int]
     changed_bytes: int
+    shuffle: int = 1
 
     def to_json(self) -> dict[str, Any]:
         return {"base": self.base, "base_digest": self.base_digest, "keyframe": self.keyframe,
-                "codec": self.codec, "sizes": list(self.sizes), "whole": sorted(self.whole),
-                "changed_bytes": self.changed_bytes}
+                "codec": self.codec, "shuffle": self.shuffle, "sizes": list(self.sizes),
+                "whole": sorted(self.whole), "changed_bytes": self.changed_bytes}
 
     @property
     def stored_bytes(self) -> int:
@@ -142,7 +189,10 @@ def delta_info(manifest: Manifest, *, where: str) -> DeltaInfo | None:
             base=int(raw["base"]), base_digest=str(raw["base_digest"]), keyframe=int(raw["keyframe"]),
             codec=str(raw["codec"]), sizes=tuple(int(s) for s in raw["sizes"]),
             whole=frozenset(int(i) for i in raw.get("whole", ())), changed_bytes=int(raw.get("changed_bytes", 0)),
+            shuffle=int(raw.get("shuffle", 1)),
         )
+        if info.shuffle < 1:
+            raise ValueError(f"shuffle {info.shuffle} < 1")
     except (KeyError, TypeError, ValueError) as exc:
         raise CorruptWeights(f"{where}: version {manifest.version}: malformed delta facts: {exc}") from None
     if len(info.sizes) != len(manifest.chunks) or not info.keyframe <= info.base < manifest.version:
@@ -255,14 +305,13 @@ class DeltaChunks:
                 yield index, [memoryview(data)], digest
                 continue
             if index < len(base.chunks) and len(base.chunks[index]) == len(data):
-                diff = bytearray(len(data))
-                xor_into(memoryview(diff), data, base.chunks[index])
-                self.changed_bytes += int(np.count_nonzero(_u8(diff)))
+                diff = xor_shuffled(data, base.chunks[index], _SHUFFLE)
+                self.changed_bytes += int(np.count_nonzero(diff))
                 payload = compress(diff)
             else:  # the stream grew or shrank: this chunk has no counterpart, it is stored whole
                 self.whole.append(index)
                 self.changed_bytes += len(data)
-                payload = compress(data)
+                payload = compress(xor_shuffled(data, bytes(len(data)), _SHUFFLE))
             self.sizes.append(len(payload))
             yield index, [memoryview(payload)], digest
 
@@ -271,7 +320,7 @@ class DeltaChunks:
         if self.base is None:
             return {}
         info = DeltaInfo(self.base.version, self.base.digest, self.base.keyframe, self.codec,
-                         tuple(self.sizes), frozenset(self.whole), self.changed_bytes)
+                         tuple(self.sizes), frozenset(self.whole), self.changed_bytes, _SHUFFLE)
         return {"delta": info.to_json()}
 
 
@@ -303,7 +352,8 @@ class ChunkDecoder:
         self.dest = dest
         self.base = base
         self.where = where
-        _, self._decompress = _codec(info.codec, where)
+        _codec(info.codec, where)  # an unknown codec fails before the first chunk
+        self._local = threading.local()  # zstandard's objects must not be shared between threads
 
     def expected_size(self, index: int) -> int:
         return self.info.sizes[index]
@@ -311,8 +361,38 @@ class ChunkDecoder:
     def apply(self, index: int, payload: Any) -> None:
         """Decode chunk `index` into the destination and check it; CorruptWeights names version and chunk."""
         a, b = self.manifest.chunks[index]
+        decompress = getattr(self._local, "decompress", None)
+        if decompress is None:
+            decompress = self._local.decompress = _codec(self.info.codec, self.where)[1]
         apply_chunk(self.manifest, self.info, index, payload, self.dest[a:b],
-                    None if index in self.info.whole else self.base[a:b], self._decompress, where=self.where)
+                    None if index in self.info.whole else self.base[a:b], decompress, where=self.where)
+
+
+class ParallelDecode:
+    """Decodes a version's chunks on a few worker threads while the next ones arrive (zstandard,
+    numpy and blake3 release the GIL on large buffers). `finish` waits for every chunk and raises the
+    failure of the lowest-numbered bad chunk; `abandon` stops a failed transfer's work."""
+
+    def __init__(self, decoder: ChunkDecoder, workers: int | None = None):
+        self.decoder = decoder
+        self._pool = ThreadPoolExecutor(max_workers=workers or max(1, min(4, (os.cpu_count() or 2) // 2)),
+                                        thread_name_prefix="delta-decode")
+        self._futures: dict[int, Future[None]] = {}
+
+    def submit(self, index: int, payload: Any) -> None:
+        self._futures[index] = self._pool.submit(self.decoder.apply, index, payload)
+
+    def finish(self) -> None:
+        try:
+            for index in sorted(self._futures):
+                self._futures[index].result()
+        finally:
+            self.abandon()
+
+    def abandon(self) -> None:
+        for future in self._futures.values():
+            future.cancel()
+        self._pool.shutdown(wait=True)
 
 
 def apply_chunk(manifest: Manifest, info: DeltaInfo, index: int, payload: Any, out: memoryview,
@@ -331,13 +411,10 @@ def apply_chunk(manifest: Manifest, info: DeltaInfo, index: int, payload: Any, o
         else:
             if len(plain) != n:
                 problem = f"decompresses to {len(plain)} bytes, expected {n}"
-            elif base is None:
-                out[:] = plain
+            elif base is not None and len(base) != n:
+                problem = f"has no base bytes to apply to ({len(base)} of {n})"
             else:
-                if len(base) != n:
-                    problem = f"has no base bytes to apply to ({len(base)} of {n})"
-                else:
-                    xor_into(out, base, plain)
+                xor_unshuffled(out, base, plain, info.shuffle)
     if problem is not None:
         raise CorruptWeights(
             f"{where}: version {manifest.version} delta chunk {index} of {len(manifest.chunks)} {problem}; "

@@ -80,7 +80,7 @@ from ._wire_client import (
     run_in_thread,
 )
 from .base import CorruptWeights, TransferError, WeightsNotFound, WeightsRef, WeightsSource, restartable
-from .delta import ChunkDecoder, DeltaChunks, DeltaInfo, DeltaPublisher, HeldVersion, delta_info
+from .delta import ChunkDecoder, DeltaChunks, DeltaInfo, DeltaPublisher, HeldVersion, ParallelDecode, delta_info
 from .format import Destination, Manifest, StreamedChunks, build_manifest, default_digest_algorithm, streamed_chunks
 
 __all__ = ["ObjectStoreTransport"]
@@ -357,15 +357,22 @@ class ObjectStoreTransport:
             decoder = ChunkDecoder(manifest, delta[0], dest.view, delta[1], where)
             plan = _DeltaPlan(manifest, dest, subjects, self._request_bytes, self._window_bytes, where, decoder)
         try:
-            if not plan.done:
-                if self._data_connection_usable():
-                    try:
-                        await self._fetch_data_connection(plan)
-                    except NoDataConnection:
-                        self._use_data_connection = False
+            try:
+                if not plan.done:
+                    if self._data_connection_usable():
+                        try:
+                            await self._fetch_data_connection(plan)
+                        except NoDataConnection:
+                            self._use_data_connection = False
+                            await self._fetch_nats_py(plan)
+                    else:
                         await self._fetch_nats_py(plan)
-                else:
-                    await self._fetch_nats_py(plan)
+            except BaseException:
+                if isinstance(plan, _DeltaPlan):
+                    await asyncio.to_thread(plan.decoding.abandon)
+                raise
+            if isinstance(plan, _DeltaPlan):
+                await asyncio.to_thread(plan.decoding.finish)  # CorruptWeights of the first bad chunk
         except _MissingChunks as exc:
             if await self._manifest(manifest.version) is None:
                 raise WeightsNotFound(
@@ -818,6 +825,7 @@ class _DeltaPlan(_ChunkPlan):
                  window_bytes: int, where: str, decoder: ChunkDecoder):
         super().__init__(manifest, dest, filter_subject, request_bytes, window_bytes, where)
         self.decoder = decoder
+        self.decoding = ParallelDecode(decoder)
         self._scratch: dict[int, memoryview] = {}
 
     def target(self, headers: Mapping[str, str], size: int) -> memoryview | None:
@@ -834,7 +842,7 @@ class _DeltaPlan(_ChunkPlan):
 
     def landed(self, headers: Mapping[str, str], digest: bytes | None = None) -> None:
         index = int(headers["Nats-Subject"].rsplit(".", 1)[1])
-        self.decoder.apply(index, self._scratch.pop(index))
+        self.decoding.submit(index, self._scratch.pop(index))  # decoded and checked by `decoding.finish`
         self.received[index] = 1
         self.count += 1
 

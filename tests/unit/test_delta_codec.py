@@ -15,6 +15,8 @@ from rolectl.bus.weights.delta import (
     default_codec,
     delta_info,
     xor_into,
+    xor_shuffled,
+    xor_unshuffled,
 )
 from rolectl.bus.weights.format import build_manifest, streamed_chunks
 from rolectl.roles.config import ConfigError, load_config
@@ -115,3 +117,17 @@ def test_wire_dtype_and_keyframe_interval_are_checked(tmp_path):
         _job(tmp_path, "{keyframe_interval: 0}")
     with pytest.raises(ConfigError, match="wire_dtype"):
         _job(tmp_path, "{wire_dtype: int8}")
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 13, 4096])
+@pytest.mark.parametrize("width", [1, 2, 4])
+def test_the_grouped_xor_is_undone_exactly(n, width):
+    g = torch.Generator().manual_seed(n + width)
+    a = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).numpy().tobytes()
+    b = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).numpy().tobytes()
+    grouped = xor_shuffled(a, b, width).tobytes()
+    out = bytearray(n)
+    xor_unshuffled(memoryview(out), b, grouped, width)
+    assert bytes(out) == a
+    xor_unshuffled(memoryview(out), None, xor_shuffled(a, bytes(n), width).tobytes(), width)
+    assert bytes(out) == a
