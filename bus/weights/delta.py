@@ -23,6 +23,9 @@ Theory of operation
   almost nothing. The compressor is Zstandard (``zstandard`` package, well kept and several times
   faster than zlib at a better ratio) when installed, else zlib from the standard library; the
   codec is written into every delta manifest, so a receiver always decodes with the sender's choice.
+  Before compressing, the XOR's bytes are grouped by their position in 2-byte words (``shuffle``):
+  a bf16 XOR's high bytes are nearly all zero and its low bytes sparse, and apart they compress
+  smaller and faster. Receivers decode chunks on worker threads while the next ones arrive.
 - **Memory.** The publisher keeps a copy of the last version's bytes (one model at the wire dtype)
   to XOR against; a receiver keeps the last version it handed out. Nothing is kept when
   ``keyframe_interval`` is 1 (every version a keyframe, the default).
