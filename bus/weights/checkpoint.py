@@ -348,9 +348,11 @@ class CheckpointTransport:
                  path: Path) -> tuple[Destination, int, list[int]]:
         """Read the keyframe `manifest` descends from and apply each delta after it in place."""
         chain: list[tuple[Manifest, DeltaInfo, Path]] = [(manifest, info, path)]
-        link: DeltaInfo | None = info
-        while link is not None:
+        link = info
+        while True:
             base_path = self.delta_path_of(link.base)
+            base: Manifest | None
+            base_info: DeltaInfo | None
             try:
                 if base_path.exists():
                     base, base_info = self._read_delta_manifest(base_path)
@@ -364,13 +366,14 @@ class CheckpointTransport:
                     f"version {manifest.version} is stored as a delta, and version {link.base} it builds on "
                     f"is not in {self.root} (pruned, or republished); fetch the latest announced version")
             if base_info is None:
+                keyframe_manifest = base
                 break
             chain.append((base, base_info, base_path))
             link = base_info
             if len(chain) > 10_000:
                 raise CorruptWeights(f"{path}: the delta chain of version {manifest.version} does not end")
         chain.reverse()
-        keyframe = self._read(self._ref(base))
+        keyframe = self._read(self._ref(keyframe_manifest))
         moved = keyframe.layout.nbytes
         dest = keyframe
         for step, step_info, step_path in chain:
@@ -383,7 +386,7 @@ class CheckpointTransport:
                 self._apply_file(step_file, step, step_info, target, dest.view, step_path)
             dest = target
             moved += step_info.stored_bytes
-        return dest, moved, [base.version] + [m.version for m, _, _ in chain]
+        return dest, moved, [keyframe_manifest.version] + [m.version for m, _, _ in chain]
 
     def tamper_delta_chunk_for_tests(self, version: int, index: int) -> None:
         """Flip one byte of delta chunk `index` of `version` (tests of corruption handling)."""

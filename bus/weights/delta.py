@@ -96,7 +96,8 @@ def default_codec() -> str:
 
 def _codec(name: str, where: str) -> tuple[Any, Any]:
     try:
-        return CODECS[name]()  # fresh objects: zstandard's are not shared between threads
+        codec: tuple[Any, Any] = CODECS[name]()  # fresh objects: zstandard's are not shared between threads
+        return codec
     except KeyError:
         hint = " (pip install zstandard)" if name == "zstd" else ""
         raise CorruptWeights(f"{where}: delta codec {name!r} is not available in this process{hint}") from None
@@ -445,7 +446,7 @@ def cast_source(weights: WeightsSource, dtype: torch.dtype | None) -> WeightsSou
             yield [(name, cast(t)) for name, t in bucket]
 
     if callable(weights):
-        return lambda: buckets(weights())  # type: ignore[operator]  # a callable source
+        return lambda: buckets(weights())
     if not isinstance(weights, Iterator):  # a re-iterable collection stays restartable
-        return lambda: buckets(weights)  # type: ignore[arg-type]  # iterable of buckets
+        return lambda: buckets(weights)
     return buckets(weights)
