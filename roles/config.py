@@ -137,6 +137,17 @@ class TransportConfig(Section):
     """torch.distributed broadcast bucket size, in MiB."""
     group_timeout_s: Seconds = 60.0
     """A dead peer mid-broadcast fails the transfer after this many seconds."""
+    wire_dtype: Literal["bfloat16", "float16"] | None = None
+    """Dtype the weights travel in with a pull method (`memory`, `checkpoint`): the trainer keeps its
+    own (e.g. float32) master weights and casts floating-point tensors when it publishes; explorers
+    receive and serve this dtype. Unset: the trainer's dtype. `bfloat16` halves a float32 model's
+    bytes and makes delta sync (`keyframe_interval`) effective."""
+    keyframe_interval: Annotated[int, Strict(), Field(ge=1)] = 1
+    """Delta sync with a pull method: every this many versions a full copy (a keyframe), the versions
+    between stored as the compressed XOR of their bytes with the version before. An explorer holding
+    the previous version fetches only the delta; any other fetches the keyframe and the deltas after
+    it. The result is digest-checked before it is used. Costs one model of memory (at the wire dtype)
+    in the trainer and in each explorer. 1: every version is full (no deltas)."""
 
 
 class ServeConfig(Section):
@@ -527,6 +538,10 @@ def parse_config(data: Any, *, source: str | None = None, check_engines: bool = 
     if check_engines and cfg is not None:
         problems.extend(_eval_problems(cfg))
         problems.extend(tracker_problems(cfg.monitor.backends))
+    if cfg is not None and cfg.transport.wire_dtype is not None and cfg.synchronizer.sync_method.is_rendezvous:
+        problems.append(("transport.wire_dtype", f"applies to the pull methods (memory, checkpoint), not to "
+                                                 f"{cfg.synchronizer.sync_method.value}: remove it, or set "
+                                                 "model.dtype for what the explorers load"))
     if cfg is not None and cfg.trainer.world_size > 1 and cfg.model.get("engine") != "fsdp":
         problems.append(("trainer.world_size", f"{cfg.trainer.world_size} ranks need a sharded engine: set "
                                                "`model.engine: fsdp`, or world_size: 1"))

@@ -333,6 +333,7 @@ class Explorer:
         started = time.monotonic()
         try:
             tensors = await self.transport.fetch(ref)
+            self._log_fetch()
             for engine in (self.engine, *self.extra_ranks):
                 engine.load_weights(tensors, ref.version)
         except TransferError as exc:
@@ -341,6 +342,14 @@ class Explorer:
             return
         await self._set_version(ref.version, round_id=round_id, nbytes=ref.nbytes,
                                 seconds=time.monotonic() - started)
+
+    def _log_fetch(self) -> None:
+        """How a pull fetch got its version (delta sync: a delta, or the keyframe and its deltas)."""
+        fetched = getattr(self.transport, "last_fetch", None)
+        if fetched:
+            self.log.info("weights_fetched", version=fetched["version"], route=fetched["route"],
+                          bytes_moved=fetched["bytes_moved"], nbytes=fetched["nbytes"],
+                          refused=fetched["refused"])
 
     async def _receive_rendezvous(self, ready: RendezvousReady) -> None:
         started = time.monotonic()
@@ -372,6 +381,7 @@ class Explorer:
             started = time.monotonic()
             try:
                 tensors = await self.transport.fetch(ref)
+                self._log_fetch()
             except TransferError as exc:
                 self.log.warning("background_fetch_failed", version=ref.version, error=describe(exc))
                 fetched = ref.version  # skip it; the next version will come

@@ -31,10 +31,11 @@ from rolectl.bus.errors import AckFailed, describe
 from rolectl.bus.experiences import ExperienceReader
 from rolectl.bus.security import redact
 from rolectl.bus.weights import TransferError
+from rolectl.bus.weights.delta import cast_source
 from rolectl.roles.config import JobConfig, env_settings
 from rolectl.roles.resume import SavedState, StartMode, decide_resume
 from rolectl.roles.session import JobIncomplete, MemberRejoined, MemberSession, write_json_atomic
-from rolectl.roles.transports import make_pull_transport, make_rendezvous_transport
+from rolectl.roles.transports import make_pull_transport, make_rendezvous_transport, wire_dtype
 from rolectl.roles.waiting import WaitNotice
 from rolectl.sync_protocol import (
     MemberReleased,
@@ -373,7 +374,7 @@ class Trainer:
             self.log.info("version_already_published", step=step, latest=self.s.view.state.latest.version)
         elif step > 0:
             # bucket by bucket: a sharded trainer never gathers the whole model in one process
-            buckets = _to_the_end(self.engine.iter_weight_buckets())
+            buckets = _to_the_end(cast_source(self.engine.iter_weight_buckets(), wire_dtype(self.cfg)))
             try:
                 ref = await self.transport.publish(step, buckets)
             finally:
@@ -386,7 +387,9 @@ class Trainer:
             self.announced_versions.add(step)
             pruned = await self.transport.prune(self.cfg.trainer.keep_versions,
                                                 announced=self.announced_versions)
-            self.log.info("version_published", version=step, nbytes=ref.nbytes,
+            stored = getattr(self.transport, "last_publish", {})  # delta sync: what was stored
+            self.log.info("version_published", version=step, nbytes=ref.nbytes, kind=stored.get("kind"),
+                          stored_bytes=stored.get("stored_bytes"),
                           seconds=round(time.monotonic() - started, 3), pruned=pruned)
         self.last_sync_step = step
 

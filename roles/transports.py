@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import asyncio
 
+import torch
+
 from rolectl.bus.weights.base import PullTransport, RendezvousTransport
 from rolectl.roles.config import JobConfig
 from rolectl.sync_protocol import MemberRef, SyncMethod
 
-__all__ = ["make_pull_transport", "make_rendezvous_transport"]
+__all__ = ["make_pull_transport", "make_rendezvous_transport", "wire_dtype"]
+
+
+def wire_dtype(cfg: JobConfig) -> torch.dtype | None:
+    """The dtype weights travel in (`transport.wire_dtype`), or None for the trainer's own."""
+    name = cfg.transport.wire_dtype
+    return None if name is None else getattr(torch, name)
 
 
 def make_pull_transport(cfg: JobConfig, conn) -> PullTransport:
@@ -19,17 +27,21 @@ def make_pull_transport(cfg: JobConfig, conn) -> PullTransport:
 
         # The trainer prunes to `trainer.keep_versions` after each publish.
         return ObjectStoreTransport(conn.nc, cfg.job, storage=cfg.transport.object_store_storage,
-                                    replicas=cfg.nats.replicas, reconnected=conn.reconnect_signal)
+                                    replicas=cfg.nats.replicas, reconnected=conn.reconnect_signal,
+                                    keyframe_interval=cfg.transport.keyframe_interval)
     if method is SyncMethod.CHECKPOINT:
         from rolectl.bus.weights.checkpoint import CheckpointTransport
 
-        return CheckpointTransport(cfg.weights_checkpoint_dir)
+        return CheckpointTransport(cfg.weights_checkpoint_dir, keyframe_interval=cfg.transport.keyframe_interval)
     raise ValueError(f"{method.value} is not a pull method")
 
 
 async def make_rendezvous_transport(cfg: JobConfig, session) -> RendezvousTransport:
     """torch.distributed broadcast (`nccl`: nccl on GPUs, gloo on CPU) or CUDA IPC (`cuda_ipc`)."""
     method = cfg.synchronizer.sync_method
+    if cfg.transport.wire_dtype is not None:
+        raise ValueError(f"transport.wire_dtype applies to the pull methods (memory, checkpoint), not to "
+                         f"{method.value}: remove it, or set model.dtype for what the explorers load")
     timeout = cfg.transport.group_timeout_s
     if method is SyncMethod.NCCL:
         from rolectl.bus.weights.torch_dist import TorchDistTransport

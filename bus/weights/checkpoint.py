@@ -24,6 +24,11 @@ Theory of operation
   ``bytes`` copy (2x the model in RAM) and refuses tensors that share memory (tied weights, or the
   views `fetch` returns). Writing the same format from the tensors' own memory avoids both; the
   tests load our files with the ``safetensors`` package to keep the format honest.
+- **Deltas.** With ``keyframe_interval`` K > 1 (see `delta`), a version that is not a keyframe is
+  ``weights-v<N>.delta`` instead: each chunk's compressed XOR against the version before, back to
+  back, then the manifest JSON (layout, digests of the version's own bytes, the delta facts), then
+  its length as 8 bytes little-endian (the sizes are known only at the end). Written atomically like
+  a keyframe. A keyframe is the safetensors file above, unchanged.
 - **Verified fetch.** Each chunk is read into the destination and its digest checked while it is
   still in cache; the chunk list was checked against the root digest first. On any mismatch the
   caller gets `CorruptWeights` naming the file, chunk and tensors, and no tensors.
@@ -47,12 +52,14 @@ from rolectl.sync_protocol import SyncMethod
 
 from ..files import atomic_path
 from .base import CorruptWeights, TransferError, WeightsNotFound, WeightsRef, WeightsSource
+from .delta import ChunkDecoder, DeltaChunks, DeltaInfo, DeltaPublisher, HeldVersion, ParallelDecode, delta_info
 from .format import (
     DEFAULT_CHUNK_SIZE,
     FORMAT,
     Destination,
     Layout,
     Manifest,
+    build_manifest,
     default_digest_algorithm,
     digest_bytes,
     plan_layout,
@@ -65,7 +72,8 @@ __all__ = ["CheckpointTransport", "STREAM_HEADER_ROOM"]
 STREAM_HEADER_ROOM = 256 * 1024  # room for a streamed version's header before its size is known
 
 _FINAL = re.compile(r"^weights-v(\d{12})\.safetensors$")
-_TEMP = re.compile(r"^\.weights-v(\d{12})\.safetensors\..+\.tmp$")
+_DELTA = re.compile(r"^weights-v(\d{12})\.delta$")
+_TEMP = re.compile(r"^\.weights-v(\d{12})\.(?:safetensors|delta)\..+\.tmp$")
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on the header size
 
 
@@ -85,6 +93,8 @@ class CheckpointTransport:
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         algorithm: str | None = None,
         fsync: bool = True,
+        keyframe_interval: int = 1,
+        delta_codec: str | None = None,
     ):
         self.root = Path(root_dir)
         self._chunk_size = chunk_size
@@ -93,9 +103,16 @@ class CheckpointTransport:
         self._closed = False
         self._stream_room = STREAM_HEADER_ROOM
         self.header_rewrites = 0  # streamed versions whose header outgrew its room (tests read it)
+        self._deltas = DeltaPublisher(keyframe_interval, delta_codec)
+        self._held: HeldVersion | None = None
+        self.last_publish: dict[str, Any] = {}  # what the last publish stored (kind, bytes)
+        self.last_fetch: dict[str, Any] = {}  # how the last fetch got its version (route, bytes)
 
     def path_of(self, version: int) -> Path:
         return self.root / f"weights-v{int(version):012d}.safetensors"
+
+    def delta_path_of(self, version: int) -> Path:
+        return self.root / f"weights-v{int(version):012d}.delta"
 
     async def publish(self, version: int, tensors: WeightsSource) -> WeightsRef:
         """Write `version` (a mapping or a bucket stream, see `base`) atomically (temp file, fsync,
@@ -111,7 +128,7 @@ class CheckpointTransport:
         On CPU the tensors are views into one fresh buffer, as with the object store.
         """
         self._check_open()
-        dest = await asyncio.to_thread(self._read, ref)
+        dest = await asyncio.to_thread(self._fetch, ref)
         return dest.tensors(device)
 
     async def latest(self) -> WeightsRef | None:
@@ -119,7 +136,7 @@ class CheckpointTransport:
         self._check_open()
         for version in reversed(await self.versions()):
             try:
-                manifest = await asyncio.to_thread(self._read_manifest, self.path_of(version))
+                manifest = await asyncio.to_thread(self._manifest_of, version)
             except FileNotFoundError:
                 continue  # pruned just now
             return self._ref(manifest)
@@ -127,7 +144,7 @@ class CheckpointTransport:
 
     async def versions(self) -> list[int]:
         """Complete versions on disk, oldest first (temporary files are not versions)."""
-        return sorted(v for v, _ in await asyncio.to_thread(self._scan, _FINAL))
+        return sorted({v for pattern in (_FINAL, _DELTA) for v, _ in await asyncio.to_thread(self._scan, pattern)})
 
     async def prune(self, keep: int = 2, *, announced: Iterable[int] | None = None) -> list[int]:
         """Delete all but the newest `keep` versions, and temp files older than the newest version.
@@ -159,9 +176,10 @@ class CheckpointTransport:
             raise TransferError("checkpoint transport is closed; make a new CheckpointTransport")
 
     def _ref(self, manifest: Manifest) -> WeightsRef:
+        path = self.delta_path_of(manifest.version) if "delta" in manifest.extra else self.path_of(manifest.version)
         return WeightsRef(
             version=manifest.version,
-            location=str(self.path_of(manifest.version).resolve()),
+            location=str(path.resolve()),
             nbytes=manifest.nbytes,
             digest=manifest.digest,
         )
@@ -191,8 +209,11 @@ class CheckpointTransport:
     def _write(self, version: int, tensors: WeightsSource) -> WeightsRef:
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.path_of(version)
-        chunks = streamed_chunks(tensors, chunk_size=self._chunk_size, algorithm=self._algorithm,
-                                 where=f"publish of version {version} to {final}")
+        chunks = self._deltas.wrap(version, streamed_chunks(
+            tensors, chunk_size=self._chunk_size, algorithm=self._algorithm,
+            where=f"publish of version {version} to {final}"))
+        if isinstance(chunks, DeltaChunks) and chunks.base is not None:
+            return self._write_delta(version, chunks)
         room = self._room(version, tensors)
         # atomic: readers see the old file or the whole new one (durable too, unless fsync=False)
         with atomic_path(final, fsync=self._fsync) as temp:
@@ -212,7 +233,169 @@ class CheckpointTransport:
         if not isinstance(tensors, Mapping):
             grown = len(blob) + len(blob) // 8
             self._stream_room = max(self._stream_room, grown + (-grown % 8))
+        self.delta_path_of(version).unlink(missing_ok=True)  # a republished version is this file alone
+        self._deltas.commit(chunks, build_manifest(version, layout, chunk_size=self._chunk_size,
+                                                   algorithm=self._algorithm, chunk_digests=chunks.chunk_digests))
+        self.last_publish = {"version": version, "kind": "keyframe", "nbytes": layout.nbytes,
+                             "stored_bytes": layout.nbytes, "changed_bytes": layout.nbytes}
         return WeightsRef(version=version, location=str(final.resolve()), nbytes=layout.nbytes, digest=digest)
+
+    def _write_delta(self, version: int, chunks: DeltaChunks) -> WeightsRef:
+        """Write a delta version: the payloads, then the manifest, then its length (see the docstring)."""
+        final = self.delta_path_of(version)
+        with atomic_path(final, fsync=self._fsync) as temp:
+            with open(temp, "wb", buffering=0) as f:
+                for _, parts, _ in chunks.chunks():
+                    _write_all(f, parts)
+                    del parts
+                manifest = build_manifest(version, chunks.layout, chunk_size=self._chunk_size,
+                                          algorithm=self._algorithm, chunk_digests=chunks.chunk_digests,
+                                          extra=chunks.manifest_extra())
+                blob = manifest.to_bytes()
+                _write_all(f, [blob, struct.pack("<Q", len(blob))])
+        self.path_of(version).unlink(missing_ok=True)  # a republished version is this file alone
+        self._deltas.commit(chunks, manifest)
+        self.last_publish = {"version": version, "kind": "delta", "nbytes": manifest.nbytes,
+                             "stored_bytes": chunks.stored_bytes, "changed_bytes": chunks.changed_bytes}
+        return WeightsRef(version=version, location=str(final.resolve()), nbytes=manifest.nbytes,
+                          digest=manifest.digest)
+
+    def _read_delta_manifest(self, path: Path, f: io.FileIO | None = None) -> tuple[Manifest, DeltaInfo]:
+        """Parse a delta file's trailing manifest (checked against its root digest) and delta facts."""
+        own = f is None
+        if f is None:
+            f = open(path, "rb", buffering=0)
+        try:
+            size = os.fstat(f.fileno()).st_size
+            if size < 8:
+                raise CorruptWeights(f"{path}: truncated ({size} bytes); republish this version")
+            f.seek(size - 8)
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > min(size - 8, _MAX_HEADER):
+                raise CorruptWeights(f"{path}: manifest length {length} is not plausible; the file is corrupt")
+            f.seek(size - 8 - length)
+            manifest = Manifest.from_bytes(f.read(length), where=str(path))
+            info = delta_info(manifest, where=str(path))
+            if info is None:
+                raise CorruptWeights(f"{path}: a delta file whose manifest has no delta facts; republish it")
+            if info.stored_bytes != size - 8 - length:
+                raise CorruptWeights(f"{path}: holds {size - 8 - length} bytes of chunks, its manifest says "
+                                     f"{info.stored_bytes}; the file is corrupt")
+            return manifest, info
+        finally:
+            if own:
+                f.close()
+
+    def _manifest_of(self, version: int) -> Manifest:
+        """The manifest of `version`, keyframe or delta (FileNotFoundError if neither exists)."""
+        delta = self.delta_path_of(version)
+        if delta.exists():
+            return self._read_delta_manifest(delta)[0]
+        return self._read_manifest(self.path_of(version))
+
+    def _fetch(self, ref: WeightsRef) -> Destination:
+        """`ref` as a keyframe, as a delta on the held version, or rebuilt from its keyframe."""
+        path = self.delta_path_of(ref.version)
+        try:
+            f = open(path, "rb", buffering=0)
+        except FileNotFoundError:
+            dest = self._read(ref)
+            self.last_fetch = {"version": ref.version, "route": "full", "versions": [ref.version],
+                               "bytes_moved": dest.layout.nbytes, "nbytes": dest.layout.nbytes, "refused": None}
+            self._hold(ref, dest)
+            return dest
+        with f:
+            manifest, info = self._read_delta_manifest(path, f)
+            if manifest.version != ref.version:
+                raise CorruptWeights(f"{path}: its manifest says version {manifest.version}, not {ref.version}")
+            if manifest.digest != ref.digest:
+                raise WeightsNotFound(
+                    f"{path} holds digest {manifest.digest}, but the announced ref says {ref.digest}: "
+                    "the version was republished; fetch the latest announced ref")
+            held, refused = self._held, None
+            if held is not None and held.is_base_of(info):
+                self._held = None  # a failure below leaves nothing held
+                dest = Destination(manifest.layout)
+                self._apply_file(f, manifest, info, dest, held.view, path)
+                route, moved, versions = "delta", info.stored_bytes, [ref.version]
+            else:
+                refused = (f"holds version {held.version}, the delta is on version {info.base}"
+                           if held is not None else "holds no version")
+                dest, moved, versions = self._rebuild(manifest, info, f, path)
+                route = "keyframe"
+        self.last_fetch = {"version": ref.version, "route": route, "versions": versions, "bytes_moved": moved,
+                           "nbytes": manifest.nbytes, "refused": refused}
+        self._hold(ref, dest)
+        return dest
+
+    def _hold(self, ref: WeightsRef, dest: Destination) -> None:
+        self._held = HeldVersion(ref.version, ref.digest, dest.flat) if self._deltas.enabled else None
+
+    def _apply_file(self, f: io.FileIO, manifest: Manifest, info: DeltaInfo, dest: Destination,
+                    base: memoryview, path: Path) -> None:
+        """Decode every chunk of the delta file `f` onto `base` into `dest`, each checked."""
+        decoding = ParallelDecode(ChunkDecoder(manifest, info, dest.view, base, str(path)))
+        try:
+            f.seek(0)
+            for index, size in enumerate(info.sizes):
+                decoding.submit(index, f.read(size))
+        except BaseException:
+            decoding.abandon()
+            raise
+        decoding.finish()  # CorruptWeights of the first bad chunk
+
+    def _rebuild(self, manifest: Manifest, info: DeltaInfo, f: io.FileIO,
+                 path: Path) -> tuple[Destination, int, list[int]]:
+        """Read the keyframe `manifest` descends from and apply each delta after it in place."""
+        chain: list[tuple[Manifest, DeltaInfo, Path]] = [(manifest, info, path)]
+        link = info
+        while True:
+            base_path = self.delta_path_of(link.base)
+            base: Manifest | None
+            base_info: DeltaInfo | None
+            try:
+                if base_path.exists():
+                    base, base_info = self._read_delta_manifest(base_path)
+                else:
+                    base_path = self.path_of(link.base)
+                    base, base_info = self._read_manifest(base_path), None
+            except FileNotFoundError:
+                base = None
+            if base is None or base.digest != link.base_digest:
+                raise WeightsNotFound(
+                    f"version {manifest.version} is stored as a delta, and version {link.base} it builds on "
+                    f"is not in {self.root} (pruned, or republished); fetch the latest announced version")
+            if base_info is None:
+                keyframe_manifest = base
+                break
+            chain.append((base, base_info, base_path))
+            link = base_info
+            if len(chain) > 10_000:
+                raise CorruptWeights(f"{path}: the delta chain of version {manifest.version} does not end")
+        chain.reverse()
+        keyframe = self._read(self._ref(keyframe_manifest))
+        moved = keyframe.layout.nbytes
+        dest = keyframe
+        for step, step_info, step_path in chain:
+            if step.nbytes == dest.layout.nbytes:  # in place: the buffer is ours until handed out
+                target = dest
+                target.layout = step.layout
+            else:
+                target = Destination(step.layout)
+            with open(step_path, "rb", buffering=0) as step_file:
+                self._apply_file(step_file, step, step_info, target, dest.view, step_path)
+            dest = target
+            moved += step_info.stored_bytes
+        return dest, moved, [keyframe_manifest.version] + [m.version for m, _, _ in chain]
+
+    def tamper_delta_chunk_for_tests(self, version: int, index: int) -> None:
+        """Flip one byte of delta chunk `index` of `version` (tests of corruption handling)."""
+        path = self.delta_path_of(version)
+        _, info = self._read_delta_manifest(path)
+        offset = sum(info.sizes[:index]) + info.sizes[index] // 2
+        data = bytearray(path.read_bytes())
+        data[offset] ^= 0xFF
+        path.write_bytes(bytes(data))
 
     def _rewrite_with_header(self, temp: Path, blob: bytes, room: int, nbytes: int) -> None:
         """`temp` holds the data after `room` bytes too few for `blob`: a new `temp` with the header,
@@ -310,19 +493,36 @@ class CheckpointTransport:
         return out
 
     def _prune(self, keep: int, kept: set[int] | None = None) -> list[int]:
-        complete = sorted(self._scan(_FINAL))
-        if kept is not None:
-            doomed = [(v, path) for v, path in complete if v not in kept]
-            complete = [(v, path) for v, path in complete if v in kept]
-        else:
-            doomed = complete[: max(len(complete) - keep, 0)]
+        complete = sorted(self._scan(_FINAL) + self._scan(_DELTA))
+        if kept is None:
+            versions = sorted({v for v, _ in complete})
+            kept = set(versions[max(len(versions) - keep, 0):])
+        kept = kept | self._chains_of(kept)
+        doomed = [(v, path) for v, path in complete if v not in kept]
+        complete = [(v, path) for v, path in complete if v in kept]
         for _, path in doomed:
             path.unlink(missing_ok=True)
         newest = complete[-1][0] if complete else -1
         for version, path in self._scan(_TEMP):
             if version < newest:  # a crashed writer's leftover; newer ones may be writes in progress
                 path.unlink(missing_ok=True)
-        return [v for v, _ in doomed]
+        return sorted({v for v, _ in doomed})
+
+    def _chains_of(self, versions: set[int]) -> set[int]:
+        """The versions the deltas among `versions` build on, down to their keyframes."""
+        needed: set[int] = set()
+        for version in versions:
+            path = self.delta_path_of(version)
+            while True:
+                try:
+                    info = self._read_delta_manifest(path)[1]
+                except (FileNotFoundError, CorruptWeights):
+                    break
+                if info.base in needed or info.base in versions:
+                    break
+                needed.add(info.base)
+                path = self.delta_path_of(info.base)
+        return needed
 
 
 def _write_all(f: io.FileIO, parts: Iterable[bytes | memoryview]) -> None:

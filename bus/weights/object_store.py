@@ -80,6 +80,7 @@ from ._wire_client import (
     run_in_thread,
 )
 from .base import CorruptWeights, TransferError, WeightsNotFound, WeightsRef, WeightsSource, restartable
+from .delta import ChunkDecoder, DeltaChunks, DeltaInfo, DeltaPublisher, HeldVersion, ParallelDecode, delta_info
 from .format import Destination, Manifest, StreamedChunks, build_manifest, default_digest_algorithm, streamed_chunks
 
 __all__ = ["ObjectStoreTransport"]
@@ -122,6 +123,8 @@ class ObjectStoreTransport:
         fetch_retry_s: float = 60.0,
         api_timeout: float = 5.0,
         reconnected: Callable[[], Awaitable[Any]] | None = None,
+        keyframe_interval: int = 1,
+        delta_codec: str | None = None,
     ):
         self._nc = nc
         # Control-plane requests (stream info, purge, manifest lookups) get a short timeout of their
@@ -144,6 +147,11 @@ class ObjectStoreTransport:
         self._stream_ready = False
         self._closed = False
         self.junk_manifests = 0  # manifests seen that are not versions (unparsable, mislabelled)
+        # Delta versions (see `delta`): the publisher's encoder and base, the receiver's held version.
+        self._deltas = DeltaPublisher(keyframe_interval, delta_codec)
+        self._held: HeldVersion | None = None
+        self.last_publish: dict[str, Any] = {}  # what the last publish stored (kind, bytes)
+        self.last_fetch: dict[str, Any] = {}  # how the last fetch got its version (route, bytes)
 
     # public API -----------------------------------------------------------------------------------
 
@@ -167,9 +175,9 @@ class ObjectStoreTransport:
             raise ValueError(f"version must be an int >= 0 (the trainer step), got {version!r}")
         where = f"publish of version {version} to stream {self.stream}"
         can_restart = restartable(tensors)
-        previous: StreamedChunks | None = None
+        previous: StreamedChunks | DeltaChunks | None = None
 
-        def open_stream(chunk_size: int) -> StreamedChunks:
+        def open_stream(chunk_size: int) -> StreamedChunks | DeltaChunks:
             nonlocal previous
             if previous is not None and previous.buckets_read and not can_restart:
                 raise TransferError(
@@ -177,7 +185,8 @@ class ObjectStoreTransport:
                     "and cannot start again; pass a mapping, a list of buckets, or a callable that "
                     "makes a fresh stream (e.g. lambda: engine.iter_weight_buckets(n))"
                 )
-            previous = streamed_chunks(tensors, chunk_size=chunk_size, algorithm=self._algorithm, where=where)
+            inner = streamed_chunks(tensors, chunk_size=chunk_size, algorithm=self._algorithm, where=where)
+            previous = self._deltas.wrap(version, inner)
             return previous
 
         async def stream_lost(exc: BaseException) -> None:
@@ -189,7 +198,9 @@ class ObjectStoreTransport:
             retry_for=self._publish_retry_s, before_retry=stream_lost,
         )
 
-    async def _publish_once(self, version: int, open_stream: Callable[[int], StreamedChunks]) -> WeightsRef:
+    async def _publish_once(
+        self, version: int, open_stream: Callable[[int], StreamedChunks | DeltaChunks],
+    ) -> WeightsRef:
         self._check_connected()
         await self._ensure_stream()
         # Leftovers of a crashed upload, or an older upload of the same version, must not mix in.
@@ -200,7 +211,7 @@ class ObjectStoreTransport:
         def subject(index: int) -> str:
             return self.names.weights_chunk(version, index)
 
-        chunks: StreamedChunks | None = None
+        chunks: StreamedChunks | DeltaChunks | None = None
         if self._data_connection_usable():
             inbox = self._nc.new_inbox()  # here, not in the thread: nats-py's NUID is not thread-safe
             window = self._window(chunk_size)
@@ -222,6 +233,8 @@ class ObjectStoreTransport:
         extra: dict[str, Any] = {"stream": self.stream}
         if seqs:
             extra.update(first_seq=min(seqs.values()), last_seq=max(seqs.values()))
+        if isinstance(chunks, DeltaChunks):
+            extra.update(chunks.manifest_extra())
         manifest = build_manifest(
             version, chunks.layout, chunk_size=chunk_size, algorithm=self._algorithm,
             chunk_digests=chunks.chunk_digests, extra=extra,
@@ -233,6 +246,13 @@ class ObjectStoreTransport:
                 f"{self._nc.max_payload} ({len(manifest.chunks)} chunks); raise max_payload in the server config"
             )
         await self._js.publish(self.names.weights_manifest(version), payload, stream=self.stream)
+        self._deltas.commit(chunks, manifest)
+        delta = isinstance(chunks, DeltaChunks) and chunks.base is not None
+        self.last_publish = {
+            "version": version, "kind": "delta" if delta else "keyframe", "nbytes": manifest.nbytes,
+            "stored_bytes": chunks.stored_bytes if isinstance(chunks, DeltaChunks) else manifest.nbytes,
+            "changed_bytes": chunks.changed_bytes if delta else manifest.nbytes,  # type: ignore[union-attr]
+        }
         ref = WeightsRef(
             version=version,
             location=f"nats-js://{self.stream}/{self.names.weights_manifest(version)}",
@@ -267,33 +287,102 @@ class ObjectStoreTransport:
                 f"announced ref says {ref.digest}: it was republished; fetch the latest announced ref"
             )
         device = torch.device(device)
-        dest = Destination(manifest.layout, pin_memory=device.type == "cuda")
-        where = f"stream {self.stream}"
-        plan = _ChunkPlan(
-            manifest, dest, self.names.weights_chunks(ref.version), self._request_bytes,
-            self._window_bytes, where,
-        )
-        try:
-            if not plan.done:
-                if self._data_connection_usable():
-                    try:
-                        await self._fetch_data_connection(plan)
-                    except NoDataConnection:
-                        self._use_data_connection = False
-                        await self._fetch_nats_py(plan)
-                else:
-                    await self._fetch_nats_py(plan)
-        except _MissingChunks as exc:
-            if await self._manifest(ref.version) is None:
+        info = delta_info(manifest, where=f"stream {self.stream}")
+        if info is None:
+            dest = Destination(manifest.layout, pin_memory=device.type == "cuda")
+            await self._fetch_chunks(manifest, dest, None)
+            route, moved, versions = "full", manifest.nbytes, [manifest.version]
+        elif self._held is not None and self._held.is_base_of(info):
+            dest = Destination(manifest.layout, pin_memory=device.type == "cuda")
+            held, self._held = self._held, None  # a failure below leaves nothing held
+            await self._fetch_chunks(manifest, dest, (info, held.view))
+            route, moved, versions = "delta", info.stored_bytes, [manifest.version]
+        else:
+            dest, moved, versions = await self._fetch_chain(manifest, info, device)
+            route = "keyframe"
+        self.last_fetch = {
+            "version": manifest.version, "route": route, "versions": versions, "bytes_moved": moved,
+            "nbytes": manifest.nbytes,
+            "refused": None if route != "keyframe" else (
+                f"holds version {self._held.version}, the delta is on version {info.base}"  # type: ignore[union-attr]
+                if self._held is not None else "holds no version"),
+        }
+        self._held = HeldVersion(manifest.version, manifest.digest, dest.flat) if self._deltas.enabled else None
+        return dest.tensors(device)
+
+    async def _fetch_chain(
+        self, manifest: Manifest, info: DeltaInfo, device: torch.device,
+    ) -> tuple[Destination, int, list[int]]:
+        """Fetch the keyframe `manifest` descends from, then apply each delta after it in place (each
+        result chunk checked); WeightsNotFound if a link of the chain is gone."""
+        chain: list[tuple[Manifest, DeltaInfo | None]] = [(manifest, info)]
+        link: DeltaInfo | None = info
+        while link is not None:
+            base = await self._manifest(link.base)
+            newest = chain[-1][0].version
+            if base is None or base.digest != link.base_digest:
                 raise WeightsNotFound(
-                    f"version {ref.version} was pruned from stream {self.stream} while it was being "
+                    f"version {manifest.version} is stored as a delta, and version {link.base} it "
+                    f"builds on (from version {newest}) is not in stream {self.stream} (pruned, or "
+                    "republished); fetch the latest announced version")
+            link = delta_info(base, where=f"stream {self.stream}")
+            chain.append((base, link))
+            if len(chain) > 10_000:
+                raise CorruptWeights(f"stream {self.stream}: version {manifest.version}'s delta chain does not end")
+        chain.reverse()
+        keyframe = chain[0][0]
+        dest = Destination(keyframe.layout, pin_memory=device.type == "cuda")
+        await self._fetch_chunks(keyframe, dest, None)
+        moved = keyframe.nbytes
+        for step, step_info in chain[1:]:
+            assert step_info is not None
+            if step.nbytes == dest.layout.nbytes:  # in place: the buffer is ours until handed out
+                dest.layout = step.layout
+                await self._fetch_chunks(step, dest, (step_info, dest.view))
+            else:
+                previous, dest = dest, Destination(step.layout, pin_memory=device.type == "cuda")
+                await self._fetch_chunks(step, dest, (step_info, previous.view))
+            moved += step_info.stored_bytes
+        return dest, moved, [m.version for m, _ in chain]
+
+    async def _fetch_chunks(self, manifest: Manifest, dest: Destination,
+                            delta: tuple[DeltaInfo, memoryview] | None) -> None:
+        """Land every chunk of `manifest` in `dest` (decoded onto a base when `delta` is given)."""
+        where = f"stream {self.stream}"
+        subjects = self.names.weights_chunks(manifest.version)
+        plan: _ChunkPlan
+        if delta is None:
+            plan = _ChunkPlan(manifest, dest, subjects, self._request_bytes, self._window_bytes, where)
+        else:
+            decoder = ChunkDecoder(manifest, delta[0], dest.view, delta[1], where)
+            plan = _DeltaPlan(manifest, dest, subjects, self._request_bytes, self._window_bytes, where, decoder)
+        try:
+            try:
+                if not plan.done:
+                    if self._data_connection_usable():
+                        try:
+                            await self._fetch_data_connection(plan)
+                        except NoDataConnection:
+                            self._use_data_connection = False
+                            await self._fetch_nats_py(plan)
+                    else:
+                        await self._fetch_nats_py(plan)
+            except BaseException:
+                if isinstance(plan, _DeltaPlan):
+                    await asyncio.to_thread(plan.decoding.abandon)
+                raise
+            if isinstance(plan, _DeltaPlan):
+                await asyncio.to_thread(plan.decoding.finish)  # CorruptWeights of the first bad chunk
+        except _MissingChunks as exc:
+            if await self._manifest(manifest.version) is None:
+                raise WeightsNotFound(
+                    f"version {manifest.version} was pruned from stream {self.stream} while it was being "
                     "fetched; fetch the latest announced version"
                 ) from None
             raise CorruptWeights(
-                f"{where}: version {ref.version} chunks {exc.missing[:10]} are missing from the stream "
-                f"although its manifest is there; republish version {ref.version}"
+                f"{where}: version {manifest.version} chunks {exc.missing[:10]} are missing from the stream "
+                f"although its manifest is there; republish version {manifest.version}"
             ) from None
-        return dest.tensors(device)
 
     async def latest(self) -> WeightsRef | None:
         """The newest complete version (one whose manifest is stored), or None."""
@@ -337,6 +426,7 @@ class ObjectStoreTransport:
     async def _prune_once(self, keep: int, announced: Iterable[int] | None) -> list[int]:
         if announced is not None:
             kept = set(sorted(set(announced))[-keep:]) if keep else set()
+            kept |= await self._chains_of(kept)
             stored = set(await self._versions_of(self.names.all_weights_manifests))
             stored |= set(await self._versions_of(self.names.all_weights_first_chunks))
             doomed = sorted(stored - kept)
@@ -345,6 +435,8 @@ class ObjectStoreTransport:
             return doomed
         complete = await self.versions()
         doomed = complete[: max(len(complete) - keep, 0)]
+        needed = await self._chains_of(set(complete[len(doomed):]))
+        doomed = [v for v in doomed if v not in needed]
         # A partial upload older than the newest complete version is a crashed publish: clean it.
         # Newer ones may be uploads in progress and are left alone.
         newest = complete[-1] if complete else -1
@@ -352,6 +444,23 @@ class ObjectStoreTransport:
         for version in sorted(set(doomed) | {v for v in partial if v < newest}):
             await self._purge_version(version)
         return doomed
+
+    async def _chains_of(self, versions: set[int]) -> set[int]:
+        """The versions the deltas among `versions` build on, down to their keyframes (pruning must
+        keep them, or the kept versions could not be rebuilt)."""
+        needed: set[int] = set()
+        for version in versions:
+            manifest = await self._parsed_manifest(version)
+            while manifest is not None:
+                try:
+                    info = delta_info(manifest, where=f"stream {self.stream}")
+                except CorruptWeights:
+                    break
+                if info is None or info.base in needed or info.base in versions:
+                    break
+                needed.add(info.base)
+                manifest = await self._parsed_manifest(info.base)
+        return needed
 
     async def aclose(self) -> None:
         """Stop accepting calls. The nats-py client belongs to the caller and stays open."""
@@ -409,6 +518,7 @@ class ObjectStoreTransport:
         except NotFoundError:
             config = weights_stream_config(self.names, storage=self._storage, replicas=self._replicas,
                                            max_msg_size=self._nc.max_payload)
+            self._deltas.forget()  # a new stream holds no base: the next version is a keyframe
             try:
                 await self._js.add_stream(config)
             except Exception as exc:  # noqa: BLE001 - re-raised as our typed error with the reason
@@ -517,7 +627,7 @@ class ObjectStoreTransport:
     # data plane: nats-py fallback -----------------------------------------------------------------
 
     async def _publish_nats_py(
-        self, chunks: StreamedChunks, subject: Callable[[int], str], chunk_size: int, where: str,
+        self, chunks: StreamedChunks | DeltaChunks, subject: Callable[[int], str], chunk_size: int, where: str,
     ) -> dict[int, int]:
         inbox = self._nc.new_inbox()
         acks: asyncio.Queue[Msg] = asyncio.Queue()
@@ -706,6 +816,36 @@ class _ChunkPlan:
         self.count += 1
 
 
+class _DeltaPlan(_ChunkPlan):
+    """A `_ChunkPlan` whose chunks are delta payloads: each lands in a scratch buffer of its stored
+    size, then is decoded onto the base into the destination and checked there."""
+
+    def __init__(self, manifest: Manifest, dest: Destination, filter_subject: str, request_bytes: int,
+                 window_bytes: int, where: str, decoder: ChunkDecoder):
+        super().__init__(manifest, dest, filter_subject, request_bytes, window_bytes, where)
+        self.decoder = decoder
+        self.decoding = ParallelDecode(decoder)
+        self._scratch: dict[int, memoryview] = {}
+
+    def target(self, headers: Mapping[str, str], size: int) -> memoryview | None:
+        if super().target(headers, size) is None:
+            return None
+        index = int(headers["Nats-Subject"].rsplit(".", 1)[1])
+        buf = memoryview(bytearray(self.decoder.expected_size(index)))
+        self._scratch[index] = buf
+        return buf
+
+    def landed_wrong_size(self, headers: Mapping[str, str], data: bytes) -> None:
+        index = int(headers["Nats-Subject"].rsplit(".", 1)[1])
+        self.decoder.apply(index, data)  # raises: the stored size differs
+
+    def landed(self, headers: Mapping[str, str], digest: bytes | None = None) -> None:
+        index = int(headers["Nats-Subject"].rsplit(".", 1)[1])
+        self.decoding.submit(index, self._scratch.pop(index))  # decoded and checked by `decoding.finish`
+        self.received[index] = 1
+        self.count += 1
+
+
 def _parse_ack(data: bytes, status: str | None, where: str, index: int) -> int:
     if status == "503":
         raise _StreamGone(f"{where}: chunk {index}: no stream listens on its subject (server restarted?)")
@@ -727,7 +867,7 @@ class _StreamGone(Transient):
 
 
 def _publish_raw(
-    conn: DataConnection, inbox: str, chunks: StreamedChunks, subject: Callable[[int], str],
+    conn: DataConnection, inbox: str, chunks: StreamedChunks | DeltaChunks, subject: Callable[[int], str],
     window: int, where: str,
 ) -> dict[int, int]:
     """Publish every chunk of the stream as it is cut (at most `window` unacknowledged); return

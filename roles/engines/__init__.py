@@ -14,6 +14,7 @@ libraries (a model directory, a data file, verl, vllm) is checked here and in th
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -76,6 +77,8 @@ class EngineSections:
     algorithm: Mapping[str, Any] | None = None
     explorer_count: int = 1
     tensor_parallel_size: int = 1
+    wire_dtype: str | None = None
+    """`transport.wire_dtype`: the dtype rollout engines hold and serve (they receive it)."""
 
     @classmethod
     def of(cls, job: Any) -> EngineSections:
@@ -84,7 +87,8 @@ class EngineSections:
             return cls(model=job)
         return cls(model=job.model, data=getattr(job, "data", None) or None,
                    algorithm=getattr(job, "algorithm", None), explorer_count=job.explorers.count,
-                   tensor_parallel_size=job.explorers.tensor_parallel_size)
+                   tensor_parallel_size=job.explorers.tensor_parallel_size,
+                   wire_dtype=getattr(getattr(job, "transport", None), "wire_dtype", None))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -134,7 +138,12 @@ def _tiny_rollout(sections: EngineSections, member: str) -> TinyRolloutEngine:
     from .tiny import TinyRolloutEngine
 
     config = _tiny_config(sections)
-    return TinyRolloutEngine(config, member=member, sampling_seed=zlib.crc32(f"{config.seed}/{member}".encode()))
+    engine = TinyRolloutEngine(config, member=member, sampling_seed=zlib.crc32(f"{config.seed}/{member}".encode()))
+    if sections.wire_dtype is not None:  # it receives and samples with the wire dtype
+        import torch
+
+        engine.policy.to(getattr(torch, sections.wire_dtype))
+    return engine
 
 
 def _tiny_taskset(sections: EngineSections, *, seed: int, total_batches: int | None,
@@ -218,11 +227,18 @@ def _fsdp_train(sections: EngineSections) -> TrainEngine:
                            algorithm_config_from_mapping(sections.algorithm or {}), model_path=path)
 
 
+def _rollout_sections(sections: EngineSections) -> EngineSections:
+    """A rollout engine's sections: with a wire dtype its model is loaded in that dtype (it receives it)."""
+    if sections.wire_dtype is None:
+        return sections
+    return dataclasses.replace(sections, model={**_hf_model(sections), "dtype": sections.wire_dtype})
+
+
 def _hf_rollout(sections: EngineSections, member: str) -> RolloutEngine:
     from .hf import HFRolloutEngine
     from .rewards import parse_reward_specs
 
-    model, data, path = _hf_parts(sections)
+    model, data, path = _hf_parts(_rollout_sections(sections))
     return HFRolloutEngine(model, parse_reward_specs(data.rewards), member=member, model_path=path)
 
 
@@ -230,7 +246,7 @@ def _vllm_rollout(sections: EngineSections, member: str) -> RolloutEngine:
     from .rewards import parse_reward_specs
     from .vllm_engine import VLLMRolloutEngine
 
-    model, data, path = _hf_parts(sections)
+    model, data, path = _hf_parts(_rollout_sections(sections))
     return VLLMRolloutEngine(model, parse_reward_specs(data.rewards), member=member, model_path=path,
                              tensor_parallel_size=sections.tensor_parallel_size)
 
