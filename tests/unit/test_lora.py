@@ -159,3 +159,15 @@ def test_the_export_is_a_peft_adapter_and_a_merged_model(job, model_dir, tmp_pat
     assert not any(n.endswith(".lora_A.weight") for n in merged.state_dict())
     trainer.save_hf_model(tmp_path / "final")  # the same name again (a restart's export) replaces it
     assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+
+
+def test_without_lora_the_hf_export_is_the_whole_model(model_dir, tmp_path):
+    import transformers
+
+    cfg = parse_config({"job": "full-export", "model": model_section(model_dir, rollout_engine="hf"),
+                        "data": data_section(), "explorers": {"count": 1}})
+    trainer = make_train_engine(cfg)
+    trainer.save_hf_model(tmp_path / "final")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "final", local_files_only=True)
+    assert not (tmp_path / "final" / "adapter_config.json").exists()
+    assert all(torch.equal(t, loaded.state_dict()[n]) for n, t in trainer.weights().items())
