@@ -18,7 +18,7 @@ from rolectl.roles.engines import make_rollout_engine, make_taskset, make_train_
 from rolectl.roles.engines.hf import response_logprobs
 from tests.support.tiny_llm import built_model, data_section, model_section
 
-LORA = {"rank": 8, "alpha": 16, "target_modules": "all-linear"}
+LORA = {"rank": 4, "alpha": 8, "target_modules": "all-linear"}
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,7 @@ async def test_only_the_adapter_travels_bit_exact_into_hf_and_vllm(cfg, vllm_eng
     full_bytes = sum(p.numel() * p.element_size() for n, p in trained.model.named_parameters() if "lora_" not in n)
     ref = await transport.publish(trained.step, sent)
     assert all("lora_" in name for name in sent)
-    assert ref.nbytes == sum(t.numel() * t.element_size() for t in sent.values()) < full_bytes / 5
+    assert ref.nbytes == sum(t.numel() * t.element_size() for t in sent.values()) < full_bytes / 8
     received = await transport.fetch(ref)
     assert {n: raw(t) for n, t in received.items()} == {n: raw(t) for n, t in sent.items()}
 
