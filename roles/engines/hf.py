@@ -170,7 +170,6 @@ class HFTrainEngine:
         self.algorithm_config = algorithm
         torch.manual_seed(config.seed)
         self.tokenizer = load_tokenizer(model_path)
-        self.model_path = Path(model_path)
         self.model = load_trained_model(config, model_path)
         if config.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
