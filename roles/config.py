@@ -75,7 +75,9 @@ class TrainerConfig(Section):
     checkpoint, after one of them dies (one host only; across hosts the launcher restarts them)."""
     hf_save_interval: NonNegativeInt = 0
     """Train steps between Hugging Face `save_pretrained` exports in `<run_dir>/<job>/hf/step-N`
-    (0: only the final one, `hf/final`); engines that can export (`fsdp`)."""
+    (0: only the final one, `hf/final`); engines that can export (`hf`, `fsdp`). Under `model.lora`
+    each export is the adapter in peft's format (and the merged model in `merged/` with
+    `merge_on_save`)."""
 
 
 def _as_tuple(value: Any) -> Any:

@@ -192,6 +192,12 @@ def _hf_problems(sections: EngineSections) -> list[tuple[str, str]]:
     else:
         problems.extend(data_config_problems(sections.data))
     problems.extend(algorithm_config_problems(sections.algorithm or {}))
+    if isinstance(sections.model.get("lora"), Mapping):
+        try:
+            import peft  # noqa: F401
+        except ImportError as exc:
+            problems.append(("model.lora", f"LoRA adapters need peft ({exc}); pip install -e '.[hf]' "
+                                           "(docs/engines.md)"))
     if sections.model.get("rollout_engine") == "vllm":
         try:
             import vllm  # noqa: F401
@@ -373,14 +379,17 @@ def make_eval_tasks(job: Any) -> list[Task]:
 
 def engine_summary(model: Mapping[str, Any], records: Sequence[Any]) -> dict[str, Any]:
     """What `rolectl up`'s summary says about the engines: their names, the model's parameter count
-    and, for a trainer of ranks, their number (as the trainer reported them in its recorded
-    `StepFinished` metrics)."""
+    (and with `model.lora` the adapter's), for a trainer of ranks, their number (as the trainer
+    reported them in its recorded `StepFinished` metrics)."""
     from rolectl.sync_protocol import Role, StepFinished
 
     metrics = [r.event.metrics for r in records
                if isinstance(r.event, StepFinished) and r.event.member.role is Role.TRAINER]
     count = next((int(m["model_parameters"]) for m in reversed(metrics) if "model_parameters" in m), None)
     summary = {"engines": engine_names(model), "model_parameters": count}
+    if model.get("lora") is not None:  # a LoRA adapter: how much of the model is trained (and sent)
+        summary["trainable_parameters"] = next(
+            (int(m["trainable_parameters"]) for m in reversed(metrics) if "trainable_parameters" in m), None)
     world = next((int(m["world_size"]) for m in reversed(metrics) if "world_size" in m), None)
     if world is not None:
         summary["trainer_world_size"] = world

@@ -13,6 +13,9 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
+import shutil
+import tempfile
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -28,6 +31,7 @@ from rolectl.sync_protocol.experience import Experience, ExperienceLimits
 from .algorithms import AlgorithmConfig, VerlAlgorithm
 from .base import Task, WeightsMismatch
 from .hf_model import HFModelConfig, flat_weights, load_model, load_tokenizer, parameter_count
+from .lora import adapter_tensors, save_adapter, save_merged, wrap_with_lora
 from .rewards import WeightedReward, score_all
 from .streaming import DEFAULT_BUCKET_BYTES, NamedTensors, buckets_of
 
@@ -129,6 +133,35 @@ def check_weights(member: str, own: Mapping[str, Tensor], received: Mapping[str,
                               f"(kept version {held}): " + "; ".join(problems))
 
 
+def load_trained_model(config: HFModelConfig, path: Path):
+    """The model as the job trains it: the base model, wrapped with a fresh adapter under `model.lora`."""
+    model = load_model(config, path)
+    if config.lora is None:
+        return model
+    if config.gradient_checkpointing:
+        model.enable_input_require_grads()  # the frozen embeddings' output must carry grad for checkpointing
+    return wrap_with_lora(model, config.lora, seed=config.seed)
+
+
+def sent_tensors(model: torch.nn.Module, config: HFModelConfig, *, keep_vars: bool = False) -> dict[str, Tensor]:
+    """What the trainer trains, checkpoints and sends: every weight, or under `model.lora` only the
+    adapter's tensors (the base model is frozen and every explorer loads it from `model.path`)."""
+    if config.lora is None:
+        return flat_weights(model, keep_vars=keep_vars)
+    return adapter_tensors(model, keep_vars=keep_vars)
+
+
+class _AdapterDisabled:
+    """The base model under a LoRA model, callable like a model: the KL anchor costs no copy."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def __call__(self, **inputs):
+        with self.model.disable_adapter():
+            return self.model(**inputs)
+
+
 class HFTrainEngine:
     """Trainer side of the `hf` engine."""
 
@@ -137,19 +170,23 @@ class HFTrainEngine:
         self.algorithm_config = algorithm
         torch.manual_seed(config.seed)
         self.tokenizer = load_tokenizer(model_path)
-        self.model = load_model(config, model_path)
+        self.model = load_trained_model(config, model_path)
         if config.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.model.train()
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.reference = None
-        if algorithm.kl_coef > 0:  # the KL anchor: version 0, frozen
+        if algorithm.kl_coef > 0 and config.lora is not None:  # the KL anchor: the frozen base model
+            self.reference = _AdapterDisabled(self.model)
+        elif algorithm.kl_coef > 0:  # the KL anchor: version 0, frozen
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        trained = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trained, lr=config.lr, weight_decay=config.weight_decay)
         self.algorithm = VerlAlgorithm(algorithm, group_size=config.group_size)
         self.group_size = config.group_size
         self.vocab_size = int(self.model.config.vocab_size)
         self.num_parameters = parameter_count(self.model)
+        self.trainable_parameters = sum(p.numel() for p in trained)
         # What a batch must fit before it reaches the model (bus.experiences.validate_batch): ids in
         # the vocabulary, responses no longer than the rollouts generate, whole groups.
         self.experience_limits = ExperienceLimits(
@@ -209,18 +246,43 @@ class HFTrainEngine:
             **batch_metrics(experiences, rewards, mask, current_version=current_version),
             "grad_norm": max(grad_norms, default=0.0),
             "model_parameters": float(self.num_parameters),
+            "trainable_parameters": float(self.trainable_parameters),
             **averaged,
         }
 
     def weights(self) -> dict[str, Tensor]:
         # Copies on CPU: a transport may still be serialising while the next step runs; tied weights
         # are copied under each of their names (the receiver needs lm_head.weight).
-        return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in flat_weights(self.model).items()}
+        return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in self._sent().items()}
 
     def iter_weight_buckets(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[NamedTensors]:
         """`weights()` in buckets, each tensor copied only when its bucket is cut."""
-        named = ((name, t.detach().to("cpu", copy=True).contiguous()) for name, t in flat_weights(self.model).items())
+        named = ((name, t.detach().to("cpu", copy=True).contiguous()) for name, t in self._sent().items())
         return buckets_of(named, bucket_bytes)
+
+    def _sent(self, *, keep_vars: bool = False) -> dict[str, Tensor]:
+        return sent_tensors(self.model, self.config, keep_vars=keep_vars)
+
+    def save_hf_model(self, path: Path) -> None:
+        """A Hugging Face export at `path`: the `save_pretrained` model and its tokenizer; under
+        `model.lora` the adapter in peft's format instead (with the tokenizer), and with
+        `merge_on_save` the merged model in `path/merged`. Written beside and renamed into place."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+        try:
+            if self.config.lora is None:
+                self.model.save_pretrained(tmp)
+            else:
+                save_adapter(self.model, tmp)
+                if self.config.lora.merge_on_save:
+                    save_merged(self.model, tmp / "merged")
+                    self.tokenizer.save_pretrained(tmp / "merged")
+            self.tokenizer.save_pretrained(tmp)
+            shutil.rmtree(path, ignore_errors=True)  # an export of the same name before a restart
+            os.rename(tmp, path)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def save_checkpoint(self, path: Path) -> None:
         """Three files under `path`; the JSON, written last, marks a complete checkpoint."""
@@ -247,7 +309,7 @@ class HFTrainEngine:
         path = Path(path)
         state_json = json.loads((path / _STATE_JSON_FILE).read_text())
         saved = load_file(path / _MODEL_FILE)
-        live = flat_weights(self.model, keep_vars=True)
+        live = self._sent(keep_vars=True)
         check_weights("trainer", live, saved, int(state_json["step"]), self.step)
         with torch.no_grad():
             for name, tensor in saved.items():
@@ -280,7 +342,7 @@ class HFRolloutEngine:
         self.member = member
         self.rewards = tuple(rewards)
         self.tokenizer = load_tokenizer(model_path)
-        self.model = load_model(config, model_path).eval().requires_grad_(False)
+        self.model = load_trained_model(config, model_path).eval().requires_grad_(False)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.eos_id = self.tokenizer.eos_token_id
         self.group_size = config.group_size
@@ -289,7 +351,7 @@ class HFRolloutEngine:
         self.version = 0
 
     def weight_buffers(self) -> dict[str, Tensor]:
-        return flat_weights(self.model, keep_vars=True)
+        return sent_tensors(self.model, self.config, keep_vars=True)
 
     def load_weights(self, tensors: Mapping[str, Tensor], version: int) -> None:
         buffers = self.weight_buffers()

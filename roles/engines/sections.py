@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Discriminator,
     Field,
@@ -34,6 +35,7 @@ __all__ = [
     "PathStr",
     "TinyModelSection",
     "HFBuildSection",
+    "LoRASection",
     "HFModelSection",
     "FSDPSection",
     "FSDPModelSection",
@@ -136,6 +138,31 @@ class HFBuildSection(Section):
     """Longest sequence."""
 
 
+def _target_modules(value: Any) -> Any:
+    if value == "all-linear" or (isinstance(value, list) and value
+                                 and all(isinstance(v, str) and v for v in value)):
+        return value
+    raise ValueError(f"must be all-linear or a non-empty list of module names (e.g. [q_proj, v_proj]), got {value!r}")
+
+
+class LoRASection(Section):
+    """`model.lora`: train a LoRA adapter (peft) instead of every weight. The base model stays frozen;
+    only the adapter's tensors are trained, checkpointed and sent to the explorers."""
+
+    rank: PositiveInt = 8
+    """Rank r of each adapter's A (r x in) and B (out x r) matrices."""
+    alpha: PositiveNumber = 16.0
+    """Scaling numerator: the adapter's update is scaled by alpha / rank."""
+    dropout: Annotated[float, Strict(), Field(ge=0, lt=1, allow_inf_nan=False)] = 0.0
+    """Dropout on the adapter's input while training (0 <= dropout < 1)."""
+    target_modules: Annotated[str | list[str], BeforeValidator(_target_modules)] = "all-linear"
+    """Module names (or name suffixes) that get an adapter, e.g. [q_proj, v_proj]; `all-linear`:
+    every linear layer but the output head."""
+    merge_on_save: StrictBool = False
+    """Also write the base model with the adapter merged in (`<export>/merged`) at each Hugging
+    Face export, beside the adapter itself."""
+
+
 DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 
 
@@ -183,6 +210,9 @@ class HFModelSection(Section):
     """Recompute activations in the backward pass (less memory, more time)."""
     vllm: Annotated[dict[str, Any], Strict()] = {}
     """Extra keyword arguments for vllm.LLM."""
+    lora: LoRASection | None = None
+    """Train a LoRA adapter instead of the whole model (see the `model.lora` section); unset: full
+    fine-tuning."""
 
 
 class FSDPSection(Section):
@@ -209,6 +239,14 @@ class FSDPModelSection(HFModelSection):
     """The trainer's engine (its explorers use the hf rollout unless rollout_engine names another)."""
     fsdp: FSDPSection = FSDPSection()
     """How the model is sharded (see the `model.fsdp` section)."""
+
+    @field_validator("lora")
+    @classmethod
+    def _no_lora_yet(cls, lora: LoRASection | None) -> LoRASection | None:
+        if lora is not None:
+            raise ValueError("the fsdp engine does not train LoRA adapters yet; use `engine: hf` "
+                             "(an adapter is small enough for one rank) or drop model.lora")
+        return lora
 
 
 def _engine_of(value: Any) -> Any:

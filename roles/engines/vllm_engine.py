@@ -18,11 +18,18 @@
   GPU (`vllm`): `model.vllm` passes any other `LLM(...)` argument (e.g. `gpu_memory_utilization`).
 - Serving: `serve_step` admits new requests and runs one engine step over every running request
   (continuous batching, vLLM's scheduler); `roles/serve/` drives it.
+- LoRA (`model.lora`): the buffers are the adapter's tensors only (peft's names). Each version is
+  written as a peft adapter directory and served as a new `LoRARequest` (a new id per version: vLLM
+  loads it on the next request, no restart); the previous one is removed from the engine and disk.
+  Version 0 (B = 0) is the base model itself, served without an adapter.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+import weakref
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -36,9 +43,11 @@ from rolectl.sync_protocol.experience import Experience
 from .base import Task
 from .hf import check_weights, score_texts, task_seed
 from .hf_model import HFModelConfig, load_model, load_tokenizer, parameter_count
+from .lora import adapter_tensors, save_adapter, wrap_with_lora
 from .rewards import WeightedReward
 
-__all__ = ["VLLMRolloutEngine", "WeightReloadExtension", "ServeRequest", "ServeDelta", "cpu_binding"]
+__all__ = ["VLLMRolloutEngine", "WeightReloadExtension", "ServeRequest", "ServeDelta", "cpu_binding",
+           "vllm_max_lora_rank"]
 
 
 def cpu_binding(ranks: int, cpus: Sequence[int]) -> str:
@@ -70,6 +79,17 @@ class ServeDelta:
     tokens: tuple[int, ...]
     logprobs: tuple[float, ...]
     finish_reason: str | None
+
+
+_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's `max_lora_rank` choices
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """The smallest `max_lora_rank` vLLM accepts that holds an adapter of `rank`."""
+    for allowed in _VLLM_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(f"model.lora.rank {rank}: vLLM serves adapters up to rank {_VLLM_LORA_RANKS[-1]}")
 
 
 class WeightReloadExtension:
@@ -107,12 +127,24 @@ class VLLMRolloutEngine:
         hf_model = load_model(config.replace(device="cpu"), model_path)
         self.num_parameters = parameter_count(hf_model)
         self.hf_config = hf_model.config
-        self._buffers = {name: t.detach().clone().contiguous() for name, t in hf_model.state_dict().items()}
-        del hf_model
         kwargs = dict(model=str(model_path), tokenizer=str(model_path), dtype=config.dtype, seed=config.seed,
                       tensor_parallel_size=tensor_parallel_size, enforce_eager=True,
                       worker_extension_cls=f"{__name__}.WeightReloadExtension",
                       logprobs_mode="processed_logprobs")
+        self._lora_model = None
+        self._lora_request = None
+        self._lora_ids = 0
+        if config.lora is None:
+            self._buffers = {name: t.detach().clone().contiguous() for name, t in hf_model.state_dict().items()}
+        else:
+            # the adapter's receive buffers, and the peft model whose config each version is saved with
+            self._lora_model = wrap_with_lora(hf_model, config.lora, seed=config.seed)
+            self._buffers = {name: t.detach().clone().contiguous()
+                             for name, t in adapter_tensors(self._lora_model).items()}
+            self._adapter_dir = Path(tempfile.mkdtemp(prefix=f"rolectl-lora-{member}-"))
+            weakref.finalize(self, shutil.rmtree, self._adapter_dir, True)  # removed at exit too
+            kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=vllm_max_lora_rank(config.lora.rank))
+        del hf_model
         kwargs.update(config.vllm)
         # Every call into vLLM runs on this one thread. On CPU, vLLM binds OpenMP threads when it starts
         # and its attention kernels check that the calling thread runs as many as were bound (a
@@ -133,8 +165,27 @@ class VLLMRolloutEngine:
             for name, own in self._buffers.items():
                 if tensors[name].data_ptr() != own.data_ptr():  # else it was received in place
                     own.copy_(tensors[name])
-        self._thread.submit(self._reload).result()
+        if self._lora_model is None:
+            self._thread.submit(self._reload).result()
+        else:
+            self._thread.submit(self._swap_adapter, version).result()
         self.version = version
+
+    def _swap_adapter(self, version: int) -> None:
+        """Serve the buffers as a new adapter; drop the one they replace."""
+        from vllm.lora.request import LoRARequest
+
+        self._lora_ids += 1
+        path = self._adapter_dir / f"v{version}-{self._lora_ids}"
+        save_adapter(self._lora_model, path, tensors=self._buffers)
+        request = LoRARequest(lora_name=f"{self.member}-v{version}-{self._lora_ids}",
+                              lora_int_id=self._lora_ids, lora_path=str(path))
+        self.llm.llm_engine.add_lora(request)
+        old, self._lora_request = self._lora_request, request
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+        self.llm.reset_prefix_cache()
 
     def _reload(self) -> None:
         loaded = self.llm.collective_rpc("rolectl_reload_weights", args=(list(self._buffers.items()),))
@@ -166,7 +217,8 @@ class VLLMRolloutEngine:
                                     max_tokens=request.max_tokens, logprobs=0, seed=request.seed,
                                     stop_token_ids=[self.eos_id] if self.eos_id is not None else None,
                                     output_kind=RequestOutputKind.DELTA)
-            engine.add_request(request.id, TokensPrompt(prompt_token_ids=list(request.prompt)), params)
+            engine.add_request(request.id, TokensPrompt(prompt_token_ids=list(request.prompt)), params,
+                               lora_request=self._lora_request)
             self._served.add(request.id)
         if not engine.has_unfinished_requests():
             return []
@@ -194,7 +246,8 @@ class VLLMRolloutEngine:
                                  seed=task_seed(self.config.seed, self.member, explore_step, i),
                                  stop_token_ids=[self.eos_id] if self.eos_id is not None else None)
                   for i in range(len(tasks))]
-        outputs = self._thread.submit(self.llm.generate, prompts, params, use_tqdm=False).result()
+        outputs = self._thread.submit(self.llm.generate, prompts, params, use_tqdm=False,
+                                      lora_request=self._lora_request).result()
         rows, texts, answers = [], [], []
         for task_idx, (task, output) in enumerate(zip(tasks, outputs)):
             group = f"{self.member}-{explore_step}-{task_idx}"
@@ -219,6 +272,7 @@ class VLLMRolloutEngine:
                                  max_tokens=self.config.max_new_tokens, seed=seed + i,
                                  stop_token_ids=[self.eos_id] if self.eos_id is not None else None)
                   for i in range(len(tasks))]
-        outputs = self._thread.submit(self.llm.generate, prompts, params, use_tqdm=False).result()
+        outputs = self._thread.submit(self.llm.generate, prompts, params, use_tqdm=False,
+                                      lora_request=self._lora_request).result()
         return [[self.tokenizer.decode(list(c.token_ids), skip_special_tokens=True) for c in output.outputs]
                 for output in outputs]

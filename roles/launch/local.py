@@ -479,14 +479,16 @@ def _progress_table(cfg: JobConfig, view: JobObserver, processes: list[RoleHandl
 
 
 SUMMARY_SHOWN = ("job", "complete", "end_reason", "engines", "trainer_world_size", "hf_model_dir", "model_parameters",
+                 "trainable_parameters",
                  "trainer_steps", "explorer_steps",
                  "syncs", "rounds", "weight_loads", "final_version", "reward_first", "reward_last",
                  "experiences_produced", "experiences_trained", "experiences_dropped_stale",
-                 "experiences_left_untrained", "weights_bytes_moved",
+                 "experiences_left_untrained", "weights_bytes_moved", "weights_bytes_per_sync",
                  "sync_wait_ms", "wall_s", "run_dir")
 
 
-_SHOWN_WHEN_SET = ("trainer_world_size", "hf_model_dir")  # a trainer of ranks; an engine that exports
+# a trainer of ranks; an engine that exports; a LoRA adapter
+_SHOWN_WHEN_SET = ("trainer_world_size", "hf_model_dir", "trainable_parameters")
 
 
 def _summary_table(summary: dict) -> Table:

@@ -286,6 +286,7 @@ SUMMARY_MEANINGS: dict[str, str] = {
     "weight_loads": "explorer loads with bytes",
     "sync_wait_ms": "explorer ask → answer",
     "weights_bytes_moved": "bytes explorers loaded",
+    "weights_bytes_per_sync": "bytes the trainer sent per version",
     "experiences_dropped_stale": "past the staleness bound",
     "eval": "eval set's reward means, by version",
     "over_rollout_tasks_cut": "tasks a step did not wait for",
@@ -376,6 +377,10 @@ class JobObserver:
         self.background_transfers: deque[Transfer] = deque(maxlen=max_points)
         self.evals: deque[dict[str, Any]] = deque(maxlen=max_points)  # EvalFinished, in stream order
         self.bytes_loaded_total = 0
+        # what the trainer sent: each version published (pull) or broadcast (rendezvous) once
+        self.bytes_sent_total = 0
+        self.versions_sent = 0
+        self._last_sent_version = -1
         self.heartbeats: dict[str, int] = {}
         # run figures (what `summary()` reports)
         self.round_outcomes: Counter[str] = Counter()  # outcome -> rounds closed with it
@@ -572,8 +577,11 @@ class JobObserver:
         if isinstance(event, VersionPublished):
             self.versions.append(VersionView(version=event.version, step=event.step, method=event.method.value,
                                              nbytes=event.nbytes, seq=rec.seq, time_ms=rec.time_ms))
+            self._count_sent(event.version, event.nbytes)
         elif isinstance(event, (WeightsLoaded, WeightsBroadcast)):
             kind = "loaded" if isinstance(event, WeightsLoaded) else "broadcast"
+            if kind == "broadcast":
+                self._count_sent(event.version, event.nbytes)
             t = Transfer(member=event.member.key, version=event.version, nbytes=event.nbytes,
                          seconds=event.seconds, seq=rec.seq, time_ms=rec.time_ms, kind=kind)
             if kind == "loaded":
@@ -590,6 +598,12 @@ class JobObserver:
                 self.reward.append((event.step, m["reward_mean"], rec.time_ms))
             if "mean_staleness" in m or "dropped_stale_total" in m:
                 self.staleness.append((event.step, m.get("mean_staleness", 0.0), m.get("dropped_stale_total", 0.0)))
+
+    def _count_sent(self, version: int, nbytes: int) -> None:
+        if version > self._last_sent_version and nbytes > 0:
+            self._last_sent_version = version
+            self.bytes_sent_total += nbytes
+            self.versions_sent += 1
 
     def size(self) -> int:
         """How many items the observer holds in all (the bound's test watches it)."""
@@ -682,6 +696,8 @@ class JobObserver:
             "reward_first": round(statistics.fmean(self.rewards_first), 4) if self.rewards_first else None,
             "reward_last": round(statistics.fmean(last), 4) if last else None,
             "weights_bytes_moved": self.bytes_loaded_total,
+            "weights_bytes_per_sync": (round(self.bytes_sent_total / self.versions_sent)
+                                       if self.versions_sent else None),
             # every experience produced is trained, dropped as too stale, or left untrained: produced
             # after the trainer had what it needed (it stays in the experience stream; a test checks
             # that the stream holds exactly this many at the end of a run)
