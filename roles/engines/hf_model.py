@@ -102,14 +102,19 @@ def _build(config: HFModelConfig, data_path: str | None, out: Path) -> None:
     tokenizer = transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<unk>")
     tokenizer.save_pretrained(out)
-    common = dict(
-        vocab_size=len(vocab), hidden_size=spec["hidden_size"], intermediate_size=spec["intermediate_size"],
-        num_hidden_layers=spec["num_layers"], num_attention_heads=spec["num_heads"],
-        num_key_value_heads=spec["num_heads"], head_dim=spec["head_dim"],
-        max_position_embeddings=spec["max_position_embeddings"], tie_word_embeddings=True,
-        pad_token_id=0, eos_token_id=1, bos_token_id=2,
-    )
-    model_config = (transformers.Qwen2Config if spec["family"] == "qwen2" else transformers.LlamaConfig)(**common)
+    ids = dict(vocab_size=len(vocab), tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    if spec["family"] == "gpt2":
+        # no dropout: the trainer's logprobs must be those the explorers sampled with
+        model_config = transformers.GPT2Config(
+            n_embd=spec["hidden_size"], n_inner=spec["intermediate_size"], n_layer=spec["num_layers"],
+            n_head=spec["num_heads"], n_positions=spec["max_position_embeddings"],
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **ids)
+    else:
+        model_config = (transformers.Qwen2Config if spec["family"] == "qwen2" else transformers.LlamaConfig)(
+            hidden_size=spec["hidden_size"], intermediate_size=spec["intermediate_size"],
+            num_hidden_layers=spec["num_layers"], num_attention_heads=spec["num_heads"],
+            num_key_value_heads=spec["num_heads"], head_dim=spec["head_dim"],
+            max_position_embeddings=spec["max_position_embeddings"], **ids)
     torch.manual_seed(spec["seed"])
     model = transformers.AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
     model.save_pretrained(out)

@@ -24,6 +24,7 @@ from pydantic import (
     Tag,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 __all__ = [
@@ -120,8 +121,11 @@ class HFBuildSection(Section):
     """`model.build`: a small random-init model built at `model.path` when it is missing (tests,
     examples), its tokenizer made from the words of `data.path`."""
 
-    family: Literal["qwen2", "llama"] = "qwen2"
-    """Architecture family."""
+    family: Literal["qwen2", "llama", "gpt2"] = "qwen2"
+    """Architecture family. qwen2 and llama know positions only through RoPE (relative); gpt2 has
+    learned absolute position embeddings, with which a random-init model learns a task indexed by
+    position (such as reversing digits) from rewards far sooner (docs/engines.md). gpt2 needs
+    hidden_size = num_heads x head_dim."""
     hidden_size: PositiveInt = 64
     """Model width."""
     num_layers: PositiveInt = 2
@@ -136,6 +140,14 @@ class HFBuildSection(Section):
     """Seed of the random weights."""
     max_position_embeddings: PositiveInt = 128
     """Longest sequence."""
+
+    @model_validator(mode="after")
+    def _gpt2_heads_fill_width(self) -> HFBuildSection:
+        if self.family == "gpt2" and self.num_heads * self.head_dim != self.hidden_size:
+            raise ValueError(f"family gpt2 splits hidden_size into num_heads heads: hidden_size "
+                             f"({self.hidden_size}) must equal num_heads x head_dim "
+                             f"({self.num_heads} x {self.head_dim})")
+        return self
 
 
 def _target_modules(value: Any) -> Any:

@@ -35,7 +35,7 @@ def test_the_llm_quickstart_runs_end_to_end(tmp_path, example, explorer):
     s = run.summary
     assert run.rc == 0, f"exit {run.rc}: {s.get('exit_codes')}\n{run.role_logs()}"
     assert s["engines"] == {"trainer": "hf", "explorer": explorer}
-    assert s["model_parameters"] == 495_616  # the example's Qwen2: 16-word vocabulary, hidden 128, 3 layers
+    assert s["model_parameters"] == 416_128  # the example's GPT-2: 16-word vocabulary, hidden 128, 3 layers
     assert s["trainer_steps"] == 3 and s["final_version"] == 3, s
     assert all(s["explorer_steps"].get(e, 0) >= 3 for e in ("explorer-0", "explorer-1")), s
     assert 0 <= s["reward_first"] <= 1 and 0 <= s["reward_last"] <= 1

@@ -1,4 +1,4 @@
-"""The `hf` engines on the quickstart's tiny random-init Qwen2: build, generate, train, weights, resume, config."""
+"""The `hf` engines on the tests' tiny random-init Qwen2 (and a GPT-2 build): build, generate, train, resume, config."""
 
 from __future__ import annotations
 
@@ -157,3 +157,30 @@ def test_a_model_path_built_with_other_settings_is_refused(model_dir):
     other = hf_model_config_from_mapping({**section, "build": {**BUILD, "seed": 1}})
     with pytest.raises(ValueError, match="built with .* delete"):
         ensure_model(other)
+
+
+def test_a_gpt2_build_has_absolute_positions_no_dropout_and_trains(tmp_path):
+    """The quickstart's family: learned position embeddings, and no dropout (a train step's logprobs
+    must be those the explorers sampled with: the first minibatch's ratio is exactly 1)."""
+    build = {"family": "gpt2", "hidden_size": 64, "num_layers": 2, "num_heads": 2, "head_dim": 32,
+             "intermediate_size": 128, "seed": 0}
+    cfg = parse_config({"job": "gpt2", "model": model_section(tmp_path / "gpt2", build=build, minibatches=1),
+                        "data": data_section(), "explorers": {"count": 1}})
+    trainer = make_train_engine(cfg)
+    assert type(trainer.model).__name__ == "GPT2LMHeadModel"
+    assert "transformer.wpe.weight" in trainer.weights()
+    assert all(getattr(m, "p", 0.0) == 0.0 for m in trainer.model.modules() if isinstance(m, torch.nn.Dropout))
+    rollout = make_rollout_engine(cfg, "explorer-0")
+    experiences = rollout.rollout(make_taskset(cfg, seed=0, batch_size=2).next_batch(), explore_step=0)
+    metrics = trainer.train_step(experiences, current_version=0)
+    assert metrics["pg_clipfrac"] == 0.0 and abs(metrics["ppo_kl"]) < 1e-5, metrics
+    rollout.load_weights(trainer.weights(), 1)
+    assert rollout.version == 1
+
+
+def test_a_gpt2_build_whose_heads_do_not_fill_its_width_is_refused(tmp_path):
+    build = {"family": "gpt2", "hidden_size": 100, "num_heads": 4, "head_dim": 32}
+    with pytest.raises(ConfigError) as info:
+        parse_config({"job": "bad", "model": model_section(tmp_path / "m", build=build), "data": data_section()})
+    assert any(path == "model.build" and "num_heads x head_dim" in why for path, why in info.value.problems), \
+        info.value.problems
