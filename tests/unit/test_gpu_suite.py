@@ -44,9 +44,9 @@ def test_the_committed_carry_list_is_the_one_this_venv_computes():
 
 
 def test_a_flag_the_benchmark_does_not_take_is_named():
-    step = gpu_suite.Step("bogus", [sys.executable, "-m", "benchmarks.weights", "--size-mb", "1", "--sizes", "2"],
+    step = gpu_suite.Step("bogus", [sys.executable, "-m", "benchmarks.weights", "--size-mb", "1", "--no-such-flag", "2"],
                           1, module="benchmarks.weights")
-    assert gpu_suite._check_flags(step, {}) == ["bogus: python -m benchmarks.weights has no option --sizes"]
+    assert gpu_suite._check_flags(step, {}) == ["bogus: python -m benchmarks.weights has no option --no-such-flag"]
 
 
 def test_a_gpu_test_left_out_or_gone_is_named(monkeypatch):
