@@ -44,8 +44,8 @@ def test_the_committed_carry_list_is_the_one_this_venv_computes():
 
 
 def test_a_flag_the_benchmark_does_not_take_is_named():
-    step = gpu_suite.Step("bogus", [sys.executable, "-m", "benchmarks.weights", "--size-mb", "1", "--no-such-flag", "2"],
-                          1, module="benchmarks.weights")
+    argv = [sys.executable, "-m", "benchmarks.weights", "--size-mb", "1", "--no-such-flag", "2"]
+    step = gpu_suite.Step("bogus", argv, 1, module="benchmarks.weights")
     assert gpu_suite._check_flags(step, {}) == ["bogus: python -m benchmarks.weights has no option --no-such-flag"]
 
 
