@@ -38,6 +38,16 @@ def nats_url(nats_server: NatsServer) -> str:
 
 
 @pytest.fixture
+async def nc(nats_url):
+    """A plain nats-py client of the session's server."""
+    import nats
+
+    client = await nats.connect(nats_url)
+    yield client
+    await client.close()
+
+
+@pytest.fixture
 def job_name(request) -> str:
     """A job name unique to this test (stream and subject names derive from it)."""
     base = "".join(c if c.isalnum() else "-" for c in request.node.name)[:40].strip("-")

@@ -16,6 +16,7 @@ from rolectl.bus.weights.object_store import ObjectStoreTransport
 from rolectl.roles.config import parse_config
 from rolectl.roles.engines import WeightsMismatch, make_rollout_engine, make_taskset, make_train_engine
 from rolectl.roles.engines.hf import response_logprobs
+from tests.support.tensors import raw_bytes
 from tests.support.tiny_llm import built_model, data_section, model_section
 
 
@@ -39,10 +40,6 @@ def trained(cfg, vllm_engine):
     for step in (1, 2):
         trainer.train_step(vllm_engine.rollout(taskset.next_batch(), explore_step=step), current_version=0)
     return trainer
-
-
-def raw(t: torch.Tensor) -> bytes:
-    return bytes(t.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def forward_logprobs(trainer, experiences) -> list[list[float]]:
@@ -81,14 +78,15 @@ async def test_weights_round_trip_bit_exact_into_hf_and_vllm(cfg, vllm_engine, t
     sent = trained.weights()
     ref = await transport.publish(trained.step, sent)
     received = await transport.fetch(ref)
-    assert {n: raw(t) for n, t in received.items()} == {n: raw(t) for n, t in sent.items()}
+    assert {n: raw_bytes(t) for n, t in received.items()} == {n: raw_bytes(t) for n, t in sent.items()}
 
     hf_cfg = parse_config({**_as_mapping(cfg), "model": {**cfg.model, "rollout_engine": "hf"}})
     hf_engine = make_rollout_engine(hf_cfg, "explorer-1")
     for engine in (hf_engine, vllm_engine):
         engine.load_weights(received, ref.version)
         assert engine.version == ref.version
-        assert {n: raw(t) for n, t in engine.weight_buffers().items()} == {n: raw(t) for n, t in sent.items()}
+        held = engine.weight_buffers()
+        assert {n: raw_bytes(t) for n, t in held.items()} == {n: raw_bytes(t) for n, t in sent.items()}
 
     # vLLM now samples with the trained weights: its logprobs are the trainer's, not the base model's.
     tasks = make_taskset(cfg, seed=1, batch_size=4).next_batch()

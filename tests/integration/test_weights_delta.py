@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 
-import nats
 import pytest
 import torch
 
@@ -16,6 +15,7 @@ from rolectl.bus.weights.base import CorruptWeights, PullTransport
 from rolectl.bus.weights.checkpoint import CheckpointTransport
 from rolectl.bus.weights.delta import cast_source
 from rolectl.bus.weights.object_store import ObjectStoreTransport
+from tests.support.tensors import assert_bit_exact
 
 KINDS = ["object_store", "object_store_nats_py", "checkpoint"]
 CHUNK = 4096
@@ -35,24 +35,6 @@ def states(count: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
         out.append({name: t.to(torch.bfloat16) for name, t in master.items()})
         master = {name: t - 0.004 * torch.randn(t.shape, generator=g) * t.abs() for name, t in master.items()}
     return out
-
-
-def raw(t: torch.Tensor) -> bytes:
-    return bytes(t.contiguous().reshape(-1).view(torch.uint8).numpy())
-
-
-def assert_bit_exact(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
-    assert set(got) == set(expected)
-    for name, t in expected.items():
-        assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
-        assert raw(got[name]) == raw(t), name
-
-
-@pytest.fixture
-async def nc(nats_url):
-    client = await nats.connect(nats_url)
-    yield client
-    await client.close()
 
 
 def make(kind: str, nc, job: str, tmp_path, *, interval: int = 4) -> PullTransport:

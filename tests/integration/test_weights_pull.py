@@ -25,6 +25,7 @@ from rolectl.bus.subjects import JobNames
 from rolectl.bus.weights.base import CorruptWeights, PullTransport, WeightsNotFound, WeightsRef
 from rolectl.bus.weights.checkpoint import CheckpointTransport
 from rolectl.bus.weights.object_store import ObjectStoreTransport
+from tests.support.tensors import assert_bit_exact
 
 KINDS = ["object_store", "object_store_nats_py", "checkpoint"]
 
@@ -42,25 +43,6 @@ def small_state(seed: int = 0) -> dict[str, torch.Tensor]:
         "empty": torch.empty(0, 8),
         "mask": torch.tensor([True, False, True, True]),
     }
-
-
-def raw(t: torch.Tensor) -> bytes:
-    return bytes(t.contiguous().reshape(-1).view(torch.uint8).numpy())
-
-
-def assert_bit_exact(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
-    assert set(got) == set(expected)
-    for name, t in expected.items():
-        assert got[name].dtype == t.dtype, name
-        assert got[name].shape == t.shape, name
-        assert raw(got[name]) == raw(t), name
-
-
-@pytest.fixture
-async def nc(nats_url):
-    client = await nats.connect(nats_url)
-    yield client
-    await client.close()
 
 
 def make_transport(kind: str, nc, job: str, tmp_path: Path, **kw) -> PullTransport:

@@ -9,7 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import nats
 import pytest
 import torch
 
@@ -17,6 +16,7 @@ from rolectl.bus.weights import _wire_client
 from rolectl.bus.weights.base import CorruptWeights, TransferError
 from rolectl.bus.weights.checkpoint import CheckpointTransport
 from rolectl.bus.weights.object_store import ObjectStoreTransport
+from tests.support.tensors import assert_bit_exact
 
 KINDS = ["object_store", "object_store_nats_py", "checkpoint"]
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,24 +43,6 @@ def buckets(tensors: dict[str, torch.Tensor], per_bucket: int = 3):
     items = list(tensors.items())
     for i in range(0, len(items), per_bucket):
         yield [(name, t.clone()) for name, t in items[i : i + per_bucket]]  # fresh, as a gather makes them
-
-
-def raw(t: torch.Tensor) -> bytes:
-    return bytes(t.contiguous().reshape(-1).view(torch.uint8).numpy())
-
-
-def assert_bit_exact(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
-    assert set(got) == set(expected)
-    for name, t in expected.items():
-        assert (got[name].dtype, got[name].shape) == (t.dtype, t.shape), name
-        assert raw(got[name]) == raw(t), name
-
-
-@pytest.fixture
-async def nc(nats_url):
-    client = await nats.connect(nats_url)
-    yield client
-    await client.close()
 
 
 def make(kind: str, nc, job: str, tmp_path: Path, chunk_size: int = 256):

@@ -32,13 +32,6 @@ from rolectl.bus.weights._wire_client import (
 from rolectl.bus.weights.object_store import ObjectStoreTransport
 
 
-@pytest.fixture
-async def nc(nats_url):
-    client = await nats.connect(nats_url)
-    yield client
-    await client.close()
-
-
 def open_to(nc, *, timeout: float = 10.0) -> DataConnection:
     endpoint = data_endpoint(nc)
     assert endpoint is not None

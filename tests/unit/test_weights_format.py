@@ -22,6 +22,7 @@ from rolectl.bus.weights.format import (
     plan_layout,
     streamed_chunks,
 )
+from tests.support.tensors import assert_bit_exact, raw_bytes
 
 
 def mixed_state() -> dict[str, torch.Tensor]:
@@ -38,18 +39,6 @@ def mixed_state() -> dict[str, torch.Tensor]:
         "q": torch.randint(-128, 127, (9,), dtype=torch.int8, generator=g),
         "f8": torch.randn(6, generator=g).to(torch.float8_e4m3fn),
     }
-
-
-def raw_bytes(t: torch.Tensor) -> bytes:
-    return bytes(t.contiguous().reshape(-1).view(torch.uint8).numpy())
-
-
-def assert_bit_exact(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
-    assert list(got) == list(expected)
-    for name, t in expected.items():
-        assert got[name].dtype == t.dtype, name
-        assert got[name].shape == t.shape, name
-        assert raw_bytes(got[name]) == raw_bytes(t), name
 
 
 @pytest.mark.parametrize(
@@ -103,6 +92,7 @@ def test_destination_round_trips_bit_exactly():
     source = SourceBytes(state)
     dest = Destination(source.layout)
     source.read_into(0, dest.view)
+    assert list(dest.tensors()) == list(state)  # the layout keeps the source's order
     assert_bit_exact(state, dest.tensors())
 
 
@@ -122,6 +112,7 @@ def test_large_destinations_are_usable_tensors():
     source = SourceBytes(state)
     dest = Destination(source.layout)
     source.read_into(0, dest.view)
+    assert list(dest.tensors()) == list(state)  # the layout keeps the source's order
     assert_bit_exact(state, dest.tensors())
 
 
