@@ -115,7 +115,12 @@ class VLLMRolloutEngine:
             if tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
                 os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(tensor_parallel_size,
                                                                       sorted(os.sched_getaffinity(0)))
+        import vllm.envs
         from vllm import LLM
+
+        # vLLM caches its environment once an engine has started; a later engine in this process
+        # (another rank, a test) must read the settings made above, not the first engine's.
+        getattr(vllm.envs, "disable_envs_cache", lambda: None)()
 
         self.config = config
         self.member = member
