@@ -340,11 +340,9 @@ def _slope_per_1k(points: list[tuple[int, float]]) -> float | None:
     return round(1000 * sum((s - mx) * (m - my) for s, m in points) / var, 3)
 
 
-async def _left_in_stream(conn, cfg) -> int:
-    """Experiences the experience stream holds, less the trained part of batches the trainer holds
-    partly trained (its checkpoint lists their untrained indices)."""
-    state_file = cfg.trainer_checkpoint_dir / "trainer_state.json"
-    partial = json.loads(state_file.read_text()).get("partial", {}) if state_file.exists() else {}
+async def experiences_left_in_stream(conn, partial: dict[str, list[int]]) -> int:
+    """Experiences the experience stream still holds, less the trained part of batches the trainer
+    holds partly trained (`partial`: its checkpoint's untrained indices by stream sequence)."""
     js, name = conn.js, conn.names.experience_stream
     info = await js.stream_info(name)
     left = 0
@@ -356,6 +354,13 @@ async def _left_in_stream(conn, cfg) -> int:
         n = len(decode_batch(msg.data).experiences)
         left += len(partial[str(seq)]) if str(seq) in partial else n
     return left
+
+
+async def _left_in_stream(conn, cfg) -> int:
+    """What the soak's job left in its experience stream, read with the trainer's last checkpoint."""
+    state_file = cfg.trainer_checkpoint_dir / "trainer_state.json"
+    partial = json.loads(state_file.read_text()).get("partial", {}) if state_file.exists() else {}
+    return await experiences_left_in_stream(conn, partial)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,7 @@ import time
 import pytest
 import yaml
 
-from rolectl.bus.experiences import decode_batch
+from benchmarks.soak import experiences_left_in_stream
 from rolectl.roles.exit_codes import ExitCode
 from rolectl.roles.launch.local import summarize
 from rolectl.sync_protocol import MemberJoined, Role
@@ -85,22 +85,6 @@ async def test_explorer_started_after_the_job_ended_exits_at_once(tmp_path):
         assert not late, "a late explorer joined a finished job"
 
 
-async def _left_in_stream(job: LiveJob, partial: dict[str, list[int]]) -> int:
-    """Experiences the experience stream still holds, less the trained part of batches the trainer
-    holds partly trained (its checkpoint lists the untrained indices)."""
-    js, name = job.conn.js, job.conn.names.experience_stream
-    info = await js.stream_info(name)
-    left = 0
-    for seq in range(info.state.first_seq, info.state.last_seq + 1):
-        try:
-            msg = await js.get_msg(name, seq)
-        except Exception:  # acked (deleted)
-            continue
-        n = len(decode_batch(msg.data).experiences)
-        left += len(partial[str(seq)]) if str(seq) in partial else n
-    return left
-
-
 async def test_summary_counts_experiences_left_untrained(tmp_path):
     """Explorers that never wait (fully_async) produce more than the trainer trains; with a tight
     staleness bound some are dropped. Every experience produced is counted once, and the count left
@@ -115,7 +99,7 @@ async def test_summary_counts_experiences_left_untrained(tmp_path):
         await job.stream_caught_up()
         summary = summarize(job.records, job=job.cfg.job)
         state = json.loads((job.cfg.trainer_checkpoint_dir / "trainer_state.json").read_text())
-        left = await _left_in_stream(job, state["partial"])
+        left = await experiences_left_in_stream(job.conn, state["partial"])
     produced, trained = summary["experiences_produced"], summary["experiences_trained"]
     dropped, untrained = summary["experiences_dropped_stale"], summary["experiences_left_untrained"]
     assert produced > trained, summary  # the explorers over-produced
