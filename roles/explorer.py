@@ -34,7 +34,8 @@ from rolectl.bus.security import redact
 from rolectl.bus.weights import TransferError, WeightsRef
 from rolectl.roles.config import JobConfig
 from rolectl.roles.resume import SavedState, StartMode, decide_resume
-from rolectl.roles.session import JobIncomplete, MemberRejoined, MemberSession, stop_task, write_json_atomic
+from rolectl.roles.session import (
+    JobIncomplete, MemberRejoined, MemberSession, finish_before_stopping, stop_task, write_json_atomic)
 from rolectl.roles.transports import make_pull_transport, make_rendezvous_transport
 from rolectl.sync_protocol import (
     EvalFinished,
@@ -130,7 +131,7 @@ class Explorer:
             self.s = session
             self.log = session.log
             await session.view.start()
-            session.refuse_if_live()  # before anything that touches its saved state
+            await session.refuse_if_live()  # before anything that touches its saved state
             self._resume_or_start_fresh(session.view)
             if self._trainer_finished_before_join(session.view):
                 return  # nothing joined, nothing published: the job is over
@@ -172,28 +173,35 @@ class Explorer:
             experiences = await asyncio.to_thread(self._rollout, tasks, step)
             if self.step_delay_s:
                 await asyncio.sleep(self.step_delay_s)  # simulated slower rollout engine (config)
-            await self.s.fence()  # a process back from a pause must not publish beside its successor
-            await self.experiences.publish(ExperienceBatch(member=self.member_id, explore_step=step,
-                                                           model_version=self.engine.version,
-                                                           experiences=tuple(experiences)))
-            self.explore_step = step
-            self.s.step = step
-            reward = sum(e.reward for e in experiences) / max(len(experiences), 1)
-            # Reported before it is saved: a restart in between explores the step again (its
-            # batch is deduplicated by msg id) and reports it again; counts are per (member, step).
-            await self.s.publish(StepFinished(member=self.s.me, step=step, version=self.engine.version,
-                                              metrics={"reward_mean": reward, "experiences": float(len(experiences)),
-                                                       "total_steps": float(self.cfg.explorers.total_steps),
-                                                       "seconds": time.monotonic() - started,
-                                                       **({"over_rollout_tasks_cut": float(self.tasks_cut)}
-                                                          if self.cfg.explorers.over_rollout_ratio else {}),
-                                                       **self.engine.rollout_metrics}))
-            self._save_state()
-            self.log.info("explore_step", step=step, version=self.engine.version, reward=round(reward, 4))
+            # A stop (Ctrl-C) waits for the batch's step to be reported and saved: a batch in the
+            # stream that no step reports would be counted nowhere
+            await finish_before_stopping(self._record_step(step, experiences, started), log=self.log,
+                                         what=f"explore step {step}: publish, report, save")
             if self.need_eval():
                 await self.evaluate()
             if self.need_sync():
                 await self.sync_weight()
+
+    async def _record_step(self, step: int, experiences: list, started: float) -> None:
+        """Publish the step's batch, report the step, save the explorer's state."""
+        await self.s.fence()  # a process back from a pause must not publish beside its successor
+        await self.experiences.publish(ExperienceBatch(member=self.member_id, explore_step=step,
+                                                       model_version=self.engine.version,
+                                                       experiences=tuple(experiences)))
+        self.explore_step = step
+        self.s.step = step
+        reward = sum(e.reward for e in experiences) / max(len(experiences), 1)
+        # Reported before it is saved: a restart in between explores the step again (its
+        # batch is deduplicated by msg id) and reports it again; counts are per (member, step).
+        await self.s.publish(StepFinished(member=self.s.me, step=step, version=self.engine.version,
+                                          metrics={"reward_mean": reward, "experiences": float(len(experiences)),
+                                                   "total_steps": float(self.cfg.explorers.total_steps),
+                                                   "seconds": time.monotonic() - started,
+                                                   **({"over_rollout_tasks_cut": float(self.tasks_cut)}
+                                                      if self.cfg.explorers.over_rollout_ratio else {}),
+                                                   **self.engine.rollout_metrics}))
+        self._save_state()
+        self.log.info("explore_step", step=step, version=self.engine.version, reward=round(reward, 4))
 
     def need_eval(self) -> bool:
         interval = self.cfg.eval.eval_interval

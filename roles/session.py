@@ -11,9 +11,10 @@ import signal
 import socket
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import structlog
 from msgspec.structs import replace
@@ -47,8 +48,11 @@ from rolectl.sync_protocol import (
 from rolectl.sync_protocol.reducer import reduce_lenient
 from rolectl.sync_protocol.state import State
 
+T = TypeVar("T")
+
 __all__ = [
     "write_json_atomic", "new_incarnation", "JobView", "MemberSession", "install_stop_signals",
+    "finish_before_stopping",
     "RoleStopped", "MemberRejoined", "MemberReplaced", "JobIncomplete", "stop_task", "freeze_heap"]
 
 
@@ -250,6 +254,29 @@ class JobView:
                 waiters.remove(entry)
             except ValueError:
                 pass  # answered: the follower took it off the list
+
+    async def joined_event(self, key: str) -> MemberJoined | None:
+        """The MemberJoined of member `key`'s current incarnation (host and pid: who to stop). A
+        view started from a snapshot did not fold it: it is read from the stream (or the archive,
+        once trimmed) at the sequence the state recorded. None when it cannot be read."""
+        member = self.state.members.get(key)
+        if member is None:
+            return None
+        joined = self.joins.get(key)
+        if joined is not None and joined.member.incarnation == member.ref.incarnation:
+            return joined
+        try:
+            async with read_events(self._conn, from_seq=member.joined_seq, include_decisions=True,
+                                   stop_at_end=True, backfill=self._backfill) as reader:
+                async for rec in reader:
+                    if isinstance(rec.event, MemberJoined) and rec.event.member.key == key \
+                            and rec.event.member.incarnation == member.ref.incarnation:
+                        self.joins[key] = rec.event
+                        return rec.event
+                    break  # the record at joined_seq is the join, or the history does not have it
+        except Exception as exc:  # a lookup for a better message: the refusal stands without it
+            self._log.warning("join_record_unreadable", key=key, seq=member.joined_seq, error=str(exc))
+        return None
 
     def decisions_after(self, seq: int):
         """Kept decisions with a stream sequence greater than `seq` (newest last)."""
@@ -459,7 +486,7 @@ class MemberSession:
         return (member is not None and member.ref.incarnation == self.incarnation and not member.alive
                 and self.status is not RunningStatus.STOPPED)
 
-    def refuse_if_live(self) -> None:
+    async def refuse_if_live(self) -> None:
         """Raise `StartRefused` when the job's record shows this member alive in another process:
         two live trainers train the same steps twice. A restart goes on: the old incarnation
         stopped, expired, or (on this host) its process is gone although not yet expired."""
@@ -468,8 +495,8 @@ class MemberSession:
         member = self.view.state.members.get(self.key)
         if member is None or not member.alive:
             return
-        joined = self.view.joins.get(self.key)
-        if joined is not None and joined.member.incarnation == member.ref.incarnation:
+        joined = await self.view.joined_event(self.key)
+        if joined is not None:
             if joined.host == socket.gethostname() and not _pid_running(joined.pid):
                 self.log.info("previous_process_gone", incarnation=member.ref.incarnation, pid=joined.pid)
                 return
@@ -728,6 +755,27 @@ def _pid_running(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+async def finish_before_stopping(work: Awaitable[T], *, log, what: str) -> T:
+    """Await `work` to its end even when the role is told to stop meanwhile (Ctrl-C, SIGTERM: a
+    cancel), then stop: for a unit that must not be cut in two (a batch published whose step is
+    never reported; a step trained but never saved nor reported). Bounded by the unit itself."""
+    task = asyncio.ensure_future(work)
+    stop_requested = False
+    while True:
+        try:
+            result = await asyncio.shield(task)
+            break
+        except asyncio.CancelledError:
+            if task.done():
+                raise  # the unit itself was cancelled: nothing is left to finish
+            if not stop_requested:
+                log.info("stopping_after_unit_in_flight", unit=what)
+            stop_requested = True
+    if stop_requested:
+        raise asyncio.CancelledError
+    return result
 
 
 def install_stop_signals(task: asyncio.Task) -> None:

@@ -34,7 +34,8 @@ from rolectl.bus.weights import TransferError
 from rolectl.bus.weights.delta import cast_source
 from rolectl.roles.config import JobConfig, env_settings
 from rolectl.roles.resume import SavedState, StartMode, decide_resume
-from rolectl.roles.session import JobIncomplete, MemberRejoined, MemberSession, write_json_atomic
+from rolectl.roles.session import (
+    JobIncomplete, MemberRejoined, MemberSession, finish_before_stopping, write_json_atomic)
 from rolectl.roles.transports import make_pull_transport, make_rendezvous_transport, wire_dtype
 from rolectl.roles.waiting import WaitNotice
 from rolectl.sync_protocol import (
@@ -132,7 +133,7 @@ class Trainer:
             self.s = session
             self.log = session.log
             await session.view.start()
-            session.refuse_if_live()  # before anything that touches its state (checkpoint, held batches)
+            await session.refuse_if_live()  # before anything that touches its state (checkpoint, held batches)
             self._resume_or_start_fresh(session.view)
             latest = session.view.state.latest
             if latest.version > 0:
@@ -214,27 +215,35 @@ class Trainer:
                 self.log.error("no_more_experiences", step=self.engine.step, total_steps=self.total_steps,
                                reason=self._why_no_more)
                 break
-            await self.s.fence()  # a process back from a pause must not train what its successor trains
-            metrics = await asyncio.to_thread(self.engine.train_step, batch, current_version=self.version)
-            self.in_step = []  # trained: the next save may ack them
-            self._guard_metrics(metrics)
-            self.s.step = self.engine.step
-            metrics["dropped_stale_total"] = float(self.dropped_stale)
-            metrics["total_steps"] = float(self.total_steps)  # progress against it: status, dashboard
-            metrics["mean_staleness"] = (
-                sum(self.version - e.model_version for e in batch) / len(batch) if batch else 0.0
-            )
-            self.last_metrics = metrics
-            # Saved before it is reported: a restart resumes after the last reported step, never
-            # repeats one (a step saved but not reported is reported by the restart).
-            if self.need_save():
-                await self.save_checkpoint()
-            interval = self.cfg.trainer.hf_save_interval
-            if interval and self.engine.step % interval == 0:
-                await self._export_hf(f"step-{self.engine.step}")
-            await self._step_finished(metrics)
+            # A stop (Ctrl-C) waits for the step in flight to be trained, saved and reported: the
+            # engine's thread cannot be cut short, and a step trained but not reported is counted
+            # nowhere once the job ends
+            await finish_before_stopping(self._train_step(batch), log=self.log,
+                                         what=f"train step {self.engine.step + 1}: train, save, report")
             if await self.need_sync():
                 await self.sync_weight()
+
+    async def _train_step(self, batch: list) -> None:
+        """Train one step on `batch`, save when due, report the step."""
+        await self.s.fence()  # a process back from a pause must not train what its successor trains
+        metrics = await asyncio.to_thread(self.engine.train_step, batch, current_version=self.version)
+        self.in_step = []  # trained: the next save may ack them
+        self._guard_metrics(metrics)
+        self.s.step = self.engine.step
+        metrics["dropped_stale_total"] = float(self.dropped_stale)
+        metrics["total_steps"] = float(self.total_steps)  # progress against it: status, dashboard
+        metrics["mean_staleness"] = (
+            sum(self.version - e.model_version for e in batch) / len(batch) if batch else 0.0
+        )
+        self.last_metrics = metrics
+        # Saved before it is reported: a restart resumes after the last reported step, never
+        # repeats one (a step saved but not reported is reported by the restart).
+        if self.need_save():
+            await self.save_checkpoint()
+        interval = self.cfg.trainer.hf_save_interval
+        if interval and self.engine.step % interval == 0:
+            await self._export_hf(f"step-{self.engine.step}")
+        await self._step_finished(metrics)
 
     def _guard_metrics(self, metrics: dict) -> None:
         """Count what never reached the model: refused batches, skipped non-finite updates."""
