@@ -14,8 +14,10 @@ expiry; the next node fault waits until every stream of the job has its 3 copies
 Checked: every trainer step trained once (no step reported twice, none missing); experiences
 produced = trained + dropped as stale + left untrained, where "left untrained" is compared with what
 the experience stream really holds at the end (less: lost; more: trained twice); `replay --check`
-over archive + tail; hangs (the trainer without a new step for longer than `--hang-s`); every
-process's RSS against the trainer's step (slope per 1,000 steps, per process; the max is reported);
+over archive + tail; hangs (the trainer without a new step for longer than `--hang-s`); roles that
+end by themselves (restarted, counted); every process's RSS against the trainer's step (slope per
+1,000 steps, per process; the max is reported; `--spare` members are never killed or stopped, so
+their slope spans the whole run);
 the event stream's bytes over time (archived and trimmed after each snapshot). Prints a table and
 writes JSON with at least faults_injected, experiences_lost, experiences_duplicated, hangs,
 rss_slope_mb_per_1k_steps, event_stream_bytes_max, minutes.
@@ -97,6 +99,8 @@ class Soak:
         self.roles = {"sync-0": "sync", "sync-1": "sync", "trainer": "trainer",
                       **{f"explorer-{i}": "explorer" for i in range(args.explorers)}}
         self.faults: dict[str, int] = {}
+        self.spared = set(args.spare)  # members no kill or stop targets: their one process's RSS spans the run
+        self.exits: list[str] = []  # a role that ended by itself (refused, gave up, crashed): restarted, counted
         self.trainer_step = 0
         self.progress_at = time.monotonic()
         self.longest_gap_s = 0.0
@@ -122,7 +126,7 @@ class Soak:
     async def fault(self) -> None:
         server_fault = "node" if self.args.cluster else "server"
         kind = self.rng.choices(["kill9", "sigstop", server_fault], weights=[6, 3, 1])[0]
-        member = self.rng.choice(sorted(self.procs))
+        member = self.rng.choice(sorted(set(self.procs) - self.spared))
         proc = self.procs[member]
         if kind == "server":
             await asyncio.to_thread(self.server.kill)
@@ -131,9 +135,8 @@ class Soak:
             member = await self.lose_node()
             if member is None:
                 return
-        elif proc.poll() is not None:
-            self.start(member)  # it had exited (gave up): start it again, not a fault
-            return
+        elif self.restart_if_exited(member):
+            return  # not a fault: it had ended by itself
         elif kind == "kill9":
             os.kill(proc.pid, signal.SIGKILL)  # a process this soak started, by its PID
             proc.wait()
@@ -146,6 +149,17 @@ class Soak:
         self.faults[kind] = self.faults.get(kind, 0) + 1
         print(f"[{time.strftime('%H:%M:%S')}] fault {kind} {'' if kind == 'server' else member} "
               f"(trainer step {self.trainer_step})", flush=True)
+
+    def restart_if_exited(self, member: str) -> bool:
+        """A role that ended by itself is restarted (as a supervisor would) and counted: in a soak
+        nothing ends a role but the soak, so each is a finding (see its log)."""
+        code = self.procs[member].poll()
+        if code is None:
+            return False
+        self.exits.append(f"{member} exit {code} at trainer step {self.trainer_step}")
+        print(f"[{time.strftime('%H:%M:%S')}] EXIT: {self.exits[-1]}; restarted", flush=True)
+        self.start(member)
+        return True
 
     async def lose_node(self) -> str | None:
         """kill -9 one node of the cluster (half the time the event stream's leader), start it again
@@ -206,6 +220,8 @@ class Soak:
                 self.progress_at = time.monotonic()  # count each silence once
                 print(f"HANG: no trainer step for {gap:.0f} s", flush=True)
             self.load.append(os.getloadavg()[0])
+            for member in list(self.procs):
+                self.restart_if_exited(member)
             for member, proc in self.procs.items():
                 mb = _rss_mb(proc.pid)
                 if mb is not None:
@@ -294,9 +310,16 @@ class Soak:
             "replay_check_first": [m.describe() for m in mismatches[:3]],
             "history_missing_seqs": gaps,
             "hangs": self.hangs,
+            "unexpected_exits": len(self.exits),
+            "unexpected_exits_first": self.exits[:5],
             "longest_trainer_gap_s": round(self.longest_gap_s, 1),
             "rss_slope_mb_per_1k_steps": per_process,
             "rss_slope_mb_per_1k_steps_max": max(per_process.values(), default=None),
+            # the spared members' one process each, over the whole run: the long-lived figure
+            "rss_slope_mb_per_1k_steps_spared": {m: v for m, v in per_process.items() if m in self.spared},
+            "rss_mb_spared_first_last": {m: [round(points[0][1], 1), round(points[-1][1], 1)]
+                                         for key, points in self.rss.items()
+                                         if (m := key.split("#")[0]) in self.spared},
             "event_stream_bytes_max": max((b for _, b in self.stream_bytes), default=0),
             "event_stream_bytes_last": self.stream_bytes[-1][1] if self.stream_bytes else 0,
             "records": len(records),
@@ -340,13 +363,18 @@ def _slope_per_1k(points: list[tuple[int, float]]) -> float | None:
     return round(1000 * sum((s - mx) * (m - my) for s, m in points) / var, 3)
 
 
-async def experiences_left_in_stream(conn, partial: dict[str, list[int]]) -> int:
-    """Experiences the experience stream still holds, less the trained part of batches the trainer
-    holds partly trained (`partial`: its checkpoint's untrained indices by stream sequence)."""
+async def experiences_left_in_stream(conn, trainer_state: dict) -> int:
+    """Experiences the experience stream still holds untrained, read with the trainer's checkpoint
+    (`trainer_state.json`): less the trained part of batches it holds partly trained (`partial`),
+    less batches it trained whose ack was not confirmed (`acked_seqs`: a trainer acks them untrained)."""
+    partial = trainer_state.get("partial", {})
+    trained = set(trainer_state.get("acked_seqs", ()))
     js, name = conn.js, conn.names.experience_stream
     info = await js.stream_info(name)
     left = 0
     for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        if seq in trained:
+            continue
         try:
             msg = await js.get_msg(name, seq)
         except Exception:  # acked (deleted)
@@ -359,8 +387,7 @@ async def experiences_left_in_stream(conn, partial: dict[str, list[int]]) -> int
 async def _left_in_stream(conn, cfg) -> int:
     """What the soak's job left in its experience stream, read with the trainer's last checkpoint."""
     state_file = cfg.trainer_checkpoint_dir / "trainer_state.json"
-    partial = json.loads(state_file.read_text()).get("partial", {}) if state_file.exists() else {}
-    return await experiences_left_in_stream(conn, partial)
+    return await experiences_left_in_stream(conn, json.loads(state_file.read_text()) if state_file.exists() else {})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -372,6 +399,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cluster", action="store_true",
                         help="a local 3-node cluster (nats.replicas 3); the server fault loses one node")
     parser.add_argument("--hang-s", type=float, default=120.0, help="a trainer silent this long is a hang")
+    parser.add_argument("--spare", type=lambda text: [m for m in text.split(",") if m], default=[],
+                        help="members (e.g. explorer-0,sync-0) no kill or stop targets: their RSS slope spans the "
+                             "whole run (a process killed every few minutes never shows slow growth)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--workdir", type=Path, default=None,
                         help="where logs, archive and store go (default: a new temp dir)")
@@ -385,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     ok = (result["experiences_lost"] == 0 and result["experiences_duplicated"] == 0 and result["hangs"] == 0
+          and result["unexpected_exits"] == 0
           and result["replay_check_mismatches"] == 0 and result["trainer_steps_reported_twice"] == 0
           and result["trainer_steps_missing"] == 0)
     return 0 if ok else 1

@@ -99,7 +99,7 @@ async def test_summary_counts_experiences_left_untrained(tmp_path):
         await job.stream_caught_up()
         summary = summarize(job.records, job=job.cfg.job)
         state = json.loads((job.cfg.trainer_checkpoint_dir / "trainer_state.json").read_text())
-        left = await experiences_left_in_stream(job.conn, state["partial"])
+        left = await experiences_left_in_stream(job.conn, state)
     produced, trained = summary["experiences_produced"], summary["experiences_trained"]
     dropped, untrained = summary["experiences_dropped_stale"], summary["experiences_left_untrained"]
     assert produced > trained, summary  # the explorers over-produced

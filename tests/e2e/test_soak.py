@@ -29,7 +29,7 @@ def soak_without_losses(tmp_path, *, seed: int, timeout: int, extra: tuple[str, 
     assert result["faults_injected"] >= 10, result
     assert result["trainer_steps"] > 0, result
     for key in ("experiences_lost", "experiences_duplicated", "hangs", "replay_check_mismatches",
-                "trainer_steps_reported_twice", "trainer_steps_missing"):
+                "trainer_steps_reported_twice", "trainer_steps_missing", "unexpected_exits"):
         assert result[key] == 0, (key, result)
     assert proc.returncode == 0, proc.stdout[-3000:]
     return result
