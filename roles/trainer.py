@@ -35,7 +35,12 @@ from rolectl.bus.weights.delta import cast_source
 from rolectl.roles.config import JobConfig, env_settings
 from rolectl.roles.resume import SavedState, StartMode, decide_resume
 from rolectl.roles.session import (
-    JobIncomplete, MemberRejoined, MemberSession, finish_before_stopping, write_json_atomic)
+    JobIncomplete,
+    MemberRejoined,
+    MemberSession,
+    finish_before_stopping,
+    write_json_atomic,
+)
 from rolectl.roles.transports import make_pull_transport, make_rendezvous_transport, wire_dtype
 from rolectl.roles.waiting import WaitNotice
 from rolectl.sync_protocol import (
