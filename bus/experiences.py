@@ -452,6 +452,12 @@ class ExperienceReader:
             )
         return out
 
+    async def ack_floor(self) -> int:
+        """The stream sequence up to which every delivery of this consumer is acked (0 when none)."""
+        await self._ensure()
+        info = await self.conn.js.consumer_info(self._stream, self.durable)
+        return int(info.ack_floor.stream_seq or 0) if info.ack_floor is not None else 0
+
     async def give_back(self, ack_subjects: list[str]) -> int:
         """Nak deliveries a previous trainer process held (by their ack subjects), so the server
         redelivers them now instead of after `ack_wait_s`. Returns how many were given back; a

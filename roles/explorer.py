@@ -35,7 +35,13 @@ from rolectl.bus.weights import TransferError, WeightsRef
 from rolectl.roles.config import JobConfig
 from rolectl.roles.resume import SavedState, StartMode, decide_resume
 from rolectl.roles.session import (
-    JobIncomplete, MemberRejoined, MemberSession, finish_before_stopping, stop_task, write_json_atomic)
+    JobIncomplete,
+    MemberRejoined,
+    MemberSession,
+    finish_before_stopping,
+    stop_task,
+    write_json_atomic,
+)
 from rolectl.roles.transports import make_pull_transport, make_rendezvous_transport
 from rolectl.sync_protocol import (
     EvalFinished,

@@ -35,7 +35,12 @@ from rolectl.bus.weights.delta import cast_source
 from rolectl.roles.config import JobConfig, env_settings
 from rolectl.roles.resume import SavedState, StartMode, decide_resume
 from rolectl.roles.session import (
-    JobIncomplete, MemberRejoined, MemberSession, finish_before_stopping, write_json_atomic)
+    JobIncomplete,
+    MemberRejoined,
+    MemberSession,
+    finish_before_stopping,
+    write_json_atomic,
+)
 from rolectl.roles.transports import make_pull_transport, make_rendezvous_transport, wire_dtype
 from rolectl.roles.waiting import WaitNotice
 from rolectl.sync_protocol import (
@@ -165,6 +170,7 @@ class Trainer:
             self.reader = ExperienceReader(session.conn, ack_wait_s=self.cfg.buffer.ack_wait_s,
                                            limits=self.engine.experience_limits)
             await self._give_back_predecessors_batches()
+            await self._forget_confirmed_acks()
             await session.join(step=self.engine.step, version=self.version)
             self.log.info("trainer_ready", step=self.engine.step, version=self.version,
                           method=self.method.value, style=self.sync.sync_style.value)
@@ -195,6 +201,22 @@ class Trainer:
         given = await self.reader.give_back([item["ack"] for item in held.get("batches", ())])
         if given:
             self.log.info("predecessor_batches_given_back", batches=given)
+
+    async def _forget_confirmed_acks(self) -> None:
+        """Drop from the checkpoint's `acked_seqs` what the server has confirmed since (below the
+        consumer's ack floor): a predecessor killed after its acks went through left them there, and
+        each restart would otherwise carry them on for the life of the job."""
+        if not self.acked_at_save:
+            return
+        try:
+            floor = await self.reader.ack_floor()
+        except Exception as exc:  # only bookkeeping: the next restart tries again
+            self.log.info("ack_floor_unread", error=describe(exc))
+            return
+        confirmed = {seq for seq in self.acked_at_save if seq <= floor}
+        self.acked_at_save -= confirmed
+        if confirmed:
+            self.log.info("acked_seqs_confirmed", forgotten=len(confirmed), kept=len(self.acked_at_save))
 
     def _record_held(self) -> None:
         """Write down the ack subjects of the batches we hold (only when the set changed)."""

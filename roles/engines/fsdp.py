@@ -15,6 +15,11 @@ same optimizer step as the one-process `hf` engine on the same batch.
   the model and the optimizer and its RNG state; rank 0 writes the scalars and the caller's
   bookkeeping as JSON. A checkpoint written by N ranks loads on M ranks.
 - `save_hf_model` writes a `save_pretrained` directory from the stream: safetensors, config, tokenizer.
+- LoRA (`model.lora`): every rank wraps the model with the same peft adapter before sharding (rank 0's
+  seeded adapter is what every rank loads), the base stays frozen, the optimizer holds the adapter
+  alone; only the adapter is streamed (peft's names, as the `hf` engine sends them), checkpointed
+  (DCP without the frozen base: it is reloaded from `model.path`) and exported in peft's format. The
+  KL anchor is the same sharded model with its adapter disabled: no second copy.
 """
 
 from __future__ import annotations
@@ -38,8 +43,9 @@ from rolectl.sync_protocol.experience import Experience, ExperienceLimits
 
 from .algorithms import AlgorithmConfig, VerlAlgorithm
 from .config_errors import validate_section
-from .hf import batch_inputs, batch_metrics, response_logprobs
+from .hf import AdapterDisabled, batch_inputs, batch_metrics, response_logprobs
 from .hf_model import HFModelConfig, hf_model_path_problems, load_tokenizer
+from .lora import ADAPTER_NAME, save_adapter, wrap_with_lora
 from .sections import FSDPModelSection
 from .streaming import DEFAULT_BUCKET_BYTES, NamedTensors, buckets_of
 
@@ -130,19 +136,29 @@ class FSDPTrainEngine:
         self.model_path = Path(model_path)
         self.tokenizer = load_tokenizer(model_path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.lora = model_config.lora
         self.model = self._sharded_model(trainable=True)
-        self.reference = self._sharded_model(trainable=False) if algorithm.kl_coef > 0 else None
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=model_config.lr,
-                                           weight_decay=model_config.weight_decay)
+        self.reference: Any = None
+        if algorithm.kl_coef > 0:  # the KL anchor: the base under the adapter, or version 0 frozen
+            self.reference = (AdapterDisabled(self.model) if self.lora is not None
+                              else self._sharded_model(trainable=False))
+        trained = [p for p in self.model.parameters() if p.requires_grad]
+        self.trainable_parameters = sum(p.numel() for p in trained)  # DTensors count their global size
+        self.optimizer = torch.optim.AdamW(trained, lr=model_config.lr, weight_decay=model_config.weight_decay)
         self.algorithm = VerlAlgorithm(algorithm, group_size=model_config.group_size)
         self.group_size = model_config.group_size
         self.vocab_size = int(self.model.config.vocab_size)
         self.num_parameters = sum(p.numel() for p in self.model.parameters())  # DTensors count their global size
         state = self.model.state_dict(keep_vars=True)
+        # What is streamed, by state-dict name: every tensor, or under LoRA the adapter's (peft's names)
+        marker = f".{ADAPTER_NAME}."
+        self._sent_names = {n: n.replace(marker, ".") for n in state
+                            if self.lora is None or ("lora_" in n and marker in n)}
         itemsize = torch.empty(0, dtype=model_config.torch_dtype).element_size()
         # Full sizes as streamed, so every rank cuts the same buckets without gathering to measure.
-        self._streamed_nbytes = {n: t.numel() * (itemsize if t.is_floating_point() else t.element_size())
-                                 for n, t in state.items()}
+        self._streamed_nbytes = {self._sent_names[n]: t.numel() * (itemsize if t.is_floating_point()
+                                                                   else t.element_size())
+                                 for n, t in state.items() if n in self._sent_names}
         # Names that alias an earlier name's tensor (a tied `lm_head.weight`): saved once in HF form.
         seen: set[int] = set()
         self._tied_names: set[str] = set()
@@ -172,6 +188,11 @@ class FSDPTrainEngine:
             model.generation_config = transformers.GenerationConfig.from_pretrained(path, local_files_only=True)
         if trainable and self.config.model.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        lora = self.config.model.lora if trainable else None
+        if lora is not None:
+            if self.config.model.gradient_checkpointing:
+                model.enable_input_require_grads()  # the frozen embeddings' output must carry grad
+            model = wrap_with_lora(model, lora, seed=self.config.model.seed)  # on meta: values from rank 0
         policy = MixedPrecisionPolicy(param_dtype=self.config.compute_dtype, reduce_dtype=torch.float32)
         reshard = self.config.reshard_after_forward
         for layer in _decoder_layers(model):
@@ -181,6 +202,8 @@ class FSDPTrainEngine:
         full = None
         if self.rank == 0:
             full = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+            if lora is not None:  # the same seeded adapter the explorers build: version 0 everywhere
+                full = wrap_with_lora(full, lora, seed=self.config.model.seed)
         set_model_state_dict(model, full.state_dict() if full is not None else {},
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         # Buffers outside the state dict (rotary frequencies) were computed at load on rank 0 only.
@@ -279,6 +302,7 @@ class FSDPTrainEngine:
             **batch_metrics(experiences, rewards, mask, current_version=current_version),
             "grad_norm": max(grad_norms, default=0.0),
             "model_parameters": float(self.num_parameters),
+            "trainable_parameters": float(self.trainable_parameters),
             "world_size": float(self.world_size),
             **averaged,
         }
@@ -326,7 +350,10 @@ class FSDPTrainEngine:
 
         dtype = self.config.model.torch_dtype
         keep = all_ranks or self.rank == 0
-        for name, tensor in self.model.state_dict().items():
+        for state_name, tensor in self.model.state_dict().items():
+            name = self._sent_names.get(state_name)
+            if name is None:
+                continue  # the frozen base under an adapter: every explorer loads it from model.path
             local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
             if keep:
@@ -341,8 +368,8 @@ class FSDPTrainEngine:
 
     def iter_weight_buckets(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, *,
                             all_ranks: bool = False) -> Iterator[NamedTensors]:
-        """The weights (the names and dtypes `HFTrainEngine.weights()` gives) in buckets of about
-        `bucket_bytes`, gathered from the shards one parameter at a time.
+        """The weights (the names and dtypes `HFTrainEngine.weights()` gives: under LoRA the
+        adapter's) in buckets of about `bucket_bytes`, gathered from the shards one at a time.
 
         A collective: every rank must drive the iterator to its end. Rank 0 (every rank with
         `all_ranks`) gets the tensors; the others get the same number of buckets, empty.
@@ -359,10 +386,14 @@ class FSDPTrainEngine:
 
     def save_hf_model(self, path: Path, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         """A `save_pretrained` directory at `path` (rank 0 writes; every rank must call): one
-        safetensors file per bucket and their index, the config and the tokenizer."""
+        safetensors file per bucket and their index, the config and the tokenizer. Under
+        `model.lora` the adapter in peft's format instead (see `_save_adapter`)."""
         from safetensors.torch import save_file
 
         path = Path(path)
+        if self.lora is not None:
+            self._save_adapter(path, bucket_bytes)
+            return
         index: dict[str, str] = {}
         total = 0
         for number, bucket in enumerate(self.iter_weight_buckets(bucket_bytes)):
@@ -389,13 +420,58 @@ class FSDPTrainEngine:
                 Path(tmp).write_text(json.dumps(index_json, indent=1))
         self._barrier()
 
+    def _save_adapter(self, path: Path, bucket_bytes: int) -> None:
+        """The adapter as a peft directory at `path` (adapter_model.safetensors, adapter_config.json)
+        with the tokenizer, and with `merge_on_save` the merged model in `path/merged`. Rank 0
+        writes, built beside and renamed into place; every rank gathers."""
+        import shutil
+        import tempfile
+
+        adapter = {name: tensor for bucket in self.iter_weight_buckets(bucket_bytes) for name, tensor in bucket}
+        if self.rank == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+            try:
+                save_adapter(self.model, tmp, tensors=adapter)
+                self.tokenizer.save_pretrained(tmp)
+                if self.lora is not None and self.lora.merge_on_save:
+                    self._save_merged(tmp / "merged", adapter)
+                shutil.rmtree(path, ignore_errors=True)  # an export of the same name before a restart
+                os.rename(tmp, path)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        self._barrier()
+
+    def _save_merged(self, path: Path, adapter: dict[str, Tensor]) -> None:
+        """Rank 0: the base model from `model.path` with `adapter` merged in, as `save_pretrained`
+        writes it (the whole model in rank 0's memory once, as when the engine started)."""
+        import transformers
+        from peft import set_peft_model_state_dict
+
+        assert self.lora is not None
+        base = transformers.AutoModelForCausalLM.from_pretrained(self.model_path, local_files_only=True,
+                                                                 dtype=self.config.model.torch_dtype)
+        model = wrap_with_lora(base, self.lora, seed=self.config.model.seed)
+        set_peft_model_state_dict(model, adapter, adapter_name=ADAPTER_NAME)
+        model.merge_and_unload().save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+
     # -- checkpoints -------------------------------------------------------------------------------
 
-    def _state_dicts(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    def _state_options(self):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-        return get_state_dict(self.model, self.optimizer,
-                              options=StateDictOptions(flatten_optimizer_state_dict=True))
+        # Under an adapter the frozen base is not checkpointed (it is reloaded from model.path)
+        adapter = self.lora is not None
+        return StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=adapter, strict=not adapter)
+
+    def _state_dicts(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=self._state_options())
+        if self.lora is not None:  # a tied head escapes ignore_frozen_params under its second name
+            model_state = {k: v for k, v in model_state.items() if k in self._sent_names}
+        return model_state, optimizer_state
 
     def save_checkpoint(self, path: Path, *, extra: Mapping[str, Any] | None = None) -> None:
         """A DCP directory under `path` (every rank writes its shards) and, last, rank 0's JSON of
@@ -428,7 +504,7 @@ class FSDPTrainEngine:
         Rank r takes the RNG state rank r saved (rank 0's when the checkpoint had fewer ranks).
         """
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+        from torch.distributed.checkpoint.state_dict import set_state_dict
 
         path = Path(path)
         state = json.loads((path / _STATE_JSON_FILE).read_text())
@@ -453,8 +529,7 @@ class FSDPTrainEngine:
             current = optimizer_state.get(key)
             optimizer_loaded[key] = tuple(value) if isinstance(current, tuple) else value
         set_state_dict(self.model, self.optimizer, model_state_dict=model_state,
-                       optim_state_dict=optimizer_loaded,
-                       options=StateDictOptions(flatten_optimizer_state_dict=True))
+                       optim_state_dict=optimizer_loaded, options=self._state_options())
         torch.set_rng_state(tensors[f"rng.{source}.cpu"])
         if cuda_rng:
             torch.cuda.set_rng_state(tensors[f"rng.{source}.cuda"], self.device)

@@ -35,7 +35,8 @@ from .lora import adapter_tensors, save_adapter, save_merged, wrap_with_lora
 from .rewards import WeightedReward, score_all
 from .streaming import DEFAULT_BUCKET_BYTES, NamedTensors, buckets_of
 
-__all__ = ["HFTrainEngine", "HFRolloutEngine", "response_logprobs", "task_seed", "score_texts", "check_weights"]
+__all__ = ["HFTrainEngine", "HFRolloutEngine", "AdapterDisabled", "response_logprobs", "task_seed", "score_texts",
+           "check_weights"]
 
 _MODEL_FILE = "model.safetensors"
 _STATE_TENSORS_FILE = "engine_state.safetensors"
@@ -151,7 +152,7 @@ def sent_tensors(model: torch.nn.Module, config: HFModelConfig, *, keep_vars: bo
     return adapter_tensors(model, keep_vars=keep_vars)
 
 
-class _AdapterDisabled:
+class AdapterDisabled:
     """The base model under a LoRA model, callable like a model: the KL anchor costs no copy."""
 
     def __init__(self, model) -> None:
@@ -177,7 +178,7 @@ class HFTrainEngine:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.reference = None
         if algorithm.kl_coef > 0 and config.lora is not None:  # the KL anchor: the frozen base model
-            self.reference = _AdapterDisabled(self.model)
+            self.reference = AdapterDisabled(self.model)
         elif algorithm.kl_coef > 0:  # the KL anchor: version 0, frozen
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
         trained = [p for p in self.model.parameters() if p.requires_grad]

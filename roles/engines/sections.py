@@ -252,13 +252,6 @@ class FSDPModelSection(HFModelSection):
     fsdp: FSDPSection = FSDPSection()
     """How the model is sharded (see the `model.fsdp` section)."""
 
-    @field_validator("lora")
-    @classmethod
-    def _no_lora_yet(cls, lora: LoRASection | None) -> LoRASection | None:
-        if lora is not None:
-            raise ValueError("the fsdp engine does not train LoRA adapters yet; use `engine: hf` "
-                             "(an adapter is small enough for one rank) or drop model.lora")
-        return lora
 
 
 def _engine_of(value: Any) -> Any:

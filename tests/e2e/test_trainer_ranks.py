@@ -1,6 +1,7 @@
 """A trainer of 2 `fsdp` ranks with real processes: the shortened fsdp LLM quickstart run by
 `rolectl up` to the end (one trainer on the stream, its world size and Hugging Face export in the
-summary, the export loading in transformers), and rank 1 killed with kill -9 mid-job: the trainer
+summary, the export loading in transformers), the same training a LoRA adapter (only it is sent and
+exported), and rank 1 killed with kill -9 mid-job: the trainer
 restarts as a whole, every step 1..N is trained once, the recorded decisions replay, and every
 experience produced is trained or dropped as stale."""
 
@@ -72,6 +73,31 @@ def test_a_two_rank_fsdp_trainer_runs_the_quickstart_and_exports_a_hf_model(tmp_
     probe = torch.tensor([[5, 6, 7, 8, 9]])
     with torch.no_grad():
         assert not torch.allclose(model(input_ids=probe).logits, base(input_ids=probe).logits)
+    assert_decisions_replay(run.records)
+
+
+@pytest.mark.timeout(600)
+def test_a_two_rank_fsdp_trainer_trains_a_lora_adapter_and_sends_only_it(tmp_path):
+    import transformers
+    from peft import PeftModel
+
+    config = shortened(tmp_path, "llm_quickstart_fsdp.yaml", steps=3)
+    data = yaml.safe_load(config.read_text())
+    data["model"]["lora"] = {"rank": 4, "alpha": 8, "target_modules": "all-linear"}
+    config.write_text(yaml.safe_dump(data, sort_keys=False))
+    run = run_up(config, tmp_path, timeout=540, extra=("--run-dir", str(tmp_path / "runs")))
+    s = run.summary
+    assert run.rc == 0, f"exit {run.rc}: {s.get('exit_codes')}\n{run.role_logs()}"
+    assert s["complete"] is True and s["trainer_steps"] == 3 and s["trainer_world_size"] == 2, s
+    assert 0 < s["trainable_parameters"] < s["model_parameters"] / 10, s
+    assert s["weights_bytes_per_sync"] < 4 * s["trainable_parameters"] * 1.01, s  # the adapter, not the model
+    export = Path(s["hf_model_dir"])
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model", local_files_only=True)
+    probe = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        before = base(input_ids=probe).logits
+        after = PeftModel.from_pretrained(base, export)(input_ids=probe).logits
+    assert not torch.allclose(after, before)  # the exported adapter is the trained one
     assert_decisions_replay(run.records)
 
 

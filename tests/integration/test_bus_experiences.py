@@ -107,6 +107,21 @@ async def test_published_batches_are_fetched_acked_and_gone(conn):
     assert info.state.messages == 0  # work-queue: acked batches are deleted
 
 
+async def test_the_ack_floor_passes_a_batch_only_once_it_and_all_before_it_are_acked(conn):
+    """What a restarted trainer prunes its checkpoint's `acked_seqs` with."""
+    pub = ExperiencePublisher(conn, "e0")
+    seqs = [await pub.publish(_batch(s)) for s in (1, 2, 3)]
+    async with ExperienceReader(conn, ack_wait_s=30) as reader:
+        assert await reader.ack_floor() == 0
+        got = await reader.fetch(10, timeout=5)
+        await got[1].ack()
+        assert await reader.ack_floor() < seqs[1]  # the first is still held: the floor stays below it
+        await got[0].ack()
+        assert await reader.ack_floor() == seqs[1]
+        await got[2].ack()
+        assert await reader.ack_floor() == seqs[2]
+
+
 async def test_republished_step_is_stored_once(conn):
     pub = ExperiencePublisher(conn, "e0")
     first = await pub.publish(_batch(5))

@@ -98,3 +98,28 @@ async def test_a_batch_that_does_not_fit_the_engine_is_refused_and_counted(tmp_p
         assert trainer.engine.step == 3  # the three good batches, one a step
         assert trainer.last_metrics["experiences_rejected"] == 1.0
         assert await _stream_state(conn) == (0, 0)  # the poisoned batch was terminated, not kept
+
+
+async def test_a_restart_forgets_acked_seqs_the_server_has_confirmed(tmp_path, nats_url, job_name):
+    """A trainer killed after its acks went through leaves them in its checkpoint's `acked_seqs`;
+    the next one drops those below the consumer's ack floor instead of carrying them for ever."""
+    from rolectl.roles.resume import StartMode
+
+    cfg = _config(tmp_path, job_name, nats_url)
+    async with connect(nats_url, job=job_name, role="observer", member="test") as conn:
+        await ensure_event_stream(conn.js, conn.names)
+        await ensure_experience_stream(conn.js, conn.names)
+        await _publish_rollouts(conn, cfg, steps=2)
+        first = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"total_steps": 2})})
+        await asyncio.wait_for(Trainer(first).run(), 120)
+        state_file = cfg.trainer_checkpoint_dir / "trainer_state.json"
+        state = json.loads(state_file.read_text())
+        assert state["step"] == 2 and await _stream_state(conn) == (0, 0)  # both trained and acked
+        state["acked_seqs"] = [1, 2]  # as if killed between its save and its confirmed acks
+        state_file.write_text(json.dumps(state))
+
+        await _publish_rollouts(conn, cfg, steps=1, member="explorer-1")
+        restarted = Trainer(cfg, start_mode=StartMode.RESUME)  # one more step than the first ran
+        await asyncio.wait_for(restarted.run(), 120)
+        assert restarted.engine.step == 3
+        assert json.loads(state_file.read_text())["acked_seqs"] == []  # 3 acked and confirmed; 1, 2 forgotten

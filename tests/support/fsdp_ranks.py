@@ -8,6 +8,8 @@ MASTER_ADDR, MASTER_PORT), set by `tests/unit/test_fsdp_engine.py`. Inputs are i
 - `train`: 3 steps, the stream, a DCP checkpoint, a Hugging Face export and the logits of a probe
   batch; then a 4th step.
 - `resume`: load `train`'s checkpoint, then the same 4th step (with gradient checkpointing).
+- `lora-train`, `lora-resume`: the same under `model.lora` (checkpoint `lora-ckpt`, export `lora-hf`,
+  merged too).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ BUCKET_BYTES = 16 << 10
 PROBE = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 4, 5, 6]]
 FSDP_SETTINGS = {"engine": "fsdp", "group_size": 3, "minibatches": 2, "micro_batch_size": 1}
 ALGORITHM = {"kl_coef": 0.05}  # exercises the sharded frozen reference model too
+LORA = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"], "merge_on_save": True}
 
 
 def load_batches(workdir: Path) -> list[list[Experience]]:
@@ -45,15 +48,18 @@ def probe_logits(engine: FSDPTrainEngine) -> torch.Tensor:
 def main(scenario: str, workdir: Path) -> None:
     out = workdir / scenario
     out.mkdir(exist_ok=True)
+    lora = scenario.startswith("lora-")
+    prefix = "lora-" if lora else ""
     # Resuming recomputes activations in backward: the same step, by another path.
-    settings = {**FSDP_SETTINGS, "gradient_checkpointing": scenario == "resume"}
+    settings = {**FSDP_SETTINGS, "gradient_checkpointing": scenario.endswith("resume"),
+                **({"lora": LORA} if lora else {})}
     job = parse_config({"job": "fsdp-test", "model": model_section(workdir / "model", **settings),
                         "data": data_section(), "algorithm": ALGORITHM})
     engine = make_train_engine(job)
     assert isinstance(engine, FSDPTrainEngine)
     rank, batches = engine.rank, load_batches(workdir)
     report: dict = {"rank": rank, "world_size": engine.world_size}
-    if scenario == "train":
+    if scenario.endswith("train"):
         # Rank 0 alone holds each batch, as the rank that reads the bus will; the others receive it.
         report["metrics"] = [engine.train_step(engine.share_batch(batch if rank == 0 else None), current_version=step)
                              for step, batch in enumerate(batches[:3])]
@@ -62,18 +68,18 @@ def main(scenario: str, workdir: Path) -> None:
         if rank == 0:
             save_file({n: t for bucket in buckets for n, t in bucket}, str(out / "weights-3.safetensors"))
         del buckets
-        engine.save_checkpoint(workdir / "ckpt", extra={"data_position": 3, "trained": ["a", "b"]})
-        engine.save_hf_model(workdir / "hf", bucket_bytes=BUCKET_BYTES)
+        engine.save_checkpoint(workdir / f"{prefix}ckpt", extra={"data_position": 3, "trained": ["a", "b"]})
+        engine.save_hf_model(workdir / f"{prefix}hf", bucket_bytes=BUCKET_BYTES)
         logits = probe_logits(engine)
         if rank == 0:
             save_file({"logits": logits}, str(out / "logits.safetensors"))
     else:
-        report["extra"] = engine.load_checkpoint(workdir / "ckpt")
+        report["extra"] = engine.load_checkpoint(workdir / f"{prefix}ckpt")
         report["step_after_load"] = engine.step
         loaded = engine.weights()  # a collective: every rank gathers
         if rank == 0:
             save_file(loaded, str(out / "weights-3.safetensors"))
-    kept = {n: t.clone() for n, t in loaded.items()} if scenario == "resume" else {}
+    kept = {n: t.clone() for n, t in loaded.items()} if scenario.endswith("resume") else {}
     report["metrics_4"] = engine.train_step(batches[3], current_version=3)
     # What the stream gave is a snapshot: the next step must not change it under its consumer.
     report["snapshot_unchanged"] = all(torch.equal(loaded[n], t) for n, t in kept.items())

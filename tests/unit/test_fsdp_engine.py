@@ -1,5 +1,6 @@
 """The `fsdp` engine on CPU: 2 ranks (gloo, one process each) train as one `hf` process, stream their
-weights, checkpoint 2 -> 1 with DCP and export a Hugging Face model; the `hf` and `tiny` weight streams."""
+weights, checkpoint 2 -> 1 with DCP and export a Hugging Face model, with and without a LoRA adapter;
+the `hf` and `tiny` weight streams."""
 
 from __future__ import annotations
 
@@ -111,6 +112,25 @@ def hf_run(workdir) -> dict:
     after_3 = engine.weights()
     metrics.append(engine.train_step(batches[3], current_version=3))
     return {"initial": initial, "metrics": metrics, "weights_3": after_3, "weights_4": engine.weights()}
+
+
+@pytest.fixture(scope="module")
+def lora_ranks(workdir) -> list[dict]:
+    return run_ranks("lora-train", workdir, 2)
+
+
+@pytest.fixture(scope="module")
+def hf_lora_run(workdir) -> dict:
+    """The same 3 steps under the same `model.lora` by the one-process `hf` engine."""
+    settings = {**model_section(workdir / "model"), "group_size": 3, "minibatches": 2, "micro_batch_size": 4,
+                "lora": fsdp_ranks.LORA}
+    settings.pop("engine")
+    engine = HFTrainEngine(hf_model_config_from_mapping(settings), AlgorithmConfig(**fsdp_ranks.ALGORITHM),
+                           model_path=workdir / "model")
+    initial = engine.weights()
+    metrics = [engine.train_step(batch, current_version=step)
+               for step, batch in enumerate(fsdp_ranks.load_batches(workdir)[:3])]
+    return {"initial": initial, "metrics": metrics, "weights_3": engine.weights()}
 
 
 def _assert_close(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], *, atol: float) -> None:
@@ -242,3 +262,51 @@ def test_an_fsdp_trainer_is_registered_and_pairs_with_hf_or_vllm_explorers(workd
     with pytest.raises(ConfigError) as info:
         parse_config({**job(), "model": {**job()["model"], "engine": "hf", "fsdp": {}}})
     assert [path for path, _ in info.value.problems] == ["model.fsdp"]  # only an fsdp trainer reads it
+
+
+def test_two_fsdp_ranks_train_a_lora_adapter_as_one_hf_process(workdir, lora_ranks, hf_lora_run):
+    adapter = load_file(workdir / "lora-train" / "weights-3.safetensors")
+    assert adapter and all(".lora_A." in n or ".lora_B." in n for n in adapter)  # the adapter alone moves
+    assert any(not torch.equal(adapter[n], t) for n, t in hf_lora_run["initial"].items())
+    _assert_close(adapter, hf_lora_run["weights_3"], atol=ATOL)  # same names, same seeded start, same steps
+    for rank in lora_ranks:
+        losses = [m["loss"] for m in rank["metrics"]]
+        assert losses == pytest.approx([m["loss"] for m in hf_lora_run["metrics"]], rel=1e-4, abs=1e-6)
+        assert rank["metrics"][2]["kl_loss"] > 0  # the anchor is the base with the adapter disabled
+        trainable = rank["metrics"][0]["trainable_parameters"]
+        assert 0 < trainable == hf_lora_run["metrics"][0]["trainable_parameters"] < rank["metrics"][0][
+            "model_parameters"]
+
+
+def test_a_lora_checkpoint_holds_the_adapter_only_and_resumes_on_one_rank(workdir, lora_ranks):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(str(workdir / "lora-ckpt" / "dcp")).read_metadata().state_dict_metadata
+    model_keys = [k for k in saved if k.startswith("model.")]
+    assert model_keys and all("lora_" in k for k in model_keys), model_keys  # the frozen base is reloaded
+    (report,) = run_ranks("lora-resume", workdir, 1)
+    assert report["step_after_load"] == 3
+    _assert_close(load_file(workdir / "lora-resume" / "weights-3.safetensors"),
+                  load_file(workdir / "lora-train" / "weights-3.safetensors"), atol=0.0)
+    _assert_close(load_file(workdir / "lora-resume" / "weights-4.safetensors"),
+                  load_file(workdir / "lora-train" / "weights-4.safetensors"), atol=ATOL)
+
+
+def test_the_lora_export_is_a_peft_adapter_and_a_merged_model(workdir, lora_ranks):
+    import transformers
+    from peft import PeftModel
+
+    export = workdir / "lora-hf"
+    assert json.loads((export / "adapter_config.json").read_text())["r"] == fsdp_ranks.LORA["rank"]
+    adapter = load_file(export / "adapter_model.safetensors")
+    _assert_close(adapter, load_file(workdir / "lora-train" / "weights-3.safetensors"), atol=0.0)
+    base = transformers.AutoModelForCausalLM.from_pretrained(workdir / "model", local_files_only=True)
+    probe = torch.tensor(fsdp_ranks.PROBE)
+    expected = load_file(workdir / "lora-train" / "logits.safetensors")["logits"]
+    with torch.no_grad():
+        with_adapter = PeftModel.from_pretrained(base, export).eval()(input_ids=probe).logits.float()
+        merged = transformers.AutoModelForCausalLM.from_pretrained(export / "merged", local_files_only=True)
+        merged_logits = merged.eval()(input_ids=probe).logits.float()
+    assert float((with_adapter - expected).abs().max()) <= 1e-5
+    assert float((merged_logits - expected).abs().max()) <= 1e-4
+    assert not any("lora_" in n for n in merged.state_dict())

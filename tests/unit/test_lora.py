@@ -54,11 +54,6 @@ def test_a_bad_lora_section_names_the_field(model_dir, lora, path, words):
     assert words in problems[path], problems[path]
 
 
-def test_the_fsdp_engine_refuses_lora_with_what_to_do(model_dir):
-    problems = _problems(model_dir, {}, engine="fsdp")
-    assert "use `engine: hf`" in problems["model.lora"], problems
-
-
 def test_an_unknown_target_module_is_named_when_the_engine_starts(job):
     with pytest.raises(ValueError, match=r"model.lora.target_modules \['nope_proj'\]"):
         make_train_engine(job(lora={"target_modules": ["nope_proj"]}))
