@@ -1,7 +1,8 @@
 """A chaos soak: a long tiny-engine job (a trainer, N explorers, two synchronizer replicas, each its
 own process, one nats-server) under seeded faults, checked continuously and at the end.
 
-    .venv/bin/python -m benchmarks.soak --minutes 60 --explorers 16 --fault-every 12 --seed 1 --json F
+    .venv/bin/python -m benchmarks.soak --minutes 60 --explorers 16 --fault-every 8 --seed 1 \
+        --spare explorer-0,sync-0 --json F
 
 Faults, one every `--fault-every` s, picked by the seed: kill -9 of a role (trainer, an explorer, a
 synchronizer replica), restarted at once; SIGSTOP of a role for longer than the heartbeat expiry,
