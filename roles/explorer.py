@@ -182,7 +182,8 @@ class Explorer:
             # A stop (Ctrl-C) waits for the batch's step to be reported and saved: a batch in the
             # stream that no step reports would be counted nowhere
             await finish_before_stopping(self._record_step(step, experiences, started), log=self.log,
-                                         what=f"explore step {step}: publish, report, save")
+                                         what=f"explore step {step}: publish, report, save",
+                                         unless=lambda: self.s.replaced_by is not None)
             if self.need_eval():
                 await self.evaluate()
             if self.need_sync():

@@ -757,10 +757,13 @@ def _pid_running(pid: int) -> bool:
     return True
 
 
-async def finish_before_stopping(work: Awaitable[T], *, log, what: str) -> T:
+async def finish_before_stopping(work: Awaitable[T], *, log, what: str,
+                                 unless: Callable[[], bool] | None = None) -> T:
     """Await `work` to its end even when the role is told to stop meanwhile (Ctrl-C, SIGTERM: a
     cancel), then stop: for a unit that must not be cut in two (a batch published whose step is
-    never reported; a step trained but never saved nor reported). Bounded by the unit itself."""
+    never reported; a step trained but never saved nor reported). Bounded by the unit itself.
+    When `unless()` holds at the stop (the member was replaced: its successor owns the work), the
+    unit is cancelled instead, as any other await would be."""
     task = asyncio.ensure_future(work)
     stop_requested = False
     while True:
@@ -770,6 +773,9 @@ async def finish_before_stopping(work: Awaitable[T], *, log, what: str) -> T:
         except asyncio.CancelledError:
             if task.done():
                 raise  # the unit itself was cancelled: nothing is left to finish
+            if unless is not None and unless():
+                task.cancel()
+                raise
             if not stop_requested:
                 log.info("stopping_after_unit_in_flight", unit=what)
             stop_requested = True

@@ -239,9 +239,10 @@ class Trainer:
                 break
             # A stop (Ctrl-C) waits for the step in flight to be trained, saved and reported: the
             # engine's thread cannot be cut short, and a step trained but not reported is counted
-            # nowhere once the job ends
+            # nowhere once the job ends. A replaced trainer stops at once: the step is its successor's.
             await finish_before_stopping(self._train_step(batch), log=self.log,
-                                         what=f"train step {self.engine.step + 1}: train, save, report")
+                                         what=f"train step {self.engine.step + 1}: train, save, report",
+                                         unless=lambda: self.s.replaced_by is not None)
             if await self.need_sync():
                 await self.sync_weight()
 

@@ -1,5 +1,5 @@
 """A role's unit that must not be cut in two (publish then report; train then save then report):
-a stop request waits for it, then stops the role."""
+a stop request waits for it, then stops the role; a replaced member's stop cuts it at once."""
 
 from __future__ import annotations
 
@@ -60,3 +60,18 @@ async def test_the_units_own_error_is_raised_not_hidden_by_the_stop():
 async def _until(condition) -> None:
     while not condition():
         await asyncio.sleep(0)
+
+
+async def test_a_stop_of_a_replaced_member_cancels_the_unit_at_once():
+    steps: list[str] = []
+    gate = asyncio.Event()
+    replaced = True
+    role = asyncio.create_task(finish_before_stopping(_unit(steps, gate), log=log, what="a step",
+                                                      unless=lambda: replaced))
+    await asyncio.wait_for(_until(lambda: steps == ["published"]), timeout=5)
+    role.cancel()  # the session's fence: a newer incarnation took over
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(role, timeout=5)
+    gate.set()
+    await asyncio.sleep(0)  # one turn: a unit still running would report now
+    assert steps == ["published"], "the successor owns the step: nothing more is reported"
