@@ -7,11 +7,13 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["atomic_path", "write_bytes_atomic", "write_json_atomic", "fsync_dir"]
+__all__ = ["atomic_path", "atomic_directory", "write_bytes_atomic", "write_json_atomic", "fsync_dir"]
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
@@ -50,6 +52,22 @@ def atomic_path(final: str | os.PathLike[str], *, fsync: bool = True) -> Iterato
         raise
     if fsync:
         fsync_dir(final.parent)
+
+
+@contextlib.contextmanager
+def atomic_directory(final: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield a new empty directory beside `final` to fill; when the block ends without an error it
+    takes the place of `final` (a directory of that name from before, e.g. a restart's export of the
+    same step, is removed first), so nobody finds a half-written one there. On an error it is removed."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    try:
+        yield tmp
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def write_bytes_atomic(path: str | os.PathLike[str], data: bytes, *, fsync: bool = True) -> None:

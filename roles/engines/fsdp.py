@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rolectl.bus.files import atomic_path
+from rolectl.bus.files import atomic_directory, atomic_path
 from rolectl.sync_protocol.experience import Experience, ExperienceLimits
 
 from .algorithms import AlgorithmConfig, VerlAlgorithm
@@ -46,7 +46,7 @@ from .config_errors import validate_section
 from .hf import AdapterDisabled, batch_inputs, batch_metrics, response_logprobs
 from .hf_model import HFModelConfig, hf_model_path_problems, load_tokenizer
 from .lora import ADAPTER_NAME, save_adapter, wrap_with_lora
-from .sections import FSDPModelSection
+from .sections import FSDPModelSection, LoRASection
 from .streaming import DEFAULT_BUCKET_BYTES, NamedTensors, buckets_of
 
 __all__ = ["FSDPConfig", "FSDPTrainEngine", "fsdp_config_from_mapping", "fsdp_config_problems"]
@@ -392,7 +392,7 @@ class FSDPTrainEngine:
 
         path = Path(path)
         if self.lora is not None:
-            self._save_adapter(path, bucket_bytes)
+            self._save_adapter(path, bucket_bytes, self.lora)
             return
         index: dict[str, str] = {}
         total = 0
@@ -420,38 +420,28 @@ class FSDPTrainEngine:
                 Path(tmp).write_text(json.dumps(index_json, indent=1))
         self._barrier()
 
-    def _save_adapter(self, path: Path, bucket_bytes: int) -> None:
+    def _save_adapter(self, path: Path, bucket_bytes: int, lora: LoRASection) -> None:
         """The adapter as a peft directory at `path` (adapter_model.safetensors, adapter_config.json)
         with the tokenizer, and with `merge_on_save` the merged model in `path/merged`. Rank 0
         writes, built beside and renamed into place; every rank gathers."""
-        import shutil
-        import tempfile
-
         adapter = {name: tensor for bucket in self.iter_weight_buckets(bucket_bytes) for name, tensor in bucket}
         if self.rank == 0:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
-            try:
+            with atomic_directory(path) as tmp:
                 save_adapter(self.model, tmp, tensors=adapter)
                 self.tokenizer.save_pretrained(tmp)
-                if self.lora is not None and self.lora.merge_on_save:
-                    self._save_merged(tmp / "merged", adapter)
-                shutil.rmtree(path, ignore_errors=True)  # an export of the same name before a restart
-                os.rename(tmp, path)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
+                if lora.merge_on_save:
+                    self._save_merged(tmp / "merged", adapter, lora)
         self._barrier()
 
-    def _save_merged(self, path: Path, adapter: dict[str, Tensor]) -> None:
+    def _save_merged(self, path: Path, adapter: dict[str, Tensor], lora: LoRASection) -> None:
         """Rank 0: the base model from `model.path` with `adapter` merged in, as `save_pretrained`
         writes it (the whole model in rank 0's memory once, as when the engine started)."""
         import transformers
         from peft import set_peft_model_state_dict
 
-        assert self.lora is not None
         base = transformers.AutoModelForCausalLM.from_pretrained(self.model_path, local_files_only=True,
                                                                  dtype=self.config.model.torch_dtype)
-        model = wrap_with_lora(base, self.lora, seed=self.config.model.seed)
+        model = wrap_with_lora(base, lora, seed=self.config.model.seed)
         set_peft_model_state_dict(model, adapter, adapter_name=ADAPTER_NAME)
         model.merge_and_unload().save_pretrained(path)
         self.tokenizer.save_pretrained(path)

@@ -13,9 +13,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
-import shutil
-import tempfile
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -25,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from rolectl.bus.files import atomic_path
+from rolectl.bus.files import atomic_directory, atomic_path
 from rolectl.sync_protocol.experience import Experience, ExperienceLimits
 
 from .algorithms import AlgorithmConfig, VerlAlgorithm
@@ -268,10 +265,7 @@ class HFTrainEngine:
         """A Hugging Face export at `path`: the `save_pretrained` model and its tokenizer; under
         `model.lora` the adapter in peft's format instead (with the tokenizer), and with
         `merge_on_save` the merged model in `path/merged`. Written beside and renamed into place."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
-        try:
+        with atomic_directory(path) as tmp:
             if self.config.lora is None:
                 self.model.save_pretrained(tmp)
             else:
@@ -280,10 +274,6 @@ class HFTrainEngine:
                     save_merged(self.model, tmp / "merged")
                     self.tokenizer.save_pretrained(tmp / "merged")
             self.tokenizer.save_pretrained(tmp)
-            shutil.rmtree(path, ignore_errors=True)  # an export of the same name before a restart
-            os.rename(tmp, path)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
 
     def save_checkpoint(self, path: Path) -> None:
         """Three files under `path`; the JSON, written last, marks a complete checkpoint."""

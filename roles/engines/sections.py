@@ -253,7 +253,6 @@ class FSDPModelSection(HFModelSection):
     """How the model is sharded (see the `model.fsdp` section)."""
 
 
-
 def _engine_of(value: Any) -> Any:
     """The tag of a `model:` section: its engine, `tiny` when it names none."""
     if isinstance(value, Mapping):
