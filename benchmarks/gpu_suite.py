@@ -377,6 +377,11 @@ def _goals(steps: dict[str, Any]) -> dict[str, Any]:
         ratio = get("weights_1g", "transports", transport, "fanout_by_explorers", "4", "ratio")
         goals[f"{transport}_fanout_4_over_one"] = {"value": ratio, "goal": "<= 1.5",
                                                    "met": None if ratio is None else ratio <= 1.5}
+    one = get("weights_1g", "transports", "cuda_ipc", "seconds")
+    four = get("cuda_ipc_fanout_4", "transports", "cuda_ipc", "seconds")
+    ratio = None if one is None or four is None else four / one
+    goals["cuda_ipc_fanout_4_over_one"] = {"value": ratio, "goal": "<= 1.5",
+                                           "met": None if ratio is None else ratio <= 1.5}
     seconds = get("weights_4g", "transports", "cuda_ipc", "seconds")
     goals["cuda_ipc_7b_shaped_4g_seconds"] = {"value": seconds, "goal": "<= 0.5",
                                               "met": None if seconds is None else seconds <= 0.5}

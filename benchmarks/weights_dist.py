@@ -161,13 +161,18 @@ async def _worker(spec: dict) -> None:
             ops[mode] = op
         elif mode == "cuda_ipc":
             # Handles travel through the control store: a tiny request/reply channel of bytes; each
-            # side numbers its exchanges, so request n meets reply n.
-            sent, received = itertools.count(1), itertools.count(1)
+            # pair numbers its exchanges, so request n meets reply n. The trainer asks every receiver
+            # at once, each from its own thread: one store client and one count per receiver, since a
+            # client's blocking get holds its socket (a shared one deadlocks with two receivers).
+            received = itertools.count(1)
+            sent = {m.id: itertools.count(1) for m in members}
+            clients = {m.id: TCPStore("127.0.0.1", spec["ctl_port"], None, False, timeout)
+                       for m in members} if rank == 0 else {}
 
-            async def send_handles(member: MemberRef, payload: bytes, sent=sent) -> bytes:
-                key = f"ipc/{next(sent)}/{member.id}"
-                await asyncio.to_thread(ctl.set, f"{key}/req", payload)
-                return await asyncio.to_thread(ctl.get, f"{key}/rep")
+            async def send_handles(member: MemberRef, payload: bytes, sent=sent, clients=clients) -> bytes:
+                key, client = f"ipc/{next(sent[member.id])}/{member.id}", clients[member.id]
+                await asyncio.to_thread(client.set, f"{key}/req", payload)
+                return await asyncio.to_thread(client.get, f"{key}/rep")
 
             async def recv_handles(received=received) -> HandleRequest:
                 key = f"ipc/{next(received)}/{me.id}"
