@@ -102,6 +102,9 @@ def _may_change_membership(event: Event) -> bool:
         isinstance(event, StatusChanged) and event.status is RunningStatus.STOPPED)
 
 
+JOIN_LOOKUP_S = 30.0
+"""How long a start waits for the server to read the live incarnation's join record (host and pid)."""
+
 DECISIONS_KEPT = 1024
 """A view keeps the decisions its live waiters have not looked at yet, plus at least this many of
 the newest: a member's wait starts from its own request, published just before, so it never needs
@@ -265,18 +268,25 @@ class JobView:
         joined = self.joins.get(key)
         if joined is not None and joined.member.incarnation == member.ref.incarnation:
             return joined
-        try:
+
+        async def read() -> MemberJoined | None:
             async with read_events(self._conn, from_seq=member.joined_seq, include_decisions=True,
                                    stop_at_end=True, backfill=self._backfill) as reader:
                 async for rec in reader:
                     if isinstance(rec.event, MemberJoined) and rec.event.member.key == key \
                             and rec.event.member.incarnation == member.ref.incarnation:
-                        self.joins[key] = rec.event
                         return rec.event
                     break  # the record at joined_seq is the join, or the history does not have it
-        except Exception as exc:  # a lookup for a better message: the refusal stands without it
+            return None
+
+        try:  # a server away (restarting) is waited for: without the record, a restart is refused
+            joined = await self._conn.retry(read, what=f"the join record of {key}", retry_for=JOIN_LOOKUP_S)
+        except Exception as exc:
             self._log.warning("join_record_unreadable", key=key, seq=member.joined_seq, error=str(exc))
-        return None
+            return None
+        if joined is not None:
+            self.joins[key] = joined
+        return joined
 
     def decisions_after(self, seq: int):
         """Kept decisions with a stream sequence greater than `seq` (newest last)."""
@@ -413,6 +423,7 @@ class MemberSession:
     _stack: AsyncExitStack | None = None
     _heartbeat_task: asyncio.Task | None = None
     _rejoin_task: asyncio.Task | None = None
+    _rejoining: MemberRef | None = None  # the incarnation a rejoin that has not succeeded yet joins as
     _me: MemberRef | None = field(default=None, repr=False, compare=False)
     replaced_by: MemberRef | None = None  # set once a newer incarnation of this member joined
     _main_task: asyncio.Task | None = field(default=None, repr=False, compare=False)
@@ -513,9 +524,12 @@ class MemberSession:
             f"heartbeat (`rolectl status --job {self.cfg.job}` then shows it expired) and a start resumes it")
 
     def replaced(self, view: JobView) -> bool:
-        """True when the record's current incarnation of this member is newer than ours."""
+        """True when the record's current incarnation of this member is newer than ours (and not
+        the one this process is rejoining as)."""
         member = view.state.members.get(self.key)
-        return member is not None and member.ref.incarnation > self.incarnation
+        rejoining = self._rejoining.incarnation if self._rejoining is not None else None
+        return member is not None and member.ref.incarnation > self.incarnation \
+            and member.ref.incarnation != rejoining
 
     @property
     def _trust_s(self) -> float:
@@ -561,37 +575,58 @@ class MemberSession:
     async def _rejoin_when_expired(self) -> None:
         """Expiry is not a death sentence: an expired member that is alive joins again as a new
         incarnation, keeping its step and version, and carries on — unless a newer incarnation
-        joined meanwhile (a restart replaced us): then this process is fenced and its role stops."""
+        joined meanwhile (a restart replaced us): then this process is fenced and its role stops.
+        A try that fails (the server away or still recovering its streams: expiry comes with
+        outages) is tried again; the member stays expired, and says so, until one succeeds."""
         while True:
-            await self.view.wait_for(lambda v: self.expired(v) or self.replaced(v), timeout=None,
-                                     what="our own expiry or replacement", membership_only=True)
-            if not self.replaced(self.view):
-                # the replacement may be recorded already and not yet folded: read to the end first
-                await self._read_to_end("before rejoining")
-            if self.replaced(self.view):
-                self._note_replaced()
-                if self._main_task is not None and not self._main_task.done():
-                    self._main_task.cancel()
-                return
-            if not self.expired(self.view):
-                continue
-            old = self.me
-            new = MemberRef(role=self.role, id=self.member_id,
-                            incarnation=max(new_incarnation(), old.incarnation + 1))
-            # Joined first, switched after: anything this process says from now on comes from an
-            # incarnation already in the record (a waiter asking again must not overtake the join).
-            publisher = EventPublisher(self.conn, new)
-            await publisher.publish(JobConfigured(member=new, config=self.cfg.synchronizer))
-            await publisher.publish(MemberJoined(member=new, host=socket.gethostname(), pid=os.getpid(),
-                                                 step=self.step, version=self.version, ranks=self.ranks))
-            self._ours.add(new.incarnation)
-            self.incarnation, self.publisher = new.incarnation, publisher
-            self.status = RunningStatus.RUNNING
-            self.rejoins += 1
-            self.log.warning("rejoined_after_expiry", expired_incarnation=old.incarnation,
-                             incarnation=self.incarnation, step=self.step, version=self.version,
-                             rejoins=self.rejoins)
-            self._republish_refused()
+            await self.view.wait_for(lambda v: self.expired(v) or self.replaced(v) or self._rejoining is not None,
+                                     timeout=None, what="our own expiry or replacement", membership_only=True)
+            try:
+                if await self._rejoin_or_stop():
+                    return
+            except Exception as exc:
+                self.log.warning("rejoin_failed", incarnation=self.incarnation, error=describe(exc),
+                                 hint="tried again in a moment")
+                await asyncio.sleep(self.cfg.synchronizer.heartbeat_period)  # a pause between tries, not a wait
+
+    async def _rejoin_or_stop(self) -> bool:
+        """One try at `_rejoin_when_expired`: True when a newer incarnation replaced us (stop)."""
+        if not self.replaced(self.view):
+            # the replacement may be recorded already and not yet folded: read to the end first
+            await self._read_to_end("before rejoining")
+        if self.replaced(self.view):
+            self._note_replaced()
+            if self._main_task is not None and not self._main_task.done():
+                self._main_task.cancel()
+            return True
+        if self.expired(self.view) or self._rejoining is not None:
+            await self._rejoin()
+        return False
+
+    async def _rejoin(self) -> None:
+        """Join again as a new incarnation, keeping step and version. A try that failed is repeated
+        as the same incarnation with the same message ids: a join stored before its ack was lost
+        is stored once, and is ours."""
+        old = self.me
+        if self._rejoining is None:
+            self._rejoining = MemberRef(role=self.role, id=self.member_id,
+                                        incarnation=max(new_incarnation(), old.incarnation + 1))
+        new = self._rejoining
+        # Joined first, switched after: anything this process says from now on comes from an
+        # incarnation already in the record (a waiter asking again must not overtake the join).
+        publisher = EventPublisher(self.conn, new)
+        await publisher.publish(JobConfigured(member=new, config=self.cfg.synchronizer))
+        await publisher.publish(MemberJoined(member=new, host=socket.gethostname(), pid=os.getpid(),
+                                             step=self.step, version=self.version, ranks=self.ranks))
+        self._rejoining = None
+        self._ours.add(new.incarnation)
+        self.incarnation, self.publisher = new.incarnation, publisher
+        self.status = RunningStatus.RUNNING
+        self.rejoins += 1
+        self.log.warning("rejoined_after_expiry", expired_incarnation=old.incarnation,
+                         incarnation=self.incarnation, step=self.step, version=self.version,
+                         rejoins=self.rejoins)
+        self._republish_refused()
 
     # Facts about work this process did (a step trained or explored, an eval, a version stored): a
     # record of one that lands after our expiry is refused by the fold, yet the work happened (the

@@ -30,9 +30,22 @@ def soak_without_losses(tmp_path, *, seed: int, timeout: int, extra: tuple[str, 
     assert result["trainer_steps"] > 0, result
     for key in ("experiences_lost", "experiences_duplicated", "hangs", "replay_check_mismatches",
                 "trainer_steps_reported_twice", "trainer_steps_missing", "unexpected_exits"):
-        assert result[key] == 0, (key, result)
+        assert result[key] == 0, _finding(key, result, tmp_path / "soak", proc.stdout)
     assert proc.returncode == 0, proc.stdout[-3000:]
     return result
+
+
+def _finding(key: str, result: dict, workdir, stdout: str) -> str:
+    """What a failed check needs to be understood from CI's output alone: the figure, the soak's
+    own account (its fault and EXIT lines) and the end of every log of a member that exited."""
+    lines = [f"{key} = {result[key]}", json.dumps({k: v for k, v in result.items() if k.endswith("_first")}),
+             "--- soak output", *stdout.splitlines()[-40:]]
+    for exit_line in result.get("unexpected_exits_first", []):
+        member = exit_line.split()[0]
+        log = workdir / "logs" / f"{member}.log"
+        if log.exists():
+            lines += [f"--- {log.name}", *log.read_text(errors="replace").splitlines()[-40:]]
+    return "\n".join(lines)
 
 
 def test_a_three_minute_soak_with_ten_faults_or_more_loses_nothing(tmp_path):
