@@ -23,7 +23,7 @@ import json
 import shutil
 import socket
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -406,11 +406,11 @@ class Trainer:
             self.log.info("version_already_published", step=step, latest=self.s.view.state.latest.version)
         elif step > 0:
             # bucket by bucket: a sharded trainer never gathers the whole model in one process
-            buckets = _to_the_end(cast_source(self.engine.iter_weight_buckets(), wire_dtype(self.cfg)))
+            streams = _WeightStreams(lambda: cast_source(self.engine.iter_weight_buckets(), wire_dtype(self.cfg)))
             try:
-                ref = await self.transport.publish(step, buckets)
+                ref = await self.transport.publish(step, streams)
             finally:
-                buckets.close()
+                streams.close()
             await self.s.publish(VersionPublished(member=self.s.me, version=step, step=step,
                                                   method=self.method, location=ref.location,
                                                   nbytes=ref.nbytes, digest=ref.digest))
@@ -581,6 +581,26 @@ class Trainer:
                 await closing()
             except Exception as exc:  # closing must not hide how the run ended
                 self.log.warning("close_failed", what=closing.__qualname__, error=describe(exc))
+
+
+class _WeightStreams:
+    """The engine's weight stream, made afresh each time a publish asks (a server restart
+    interrupts an upload, which then starts again from the first bucket). Each new stream first
+    finishes the one before: a sharded engine's stream is a collective every rank finishes."""
+
+    def __init__(self, make: Callable[[], Iterator[Any]]) -> None:
+        self._make = make
+        self._open: Generator[Any, None, None] | None = None
+
+    def __call__(self) -> Generator[Any, None, None]:
+        self.close()
+        self._open = _to_the_end(self._make())
+        return self._open
+
+    def close(self) -> None:
+        if self._open is not None:
+            self._open.close()
+            self._open = None
 
 
 def _to_the_end(stream: Iterator[Any]) -> Generator[Any, None, None]:

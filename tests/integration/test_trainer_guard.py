@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from rolectl.bus.connection import connect
@@ -123,3 +124,60 @@ async def test_a_restart_forgets_acked_seqs_the_server_has_confirmed(tmp_path, n
         await asyncio.wait_for(restarted.run(), 120)
         assert restarted.engine.step == 3
         assert json.loads(state_file.read_text())["acked_seqs"] == []  # 3 acked and confirmed; 1, 2 forgotten
+
+
+async def test_a_version_upload_an_outage_cuts_starts_again_from_a_fresh_weight_stream(
+        tmp_path, nats_url, job_name, monkeypatch):
+    """A server restart mid-upload (found by CI: the trainer exited with "one-shot bucket stream
+    ... cannot start again"): the trainer hands the transport a maker of weight streams, so the
+    upload starts again from a fresh stream, after the cut one was read to its end (a sharded
+    engine's stream is a collective every rank finishes)."""
+    import rolectl.roles.trainer as trainer_module
+    from rolectl.bus.weights import _wire_client
+    from rolectl.bus.weights.object_store import ObjectStoreTransport
+
+    cfg = _config(tmp_path, job_name, nats_url)
+    outages: list[str] = []
+
+    def flaky_transport(cfg, conn):
+        # the transport the trainer makes, chunked small and on the nats-py path, whose first chunk
+        # publish meets an outage (the same transient error a server restart gives)
+        real_publish = conn.nc.publish
+
+        async def publish(subject, payload=b"", *args, **kw):
+            if ".c." in subject and not outages:
+                outages.append(subject)
+                raise _wire_client.Transient("simulated outage")
+            await real_publish(subject, payload, *args, **kw)
+
+        conn.nc.publish = publish
+        return ObjectStoreTransport(conn.nc, cfg.job, chunk_size=4096, data_connection=False,
+                                    reconnected=conn.reconnect_signal)
+
+    monkeypatch.setattr(trainer_module, "make_pull_transport", flaky_transport)
+    async with connect(nats_url, job=job_name, role="observer", member="test") as conn:
+        await ensure_event_stream(conn.js, conn.names)
+        await ensure_experience_stream(conn.js, conn.names)
+        await _publish_rollouts(conn, cfg, steps=3)
+
+        trainer = Trainer(cfg)
+        streams: list[int] = []  # buckets read from each weight stream the engine made
+        iter_weight_buckets = trainer.engine.iter_weight_buckets
+
+        def counted(*args, **kwargs):
+            streams.append(0)
+            for bucket in iter_weight_buckets(*args, **kwargs):
+                streams[-1] += 1
+                yield bucket
+
+        trainer.engine.iter_weight_buckets = counted
+        await asyncio.wait_for(trainer.run(), 120)
+
+        assert outages, "no upload met the outage: the test tested nothing"
+        assert trainer.version == 3
+        assert len(streams) == 4 and len(set(streams)) == 1, streams  # 3 versions, one started again
+        reader = ObjectStoreTransport(conn.nc, cfg.job, data_connection=False)
+        ref = await reader.latest()
+        assert ref is not None and ref.version == 3
+        fetched, trained = await reader.fetch(ref), trainer.engine.weights()
+        assert set(fetched) == set(trained) and all(torch.equal(fetched[n], trained[n]) for n in trained)
