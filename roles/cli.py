@@ -545,6 +545,44 @@ def dashboard(job, nats, config_path, archive, port, host, monitor_url, **securi
 
 
 @main.command()
+@click.option("--config", "config_path", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="The job's config: its trackers (monitor.backends), NATS URL, credentials and archive.")
+@nats_option(None, "NATS URL(s), comma-separated [default: the config's nats_url].")
+@click.option("--run", "run_name", default=None,
+              help="The trackers' run name [default: JOB-track-<UTC time>].")
+@click.option("--once", is_flag=True, help="Log the record as it is now and stop, instead of following the job "
+                                           "to its end.")
+def track(config_path, nats, run_name, once) -> None:
+    """Log a job to its experiment trackers (monitor.backends) from its record: for jobs whose roles
+    were started one by one (`rolectl up` feeds them itself). Follows the job to its end."""
+    from rolectl.bus.archive import ArchiveError
+    from rolectl.bus.errors import BusError
+    from rolectl.bus.logging import setup_logging
+    from rolectl.roles.config import tracker_problems
+    from rolectl.roles.exit_codes import ExitCode
+    from rolectl.roles.observe.track import default_run_name, track_job
+
+    cfg = _load(config_path, nats, check_engines=False)  # the engines run elsewhere: not checked here
+    if not cfg.monitor.backends:
+        raise InputError(f"{config_path}: monitor.backends is empty, so there is nothing to log to; "
+                         "name one or more of tensorboard, mlflow, wandb")
+    problems = tracker_problems(cfg.monitor.backends)
+    if problems:
+        raise InputError("; ".join(f"{config_path}: {path}: {why}" for path, why in problems))
+    setup_logging("warning")
+    run = run_name or default_run_name(cfg)
+    click.echo(f"logging job {cfg.job} to {', '.join(cfg.monitor.backends)} (run {run}) in {cfg.monitor_dir}")
+    try:
+        code = asyncio.run(track_job(cfg, run=run, once=once, say=click.echo))
+    except KeyboardInterrupt:
+        click.echo("interrupted: what was read so far is logged", err=True)
+        sys.exit(ExitCode.INTERRUPTED)
+    except (BusError, ArchiveError) as exc:  # NATS away, no such job, a damaged archive segment
+        raise click.ClickException(str(exc)) from None
+    sys.exit(code)
+
+
+@main.command()
 @click.option("--config", "config_path", required=True, type=click.Path(exists=True, dir_okay=False))
 @click.option("--versions", default=None,
               help="Comma-separated versions to evaluate (default every kept one: 0, the base model, and the "

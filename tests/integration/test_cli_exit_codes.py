@@ -27,6 +27,15 @@ def test_a_job_the_server_does_not_have_is_exit_1_in_every_command(command, nats
     assert "ensure_" not in result.output and "Traceback" not in result.output
 
 
+def test_track_of_a_job_the_server_does_not_have_is_exit_1(nats_url, job_name, tmp_path):
+    config = tmp_path / "job.yaml"
+    config.write_text(f"job: {job_name}\nrun_dir: {tmp_path}\nmonitor: {{backends: [tensorboard]}}\n")
+    result = CliRunner().invoke(main, ["track", "--config", str(config), "--nats", nats_url, "--once"])
+    assert result.exit_code == EXIT_ERROR, result.output
+    assert f"no member of job '{job_name}' has started on this server yet" in result.output
+    assert "Traceback" not in result.output
+
+
 def test_export_to_a_path_that_cannot_be_written_is_exit_2(nats_url, job_name, tmp_path):
     result = CliRunner().invoke(main, ["export", "--job", job_name, "--nats", nats_url,
                                        "-o", str(tmp_path / "out.txt")])
@@ -54,6 +63,7 @@ def test_the_help_prints_the_one_table():
     ["status", "--job", "j"], ["export", "--job", "j", "-o", "{tmp}/out.jsonl"], ["replay", "--job", "j"],
     ["dashboard", "--job", "j"], ["provision", "--config", QUICKSTART],
     ["start", "trainer", "--config", QUICKSTART], ["up", "--config", QUICKSTART, "--launcher", "ray"],
+    ["track", "--config", QUICKSTART],
 ])
 @pytest.mark.parametrize("url", ["nats://127.0.0.1:notaport", "http://127.0.0.1:4222", "nats://:4222"])
 def test_a_malformed_nats_url_is_a_usage_error_in_every_command(command, url, tmp_path):
