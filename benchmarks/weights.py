@@ -388,6 +388,7 @@ async def _worker_main(spec: dict) -> None:
     if device.startswith("cuda"):
         torch.cuda.init()  # the context exists before the first timed fetch
     print(json.dumps({"ready": True}), flush=True)
+    base_kib = _rss_kib("VmRSS")  # peaks count from here: a buffer kept for the next fetch is counted
     try:
         while True:
             line = await asyncio.to_thread(sys.stdin.readline)
@@ -400,7 +401,6 @@ async def _worker_main(spec: dict) -> None:
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
                 gpu0 = torch.cuda.memory_allocated(device)
-            rss0 = _rss_kib("VmRSS")
             t0 = _now()
             tensors = await transport.fetch(ref, device=device)
             if cuda:
@@ -408,8 +408,10 @@ async def _worker_main(spec: dict) -> None:
             t1 = _now()
             peak = _rss_kib("VmHWM")
             got = sum(t.numel() * t.element_size() for t in tensors.values())
+            if spec.get("recycle", True):
+                transport.recycle(tensors)  # as an explorer does once its engine copied them
             del tensors
-            row = {"t0": t0, "t1": t1, "nbytes": got, "peak_kib": peak - rss0}
+            row = {"t0": t0, "t1": t1, "nbytes": got, "peak_kib": peak - base_kib}
             if cuda:
                 row["gpu_peak_kib"] = (torch.cuda.max_memory_allocated(device) - gpu0) // 1024
                 torch.cuda.empty_cache()
@@ -550,6 +552,7 @@ class BenchContext:
     fanout: tuple[int, ...] = ()  # extra fan-out sizes measured per version
     server_pid: int | None = None  # the nats-server the transport under test talks to (its peak RSS)
     storage: str = "memory"  # the object store's storage in the plain `object_store` bench
+    recycle: bool = True  # receivers give each fetch's buffer back, as an explorer does (PullTransport.recycle)
 
     @property
     def nbytes(self) -> int:
@@ -558,7 +561,8 @@ class BenchContext:
 
 async def bench_pull(ctx: BenchContext, transport, worker_spec: dict, limit_key: str) -> dict:
     """Publish `repeat` versions; after each, one explorer fetches, then K fetch at once."""
-    explorers = _Explorers({**worker_spec, "device": ctx.device}, max(ctx.explorers, 1, *ctx.fanout))
+    explorers = _Explorers({**worker_spec, "device": ctx.device, "recycle": ctx.recycle},
+                           max(ctx.explorers, 1, *ctx.fanout))
     by_k: dict[int, list[float]] = {k: [] for k in ctx.fanout}
     gpu_peaks: list[int] = []
     try:
@@ -733,7 +737,8 @@ TRANSPORT_BENCHES: dict[str, Callable[[BenchContext], Awaitable[dict]]] = {
 async def run(size_mb: int, explorers: int, repeat: int, *, dist: bool = True,
               only: list[str] | None = None, progress: Callable[[str], None] = print,
               stock_mb: int = 8, shape: str | None = None, device: str = "cpu",
-              fanout: tuple[int, ...] = (), beside_job: bool = False, storage: str = "memory") -> dict:
+              fanout: tuple[int, ...] = (), beside_job: bool = False, storage: str = "memory",
+              recycle: bool = True) -> dict:
     from rolectl.bus.server import NatsServer
     from rolectl.bus.weights.format import default_digest_algorithm
 
@@ -744,7 +749,7 @@ async def run(size_mb: int, explorers: int, repeat: int, *, dist: bool = True,
             ctx = BenchContext(size_mb=size_mb, explorers=explorers, repeat=repeat, url=server.url,
                                workdir=workdir, state=state, flat=_flat_bytes(state), progress=progress,
                                stock_mb=stock_mb, device=device, fanout=tuple(fanout),
-                               server_pid=server.pid, storage=storage)
+                               server_pid=server.pid, storage=storage, recycle=recycle)
             if beside_job:
                 beside = BesideJob(workdir)
                 beside.start()
@@ -909,6 +914,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES),
                         help="a bf16 state dict shaped like this transformers model (layers fit --size-mb)")
     parser.add_argument("--device", default="cpu", help="where explorers fetch into: cpu or cuda[:N]")
+    parser.add_argument("--fresh-buffers", action="store_true",
+                        help="receivers do not give their buffers back (`recycle`): every fetch writes fresh memory")
     parser.add_argument("--fanout", type=int, nargs="*", default=[],
                         help="also time K explorers fetching at once, for each K given")
     parser.add_argument("--sizes", type=int, nargs="*", default=[],
@@ -949,7 +956,7 @@ def main(argv: list[str] | None = None) -> None:
         return asyncio.run(run(size_mb, args.explorers, args.repeat, dist=not args.no_dist, only=args.only,
                                progress=lambda m: print(m, file=sys.stderr, flush=True), stock_mb=args.stock_mb,
                                shape=args.shape, device=args.device, fanout=tuple(args.fanout),
-                               beside_job=args.beside_job, storage=storage))
+                               beside_job=args.beside_job, storage=storage, recycle=not args.fresh_buffers))
 
     if args.sizes:
         runs = []

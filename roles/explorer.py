@@ -351,6 +351,7 @@ class Explorer:
             self._log_fetch()
             for engine in (self.engine, *self.extra_ranks):
                 engine.load_weights(tensors, ref.version)
+            self.transport.recycle(tensors)  # copied into the engines: the next fetch may land there
         except TransferError as exc:
             self.log.warning("fetch_failed", version=ref.version, error=describe(exc))
             await self.s.publish(SyncFailed(member=self.s.me, version=self.version, reason=str(exc), round=round_id))
@@ -412,6 +413,7 @@ class Explorer:
         if needs_reload(self.version, version):
             for engine in (self.engine, *self.extra_ranks):
                 engine.load_weights(tensors, version)
+            self.transport.recycle(tensors)  # copied into the engines: the next fetch may land there
             self.version = version
             self.s.version = version
             await self.s.publish(WeightsLoaded(member=self.s.me, version=version, round=None,

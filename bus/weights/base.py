@@ -102,7 +102,13 @@ class PullTransport(Protocol):
         the last byte is stored. A stream is consumed bucket by bucket, never held whole."""
 
     async def fetch(self, ref: WeightsRef, *, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-        """Fetch `ref` into freshly allocated tensors, verifying the digest before returning."""
+        """Fetch `ref` into tensors of its own (fresh, or a buffer given back by `recycle`),
+        verifying the digest before returning."""
+
+    def recycle(self, tensors: Mapping[str, torch.Tensor]) -> bool:
+        """Say the tensors of the last fetch are no longer used (their bytes were copied into a
+        model): the next fetch of that size may write into their memory. False when `tensors` are
+        not that fetch's (then nothing changes)."""
 
     async def prune(self, keep: int, *, announced: Iterable[int] | None = None) -> list[int]:
         """Delete all but the newest `keep` versions; return the deleted versions. With `announced`

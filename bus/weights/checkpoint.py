@@ -59,6 +59,7 @@ from .format import (
     Destination,
     Layout,
     Manifest,
+    SpareBuffer,
     build_manifest,
     default_digest_algorithm,
     digest_bytes,
@@ -104,6 +105,7 @@ class CheckpointTransport:
         self._stream_room = STREAM_HEADER_ROOM
         self.header_rewrites = 0  # streamed versions whose header outgrew its room (tests read it)
         self._deltas = DeltaPublisher(keyframe_interval, delta_codec)
+        self._spare = SpareBuffer()
         self._held: HeldVersion | None = None
         self.last_publish: dict[str, Any] = {}  # what the last publish stored (kind, bytes)
         self.last_fetch: dict[str, Any] = {}  # how the last fetch got its version (route, bytes)
@@ -129,7 +131,13 @@ class CheckpointTransport:
         """
         self._check_open()
         dest = await asyncio.to_thread(self._fetch, ref)
-        return dest.tensors(device)
+        return self._spare.hand_out(dest, device, reusable=not self._deltas.enabled)  # a held version is no spare
+
+    def recycle(self, tensors: Mapping[str, torch.Tensor]) -> bool:
+        """The caller is done with the tensors of the last CPU fetch (it copied them into its model):
+        the next fetch of that size reads into their memory. Tensors of any other memory are left
+        alone (False)."""
+        return self._spare.give_back(tensors)
 
     async def latest(self) -> WeightsRef | None:
         """The newest complete version on disk, or None (reads only its header)."""
@@ -470,7 +478,7 @@ class CheckpointTransport:
                     f"{path} holds digest {manifest.digest}, but the announced ref says {ref.digest}: "
                     "the version was republished; fetch the latest announced ref"
                 )
-            dest = Destination(manifest.layout)
+            dest = Destination(manifest.layout, reuse=self._spare.take(manifest.nbytes, pin_memory=False))
             for index, (a, b) in enumerate(manifest.chunks):
                 view = dest.view[a:b]
                 got = _read_into(f, view)

@@ -81,7 +81,15 @@ from ._wire_client import (
 )
 from .base import CorruptWeights, TransferError, WeightsNotFound, WeightsRef, WeightsSource, restartable
 from .delta import ChunkDecoder, DeltaChunks, DeltaInfo, DeltaPublisher, HeldVersion, ParallelDecode, delta_info
-from .format import Destination, Manifest, StreamedChunks, build_manifest, default_digest_algorithm, streamed_chunks
+from .format import (
+    Destination,
+    Manifest,
+    SpareBuffer,
+    StreamedChunks,
+    build_manifest,
+    default_digest_algorithm,
+    streamed_chunks,
+)
 
 __all__ = ["ObjectStoreTransport"]
 
@@ -149,6 +157,7 @@ class ObjectStoreTransport:
         self.junk_manifests = 0  # manifests seen that are not versions (unparsable, mislabelled)
         # Delta versions (see `delta`): the publisher's encoder and base, the receiver's held version.
         self._deltas = DeltaPublisher(keyframe_interval, delta_codec)
+        self._spare = SpareBuffer()
         self._held: HeldVersion | None = None
         self.last_publish: dict[str, Any] = {}  # what the last publish stored (kind, bytes)
         self.last_fetch: dict[str, Any] = {}  # how the last fetch got its version (route, bytes)
@@ -289,7 +298,8 @@ class ObjectStoreTransport:
         device = torch.device(device)
         info = delta_info(manifest, where=f"stream {self.stream}")
         if info is None:
-            dest = Destination(manifest.layout, pin_memory=device.type == "cuda")
+            pin = device.type == "cuda"
+            dest = Destination(manifest.layout, pin_memory=pin, reuse=self._spare.take(manifest.nbytes, pin_memory=pin))
             await self._fetch_chunks(manifest, dest, None)
             route, moved, versions = "full", manifest.nbytes, [manifest.version]
         elif self._held is not None and self._held.is_base_of(info):
@@ -308,7 +318,13 @@ class ObjectStoreTransport:
                 if self._held is not None else "holds no version"),
         }
         self._held = HeldVersion(manifest.version, manifest.digest, dest.flat) if self._deltas.enabled else None
-        return dest.tensors(device)
+        return self._spare.hand_out(dest, device, reusable=not self._deltas.enabled)  # a held version is no spare
+
+    def recycle(self, tensors: Mapping[str, torch.Tensor]) -> bool:
+        """The caller is done with the tensors of the last CPU fetch (it copied them into its model):
+        the next fetch of that size writes into their memory. Tensors of any other memory are left
+        alone (False)."""
+        return self._spare.give_back(tensors)
 
     async def _fetch_chain(
         self, manifest: Manifest, info: DeltaInfo, device: torch.device,

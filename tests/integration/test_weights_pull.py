@@ -78,6 +78,39 @@ async def test_round_trip_is_bit_exact(transport):
     assert_bit_exact(state, await transport.fetch(ref))
 
 
+async def test_a_fetch_lands_in_the_memory_the_last_one_gave_back(transport):
+    """`recycle` after the receiver copied a fetch into its model: the next fetch of that size
+    writes into the same buffer (no fresh pages to fault in) and is still bit-exact. Tensors of
+    any other memory, or a fetch not given back, change nothing."""
+    first, second = small_state(1), small_state(2)
+    ref1, ref2 = await transport.publish(1, first), await transport.publish(2, second)
+    got1 = await transport.fetch(ref1)
+    buffer = next(iter(got1.values())).untyped_storage().data_ptr()
+    assert not transport.recycle(small_state(3))  # not the fetch's memory: refused
+    assert not transport.recycle({n: t.clone() for n, t in got1.items()})
+    assert transport.recycle(got1)
+    assert not transport.recycle(got1)  # once
+    del got1
+    got2 = await transport.fetch(ref2)
+    assert next(iter(got2.values())).untyped_storage().data_ptr() == buffer
+    assert_bit_exact(second, got2)
+    kept = got2  # not given back: the next fetch must not write under it
+    got3 = await transport.fetch(ref1)
+    assert next(iter(got3.values())).untyped_storage().data_ptr() != buffer
+    assert_bit_exact(second, kept)
+    assert_bit_exact(first, got3)
+
+
+async def test_delta_sync_keeps_its_held_version_out_of_recycling(kind, nc, job_name, tmp_path):
+    t = make_transport(kind, nc, job_name, tmp_path, keyframe_interval=4)
+    try:
+        ref = await t.publish(1, small_state(1))
+        got = await t.fetch(ref)
+        assert not t.recycle(got)  # its memory is the base the next delta applies to
+    finally:
+        await t.aclose()
+
+
 async def test_an_empty_state_dict_round_trips(transport):
     ref = await transport.publish(1, {})
     assert ref.nbytes == 0
