@@ -463,7 +463,7 @@ class SpareBuffer:
         if storages != {ptr} or storage.nbytes() != nbytes:
             return False
         self._handed_out = None
-        self._flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,))
+        self._flat = torch.empty(0, dtype=torch.uint8).set_(storage)  # the whole buffer, as bytes
         return True
 
 
