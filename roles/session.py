@@ -524,12 +524,20 @@ class MemberSession:
             f"heartbeat (`rolectl status --job {self.cfg.job}` then shows it expired) and a start resumes it")
 
     def replaced(self, view: JobView) -> bool:
-        """True when the record's current incarnation of this member is newer than ours (and not
-        the one this process is rejoining as)."""
+        """True when the record's current incarnation of this member is newer than ours, and not
+        the join this very process made for its rejoin (see `_our_pending_join`)."""
         member = view.state.members.get(self.key)
-        rejoining = self._rejoining.incarnation if self._rejoining is not None else None
         return member is not None and member.ref.incarnation > self.incarnation \
-            and member.ref.incarnation != rejoining
+            and not self._our_pending_join(view)
+
+    def _our_pending_join(self, view: JobView) -> bool:
+        """The record's current incarnation is the one a rejoin of ours is still trying (its join
+        stored, its ack lost), joined from this host and pid: not an identity another process has."""
+        joined = view.joins.get(self.key)
+        member = view.state.members.get(self.key)
+        return (self._rejoining is not None and joined is not None and member is not None
+                and joined.member == self._rejoining == member.ref
+                and joined.host == socket.gethostname() and joined.pid == os.getpid())
 
     @property
     def _trust_s(self) -> float:
