@@ -36,14 +36,13 @@ async def track_job(cfg: JobConfig, *, run: str, once: bool = False,
                     say: Callable[[str], None] = print) -> ExitCode:
     """Feed `cfg`'s trackers from the job's record; OK once the job's end (or, with `once`, the
     record's current end) is logged. Raises `BusError` when the server or the job is missing."""
-    trackers = await asyncio.to_thread(Trackers.start, cfg, run, warn=say)
     observer = JobObserver(log_tail=0)
-    logged = 0
-    try:
-        async with connect(cfg.nats_url, job=cfg.job, role="observer", member=f"track-{os.getpid()}",
-                           security=cfg.nats.security) as conn:
-            now = await last_sequence(conn)  # a clear error when the server has no such job
-            end = now if once else None
+    logged, end = 0, None  # end: the record's last sequence once the job is over (following it live)
+    async with connect(cfg.nats_url, job=cfg.job, role="observer", member=f"track-{os.getpid()}",
+                       security=cfg.nats.security) as conn:
+        await last_sequence(conn)  # a clear error when the server has no such job, before any run is made
+        trackers = await asyncio.to_thread(Trackers.start, cfg, run, warn=say)
+        try:
             archive = cfg.event_archive_dir
             async with read_events(conn, from_seq=1, include_decisions=True, stop_at_end=once,
                                    backfill=lambda first, last: read_range(archive, first, last)) as reader:
@@ -51,14 +50,17 @@ async def track_job(cfg: JobConfig, *, run: str, once: bool = False,
                     observer.apply(rec)
                     trackers.apply(rec)
                     logged = rec.seq
-                    if end is None and observer.outcome().complete:
+                    if not once and end is None and observer.outcome().complete:
                         end = await last_sequence(conn)  # what the others said after the trainer's end
                     if end is not None and rec.seq >= end:
                         break
-    finally:
-        await asyncio.to_thread(trackers.close)
+        finally:
+            await asyncio.to_thread(trackers.close)
     outcome = observer.outcome()
     failed = ", ".join(f"{name} ({n} failures)" for name, n in sorted(trackers.failures.items()))
     say(f"logged job {cfg.job} to run {run} up to seq {logged} ({outcome.status}: {outcome.reason})"
         + (f"; trackers that failed: {failed}" if failed else ""))
+    if not once and end is None:  # the stream ended before the job did: the feed is not whole
+        say(f"the record of job {cfg.job} ended before the job did")
+        return ExitCode.ERROR
     return ExitCode.ERROR if failed else ExitCode.OK
