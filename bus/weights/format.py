@@ -432,7 +432,9 @@ class SpareBuffer:
 
     def __init__(self) -> None:
         self._flat: torch.Tensor | None = None
-        self._handed_out: tuple[int, int] | None = None  # (data_ptr, nbytes) of the last CPU fetch's buffer
+        # The last CPU fetch's buffer: its storage (data_ptr, nbytes), and where the flat view starts
+        # in it (a huge-page-aligned buffer is a view into a larger allocation) and how long it is.
+        self._handed_out: tuple[int, int, int, int] | None = None
 
     def take(self, nbytes: int, *, pin_memory: bool) -> torch.Tensor | None:
         """The spare, if it fits `nbytes` (it is dropped either way: one fetch at a time uses it)."""
@@ -447,7 +449,9 @@ class SpareBuffer:
         self._handed_out = None
         if reusable and dest.layout.nbytes:
             if torch.device(device).type == "cpu":  # the caller holds views of it until give_back
-                self._handed_out = (dest.flat.untyped_storage().data_ptr(), dest.layout.nbytes)
+                storage = dest.flat.untyped_storage()
+                offset = dest.flat.data_ptr() - storage.data_ptr()
+                self._handed_out = (storage.data_ptr(), storage.nbytes(), offset, dest.layout.nbytes)
             else:  # copied onto the device: the buffer is ours again
                 self._flat = dest.flat
         return tensors
@@ -457,13 +461,14 @@ class SpareBuffer:
         again; False (nothing kept) for tensors of any other memory."""
         if self._handed_out is None or not tensors:
             return False
-        ptr, nbytes = self._handed_out
+        ptr, storage_nbytes, offset, nbytes = self._handed_out
         storages = {t.untyped_storage().data_ptr() for t in tensors.values()}
         storage = next(iter(tensors.values())).untyped_storage()
-        if storages != {ptr} or storage.nbytes() != nbytes:
+        if storages != {ptr} or storage.nbytes() != storage_nbytes:
             return False
         self._handed_out = None
-        self._flat = torch.empty(0, dtype=torch.uint8).set_(storage)  # the whole buffer, as bytes
+        whole = torch.empty(0, dtype=torch.uint8).set_(storage)  # the whole allocation, as bytes
+        self._flat = whole[offset : offset + nbytes]
         return True
 
 

@@ -24,6 +24,7 @@ from rolectl.bus.server import NatsServer
 from rolectl.bus.subjects import JobNames
 from rolectl.bus.weights.base import CorruptWeights, PullTransport, WeightsNotFound, WeightsRef
 from rolectl.bus.weights.checkpoint import CheckpointTransport
+from rolectl.bus.weights.format import _HUGE_PAGE_MIN
 from rolectl.bus.weights.object_store import ObjectStoreTransport
 from tests.support.tensors import assert_bit_exact
 
@@ -99,6 +100,26 @@ async def test_a_fetch_lands_in_the_memory_the_last_one_gave_back(transport):
     assert next(iter(got3.values())).untyped_storage().data_ptr() != buffer
     assert_bit_exact(second, kept)
     assert_bit_exact(first, got3)
+
+
+async def test_a_model_sized_fetch_lands_in_the_memory_the_last_one_gave_back(kind, nc, job_name, tmp_path):
+    """Above `_HUGE_PAGE_MIN` a fetch's buffer is a huge-page-aligned view into a larger allocation:
+    giving it back must keep that view, so the next fetch writes the same pages."""
+    g = torch.Generator().manual_seed(5)
+    big = {f"layers.{i}.w": torch.randn(1024, 1024, generator=g) for i in range(_HUGE_PAGE_MIN // (4 << 20) + 2)}
+    t = make_transport(kind, nc, job_name, tmp_path)
+    try:
+        ref1 = await t.publish(1, big)
+        ref2 = await t.publish(2, {name: -w for name, w in big.items()})
+        got1 = await t.fetch(ref1)
+        first = got1["layers.0.w"].data_ptr()
+        assert t.recycle(got1)
+        del got1
+        got2 = await t.fetch(ref2)
+        assert got2["layers.0.w"].data_ptr() == first
+        assert_bit_exact({name: -w for name, w in big.items()}, got2)
+    finally:
+        await t.aclose()
 
 
 async def test_delta_sync_keeps_its_held_version_out_of_recycling(kind, nc, job_name, tmp_path):
