@@ -341,7 +341,8 @@ async def _object_store_worker(spec: dict) -> tuple[Any, Callable[[], Awaitable[
 
         options = ClientSecurity(**spec["security"]).connect_options(spec["job"])
     nc = await nats.connect(spec["url"], **options)
-    transport = ObjectStoreTransport(nc, spec["job"], storage=spec.get("storage", "memory"))
+    transport = ObjectStoreTransport(nc, spec["job"], storage=spec.get("storage", "memory"),
+                                     fetch_connections=spec.get("fetch_connections"))
 
     async def close() -> None:
         await transport.aclose()
@@ -553,6 +554,7 @@ class BenchContext:
     server_pid: int | None = None  # the nats-server the transport under test talks to (its peak RSS)
     storage: str = "memory"  # the object store's storage in the plain `object_store` bench
     recycle: bool = True  # receivers give each fetch's buffer back, as an explorer does (PullTransport.recycle)
+    fetch_connections: int | None = None  # data connections per object-store fetch (None: the transport's default)
 
     @property
     def nbytes(self) -> int:
@@ -561,7 +563,8 @@ class BenchContext:
 
 async def bench_pull(ctx: BenchContext, transport, worker_spec: dict, limit_key: str) -> dict:
     """Publish `repeat` versions; after each, one explorer fetches, then K fetch at once."""
-    explorers = _Explorers({**worker_spec, "device": ctx.device, "recycle": ctx.recycle},
+    explorers = _Explorers({**worker_spec, "device": ctx.device, "recycle": ctx.recycle,
+                            "fetch_connections": ctx.fetch_connections},
                            max(ctx.explorers, 1, *ctx.fanout))
     by_k: dict[int, list[float]] = {k: [] for k in ctx.fanout}
     gpu_peaks: list[int] = []
@@ -738,7 +741,7 @@ async def run(size_mb: int, explorers: int, repeat: int, *, dist: bool = True,
               only: list[str] | None = None, progress: Callable[[str], None] = print,
               stock_mb: int = 8, shape: str | None = None, device: str = "cpu",
               fanout: tuple[int, ...] = (), beside_job: bool = False, storage: str = "memory",
-              recycle: bool = True) -> dict:
+              recycle: bool = True, fetch_connections: int | None = None) -> dict:
     from rolectl.bus.server import NatsServer
     from rolectl.bus.weights.format import default_digest_algorithm
 
@@ -749,7 +752,8 @@ async def run(size_mb: int, explorers: int, repeat: int, *, dist: bool = True,
             ctx = BenchContext(size_mb=size_mb, explorers=explorers, repeat=repeat, url=server.url,
                                workdir=workdir, state=state, flat=_flat_bytes(state), progress=progress,
                                stock_mb=stock_mb, device=device, fanout=tuple(fanout),
-                               server_pid=server.pid, storage=storage, recycle=recycle)
+                               server_pid=server.pid, storage=storage, recycle=recycle,
+                               fetch_connections=fetch_connections)
             if beside_job:
                 beside = BesideJob(workdir)
                 beside.start()
@@ -766,7 +770,7 @@ async def run(size_mb: int, explorers: int, repeat: int, *, dist: bool = True,
         result["beside_job"] = {"config": "examples/quickstart.yaml (total_steps raised; stopped at the end)",
                                 "train_steps_during": steps_during}
     result.update(size_mb=size_mb, explorers=explorers, repeat=repeat, digest=default_digest_algorithm(),
-                  storage=storage)
+                  storage=storage, fetch_connections=fetch_connections or "default")
     if shape:
         result["shape"] = {"name": shape, **SHAPES[shape], "num_hidden_layers": shape_layers(shape, size_mb),
                            "dtype": "bfloat16", "tensors": len(state)}
@@ -927,11 +931,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--file-storage-above", type=int, default=None, metavar="MB",
                         help="with --sizes: file storage for sizes above MB (memory storage keeps two "
                              "versions in the server's RAM)")
+    parser.add_argument("--fetch-connections", type=int, default=None, metavar="N",
+                        help="data connections per object-store fetch (default: the transport's own choice, "
+                             "one plain, one per two CPUs up to 4 under TLS)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         asyncio.run(_worker_main(json.loads(args.worker)))
         return
+    if args.fetch_connections is not None and args.fetch_connections <= 0:
+        parser.error("--fetch-connections must be positive")
     if args.size_mb <= 0 or args.explorers <= 0 or args.repeat <= 0 or args.stock_mb <= 0:
         parser.error("--size-mb, --explorers, --repeat and --stock-mb must be positive")
     if any(k <= 1 for k in args.fanout):
@@ -956,7 +965,8 @@ def main(argv: list[str] | None = None) -> None:
         return asyncio.run(run(size_mb, args.explorers, args.repeat, dist=not args.no_dist, only=args.only,
                                progress=lambda m: print(m, file=sys.stderr, flush=True), stock_mb=args.stock_mb,
                                shape=args.shape, device=args.device, fanout=tuple(args.fanout),
-                               beside_job=args.beside_job, storage=storage, recycle=not args.fresh_buffers))
+                               beside_job=args.beside_job, storage=storage, recycle=not args.fresh_buffers,
+                               fetch_connections=args.fetch_connections))
 
     if args.sizes:
         runs = []

@@ -135,6 +135,10 @@ class TransportConfig(Section):
     """Where the object store keeps weight chunks: `file` keeps every version across a nats-server
     restart (a restart costs only a stall); `memory` fetches faster, and a version lost with a
     restart fails its fetch clearly (the explorer keeps its weights)."""
+    fetch_connections: PositiveInt | None = None
+    """Data connections one object-store fetch (`sync_method: memory`) is split over, each on its own
+    thread. Unset: one on a plain connection; under TLS one per two CPUs of the explorer's host, up
+    to 4, since one TLS connection decrypts on one core (docs/weights-at-size.md)."""
     bucket_size_mb: PositiveInt = 512
     """torch.distributed broadcast bucket size, in MiB."""
     group_timeout_s: Seconds = 60.0

@@ -365,7 +365,7 @@ class Explorer:
         if fetched:
             self.log.info("weights_fetched", version=fetched["version"], route=fetched["route"],
                           bytes_moved=fetched["bytes_moved"], nbytes=fetched["nbytes"],
-                          refused=fetched["refused"])
+                          refused=fetched["refused"], data_connections=fetched.get("data_connections"))
 
     async def _receive_rendezvous(self, ready: RendezvousReady) -> None:
         started = time.monotonic()

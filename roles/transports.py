@@ -28,7 +28,8 @@ def make_pull_transport(cfg: JobConfig, conn) -> PullTransport:
         # The trainer prunes to `trainer.keep_versions` after each publish.
         return ObjectStoreTransport(conn.nc, cfg.job, storage=cfg.transport.object_store_storage,
                                     replicas=cfg.nats.replicas, reconnected=conn.reconnect_signal,
-                                    keyframe_interval=cfg.transport.keyframe_interval)
+                                    keyframe_interval=cfg.transport.keyframe_interval,
+                                    fetch_connections=cfg.transport.fetch_connections)
     if method is SyncMethod.CHECKPOINT:
         from rolectl.bus.weights.checkpoint import CheckpointTransport
 

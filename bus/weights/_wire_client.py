@@ -104,6 +104,11 @@ class Endpoint:
     user_jwt: Callable[[], bytes | bytearray] | None = None
     public_nkey: str | None = None
 
+    @property
+    def secure(self) -> bool:
+        """Whether the client connected with TLS (so will this connection): a context, or handshake first."""
+        return self.tls is not None or self.tls_first
+
     def connect_fields(self, info: Mapping[str, object]) -> dict[str, str]:
         """The credential fields of CONNECT for a server that sent `info` (signing its nonce)."""
         fields = dict(self.auth)
@@ -137,6 +142,8 @@ def data_endpoint(nc: Client) -> Endpoint | None:
         auth = {"auth_token": uri.username} if uri.password is None else {"user": uri.username, "pass": uri.password}
     sign_nonce, user_jwt, public_nkey = nonce_credentials(nc)
     tls = nc.options.get("tls")
+    if not isinstance(tls, ssl.SSLContext) and uri.scheme == "tls":
+        tls = ssl.create_default_context()  # what nats-py used for a tls:// URL without a context
     return Endpoint(
         uri.hostname, uri.port or 4222, auth,
         tls=tls if isinstance(tls, ssl.SSLContext) else None,

@@ -47,14 +47,23 @@ Theory of operation
   each piece while it is in cache. It connects as the nats-py client did (user/password, token,
   nkey or JWT; TLS with the client's context); where it cannot be used (websocket) the transport
   falls back to the nats-py connection for everything, same semantics.
+- **Striped fetch.** A fetch can be split over several data connections (`fetch_connections`),
+  each fetching a contiguous part of the version's stream sequences in its own thread into the one
+  destination. Under TLS one connection is one stream of records that the server encrypts on one
+  core and the receiver decrypts on one thread; several connections spread that work over cores
+  (OpenSSL and BLAKE3 release the GIL). By default a TLS client uses one connection per two CPUs,
+  up to 4, and a plain one a single connection. A chunk a part did not get (stored out of order, or
+  its connection dropped) is fetched after the parts, on one connection, as without striping.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+import os
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -109,7 +118,9 @@ class ObjectStoreTransport:
     `reconnected` (e.g. `BusConnection.reconnect_signal`) lets a publish or fetch caught by an
     outage start again as soon as the connection is back, instead of after `api_timeout`.
     `data_connection=False` forces the nats-py path (slower; used where the plain data connection
-    cannot be opened, and by tests to cover both paths).
+    cannot be opened, and by tests to cover both paths). `fetch_connections` splits one fetch over
+    that many data connections (None: by the client's TLS settings and this host's CPUs, see
+    `fetch_connections_for`).
     """
 
     method = SyncMethod.MEMORY
@@ -133,7 +144,10 @@ class ObjectStoreTransport:
         reconnected: Callable[[], Awaitable[Any]] | None = None,
         keyframe_interval: int = 1,
         delta_codec: str | None = None,
+        fetch_connections: int | None = None,
     ):
+        if fetch_connections is not None and (not isinstance(fetch_connections, int) or fetch_connections < 1):
+            raise ValueError(f"fetch_connections must be an int >= 1 or None (automatic), got {fetch_connections!r}")
         self._nc = nc
         # Control-plane requests (stream info, purge, manifest lookups) get a short timeout of their
         # own: one in flight when the server dies is never answered, and the retry should come
@@ -148,6 +162,7 @@ class ObjectStoreTransport:
         self._request_bytes = request_bytes
         self._timeout = timeout
         self._use_data_connection = data_connection
+        self._fetch_connections = fetch_connections
         self._algorithm = algorithm or default_digest_algorithm()
         self._reconnected = reconnected
         self._publish_retry_s = publish_retry_s
@@ -160,7 +175,8 @@ class ObjectStoreTransport:
         self._spare = SpareBuffer()
         self._held: HeldVersion | None = None
         self.last_publish: dict[str, Any] = {}  # what the last publish stored (kind, bytes)
-        self.last_fetch: dict[str, Any] = {}  # how the last fetch got its version (route, bytes)
+        self.last_fetch: dict[str, Any] = {}  # how the last fetch got its version (route, bytes, connections)
+        self._connections_opened = 0  # data connections the current fetch opened
 
     # public API -----------------------------------------------------------------------------------
 
@@ -296,6 +312,7 @@ class ObjectStoreTransport:
                 f"announced ref says {ref.digest}: it was republished; fetch the latest announced ref"
             )
         device = torch.device(device)
+        self._connections_opened = 0
         info = delta_info(manifest, where=f"stream {self.stream}")
         if info is None:
             pin = device.type == "cuda"
@@ -312,7 +329,7 @@ class ObjectStoreTransport:
             route = "keyframe"
         self.last_fetch = {
             "version": manifest.version, "route": route, "versions": versions, "bytes_moved": moved,
-            "nbytes": manifest.nbytes,
+            "nbytes": manifest.nbytes, "data_connections": self._connections_opened,
             "refused": None if route != "keyframe" else (
                 f"holds version {self._held.version}, the delta is on version {info.base}"  # type: ignore[union-attr]
                 if self._held is not None else "holds no version"),
@@ -621,19 +638,32 @@ class ObjectStoreTransport:
             if not self._nc.is_connected:
                 raise Transient("the NATS connection is reconnecting")
             raise NoDataConnection("client options rule out a data connection")
+        self._connections_opened += 1
         return await run_in_thread(DataConnection(endpoint, timeout=self._timeout), work)
 
     async def _fetch_data_connection(self, plan: _ChunkPlan) -> None:
-        """Fetch over data connections; if the server drops one (a slow consumer: more than its
-        max_pending queued for us, seen here when explorers starve for CPU), go on with the missing
-        chunks on a new connection with half the window, down to one chunk in flight."""
+        """Fetch over data connections: in stripes first where that is asked for (see the module
+        docstring), then what is left on one. If the server drops a connection (a slow consumer:
+        more than its max_pending queued for us, seen here when explorers starve for CPU), go on
+        with the missing chunks on a new connection with half the window, down to one chunk in flight."""
         window = self._window_bytes
-        while True:
+        endpoint = data_endpoint(self._nc)
+        count = self._fetch_connections or fetch_connections_for(secure=endpoint is not None and endpoint.secure)
+        stripes = plan.stripes(count, window)
+        if stripes:
+            inboxes = [self._nc.new_inbox() for _ in stripes]
+            try:
+                api = self._direct_get_subject
+                await _together([self._in_thread(functools.partial(_fetch_stripe, inbox, api, stripe))
+                                 for stripe, inbox in zip(stripes, inboxes)])
+            except ConnectionLost:
+                window = max(window // 2, plan.manifest.chunk_size)
+            plan.absorb(stripes, window)
+        while not plan.done:
             inbox = self._nc.new_inbox()  # here, not in the thread: nats-py's NUID is not thread-safe
             try:
                 # awaited in this iteration, before `inbox` changes
                 await self._in_thread(lambda conn: _fetch_raw(conn, inbox, self._direct_get_subject, plan))  # noqa: B023
-                return
             except ConnectionLost:
                 if window <= plan.manifest.chunk_size:
                     raise
@@ -744,6 +774,7 @@ class _ChunkPlan:
         self.manifest = manifest
         self.dest = dest
         self.filter_subject = filter_subject
+        self.request_bytes = request_bytes
         self.where = where
         self.bounds = manifest.chunks
         n = len(self.bounds)
@@ -780,13 +811,36 @@ class _ChunkPlan:
     def _body(self, seq: int, batch: int) -> bytes:
         return json.dumps({"seq": seq, "batch": batch, "next_by_subj": self.filter_subject}).encode()
 
-    def requests(self) -> list[bytes]:
+    def stripes(self, count: int, window_bytes: int) -> list[_Stripe]:
+        """This plan split into `count` contiguous parts to fetch at once, one per connection, each
+        with its share of `window_bytes` (at least two chunks); none when it cannot be split (the
+        chunks' sequences are unknown, or fewer than two chunks a part)."""
+        n = len(self.bounds)
+        if count < 2 or self.first_seq is None or n < 2 * count or self.count:
+            return []
+        share = max(window_bytes // count, 2 * max(self.manifest.chunk_size, 1))
+        cuts = [n * i // count for i in range(count + 1)]
+        return [_Stripe(self, range(a, b), share) for a, b in zip(cuts, cuts[1:])]
+
+    def absorb(self, stripes: Sequence[_Stripe], window_bytes: int) -> None:
+        """After the stripes: count what they landed, and plan the rest (on one connection, within
+        `window_bytes`) from the first chunk still missing, catch-up included."""
+        self.count = self.received.count(1)
+        self.max_seq = max([self.max_seq, *(stripe.max_seq for stripe in stripes)])
+        self.next_seq = self.planned_end  # every planned sequence was asked for by some stripe...
+        self.restart(window_bytes)  # ...unless one stopped early: then again from the first missing
+
+    def _planned(self) -> list[bytes]:
         out = []
         while self.outstanding < self.max_outstanding and self.next_seq < self.planned_end:
             batch = min(self.per_request, self.planned_end - self.next_seq)
             out.append(self._body(self.next_seq, batch))
             self.next_seq += batch
             self.outstanding += 1
+        return out
+
+    def requests(self) -> list[bytes]:
+        out = self._planned()
         if not out and self.outstanding == 0 and not self.done:
             if not self.catchup_progress:
                 raise _MissingChunks([i for i, got in enumerate(self.received) if not got])
@@ -815,10 +869,13 @@ class _ChunkPlan:
         if seq > self.max_seq:
             self.max_seq = seq
             self.catchup_progress = True
-        if not 0 <= index < len(self.bounds) or self.received[index]:
+        if not self._wanted(index):
             return None
         a, b = self.bounds[index]
         return self.dest.view[a:b]
+
+    def _wanted(self, index: int) -> bool:
+        return 0 <= index < len(self.bounds) and not self.received[index]
 
     def landed_wrong_size(self, headers: Mapping[str, str], data: bytes) -> None:
         index = int(headers["Nats-Subject"].rsplit(".", 1)[1])
@@ -830,6 +887,33 @@ class _ChunkPlan:
         self.manifest.check_chunk(index, [self.dest.view[a:b]], where=self.where, digest=digest)
         self.received[index] = 1
         self.count += 1
+
+
+class _Stripe(_ChunkPlan):
+    """One connection's part of a striped fetch: the chunks `indices` of `parent`, asked for by
+    their stream sequences, landing in the parent's destination and marked in its `received`
+    (the parts are disjoint, so no two threads write the same place). It does no catch-up: a chunk
+    of its part that is not where the sequences say is left to the parent (`absorb`)."""
+
+    def __init__(self, parent: _ChunkPlan, indices: range, window_bytes: int):
+        super().__init__(parent.manifest, parent.dest, parent.filter_subject, parent.request_bytes,
+                         window_bytes, parent.where)
+        assert parent.first_seq is not None
+        self.received = parent.received
+        self.indices = indices
+        self.next_seq = parent.first_seq + indices.start
+        self.planned_end = parent.first_seq + indices.stop
+
+    @property
+    def done(self) -> bool:
+        # all of its chunks, or every planned batch answered (what is still missing is the parent's)
+        return self.count == len(self.indices) or (self.next_seq >= self.planned_end and self.outstanding == 0)
+
+    def requests(self) -> list[bytes]:
+        return self._planned()
+
+    def _wanted(self, index: int) -> bool:
+        return index in self.indices and not self.received[index]
 
 
 class _DeltaPlan(_ChunkPlan):
@@ -851,6 +935,9 @@ class _DeltaPlan(_ChunkPlan):
         self._scratch[index] = buf
         return buf
 
+    def stripes(self, count: int, window_bytes: int) -> list[_Stripe]:
+        return []  # a delta is a small fraction of a version, decoded in order: one connection
+
     def landed_wrong_size(self, headers: Mapping[str, str], data: bytes) -> None:
         index = int(headers["Nats-Subject"].rsplit(".", 1)[1])
         self.decoder.apply(index, data)  # raises: the stored size differs
@@ -860,6 +947,30 @@ class _DeltaPlan(_ChunkPlan):
         self.decoding.submit(index, self._scratch.pop(index))  # decoded and checked by `decoding.finish`
         self.received[index] = 1
         self.count += 1
+
+
+def fetch_connections_for(*, secure: bool) -> int:
+    """How many data connections one fetch uses by default: one plain (it is bound by the kernel's
+    copy and the page faults, which more connections only share out), under TLS one per two CPUs
+    of this host, up to 4 (each decrypts on its own core while the server encrypts on another)."""
+    if not secure:
+        return 1
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(4, cpus // 2))
+
+
+async def _together(awaitables: Sequence[Awaitable[Any]]) -> None:
+    """Await all; the first failure cancels the rest (waited for) and is raised."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _parse_ack(data: bytes, status: str | None, where: str, index: int) -> int:
@@ -913,6 +1024,10 @@ def _publish_raw(
     finally:
         it.close()
     return seqs
+
+
+def _fetch_stripe(inbox: str, api_subject: str, stripe: _Stripe, conn: DataConnection) -> None:
+    _fetch_raw(conn, inbox, api_subject, stripe)
 
 
 def _fetch_raw(conn: DataConnection, inbox: str, api_subject: str, plan: _ChunkPlan) -> None:

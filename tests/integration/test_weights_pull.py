@@ -1,7 +1,8 @@
 """Pull weight transports against a real nats-server / real files: bit-exact round trips, corruption,
 partial uploads that never become visible, pruning, missing versions.
 
-The object store runs twice: over its plain data connection and over the nats-py fallback path.
+The object store runs three times: over its plain data connection, over three of them at once
+(a striped fetch), and over the nats-py fallback path.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from rolectl.bus.weights.format import _HUGE_PAGE_MIN
 from rolectl.bus.weights.object_store import ObjectStoreTransport
 from tests.support.tensors import assert_bit_exact
 
-KINDS = ["object_store", "object_store_nats_py", "checkpoint"]
+KINDS = ["object_store", "object_store_striped", "object_store_nats_py", "checkpoint"]
+OBJECT_STORE_KINDS = ["object_store", "object_store_striped", "object_store_nats_py"]
 
 
 def small_state(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -53,7 +55,9 @@ def make_transport(kind: str, nc, job: str, tmp_path: Path, **kw) -> PullTranspo
     chunk = kw.pop("chunk_size_os", None)
     if chunk:
         kw["chunk_size"] = chunk
-    return ObjectStoreTransport(nc, job, data_connection=(kind == "object_store"), **kw)
+    if kind == "object_store_striped":
+        kw["fetch_connections"] = 3
+    return ObjectStoreTransport(nc, job, data_connection=(kind != "object_store_nats_py"), **kw)
 
 
 @pytest.fixture(params=KINDS)
@@ -244,7 +248,7 @@ def tamper_checkpoint(t: CheckpointTransport, version: int, offset_from_end: int
 
 @pytest.mark.parametrize("size_delta", [0, 3, -3])
 async def test_a_corrupt_object_store_chunk_names_version_chunk_and_tensor(nc, job_name, tmp_path, size_delta):
-    for kind in ("object_store", "object_store_nats_py"):
+    for kind in OBJECT_STORE_KINDS:
         t = make_transport(kind, nc, f"{job_name[:40]}-{len(kind)}", tmp_path, chunk_size_os=256)
         state = small_state()
         ref = await t.publish(4, state)
@@ -256,7 +260,7 @@ async def test_a_corrupt_object_store_chunk_names_version_chunk_and_tensor(nc, j
         assert "tensors " in text and "no tensors were returned" in text
 
 
-@pytest.mark.parametrize("kind", ["object_store", "object_store_nats_py"])
+@pytest.mark.parametrize("kind", OBJECT_STORE_KINDS)
 async def test_one_chunk_per_request_still_finds_a_rewritten_chunk(nc, job_name, tmp_path, kind):
     # The rewritten chunk sits after the manifest in the stream: only catch-up requests reach it.
     t = make_transport(kind, nc, job_name, tmp_path, chunk_size_os=256, request_bytes=256, window_bytes=1024)
@@ -266,7 +270,7 @@ async def test_one_chunk_per_request_still_finds_a_rewritten_chunk(nc, job_name,
         await t.fetch(ref)
 
 
-@pytest.mark.parametrize("kind", ["object_store", "object_store_nats_py"])
+@pytest.mark.parametrize("kind", OBJECT_STORE_KINDS)
 async def test_a_deleted_chunk_is_reported_missing(nc, job_name, tmp_path, kind):
     t = make_transport(kind, nc, job_name, tmp_path, chunk_size_os=256, request_bytes=512, window_bytes=1024)
     ref = await t.publish(4, small_state())
@@ -408,6 +412,55 @@ def test_after_a_lost_connection_the_plan_asks_again_for_missing_chunks_only():
     plan.restart(2000)
     again = [json.loads(b) for b in plan.requests()]
     assert [(r["seq"], r["batch"]) for r in again] == [(13, 2)]  # half the window, from chunk 2
+
+
+def _chunk_headers(seq: int, index: int) -> dict[str, str]:
+    return {"Nats-Sequence": str(seq), "Nats-Subject": f"s.{index}"}
+
+
+def test_stripes_split_the_plan_and_the_parent_asks_for_what_they_missed():
+    from rolectl.bus.weights.format import Destination, SourceBytes, build_manifest
+    from rolectl.bus.weights.object_store import _ChunkPlan
+
+    source = SourceBytes({"w": torch.arange(2000, dtype=torch.int64)})  # 16000 bytes: 16 chunks
+    manifest = build_manifest(1, source, chunk_size=1000, extra={"first_seq": 11})
+    plan = _ChunkPlan(manifest, Destination(manifest.layout), "s.>", 1000, 4000, "here")
+    stripes = plan.stripes(3, 4000)
+    assert [s.indices for s in stripes] == [range(0, 5), range(5, 10), range(10, 16)]
+    # each its own sequences, at least two chunks in flight (4000 / 3 would be one)
+    assert [json.loads(b)["seq"] for b in stripes[1].requests()] == [16, 17]
+    assert stripes[1].target(_chunk_headers(11, 0), 1000) is None  # stripe 0's chunk: not its own
+    assert stripes[0].target(_chunk_headers(11, 0), 1000) is not None
+    for index in range(16):  # every chunk landed but 7: stripe 1's connection dropped
+        if index != 7:
+            plan.received[index] = 1
+    plan.absorb(stripes, 2000)
+    assert plan.count == 15 and not plan.done
+    assert [(r["seq"], r["batch"]) for r in map(json.loads, plan.requests())] == [(18, 1), (19, 1)]
+    # no stripes where sequences are unknown, or a part would be under two chunks
+    assert _ChunkPlan(build_manifest(1, source, chunk_size=1000), Destination(manifest.layout), "s.>", 1000, 4000,
+                      "here").stripes(3, 4000) == []
+    assert _ChunkPlan(manifest, Destination(manifest.layout), "s.>", 1000, 4000, "here").stripes(9, 4000) == []
+
+
+async def test_a_striped_fetch_opens_its_connections_and_reports_them(nc, job_name, tmp_path):
+    t = make_transport("object_store_striped", nc, job_name, tmp_path, chunk_size_os=256)
+    plain = make_transport("object_store", nc, job_name, tmp_path, chunk_size_os=256)
+    state = small_state()
+    ref = await t.publish(1, state)
+    assert_bit_exact(state, await t.fetch(ref))
+    assert t.last_fetch["data_connections"] == 3
+    assert_bit_exact(state, await plain.fetch(ref))
+    assert plain.last_fetch["data_connections"] == 1  # a plain client's default: one
+    with pytest.raises(ValueError, match="fetch_connections must be an int >= 1"):
+        ObjectStoreTransport(nc, job_name, fetch_connections=0)
+
+
+def test_by_default_only_a_tls_fetch_is_striped():
+    from rolectl.bus.weights.object_store import fetch_connections_for
+
+    assert fetch_connections_for(secure=False) == 1
+    assert fetch_connections_for(secure=True) == max(1, min(4, len(os.sched_getaffinity(0)) // 2))
 
 
 # storage and lifecycle ------------------------------------------------------------------------------

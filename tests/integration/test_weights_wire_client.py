@@ -30,6 +30,7 @@ from rolectl.bus.weights._wire_client import (
     run_in_thread,
 )
 from rolectl.bus.weights.object_store import ObjectStoreTransport
+from tests.support.wait import wait_until
 
 
 def open_to(nc, *, timeout: float = 10.0) -> DataConnection:
@@ -358,12 +359,22 @@ async def test_a_secured_job_moves_weights_over_its_data_connections(tmp_path):
     admin, trainer, explorer = [await _connect_as(auth, i) for i in ("admin", "trainer", "explorer-0")]
     try:
         await ObjectStoreTransport(admin, SECURE_JOB).ensure_stream()
-        ref = await ObjectStoreTransport(trainer, SECURE_JOB).publish(1, weights)
+        ref = await ObjectStoreTransport(trainer, SECURE_JOB, chunk_size=1 << 20).publish(1, weights)
         got = await ObjectStoreTransport(explorer, SECURE_JOB).fetch(ref)
         assert all(torch.equal(got[k], weights[k]) for k in weights)
         nkeys = parse_nkeys(auth.server_conf.read_text())
-        used = {c["authorized_user"] for c in _data_connections(server, "closed") if c.get("tls_version")}
-        assert {nkeys["trainer"], nkeys["explorer-0"]} <= used  # both ends went over TLS data connections
+        def closed_tls_users() -> list[str]:  # the server notes a closed connection a moment after the client
+            return [c["authorized_user"] for c in _data_connections(server, "closed") if c.get("tls_version")]
+
+        await wait_until(lambda: {nkeys["trainer"], nkeys["explorer-0"]} <= set(closed_tls_users()), timeout=10,
+                         what="both ends' TLS data connections closed")  # both went over TLS data connections
+        # striped: three TLS connections, each with the explorer's nkey, land one bit-exact version
+        striped = ObjectStoreTransport(explorer, SECURE_JOB, fetch_connections=3)
+        got = await striped.fetch(ref)
+        assert all(torch.equal(got[k], weights[k]) for k in weights)
+        assert striped.last_fetch["data_connections"] == 3
+        await wait_until(lambda: closed_tls_users().count(nkeys["explorer-0"]) >= 4, timeout=10,
+                         what="the explorer's 1 + 3 TLS data connections closed")
     finally:
         for nc in (admin, trainer, explorer):
             await nc.close()
