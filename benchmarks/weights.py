@@ -691,7 +691,8 @@ async def bench_object_store_secure(ctx: BenchContext) -> dict:
     auth = init_auth_dir(Path(ctx.workdir) / "auth", job=job, explorers=1, port=free_port(),
                          http_port=free_port(), store_dir=str(Path(ctx.workdir) / "nats-secure"))
     storage = ctx.storage
-    async with NatsServer(config_file=str(auth.server_conf), port=auth.port, http_port=auth.http_port) as server:
+    async with NatsServer(config_file=str(auth.server_conf), port=auth.port, http_port=auth.http_port,
+                          go_gc=_server_go_gc(storage)) as server:
         admin = await nats.connect(auth.url, **auth.security("admin").connect_options(job))
         try:
             await ObjectStoreTransport(admin, job, storage=storage).ensure_stream()
@@ -713,6 +714,13 @@ async def bench_object_store_secure(ctx: BenchContext) -> dict:
         finally:
             ctx.server_pid = plain_server
             await nc.close()
+
+
+def _server_go_gc(storage: str) -> int | None:
+    """The server's GOGC as `rolectl up` chooses it for a job whose object store uses `storage`."""
+    from rolectl.bus.server import MEMORY_STORAGE_GOGC
+
+    return MEMORY_STORAGE_GOGC if storage == "memory" else None
 
 
 async def bench_checkpoint(ctx: BenchContext) -> dict:
@@ -748,7 +756,7 @@ async def run(size_mb: int, explorers: int, repeat: int, *, dist: bool = True,
     state = shaped_state_dict(shape, size_mb) if shape else build_state_dict(size_mb)
     beside: BesideJob | None = None
     with tempfile.TemporaryDirectory(prefix="rolectl-bench-") as workdir:
-        async with NatsServer(store_dir=str(Path(workdir) / "nats")) as server:
+        async with NatsServer(store_dir=str(Path(workdir) / "nats"), go_gc=_server_go_gc(storage)) as server:
             ctx = BenchContext(size_mb=size_mb, explorers=explorers, repeat=repeat, url=server.url,
                                workdir=workdir, state=state, flat=_flat_bytes(state), progress=progress,
                                stock_mb=stock_mb, device=device, fanout=tuple(fanout),
@@ -933,7 +941,7 @@ def main(argv: list[str] | None = None) -> None:
                              "versions in the server's RAM)")
     parser.add_argument("--fetch-connections", type=int, default=None, metavar="N",
                         help="data connections per object-store fetch (default: the transport's own choice, "
-                             "one plain, one per two CPUs up to 4 under TLS)")
+                             "one plain, under TLS one per two CPUs, 2 to 4)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:

@@ -52,6 +52,11 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
 
 
+MEMORY_STORAGE_GOGC = 25
+"""GOGC for a server whose weight versions sit in memory storage: RSS about 1.5x the stored bytes
+instead of 2.4x, at no cost to fetch speed (`python -m benchmarks.server_memory`)."""
+
+
 @dataclass
 class NatsServer:
     """A nats-server child process with JetStream.
@@ -74,9 +79,11 @@ class NatsServer:
     # A complete nats-server config (e.g. `rolectl auth init`'s, with TLS and identities): used as
     # is (its own JetStream store), with `host`/`port`/`http_port` saying where it listens.
     config_file: str | None = None
-    # Go's GOGC for the server unless the environment sets one: memory storage keeps weight versions
-    # in the Go heap, and the default (100) lets it grow to about twice what is stored.
-    go_gc: int | None = 25
+    # Go's GOGC for the server unless the environment sets one (None: Go's default, 100). Memory
+    # storage keeps weight versions in the Go heap, which the default lets grow to about twice what
+    # is stored: MEMORY_STORAGE_GOGC suits it. File storage allocates a block buffer per direct get,
+    # and there the tighter GC halves fetch speed (docs/weights-at-size.md, Finding 5).
+    go_gc: int | None = None
 
     _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
     _terminating: bool = field(default=False, init=False, repr=False)  # SIGTERM sent, not waited for yet

@@ -137,7 +137,7 @@ class TransportConfig(Section):
     restart fails its fetch clearly (the explorer keeps its weights)."""
     fetch_connections: PositiveInt | None = None
     """Data connections one object-store fetch (`sync_method: memory`) is split over, each on its own
-    thread. Unset: one on a plain connection; under TLS one per two CPUs of the explorer's host, up
+    thread. Unset: one on a plain connection; under TLS one per two CPUs of the explorer's host, 2
     to 4, since one TLS connection decrypts on one core (docs/weights-at-size.md)."""
     bucket_size_mb: PositiveInt = 512
     """torch.distributed broadcast bucket size, in MiB."""

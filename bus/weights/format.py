@@ -422,9 +422,9 @@ class Destination:
 
 class SpareBuffer:
     """A pull transport's one spare flat buffer: the next fetch of the same size lands in it instead
-    of fresh memory. Writing fresh memory faults in every page (3.9 GB/s against 11.3 GB/s for a
-    copy into mapped memory on the 2-core VM; docs/weights-at-size.md), and a CUDA fetch's pinned
-    staging buffer costs a pinned allocation each time.
+    of fresh memory. Writing fresh memory faults in every page, several times slower than a copy
+    into mapped memory (docs/weights-at-size.md), and a CUDA fetch's pinned staging buffer costs a
+    pinned allocation each time.
 
     A buffer becomes spare only when nobody else can see it: a fetch onto another device copied
     out of it (`hand_out` keeps it), or the receiver of a CPU fetch said it is done with the tensors

@@ -52,7 +52,7 @@ Theory of operation
   destination. Under TLS one connection is one stream of records that the server encrypts on one
   core and the receiver decrypts on one thread; several connections spread that work over cores
   (OpenSSL and BLAKE3 release the GIL). By default a TLS client uses one connection per two CPUs,
-  up to 4, and a plain one a single connection. A chunk a part did not get (stored out of order, or
+  2 to 4, and a plain one a single connection. A chunk a part did not get (stored out of order, or
   its connection dropped) is fetched after the parts, on one connection, as without striping.
 """
 
@@ -950,16 +950,17 @@ class _DeltaPlan(_ChunkPlan):
 
 
 def fetch_connections_for(*, secure: bool) -> int:
-    """How many data connections one fetch uses by default: one plain (it is bound by the kernel's
-    copy and the page faults, which more connections only share out), under TLS one per two CPUs
-    of this host, up to 4 (each decrypts on its own core while the server encrypts on another)."""
+    """How many data connections one fetch uses by default: one plain (more were slower on 2
+    cores), under TLS one per two CPUs of this host, at least 2 and at most 4: each connection
+    decrypts on its own thread while the server encrypts it on its own core (two were faster than
+    one even on 2 cores; figures in docs/weights-at-size.md)."""
     if not secure:
         return 1
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cpus = os.cpu_count() or 1
-    return max(1, min(4, cpus // 2))
+    return min(4, max(2, cpus // 2))
 
 
 async def _together(awaitables: Sequence[Awaitable[Any]]) -> None:

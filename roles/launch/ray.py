@@ -28,6 +28,7 @@ from typing import Any
 
 from rolectl.roles.config import JobConfig
 from rolectl.roles.runner import EXIT_ERROR, EXIT_INCOMPLETE, EXIT_OK, EXIT_USAGE
+from rolectl.roles.transports import server_go_gc
 
 __all__ = ["RayUnavailable", "RayLaunchError", "import_ray", "role_bundles", "actor_name", "run_up_ray",
            "NAMESPACE", "INSTALL_HINT"]
@@ -200,13 +201,13 @@ class JobActor:
     def __init__(self) -> None:
         self.server = None
 
-    def start_nats(self, store_dir: str, log_file: str) -> tuple[str, str]:
+    def start_nats(self, store_dir: str, log_file: str, go_gc: int | None = None) -> tuple[str, str]:
         import ray
 
         from rolectl.bus.server import NatsServer
 
         Path(log_file).parent.mkdir(parents=True, exist_ok=True)
-        self.server = NatsServer(host="0.0.0.0", store_dir=store_dir, log_file=log_file)
+        self.server = NatsServer(host="0.0.0.0", store_dir=store_dir, log_file=log_file, go_gc=go_gc)
         self.server.start()
         ip = ray.util.get_node_ip_address()
         return f"nats://{ip}:{self.server.port}", f"http://{ip}:{self.server.http_port}"
@@ -405,7 +406,8 @@ def run_up_ray(cfg: JobConfig, *, ray_address: str | None, nats: str | None = No
             url = nats
         else:
             url, monitor_url = ray.get(job_actor.start_nats.remote(str(run_path / "nats"),
-                                                                   str(run_path / "logs" / "nats-server.log")),
+                                                                   str(run_path / "logs" / "nats-server.log"),
+                                                                   server_go_gc(cfg)),
                                        timeout=120)
         cfg = cfg.with_overrides(nats_url=url, run_dir=str(run_path))
         config_path = run_path / "job.yaml"

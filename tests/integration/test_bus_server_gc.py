@@ -1,5 +1,6 @@
-"""The embedded nats-server runs with a tighter Go GC (GOGC=25) unless the environment chooses one:
-memory storage keeps weight versions in the Go heap, which the default lets grow to twice the stored bytes."""
+"""The embedded nats-server's Go GC: Go's default unless asked (`go_gc`), the environment's GOGC
+first; `rolectl up` asks for MEMORY_STORAGE_GOGC only when weight versions sit in the server's memory
+(the tighter GC trims memory storage's heap and halves file storage's fetch speed)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from rolectl.bus.server import NatsServer, free_port
+from rolectl.bus.server import MEMORY_STORAGE_GOGC, NatsServer, free_port
+from rolectl.roles.config import load_config
+from rolectl.roles.transports import server_go_gc
+from tests.support.e2e import job_config
 
 
 def _server_environ(server: NatsServer) -> dict[str, str]:
@@ -16,12 +20,13 @@ def _server_environ(server: NatsServer) -> dict[str, str]:
 
 
 @pytest.mark.parametrize(("environment", "expected"), [(None, "25"), ("80", "80")])
-def test_the_server_gets_gogc_25_unless_the_environment_sets_it(tmp_path, monkeypatch, environment, expected):
+def test_go_gc_sets_gogc_unless_the_environment_does(tmp_path, monkeypatch, environment, expected):
     if environment is None:
         monkeypatch.delenv("GOGC", raising=False)
     else:
         monkeypatch.setenv("GOGC", environment)
-    server = NatsServer(store_dir=str(tmp_path / "store"), port=free_port(), log_file=str(tmp_path / "nats.log"))
+    server = NatsServer(store_dir=str(tmp_path / "store"), port=free_port(), log_file=str(tmp_path / "nats.log"),
+                        go_gc=25)
     server.start()
     try:
         assert _server_environ(server)["GOGC"] == expected
@@ -29,11 +34,22 @@ def test_the_server_gets_gogc_25_unless_the_environment_sets_it(tmp_path, monkey
         server.stop()
 
 
-def test_go_gc_none_leaves_the_environment_alone(tmp_path, monkeypatch):
+def test_by_default_the_environment_is_left_alone(tmp_path, monkeypatch):
     monkeypatch.delenv("GOGC", raising=False)
-    server = NatsServer(store_dir=str(tmp_path / "store"), port=free_port(), go_gc=None)
+    server = NatsServer(store_dir=str(tmp_path / "store"), port=free_port())
     server.start()
     try:
         assert "GOGC" not in _server_environ(server)
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize(("sync_method", "storage", "expected"), [
+    ("memory", "memory", MEMORY_STORAGE_GOGC),
+    ("memory", "file", None),
+    ("checkpoint", "memory", None),
+    ("nccl", "file", None),
+])
+def test_a_job_gets_the_tight_gc_only_with_weights_in_server_memory(tmp_path, sync_method, storage, expected):
+    path = job_config(tmp_path, synchronizer={"sync_method": sync_method}, transport={"object_store_storage": storage})
+    assert server_go_gc(load_config(path)) == expected

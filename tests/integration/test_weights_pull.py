@@ -460,7 +460,7 @@ def test_by_default_only_a_tls_fetch_is_striped():
     from rolectl.bus.weights.object_store import fetch_connections_for
 
     assert fetch_connections_for(secure=False) == 1
-    assert fetch_connections_for(secure=True) == max(1, min(4, len(os.sched_getaffinity(0)) // 2))
+    assert fetch_connections_for(secure=True) == min(4, max(2, len(os.sched_getaffinity(0)) // 2))
 
 
 # storage and lifecycle ------------------------------------------------------------------------------
