@@ -658,7 +658,12 @@ class ObjectStoreTransport:
                                  for stripe, inbox in zip(stripes, inboxes)])
             except ConnectionLost:
                 window = max(window // 2, plan.manifest.chunk_size)
-            plan.absorb(stripes, window)
+            except NoDataConnection:
+                # The server refused one of several (a connection limit?): one may still be allowed;
+                # this transport stops striping, and falls back to nats-py only if one is refused too.
+                self._fetch_connections = 1
+            finally:  # whoever goes on (one connection below, or the nats-py path) sees what landed
+                plan.absorb(stripes, window)
         while not plan.done:
             inbox = self._nc.new_inbox()  # here, not in the thread: nats-py's NUID is not thread-safe
             try:

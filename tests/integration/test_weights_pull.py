@@ -456,6 +456,31 @@ async def test_a_striped_fetch_opens_its_connections_and_reports_them(nc, job_na
         ObjectStoreTransport(nc, job_name, fetch_connections=0)
 
 
+async def test_a_refused_stripe_connection_leaves_one_connection_not_nats_py(nc, job_name, tmp_path, monkeypatch):
+    """A server at its connection limit refuses one of the stripes' connections: the fetch still
+    lands over one data connection (not the slow nats-py path), and later fetches do not stripe.
+    The refusal is injected into the second connection a fetch opens, as a real server's -ERR
+    reads (the real limit would refuse whichever stripe connected last, which a test cannot pin)."""
+    from rolectl.bus.weights import _wire_client
+
+    t = make_transport("object_store_striped", nc, job_name, tmp_path, chunk_size_os=256)
+    state = small_state()
+    ref = await t.publish(1, state)
+    real_open, opened = _wire_client.DataConnection.open, []
+
+    def open_at_the_limit(self) -> None:
+        opened.append(self)
+        if len(opened) == 2:
+            raise _wire_client.NoDataConnection("server greeting is not INFO: b\"-ERR 'maximum connections exceeded'\"")
+        real_open(self)
+
+    monkeypatch.setattr(_wire_client.DataConnection, "open", open_at_the_limit)
+    assert_bit_exact(state, await t.fetch(ref))
+    assert t.last_fetch["data_connections"] == 4  # three tried, then one for the rest
+    assert_bit_exact(state, await t.fetch(ref))
+    assert t.last_fetch["data_connections"] == 1 and len(opened) == 5
+
+
 def test_by_default_only_a_tls_fetch_is_striped():
     from rolectl.bus.weights.object_store import fetch_connections_for
 
