@@ -78,6 +78,11 @@ def _bench(name: str, module: str, args: list[str], timeout_s: float, *, json_fl
 STEPS: list[Step] = [
     Step("cuda_tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
                         "--dist", "loadgroup", "--junitxml", "{work}/cuda_tests.xml", *GPU_TESTS], 150),
+    # the host's many cores: a secured (TLS + nkeys) object-store fetch, striped over its default
+    # connections (one per two CPUs, up to 4), against a plain one; 1 GiB into host memory
+    _bench("secured_1g", "benchmarks.weights",
+           ["--size-mb", "1024", "--shape", "qwen2-1.5b", "--device", "cpu", "--explorers", "1", "--repeat", "5",
+            "--only", "object_store", "object_store_secure", "--no-dist", "--stock-mb", "1"], 150),
     # 1 GiB, Qwen2-1.5B-shaped: object store and checkpoint into CUDA (fan-out 4 and 8), and through
     # benchmarks.weights_dist gloo and cuda_ipc to one receiver, against D2D / pinned H2D / loopback
     _bench("weights_1g", "benchmarks.weights",
@@ -382,6 +387,12 @@ def _goals(steps: dict[str, Any]) -> dict[str, Any]:
     ratio = None if one is None or four is None else four / one
     goals["cuda_ipc_fanout_4_over_one"] = {"value": ratio, "goal": "<= 1.5",
                                            "met": None if ratio is None else ratio <= 1.5}
+    for stat, label in (("gbps", "best"), ("median_gbps", "median")):
+        plain = get("secured_1g", "transports", "object_store", stat)
+        secured = get("secured_1g", "transports", "object_store_secure", stat)
+        ratio = None if plain is None or not secured else plain / secured
+        goals[f"secured_slowdown_1g_{label}"] = {"value": ratio, "goal": "<= 1.2",
+                                                 "met": None if ratio is None else ratio <= 1.2}
     seconds = get("weights_4g", "transports", "cuda_ipc", "seconds")
     goals["cuda_ipc_7b_shaped_4g_seconds"] = {"value": seconds, "goal": "<= 0.5",
                                               "met": None if seconds is None else seconds <= 0.5}

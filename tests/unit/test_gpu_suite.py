@@ -63,8 +63,14 @@ def test_the_goals_compare_the_measured_figures_and_leave_unmeasured_ones_open()
             "object_store": {"fanout_by_explorers": {"4": {"ratio": 1.7}}},
         }}},
         "weights_4g": {"result": {"transports": {"cuda_ipc": {"seconds": 0.4}}}},
+        "secured_1g": {"result": {"transports": {
+            "object_store": {"gbps": 2.0, "median_gbps": 1.8},
+            "object_store_secure": {"gbps": 1.8, "median_gbps": 1.2},
+        }}},
     }
     goals = gpu_suite._goals(steps)
+    assert goals["secured_slowdown_1g_best"] == {"value": 2.0 / 1.8, "goal": "<= 1.2", "met": True}
+    assert goals["secured_slowdown_1g_median"]["met"] is False  # 1.5x
     assert goals["cuda_ipc_of_d2d_1g"]["met"] is True
     assert goals["object_store_fanout_4_over_one"]["met"] is False
     assert goals["cuda_ipc_7b_shaped_4g_seconds"]["met"] is True
