@@ -272,7 +272,10 @@ async def test_a_weight_load_waits_for_the_requests_running_then_holds_new_ones(
     endpoint, client, _ = await serving()
     running = [asyncio.ensure_future(client.completions.create(model=MODEL, prompt="reverse 1 2 3 =", seed=i))
                for i in range(3)]
-    await wait_until(lambda: endpoint.engine_lock.running > 0, timeout=30, poll=0.01, what="requests running")
+    # All three past the gate (running, or already answered): one still on its way to the endpoint
+    # would be held by the load below and answered by the new version.
+    await wait_until(lambda: endpoint.engine_lock.running + sum(r.done() for r in running) == 3,
+                     timeout=30, poll=0.01, what="the three requests running or answered")
     before = engine.version
     async with endpoint.engine_lock:  # what the serving explorer does to load weights
         assert endpoint.engine_lock.running == 0  # every request that was running has finished
