@@ -684,7 +684,7 @@ async def bench_object_store_secure(ctx: BenchContext) -> dict:
     import nats
 
     from rolectl.bus.auth import init_auth_dir
-    from rolectl.bus.server import NatsServer, free_port
+    from rolectl.bus.server import NatsServer, free_port, go_gc_for_weights
     from rolectl.bus.weights.object_store import ObjectStoreTransport
 
     job = "bench-secure"
@@ -692,7 +692,7 @@ async def bench_object_store_secure(ctx: BenchContext) -> dict:
                          http_port=free_port(), store_dir=str(Path(ctx.workdir) / "nats-secure"))
     storage = ctx.storage
     async with NatsServer(config_file=str(auth.server_conf), port=auth.port, http_port=auth.http_port,
-                          go_gc=_server_go_gc(storage)) as server:
+                          go_gc=go_gc_for_weights(storage)) as server:
         admin = await nats.connect(auth.url, **auth.security("admin").connect_options(job))
         try:
             await ObjectStoreTransport(admin, job, storage=storage).ensure_stream()
@@ -714,13 +714,6 @@ async def bench_object_store_secure(ctx: BenchContext) -> dict:
         finally:
             ctx.server_pid = plain_server
             await nc.close()
-
-
-def _server_go_gc(storage: str) -> int | None:
-    """The server's GOGC as `rolectl up` chooses it for a job whose object store uses `storage`."""
-    from rolectl.bus.server import MEMORY_STORAGE_GOGC
-
-    return MEMORY_STORAGE_GOGC if storage == "memory" else None
 
 
 async def bench_checkpoint(ctx: BenchContext) -> dict:
@@ -750,13 +743,13 @@ async def run(size_mb: int, explorers: int, repeat: int, *, dist: bool = True,
               stock_mb: int = 8, shape: str | None = None, device: str = "cpu",
               fanout: tuple[int, ...] = (), beside_job: bool = False, storage: str = "memory",
               recycle: bool = True, fetch_connections: int | None = None) -> dict:
-    from rolectl.bus.server import NatsServer
+    from rolectl.bus.server import NatsServer, go_gc_for_weights
     from rolectl.bus.weights.format import default_digest_algorithm
 
     state = shaped_state_dict(shape, size_mb) if shape else build_state_dict(size_mb)
     beside: BesideJob | None = None
     with tempfile.TemporaryDirectory(prefix="rolectl-bench-") as workdir:
-        async with NatsServer(store_dir=str(Path(workdir) / "nats"), go_gc=_server_go_gc(storage)) as server:
+        async with NatsServer(store_dir=str(Path(workdir) / "nats"), go_gc=go_gc_for_weights(storage)) as server:
             ctx = BenchContext(size_mb=size_mb, explorers=explorers, repeat=repeat, url=server.url,
                                workdir=workdir, state=state, flat=_flat_bytes(state), progress=progress,
                                stock_mb=stock_mb, device=device, fanout=tuple(fanout),

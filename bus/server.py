@@ -57,6 +57,12 @@ MEMORY_STORAGE_GOGC = 25
 instead of 2.4x, at no cost to fetch speed (`python -m benchmarks.server_memory`)."""
 
 
+def go_gc_for_weights(storage: str | None) -> int | None:
+    """`NatsServer.go_gc` for a server whose object store keeps weight versions in `storage`
+    ("memory" or "file"; None: no weights in it): the tight GC for memory storage only."""
+    return MEMORY_STORAGE_GOGC if storage == "memory" else None
+
+
 @dataclass
 class NatsServer:
     """A nats-server child process with JetStream.

@@ -21,8 +21,9 @@ from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, Strict,
 
 from rolectl.bus.connection import parse_server_urls
 from rolectl.bus.security import ClientSecurity
+from rolectl.bus.server import go_gc_for_weights
 from rolectl.bus.subjects import check_name
-from rolectl.sync_protocol import ConfigError, SyncConfig
+from rolectl.sync_protocol import ConfigError, SyncConfig, SyncMethod
 
 from .engines.config_errors import problems_of, yaml_kind
 from .engines.sections import NonNegativeInt, PathStr, PositiveInt, Seconds, Section, StrictBool
@@ -369,6 +370,13 @@ class JobConfig(Section):
     @property
     def trainer_checkpoint_dir(self) -> Path:
         return Path(self.trainer.checkpoint_dir) if self.trainer.checkpoint_dir else self.job_dir / "trainer"
+
+    @property
+    def server_go_gc(self) -> int | None:
+        """The embedded nats-server's GOGC for this job: tight when weight versions sit in its memory
+        (`sync_method: memory` with `object_store_storage: memory`), Go's default otherwise."""
+        in_server = self.synchronizer.sync_method is SyncMethod.MEMORY
+        return go_gc_for_weights(self.transport.object_store_storage if in_server else None)
 
     @property
     def weights_checkpoint_dir(self) -> Path:

@@ -19,15 +19,6 @@ def wire_dtype(cfg: JobConfig) -> torch.dtype | None:
     return None if name is None else getattr(torch, name)
 
 
-def server_go_gc(cfg: JobConfig) -> int | None:
-    """The embedded nats-server's GOGC for this job: tight when weight versions sit in its memory
-    (`sync_method: memory` with `object_store_storage: memory`), Go's default otherwise."""
-    from rolectl.bus.server import MEMORY_STORAGE_GOGC
-
-    in_memory = cfg.synchronizer.sync_method is SyncMethod.MEMORY and cfg.transport.object_store_storage == "memory"
-    return MEMORY_STORAGE_GOGC if in_memory else None
-
-
 def make_pull_transport(cfg: JobConfig, conn) -> PullTransport:
     """Object store (`memory`) or shared-directory checkpoint (`checkpoint`)."""
     method = cfg.synchronizer.sync_method

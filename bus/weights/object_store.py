@@ -653,8 +653,8 @@ class ObjectStoreTransport:
         if stripes:
             inboxes = [self._nc.new_inbox() for _ in stripes]
             try:
-                api = self._direct_get_subject
-                await _together([self._in_thread(functools.partial(_fetch_stripe, inbox, api, stripe))
+                await _together([self._in_thread(functools.partial(_fetch_raw, inbox=inbox, plan=stripe,
+                                                                   api_subject=self._direct_get_subject))
                                  for stripe, inbox in zip(stripes, inboxes)])
             except ConnectionLost:
                 window = max(window // 2, plan.manifest.chunk_size)
@@ -1030,10 +1030,6 @@ def _publish_raw(
     finally:
         it.close()
     return seqs
-
-
-def _fetch_stripe(inbox: str, api_subject: str, stripe: _Stripe, conn: DataConnection) -> None:
-    _fetch_raw(conn, inbox, api_subject, stripe)
 
 
 def _fetch_raw(conn: DataConnection, inbox: str, api_subject: str, plan: _ChunkPlan) -> None:

@@ -41,7 +41,6 @@ from rolectl.roles.observe.trackers import Trackers
 from rolectl.roles.provision import provision_job
 from rolectl.roles.runner import EXIT_ERROR, EXIT_INCOMPLETE, EXIT_INTERRUPTED
 from rolectl.roles.session import stop_task
-from rolectl.roles.transports import server_go_gc
 from rolectl.sync_protocol import Role
 
 __all__ = ["run_up", "supervise", "summarize", "write_config", "LocalLauncher", "RoleProcess"]
@@ -173,13 +172,13 @@ def run_up(cfg: JobConfig, *, explorers: int | None = None, summary_path: str | 
     (run_path / "logs").mkdir(parents=True, exist_ok=True)
     if auth is None:
         server = NatsServer(store_dir=str(run_path / "nats"), log_file=str(run_path / "logs" / "nats-server.log"),
-                            go_gc=server_go_gc(cfg))
+                            go_gc=cfg.server_go_gc)
     else:  # the store stays per run, so a second run of the same job starts from an empty stream
         conf = run_path / "nats-server.conf"
         conf.write_text(auth.server_conf_with_store(run_path / "nats"))
         server = NatsServer(config_file=str(conf), host="127.0.0.1", port=auth.port,
                             http_port=auth.http_port, log_file=str(run_path / "logs" / "nats-server.log"),
-                            go_gc=server_go_gc(cfg))
+                            go_gc=cfg.server_go_gc)
     try:
         server.start()
     except NatsServerError as exc:

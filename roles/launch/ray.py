@@ -28,7 +28,6 @@ from typing import Any
 
 from rolectl.roles.config import JobConfig
 from rolectl.roles.runner import EXIT_ERROR, EXIT_INCOMPLETE, EXIT_OK, EXIT_USAGE
-from rolectl.roles.transports import server_go_gc
 
 __all__ = ["RayUnavailable", "RayLaunchError", "import_ray", "role_bundles", "actor_name", "run_up_ray",
            "NAMESPACE", "INSTALL_HINT"]
@@ -407,7 +406,7 @@ def run_up_ray(cfg: JobConfig, *, ray_address: str | None, nats: str | None = No
         else:
             url, monitor_url = ray.get(job_actor.start_nats.remote(str(run_path / "nats"),
                                                                    str(run_path / "logs" / "nats-server.log"),
-                                                                   server_go_gc(cfg)),
+                                                                   cfg.server_go_gc),
                                        timeout=120)
         cfg = cfg.with_overrides(nats_url=url, run_dir=str(run_path))
         config_path = run_path / "job.yaml"

@@ -10,7 +10,6 @@ import pytest
 
 from rolectl.bus.server import MEMORY_STORAGE_GOGC, NatsServer, free_port
 from rolectl.roles.config import load_config
-from rolectl.roles.transports import server_go_gc
 from tests.support.e2e import job_config
 
 
@@ -52,4 +51,4 @@ def test_by_default_the_environment_is_left_alone(tmp_path, monkeypatch):
 ])
 def test_a_job_gets_the_tight_gc_only_with_weights_in_server_memory(tmp_path, sync_method, storage, expected):
     path = job_config(tmp_path, synchronizer={"sync_method": sync_method}, transport={"object_store_storage": storage})
-    assert server_go_gc(load_config(path)) == expected
+    assert load_config(path).server_go_gc == expected
