@@ -250,6 +250,38 @@ async def test_file_object_store_fetch_waits_for_a_restarted_server_and_keeps_ev
         assert await trainer.versions() == [1, 2]
 
 
+async def test_a_server_killed_mid_striped_fetch_is_ridden_out_bit_exact(own_server, monkeypatch):
+    """kill -9 while three data connections are landing chunks: every stripe fails, the fetch is
+    tried again once the server is back (file storage kept the version) and lands bit-exact."""
+    from rolectl.bus.weights import object_store
+
+    async with connect(own_server.url, job="restart-stripes", role="explorer", member="e0") as conn:
+        trainer = ObjectStoreTransport(conn.nc, "restart-stripes", storage="file", chunk_size=64 << 10)
+        explorer = ObjectStoreTransport(conn.nc, "restart-stripes", storage="file", fetch_connections=3)
+        weights = {"w": torch.randn(4 << 20, generator=torch.Generator().manual_seed(3))}  # 16 MiB: 256 chunks
+        ref = await trainer.publish(1, weights)
+        landed, killed = [], asyncio.Event()
+        loop = asyncio.get_running_loop()
+        real_landed = object_store._Stripe.landed
+
+        def landed_then_kill(self, headers, digest=None):
+            real_landed(self, headers, digest)
+            landed.append(1)
+            if len(landed) == 10:  # on a stripe's thread, mid-fetch: the other stripes are still receiving
+                own_server.kill()
+                loop.call_soon_threadsafe(killed.set)
+
+        monkeypatch.setattr(object_store._Stripe, "landed", landed_then_kill)
+        fetching = asyncio.create_task(explorer.fetch(ref))
+        await asyncio.wait_for(killed.wait(), 30)
+        await conn.wait_disconnected(timeout=5)
+        assert not fetching.done()
+        await asyncio.to_thread(own_server.start)
+        got = await asyncio.wait_for(fetching, 60)
+        assert torch.equal(got["w"], weights["w"])
+        assert len(landed) > 10  # the retry striped again, from a fresh plan
+
+
 async def test_an_object_store_outage_longer_than_the_budget_is_a_transfer_error(own_server):
     async with connect(own_server.url, job="restart-budget", role="explorer", member="e0") as conn:
         t = ObjectStoreTransport(conn.nc, "restart-budget", storage="file", timeout=0.5,
