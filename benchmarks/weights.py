@@ -3,6 +3,7 @@
     python -m benchmarks.weights [--size-mb 256] [--explorers 4] [--repeat 5] [--json PATH] [--no-dist]
         [--shape qwen2-1.5b|qwen2-7b] [--device cuda] [--fanout 4 8]
         [--sizes 256 1024 4096] [--beside-job] [--storage memory|file] [--file-storage-above MB]
+        [--publish-once] [--digest xxh3-128|blake3|sha256] [--fetch-connections N]
 
 Starts its own nats-server. A transformer-shaped state dict of `--size-mb` MiB (bf16 attention and
 MLP-down, fp32 MLP-up / norms / biases, int64 buffers) goes from the trainer (this process) to
@@ -43,7 +44,10 @@ holds the kept versions there). ``--sizes`` runs the size curve and writes one J
 has one point per size; ``--beside-job`` runs the quickstart job (``rolectl up
 examples/quickstart.yaml``, its own nats-server, trainer and two explorers) beside the transfers,
 as roles share hosts in a real job; ``--file-storage-above MB`` makes the object store use file
-storage above that size (memory storage keeps two versions in the server's RAM).
+storage above that size (memory storage keeps two versions in the server's RAM); ``--publish-once``
+publishes one version and fetches it every round, so the server holds one version (memory storage
+at a size where two do not fit). ``--digest`` sets the publishers' chunk digest (receivers check
+with the manifest's).
 
 Adding a transport: put an ``async def bench(ctx: BenchContext) -> dict`` into ``TRANSPORT_BENCHES``
 (pull transports can reuse ``bench_pull`` with a worker factory in ``WORKER_FACTORIES``). If
@@ -555,6 +559,8 @@ class BenchContext:
     storage: str = "memory"  # the object store's storage in the plain `object_store` bench
     recycle: bool = True  # receivers give each fetch's buffer back, as an explorer does (PullTransport.recycle)
     fetch_connections: int | None = None  # data connections per object-store fetch (None: the transport's default)
+    publish_once: bool = False  # one version, fetched `repeat` times: the server holds one version, not two
+    digest: str | None = None  # the publishers' digest algorithm (None: the transports' default)
 
     @property
     def nbytes(self) -> int:
@@ -562,7 +568,8 @@ class BenchContext:
 
 
 async def bench_pull(ctx: BenchContext, transport, worker_spec: dict, limit_key: str) -> dict:
-    """Publish `repeat` versions; after each, one explorer fetches, then K fetch at once."""
+    """Publish `repeat` versions (one with `publish_once`); after each, one explorer fetches, then K
+    fetch at once."""
     explorers = _Explorers({**worker_spec, "device": ctx.device, "recycle": ctx.recycle,
                             "fetch_connections": ctx.fetch_connections},
                            max(ctx.explorers, 1, *ctx.fanout))
@@ -573,14 +580,16 @@ async def bench_pull(ctx: BenchContext, transport, worker_spec: dict, limit_key:
         publish, single, fanout, peaks = [], [], [], []
         rounds: list[dict[str, Any]] = []
         publisher_peaks, server_peaks = [], []
+        ref = None
         for version in range(1, ctx.repeat + 1):
-            rss0 = _reset_peak()
             server_rss0 = _reset_peak(ctx.server_pid) if ctx.server_pid else 0
-            t0 = _now()
-            ref = await transport.publish(version, ctx.state)
-            publish.append(_now() - t0)
-            publisher_peaks.append(_rss_kib("VmHWM") - rss0)
-            await transport.prune(2)  # as the trainer does, untimed
+            if ref is None or not ctx.publish_once:
+                rss0 = _reset_peak()
+                t0 = _now()
+                ref = await transport.publish(version, ctx.state)
+                publish.append(_now() - t0)
+                publisher_peaks.append(_rss_kib("VmHWM") - rss0)
+                await transport.prune(2)  # as the trainer does, untimed
             one = await explorers.fetch(1, ref)
             single.append(one[0]["t1"] - one[0]["t0"])
             peaks.append(one[0]["peak_kib"])
@@ -653,7 +662,7 @@ async def _bench_object_store(ctx: BenchContext, storage: str) -> dict:
     job = f"bench-{storage}"
     nc = await nats.connect(ctx.url)
     try:
-        transport = ObjectStoreTransport(nc, job, storage=storage)
+        transport = ObjectStoreTransport(nc, job, storage=storage, algorithm=ctx.digest)
         result = await bench_pull(
             ctx, transport, {"factory": "object_store", "url": ctx.url, "job": job, "storage": storage},
             "loopback_socket_gbps",
@@ -701,7 +710,7 @@ async def bench_object_store_secure(ctx: BenchContext) -> dict:
         nc = await nats.connect(auth.url, **auth.security("trainer").connect_options(job))
         plain_server, ctx.server_pid = ctx.server_pid, server.pid
         try:
-            transport = ObjectStoreTransport(nc, job, storage=storage)
+            transport = ObjectStoreTransport(nc, job, storage=storage, algorithm=ctx.digest)
             explorer = auth.security("explorer-0")
             result = await bench_pull(
                 ctx, transport,
@@ -721,7 +730,8 @@ async def bench_checkpoint(ctx: BenchContext) -> dict:
 
     root = str(Path(ctx.workdir) / "checkpoints")
     result = await bench_pull(
-        ctx, CheckpointTransport(root), {"factory": "checkpoint", "root": root}, "page_cache_read_gbps"
+        ctx, CheckpointTransport(root, algorithm=ctx.digest), {"factory": "checkpoint", "root": root},
+        "page_cache_read_gbps",
     )
     result["directory"] = root
     return result
@@ -742,7 +752,8 @@ async def run(size_mb: int, explorers: int, repeat: int, *, dist: bool = True,
               only: list[str] | None = None, progress: Callable[[str], None] = print,
               stock_mb: int = 8, shape: str | None = None, device: str = "cpu",
               fanout: tuple[int, ...] = (), beside_job: bool = False, storage: str = "memory",
-              recycle: bool = True, fetch_connections: int | None = None) -> dict:
+              recycle: bool = True, fetch_connections: int | None = None, publish_once: bool = False,
+              digest: str | None = None) -> dict:
     from rolectl.bus.server import NatsServer, go_gc_for_weights
     from rolectl.bus.weights.format import default_digest_algorithm
 
@@ -754,7 +765,8 @@ async def run(size_mb: int, explorers: int, repeat: int, *, dist: bool = True,
                                workdir=workdir, state=state, flat=_flat_bytes(state), progress=progress,
                                stock_mb=stock_mb, device=device, fanout=tuple(fanout),
                                server_pid=server.pid, storage=storage, recycle=recycle,
-                               fetch_connections=fetch_connections)
+                               fetch_connections=fetch_connections, publish_once=publish_once,
+                               digest=digest)
             if beside_job:
                 beside = BesideJob(workdir)
                 beside.start()
@@ -770,8 +782,8 @@ async def run(size_mb: int, explorers: int, repeat: int, *, dist: bool = True,
         # proof it ran all along: the trainer beside kept training while the transfers were timed
         result["beside_job"] = {"config": "examples/quickstart.yaml (total_steps raised; stopped at the end)",
                                 "train_steps_during": steps_during}
-    result.update(size_mb=size_mb, explorers=explorers, repeat=repeat, digest=default_digest_algorithm(),
-                  storage=storage, fetch_connections=fetch_connections or "default")
+    result.update(size_mb=size_mb, explorers=explorers, repeat=repeat, digest=digest or default_digest_algorithm(),
+                  storage=storage, fetch_connections=fetch_connections or "default", publish_once=publish_once)
     if shape:
         result["shape"] = {"name": shape, **SHAPES[shape], "num_hidden_layers": shape_layers(shape, size_mb),
                            "dtype": "bfloat16", "tensors": len(state)}
@@ -907,6 +919,8 @@ def render(result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from rolectl.bus.weights.format import DIGEST_ALGORITHMS
+
     parser = argparse.ArgumentParser(prog="python -m benchmarks.weights", description=__doc__.splitlines()[0])
     parser.add_argument("--size-mb", type=int, default=256)
     parser.add_argument("--explorers", type=int, default=1)
@@ -935,6 +949,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fetch-connections", type=int, default=None, metavar="N",
                         help="data connections per object-store fetch (default: the transport's own choice, "
                              "one plain, under TLS one per two CPUs, 2 to 4)")
+    parser.add_argument("--publish-once", action="store_true",
+                        help="publish one version and fetch it --repeat times, so the server holds one "
+                        "version, not two (memory storage at sizes where two do not fit in RAM)")
+    parser.add_argument("--digest", choices=sorted(DIGEST_ALGORITHMS), default=None,
+                        help="the publishers' chunk digest (default: the transports' own, xxh3-128)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -967,7 +986,8 @@ def main(argv: list[str] | None = None) -> None:
                                progress=lambda m: print(m, file=sys.stderr, flush=True), stock_mb=args.stock_mb,
                                shape=args.shape, device=args.device, fanout=tuple(args.fanout),
                                beside_job=args.beside_job, storage=storage, recycle=not args.fresh_buffers,
-                               fetch_connections=args.fetch_connections))
+                               fetch_connections=args.fetch_connections, publish_once=args.publish_once,
+                               digest=args.digest))
 
     if args.sizes:
         runs = []

@@ -140,6 +140,11 @@ class TransportConfig(Section):
     """Data connections one object-store fetch (`sync_method: memory`) is split over, each on its own
     thread. Unset: one on a plain connection; under TLS one per two CPUs of the explorer's host, 2
     to 4, since one TLS connection decrypts on one core (docs/weights-at-size.md)."""
+    digest: Literal["xxh3-128", "blake3", "sha256"] = "xxh3-128"
+    """Digest of every chunk a pull method (`memory`, `checkpoint`) publishes; receivers check each
+    chunk with the algorithm its manifest names. `xxh3-128` detects corrupt and missing bytes at
+    memory speed; `blake3` (a receiving core spends about 0.25 s per GiB on it) or `sha256` give
+    each version a cryptographic content hash."""
     bucket_size_mb: PositiveInt = 512
     """torch.distributed broadcast bucket size, in MiB."""
     group_timeout_s: Seconds = 60.0

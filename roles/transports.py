@@ -29,11 +29,13 @@ def make_pull_transport(cfg: JobConfig, conn) -> PullTransport:
         return ObjectStoreTransport(conn.nc, cfg.job, storage=cfg.transport.object_store_storage,
                                     replicas=cfg.nats.replicas, reconnected=conn.reconnect_signal,
                                     keyframe_interval=cfg.transport.keyframe_interval,
-                                    fetch_connections=cfg.transport.fetch_connections)
+                                    fetch_connections=cfg.transport.fetch_connections,
+                                    algorithm=cfg.transport.digest)
     if method is SyncMethod.CHECKPOINT:
         from rolectl.bus.weights.checkpoint import CheckpointTransport
 
-        return CheckpointTransport(cfg.weights_checkpoint_dir, keyframe_interval=cfg.transport.keyframe_interval)
+        return CheckpointTransport(cfg.weights_checkpoint_dir, keyframe_interval=cfg.transport.keyframe_interval,
+                                   algorithm=cfg.transport.digest)
     raise ValueError(f"{method.value} is not a pull method")
 
 

@@ -68,7 +68,7 @@ class ConnectionLost(Transient):
 
 
 class Hasher(Protocol):
-    """What `read_payload` feeds received bytes to (a BLAKE3 or hashlib hasher)."""
+    """What `read_payload` feeds received bytes to (an XXH3, BLAKE3 or hashlib hasher)."""
 
     def update(self, data: memoryview, /) -> object: ...
 

@@ -23,9 +23,13 @@ names as safetensors spells them). Nothing is pickled.
   misalign whatever comes after it, so it waits and goes at the end, largest element size first:
   every offset is still a multiple of its element size with no padding, and receivers read the same
   format. A mapping given whole keeps the sorted layout above (and so the same digest as before).
-- **Algorithm**: BLAKE3 when the ``blake3`` package is installed (cryptographic and several times
-  faster than hashlib's), else SHA-256 from hashlib. The algorithm is written into every manifest,
-  so a receiver always checks with the sender's choice.
+- **Algorithm**: XXH3-128 by default. The digest detects corrupt, missing and mixed-up bytes; it
+  does not authenticate them, since whoever may write a version's chunks may write its manifest too
+  (TLS and the server's permissions guard against forgery). XXH3 does that job at memory speed,
+  where BLAKE3 costs a receiving core a quarter of a second per GiB (docs/weights-at-size.md).
+  BLAKE3 and SHA-256 can be chosen (`transport.digest`) for a cryptographic content hash of each
+  version. The algorithm is written into every manifest, so a receiver always checks with the
+  sender's choice.
 """
 
 from __future__ import annotations
@@ -40,14 +44,11 @@ from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import blake3
 import torch
+import xxhash
 
 from .base import CorruptWeights, TransferError, WeightBucket, WeightsSource, as_buckets
-
-try:  # optional, and much faster than sha256
-    import blake3 as _blake3
-except ImportError:  # pragma: no cover - depends on the environment
-    _blake3 = None  # type: ignore[assignment]  # the optional module is absent: None says so
 
 __all__ = [
     "FORMAT",
@@ -119,23 +120,21 @@ def _sha256() -> Any:
     return hashlib.sha256()
 
 
-DIGEST_ALGORITHMS: dict[str, Any] = {"sha256": _sha256}
-if _blake3 is not None:
-    DIGEST_ALGORITHMS["blake3"] = lambda: _blake3.blake3()
+DIGEST_ALGORITHMS: dict[str, Any] = {"xxh3-128": xxhash.xxh3_128, "blake3": blake3.blake3, "sha256": _sha256}
+DEFAULT_DIGEST_ALGORITHM = "xxh3-128"
 
 
 def default_digest_algorithm() -> str:
-    """The fastest digest available here: "blake3" if installed, else "sha256"."""
-    return "blake3" if "blake3" in DIGEST_ALGORITHMS else "sha256"
+    """The digest a publisher uses unless told otherwise: XXH3-128 (see the module's docstring)."""
+    return DEFAULT_DIGEST_ALGORITHM
 
 
 def _hasher(algorithm: str) -> Any:
     try:
         return DIGEST_ALGORITHMS[algorithm]()
     except KeyError:
-        hint = " (pip install blake3)" if algorithm == "blake3" else ""
         raise TransferError(
-            f"digest algorithm {algorithm!r} is not available in this process{hint}; "
+            f"digest algorithm {algorithm!r} is not known to this rolectl (a newer publisher?); "
             f"available: {', '.join(sorted(DIGEST_ALGORITHMS))}"
         ) from None
 

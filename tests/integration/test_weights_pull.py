@@ -83,6 +83,42 @@ async def test_round_trip_is_bit_exact(transport):
     assert_bit_exact(state, await transport.fetch(ref))
 
 
+@pytest.mark.parametrize("digest", ["blake3", "sha256"])
+async def test_a_receiver_checks_with_the_digest_the_publisher_chose(kind, digest, nc, job_name, tmp_path):
+    """The manifest names the publisher's algorithm; a receiver built with the default checks every
+    chunk with that one."""
+    publisher = make_transport(kind, nc, job_name, tmp_path, chunk_size=256, chunk_size_os=256, algorithm=digest)
+    receiver = make_transport(kind, nc, job_name, tmp_path)
+    try:
+        state = small_state(4)
+        ref = await publisher.publish(1, state)
+        assert ref.digest.startswith(f"{digest}:")
+        assert_bit_exact(state, await receiver.fetch(ref))
+    finally:
+        await publisher.aclose()
+        await receiver.aclose()
+
+
+@pytest.mark.parametrize("method", ["memory", "checkpoint"])
+async def test_a_job_publishes_with_its_transport_digest(method, nats_url, job_name, tmp_path):
+    from rolectl.bus.connection import connect
+    from rolectl.roles.config import parse_config
+    from rolectl.roles.transports import make_pull_transport
+
+    def job(**transport) -> object:
+        return parse_config({"job": job_name, "nats_url": nats_url, "synchronizer": {"sync_method": method},
+                             "transport": {"checkpoint_dir": str(tmp_path / "weights"), **transport}})
+
+    async with connect(nats_url, job=job_name, role="trainer", member="trainer") as conn:
+        chosen, default = make_pull_transport(job(digest="blake3"), conn), make_pull_transport(job(), conn)
+        try:
+            assert (await chosen.publish(1, small_state(5))).digest.startswith("blake3:")
+            assert (await default.publish(2, small_state(6))).digest.startswith("xxh3-128:")
+        finally:
+            await chosen.aclose()
+            await default.aclose()
+
+
 async def test_a_fetch_lands_in_the_memory_the_last_one_gave_back(transport):
     """`recycle` after the receiver copied a fetch into its model: the next fetch of that size
     writes into the same buffer (no fresh pages to fault in) and is still bit-exact. Tensors of
