@@ -390,6 +390,15 @@ def _empty_huge(nbytes: int) -> torch.Tensor:
     return flat
 
 
+def host_buffer(nbytes: int, *, pin_memory: bool = False) -> torch.Tensor:
+    """An uninitialised flat uint8 host buffer as a receiver allocates one: pinned if asked, else
+    huge-page backed from `_HUGE_PAGE_MIN` on (a copy into touched huge pages also runs about twice
+    as fast as into 4 KiB ones: fewer TLB misses)."""
+    if pin_memory or nbytes < _HUGE_PAGE_MIN:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin_memory)
+    return _empty_huge(nbytes)
+
+
 class Destination:
     """Fresh storage for a layout: one flat uint8 buffer; each tensor is a typed view into it.
 
@@ -401,10 +410,8 @@ class Destination:
         self.layout = layout
         if reuse is not None and reuse.numel() == layout.nbytes and reuse.is_pinned() == pin_memory:
             self.flat = reuse  # a buffer its last receiver gave back (SpareBuffer): no page to fault in
-        elif pin_memory or layout.nbytes < _HUGE_PAGE_MIN:
-            self.flat = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=pin_memory)
         else:
-            self.flat = _empty_huge(layout.nbytes)
+            self.flat = host_buffer(layout.nbytes, pin_memory=pin_memory)
         # numpy's stubs do not declare ndarray a Buffer, which it is at runtime.
         self.view = memoryview(self.flat.numpy()) if layout.nbytes else memoryview(bytearray())  # type: ignore[arg-type]
 
