@@ -42,14 +42,15 @@ Every round records the machine's 1-minute load average with its figures (``roun
 transport reports ``best_over_median`` and ``spread`` (worst / best) and the peak memory of every
 process: receiver (``receiver_peak_mib``, growth during a fetch), publisher (``publisher_peak_mib``,
 growth during a publish) and nats-server (``server_peak_rss_mib``, its whole RSS: memory storage
-holds the kept versions there). ``--sizes`` runs the size curve and writes one JSON whose ``curve``
-has one point per size; ``--beside-job`` runs the quickstart job (``rolectl up
-examples/quickstart.yaml``, its own nats-server, trainer and two explorers) beside the transfers,
-as roles share hosts in a real job; ``--file-storage-above MB`` makes the object store use file
-storage above that size (memory storage keeps two versions in the server's RAM); ``--publish-once``
-publishes one version and fetches it every round, so the server holds one version (memory storage
-at a size where two do not fit). ``--digest`` sets the publishers' chunk digest (receivers check
-with the manifest's).
+holds the kept versions there), and per round the CPU seconds the receiver and the server spent on
+the fetch (``receiver_cpu_s``, ``server_cpu_s``; medians per transport). ``--sizes`` runs the size
+curve and writes one JSON whose ``curve`` has one point per size; ``--beside-job`` runs the
+quickstart job (``rolectl up examples/quickstart.yaml``, its own nats-server, trainer and two
+explorers) beside the transfers, as roles share hosts in a real job; ``--file-storage-above MB``
+makes the object store use file storage above that size (memory storage keeps two versions in the
+server's RAM); ``--publish-once`` publishes one version and fetches it every round, so the server
+holds one version (memory storage at a size where two do not fit). ``--digest`` sets the publishers'
+chunk digest (receivers check with the manifest's).
 
 Adding a transport: put an ``async def bench(ctx: BenchContext) -> dict`` into ``TRANSPORT_BENCHES``
 (pull transports can reuse ``bench_pull`` with a worker factory in ``WORKER_FACTORIES``). If
@@ -389,6 +390,12 @@ def _rss_kib(field_name: str, pid: int | str = "self") -> int:
     return 0
 
 
+def _cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, every thread) process `pid` has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
 def _reset_peak(pid: int | str = "self") -> int:
     """Reset `pid`'s VmHWM to its current RSS (Linux >= 4.0; our own children only); its RSS in KiB."""
     with contextlib.suppress(OSError):
@@ -418,17 +425,17 @@ async def _worker_main(spec: dict) -> None:
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
                 gpu0 = torch.cuda.memory_allocated(device)
-            t0 = _now()
+            t0, cpu0 = _now(), time.process_time()
             tensors = await transport.fetch(ref, device=device)
             if cuda:
                 torch.cuda.synchronize(device)  # the bytes are on the GPU, not queued
-            t1 = _now()
+            t1, cpu1 = _now(), time.process_time()
             peak = _rss_kib("VmHWM")
             got = sum(t.numel() * t.element_size() for t in tensors.values())
             if spec.get("recycle", True):
                 transport.recycle(tensors)  # as an explorer does once its engine copied them
             del tensors
-            row = {"t0": t0, "t1": t1, "nbytes": got, "peak_kib": peak - base_kib}
+            row = {"t0": t0, "t1": t1, "cpu_s": cpu1 - cpu0, "nbytes": got, "peak_kib": peak - base_kib}
             if cuda:
                 row["gpu_peak_kib"] = (torch.cuda.max_memory_allocated(device) - gpu0) // 1024
                 torch.cuda.empty_cache()
@@ -602,13 +609,17 @@ async def bench_pull(ctx: BenchContext, transport, worker_spec: dict, limit_key:
                 publish.append(_now() - t0)
                 publisher_peaks.append(_rss_kib("VmHWM") - rss0)
                 await transport.prune(2)  # as the trainer does, untimed
+            server_cpu0 = _cpu_seconds(ctx.server_pid) if ctx.server_pid else 0.0
             one = await explorers.fetch(1, ref)
             single.append(one[0]["t1"] - one[0]["t0"])
             peaks.append(one[0]["peak_kib"])
+            # CPU seconds each side spent on the fetch: where the time goes on a machine short of cores
+            cpu = {"receiver_cpu_s": one[0]["cpu_s"]}
             if ctx.server_pid:
                 server_peaks.append((_rss_kib("VmHWM", ctx.server_pid), server_rss0))
+                cpu["server_cpu_s"] = _cpu_seconds(ctx.server_pid) - server_cpu0
             rounds.append({"publish_s": publish[-1], "fetch_s": single[-1],
-                           "fetch_gbps": ctx.nbytes / single[-1] / 1e9, "loadavg_1m": os.getloadavg()[0]})
+                           "fetch_gbps": ctx.nbytes / single[-1] / 1e9, **cpu, "loadavg_1m": os.getloadavg()[0]})
             gpu_peaks += [r["gpu_peak_kib"] for r in one if "gpu_peak_kib" in r]
             if ctx.explorers > 1:
                 many = await explorers.fetch(ctx.explorers, ref)
@@ -639,8 +650,11 @@ async def bench_pull(ctx: BenchContext, transport, worker_spec: dict, limit_key:
         "best_over_median": statistics.median(single) / best,
         "spread": max(single) / best,
         "publisher_peak_mib": max(publisher_peaks) / 1024,
+        "receiver_cpu_s_median": statistics.median(r["receiver_cpu_s"] for r in rounds),
         "rounds": rounds,
     }
+    if ctx.server_pid:
+        out["server_cpu_s_median"] = statistics.median(r["server_cpu_s"] for r in rounds)
     if server_peaks:
         # absolute: with memory storage the server holds the kept versions, with file storage the page cache does
         out["server_peak_rss_mib"] = max(peak for peak, _ in server_peaks) / 1024
