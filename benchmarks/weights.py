@@ -43,14 +43,15 @@ transport reports ``best_over_median`` and ``spread`` (worst / best) and the pea
 process: receiver (``receiver_peak_mib``, growth during a fetch), publisher (``publisher_peak_mib``,
 growth during a publish) and nats-server (``server_peak_rss_mib``, its whole RSS: memory storage
 holds the kept versions there), and per round the CPU seconds the receiver and the server spent on
-the fetch (``receiver_cpu_s``, ``server_cpu_s``; medians per transport). ``--sizes`` runs the size
-curve and writes one JSON whose ``curve`` has one point per size; ``--beside-job`` runs the
-quickstart job (``rolectl up examples/quickstart.yaml``, its own nats-server, trainer and two
-explorers) beside the transfers, as roles share hosts in a real job; ``--file-storage-above MB``
-makes the object store use file storage above that size (memory storage keeps two versions in the
-server's RAM); ``--publish-once`` publishes one version and fetches it every round, so the server
-holds one version (memory storage at a size where two do not fit). ``--digest`` sets the publishers'
-chunk digest (receivers check with the manifest's).
+the fetch (``receiver_cpu_s``, ``server_cpu_s``; medians per transport) and the receiver's page
+faults (``receiver_page_faults``). ``--sizes`` runs the size curve and writes one JSON whose
+``curve`` has one point per size; ``--beside-job`` runs the quickstart job (``rolectl up
+examples/quickstart.yaml``, its own nats-server, trainer and two explorers) beside the transfers, as
+roles share hosts in a real job; ``--file-storage-above MB`` makes the object store use file storage
+above that size (memory storage keeps two versions in the server's RAM); ``--publish-once``
+publishes one version and fetches it every round, so the server holds one version (memory storage at
+a size where two do not fit). ``--digest`` sets the publishers' chunk digest (receivers check with
+the manifest's).
 
 Adding a transport: put an ``async def bench(ctx: BenchContext) -> dict`` into ``TRANSPORT_BENCHES``
 (pull transports can reuse ``bench_pull`` with a worker factory in ``WORKER_FACTORIES``). If
@@ -65,6 +66,7 @@ import contextlib
 import json
 import math
 import os
+import resource
 import socket
 import statistics
 import subprocess
@@ -425,17 +427,18 @@ async def _worker_main(spec: dict) -> None:
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
                 gpu0 = torch.cuda.memory_allocated(device)
-            t0, cpu0 = _now(), time.process_time()
+            t0, cpu0, faults0 = _now(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             tensors = await transport.fetch(ref, device=device)
             if cuda:
                 torch.cuda.synchronize(device)  # the bytes are on the GPU, not queued
-            t1, cpu1 = _now(), time.process_time()
+            t1, cpu1, faults1 = _now(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             peak = _rss_kib("VmHWM")
             got = sum(t.numel() * t.element_size() for t in tensors.values())
             if spec.get("recycle", True):
                 transport.recycle(tensors)  # as an explorer does once its engine copied them
             del tensors
-            row = {"t0": t0, "t1": t1, "cpu_s": cpu1 - cpu0, "nbytes": got, "peak_kib": peak - base_kib}
+            row = {"t0": t0, "t1": t1, "cpu_s": cpu1 - cpu0, "page_faults": faults1 - faults0, "nbytes": got,
+                   "peak_kib": peak - base_kib}
             if cuda:
                 row["gpu_peak_kib"] = (torch.cuda.max_memory_allocated(device) - gpu0) // 1024
                 torch.cuda.empty_cache()
@@ -614,7 +617,7 @@ async def bench_pull(ctx: BenchContext, transport, worker_spec: dict, limit_key:
             single.append(one[0]["t1"] - one[0]["t0"])
             peaks.append(one[0]["peak_kib"])
             # CPU seconds each side spent on the fetch: where the time goes on a machine short of cores
-            cpu = {"receiver_cpu_s": one[0]["cpu_s"]}
+            cpu = {"receiver_cpu_s": one[0]["cpu_s"], "receiver_page_faults": one[0]["page_faults"]}
             if ctx.server_pid:
                 server_peaks.append((_rss_kib("VmHWM", ctx.server_pid), server_rss0))
                 cpu["server_cpu_s"] = _cpu_seconds(ctx.server_pid) - server_cpu0
