@@ -378,8 +378,9 @@ class JobConfig(Section):
 
     @property
     def server_go_gc(self) -> int | None:
-        """The embedded nats-server's GOGC for this job: tight when weight versions sit in its memory
-        (`sync_method: memory` with `object_store_storage: memory`), Go's default otherwise."""
+        """The embedded nats-server's GOGC for this job (`bus.server.go_gc_for_weights`): tight when
+        weight versions sit in its memory (`sync_method: memory` with `object_store_storage: memory`),
+        loose when they sit in its file storage, Go's default without weights in it."""
         in_server = self.synchronizer.sync_method is SyncMethod.MEMORY
         return go_gc_for_weights(self.transport.object_store_storage if in_server else None)
 

@@ -1,6 +1,7 @@
 """The embedded nats-server's Go GC: Go's default unless asked (`go_gc`), the environment's GOGC
-first; `rolectl up` asks for MEMORY_STORAGE_GOGC only when weight versions sit in the server's memory
-(the tighter GC trims memory storage's heap and halves file storage's fetch speed)."""
+first; `rolectl up` asks for MEMORY_STORAGE_GOGC when weight versions sit in the server's memory (the
+tighter GC trims memory storage's heap) and FILE_STORAGE_GOGC when they sit in its file storage (a
+looser GC fetches faster there), Go's default otherwise."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rolectl.bus.server import MEMORY_STORAGE_GOGC, NatsServer, free_port
+from rolectl.bus.server import FILE_STORAGE_GOGC, MEMORY_STORAGE_GOGC, NatsServer, free_port
 from rolectl.roles.config import load_config
 from tests.support.e2e import job_config
 
@@ -45,10 +46,10 @@ def test_by_default_the_environment_is_left_alone(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(("sync_method", "storage", "expected"), [
     ("memory", "memory", MEMORY_STORAGE_GOGC),
-    ("memory", "file", None),
+    ("memory", "file", FILE_STORAGE_GOGC),
     ("checkpoint", "memory", None),
     ("nccl", "file", None),
 ])
-def test_a_job_gets_the_tight_gc_only_with_weights_in_server_memory(tmp_path, sync_method, storage, expected):
+def test_a_job_gets_a_gc_for_where_its_weights_sit_in_the_server(tmp_path, sync_method, storage, expected):
     path = job_config(tmp_path, synchronizer={"sync_method": sync_method}, transport={"object_store_storage": storage})
     assert load_config(path).server_go_gc == expected
