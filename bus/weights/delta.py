@@ -374,8 +374,8 @@ class ChunkDecoder:
 
 class ParallelDecode:
     """Decodes a version's chunks on a few worker threads while the next ones arrive (zstandard,
-    numpy and the digests release the GIL on large buffers). `finish` waits for every chunk and raises the
-    failure of the lowest-numbered bad chunk; `abandon` stops a failed transfer's work."""
+    numpy and the digests release the GIL on large buffers). `finish` waits for every chunk and
+    raises the failure of the lowest-numbered bad chunk; `abandon` stops a failed transfer's work."""
 
     def __init__(self, decoder: ChunkDecoder, workers: int | None = None):
         self.decoder = decoder

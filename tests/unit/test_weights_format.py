@@ -132,9 +132,14 @@ def test_digest_changes_with_any_bit_and_with_chunk_size():
     assert build_manifest(1, SourceBytes(state), chunk_size=64).digest != base
 
 
-def test_default_digest_algorithm_is_available():
-    assert default_digest_algorithm() in DIGEST_ALGORITHMS
-    assert "sha256" in DIGEST_ALGORITHMS
+def test_the_job_config_offers_exactly_the_digests_a_receiver_can_check():
+    from typing import get_args
+
+    from rolectl.roles.config import TransportConfig
+
+    offered = get_args(TransportConfig.model_fields["digest"].annotation)
+    assert set(offered) == set(DIGEST_ALGORITHMS)
+    assert TransportConfig().digest == default_digest_algorithm() == "xxh3-128"
 
 
 @pytest.mark.parametrize("algorithm", sorted(DIGEST_ALGORITHMS))
