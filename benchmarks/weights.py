@@ -323,7 +323,7 @@ async def measure_limits(ctx: BenchContext, *, stock: bool = True) -> None:
             ("loopback_socket", limit_loopback_socket(data, dst, ctx.repeat)),
             ("page_cache_read", limit_page_cache_read(data, dst, ctx.workdir, ctx.repeat)),
         ]
-        del dst
+        del dst  # freed before the next kind is allocated: two model-sized buffers at once may not fit
     for key, times in measured:
         seen = ctx.details.setdefault(f"{key}_seconds", [])
         seen.extend(times)
@@ -427,18 +427,19 @@ async def _worker_main(spec: dict) -> None:
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
                 gpu0 = torch.cuda.memory_allocated(device)
-            t0, cpu0, faults0 = _now(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            t0, usage0 = _now(), resource.getrusage(resource.RUSAGE_SELF)
             tensors = await transport.fetch(ref, device=device)
             if cuda:
                 torch.cuda.synchronize(device)  # the bytes are on the GPU, not queued
-            t1, cpu1, faults1 = _now(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            t1, usage1 = _now(), resource.getrusage(resource.RUSAGE_SELF)
             peak = _rss_kib("VmHWM")
             got = sum(t.numel() * t.element_size() for t in tensors.values())
             if spec.get("recycle", True):
                 transport.recycle(tensors)  # as an explorer does once its engine copied them
             del tensors
-            row = {"t0": t0, "t1": t1, "cpu_s": cpu1 - cpu0, "page_faults": faults1 - faults0, "nbytes": got,
-                   "peak_kib": peak - base_kib}
+            row = {"t0": t0, "t1": t1, "nbytes": got, "peak_kib": peak - base_kib,
+                   "cpu_s": usage1.ru_utime + usage1.ru_stime - usage0.ru_utime - usage0.ru_stime,
+                   "page_faults": usage1.ru_minflt - usage0.ru_minflt}
             if cuda:
                 row["gpu_peak_kib"] = (torch.cuda.max_memory_allocated(device) - gpu0) // 1024
                 torch.cuda.empty_cache()

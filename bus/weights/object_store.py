@@ -52,8 +52,9 @@ Theory of operation
   destination. Under TLS one connection is one stream of records that the server encrypts on one
   core and the receiver decrypts on one thread; several connections spread that work over cores
   (OpenSSL and the digests release the GIL). By default a TLS client uses one connection per two
-  CPUs, 2 to 4, and a plain one a single connection. A chunk a part did not get (stored out of order, or
-  its connection dropped) is fetched after the parts, on one connection, as without striping.
+  CPUs, 2 to 4, and a plain one a single connection. A chunk a part did not get (stored out of
+  order, or its connection dropped) is fetched after the parts, on one connection, as without
+  striping.
 """
 
 from __future__ import annotations

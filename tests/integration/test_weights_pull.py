@@ -102,10 +102,10 @@ async def test_a_receiver_checks_with_the_digest_the_publisher_chose(kind, diges
 @pytest.mark.parametrize("method", ["memory", "checkpoint"])
 async def test_a_job_publishes_with_its_transport_digest(method, nats_url, job_name, tmp_path):
     from rolectl.bus.connection import connect
-    from rolectl.roles.config import parse_config
+    from rolectl.roles.config import JobConfig, parse_config
     from rolectl.roles.transports import make_pull_transport
 
-    def job(**transport) -> object:
+    def job(**transport) -> JobConfig:
         return parse_config({"job": job_name, "nats_url": nats_url, "synchronizer": {"sync_method": method},
                              "transport": {"checkpoint_dir": str(tmp_path / "weights"), **transport}})
 
