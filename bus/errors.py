@@ -189,6 +189,9 @@ def _name(exc: BaseException | None) -> str:
     if isinstance(exc, nats.js.errors.NoStreamResponseError):
         return "no stream listens on the subject (server restarting, or the stream is gone)"
     if isinstance(exc, nats.js.errors.APIError):
-        return f"{exc.description or type(exc).__name__} (code {exc.code}, err_code {exc.err_code})"
+        # nats-py raises some of these bare, with none of the server's fields (KeyNotFoundError)
+        code, err_code = getattr(exc, "code", None), getattr(exc, "err_code", None)
+        text = getattr(exc, "description", None) or str(exc) or type(exc).__name__
+        return text if code is None and err_code is None else f"{text} (code {code}, err_code {err_code})"
     text = str(exc) or type(exc).__name__
     return f"{type(exc).__name__}: {text}"

@@ -4,11 +4,17 @@ Synchronizer replicas use it to pick the one that publishes (active/standby): ev
 the stream and computes the same decisions, only the holder publishes them, so decisions are
 recorded once and in the order the reducer computed them.
 
-The bucket's `ttl` is the lease: the holder rewrites the key (compare-and-set on its revision)
-every `renew_every_s`; if it dies the server removes the key `ttl_s` after its last write and the
-first standby to `create` it becomes the holder. A holder counts itself as holding only while its
-last renewal is younger than `ttl_s * SAFETY` — a process that was paused (GC, SIGSTOP, a starved
-event loop) steps down before it can publish beside the new holder.
+The holder rewrites the key (compare-and-set on its revision) every third of `ttl_s`. When it
+stops, a standby takes the key over in one of two ways, whichever comes first: the server removes
+the key `ttl_s` after its last write (the bucket's ttl) and the standby `create`s it; or the standby
+has read the same revision for `ttl_s` by its own clock and rewrites it, compare-and-set on that
+revision. The second does not wait on the server's expiry timer, which can run late, nor on a
+bucket made with a longer ttl (`rolectl provision`, an earlier run).
+
+A holder counts itself as holding only while its last renewal, timed from before the write, is
+younger than `ttl_s * SAFETY`; a standby's clock for a revision starts after it read it, so after
+the write. A holder that was paused (GC, SIGSTOP, a starved event loop) therefore steps down before
+any standby can take over, and its next compare-and-set fails.
 """
 
 from __future__ import annotations
@@ -55,9 +61,15 @@ class Lease:
         self.ttl_s = ttl_s
         self.replicas = replicas
         self.revision: int | None = None  # our key revision while we hold it
-        self.renewed_at = 0.0  # monotonic time of our last successful create/update
+        self.renewed_at = 0.0  # monotonic time our last successful create/update was sent
         self.current_holder: str | None = None  # who holds it, as last read (None: nobody / unknown)
+        self._seen: tuple[int | None, float] | None = None  # another holder's revision, and when we first read it
         self._kv: KeyValue | None = None
+
+    @property
+    def renew_every_s(self) -> float:
+        """How often a holder renews and a standby looks again."""
+        return self.ttl_s / 3
 
     async def open(self, *, retry_for: float = 120.0) -> None:
         """Find or create the bucket and check it (`StreamMismatch` if it has too few copies):
@@ -78,11 +90,18 @@ class Lease:
 
     async def _check_copies(self, kv: KeyValue) -> None:
         """Refuse a bucket kept on fewer nodes than asked: a lease with one copy dies with its node,
-        and then no synchronizer can hold it (an older rolectl made R1 buckets on clusters)."""
-        shortfall = replica_shortfall(self.replicas, (await kv.status()).stream_info.config.num_replicas)
+        and then no synchronizer can hold it (an older rolectl made R1 buckets on clusters). A
+        bucket whose ttl is shorter than ours is the lease: the server would remove a key we still
+        trust, so we renew and trust by its ttl."""
+        config = (await kv.status()).stream_info.config
+        shortfall = replica_shortfall(self.replicas, config.num_replicas)
         if shortfall:
             self._kv = None
             raise StreamMismatch(f"KV_{self.bucket}", shortfall)
+        if config.max_age and config.max_age < self.ttl_s:
+            self.conn.log.info("bus.lease_ttl_of_bucket", bucket=self.bucket, asked_s=self.ttl_s,
+                               bucket_ttl_s=config.max_age)
+            self.ttl_s = config.max_age
 
     @property
     def held(self) -> bool:
@@ -98,13 +117,14 @@ class Lease:
         try:
             kv = await self._bucket()
             if self.revision is not None:
+                sent_at = time.monotonic()
                 try:
                     self.revision = await kv.update(self.key, self.holder.encode(), last=self.revision)
                 except nats.js.errors.KeyWrongLastSequenceError:
-                    # it expired (we were too slow) and maybe someone else took it
+                    # it expired or was taken over (we were too slow): maybe someone else holds it
                     self.revision = None
                     return await self._take(kv)
-                self.renewed_at = time.monotonic()
+                self.renewed_at = sent_at
                 self.current_holder = self.holder
                 return True
             return await self._take(kv)
@@ -121,20 +141,49 @@ class Lease:
             return self.held
 
     async def _take(self, kv: KeyValue) -> bool:
-        started = time.monotonic()
+        sent_at = time.monotonic()
         try:
             self.revision = await kv.create(self.key, self.holder.encode())
         except nats.js.errors.KeyWrongLastSequenceError:
             self.revision = None
-            try:
-                entry = await kv.get(self.key)
-                self.current_holder = entry.value.decode(errors="replace") if entry.value else None
-            except nats.js.errors.KeyNotFoundError:
-                self.current_holder = None
+            return await self._take_if_abandoned(kv)
+        except nats.js.errors.KeyNotFoundError:
+            # create found the key, then it expired before create read it back: free to take
+            self.revision, self.current_holder = None, None
             return False
-        self.renewed_at = started
-        self.current_holder = self.holder
+        self._held_from(sent_at)
         return True
+
+    async def _take_if_abandoned(self, kv: KeyValue) -> bool:
+        """Someone holds the key: rewrite it (compare-and-set) once we have read the same revision
+        for `ttl_s`, as its holder would have renewed it by then."""
+        try:
+            entry = await kv.get(self.key)
+        except nats.js.errors.KeyNotFoundError:
+            self.current_holder, self._seen = None, None  # expired since: the next try creates it
+            return False
+        read_at = time.monotonic()
+        self.current_holder = entry.value.decode(errors="replace") if entry.value else None
+        if self._seen is None or self._seen[0] != entry.revision:
+            self._seen = (entry.revision, read_at)
+            return False
+        silent_s = read_at - self._seen[1]
+        if silent_s < self.ttl_s:
+            return False
+        sent_at = time.monotonic()
+        try:
+            self.revision = await kv.update(self.key, self.holder.encode(), last=entry.revision)
+        except nats.js.errors.KeyWrongLastSequenceError:
+            return False  # renewed, expired or taken by another standby meanwhile: look again
+        self.conn.log.info("bus.lease_taken_over", bucket=self.bucket, key=self.key,
+                           previous_holder=self.current_holder, silent_s=round(silent_s, 2))
+        self._held_from(sent_at)
+        return True
+
+    def _held_from(self, sent_at: float) -> None:
+        self.renewed_at = sent_at
+        self.current_holder = self.holder
+        self._seen = None
 
     async def release(self) -> None:
         """Give the lease up now (a clean stop), so a standby takes over without waiting `ttl_s`."""

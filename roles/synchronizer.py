@@ -10,8 +10,9 @@ replica, may have published them). From then on it follows the stream live.
 Any number of replicas may run. They all fold and compute; only the one holding the job's lease
 (a key in a JetStream KV bucket, renewed every heartbeat period, see `bus.lease`) publishes, so
 decisions are recorded once and in the order the reducer computed them. A standby keeps the
-decisions it computed until it sees them recorded; if the active one dies, the lease expires
-(`3 x heartbeat_period`) and a standby takes over, publishing whatever is still missing.
+decisions it computed until it sees them recorded; if the active one dies, a standby takes the
+lease over once it has gone unrenewed for `3 x heartbeat_period`, and publishes whatever is still
+missing.
 
 Its clock never changes state directly. When a round passes its deadline or a member stops
 beating, the active replica publishes `RoundTimedOut` / `MemberExpired` (deterministic message
@@ -182,10 +183,17 @@ class Synchronizer:
                 self._failure = asyncio.get_running_loop().create_future()
                 follow = asyncio.create_task(self._follow(from_seq, end), name="follow")
                 tasks.append(follow)
-                await asyncio.wait({follow, self._failure}, return_when=asyncio.FIRST_COMPLETED)
+                # The timers, heartbeat and lease loops run for as long as we do: one that ended
+                # raised, and a synchronizer without it would look alive and decide nothing.
+                await asyncio.wait({*tasks, self._failure}, return_when=asyncio.FIRST_COMPLETED)
                 if self._failure.done():
                     self._failure.result()  # raises the publish's error
-                follow.result()
+                if follow.done():
+                    follow.result()
+                else:
+                    ended = next(task for task in tasks if task.done())
+                    ended.result()
+                    raise RuntimeError(f"the synchronizer's {ended.get_name()} loop ended")
             finally:
                 self._stopping = True
                 for task in [*tasks, *([self._in_flight] if self._in_flight else []),
@@ -393,7 +401,7 @@ class Synchronizer:
             held = await self.lease.acquire_or_renew()
             if held and not self.active:
                 self.active = True
-                self.log.info("became_active", lease_ttl_s=self.lease_ttl_s, pending=len(self.pending))
+                self.log.info("became_active", lease_ttl_s=self.lease.ttl_s, pending=len(self.pending))
                 self._send_ready()
             elif not held and self.active:
                 self.active = False
@@ -401,7 +409,7 @@ class Synchronizer:
             elif not held and self.lease.current_holder != self._standby_of:
                 self._standby_of = self.lease.current_holder
                 self.log.info("standby", active=self._standby_of)
-            await asyncio.sleep(self.lease_ttl_s / 3)
+            await asyncio.sleep(self.lease.renew_every_s)
 
     # -- loop --------------------------------------------------------------------------------------
     def _on_record(self, rec: Recorded) -> None:
