@@ -113,7 +113,10 @@ async def test_an_existing_stream_with_more_replicas_is_accepted_and_one_with_fe
         lease = Lease(conn, bucket=bucket, key="sync", holder="s1", ttl_s=5, replicas=3)
         with pytest.raises(StreamMismatch, match=rf"KV_{bucket}.*num_replicas \(at least\): expected 3, found 1"):
             await lease.acquire_or_renew()
-        assert await Lease(conn, bucket=bucket, key="sync", holder="s1", ttl_s=5, replicas=1).acquire_or_renew()
+        # a bucket just made on a cluster may not be reachable from every node yet ("no stream
+        # listens"): the synchronizer tries again every renewal, and so does this
+        one_copy = Lease(conn, bucket=bucket, key="sync", holder="s1", ttl_s=5, replicas=1)
+        await wait_until(one_copy.acquire_or_renew, timeout=30, poll=0.2, what="the one-copy lease to be held")
 
 
 # -- losing the stream leader ----------------------------------------------------------------------
