@@ -785,7 +785,7 @@ async def run(size_mb: int, explorers: int, repeat: int, *, dist: bool = True,
               recycle: bool = True, fetch_connections: int | None = None, publish_once: bool = False,
               digest: str | None = None) -> dict:
     from rolectl.bus.server import NatsServer, go_gc_for_weights
-    from rolectl.bus.weights.format import default_digest_algorithm
+    from rolectl.bus.weights.format import DEFAULT_DIGEST_ALGORITHM
 
     state = shaped_state_dict(shape, size_mb) if shape else build_state_dict(size_mb)
     beside: BesideJob | None = None
@@ -812,7 +812,7 @@ async def run(size_mb: int, explorers: int, repeat: int, *, dist: bool = True,
         # proof it ran all along: the trainer beside kept training while the transfers were timed
         result["beside_job"] = {"config": "examples/quickstart.yaml (total_steps raised; stopped at the end)",
                                 "train_steps_during": steps_during}
-    result.update(size_mb=size_mb, explorers=explorers, repeat=repeat, digest=digest or default_digest_algorithm(),
+    result.update(size_mb=size_mb, explorers=explorers, repeat=repeat, digest=digest or DEFAULT_DIGEST_ALGORITHM,
                   storage=storage, fetch_connections=fetch_connections or "default", publish_once=publish_once)
     if shape:
         result["shape"] = {"name": shape, **SHAPES[shape], "num_hidden_layers": shape_layers(shape, size_mb),

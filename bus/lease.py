@@ -31,9 +31,15 @@ from .connection import BusConnection
 from .errors import BusError, StreamMismatch, describe
 from .streams import replica_shortfall
 
-__all__ = ["Lease", "SAFETY", "ensure_lease_bucket"]
+__all__ = ["Lease", "SAFETY", "ensure_lease_bucket", "lease_ttl_s"]
 
 SAFETY = 0.7  # fraction of the ttl a holder trusts its last renewal for
+
+
+def lease_ttl_s(heartbeat_period: float) -> float:
+    """A job's lease ttl: three heartbeat periods (renewed every one), and at least the server's
+    one-second expiry tick."""
+    return max(1.0, 3 * heartbeat_period)
 
 
 async def ensure_lease_bucket(conn: BusConnection, bucket: str, *, ttl_s: float, replicas: int = 1) -> KeyValue:
@@ -124,8 +130,7 @@ class Lease:
                     # it expired or was taken over (we were too slow): maybe someone else holds it
                     self.revision = None
                     return await self._take(kv)
-                self.renewed_at = sent_at
-                self.current_holder = self.holder
+                self._held_from(sent_at)
                 return True
             return await self._take(kv)
         except StreamMismatch:

@@ -8,7 +8,7 @@ configuration the roles expect.
 from __future__ import annotations
 
 from rolectl.bus.connection import connect
-from rolectl.bus.lease import ensure_lease_bucket
+from rolectl.bus.lease import ensure_lease_bucket, lease_ttl_s
 from rolectl.bus.security import ClientSecurity
 from rolectl.bus.snapshots import SnapshotStore
 from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream
@@ -30,8 +30,8 @@ async def provision_job(cfg: JobConfig, *, security: ClientSecurity | None = Non
             (await ensure_experience_stream(conn.js, conn.names, replicas=replicas)).config.name,
         ]
         # the synchronizers' lease and the reducer snapshots (key-value buckets)
-        lease_ttl_s = max(1.0, 3 * cfg.synchronizer.heartbeat_period)  # as roles.synchronizer uses it
-        await ensure_lease_bucket(conn, conn.names.lease_bucket, ttl_s=lease_ttl_s, replicas=replicas)
+        await ensure_lease_bucket(conn, conn.names.lease_bucket, ttl_s=lease_ttl_s(cfg.synchronizer.heartbeat_period),
+                                  replicas=replicas)
         await SnapshotStore(conn, replicas=replicas).ensure_bucket()
         streams += [f"KV_{conn.names.lease_bucket}", f"KV_{conn.names.snapshot_bucket}"]
         if cfg.synchronizer.sync_method is SyncMethod.MEMORY:

@@ -68,7 +68,7 @@ from rolectl.bus.events import (
     read_events,
     subscribe_heartbeats,
 )
-from rolectl.bus.lease import Lease
+from rolectl.bus.lease import Lease, lease_ttl_s
 from rolectl.bus.snapshots import SnapshotStore
 from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream
 from rolectl.roles.config import JobConfig
@@ -116,7 +116,6 @@ class Synchronizer:
         self.active = False
         self.rejected = 0
         self.decisions_published = 0
-        self.lease_ttl_s = max(1.0, 3 * self.sync_cfg.heartbeat_period)
         # liveness on evidence (monotonic seconds of this process)
         self._last_seen: dict[tuple[str, int], float] = {}  # (member key, incarnation) -> last sign of life
         self._started = time.monotonic()
@@ -153,8 +152,8 @@ class Synchronizer:
             self.decisions = DecisionPublisher(conn)
             self.snapshots = SnapshotStore(conn, replicas=self.cfg.nats.replicas)
             self.lease = Lease(conn, bucket=conn.names.lease_bucket, key="synchronizer",
-                               holder=f"{self.me.id}#{self.me.incarnation}", ttl_s=self.lease_ttl_s,
-                               replicas=self.cfg.nats.replicas)
+                               holder=f"{self.me.id}#{self.me.incarnation}",
+                               ttl_s=lease_ttl_s(self.sync_cfg.heartbeat_period), replicas=self.cfg.nats.replicas)
             await self.lease.open()
             self._connected_since = time.monotonic()
             self._reconnects_seen = conn.reconnects

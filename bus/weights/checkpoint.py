@@ -55,13 +55,13 @@ from .base import CorruptWeights, TransferError, WeightsNotFound, WeightsRef, We
 from .delta import ChunkDecoder, DeltaChunks, DeltaInfo, DeltaPublisher, HeldVersion, ParallelDecode, delta_info
 from .format import (
     DEFAULT_CHUNK_SIZE,
+    DEFAULT_DIGEST_ALGORITHM,
     FORMAT,
     Destination,
     Layout,
     Manifest,
     SpareBuffer,
     build_manifest,
-    default_digest_algorithm,
     digest_bytes,
     plan_layout,
     root_digest,
@@ -99,7 +99,7 @@ class CheckpointTransport:
     ):
         self.root = Path(root_dir)
         self._chunk_size = chunk_size
-        self._algorithm = algorithm or default_digest_algorithm()
+        self._algorithm = algorithm or DEFAULT_DIGEST_ALGORITHM
         self._fsync = fsync
         self._closed = False
         self._stream_room = STREAM_HEADER_ROOM

@@ -54,7 +54,7 @@ __all__ = [
     "FORMAT",
     "DEFAULT_CHUNK_SIZE",
     "DIGEST_ALGORITHMS",
-    "default_digest_algorithm",
+    "DEFAULT_DIGEST_ALGORITHM",
     "dtype_name",
     "dtype_from_name",
     "TensorSpec",
@@ -121,12 +121,7 @@ def _sha256() -> Any:
 
 
 DIGEST_ALGORITHMS: dict[str, Any] = {"xxh3-128": xxhash.xxh3_128, "blake3": blake3.blake3, "sha256": _sha256}
-DEFAULT_DIGEST_ALGORITHM = "xxh3-128"
-
-
-def default_digest_algorithm() -> str:
-    """The digest a publisher uses unless told otherwise: XXH3-128 (see the module's docstring)."""
-    return DEFAULT_DIGEST_ALGORITHM
+DEFAULT_DIGEST_ALGORITHM = "xxh3-128"  # what a publisher uses unless told otherwise (module docstring)
 
 
 def _hasher(algorithm: str) -> Any:
@@ -603,7 +598,7 @@ def build_manifest(
 ) -> Manifest:
     """The manifest of `source` (chunk digests computed unless given, e.g. hashed while sending; a
     bare `Layout` has no bytes to hash, so its digests must be given)."""
-    algorithm = algorithm or default_digest_algorithm()
+    algorithm = algorithm or DEFAULT_DIGEST_ALGORITHM
     layout = source if isinstance(source, Layout) else source.layout
     if chunk_digests is None:
         if isinstance(source, Layout):

@@ -92,12 +92,12 @@ from ._wire_client import (
 from .base import CorruptWeights, TransferError, WeightsNotFound, WeightsRef, WeightsSource, restartable
 from .delta import ChunkDecoder, DeltaChunks, DeltaInfo, DeltaPublisher, HeldVersion, ParallelDecode, delta_info
 from .format import (
+    DEFAULT_DIGEST_ALGORITHM,
     Destination,
     Manifest,
     SpareBuffer,
     StreamedChunks,
     build_manifest,
-    default_digest_algorithm,
     streamed_chunks,
 )
 
@@ -164,7 +164,7 @@ class ObjectStoreTransport:
         self._timeout = timeout
         self._use_data_connection = data_connection
         self._fetch_connections = fetch_connections
-        self._algorithm = algorithm or default_digest_algorithm()
+        self._algorithm = algorithm or DEFAULT_DIGEST_ALGORITHM
         self._reconnected = reconnected
         self._publish_retry_s = publish_retry_s
         self._fetch_retry_s = fetch_retry_s

@@ -16,23 +16,13 @@ from rolectl.bus.errors import describe
 from rolectl.bus.lease import SAFETY, Lease, ensure_lease_bucket
 from rolectl.roles.config import parse_config
 from rolectl.roles.synchronizer import Synchronizer
+from tests.support.wait import wait_until
 
 TTL_S = 1.2
 
 
 def _lease(conn, holder: str, ttl_s: float = TTL_S) -> Lease:
     return Lease(conn, bucket=conn.names.lease_bucket, key="synchronizer", holder=holder, ttl_s=ttl_s)
-
-
-async def _poll_until_held(lease: Lease, *, timeout: float) -> float:
-    """Call `acquire_or_renew` every `renew_every_s` (as the synchronizer does) until it holds the
-    lease; the monotonic time it first held it."""
-    deadline = time.monotonic() + timeout
-    while not await lease.acquire_or_renew():
-        assert time.monotonic() < deadline, f"{lease.holder} did not take the lease in {timeout} s " \
-                                            f"(holder: {lease.current_holder})"
-        await asyncio.sleep(lease.renew_every_s)
-    return time.monotonic()
 
 
 async def test_a_standby_takes_over_a_silent_holder_the_server_has_not_expired(nats_url, job_name):
@@ -49,7 +39,10 @@ async def test_a_standby_takes_over_a_silent_holder_the_server_has_not_expired(n
         assert second.current_holder == "sync-a#1"
 
         # `first` stops renewing (killed): `second` holds it after one ttl of silence, not sixty
-        took_at = await _poll_until_held(second, timeout=10)
+        # polled every renewal period, as the synchronizer does
+        await wait_until(second.acquire_or_renew, timeout=10, poll=second.renew_every_s,
+                         what="the standby to take the lease")
+        took_at = time.monotonic()
         assert took_at - last_renewal >= TTL_S
         assert not first.held  # it stopped trusting itself before the takeover
         assert time.monotonic() - first.renewed_at >= TTL_S * SAFETY

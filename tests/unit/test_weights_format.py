@@ -9,6 +9,7 @@ import torch
 
 from rolectl.bus.weights.base import CorruptWeights, TransferError
 from rolectl.bus.weights.format import (
+    DEFAULT_DIGEST_ALGORITHM,
     DIGEST_ALGORITHMS,
     Destination,
     Layout,
@@ -16,7 +17,6 @@ from rolectl.bus.weights.format import (
     SourceBytes,
     StreamedChunks,
     build_manifest,
-    default_digest_algorithm,
     dtype_from_name,
     dtype_name,
     plan_layout,
@@ -139,7 +139,7 @@ def test_the_job_config_offers_exactly_the_digests_a_receiver_can_check():
 
     offered = get_args(TransportConfig.model_fields["digest"].annotation)
     assert set(offered) == set(DIGEST_ALGORITHMS)
-    assert TransportConfig().digest == default_digest_algorithm() == "xxh3-128"
+    assert TransportConfig().digest == DEFAULT_DIGEST_ALGORITHM == "xxh3-128"
 
 
 @pytest.mark.parametrize("algorithm", sorted(DIGEST_ALGORITHMS))
