@@ -258,6 +258,7 @@ class Trainer:
         metrics["mean_staleness"] = (
             sum(self.version - e.model_version for e in batch) / len(batch) if batch else 0.0
         )
+        metrics.update(gpu_memory_metrics())
         self.last_metrics = metrics
         # Saved before it is reported: a restart resumes after the last reported step, never
         # repeats one (a step saved but not reported is reported by the restart).
@@ -611,6 +612,16 @@ def _to_the_end(stream: Iterator[Any]) -> Generator[Any, None, None]:
     finally:
         for _ in stream:
             pass
+
+
+def gpu_memory_metrics() -> dict[str, float]:
+    """This process's peak CUDA memory so far (torch's allocator: model, optimizer, activations,
+    weight buckets), as a StepFinished metric; nothing when the process has not used a GPU."""
+    import torch
+
+    if not torch.cuda.is_initialized():
+        return {}
+    return {"gpu_peak_memory_bytes": float(torch.cuda.max_memory_allocated())}
 
 
 def _advertised_host() -> str:
