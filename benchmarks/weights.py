@@ -53,6 +53,10 @@ publishes one version and fetches it every round, so the server holds one versio
 a size where two do not fit). ``--digest`` sets the publishers' chunk digest (receivers check with
 the manifest's).
 
+``object_store_fresh`` is the object store with every fetch into fresh memory (no buffer given back,
+a CUDA fetch's pinned staging buffer dropped; ``--fresh-buffers`` does the same to every transport):
+beside ``object_store`` in one run it shows what the spare buffer saves from the second fetch on.
+
 Adding a transport: put an ``async def bench(ctx: BenchContext) -> dict`` into ``TRANSPORT_BENCHES``
 (pull transports can reuse ``bench_pull`` with a worker factory in ``WORKER_FACTORIES``). If
 ``benchmarks.weights_dist`` exists, its ``measure(size_mb, explorers)`` results are merged in.
@@ -436,6 +440,8 @@ async def _worker_main(spec: dict) -> None:
             got = sum(t.numel() * t.element_size() for t in tensors.values())
             if spec.get("recycle", True):
                 transport.recycle(tensors)  # as an explorer does once its engine copied them
+            elif cuda:
+                _drop_spare(transport)
             del tensors
             row = {"t0": t0, "t1": t1, "nbytes": got, "peak_kib": peak - base_kib,
                    "cpu_s": usage1.ru_utime + usage1.ru_stime - usage0.ru_utime - usage0.ru_stime,
@@ -446,6 +452,15 @@ async def _worker_main(spec: dict) -> None:
             print(json.dumps(row), flush=True)
     finally:
         await close()
+
+
+def _drop_spare(transport) -> None:
+    """Forget the transport's spare buffer, so its next fetch allocates fresh memory. A CUDA fetch
+    keeps its pinned staging buffer as the spare by itself (`recycle` covers CPU fetches only):
+    without this, `--fresh-buffers` on CUDA would still land every fetch after the first in it."""
+    from rolectl.bus.weights.format import SpareBuffer
+
+    transport._spare = SpareBuffer()
 
 
 class _Explorers:
@@ -593,8 +608,8 @@ class BenchContext:
 async def bench_pull(ctx: BenchContext, transport, worker_spec: dict, limit_key: str) -> dict:
     """Publish `repeat` versions (one with `publish_once`); after each, one explorer fetches, then K
     fetch at once."""
-    explorers = _Explorers({**worker_spec, "device": ctx.device, "recycle": ctx.recycle,
-                            "fetch_connections": ctx.fetch_connections},
+    explorers = _Explorers({"device": ctx.device, "recycle": ctx.recycle, "fetch_connections": ctx.fetch_connections,
+                            **worker_spec},
                            max(ctx.explorers, 1, *ctx.fanout))
     by_k: dict[int, list[float]] = {k: [] for k in ctx.fanout}
     gpu_peaks: list[int] = []
@@ -684,20 +699,19 @@ async def bench_pull(ctx: BenchContext, transport, worker_spec: dict, limit_key:
     return out
 
 
-async def _bench_object_store(ctx: BenchContext, storage: str) -> dict:
+async def _bench_object_store(ctx: BenchContext, storage: str, *, recycle: bool | None = None) -> dict:
     import nats
 
     from rolectl.bus.weights.object_store import ObjectStoreTransport
 
-    job = f"bench-{storage}"
+    job = f"bench-{storage}" if recycle is None else f"bench-{storage}-fresh"
     nc = await nats.connect(ctx.url)
     try:
         transport = ObjectStoreTransport(nc, job, storage=storage, algorithm=ctx.digest)
-        result = await bench_pull(
-            ctx, transport, {"factory": "object_store", "url": ctx.url, "job": job, "storage": storage},
-            "loopback_socket_gbps",
-        )
-        result.update(storage=storage, chunk_bytes=transport.chunk_size)
+        spec = {"factory": "object_store", "url": ctx.url, "job": job, "storage": storage,
+                **({} if recycle is None else {"recycle": recycle})}
+        result = await bench_pull(ctx, transport, spec, "loopback_socket_gbps")
+        result.update(storage=storage, chunk_bytes=transport.chunk_size, recycle=spec.get("recycle", ctx.recycle))
         return result
     finally:
         with contextlib.suppress(Exception):
@@ -709,6 +723,12 @@ async def _bench_object_store(ctx: BenchContext, storage: str) -> dict:
 async def bench_object_store(ctx: BenchContext) -> dict:
     """The default configuration: memory storage (file with `--storage file`)."""
     return await _bench_object_store(ctx, ctx.storage)
+
+
+async def bench_object_store_fresh(ctx: BenchContext) -> dict:
+    """The default configuration with every fetch into fresh memory: receivers give no buffer back
+    and drop a CUDA fetch's pinned staging buffer, against `object_store`'s spare buffer."""
+    return await _bench_object_store(ctx, ctx.storage, recycle=False)
 
 
 async def bench_object_store_file(ctx: BenchContext) -> dict:
@@ -769,6 +789,7 @@ async def bench_checkpoint(ctx: BenchContext) -> dict:
 
 TRANSPORT_BENCHES: dict[str, Callable[[BenchContext], Awaitable[dict]]] = {
     "object_store": bench_object_store,
+    "object_store_fresh": bench_object_store_fresh,
     "object_store_file": bench_object_store_file,
     "object_store_secure": bench_object_store_secure,
     "checkpoint": bench_checkpoint,
@@ -964,7 +985,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="a bf16 state dict shaped like this transformers model (layers fit --size-mb)")
     parser.add_argument("--device", default="cpu", help="where explorers fetch into: cpu or cuda[:N]")
     parser.add_argument("--fresh-buffers", action="store_true",
-                        help="receivers do not give their buffers back (`recycle`): every fetch writes fresh memory")
+                        help="receivers do not give their buffers back (`recycle`) and drop a CUDA fetch's "
+                             "pinned staging buffer: every fetch writes fresh memory")
     parser.add_argument("--fanout", type=int, nargs="*", default=[],
                         help="also time K explorers fetching at once, for each K given")
     parser.add_argument("--sizes", type=int, nargs="*", default=[],
