@@ -102,9 +102,10 @@ STEPS: list[Step] = [
     # checkpointing, two hf explorers on the same GPU; weights by cuda_ipc, then by the object store
     _job("e2e_job", "cuda_ipc", 40, 110),
     _job("e2e_job_memory", "memory", 24, 85),
-    # the engines' numerics on CUDA (and CPU), the cuda_ipc transport, a pull fetch into CUDA
+    # the engines' numerics on CUDA (and CPU), the cuda_ipc transport, a pull fetch into CUDA; one
+    # worker per file, so the numerics' CPU reference losses are trained once
     Step("cuda_tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
-                        "--dist", "loadgroup", "--junitxml", "{work}/cuda_tests.xml", *GPU_TESTS], 60),
+                        "--dist", "loadfile", "--junitxml", "{work}/cuda_tests.xml", *GPU_TESTS], 60),
     # the host's many cores: a secured (TLS + nkeys) object-store fetch, striped over its default
     # connections (one per two CPUs, up to 4), against a plain one; 1 GiB into host memory
     _bench("secured_1g", "benchmarks.weights",
