@@ -60,13 +60,13 @@ from .format import (
     Destination,
     Layout,
     Manifest,
-    SpareBuffer,
     build_manifest,
     digest_bytes,
     plan_layout,
     root_digest,
     streamed_chunks,
 )
+from .host_memory import SpareBuffer
 
 __all__ = ["CheckpointTransport", "STREAM_HEADER_ROOM"]
 

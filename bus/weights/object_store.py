@@ -95,11 +95,11 @@ from .format import (
     DEFAULT_DIGEST_ALGORITHM,
     Destination,
     Manifest,
-    SpareBuffer,
     StreamedChunks,
     build_manifest,
     streamed_chunks,
 )
+from .host_memory import SpareBuffer
 
 __all__ = ["ObjectStoreTransport"]
 

@@ -97,7 +97,7 @@ from .buckets import (
     plan_buckets,
     plan_stream_buckets,
 )
-from .pinned import PinnedStaging
+from .host_memory import PinnedStaging
 
 __all__ = [
     "TorchDistTransport",

@@ -26,7 +26,7 @@ if str(_ROOT) not in sys.path:  # when run as an explorer script
 from rolectl.bus.logging import setup_logging  # noqa: E402
 from rolectl.bus.server import free_port  # noqa: E402
 from rolectl.bus.weights import CorruptWeights, PeerLost, TransferError  # noqa: E402
-from rolectl.bus.weights.pinned import PinnedStaging  # noqa: E402
+from rolectl.bus.weights.host_memory import PinnedStaging  # noqa: E402
 from rolectl.bus.weights.torch_dist import TorchDistTransport  # noqa: E402
 from rolectl.sync_protocol import MemberRef, RankAssignment, RendezvousReady, Role, SyncMethod, from_plain, to_plain  # noqa: E402
 

@@ -25,7 +25,7 @@ from rolectl.bus.server import NatsServer
 from rolectl.bus.subjects import JobNames
 from rolectl.bus.weights.base import CorruptWeights, PullTransport, WeightsNotFound, WeightsRef
 from rolectl.bus.weights.checkpoint import CheckpointTransport
-from rolectl.bus.weights.format import _HUGE_PAGE_MIN
+from rolectl.bus.weights.host_memory import _HUGE_PAGE_MIN
 from rolectl.bus.weights.object_store import ObjectStoreTransport
 from tests.support.tensors import assert_bit_exact
 
