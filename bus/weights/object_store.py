@@ -90,7 +90,8 @@ from ._wire_client import (
     run_in_thread,
 )
 from .base import CorruptWeights, TransferError, WeightsNotFound, WeightsRef, WeightsSource, restartable
-from .delta import ChunkDecoder, DeltaChunks, DeltaInfo, DeltaPublisher, HeldVersion, ParallelDecode, delta_info
+from .delta import ChunkDecoder, DeltaChunks, DeltaInfo, DeltaPublisher, HeldVersion, delta_info
+from .fetch_plan import ChunkPlan, DeltaPlan, MissingChunks, StreamGone
 from .format import (
     DEFAULT_DIGEST_ALGORITHM,
     Destination,
@@ -384,12 +385,12 @@ class ObjectStoreTransport:
         """Land every chunk of `manifest` in `dest` (decoded onto a base when `delta` is given)."""
         where = f"stream {self.stream}"
         subjects = self.names.weights_chunks(manifest.version)
-        plan: _ChunkPlan
+        plan: ChunkPlan
         if delta is None:
-            plan = _ChunkPlan(manifest, dest, subjects, self._request_bytes, self._window_bytes, where)
+            plan = ChunkPlan(manifest, dest, subjects, self._request_bytes, self._window_bytes, where)
         else:
             decoder = ChunkDecoder(manifest, delta[0], dest.view, delta[1], where)
-            plan = _DeltaPlan(manifest, dest, subjects, self._request_bytes, self._window_bytes, where, decoder)
+            plan = DeltaPlan(manifest, dest, subjects, self._request_bytes, self._window_bytes, where, decoder)
         try:
             try:
                 if not plan.done:
@@ -402,12 +403,12 @@ class ObjectStoreTransport:
                     else:
                         await self._fetch_nats_py(plan)
             except BaseException:
-                if isinstance(plan, _DeltaPlan):
+                if isinstance(plan, DeltaPlan):
                     await asyncio.to_thread(plan.decoding.abandon)
                 raise
-            if isinstance(plan, _DeltaPlan):
+            if isinstance(plan, DeltaPlan):
                 await asyncio.to_thread(plan.decoding.finish)  # CorruptWeights of the first bad chunk
-        except _MissingChunks as exc:
+        except MissingChunks as exc:
             if await self._manifest(manifest.version) is None:
                 raise WeightsNotFound(
                     f"version {manifest.version} was pruned from stream {self.stream} while it was being "
@@ -609,7 +610,7 @@ class ObjectStoreTransport:
                 await self._js.stream_info(self.stream)
             except NotFoundError:
                 return None
-            raise _StreamGone(f"stream {self.stream} exists but no server answers direct gets yet") from None
+            raise StreamGone(f"stream {self.stream} exists but no server answers direct gets yet") from None
         except NatsTimeoutError:
             raise Transient(
                 f"no answer from {self._direct_get_subject} within {self._api_timeout} s looking up "
@@ -642,7 +643,7 @@ class ObjectStoreTransport:
         self._connections_opened += 1
         return await run_in_thread(DataConnection(endpoint, timeout=self._timeout), work)
 
-    async def _fetch_data_connection(self, plan: _ChunkPlan) -> None:
+    async def _fetch_data_connection(self, plan: ChunkPlan) -> None:
         """Fetch over data connections: in stripes first where that is asked for (see the module
         docstring), then what is left on one. If the server drops a connection (a slow consumer:
         more than its max_pending queued for us, seen here when explorers starve for CPU), go on
@@ -721,7 +722,7 @@ class ObjectStoreTransport:
             await sub.unsubscribe()
         return seqs
 
-    async def _fetch_nats_py(self, plan: _ChunkPlan) -> None:
+    async def _fetch_nats_py(self, plan: ChunkPlan) -> None:
         inbox = self._nc.new_inbox()
         inbound: asyncio.Queue[Msg] = asyncio.Queue()
 
@@ -757,204 +758,6 @@ class ObjectStoreTransport:
             raise Transient(f"{what}: nothing for {self._timeout} s; is the server overloaded or restarting?") from None
 
 
-# shared fetch logic -------------------------------------------------------------------------------
-
-
-class _MissingChunks(Exception):
-    def __init__(self, missing: list[int]):
-        super().__init__(f"missing chunks {missing[:10]}")
-        self.missing = missing
-
-
-class _ChunkPlan:
-    """Which direct-get requests to send and where each chunk lands; both fetch paths drive it.
-
-    Requests walk the chunks' stream sequences (contiguous when one trainer published them) in
-    batches of about `request_bytes`, at most `window_bytes` outstanding. If chunks are still missing
-    after that (a chunk was rewritten further down the stream, or deleted), catch-up requests go on
-    from the highest sequence seen until the stream has nothing more.
-    """
-
-    def __init__(self, manifest: Manifest, dest: Destination, filter_subject: str,
-                 request_bytes: int, window_bytes: int, where: str):
-        self.manifest = manifest
-        self.dest = dest
-        self.filter_subject = filter_subject
-        self.request_bytes = request_bytes
-        self.where = where
-        self.bounds = manifest.chunks
-        n = len(self.bounds)
-        chunk = max(manifest.chunk_size, 1)
-        self.per_request = max(1, min(n, request_bytes // chunk))
-        self.max_outstanding = max(1, window_bytes // (self.per_request * chunk))
-        self.received = bytearray(n)
-        self.count = 0
-        first = manifest.extra.get("first_seq")
-        self.first_seq: int | None = int(first) if first is not None else None
-        self.next_seq: int = self.first_seq if self.first_seq is not None else 1
-        self.planned_end = self.next_seq + n if self.first_seq is not None else self.next_seq
-        self.outstanding = 0
-        self.max_seq = self.next_seq - 1
-        self.catchup_from: int | None = None if first is not None else 1
-        self.catchup_progress = True
-
-    @property
-    def done(self) -> bool:
-        return self.count == len(self.bounds)
-
-    def restart(self, window_bytes: int) -> None:
-        """Plan again for a new connection: nothing outstanding, from the first missing chunk."""
-        chunk = max(self.manifest.chunk_size, 1)
-        self.per_request = max(1, min(self.per_request, window_bytes // chunk))
-        self.max_outstanding = max(1, window_bytes // (self.per_request * chunk))
-        self.outstanding = 0
-        self.catchup_progress = True
-        missing = [i for i, got in enumerate(self.received) if not got]
-        if self.first_seq is not None and missing:
-            # Exact when the chunks are contiguous in the stream; catch-up covers any that are not.
-            self.next_seq = min(self.next_seq, self.first_seq + missing[0])
-
-    def _body(self, seq: int, batch: int) -> bytes:
-        return json.dumps({"seq": seq, "batch": batch, "next_by_subj": self.filter_subject}).encode()
-
-    def stripes(self, count: int, window_bytes: int) -> list[_Stripe]:
-        """This plan split into `count` contiguous parts to fetch at once, one per connection, each
-        with its share of `window_bytes` (at least two chunks); none when it cannot be split (the
-        chunks' sequences are unknown, or fewer than two chunks a part)."""
-        n = len(self.bounds)
-        if count < 2 or self.first_seq is None or n < 2 * count or self.count:
-            return []
-        share = max(window_bytes // count, 2 * max(self.manifest.chunk_size, 1))
-        cuts = [n * i // count for i in range(count + 1)]
-        return [_Stripe(self, range(a, b), share) for a, b in zip(cuts, cuts[1:])]
-
-    def absorb(self, stripes: Sequence[_Stripe], window_bytes: int) -> None:
-        """After the stripes: count what they landed, and plan the rest (on one connection, within
-        `window_bytes`) from the first chunk still missing, catch-up included."""
-        self.count = self.received.count(1)
-        self.max_seq = max([self.max_seq, *(stripe.max_seq for stripe in stripes)])
-        self.next_seq = self.planned_end  # every planned sequence was asked for by some stripe...
-        self.restart(window_bytes)  # ...unless one stopped early: then again from the first missing
-
-    def _planned(self) -> list[bytes]:
-        out = []
-        while self.outstanding < self.max_outstanding and self.next_seq < self.planned_end:
-            batch = min(self.per_request, self.planned_end - self.next_seq)
-            out.append(self._body(self.next_seq, batch))
-            self.next_seq += batch
-            self.outstanding += 1
-        return out
-
-    def requests(self) -> list[bytes]:
-        out = self._planned()
-        if not out and self.outstanding == 0 and not self.done:
-            if not self.catchup_progress:
-                raise _MissingChunks([i for i, got in enumerate(self.received) if not got])
-            self.catchup_from = self.max_seq + 1
-            self.catchup_progress = False
-            missing = len(self.bounds) - self.count
-            out.append(self._body(self.catchup_from, min(self.per_request, missing)))
-            self.outstanding += 1
-        return out
-
-    def on_status(self, status: str, headers: Mapping[str, str]) -> None:
-        if status in ("204", "404"):  # end of a batch / nothing (more) at or after that sequence
-            self.outstanding -= 1
-            return
-        if status == "503":
-            raise _StreamGone(f"{self.where}: no responder for direct get (stream gone, or server restarting)")
-        raise TransferError(f"{self.where}: direct get failed with status {status}: {dict(headers)}")
-
-    def target(self, headers: Mapping[str, str], size: int) -> memoryview | None:
-        """Where this message's payload goes, or None to discard it (duplicate / not ours)."""
-        try:
-            seq = int(headers["Nats-Sequence"])
-            index = int(headers["Nats-Subject"].rsplit(".", 1)[1])
-        except (KeyError, ValueError):
-            raise TransferError(f"{self.where}: direct get reply without sequence/subject: {dict(headers)}") from None
-        if seq > self.max_seq:
-            self.max_seq = seq
-            self.catchup_progress = True
-        if not self._wanted(index):
-            return None
-        a, b = self.bounds[index]
-        return self.dest.view[a:b]
-
-    def _wanted(self, index: int) -> bool:
-        return 0 <= index < len(self.bounds) and not self.received[index]
-
-    def landed_wrong_size(self, headers: Mapping[str, str], data: bytes) -> None:
-        index = int(headers["Nats-Subject"].rsplit(".", 1)[1])
-        self.manifest.check_chunk(index, [data], where=self.where)  # raises: size differs
-
-    def landed(self, headers: Mapping[str, str], digest: bytes | None = None) -> None:
-        index = int(headers["Nats-Subject"].rsplit(".", 1)[1])
-        a, b = self.bounds[index]
-        self.manifest.check_chunk(index, [self.dest.view[a:b]], where=self.where, digest=digest)
-        self.received[index] = 1
-        self.count += 1
-
-
-class _Stripe(_ChunkPlan):
-    """One connection's part of a striped fetch: the chunks `indices` of `parent`, asked for by
-    their stream sequences, landing in the parent's destination and marked in its `received`
-    (the parts are disjoint, so no two threads write the same place). It does no catch-up: a chunk
-    of its part that is not where the sequences say is left to the parent (`absorb`)."""
-
-    def __init__(self, parent: _ChunkPlan, indices: range, window_bytes: int):
-        super().__init__(parent.manifest, parent.dest, parent.filter_subject, parent.request_bytes,
-                         window_bytes, parent.where)
-        assert parent.first_seq is not None
-        self.received = parent.received
-        self.indices = indices
-        self.next_seq = parent.first_seq + indices.start
-        self.planned_end = parent.first_seq + indices.stop
-
-    @property
-    def done(self) -> bool:
-        # all of its chunks, or every planned batch answered (what is still missing is the parent's)
-        return self.count == len(self.indices) or (self.next_seq >= self.planned_end and self.outstanding == 0)
-
-    def requests(self) -> list[bytes]:
-        return self._planned()
-
-    def _wanted(self, index: int) -> bool:
-        return index in self.indices and not self.received[index]
-
-
-class _DeltaPlan(_ChunkPlan):
-    """A `_ChunkPlan` whose chunks are delta payloads: each lands in a scratch buffer of its stored
-    size, then is decoded onto the base into the destination and checked there."""
-
-    def __init__(self, manifest: Manifest, dest: Destination, filter_subject: str, request_bytes: int,
-                 window_bytes: int, where: str, decoder: ChunkDecoder):
-        super().__init__(manifest, dest, filter_subject, request_bytes, window_bytes, where)
-        self.decoder = decoder
-        self.decoding = ParallelDecode(decoder)
-        self._scratch: dict[int, memoryview] = {}
-
-    def target(self, headers: Mapping[str, str], size: int) -> memoryview | None:
-        if super().target(headers, size) is None:
-            return None
-        index = int(headers["Nats-Subject"].rsplit(".", 1)[1])
-        buf = memoryview(bytearray(self.decoder.expected_size(index)))
-        self._scratch[index] = buf
-        return buf
-
-    def stripes(self, count: int, window_bytes: int) -> list[_Stripe]:
-        return []  # a delta is a small fraction of a version, decoded in order: one connection
-
-    def landed_wrong_size(self, headers: Mapping[str, str], data: bytes) -> None:
-        index = int(headers["Nats-Subject"].rsplit(".", 1)[1])
-        self.decoder.apply(index, data)  # raises: the stored size differs
-
-    def landed(self, headers: Mapping[str, str], digest: bytes | None = None) -> None:
-        index = int(headers["Nats-Subject"].rsplit(".", 1)[1])
-        self.decoding.submit(index, self._scratch.pop(index))  # decoded and checked by `decoding.finish`
-        self.received[index] = 1
-        self.count += 1
-
-
 def fetch_connections_for(*, secure: bool) -> int:
     """How many data connections one fetch uses by default: one plain (more were slower on 2
     cores), under TLS one per two CPUs of this host, at least 2 and at most 4: each connection
@@ -982,7 +785,7 @@ async def _together(awaitables: Sequence[Awaitable[Any]]) -> None:
 
 def _parse_ack(data: bytes, status: str | None, where: str, index: int) -> int:
     if status == "503":
-        raise _StreamGone(f"{where}: chunk {index}: no stream listens on its subject (server restarted?)")
+        raise StreamGone(f"{where}: chunk {index}: no stream listens on its subject (server restarted?)")
     try:
         ack = json.loads(data)
     except ValueError:
@@ -990,11 +793,6 @@ def _parse_ack(data: bytes, status: str | None, where: str, index: int) -> int:
     if "error" in ack:
         raise TransferError(f"{where}: chunk {index} was not stored: {ack['error']}")
     return int(ack["seq"])
-
-
-class _StreamGone(Transient):
-    """No stream listens on the weights subjects: a restarted in-memory server lost it (publish
-    re-creates it), or a restarting server has not recovered it yet."""
 
 
 # the transfers over a plain data connection --------------------------------------------------------
@@ -1033,7 +831,7 @@ def _publish_raw(
     return seqs
 
 
-def _fetch_raw(conn: DataConnection, inbox: str, api_subject: str, plan: _ChunkPlan) -> None:
+def _fetch_raw(conn: DataConnection, inbox: str, api_subject: str, plan: ChunkPlan) -> None:
     """Send the plan's direct-get requests and land each reply where the plan says, until done."""
     conn.subscribe(inbox)
     while not plan.done:
