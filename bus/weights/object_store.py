@@ -46,7 +46,8 @@ Theory of operation
   (`_wire_client`), driven from a worker thread that receives straight into the tensors and hashes
   each piece while it is in cache. It connects as the nats-py client did (user/password, token,
   nkey or JWT; TLS with the client's context); where it cannot be used (websocket) the transport
-  falls back to the nats-py connection for everything, same semantics.
+  falls back to the nats-py connection for everything, same semantics: one windowed driver runs
+  either (`data_plane`), following an I/O-free plan of the fetch (`fetch_plan`).
 - **Striped fetch.** A fetch can be split over several data connections (`fetch_connections`),
   each fetching a contiguous part of the version's stream sequences in its own thread into the one
   destination. Under TLS one connection is one stream of records that the server encrypts on one
@@ -61,15 +62,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
-import json
-import os
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 import torch
 from nats.aio.client import Client
-from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import StorageType
@@ -81,15 +78,9 @@ from ..errors import BusClosed, RetriesExhausted
 from ..retry import is_transient, retry_transient
 from ..streams import stream_differences, weights_stream_config
 from ..subjects import JobNames
-from ._wire_client import (
-    ConnectionLost,
-    DataConnection,
-    NoDataConnection,
-    Transient,
-    data_endpoint,
-    run_in_thread,
-)
+from ._wire_client import DataConnection, Transient
 from .base import CorruptWeights, TransferError, WeightsNotFound, WeightsRef, WeightsSource, restartable
+from .data_plane import DataPlanes
 from .delta import ChunkDecoder, DeltaChunks, DeltaInfo, DeltaPublisher, HeldVersion, delta_info
 from .fetch_plan import ChunkPlan, DeltaPlan, MissingChunks, StreamGone
 from .format import (
@@ -122,7 +113,7 @@ class ObjectStoreTransport:
     `data_connection=False` forces the nats-py path (slower; used where the plain data connection
     cannot be opened, and by tests to cover both paths). `fetch_connections` splits one fetch over
     that many data connections (None: by the client's TLS settings and this host's CPUs, see
-    `fetch_connections_for`).
+    `data_plane.fetch_connections_for`).
     """
 
     method = SyncMethod.MEMORY
@@ -162,9 +153,9 @@ class ObjectStoreTransport:
         self._chunk_size = chunk_size
         self._window_bytes = window_bytes
         self._request_bytes = request_bytes
-        self._timeout = timeout
-        self._use_data_connection = data_connection
-        self._fetch_connections = fetch_connections
+        self._planes = DataPlanes(nc, api_subject=self._direct_get_subject, timeout=timeout,
+                                  window_bytes=window_bytes, wire=data_connection,
+                                  fetch_connections=fetch_connections)
         self._algorithm = algorithm or DEFAULT_DIGEST_ALGORITHM
         self._reconnected = reconnected
         self._publish_retry_s = publish_retry_s
@@ -178,7 +169,6 @@ class ObjectStoreTransport:
         self._held: HeldVersion | None = None
         self.last_publish: dict[str, Any] = {}  # what the last publish stored (kind, bytes)
         self.last_fetch: dict[str, Any] = {}  # how the last fetch got its version (route, bytes, connections)
-        self._connections_opened = 0  # data connections the current fetch opened
 
     # public API -----------------------------------------------------------------------------------
 
@@ -238,25 +228,7 @@ class ObjectStoreTransport:
         def subject(index: int) -> str:
             return self.names.weights_chunk(version, index)
 
-        chunks: StreamedChunks | DeltaChunks | None = None
-        if self._data_connection_usable():
-            inbox = self._nc.new_inbox()  # here, not in the thread: nats-py's NUID is not thread-safe
-            window = self._window(chunk_size)
-
-            def publish_raw(conn: DataConnection) -> dict[int, int]:
-                nonlocal chunks
-                # Made only once the connection is open: a refused one falls back before any bucket is read.
-                chunks = open_stream(chunk_size)
-                return _publish_raw(conn, inbox, chunks, subject, window, where)
-
-            try:
-                seqs = await self._in_thread(publish_raw)
-            except NoDataConnection:
-                self._use_data_connection = False
-                chunks = None
-        if chunks is None:
-            chunks = open_stream(chunk_size)
-            seqs = await self._publish_nats_py(chunks, subject, chunk_size, where)
+        chunks, seqs = await self._planes.publish(lambda: open_stream(chunk_size), subject, chunk_size, where)
         extra: dict[str, Any] = {"stream": self.stream}
         if seqs:
             extra.update(first_seq=min(seqs.values()), last_seq=max(seqs.values()))
@@ -314,7 +286,7 @@ class ObjectStoreTransport:
                 f"announced ref says {ref.digest}: it was republished; fetch the latest announced ref"
             )
         device = torch.device(device)
-        self._connections_opened = 0
+        self._planes.connections_opened = 0
         info = delta_info(manifest, where=f"stream {self.stream}")
         if info is None:
             pin = device.type == "cuda"
@@ -331,7 +303,7 @@ class ObjectStoreTransport:
             route = "keyframe"
         self.last_fetch = {
             "version": manifest.version, "route": route, "versions": versions, "bytes_moved": moved,
-            "nbytes": manifest.nbytes, "data_connections": self._connections_opened,
+            "nbytes": manifest.nbytes, "data_connections": self._planes.connections_opened,
             "refused": None if route != "keyframe" else (
                 f"holds version {self._held.version}, the delta is on version {info.base}"  # type: ignore[union-attr]
                 if self._held is not None else "holds no version"),
@@ -394,14 +366,7 @@ class ObjectStoreTransport:
         try:
             try:
                 if not plan.done:
-                    if self._data_connection_usable():
-                        try:
-                            await self._fetch_data_connection(plan)
-                        except NoDataConnection:
-                            self._use_data_connection = False
-                            await self._fetch_nats_py(plan)
-                    else:
-                        await self._fetch_nats_py(plan)
+                    await self._planes.fetch(plan)
             except BaseException:
                 if isinstance(plan, DeltaPlan):
                     await asyncio.to_thread(plan.decoding.abandon)
@@ -538,9 +503,6 @@ class ObjectStoreTransport:
         if self._closed:
             raise TransferError("object store transport is closed; make a new ObjectStoreTransport")
 
-    def _window(self, chunk_size: int) -> int:
-        return max(1, self._window_bytes // max(chunk_size, 1))
-
     async def ensure_stream(self) -> None:
         """Create the weights stream, or check the existing one (what `rolectl provision` does)."""
         await self._ensure_stream()
@@ -628,227 +590,8 @@ class ObjectStoreTransport:
             )
         return manifest
 
-    # data plane: plain connection in a worker thread ----------------------------------------------
+    # data plane -----------------------------------------------------------------------------------
 
-    def _data_connection_usable(self) -> bool:
-        return self._use_data_connection and data_endpoint(self._nc) is not None
-
-    async def _in_thread(self, work: Callable[[DataConnection], Any]) -> Any:
-        """Run `work` on a fresh data connection in a worker thread; cancellation aborts the socket."""
-        endpoint = data_endpoint(self._nc)
-        if endpoint is None:
-            if not self._nc.is_connected:
-                raise Transient("the NATS connection is reconnecting")
-            raise NoDataConnection("client options rule out a data connection")
-        self._connections_opened += 1
-        return await run_in_thread(DataConnection(endpoint, timeout=self._timeout), work)
-
-    async def _fetch_data_connection(self, plan: ChunkPlan) -> None:
-        """Fetch over data connections: in stripes first where that is asked for (see the module
-        docstring), then what is left on one. If the server drops a connection (a slow consumer:
-        more than its max_pending queued for us, seen here when explorers starve for CPU), go on
-        with the missing chunks on a new connection with half the window, down to one chunk in flight."""
-        window = self._window_bytes
-        endpoint = data_endpoint(self._nc)
-        count = self._fetch_connections or fetch_connections_for(secure=endpoint is not None and endpoint.secure)
-        stripes = plan.stripes(count, window)
-        if stripes:
-            inboxes = [self._nc.new_inbox() for _ in stripes]
-            try:
-                await _together([self._in_thread(functools.partial(_fetch_raw, inbox=inbox, plan=stripe,
-                                                                   api_subject=self._direct_get_subject))
-                                 for stripe, inbox in zip(stripes, inboxes)])
-            except ConnectionLost:
-                window = max(window // 2, plan.manifest.chunk_size)
-            except NoDataConnection:
-                # The server refused one of several (a connection limit?): one may still be allowed;
-                # this transport stops striping, and falls back to nats-py only if one is refused too.
-                self._fetch_connections = 1
-            finally:  # whoever goes on (one connection below, or the nats-py path) sees what landed
-                plan.absorb(stripes, window)
-        while not plan.done:
-            inbox = self._nc.new_inbox()  # here, not in the thread: nats-py's NUID is not thread-safe
-            try:
-                # awaited in this iteration, before `inbox` changes
-                await self._in_thread(lambda conn: _fetch_raw(conn, inbox, self._direct_get_subject, plan))  # noqa: B023
-            except ConnectionLost:
-                if window <= plan.manifest.chunk_size:
-                    raise
-                window //= 2
-                plan.restart(window)
-
-    # data plane: nats-py fallback -----------------------------------------------------------------
-
-    async def _publish_nats_py(
-        self, chunks: StreamedChunks | DeltaChunks, subject: Callable[[int], str], chunk_size: int, where: str,
-    ) -> dict[int, int]:
-        inbox = self._nc.new_inbox()
-        acks: asyncio.Queue[Msg] = asyncio.Queue()
-
-        async def on_ack(msg: Msg) -> None:
-            acks.put_nowait(msg)
-
-        sub = await self._nc.subscribe(f"{inbox}.*", cb=on_ack)
-        seqs: dict[int, int] = {}
-        outstanding = 0
-        window = self._window(chunk_size)
-
-        async def take_ack() -> None:
-            nonlocal outstanding
-            msg = await self._wait(acks.get(), f"{where}: waiting for chunk acks")
-            index = int(msg.subject.rsplit(".", 1)[1])
-            seqs[index] = _parse_ack(msg.data, (msg.headers or {}).get("Status"), where, index)
-            outstanding -= 1
-
-        it = chunks.chunks()
-        try:
-            while True:
-                # Off the event loop: making a bucket may gather it from shards or copy it off a device.
-                item = await asyncio.to_thread(next, it, None)
-                if item is None:
-                    break
-                index, parts, _ = item
-                payload = parts[0] if len(parts) == 1 else b"".join(parts)
-                # nats-py sends any bytes-like payload; bytes() here would copy the chunk.
-                await self._nc.publish(subject(index), payload, reply=f"{inbox}.{index}")  # type: ignore[arg-type]
-                del item, parts, payload
-                outstanding += 1
-                while outstanding >= window:
-                    await take_ack()
-            while outstanding:
-                await take_ack()
-        finally:
-            it.close()
-            await sub.unsubscribe()
-        return seqs
-
-    async def _fetch_nats_py(self, plan: ChunkPlan) -> None:
-        inbox = self._nc.new_inbox()
-        inbound: asyncio.Queue[Msg] = asyncio.Queue()
-
-        async def on_msg(msg: Msg) -> None:
-            inbound.put_nowait(msg)
-
-        # Limits off: the window already bounds what the server sends us.
-        sub = await self._nc.subscribe(inbox, cb=on_msg, pending_msgs_limit=0, pending_bytes_limit=0)
-        try:
-            while not plan.done:
-                for body in plan.requests():
-                    await self._nc.publish(self._direct_get_subject, body, reply=inbox)
-                msg = await self._wait(inbound.get(), f"{plan.where}: waiting for chunks")
-                headers = msg.headers or {}
-                status = headers.get("Status")
-                if status:
-                    plan.on_status(status, headers)
-                    continue
-                target = plan.target(headers, len(msg.data))
-                if target is None:
-                    continue
-                if len(target) != len(msg.data):
-                    plan.landed_wrong_size(headers, msg.data)
-                target[:] = msg.data
-                plan.landed(headers)
-        finally:
-            await sub.unsubscribe()
-
-    async def _wait(self, awaitable: Awaitable[T], what: str) -> T:
-        try:
-            return await asyncio.wait_for(awaitable, self._timeout)
-        except asyncio.TimeoutError:
-            raise Transient(f"{what}: nothing for {self._timeout} s; is the server overloaded or restarting?") from None
-
-
-def fetch_connections_for(*, secure: bool) -> int:
-    """How many data connections one fetch uses by default: one plain (more were slower on 2
-    cores), under TLS one per two CPUs of this host, at least 2 and at most 4: each connection
-    decrypts on its own thread while the server encrypts it on its own core (two were faster than
-    one even on 2 cores; figures in docs/weights-at-size.md)."""
-    if not secure:
-        return 1
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cpus = os.cpu_count() or 1
-    return min(4, max(2, cpus // 2))
-
-
-async def _together(awaitables: Sequence[Awaitable[Any]]) -> None:
-    """Await all; the first failure cancels the rest (waited for) and is raised."""
-    tasks = [asyncio.ensure_future(a) for a in awaitables]
-    try:
-        await asyncio.gather(*tasks)
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def _parse_ack(data: bytes, status: str | None, where: str, index: int) -> int:
-    if status == "503":
-        raise StreamGone(f"{where}: chunk {index}: no stream listens on its subject (server restarted?)")
-    try:
-        ack = json.loads(data)
-    except ValueError:
-        raise TransferError(f"{where}: chunk {index}: unreadable publish ack {data[:200]!r}") from None
-    if "error" in ack:
-        raise TransferError(f"{where}: chunk {index} was not stored: {ack['error']}")
-    return int(ack["seq"])
-
-
-# the transfers over a plain data connection --------------------------------------------------------
-
-
-def _publish_raw(
-    conn: DataConnection, inbox: str, chunks: StreamedChunks | DeltaChunks, subject: Callable[[int], str],
-    window: int, where: str,
-) -> dict[int, int]:
-    """Publish every chunk of the stream as it is cut (at most `window` unacknowledged); return
-    each chunk's stream sequence (their digests are in `chunks`)."""
-    conn.subscribe(f"{inbox}.*")
-    seqs: dict[int, int] = {}
-    outstanding = 0
-
-    def take_ack() -> None:
-        nonlocal outstanding
-        msg = conn.next_message()
-        data = conn.read_payload(msg.size)
-        index = int(msg.subject.rsplit(".", 1)[1])
-        seqs[index] = _parse_ack(data, msg.status, where, index)
-        outstanding -= 1
-
-    it = chunks.chunks()
-    try:
-        for index, parts, _ in it:
-            conn.publish(subject(index), f"{inbox}.{index}", parts)  # in the kernel once this returns
-            del parts
-            outstanding += 1
-            while outstanding >= window:
-                take_ack()
-        while outstanding:
-            take_ack()
-    finally:
-        it.close()
-    return seqs
-
-
-def _fetch_raw(conn: DataConnection, inbox: str, api_subject: str, plan: ChunkPlan) -> None:
-    """Send the plan's direct-get requests and land each reply where the plan says, until done."""
-    conn.subscribe(inbox)
-    while not plan.done:
-        requests = plan.requests()
-        if requests:  # one send for the whole batch of requests
-            conn.send([part for body in requests for part in conn.pub_parts(api_subject, inbox, [body])])
-        msg = conn.next_message()
-        if msg.status:
-            conn.read_payload(msg.size)
-            plan.on_status(msg.status, msg.headers)
-            continue
-        target = plan.target(msg.headers, msg.size)
-        if target is None or len(target) != msg.size:
-            data = conn.read_payload(msg.size)
-            if target is not None:
-                plan.landed_wrong_size(msg.headers, data)
-            continue
-        hasher = plan.manifest.hasher()
-        conn.read_payload(msg.size, target, hasher)
-        plan.landed(msg.headers, hasher.digest())
+    async def _in_thread(self, work: Callable[[DataConnection], T]) -> T:
+        """Run `work` on a fresh wire connection in a worker thread (see `DataPlanes.on_wire`)."""
+        return await self._planes.on_wire(work)

@@ -518,7 +518,7 @@ async def test_a_refused_stripe_connection_leaves_one_connection_not_nats_py(nc,
 
 
 def test_by_default_only_a_tls_fetch_is_striped():
-    from rolectl.bus.weights.object_store import fetch_connections_for
+    from rolectl.bus.weights.data_plane import fetch_connections_for
 
     assert fetch_connections_for(secure=False) == 1
     assert fetch_connections_for(secure=True) == min(4, max(2, len(os.sched_getaffinity(0)) // 2))
