@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
@@ -81,7 +82,7 @@ from ..subjects import JobNames
 from ._wire_client import DataConnection, Transient
 from .base import CorruptWeights, TransferError, WeightsNotFound, WeightsRef, WeightsSource, restartable
 from .data_plane import DataPlanes
-from .delta import ChunkDecoder, DeltaChunks, DeltaInfo, DeltaPublisher, HeldVersion, delta_info
+from .delta import ChunkDecoder, DeltaChunks, DeltaInfo, DeltaPublisher, HeldVersion, delta_info, stored_version
 from .fetch_plan import ChunkPlan, DeltaPlan, MissingChunks, StreamGone
 from .format import (
     DEFAULT_DIGEST_ALGORITHM,
@@ -167,7 +168,7 @@ class ObjectStoreTransport:
         self._deltas = DeltaPublisher(keyframe_interval, delta_codec)
         self._spare = SpareBuffer()
         self._held: HeldVersion | None = None
-        self.last_publish: dict[str, Any] = {}  # what the last publish stored (kind, bytes)
+        self.last_publish: dict[str, Any] = {}  # what the last publish stored (kind, bytes; see WeightsRef.stored)
         self.last_fetch: dict[str, Any] = {}  # how the last fetch got its version (route, bytes, connections)
 
     # public API -----------------------------------------------------------------------------------
@@ -246,19 +247,15 @@ class ObjectStoreTransport:
             )
         await self._js.publish(self.names.weights_manifest(version), payload, stream=self.stream)
         self._deltas.commit(chunks, manifest)
-        delta = isinstance(chunks, DeltaChunks) and chunks.base is not None
-        self.last_publish = {
-            "version": version, "kind": "delta" if delta else "keyframe", "nbytes": manifest.nbytes,
-            "stored_bytes": chunks.stored_bytes if isinstance(chunks, DeltaChunks) else manifest.nbytes,
-            "changed_bytes": chunks.changed_bytes if delta else manifest.nbytes,  # type: ignore[union-attr]
-        }
-        ref = WeightsRef(
+        stored = stored_version(chunks, manifest.nbytes)
+        self.last_publish = {"version": version, "nbytes": manifest.nbytes, **dataclasses.asdict(stored)}
+        return WeightsRef(
             version=version,
             location=f"nats-js://{self.stream}/{self.names.weights_manifest(version)}",
             nbytes=manifest.nbytes,
             digest=manifest.digest,
+            stored=stored,
         )
-        return ref
 
     async def fetch(self, ref: WeightsRef, *, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
         """Fetch `ref` into fresh tensors, every chunk digest-checked; nothing is returned on failure.
