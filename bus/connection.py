@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import itertools
-import json
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable, Generator, Mapping
@@ -27,28 +25,19 @@ from typing import Any, TypeVar
 
 import nats
 import nats.errors
-import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.client import ReconnectToServerHandler, Server
-from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
-from nats.js.api import Header, PubAck
+from nats.js.api import PubAck
 
 from rolectl.sync_protocol import Role
 
 from ._natspy_compat import callbackless_subscriptions
-from .errors import (
-    BusClosed,
-    BusUnavailable,
-    PayloadTooLarge,
-    PublishFailed,
-    PublishRejected,
-    RetriesExhausted,
-    describe,
-)
+from .acked_publish import AckedPublishes
+from .errors import BusUnavailable, RetriesExhausted, describe
 from .logging import get_logger
-from .retry import Interrupted, backoff_delay, is_transient, retry_transient
+from .retry import Interrupted, backoff_delay, retry_transient
 from .security import ClientSecurity, SecurityError, redact
 from .subjects import JobNames, check_name
 
@@ -142,16 +131,8 @@ class BusConnection:
         # The server we are (or were last) connected to, shared with the reconnect chooser.
         self._last_server = last_server if last_server is not None else []
         self._note_server()
-        # Acked publishes: one reply subscription per connection, `<inbox>.<token>` per publish.
-        self._ack_prefix: str | None = None
-        self._ack_inbox_ready: asyncio.Future[None] | None = None
-        # token -> (the ack's future, its deadline on the loop's clock)
-        self._acks: dict[str, tuple[asyncio.Future[PubAck], float]] = {}
-        self._ack_tokens = itertools.count(1)
-        # One timer expires every overdue ack, armed at the nearest deadline: a timer per publish
-        # costs a heap push and a cancel each, which adds up across many members.
-        self._ack_timer: asyncio.TimerHandle | None = None
-        self._ack_timer_at = 0.0
+        # Acked publishes: one reply subscription per connection (`acked_publish`).
+        self._acks = AckedPublishes(nc, url=self.url, name=self.name, log=log)
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -215,7 +196,7 @@ class BusConnection:
         self.reconnects += 1
         # Acks of publishes sent before the outage went with the old socket: retry them now
         # (same msg id, stored once) instead of after their ack timeout.
-        self._fail_acks(Interrupted())
+        self._acks.fail_all(Interrupted())
         self._note_server()
         server = self.server or self.url
         self.log.info("bus.reconnected", url=self.url, server=server, reconnects=self.reconnects)
@@ -243,7 +224,7 @@ class BusConnection:
 
     async def _on_closed(self) -> None:
         self.log.info("bus.closed", url=self.url)
-        self._fail_acks(nats.errors.ConnectionClosedError())
+        self._acks.fail_all(nats.errors.ConnectionClosedError())
         await self._set_up(False)
 
     # -- publishing ------------------------------------------------------------------------------
@@ -266,134 +247,8 @@ class BusConnection:
         `PublishRejected` at once; running out of time raises `PublishFailed`; a payload over the
         server's `max_payload` raises `PayloadTooLarge` without sending anything.
         """
-        hdrs = dict(headers or {})
-        if msg_id is not None:
-            hdrs["Nats-Msg-Id"] = msg_id
-        max_payload = self.nc.max_payload
-        if max_payload and len(payload) > max_payload:
-            raise PayloadTooLarge(
-                f"message for {subject} is {len(payload)} bytes but the server at {self.url} accepts "
-                f"at most {max_payload} (max_payload): send smaller pieces or raise max_payload",
-                subject=subject,
-                msg_id=msg_id,
-                size=len(payload),
-                limit=max_payload,
-            )
-        where = f"publish to {subject} (msg id {msg_id}) via {self.url}"
-
-        async def publish_once() -> PubAck:
-            return await self._publish_once(subject, payload, hdrs or None, ack_timeout)
-
-        def transient(exc: BaseException) -> bool:
-            # Any other client-side error (e.g. outbound buffer full while reconnecting) is the
-            # connection's business: it reconnects by itself, so a retry is right.
-            return is_transient(exc) or (
-                isinstance(exc, nats.errors.Error) and not isinstance(exc, nats.js.errors.APIError)
-            )
-
-        try:
-            return await retry_transient(
-                publish_once, what=where, retry_for=retry_for, is_closed=lambda: self.nc.is_closed,
-                transient=transient, log=self.log,
-            )
-        except BusClosed as exc:
-            raise BusClosed(f"cannot publish to {subject}: connection {self.name} to {self.url} is closed") from exc
-        except nats.js.errors.APIError as exc:
-            raise PublishRejected(
-                f"the stream refused a message on {subject} (msg id {msg_id}): "
-                f"{exc.description} (code {exc.code}, err_code {exc.err_code})",
-                subject=subject,
-                msg_id=msg_id,
-                code=exc.code,
-                err_code=exc.err_code,
-                description=exc.description or "",
-            ) from exc
-        except RetriesExhausted as exc:
-            raise PublishFailed(
-                f"no acknowledgement for a message on {subject} (msg id {msg_id}) from {self.url} after "
-                f"{exc.attempts} attempt(s) in {retry_for:g} s (last: {describe(exc.last)}). Is the server "
-                f"up, with JetStream, and does a stream capture this subject (ensure_event_stream / "
-                f"ensure_experience_stream)?",
-                subject=subject,
-                msg_id=msg_id,
-            ) from exc.last
-
-    async def _publish_once(self, subject: str, payload: bytes, headers: dict[str, str] | None,
-                            timeout: float) -> PubAck:
-        """One JetStream publish and its ack, as nats-py's `js.publish` but on this connection's
-        one reply subscription: no task and no subscription per publish, which is most of an
-        acked publish's CPU (the synchronizer's decisions, every member's events). Raises what
-        `js.publish` raises, plus `Interrupted` when the connection reconnected meanwhile."""
-        if self._ack_prefix is None:
-            await self._open_ack_inbox()
-        token = str(next(self._ack_tokens))
-        loop = asyncio.get_running_loop()
-        ack: asyncio.Future[PubAck] = loop.create_future()
-        deadline = loop.time() + timeout
-        self._acks[token] = (ack, deadline)
-        if self._ack_timer is None or deadline < self._ack_timer_at:
-            self._arm_ack_timer(loop, deadline)
-        try:
-            await self.nc.publish(subject, payload, reply=f"{self._ack_prefix}.{token}", headers=headers)
-            return await ack
-        finally:
-            self._acks.pop(token, None)
-            if ack.done() and not ack.cancelled():
-                ack.exception()  # retrieved: an ack that failed after its publish raised is no news
-
-    async def _open_ack_inbox(self) -> None:
-        if self._ack_inbox_ready is None:  # the first caller subscribes; others wait for it
-            self._ack_inbox_ready = asyncio.ensure_future(self._subscribe_acks())
-        try:
-            await asyncio.shield(self._ack_inbox_ready)
-        except Exception:
-            self._ack_inbox_ready = None  # e.g. closed meanwhile: the next publish tries again
-            raise
-
-    async def _subscribe_acks(self) -> None:
-        prefix = self.nc.new_inbox()
-        await self.nc.subscribe(f"{prefix}.*", cb=self._on_ack)
-        self._ack_prefix = prefix
-
-    async def _on_ack(self, msg: Msg) -> None:
-        pending = self._acks.get(msg.subject.rpartition(".")[2])
-        if pending is None or pending[0].done():
-            return  # timed out or interrupted already: the retry has its own token
-        ack = pending[0]
-        if msg.headers and msg.headers.get(Header.STATUS) == "503":
-            ack.set_exception(nats.js.errors.NoStreamResponseError())  # no stream took it (yet)
-            return
-        try:
-            resp = json.loads(msg.data)
-            if "error" in resp:
-                nats.js.errors.APIError.from_error(resp["error"])  # raises the typed error
-            ack.set_result(PubAck.from_response(resp))
-        except Exception as exc:
-            ack.set_exception(exc)
-
-    def _arm_ack_timer(self, loop: asyncio.AbstractEventLoop, at: float) -> None:
-        if self._ack_timer is not None:
-            self._ack_timer.cancel()
-        self._ack_timer, self._ack_timer_at = loop.call_at(at, self._expire_acks, loop), at
-
-    def _expire_acks(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Time out every ack past its deadline; re-arm for the nearest one still waiting."""
-        self._ack_timer = None
-        now, nearest = loop.time(), None
-        for ack, deadline in self._acks.values():
-            if ack.done():
-                continue
-            if deadline <= now:
-                ack.set_exception(nats.errors.TimeoutError())
-            elif nearest is None or deadline < nearest:
-                nearest = deadline
-        if nearest is not None:
-            self._arm_ack_timer(loop, nearest)
-
-    def _fail_acks(self, exc: BaseException) -> None:
-        for ack, _ in self._acks.values():
-            if not ack.done():
-                ack.set_exception(exc)
+        return await self._acks.publish(subject, payload, msg_id=msg_id, headers=headers,
+                                        ack_timeout=ack_timeout, retry_for=retry_for)
 
     async def unsubscribe_quietly(self, sub: Subscription | JetStreamContext.PullSubscription | None) -> None:
         """Drop a subscription; nothing to do if the connection is already closed or going."""
