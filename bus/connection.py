@@ -21,6 +21,7 @@ import collections
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable, Generator, Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import nats
@@ -305,15 +306,74 @@ class BusConnection:
         return f"<BusConnection {self.name} {self.url} {state}>"
 
 
+@dataclass(frozen=True)
+class _Dial:
+    """What `connect()` was asked for, checked: who connects, to which servers, and how."""
+
+    names: JobNames
+    role: Role
+    member: str
+    servers: list[str]
+    shown: str  # the URL list for messages: passwords redacted
+    security: ClientSecurity
+    options: dict[str, Any]  # the security's nats.connect() arguments
+
+    @property
+    def name(self) -> str:
+        return f"{self.names.job}/{self.role.value}/{self.member}"
+
+
+class _Callbacks:
+    """nats-py's callbacks. They must exist before `nats.connect()` returns, but the BusConnection
+    needs the client; so they forward to `conn` once it is set and only record failures before that."""
+
+    def __init__(self) -> None:
+        self.conn: BusConnection | None = None
+        self.failures: list[BaseException] = []
+
+    async def on_error(self, exc: Exception) -> None:
+        if self.conn is None:
+            self.failures.append(exc)
+        else:
+            await self.conn._on_error(exc)
+
+    async def on_disconnected(self) -> None:
+        if self.conn is not None:
+            await self.conn._on_disconnected()
+
+    async def on_reconnected(self) -> None:
+        if self.conn is not None:
+            await self.conn._on_reconnected()
+
+    async def on_closed(self) -> None:
+        if self.conn is not None:
+            await self.conn._on_closed()
+
+
 async def _open(
     url: str, *, job: str, role: Role | str, member: str, connect_timeout: float,
     security: ClientSecurity | None = None,
 ) -> BusConnection:
+    dial = _checked_dial(url, job=job, role=role, member=member, security=security)
+    log = get_logger("rolectl.bus", job=dial.names.job, role=dial.role.value, member=member)
+    callbacks = _Callbacks()
+    last_server: list[str] = []
+    started = time.monotonic()
+    nc = await _connect_client(dial, callbacks, last_server, connect_timeout)
+    conn = BusConnection(nc, url=url, names=dial.names, role=dial.role, member=member, log=log,
+                         last_server=last_server, security=dial.security)
+    callbacks.conn = conn
+    await _check_jetstream(nc, dial, remaining=max(0.5, connect_timeout - (time.monotonic() - started)))
+    log.info("bus.connected", url=dial.shown, server=_host_port(nc), identity=dial.security.identity)
+    return conn
+
+
+def _checked_dial(url: str, *, job: str, role: Role | str, member: str, security: ClientSecurity | None) -> _Dial:
+    """The arguments of `connect()` checked; a credential that cannot work is `BusUnavailable` now."""
     names = JobNames(job)
     role = Role.parse(role)
     check_name(member, "member id")
     servers = parse_server_urls(url)
-    last_server: list[str] = []
     # Explicit settings win; ROLECTL_NATS_* fill what they leave unset.
     security = (security or ClientSecurity()).over(ClientSecurity.from_env())
     shown = redact(url)
@@ -332,42 +392,23 @@ async def _open(
         raise BusUnavailable(
             f"cannot connect to {shown} for job {names.job!r}: {exc}", url=shown, cause=exc
         ) from exc
-    log = get_logger("rolectl.bus", job=names.job, role=role.value, member=member)
-    failures: list[BaseException] = []
-    conn: BusConnection | None = None
+    return _Dial(names, role, member, servers, shown, security, options)
 
-    # The callbacks must exist before nats.connect() returns, but the BusConnection needs the
-    # client; so they forward to `conn` once it is set and only record failures before that.
-    async def on_error(exc: Exception) -> None:
-        if conn is None:
-            failures.append(exc)
-        else:
-            await conn._on_error(exc)
 
-    async def on_disconnected() -> None:
-        if conn is not None:
-            await conn._on_disconnected()
-
-    async def on_reconnected() -> None:
-        if conn is not None:
-            await conn._on_reconnected()
-
-    async def on_closed() -> None:
-        if conn is not None:
-            await conn._on_closed()
-
+async def _connect_client(dial: _Dial, callbacks: _Callbacks, last_server: list[str],
+                          connect_timeout: float) -> NatsClient:
+    """A nats-py client connected within `connect_timeout`, or `BusUnavailable` saying why not."""
     nc = NatsClient()
-    started = time.monotonic()
     connecting = asyncio.ensure_future(
         nc.connect(
-            servers=servers,
+            servers=dial.servers,
             # Randomized order spreads a job's members over a cluster's nodes.
             dont_randomize=False,
-            name=f"{names.job}/{role.value}/{member}",
-            error_cb=on_error,
-            disconnected_cb=on_disconnected,
-            reconnected_cb=on_reconnected,
-            closed_cb=on_closed,
+            name=dial.name,
+            error_cb=callbacks.on_error,
+            disconnected_cb=callbacks.on_disconnected,
+            reconnected_cb=callbacks.on_reconnected,
+            closed_cb=callbacks.on_closed,
             allow_reconnect=True,
             max_reconnect_attempts=-1,
             # First connect: nats-py retries every reconnect_time_wait until we give up; after
@@ -376,7 +417,7 @@ async def _open(
             reconnect_to_server_handler=_reconnect_chooser(last_server),
             connect_timeout=max(0.5, min(2.0, connect_timeout)),  # type: ignore[arg-type]  # as above
             drain_timeout=int(_DRAIN_TIMEOUT_S),
-            **options,
+            **dial.options,
         )
     )
     try:
@@ -396,24 +437,30 @@ async def _open(
     except Exception as exc:  # asyncio.TimeoutError included
         await _discard(nc)
         connecting.cancel()  # again, now that the client is closed and its loop can end
-        # Retries end with whatever the last attempt met (often a bare EOF); a refused credential
-        # or certificate from any attempt is what the operator must fix.
-        telling = [f for f in failures if _hint(f) != _hint(None)]
-        fallback: list[BaseException | None] = [None if isinstance(exc, asyncio.TimeoutError) else exc]
-        cause = (telling or failures or fallback)[-1]
-        raise BusUnavailable(
-            f"cannot reach {'any NATS server of' if len(servers) > 1 else 'a NATS server at'} {shown} "
-            f"for job {names.job!r} within {connect_timeout:g} s ({security.describe()}): "
-            f"{describe(cause)}. {_hint(cause)}",
-            url=shown,
-            cause=cause,
-        ) from None
+        raise _unreachable(dial, connect_timeout, exc, callbacks.failures) from None
+    return nc
 
-    conn = BusConnection(nc, url=url, names=names, role=role, member=member, log=log, last_server=last_server,
-                         security=security)
-    # A server without JetStream accepts the connection but cannot hold any stream: say so now.
-    # A cluster that just lost its meta leader answers 503 / times out for a few seconds: retried.
-    remaining = max(0.5, connect_timeout - (time.monotonic() - started))
+
+def _unreachable(dial: _Dial, connect_timeout: float, exc: Exception, failures: list[BaseException]) -> BusUnavailable:
+    """The error of a first connect that failed with `exc` after the attempts' `failures`."""
+    # Retries end with whatever the last attempt met (often a bare EOF); a refused credential
+    # or certificate from any attempt is what the operator must fix.
+    telling = [f for f in failures if _hint(f) != _hint(None)]
+    fallback: list[BaseException | None] = [None if isinstance(exc, asyncio.TimeoutError) else exc]
+    cause = (telling or failures or fallback)[-1]
+    return BusUnavailable(
+        f"cannot reach {'any NATS server of' if len(dial.servers) > 1 else 'a NATS server at'} {dial.shown} "
+        f"for job {dial.names.job!r} within {connect_timeout:g} s ({dial.security.describe()}): "
+        f"{describe(cause)}. {_hint(cause)}",
+        url=dial.shown,
+        cause=cause,
+    )
+
+
+async def _check_jetstream(nc: NatsClient, dial: _Dial, *, remaining: float) -> None:
+    """A server without JetStream accepts the connection but cannot hold any stream: say so now
+    (`BusUnavailable`, the client closed). A cluster that just lost its meta leader answers 503 /
+    times out for a few seconds: retried within `remaining` seconds."""
     js_check = nc.jetstream(timeout=max(0.25, min(2.0, remaining / 2)))
     try:
         await asyncio.wait_for(
@@ -423,16 +470,14 @@ async def _open(
         failure = (exc.last or exc) if isinstance(exc, RetriesExhausted) else exc
         await _discard(nc)
         raise BusUnavailable(
-            f"the NATS server at {shown} answers but JetStream does not ({describe(failure)}). "
+            f"the NATS server at {dial.shown} answers but JetStream does not ({describe(failure)}). "
             f"Run nats-server with JetStream enabled (`-js`), e.g. `rolectl server`"
             + ("; keep a majority of a cluster's nodes up (a cluster without one cannot store anything)"
-               if len(servers) > 1 else "")
-            + f"; with per-identity permissions, the identity {security.identity!r} needs $JS.API.INFO.",
-            url=shown,
+               if len(dial.servers) > 1 else "")
+            + f"; with per-identity permissions, the identity {dial.security.identity!r} needs $JS.API.INFO.",
+            url=dial.shown,
             cause=failure,
         ) from None
-    log.info("bus.connected", url=shown, server=_host_port(nc), identity=security.identity)
-    return conn
 
 
 def _host_port(nc: NatsClient) -> str | None:
