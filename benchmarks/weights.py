@@ -11,7 +11,7 @@ explorers, which are separate processes (like real explorers: own interpreter, o
 fetch = manifest lookup + every byte received + every chunk digest checked + tensors ready.
 
 Limits, measured in the same run on the same bytes, each the best of two kinds of touched memory:
-what receivers fetch into (`format.host_buffer`: huge-page backed at model sizes, where a read from
+what receivers fetch into (`host_memory.host_buffer`: huge-page backed at model sizes, where a read from
 the page cache runs about twice as fast) and a plain bytearray:
 - ``loopback_socket_gbps``: a plain TCP socket over loopback, sender thread ``sendall`` -> receiver
   ``recv_into`` a preallocated, already-touched buffer (no protocol, no digest, no allocation);
@@ -208,7 +208,7 @@ def _touched_buffers(nbytes: int) -> Iterator[memoryview]:
     """Touched destinations for the limits, one at a time: the kind a receiver fetches into
     (`host_buffer`: huge-page backed at model sizes), then a plain bytearray. Each limit keeps the
     best of both, since either can be the faster for a given copy here."""
-    from rolectl.bus.weights.format import host_buffer
+    from rolectl.bus.weights.host_memory import host_buffer
 
     yield memoryview(host_buffer(nbytes).fill_(0).numpy())
     yield memoryview(bytearray(nbytes))  # zero-filled, hence touched
@@ -227,7 +227,7 @@ def limit_host_memcpy(data: memoryview, dst: memoryview, repeat: int) -> list[fl
 def limit_fresh_memory(data: memoryview, repeat: int) -> list[float]:
     """One copy by one thread into freshly allocated memory: every page faulted in and zeroed by the
     kernel on first touch, as a receiver's new tensors are (the other limits write touched memory)."""
-    from rolectl.bus.weights.format import host_buffer
+    from rolectl.bus.weights.host_memory import host_buffer
 
     src = torch.frombuffer(data, dtype=torch.uint8)
     times = []

@@ -18,37 +18,27 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import itertools
-import json
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable, Generator, Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import nats
 import nats.errors
-import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.client import ReconnectToServerHandler, Server
-from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
-from nats.js.api import Header, PubAck
+from nats.js.api import PubAck
 
 from rolectl.sync_protocol import Role
 
 from ._natspy_compat import callbackless_subscriptions
-from .errors import (
-    BusClosed,
-    BusUnavailable,
-    PayloadTooLarge,
-    PublishFailed,
-    PublishRejected,
-    RetriesExhausted,
-    describe,
-)
+from .acked_publish import AckedPublishes
+from .errors import BusUnavailable, RetriesExhausted, describe
 from .logging import get_logger
-from .retry import Interrupted, backoff_delay, is_transient, retry_transient
+from .retry import Interrupted, backoff_delay, retry_transient
 from .security import ClientSecurity, SecurityError, redact
 from .subjects import JobNames, check_name
 
@@ -142,16 +132,8 @@ class BusConnection:
         # The server we are (or were last) connected to, shared with the reconnect chooser.
         self._last_server = last_server if last_server is not None else []
         self._note_server()
-        # Acked publishes: one reply subscription per connection, `<inbox>.<token>` per publish.
-        self._ack_prefix: str | None = None
-        self._ack_inbox_ready: asyncio.Future[None] | None = None
-        # token -> (the ack's future, its deadline on the loop's clock)
-        self._acks: dict[str, tuple[asyncio.Future[PubAck], float]] = {}
-        self._ack_tokens = itertools.count(1)
-        # One timer expires every overdue ack, armed at the nearest deadline: a timer per publish
-        # costs a heap push and a cancel each, which adds up across many members.
-        self._ack_timer: asyncio.TimerHandle | None = None
-        self._ack_timer_at = 0.0
+        # Acked publishes: one reply subscription per connection (`acked_publish`).
+        self._acks = AckedPublishes(nc, url=self.url, name=self.name, log=log)
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -215,7 +197,7 @@ class BusConnection:
         self.reconnects += 1
         # Acks of publishes sent before the outage went with the old socket: retry them now
         # (same msg id, stored once) instead of after their ack timeout.
-        self._fail_acks(Interrupted())
+        self._acks.fail_all(Interrupted())
         self._note_server()
         server = self.server or self.url
         self.log.info("bus.reconnected", url=self.url, server=server, reconnects=self.reconnects)
@@ -243,7 +225,7 @@ class BusConnection:
 
     async def _on_closed(self) -> None:
         self.log.info("bus.closed", url=self.url)
-        self._fail_acks(nats.errors.ConnectionClosedError())
+        self._acks.fail_all(nats.errors.ConnectionClosedError())
         await self._set_up(False)
 
     # -- publishing ------------------------------------------------------------------------------
@@ -266,134 +248,8 @@ class BusConnection:
         `PublishRejected` at once; running out of time raises `PublishFailed`; a payload over the
         server's `max_payload` raises `PayloadTooLarge` without sending anything.
         """
-        hdrs = dict(headers or {})
-        if msg_id is not None:
-            hdrs["Nats-Msg-Id"] = msg_id
-        max_payload = self.nc.max_payload
-        if max_payload and len(payload) > max_payload:
-            raise PayloadTooLarge(
-                f"message for {subject} is {len(payload)} bytes but the server at {self.url} accepts "
-                f"at most {max_payload} (max_payload): send smaller pieces or raise max_payload",
-                subject=subject,
-                msg_id=msg_id,
-                size=len(payload),
-                limit=max_payload,
-            )
-        where = f"publish to {subject} (msg id {msg_id}) via {self.url}"
-
-        async def publish_once() -> PubAck:
-            return await self._publish_once(subject, payload, hdrs or None, ack_timeout)
-
-        def transient(exc: BaseException) -> bool:
-            # Any other client-side error (e.g. outbound buffer full while reconnecting) is the
-            # connection's business: it reconnects by itself, so a retry is right.
-            return is_transient(exc) or (
-                isinstance(exc, nats.errors.Error) and not isinstance(exc, nats.js.errors.APIError)
-            )
-
-        try:
-            return await retry_transient(
-                publish_once, what=where, retry_for=retry_for, is_closed=lambda: self.nc.is_closed,
-                transient=transient, log=self.log,
-            )
-        except BusClosed as exc:
-            raise BusClosed(f"cannot publish to {subject}: connection {self.name} to {self.url} is closed") from exc
-        except nats.js.errors.APIError as exc:
-            raise PublishRejected(
-                f"the stream refused a message on {subject} (msg id {msg_id}): "
-                f"{exc.description} (code {exc.code}, err_code {exc.err_code})",
-                subject=subject,
-                msg_id=msg_id,
-                code=exc.code,
-                err_code=exc.err_code,
-                description=exc.description or "",
-            ) from exc
-        except RetriesExhausted as exc:
-            raise PublishFailed(
-                f"no acknowledgement for a message on {subject} (msg id {msg_id}) from {self.url} after "
-                f"{exc.attempts} attempt(s) in {retry_for:g} s (last: {describe(exc.last)}). Is the server "
-                f"up, with JetStream, and does a stream capture this subject (ensure_event_stream / "
-                f"ensure_experience_stream)?",
-                subject=subject,
-                msg_id=msg_id,
-            ) from exc.last
-
-    async def _publish_once(self, subject: str, payload: bytes, headers: dict[str, str] | None,
-                            timeout: float) -> PubAck:
-        """One JetStream publish and its ack, as nats-py's `js.publish` but on this connection's
-        one reply subscription: no task and no subscription per publish, which is most of an
-        acked publish's CPU (the synchronizer's decisions, every member's events). Raises what
-        `js.publish` raises, plus `Interrupted` when the connection reconnected meanwhile."""
-        if self._ack_prefix is None:
-            await self._open_ack_inbox()
-        token = str(next(self._ack_tokens))
-        loop = asyncio.get_running_loop()
-        ack: asyncio.Future[PubAck] = loop.create_future()
-        deadline = loop.time() + timeout
-        self._acks[token] = (ack, deadline)
-        if self._ack_timer is None or deadline < self._ack_timer_at:
-            self._arm_ack_timer(loop, deadline)
-        try:
-            await self.nc.publish(subject, payload, reply=f"{self._ack_prefix}.{token}", headers=headers)
-            return await ack
-        finally:
-            self._acks.pop(token, None)
-            if ack.done() and not ack.cancelled():
-                ack.exception()  # retrieved: an ack that failed after its publish raised is no news
-
-    async def _open_ack_inbox(self) -> None:
-        if self._ack_inbox_ready is None:  # the first caller subscribes; others wait for it
-            self._ack_inbox_ready = asyncio.ensure_future(self._subscribe_acks())
-        try:
-            await asyncio.shield(self._ack_inbox_ready)
-        except Exception:
-            self._ack_inbox_ready = None  # e.g. closed meanwhile: the next publish tries again
-            raise
-
-    async def _subscribe_acks(self) -> None:
-        prefix = self.nc.new_inbox()
-        await self.nc.subscribe(f"{prefix}.*", cb=self._on_ack)
-        self._ack_prefix = prefix
-
-    async def _on_ack(self, msg: Msg) -> None:
-        pending = self._acks.get(msg.subject.rpartition(".")[2])
-        if pending is None or pending[0].done():
-            return  # timed out or interrupted already: the retry has its own token
-        ack = pending[0]
-        if msg.headers and msg.headers.get(Header.STATUS) == "503":
-            ack.set_exception(nats.js.errors.NoStreamResponseError())  # no stream took it (yet)
-            return
-        try:
-            resp = json.loads(msg.data)
-            if "error" in resp:
-                nats.js.errors.APIError.from_error(resp["error"])  # raises the typed error
-            ack.set_result(PubAck.from_response(resp))
-        except Exception as exc:
-            ack.set_exception(exc)
-
-    def _arm_ack_timer(self, loop: asyncio.AbstractEventLoop, at: float) -> None:
-        if self._ack_timer is not None:
-            self._ack_timer.cancel()
-        self._ack_timer, self._ack_timer_at = loop.call_at(at, self._expire_acks, loop), at
-
-    def _expire_acks(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Time out every ack past its deadline; re-arm for the nearest one still waiting."""
-        self._ack_timer = None
-        now, nearest = loop.time(), None
-        for ack, deadline in self._acks.values():
-            if ack.done():
-                continue
-            if deadline <= now:
-                ack.set_exception(nats.errors.TimeoutError())
-            elif nearest is None or deadline < nearest:
-                nearest = deadline
-        if nearest is not None:
-            self._arm_ack_timer(loop, nearest)
-
-    def _fail_acks(self, exc: BaseException) -> None:
-        for ack, _ in self._acks.values():
-            if not ack.done():
-                ack.set_exception(exc)
+        return await self._acks.publish(subject, payload, msg_id=msg_id, headers=headers,
+                                        ack_timeout=ack_timeout, retry_for=retry_for)
 
     async def unsubscribe_quietly(self, sub: Subscription | JetStreamContext.PullSubscription | None) -> None:
         """Drop a subscription; nothing to do if the connection is already closed or going."""
@@ -450,15 +306,74 @@ class BusConnection:
         return f"<BusConnection {self.name} {self.url} {state}>"
 
 
+@dataclass(frozen=True)
+class _Dial:
+    """What `connect()` was asked for, checked: who connects, to which servers, and how."""
+
+    names: JobNames
+    role: Role
+    member: str
+    servers: list[str]
+    shown: str  # the URL list for messages: passwords redacted
+    security: ClientSecurity
+    options: dict[str, Any]  # the security's nats.connect() arguments
+
+    @property
+    def name(self) -> str:
+        return f"{self.names.job}/{self.role.value}/{self.member}"
+
+
+class _Callbacks:
+    """nats-py's callbacks. They must exist before `nats.connect()` returns, but the BusConnection
+    needs the client; so they forward to `conn` once it is set and only record failures before that."""
+
+    def __init__(self) -> None:
+        self.conn: BusConnection | None = None
+        self.failures: list[BaseException] = []
+
+    async def on_error(self, exc: Exception) -> None:
+        if self.conn is None:
+            self.failures.append(exc)
+        else:
+            await self.conn._on_error(exc)
+
+    async def on_disconnected(self) -> None:
+        if self.conn is not None:
+            await self.conn._on_disconnected()
+
+    async def on_reconnected(self) -> None:
+        if self.conn is not None:
+            await self.conn._on_reconnected()
+
+    async def on_closed(self) -> None:
+        if self.conn is not None:
+            await self.conn._on_closed()
+
+
 async def _open(
     url: str, *, job: str, role: Role | str, member: str, connect_timeout: float,
     security: ClientSecurity | None = None,
 ) -> BusConnection:
+    dial = _checked_dial(url, job=job, role=role, member=member, security=security)
+    log = get_logger("rolectl.bus", job=dial.names.job, role=dial.role.value, member=member)
+    callbacks = _Callbacks()
+    last_server: list[str] = []
+    started = time.monotonic()
+    nc = await _connect_client(dial, callbacks, last_server, connect_timeout)
+    conn = BusConnection(nc, url=url, names=dial.names, role=dial.role, member=member, log=log,
+                         last_server=last_server, security=dial.security)
+    callbacks.conn = conn
+    await _check_jetstream(nc, dial, remaining=max(0.5, connect_timeout - (time.monotonic() - started)))
+    log.info("bus.connected", url=dial.shown, server=_host_port(nc), identity=dial.security.identity)
+    return conn
+
+
+def _checked_dial(url: str, *, job: str, role: Role | str, member: str, security: ClientSecurity | None) -> _Dial:
+    """The arguments of `connect()` checked; a credential that cannot work is `BusUnavailable` now."""
     names = JobNames(job)
     role = Role.parse(role)
     check_name(member, "member id")
     servers = parse_server_urls(url)
-    last_server: list[str] = []
     # Explicit settings win; ROLECTL_NATS_* fill what they leave unset.
     security = (security or ClientSecurity()).over(ClientSecurity.from_env())
     shown = redact(url)
@@ -477,42 +392,23 @@ async def _open(
         raise BusUnavailable(
             f"cannot connect to {shown} for job {names.job!r}: {exc}", url=shown, cause=exc
         ) from exc
-    log = get_logger("rolectl.bus", job=names.job, role=role.value, member=member)
-    failures: list[BaseException] = []
-    conn: BusConnection | None = None
+    return _Dial(names, role, member, servers, shown, security, options)
 
-    # The callbacks must exist before nats.connect() returns, but the BusConnection needs the
-    # client; so they forward to `conn` once it is set and only record failures before that.
-    async def on_error(exc: Exception) -> None:
-        if conn is None:
-            failures.append(exc)
-        else:
-            await conn._on_error(exc)
 
-    async def on_disconnected() -> None:
-        if conn is not None:
-            await conn._on_disconnected()
-
-    async def on_reconnected() -> None:
-        if conn is not None:
-            await conn._on_reconnected()
-
-    async def on_closed() -> None:
-        if conn is not None:
-            await conn._on_closed()
-
+async def _connect_client(dial: _Dial, callbacks: _Callbacks, last_server: list[str],
+                          connect_timeout: float) -> NatsClient:
+    """A nats-py client connected within `connect_timeout`, or `BusUnavailable` saying why not."""
     nc = NatsClient()
-    started = time.monotonic()
     connecting = asyncio.ensure_future(
         nc.connect(
-            servers=servers,
+            servers=dial.servers,
             # Randomized order spreads a job's members over a cluster's nodes.
             dont_randomize=False,
-            name=f"{names.job}/{role.value}/{member}",
-            error_cb=on_error,
-            disconnected_cb=on_disconnected,
-            reconnected_cb=on_reconnected,
-            closed_cb=on_closed,
+            name=dial.name,
+            error_cb=callbacks.on_error,
+            disconnected_cb=callbacks.on_disconnected,
+            reconnected_cb=callbacks.on_reconnected,
+            closed_cb=callbacks.on_closed,
             allow_reconnect=True,
             max_reconnect_attempts=-1,
             # First connect: nats-py retries every reconnect_time_wait until we give up; after
@@ -521,7 +417,7 @@ async def _open(
             reconnect_to_server_handler=_reconnect_chooser(last_server),
             connect_timeout=max(0.5, min(2.0, connect_timeout)),  # type: ignore[arg-type]  # as above
             drain_timeout=int(_DRAIN_TIMEOUT_S),
-            **options,
+            **dial.options,
         )
     )
     try:
@@ -541,24 +437,30 @@ async def _open(
     except Exception as exc:  # asyncio.TimeoutError included
         await _discard(nc)
         connecting.cancel()  # again, now that the client is closed and its loop can end
-        # Retries end with whatever the last attempt met (often a bare EOF); a refused credential
-        # or certificate from any attempt is what the operator must fix.
-        telling = [f for f in failures if _hint(f) != _hint(None)]
-        fallback: list[BaseException | None] = [None if isinstance(exc, asyncio.TimeoutError) else exc]
-        cause = (telling or failures or fallback)[-1]
-        raise BusUnavailable(
-            f"cannot reach {'any NATS server of' if len(servers) > 1 else 'a NATS server at'} {shown} "
-            f"for job {names.job!r} within {connect_timeout:g} s ({security.describe()}): "
-            f"{describe(cause)}. {_hint(cause)}",
-            url=shown,
-            cause=cause,
-        ) from None
+        raise _unreachable(dial, connect_timeout, exc, callbacks.failures) from None
+    return nc
 
-    conn = BusConnection(nc, url=url, names=names, role=role, member=member, log=log, last_server=last_server,
-                         security=security)
-    # A server without JetStream accepts the connection but cannot hold any stream: say so now.
-    # A cluster that just lost its meta leader answers 503 / times out for a few seconds: retried.
-    remaining = max(0.5, connect_timeout - (time.monotonic() - started))
+
+def _unreachable(dial: _Dial, connect_timeout: float, exc: Exception, failures: list[BaseException]) -> BusUnavailable:
+    """The error of a first connect that failed with `exc` after the attempts' `failures`."""
+    # Retries end with whatever the last attempt met (often a bare EOF); a refused credential
+    # or certificate from any attempt is what the operator must fix.
+    telling = [f for f in failures if _hint(f) != _hint(None)]
+    fallback: list[BaseException | None] = [None if isinstance(exc, asyncio.TimeoutError) else exc]
+    cause = (telling or failures or fallback)[-1]
+    return BusUnavailable(
+        f"cannot reach {'any NATS server of' if len(dial.servers) > 1 else 'a NATS server at'} {dial.shown} "
+        f"for job {dial.names.job!r} within {connect_timeout:g} s ({dial.security.describe()}): "
+        f"{describe(cause)}. {_hint(cause)}",
+        url=dial.shown,
+        cause=cause,
+    )
+
+
+async def _check_jetstream(nc: NatsClient, dial: _Dial, *, remaining: float) -> None:
+    """A server without JetStream accepts the connection but cannot hold any stream: say so now
+    (`BusUnavailable`, the client closed). A cluster that just lost its meta leader answers 503 /
+    times out for a few seconds: retried within `remaining` seconds."""
     js_check = nc.jetstream(timeout=max(0.25, min(2.0, remaining / 2)))
     try:
         await asyncio.wait_for(
@@ -568,16 +470,14 @@ async def _open(
         failure = (exc.last or exc) if isinstance(exc, RetriesExhausted) else exc
         await _discard(nc)
         raise BusUnavailable(
-            f"the NATS server at {shown} answers but JetStream does not ({describe(failure)}). "
+            f"the NATS server at {dial.shown} answers but JetStream does not ({describe(failure)}). "
             f"Run nats-server with JetStream enabled (`-js`), e.g. `rolectl server`"
             + ("; keep a majority of a cluster's nodes up (a cluster without one cannot store anything)"
-               if len(servers) > 1 else "")
-            + f"; with per-identity permissions, the identity {security.identity!r} needs $JS.API.INFO.",
-            url=shown,
+               if len(dial.servers) > 1 else "")
+            + f"; with per-identity permissions, the identity {dial.security.identity!r} needs $JS.API.INFO.",
+            url=dial.shown,
             cause=failure,
         ) from None
-    log.info("bus.connected", url=shown, server=_host_port(nc), identity=security.identity)
-    return conn
 
 
 def _host_port(nc: NatsClient) -> str | None:

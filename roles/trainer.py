@@ -420,9 +420,9 @@ class Trainer:
             self.announced_versions.add(step)
             pruned = await self.transport.prune(self.cfg.trainer.keep_versions,
                                                 announced=self.announced_versions)
-            stored = getattr(self.transport, "last_publish", {})  # delta sync: what was stored
-            self.log.info("version_published", version=step, nbytes=ref.nbytes, kind=stored.get("kind"),
-                          stored_bytes=stored.get("stored_bytes"),
+            stored = ref.stored  # delta sync: what was stored (None from a transport that does not say)
+            self.log.info("version_published", version=step, nbytes=ref.nbytes, kind=stored.kind if stored else None,
+                          stored_bytes=stored.stored_bytes if stored else None,
                           seconds=round(time.monotonic() - started, 3), pruned=pruned)
         self.last_sync_step = step
 

@@ -3,7 +3,8 @@
 nats-py parses every inbound byte in Python, a few KiB at a time; weight chunks are megabytes. This
 client speaks the ordinary NATS client protocol (INFO / CONNECT / PING / SUB / PUB / HMSG) over a
 blocking socket, receives payloads straight into the caller's buffer (hashing each piece while it
-is still in cache) and sends with scatter-gather `sendmsg`, so no payload is copied or joined.
+is still in cache) and sends with scatter-gather `sendmsg`, so no payload is copied or joined. It is
+the fast `data_plane.DataPlane`; `_natspy_plane` is the fallback on the nats-py client.
 
 `data_endpoint` copies how an existing nats-py client connected: its server, its credentials
 (user/password, token, an nkey or a JWT, whose signature over the server's nonce is made with the
@@ -17,7 +18,6 @@ restarting server causes, `NoDataConnection` when the server rules this client o
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import socket
@@ -25,7 +25,7 @@ import ssl
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Protocol, TypeVar
+from typing import Protocol
 
 from nats.aio.client import Client
 
@@ -42,10 +42,7 @@ __all__ = [
     "Transient",
     "data_endpoint",
     "parse_headers",
-    "run_in_thread",
 ]
-
-T = TypeVar("T")
 
 CRLF = b"\r\n"
 _IOV_MAX = 1024  # Linux limit on buffers per sendmsg
@@ -263,6 +260,10 @@ class DataConnection:
         """Send one message whose payload is the concatenation of `payload`'s parts."""
         self.send(self.pub_parts(subject, reply, payload))
 
+    def publish_many(self, subject: str, reply: str, bodies: Sequence[bytes]) -> None:
+        """Send one message per body, all in one `send`."""
+        self.send([part for body in bodies for part in self.pub_parts(subject, reply, [body])])
+
     @staticmethod
     def pub_parts(subject: str, reply: str, payload: Sequence[bytes | memoryview]) -> list[bytes | memoryview]:
         """The protocol parts of one PUB, for batching several messages into one `send`."""
@@ -420,22 +421,3 @@ def parse_headers(raw: bytes) -> tuple[str | None, dict[str, str]]:
     if status:
         headers["Status"] = status
     return status, headers
-
-
-async def run_in_thread(conn: DataConnection, work: Callable[[DataConnection], T]) -> T:
-    """Open `conn` and run `work(conn)` in a worker thread, closing it after; cancellation aborts
-    the socket so the thread stops at once, and returns only once the thread has."""
-
-    def run() -> T:
-        with conn:
-            conn.open()
-            return work(conn)
-
-    future = asyncio.get_running_loop().run_in_executor(None, run)
-    try:
-        return await asyncio.shield(future)
-    except asyncio.CancelledError:
-        conn.abort()  # unblocks the thread's recv/send at once
-        with contextlib.suppress(BaseException):
-            await future
-        raise

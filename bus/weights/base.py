@@ -20,8 +20,8 @@ interrupts an upload; a one-shot iterator cannot be restarted, so such a publish
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Protocol, TypeAlias, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, TypeAlias, runtime_checkable
 
 import torch
 
@@ -31,6 +31,7 @@ from ..errors import CorruptWeights, PeerLost, TransferError, WeightsNotFound  #
 
 __all__ = [
     "WeightsRef",
+    "StoredVersion",
     "TransferError",
     "CorruptWeights",
     "WeightsNotFound",
@@ -82,13 +83,27 @@ def tensor_meta(tensors: Mapping[str, torch.Tensor]) -> list[TensorMeta]:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class StoredVersion:
+    """How a pull transport stored a version it published: whole, or as a delta on an earlier one."""
+
+    kind: Literal["keyframe", "delta"]
+    stored_bytes: int  # bytes the store holds for this version (a delta's payloads; else every byte)
+    changed_bytes: int  # bytes that differ from the delta's base (every byte of a keyframe)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class WeightsRef:
-    """Where a published version lives: what a `VersionPublished` event carries."""
+    """Where a published version lives: what a `VersionPublished` event carries.
+
+    `stored` is set on the ref a pull transport's `publish` returns (how it stored the version,
+    which the trainer logs); a ref made from an event has None. It takes no part in comparing refs.
+    """
 
     version: int
     location: str
     nbytes: int
     digest: str
+    stored: StoredVersion | None = field(default=None, compare=False)
 
 
 @runtime_checkable
@@ -99,7 +114,8 @@ class PullTransport(Protocol):
 
     async def publish(self, version: int, tensors: WeightsSource) -> WeightsRef:
         """Store every byte of `tensors` (a mapping or a bucket stream) as `version`; return only after
-        the last byte is stored. A stream is consumed bucket by bucket, never held whole."""
+        the last byte is stored, with how it was stored (`WeightsRef.stored`). A stream is consumed
+        bucket by bucket, never held whole."""
 
     async def fetch(self, ref: WeightsRef, *, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
         """Fetch `ref` into tensors of its own (fresh, or a buffer given back by `recycle`),

@@ -37,6 +37,7 @@ Theory of operation
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import json
 import os
@@ -51,8 +52,17 @@ import torch
 from rolectl.sync_protocol import SyncMethod
 
 from ..files import atomic_path
-from .base import CorruptWeights, TransferError, WeightsNotFound, WeightsRef, WeightsSource
-from .delta import ChunkDecoder, DeltaChunks, DeltaInfo, DeltaPublisher, HeldVersion, ParallelDecode, delta_info
+from .base import CorruptWeights, StoredVersion, TransferError, WeightsNotFound, WeightsRef, WeightsSource
+from .delta import (
+    ChunkDecoder,
+    DeltaChunks,
+    DeltaInfo,
+    DeltaPublisher,
+    HeldVersion,
+    ParallelDecode,
+    delta_info,
+    stored_version,
+)
 from .format import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_DIGEST_ALGORITHM,
@@ -60,13 +70,13 @@ from .format import (
     Destination,
     Layout,
     Manifest,
-    SpareBuffer,
     build_manifest,
     digest_bytes,
     plan_layout,
     root_digest,
     streamed_chunks,
 )
+from .host_memory import SpareBuffer
 
 __all__ = ["CheckpointTransport", "STREAM_HEADER_ROOM"]
 
@@ -107,7 +117,7 @@ class CheckpointTransport:
         self._deltas = DeltaPublisher(keyframe_interval, delta_codec)
         self._spare = SpareBuffer()
         self._held: HeldVersion | None = None
-        self.last_publish: dict[str, Any] = {}  # what the last publish stored (kind, bytes)
+        self.last_publish: dict[str, Any] = {}  # what the last publish stored (kind, bytes; see WeightsRef.stored)
         self.last_fetch: dict[str, Any] = {}  # how the last fetch got its version (route, bytes)
 
     def path_of(self, version: int) -> Path:
@@ -244,9 +254,7 @@ class CheckpointTransport:
         self.delta_path_of(version).unlink(missing_ok=True)  # a republished version is this file alone
         self._deltas.commit(chunks, build_manifest(version, layout, chunk_size=self._chunk_size,
                                                    algorithm=self._algorithm, chunk_digests=chunks.chunk_digests))
-        self.last_publish = {"version": version, "kind": "keyframe", "nbytes": layout.nbytes,
-                             "stored_bytes": layout.nbytes, "changed_bytes": layout.nbytes}
-        return WeightsRef(version=version, location=str(final.resolve()), nbytes=layout.nbytes, digest=digest)
+        return self._published(version, final, layout.nbytes, digest, stored_version(chunks, layout.nbytes))
 
     def _write_delta(self, version: int, chunks: DeltaChunks) -> WeightsRef:
         """Write a delta version: the payloads, then the manifest, then its length (see the docstring)."""
@@ -263,10 +271,13 @@ class CheckpointTransport:
                 _write_all(f, [blob, struct.pack("<Q", len(blob))])
         self.path_of(version).unlink(missing_ok=True)  # a republished version is this file alone
         self._deltas.commit(chunks, manifest)
-        self.last_publish = {"version": version, "kind": "delta", "nbytes": manifest.nbytes,
-                             "stored_bytes": chunks.stored_bytes, "changed_bytes": chunks.changed_bytes}
-        return WeightsRef(version=version, location=str(final.resolve()), nbytes=manifest.nbytes,
-                          digest=manifest.digest)
+        return self._published(version, final, manifest.nbytes, manifest.digest,
+                               stored_version(chunks, manifest.nbytes))
+
+    def _published(self, version: int, final: Path, nbytes: int, digest: str, stored: StoredVersion) -> WeightsRef:
+        """The ref of a version just written to `final` (and `last_publish` saying how it was stored)."""
+        self.last_publish = {"version": version, "nbytes": nbytes, **dataclasses.asdict(stored)}
+        return WeightsRef(version=version, location=str(final.resolve()), nbytes=nbytes, digest=digest, stored=stored)
 
     def _read_delta_manifest(self, path: Path, f: io.FileIO | None = None) -> tuple[Manifest, DeltaInfo]:
         """Parse a delta file's trailing manifest (checked against its root digest) and delta facts."""

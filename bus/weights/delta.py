@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .base import CorruptWeights, WeightBucket, WeightsSource
+from .base import CorruptWeights, StoredVersion, WeightBucket, WeightsSource
 from .format import Layout, Manifest, StreamedChunks
 
 try:  # optional: faster and smaller than zlib
@@ -63,6 +63,7 @@ __all__ = [
     "cast_source",
     "default_codec",
     "delta_info",
+    "stored_version",
     "xor_into",
     "xor_shuffled",
     "xor_unshuffled",
@@ -261,6 +262,13 @@ class DeltaPublisher:
         else:
             keyframe, self._since_keyframe = chunks.base.keyframe, self._since_keyframe + 1
         self._base = _Base(manifest.version, manifest.digest, keyframe, manifest.chunk_size, tuple(chunks.kept))
+
+
+def stored_version(chunks: StreamedChunks | DeltaChunks, nbytes: int) -> StoredVersion:
+    """How `chunks`, every one sent, stored their version of `nbytes`: as a delta, or whole."""
+    if isinstance(chunks, DeltaChunks) and chunks.base is not None:
+        return StoredVersion(kind="delta", stored_bytes=chunks.stored_bytes, changed_bytes=chunks.changed_bytes)
+    return StoredVersion(kind="keyframe", stored_bytes=nbytes, changed_bytes=nbytes)
 
 
 class DeltaChunks:

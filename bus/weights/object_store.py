@@ -46,7 +46,8 @@ Theory of operation
   (`_wire_client`), driven from a worker thread that receives straight into the tensors and hashes
   each piece while it is in cache. It connects as the nats-py client did (user/password, token,
   nkey or JWT; TLS with the client's context); where it cannot be used (websocket) the transport
-  falls back to the nats-py connection for everything, same semantics.
+  falls back to the nats-py connection for everything, same semantics: one windowed driver runs
+  either (`data_plane`), following an I/O-free plan of the fetch (`fetch_plan`).
 - **Striped fetch.** A fetch can be split over several data connections (`fetch_connections`),
   each fetching a contiguous part of the version's stream sequences in its own thread into the one
   destination. Under TLS one connection is one stream of records that the server encrypts on one
@@ -61,15 +62,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
-import json
-import os
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+import dataclasses
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 import torch
 from nats.aio.client import Client
-from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import StorageType
@@ -81,25 +79,20 @@ from ..errors import BusClosed, RetriesExhausted
 from ..retry import is_transient, retry_transient
 from ..streams import stream_differences, weights_stream_config
 from ..subjects import JobNames
-from ._wire_client import (
-    ConnectionLost,
-    DataConnection,
-    NoDataConnection,
-    Transient,
-    data_endpoint,
-    run_in_thread,
-)
+from ._wire_client import DataConnection, Transient
 from .base import CorruptWeights, TransferError, WeightsNotFound, WeightsRef, WeightsSource, restartable
-from .delta import ChunkDecoder, DeltaChunks, DeltaInfo, DeltaPublisher, HeldVersion, ParallelDecode, delta_info
+from .data_plane import DataPlanes
+from .delta import ChunkDecoder, DeltaChunks, DeltaInfo, DeltaPublisher, HeldVersion, delta_info, stored_version
+from .fetch_plan import ChunkPlan, DeltaPlan, MissingChunks, StreamGone
 from .format import (
     DEFAULT_DIGEST_ALGORITHM,
     Destination,
     Manifest,
-    SpareBuffer,
     StreamedChunks,
     build_manifest,
     streamed_chunks,
 )
+from .host_memory import SpareBuffer
 
 __all__ = ["ObjectStoreTransport"]
 
@@ -121,7 +114,7 @@ class ObjectStoreTransport:
     `data_connection=False` forces the nats-py path (slower; used where the plain data connection
     cannot be opened, and by tests to cover both paths). `fetch_connections` splits one fetch over
     that many data connections (None: by the client's TLS settings and this host's CPUs, see
-    `fetch_connections_for`).
+    `data_plane.fetch_connections_for`).
     """
 
     method = SyncMethod.MEMORY
@@ -161,9 +154,9 @@ class ObjectStoreTransport:
         self._chunk_size = chunk_size
         self._window_bytes = window_bytes
         self._request_bytes = request_bytes
-        self._timeout = timeout
-        self._use_data_connection = data_connection
-        self._fetch_connections = fetch_connections
+        self._planes = DataPlanes(nc, api_subject=self._direct_get_subject, timeout=timeout,
+                                  window_bytes=window_bytes, wire=data_connection,
+                                  fetch_connections=fetch_connections)
         self._algorithm = algorithm or DEFAULT_DIGEST_ALGORITHM
         self._reconnected = reconnected
         self._publish_retry_s = publish_retry_s
@@ -175,9 +168,8 @@ class ObjectStoreTransport:
         self._deltas = DeltaPublisher(keyframe_interval, delta_codec)
         self._spare = SpareBuffer()
         self._held: HeldVersion | None = None
-        self.last_publish: dict[str, Any] = {}  # what the last publish stored (kind, bytes)
+        self.last_publish: dict[str, Any] = {}  # what the last publish stored (kind, bytes; see WeightsRef.stored)
         self.last_fetch: dict[str, Any] = {}  # how the last fetch got its version (route, bytes, connections)
-        self._connections_opened = 0  # data connections the current fetch opened
 
     # public API -----------------------------------------------------------------------------------
 
@@ -237,25 +229,7 @@ class ObjectStoreTransport:
         def subject(index: int) -> str:
             return self.names.weights_chunk(version, index)
 
-        chunks: StreamedChunks | DeltaChunks | None = None
-        if self._data_connection_usable():
-            inbox = self._nc.new_inbox()  # here, not in the thread: nats-py's NUID is not thread-safe
-            window = self._window(chunk_size)
-
-            def publish_raw(conn: DataConnection) -> dict[int, int]:
-                nonlocal chunks
-                # Made only once the connection is open: a refused one falls back before any bucket is read.
-                chunks = open_stream(chunk_size)
-                return _publish_raw(conn, inbox, chunks, subject, window, where)
-
-            try:
-                seqs = await self._in_thread(publish_raw)
-            except NoDataConnection:
-                self._use_data_connection = False
-                chunks = None
-        if chunks is None:
-            chunks = open_stream(chunk_size)
-            seqs = await self._publish_nats_py(chunks, subject, chunk_size, where)
+        chunks, seqs = await self._planes.publish(lambda: open_stream(chunk_size), subject, chunk_size, where)
         extra: dict[str, Any] = {"stream": self.stream}
         if seqs:
             extra.update(first_seq=min(seqs.values()), last_seq=max(seqs.values()))
@@ -273,19 +247,15 @@ class ObjectStoreTransport:
             )
         await self._js.publish(self.names.weights_manifest(version), payload, stream=self.stream)
         self._deltas.commit(chunks, manifest)
-        delta = isinstance(chunks, DeltaChunks) and chunks.base is not None
-        self.last_publish = {
-            "version": version, "kind": "delta" if delta else "keyframe", "nbytes": manifest.nbytes,
-            "stored_bytes": chunks.stored_bytes if isinstance(chunks, DeltaChunks) else manifest.nbytes,
-            "changed_bytes": chunks.changed_bytes if delta else manifest.nbytes,  # type: ignore[union-attr]
-        }
-        ref = WeightsRef(
+        stored = stored_version(chunks, manifest.nbytes)
+        self.last_publish = {"version": version, "nbytes": manifest.nbytes, **dataclasses.asdict(stored)}
+        return WeightsRef(
             version=version,
             location=f"nats-js://{self.stream}/{self.names.weights_manifest(version)}",
             nbytes=manifest.nbytes,
             digest=manifest.digest,
+            stored=stored,
         )
-        return ref
 
     async def fetch(self, ref: WeightsRef, *, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
         """Fetch `ref` into fresh tensors, every chunk digest-checked; nothing is returned on failure.
@@ -313,7 +283,7 @@ class ObjectStoreTransport:
                 f"announced ref says {ref.digest}: it was republished; fetch the latest announced ref"
             )
         device = torch.device(device)
-        self._connections_opened = 0
+        self._planes.connections_opened = 0
         info = delta_info(manifest, where=f"stream {self.stream}")
         if info is None:
             pin = device.type == "cuda"
@@ -330,7 +300,7 @@ class ObjectStoreTransport:
             route = "keyframe"
         self.last_fetch = {
             "version": manifest.version, "route": route, "versions": versions, "bytes_moved": moved,
-            "nbytes": manifest.nbytes, "data_connections": self._connections_opened,
+            "nbytes": manifest.nbytes, "data_connections": self._planes.connections_opened,
             "refused": None if route != "keyframe" else (
                 f"holds version {self._held.version}, the delta is on version {info.base}"  # type: ignore[union-attr]
                 if self._held is not None else "holds no version"),
@@ -384,30 +354,23 @@ class ObjectStoreTransport:
         """Land every chunk of `manifest` in `dest` (decoded onto a base when `delta` is given)."""
         where = f"stream {self.stream}"
         subjects = self.names.weights_chunks(manifest.version)
-        plan: _ChunkPlan
+        plan: ChunkPlan
         if delta is None:
-            plan = _ChunkPlan(manifest, dest, subjects, self._request_bytes, self._window_bytes, where)
+            plan = ChunkPlan(manifest, dest, subjects, self._request_bytes, self._window_bytes, where)
         else:
             decoder = ChunkDecoder(manifest, delta[0], dest.view, delta[1], where)
-            plan = _DeltaPlan(manifest, dest, subjects, self._request_bytes, self._window_bytes, where, decoder)
+            plan = DeltaPlan(manifest, dest, subjects, self._request_bytes, self._window_bytes, where, decoder)
         try:
             try:
                 if not plan.done:
-                    if self._data_connection_usable():
-                        try:
-                            await self._fetch_data_connection(plan)
-                        except NoDataConnection:
-                            self._use_data_connection = False
-                            await self._fetch_nats_py(plan)
-                    else:
-                        await self._fetch_nats_py(plan)
+                    await self._planes.fetch(plan)
             except BaseException:
-                if isinstance(plan, _DeltaPlan):
+                if isinstance(plan, DeltaPlan):
                     await asyncio.to_thread(plan.decoding.abandon)
                 raise
-            if isinstance(plan, _DeltaPlan):
+            if isinstance(plan, DeltaPlan):
                 await asyncio.to_thread(plan.decoding.finish)  # CorruptWeights of the first bad chunk
-        except _MissingChunks as exc:
+        except MissingChunks as exc:
             if await self._manifest(manifest.version) is None:
                 raise WeightsNotFound(
                     f"version {manifest.version} was pruned from stream {self.stream} while it was being "
@@ -537,9 +500,6 @@ class ObjectStoreTransport:
         if self._closed:
             raise TransferError("object store transport is closed; make a new ObjectStoreTransport")
 
-    def _window(self, chunk_size: int) -> int:
-        return max(1, self._window_bytes // max(chunk_size, 1))
-
     async def ensure_stream(self) -> None:
         """Create the weights stream, or check the existing one (what `rolectl provision` does)."""
         await self._ensure_stream()
@@ -609,7 +569,7 @@ class ObjectStoreTransport:
                 await self._js.stream_info(self.stream)
             except NotFoundError:
                 return None
-            raise _StreamGone(f"stream {self.stream} exists but no server answers direct gets yet") from None
+            raise StreamGone(f"stream {self.stream} exists but no server answers direct gets yet") from None
         except NatsTimeoutError:
             raise Transient(
                 f"no answer from {self._direct_get_subject} within {self._api_timeout} s looking up "
@@ -627,430 +587,8 @@ class ObjectStoreTransport:
             )
         return manifest
 
-    # data plane: plain connection in a worker thread ----------------------------------------------
+    # data plane -----------------------------------------------------------------------------------
 
-    def _data_connection_usable(self) -> bool:
-        return self._use_data_connection and data_endpoint(self._nc) is not None
-
-    async def _in_thread(self, work: Callable[[DataConnection], Any]) -> Any:
-        """Run `work` on a fresh data connection in a worker thread; cancellation aborts the socket."""
-        endpoint = data_endpoint(self._nc)
-        if endpoint is None:
-            if not self._nc.is_connected:
-                raise Transient("the NATS connection is reconnecting")
-            raise NoDataConnection("client options rule out a data connection")
-        self._connections_opened += 1
-        return await run_in_thread(DataConnection(endpoint, timeout=self._timeout), work)
-
-    async def _fetch_data_connection(self, plan: _ChunkPlan) -> None:
-        """Fetch over data connections: in stripes first where that is asked for (see the module
-        docstring), then what is left on one. If the server drops a connection (a slow consumer:
-        more than its max_pending queued for us, seen here when explorers starve for CPU), go on
-        with the missing chunks on a new connection with half the window, down to one chunk in flight."""
-        window = self._window_bytes
-        endpoint = data_endpoint(self._nc)
-        count = self._fetch_connections or fetch_connections_for(secure=endpoint is not None and endpoint.secure)
-        stripes = plan.stripes(count, window)
-        if stripes:
-            inboxes = [self._nc.new_inbox() for _ in stripes]
-            try:
-                await _together([self._in_thread(functools.partial(_fetch_raw, inbox=inbox, plan=stripe,
-                                                                   api_subject=self._direct_get_subject))
-                                 for stripe, inbox in zip(stripes, inboxes)])
-            except ConnectionLost:
-                window = max(window // 2, plan.manifest.chunk_size)
-            except NoDataConnection:
-                # The server refused one of several (a connection limit?): one may still be allowed;
-                # this transport stops striping, and falls back to nats-py only if one is refused too.
-                self._fetch_connections = 1
-            finally:  # whoever goes on (one connection below, or the nats-py path) sees what landed
-                plan.absorb(stripes, window)
-        while not plan.done:
-            inbox = self._nc.new_inbox()  # here, not in the thread: nats-py's NUID is not thread-safe
-            try:
-                # awaited in this iteration, before `inbox` changes
-                await self._in_thread(lambda conn: _fetch_raw(conn, inbox, self._direct_get_subject, plan))  # noqa: B023
-            except ConnectionLost:
-                if window <= plan.manifest.chunk_size:
-                    raise
-                window //= 2
-                plan.restart(window)
-
-    # data plane: nats-py fallback -----------------------------------------------------------------
-
-    async def _publish_nats_py(
-        self, chunks: StreamedChunks | DeltaChunks, subject: Callable[[int], str], chunk_size: int, where: str,
-    ) -> dict[int, int]:
-        inbox = self._nc.new_inbox()
-        acks: asyncio.Queue[Msg] = asyncio.Queue()
-
-        async def on_ack(msg: Msg) -> None:
-            acks.put_nowait(msg)
-
-        sub = await self._nc.subscribe(f"{inbox}.*", cb=on_ack)
-        seqs: dict[int, int] = {}
-        outstanding = 0
-        window = self._window(chunk_size)
-
-        async def take_ack() -> None:
-            nonlocal outstanding
-            msg = await self._wait(acks.get(), f"{where}: waiting for chunk acks")
-            index = int(msg.subject.rsplit(".", 1)[1])
-            seqs[index] = _parse_ack(msg.data, (msg.headers or {}).get("Status"), where, index)
-            outstanding -= 1
-
-        it = chunks.chunks()
-        try:
-            while True:
-                # Off the event loop: making a bucket may gather it from shards or copy it off a device.
-                item = await asyncio.to_thread(next, it, None)
-                if item is None:
-                    break
-                index, parts, _ = item
-                payload = parts[0] if len(parts) == 1 else b"".join(parts)
-                # nats-py sends any bytes-like payload; bytes() here would copy the chunk.
-                await self._nc.publish(subject(index), payload, reply=f"{inbox}.{index}")  # type: ignore[arg-type]
-                del item, parts, payload
-                outstanding += 1
-                while outstanding >= window:
-                    await take_ack()
-            while outstanding:
-                await take_ack()
-        finally:
-            it.close()
-            await sub.unsubscribe()
-        return seqs
-
-    async def _fetch_nats_py(self, plan: _ChunkPlan) -> None:
-        inbox = self._nc.new_inbox()
-        inbound: asyncio.Queue[Msg] = asyncio.Queue()
-
-        async def on_msg(msg: Msg) -> None:
-            inbound.put_nowait(msg)
-
-        # Limits off: the window already bounds what the server sends us.
-        sub = await self._nc.subscribe(inbox, cb=on_msg, pending_msgs_limit=0, pending_bytes_limit=0)
-        try:
-            while not plan.done:
-                for body in plan.requests():
-                    await self._nc.publish(self._direct_get_subject, body, reply=inbox)
-                msg = await self._wait(inbound.get(), f"{plan.where}: waiting for chunks")
-                headers = msg.headers or {}
-                status = headers.get("Status")
-                if status:
-                    plan.on_status(status, headers)
-                    continue
-                target = plan.target(headers, len(msg.data))
-                if target is None:
-                    continue
-                if len(target) != len(msg.data):
-                    plan.landed_wrong_size(headers, msg.data)
-                target[:] = msg.data
-                plan.landed(headers)
-        finally:
-            await sub.unsubscribe()
-
-    async def _wait(self, awaitable: Awaitable[T], what: str) -> T:
-        try:
-            return await asyncio.wait_for(awaitable, self._timeout)
-        except asyncio.TimeoutError:
-            raise Transient(f"{what}: nothing for {self._timeout} s; is the server overloaded or restarting?") from None
-
-
-# shared fetch logic -------------------------------------------------------------------------------
-
-
-class _MissingChunks(Exception):
-    def __init__(self, missing: list[int]):
-        super().__init__(f"missing chunks {missing[:10]}")
-        self.missing = missing
-
-
-class _ChunkPlan:
-    """Which direct-get requests to send and where each chunk lands; both fetch paths drive it.
-
-    Requests walk the chunks' stream sequences (contiguous when one trainer published them) in
-    batches of about `request_bytes`, at most `window_bytes` outstanding. If chunks are still missing
-    after that (a chunk was rewritten further down the stream, or deleted), catch-up requests go on
-    from the highest sequence seen until the stream has nothing more.
-    """
-
-    def __init__(self, manifest: Manifest, dest: Destination, filter_subject: str,
-                 request_bytes: int, window_bytes: int, where: str):
-        self.manifest = manifest
-        self.dest = dest
-        self.filter_subject = filter_subject
-        self.request_bytes = request_bytes
-        self.where = where
-        self.bounds = manifest.chunks
-        n = len(self.bounds)
-        chunk = max(manifest.chunk_size, 1)
-        self.per_request = max(1, min(n, request_bytes // chunk))
-        self.max_outstanding = max(1, window_bytes // (self.per_request * chunk))
-        self.received = bytearray(n)
-        self.count = 0
-        first = manifest.extra.get("first_seq")
-        self.first_seq: int | None = int(first) if first is not None else None
-        self.next_seq: int = self.first_seq if self.first_seq is not None else 1
-        self.planned_end = self.next_seq + n if self.first_seq is not None else self.next_seq
-        self.outstanding = 0
-        self.max_seq = self.next_seq - 1
-        self.catchup_from: int | None = None if first is not None else 1
-        self.catchup_progress = True
-
-    @property
-    def done(self) -> bool:
-        return self.count == len(self.bounds)
-
-    def restart(self, window_bytes: int) -> None:
-        """Plan again for a new connection: nothing outstanding, from the first missing chunk."""
-        chunk = max(self.manifest.chunk_size, 1)
-        self.per_request = max(1, min(self.per_request, window_bytes // chunk))
-        self.max_outstanding = max(1, window_bytes // (self.per_request * chunk))
-        self.outstanding = 0
-        self.catchup_progress = True
-        missing = [i for i, got in enumerate(self.received) if not got]
-        if self.first_seq is not None and missing:
-            # Exact when the chunks are contiguous in the stream; catch-up covers any that are not.
-            self.next_seq = min(self.next_seq, self.first_seq + missing[0])
-
-    def _body(self, seq: int, batch: int) -> bytes:
-        return json.dumps({"seq": seq, "batch": batch, "next_by_subj": self.filter_subject}).encode()
-
-    def stripes(self, count: int, window_bytes: int) -> list[_Stripe]:
-        """This plan split into `count` contiguous parts to fetch at once, one per connection, each
-        with its share of `window_bytes` (at least two chunks); none when it cannot be split (the
-        chunks' sequences are unknown, or fewer than two chunks a part)."""
-        n = len(self.bounds)
-        if count < 2 or self.first_seq is None or n < 2 * count or self.count:
-            return []
-        share = max(window_bytes // count, 2 * max(self.manifest.chunk_size, 1))
-        cuts = [n * i // count for i in range(count + 1)]
-        return [_Stripe(self, range(a, b), share) for a, b in zip(cuts, cuts[1:])]
-
-    def absorb(self, stripes: Sequence[_Stripe], window_bytes: int) -> None:
-        """After the stripes: count what they landed, and plan the rest (on one connection, within
-        `window_bytes`) from the first chunk still missing, catch-up included."""
-        self.count = self.received.count(1)
-        self.max_seq = max([self.max_seq, *(stripe.max_seq for stripe in stripes)])
-        self.next_seq = self.planned_end  # every planned sequence was asked for by some stripe...
-        self.restart(window_bytes)  # ...unless one stopped early: then again from the first missing
-
-    def _planned(self) -> list[bytes]:
-        out = []
-        while self.outstanding < self.max_outstanding and self.next_seq < self.planned_end:
-            batch = min(self.per_request, self.planned_end - self.next_seq)
-            out.append(self._body(self.next_seq, batch))
-            self.next_seq += batch
-            self.outstanding += 1
-        return out
-
-    def requests(self) -> list[bytes]:
-        out = self._planned()
-        if not out and self.outstanding == 0 and not self.done:
-            if not self.catchup_progress:
-                raise _MissingChunks([i for i, got in enumerate(self.received) if not got])
-            self.catchup_from = self.max_seq + 1
-            self.catchup_progress = False
-            missing = len(self.bounds) - self.count
-            out.append(self._body(self.catchup_from, min(self.per_request, missing)))
-            self.outstanding += 1
-        return out
-
-    def on_status(self, status: str, headers: Mapping[str, str]) -> None:
-        if status in ("204", "404"):  # end of a batch / nothing (more) at or after that sequence
-            self.outstanding -= 1
-            return
-        if status == "503":
-            raise _StreamGone(f"{self.where}: no responder for direct get (stream gone, or server restarting)")
-        raise TransferError(f"{self.where}: direct get failed with status {status}: {dict(headers)}")
-
-    def target(self, headers: Mapping[str, str], size: int) -> memoryview | None:
-        """Where this message's payload goes, or None to discard it (duplicate / not ours)."""
-        try:
-            seq = int(headers["Nats-Sequence"])
-            index = int(headers["Nats-Subject"].rsplit(".", 1)[1])
-        except (KeyError, ValueError):
-            raise TransferError(f"{self.where}: direct get reply without sequence/subject: {dict(headers)}") from None
-        if seq > self.max_seq:
-            self.max_seq = seq
-            self.catchup_progress = True
-        if not self._wanted(index):
-            return None
-        a, b = self.bounds[index]
-        return self.dest.view[a:b]
-
-    def _wanted(self, index: int) -> bool:
-        return 0 <= index < len(self.bounds) and not self.received[index]
-
-    def landed_wrong_size(self, headers: Mapping[str, str], data: bytes) -> None:
-        index = int(headers["Nats-Subject"].rsplit(".", 1)[1])
-        self.manifest.check_chunk(index, [data], where=self.where)  # raises: size differs
-
-    def landed(self, headers: Mapping[str, str], digest: bytes | None = None) -> None:
-        index = int(headers["Nats-Subject"].rsplit(".", 1)[1])
-        a, b = self.bounds[index]
-        self.manifest.check_chunk(index, [self.dest.view[a:b]], where=self.where, digest=digest)
-        self.received[index] = 1
-        self.count += 1
-
-
-class _Stripe(_ChunkPlan):
-    """One connection's part of a striped fetch: the chunks `indices` of `parent`, asked for by
-    their stream sequences, landing in the parent's destination and marked in its `received`
-    (the parts are disjoint, so no two threads write the same place). It does no catch-up: a chunk
-    of its part that is not where the sequences say is left to the parent (`absorb`)."""
-
-    def __init__(self, parent: _ChunkPlan, indices: range, window_bytes: int):
-        super().__init__(parent.manifest, parent.dest, parent.filter_subject, parent.request_bytes,
-                         window_bytes, parent.where)
-        assert parent.first_seq is not None
-        self.received = parent.received
-        self.indices = indices
-        self.next_seq = parent.first_seq + indices.start
-        self.planned_end = parent.first_seq + indices.stop
-
-    @property
-    def done(self) -> bool:
-        # all of its chunks, or every planned batch answered (what is still missing is the parent's)
-        return self.count == len(self.indices) or (self.next_seq >= self.planned_end and self.outstanding == 0)
-
-    def requests(self) -> list[bytes]:
-        return self._planned()
-
-    def _wanted(self, index: int) -> bool:
-        return index in self.indices and not self.received[index]
-
-
-class _DeltaPlan(_ChunkPlan):
-    """A `_ChunkPlan` whose chunks are delta payloads: each lands in a scratch buffer of its stored
-    size, then is decoded onto the base into the destination and checked there."""
-
-    def __init__(self, manifest: Manifest, dest: Destination, filter_subject: str, request_bytes: int,
-                 window_bytes: int, where: str, decoder: ChunkDecoder):
-        super().__init__(manifest, dest, filter_subject, request_bytes, window_bytes, where)
-        self.decoder = decoder
-        self.decoding = ParallelDecode(decoder)
-        self._scratch: dict[int, memoryview] = {}
-
-    def target(self, headers: Mapping[str, str], size: int) -> memoryview | None:
-        if super().target(headers, size) is None:
-            return None
-        index = int(headers["Nats-Subject"].rsplit(".", 1)[1])
-        buf = memoryview(bytearray(self.decoder.expected_size(index)))
-        self._scratch[index] = buf
-        return buf
-
-    def stripes(self, count: int, window_bytes: int) -> list[_Stripe]:
-        return []  # a delta is a small fraction of a version, decoded in order: one connection
-
-    def landed_wrong_size(self, headers: Mapping[str, str], data: bytes) -> None:
-        index = int(headers["Nats-Subject"].rsplit(".", 1)[1])
-        self.decoder.apply(index, data)  # raises: the stored size differs
-
-    def landed(self, headers: Mapping[str, str], digest: bytes | None = None) -> None:
-        index = int(headers["Nats-Subject"].rsplit(".", 1)[1])
-        self.decoding.submit(index, self._scratch.pop(index))  # decoded and checked by `decoding.finish`
-        self.received[index] = 1
-        self.count += 1
-
-
-def fetch_connections_for(*, secure: bool) -> int:
-    """How many data connections one fetch uses by default: one plain (more were slower on 2
-    cores), under TLS one per two CPUs of this host, at least 2 and at most 4: each connection
-    decrypts on its own thread while the server encrypts it on its own core (two were faster than
-    one even on 2 cores; figures in docs/weights-at-size.md)."""
-    if not secure:
-        return 1
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cpus = os.cpu_count() or 1
-    return min(4, max(2, cpus // 2))
-
-
-async def _together(awaitables: Sequence[Awaitable[Any]]) -> None:
-    """Await all; the first failure cancels the rest (waited for) and is raised."""
-    tasks = [asyncio.ensure_future(a) for a in awaitables]
-    try:
-        await asyncio.gather(*tasks)
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def _parse_ack(data: bytes, status: str | None, where: str, index: int) -> int:
-    if status == "503":
-        raise _StreamGone(f"{where}: chunk {index}: no stream listens on its subject (server restarted?)")
-    try:
-        ack = json.loads(data)
-    except ValueError:
-        raise TransferError(f"{where}: chunk {index}: unreadable publish ack {data[:200]!r}") from None
-    if "error" in ack:
-        raise TransferError(f"{where}: chunk {index} was not stored: {ack['error']}")
-    return int(ack["seq"])
-
-
-class _StreamGone(Transient):
-    """No stream listens on the weights subjects: a restarted in-memory server lost it (publish
-    re-creates it), or a restarting server has not recovered it yet."""
-
-
-# the transfers over a plain data connection --------------------------------------------------------
-
-
-def _publish_raw(
-    conn: DataConnection, inbox: str, chunks: StreamedChunks | DeltaChunks, subject: Callable[[int], str],
-    window: int, where: str,
-) -> dict[int, int]:
-    """Publish every chunk of the stream as it is cut (at most `window` unacknowledged); return
-    each chunk's stream sequence (their digests are in `chunks`)."""
-    conn.subscribe(f"{inbox}.*")
-    seqs: dict[int, int] = {}
-    outstanding = 0
-
-    def take_ack() -> None:
-        nonlocal outstanding
-        msg = conn.next_message()
-        data = conn.read_payload(msg.size)
-        index = int(msg.subject.rsplit(".", 1)[1])
-        seqs[index] = _parse_ack(data, msg.status, where, index)
-        outstanding -= 1
-
-    it = chunks.chunks()
-    try:
-        for index, parts, _ in it:
-            conn.publish(subject(index), f"{inbox}.{index}", parts)  # in the kernel once this returns
-            del parts
-            outstanding += 1
-            while outstanding >= window:
-                take_ack()
-        while outstanding:
-            take_ack()
-    finally:
-        it.close()
-    return seqs
-
-
-def _fetch_raw(conn: DataConnection, inbox: str, api_subject: str, plan: _ChunkPlan) -> None:
-    """Send the plan's direct-get requests and land each reply where the plan says, until done."""
-    conn.subscribe(inbox)
-    while not plan.done:
-        requests = plan.requests()
-        if requests:  # one send for the whole batch of requests
-            conn.send([part for body in requests for part in conn.pub_parts(api_subject, inbox, [body])])
-        msg = conn.next_message()
-        if msg.status:
-            conn.read_payload(msg.size)
-            plan.on_status(msg.status, msg.headers)
-            continue
-        target = plan.target(msg.headers, msg.size)
-        if target is None or len(target) != msg.size:
-            data = conn.read_payload(msg.size)
-            if target is not None:
-                plan.landed_wrong_size(msg.headers, data)
-            continue
-        hasher = plan.manifest.hasher()
-        conn.read_payload(msg.size, target, hasher)
-        plan.landed(msg.headers, hasher.digest())
+    async def _in_thread(self, work: Callable[[DataConnection], T]) -> T:
+        """Run `work` on a fresh wire connection in a worker thread (see `DataPlanes.on_wire`)."""
+        return await self._planes.on_wire(work)

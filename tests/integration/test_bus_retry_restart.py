@@ -253,7 +253,7 @@ async def test_file_object_store_fetch_waits_for_a_restarted_server_and_keeps_ev
 async def test_a_server_killed_mid_striped_fetch_is_ridden_out_bit_exact(own_server, monkeypatch):
     """kill -9 while three data connections are landing chunks: every stripe fails, the fetch is
     tried again once the server is back (file storage kept the version) and lands bit-exact."""
-    from rolectl.bus.weights import object_store
+    from rolectl.bus.weights import fetch_plan
 
     async with connect(own_server.url, job="restart-stripes", role="explorer", member="e0") as conn:
         trainer = ObjectStoreTransport(conn.nc, "restart-stripes", storage="file", chunk_size=64 << 10)
@@ -262,7 +262,7 @@ async def test_a_server_killed_mid_striped_fetch_is_ridden_out_bit_exact(own_ser
         ref = await trainer.publish(1, weights)
         landed, killed = [], asyncio.Event()
         loop = asyncio.get_running_loop()
-        real_landed = object_store._Stripe.landed
+        real_landed = fetch_plan.Stripe.landed
 
         def landed_then_kill(self, headers, digest=None):
             real_landed(self, headers, digest)
@@ -271,7 +271,7 @@ async def test_a_server_killed_mid_striped_fetch_is_ridden_out_bit_exact(own_ser
                 own_server.kill()
                 loop.call_soon_threadsafe(killed.set)
 
-        monkeypatch.setattr(object_store._Stripe, "landed", landed_then_kill)
+        monkeypatch.setattr(fetch_plan.Stripe, "landed", landed_then_kill)
         fetching = asyncio.create_task(explorer.fetch(ref))
         await asyncio.wait_for(killed.wait(), 30)
         await conn.wait_disconnected(timeout=5)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rolectl.bus.connection import connect
-from rolectl.bus.weights.base import CorruptWeights, PullTransport
+from rolectl.bus.weights.base import CorruptWeights, PullTransport, StoredVersion
 from rolectl.bus.weights.checkpoint import CheckpointTransport
 from rolectl.bus.weights.delta import cast_source
 from rolectl.bus.weights.object_store import ObjectStoreTransport
@@ -65,6 +65,20 @@ async def test_deltas_rebuild_every_version_bit_exact_and_store_less(kind, nc, j
     # a keyframe every 4 versions; a receiver holding N-1 applies the delta to it
     assert kinds == ["keyframe", "delta", "delta", "delta", "keyframe", "delta"]
     assert routes == ["full", "delta", "delta", "delta", "full", "delta"]
+
+
+async def test_the_published_ref_says_how_the_version_was_stored(kind, nc, job_name, tmp_path):
+    pub = make(kind, nc, job_name, tmp_path)
+    versions = states(2)
+    keyframe = await pub.publish(1, versions[0])
+    delta = await pub.publish(2, versions[1])
+    assert keyframe.stored == StoredVersion(kind="keyframe", stored_bytes=keyframe.nbytes,
+                                            changed_bytes=keyframe.nbytes)
+    assert delta.stored is not None and delta.stored.kind == "delta"
+    assert delta.stored.stored_bytes == pub.last_publish["stored_bytes"] < 0.9 * delta.nbytes
+    assert delta.stored.changed_bytes == pub.last_publish["changed_bytes"] < delta.nbytes
+    # how it was stored is no part of where it lives: the announced ref equals the stored one
+    assert await pub.latest() == delta and (await pub.latest()).stored is None
 
 
 async def test_a_delta_gives_the_digest_a_full_publish_gives(kind, nc, job_name, tmp_path):

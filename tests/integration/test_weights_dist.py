@@ -26,7 +26,7 @@ if str(_ROOT) not in sys.path:  # when run as an explorer script
 from rolectl.bus.logging import setup_logging  # noqa: E402
 from rolectl.bus.server import free_port  # noqa: E402
 from rolectl.bus.weights import CorruptWeights, PeerLost, TransferError  # noqa: E402
-from rolectl.bus.weights.pinned import PinnedStaging  # noqa: E402
+from rolectl.bus.weights.host_memory import PinnedStaging  # noqa: E402
 from rolectl.bus.weights.torch_dist import TorchDistTransport  # noqa: E402
 from rolectl.sync_protocol import MemberRef, RankAssignment, RendezvousReady, Role, SyncMethod, from_plain, to_plain  # noqa: E402
 
@@ -369,10 +369,10 @@ def _stream(version: int, kind: str, per_bucket: int, made: list[int], sent: lis
 @pytest.mark.parametrize("kind,per_bucket", [("mixed", 3), ("many", 4)])
 async def test_a_bucket_stream_with_its_layout_arrives_bit_exact_and_is_read_lazily(
         explorers, monkeypatch, kind, per_bucket):
-    from rolectl.bus.weights import torch_dist
+    from rolectl.bus.weights import dist_rounds
 
     sent = [0]
-    real = torch_dist._Link._broadcast
+    real = dist_rounds.RankLink._broadcast
 
     def counting(self, t, channel=0):
         work = real(self, t, channel)
@@ -380,7 +380,7 @@ async def test_a_bucket_stream_with_its_layout_arrives_bit_exact_and_is_read_laz
             sent[0] += t.numel()
         return work
 
-    monkeypatch.setattr(torch_dist._Link, "_broadcast", counting)
+    monkeypatch.setattr(dist_rounds.RankLink, "_broadcast", counting)
     port = free_port()
     ready = _ready(1, 3, 1, port, [1])
     proc = await explorers(_spec(0, [ready], ranks=1, kind=kind))

@@ -25,7 +25,7 @@ from rolectl.bus.server import NatsServer
 from rolectl.bus.subjects import JobNames
 from rolectl.bus.weights.base import CorruptWeights, PullTransport, WeightsNotFound, WeightsRef
 from rolectl.bus.weights.checkpoint import CheckpointTransport
-from rolectl.bus.weights.format import _HUGE_PAGE_MIN
+from rolectl.bus.weights.host_memory import _HUGE_PAGE_MIN
 from rolectl.bus.weights.object_store import ObjectStoreTransport
 from tests.support.tensors import assert_bit_exact
 
@@ -434,12 +434,12 @@ async def test_a_checkpoint_temp_file_is_never_a_version(tmp_path):
 
 
 def test_after_a_lost_connection_the_plan_asks_again_for_missing_chunks_only():
+    from rolectl.bus.weights.fetch_plan import ChunkPlan
     from rolectl.bus.weights.format import Destination, SourceBytes, build_manifest
-    from rolectl.bus.weights.object_store import _ChunkPlan
 
     source = SourceBytes({"w": torch.arange(1000, dtype=torch.int64)})  # 8000 bytes: 8 chunks
     manifest = build_manifest(1, source, chunk_size=1000, extra={"first_seq": 11})
-    plan = _ChunkPlan(manifest, Destination(manifest.layout), "s.>", 2000, 4000, "here")
+    plan = ChunkPlan(manifest, Destination(manifest.layout), "s.>", 2000, 4000, "here")
     sent = [json.loads(b) for b in plan.requests()]
     assert [(r["seq"], r["batch"]) for r in sent] == [(11, 2), (13, 2)]  # 4000-byte window
     for index in (0, 1, 3):  # chunk 2 was on the wire when the server closed the connection
@@ -455,12 +455,12 @@ def _chunk_headers(seq: int, index: int) -> dict[str, str]:
 
 
 def test_stripes_split_the_plan_and_the_parent_asks_for_what_they_missed():
+    from rolectl.bus.weights.fetch_plan import ChunkPlan
     from rolectl.bus.weights.format import Destination, SourceBytes, build_manifest
-    from rolectl.bus.weights.object_store import _ChunkPlan
 
     source = SourceBytes({"w": torch.arange(2000, dtype=torch.int64)})  # 16000 bytes: 16 chunks
     manifest = build_manifest(1, source, chunk_size=1000, extra={"first_seq": 11})
-    plan = _ChunkPlan(manifest, Destination(manifest.layout), "s.>", 1000, 4000, "here")
+    plan = ChunkPlan(manifest, Destination(manifest.layout), "s.>", 1000, 4000, "here")
     stripes = plan.stripes(3, 4000)
     assert [s.indices for s in stripes] == [range(0, 5), range(5, 10), range(10, 16)]
     # each its own sequences, at least two chunks in flight (4000 / 3 would be one)
@@ -474,9 +474,9 @@ def test_stripes_split_the_plan_and_the_parent_asks_for_what_they_missed():
     assert plan.count == 15 and not plan.done
     assert [(r["seq"], r["batch"]) for r in map(json.loads, plan.requests())] == [(18, 1), (19, 1)]
     # no stripes where sequences are unknown, or a part would be under two chunks
-    assert _ChunkPlan(build_manifest(1, source, chunk_size=1000), Destination(manifest.layout), "s.>", 1000, 4000,
+    assert ChunkPlan(build_manifest(1, source, chunk_size=1000), Destination(manifest.layout), "s.>", 1000, 4000,
                       "here").stripes(3, 4000) == []
-    assert _ChunkPlan(manifest, Destination(manifest.layout), "s.>", 1000, 4000, "here").stripes(9, 4000) == []
+    assert ChunkPlan(manifest, Destination(manifest.layout), "s.>", 1000, 4000, "here").stripes(9, 4000) == []
 
 
 async def test_a_striped_fetch_opens_its_connections_and_reports_them(nc, job_name, tmp_path):
@@ -518,7 +518,7 @@ async def test_a_refused_stripe_connection_leaves_one_connection_not_nats_py(nc,
 
 
 def test_by_default_only_a_tls_fetch_is_striped():
-    from rolectl.bus.weights.object_store import fetch_connections_for
+    from rolectl.bus.weights.data_plane import fetch_connections_for
 
     assert fetch_connections_for(secure=False) == 1
     assert fetch_connections_for(secure=True) == min(4, max(2, len(os.sched_getaffinity(0)) // 2))

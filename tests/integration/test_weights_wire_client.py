@@ -19,6 +19,7 @@ from rolectl.bus.auth import init_auth_dir, parse_nkeys
 from rolectl.bus.errors import TransferError
 from rolectl.bus.server import NatsServer, free_port
 from rolectl.bus.subjects import JobNames
+from rolectl.bus.weights._natspy_plane import NatsPyPlane
 from rolectl.bus.weights._wire_client import (
     ConnectionLost,
     DataConnection,
@@ -27,8 +28,8 @@ from rolectl.bus.weights._wire_client import (
     Transient,
     data_endpoint,
     parse_headers,
-    run_in_thread,
 )
+from rolectl.bus.weights.data_plane import run_in_thread
 from rolectl.bus.weights.object_store import ObjectStoreTransport
 from tests.support.wait import wait_until
 
@@ -248,6 +249,27 @@ async def test_run_in_thread_returns_the_work_result_and_closes(nc):
     conn = DataConnection(data_endpoint(nc), timeout=10)
     assert await run_in_thread(conn, lambda c: c.is_open) is True
     assert not conn.is_open
+
+
+async def test_cancelling_a_nats_py_plane_aborts_its_wait_and_drops_its_subscription(nc):
+    """The fallback plane blocks its worker thread on a queue, not a socket: the abort must end
+    that wait too, and closing unsubscribes on the client's loop."""
+    plane = NatsPyPlane(nc, asyncio.get_running_loop(), timeout=300, waiting_for="test")
+    inbox = nc.new_inbox()
+    blocked = threading.Event()
+
+    def work(p: NatsPyPlane) -> None:
+        p.subscribe(inbox)
+        blocked.set()
+        p.next_message()  # nothing was asked for: blocks until the plane is aborted
+
+    task = asyncio.create_task(run_in_thread(plane, work))
+    assert await asyncio.to_thread(blocked.wait, 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 10)  # a hang here fails the test instead of the suite
+    with pytest.raises(nats.errors.NoRespondersError):  # nobody listens on the inbox any more
+        await nc.request(inbox, b"", timeout=5)
 
 
 # secured: TLS + nkeys, as `rolectl auth init` sets a job up ------------------------------------------
