@@ -458,7 +458,7 @@ def _drop_spare(transport) -> None:
     """Forget the transport's spare buffer, so its next fetch allocates fresh memory. A CUDA fetch
     keeps its pinned staging buffer as the spare by itself (`recycle` covers CPU fetches only):
     without this, `--fresh-buffers` on CUDA would still land every fetch after the first in it."""
-    from rolectl.bus.weights.format import SpareBuffer
+    from rolectl.bus.weights.host_memory import SpareBuffer
 
     transport._spare = SpareBuffer()
 
