@@ -40,7 +40,7 @@ from rolectl.roles.observe.replay import summarize, write_export
 from rolectl.roles.observe.trackers import Trackers
 from rolectl.roles.provision import provision_job
 from rolectl.roles.runner import EXIT_ERROR, EXIT_INCOMPLETE, EXIT_INTERRUPTED
-from rolectl.roles.session import stop_task
+from rolectl.roles.stopping import stop_task
 from rolectl.sync_protocol import Role
 
 __all__ = ["run_up", "supervise", "summarize", "write_config", "LocalLauncher", "RoleProcess"]

@@ -47,7 +47,7 @@ from rolectl.bus.snapshots import SnapshotStore
 from rolectl.bus.subjects import JobNames
 from rolectl.roles.exit_codes import ExitCode
 from rolectl.roles.observe.observer import JobObserver
-from rolectl.roles.session import stop_task
+from rolectl.roles.stopping import stop_task
 from rolectl.sync_protocol import Role
 
 __all__ = ["Dashboard", "DashboardHandle", "start_dashboard", "serve_dashboard", "default_monitor_url"]

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import structlog
 
-from rolectl.roles.session import finish_before_stopping
+from rolectl.roles.stopping import finish_before_stopping
 
 log = structlog.get_logger()
 
