@@ -29,11 +29,7 @@ from rolectl.sync_protocol import (
     EvalFinished,
     Event,
     IllegalEvent,
-    JobConfigured,
-    MemberExpired,
-    MemberJoined,
     MemberReleased,
-    NoNewVersion,
     Recorded,
     RendezvousReady,
     Role,
@@ -41,17 +37,16 @@ from rolectl.sync_protocol import (
     RoundOpened,
     RoundOutcome,
     RoundPhase,
-    RoundTimedOut,
     RunningStatus,
     State,
     StatusChanged,
     StepFinished,
-    SyncFailed,
     VersionPublished,
     WeightsBroadcast,
     WeightsLoaded,
     decision_identity,
 )
+from rolectl.sync_protocol.describe import in_words
 from rolectl.sync_protocol.reducer import reduce_lenient
 
 __all__ = [
@@ -60,7 +55,6 @@ __all__ = [
     "Transfer",
     "VersionView",
     "LogLine",
-    "describe",
     "member_status",
     "member_rows",
     "format_ago",
@@ -171,56 +165,6 @@ class LogLine:
     text: str
     decision: bool
     illegal: str | None = None
-
-
-def describe(event: Event | Decision) -> str:
-    """A short human description of an event or decision (for logs and timelines)."""
-    if isinstance(event, MemberJoined):
-        return f"joined on {event.host} (pid {event.pid}) at step {event.step}, version {event.version}"
-    if isinstance(event, JobConfigured):
-        c = event.config
-        return f"config {c.sync_method.value}/{c.sync_style.value} interval {c.sync_interval}"
-    if isinstance(event, StatusChanged):
-        return f"{event.status.value} at step {event.step}, version {event.version}"
-    if isinstance(event, VersionPublished):
-        return f"published v{event.version} (step {event.step}, {_size(event.nbytes)} via {event.method.value})"
-    if isinstance(event, NoNewVersion):
-        return f"no version newer than v{event.version}"
-    if isinstance(event, WeightsLoaded):
-        where = f" (round {event.round})" if event.round is not None else " (background)"
-        return f"loaded v{event.version}{where} {_size(event.nbytes)} in {event.seconds:.3f} s"
-    if isinstance(event, WeightsBroadcast):
-        return f"broadcast v{event.version} round {event.round} {_size(event.nbytes)} in {event.seconds:.3f} s"
-    if isinstance(event, SyncFailed):
-        return f"sync failed (v{event.version}, round {event.round}): {event.reason}"
-    if isinstance(event, StepFinished):
-        reward = event.metrics.get("reward_mean")
-        extra = f", reward {reward:.3f}" if reward is not None else ""
-        return f"step {event.step} done with v{event.version}{extra}"
-    if isinstance(event, EvalFinished):
-        rewards = ", ".join(f"{name} {mean:.3f}" for name, mean in event.rewards.items())
-        return f"eval of v{event.version} at step {event.step}: {rewards} ({event.tasks} tasks, {event.seconds:.2f} s)"
-    if isinstance(event, MemberExpired):
-        return f"{event.expired} expired (silent {event.silent_for:.1f} s)"
-    if isinstance(event, RoundTimedOut):
-        return f"round {event.round} timed out"
-    if isinstance(event, RoundOpened):
-        return f"round {event.round} opened by {event.opened_by.key} ({event.method.value}, holds v{event.version})"
-    if isinstance(event, RendezvousReady):
-        return (f"round {event.round} rendezvous: v{event.version}, epoch {event.epoch}, "
-                f"world {event.world_size} at {event.master_addr}:{event.master_port}")
-    if isinstance(event, MemberReleased):
-        return f"round {event.round}: release {event.released.key} ({event.reason.value}, v{event.version})"
-    if isinstance(event, RoundClosed):
-        return f"round {event.round} closed: {event.outcome.value}"
-    return type(event).__name__
-
-
-def _size(nbytes: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes} B"
 
 
 def member_status(member) -> str:
@@ -470,7 +414,7 @@ class JobObserver:
         event = rec.event
         who = "synchronizer" if isinstance(event, Decision) else event.member.key
         self.log.append(LogLine(seq=rec.seq, time_ms=rec.time_ms, kind=event.KIND, who=who,
-                                text=describe(event), decision=isinstance(event, Decision), illegal=illegal))
+                                text=in_words(event), decision=isinstance(event, Decision), illegal=illegal))
 
     def _note_rounds(self, computed: tuple[Decision, ...]) -> None:
         # The reducer's round state says whom a round waits for; keep it from when the round
