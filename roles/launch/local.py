@@ -35,9 +35,10 @@ from rolectl.roles.exit_codes import ExitCode
 from rolectl.roles.launch.base import Launcher, RoleHandle
 from rolectl.roles.observe.dashboard import start_dashboard
 from rolectl.roles.observe.export import read_history
-from rolectl.roles.observe.observer import SUMMARY_MEANINGS, JobObserver, member_status
+from rolectl.roles.observe.observer import JobObserver
 from rolectl.roles.observe.replay import summarize, write_export
 from rolectl.roles.observe.trackers import Trackers
+from rolectl.roles.observe.views import SUMMARY_MEANINGS, member_status
 from rolectl.roles.provision import provision_job
 from rolectl.roles.runner import EXIT_ERROR, EXIT_INCOMPLETE, EXIT_INTERRUPTED
 from rolectl.roles.stopping import stop_task

@@ -19,7 +19,7 @@ from rich.console import Console
 from rolectl.bus.errors import BusError
 from rolectl.roles.launch.local import _summary_table
 from rolectl.roles.observe.dashboard import Dashboard, _Collector
-from rolectl.roles.observe.observer import SUMMARY_MEANINGS, JobObserver
+from rolectl.roles.observe.observer import JobObserver
 from rolectl.roles.observe.replay import (
     ExportError,
     build_timeline,
@@ -31,6 +31,7 @@ from rolectl.roles.observe.replay import (
     summarize,
     write_export,
 )
+from rolectl.roles.observe.views import SUMMARY_MEANINGS
 from rolectl.sync_protocol import Decision, MemberReleased, RoundClosed, VersionPublished, decision_identity
 from rolectl.sync_protocol.reducer import fold_lenient
 from tests.support.scripted_job import run_scripted_job
