@@ -60,7 +60,7 @@ def run_role(role: str, cfg: JobConfig, member_id: str | None = None, *, start_m
     `log_json` picks one JSON object per line (files, log shippers) over aligned console text; a
     synchronizer finishes once every member of the job did, unless `keep_running`; a trainer's
     `engine` is built from `cfg` unless given (rank 0 of a trainer of several ranks). `make_runner`
-    replaces the explorer's class (the serving explorer, from a layer above this one)."""
+    builds the explorer instead (the serving one, from a layer above this one)."""
     setup_logging(cfg.log_level, json=log_json)
     if role != "sync":  # a synchronizer runs no engine: it (re)starts without importing torch
         # Each role process gets a share of a machine that also runs its peers: one intra-op
