@@ -371,8 +371,10 @@ class LiveJob:
         return popen.returncode
 
     async def wait_exits(self, member_ids: list[str], timeout: float) -> dict[str, int]:
-        deadline = time.monotonic() + timeout
-        return {m: await self.wait_exit(m, max(0.1, deadline - time.monotonic())) for m in member_ids}
+        """The exit codes of `member_ids`' current processes, once every one has exited."""
+        await wait_until(lambda: all(self.current(m).poll() is not None for m in member_ids), timeout=timeout,
+                         what=f"{', '.join(member_ids)} to exit", details=self.all_logs)
+        return {m: self.current(m).returncode for m in member_ids}
 
     async def all_exit_zero(self, member_ids: list[str], timeout: float) -> None:
         codes = await self.wait_exits(member_ids, timeout)
