@@ -43,7 +43,7 @@ from rolectl.sync_protocol.describe import Phrasebook
 from rolectl.sync_protocol.state import RoundPhase
 
 __all__ = [
-    "T", "E1", "E2", "E3", "SYNC", "RDV",
+    "T", "E1", "E2", "E3", "SYNC", "RDV", "T_AGAIN", "E1_AGAIN", "E2_AGAIN",
     "configured", "join", "req", "run", "stop", "publish", "loaded", "broadcast", "failed",
     "no_new", "step_done", "expired", "timed_out",
     "Job", "snapshot", "describe", "run_script",
@@ -54,6 +54,10 @@ E1 = MemberRef(role=Role.EXPLORER, id="e1", incarnation=0)
 E2 = MemberRef(role=Role.EXPLORER, id="e2", incarnation=0)
 E3 = MemberRef(role=Role.EXPLORER, id="e3", incarnation=0)
 SYNC = MemberRef(role=Role.SYNCHRONIZER, id="sync", incarnation=0)
+# the same members restarted: their next incarnation
+T_AGAIN = MemberRef(role=Role.TRAINER, id="t", incarnation=1)
+E1_AGAIN = MemberRef(role=Role.EXPLORER, id="e1", incarnation=1)
+E2_AGAIN = MemberRef(role=Role.EXPLORER, id="e2", incarnation=1)
 RDV = "10.0.0.1:29500"  # the trainer's offered rendezvous
 
 

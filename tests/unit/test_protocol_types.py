@@ -9,7 +9,6 @@ from rolectl.sync_protocol import (
     KINDS,
     JobConfigured,
     MemberJoined,
-    MemberRef,
     MemberState,
     Recorded,
     RoundClosed,
@@ -23,9 +22,7 @@ from rolectl.sync_protocol import (
     reduce,
 )
 from rolectl.sync_protocol.describe import in_words
-from rolectl.sync_protocol.enums import Role
-
-T = MemberRef(role=Role.TRAINER, id="t", incarnation=0)
+from tests.support.reducer_scenario import T
 
 
 @pytest.mark.parametrize("event, text", [
