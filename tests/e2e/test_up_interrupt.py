@@ -36,7 +36,7 @@ def test_up_interrupted_exits_130_without_a_traceback(tmp_path, signals):
     out_path = tmp_path / "up.out"
     with open(out_path, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "rolectl.roles.cli", "up", "--config", str(config), "--no-dashboard",
+            [sys.executable, "-m", "rolectl", "up", "--config", str(config), "--no-dashboard",
              "--run-dir", str(tmp_path / "runs")],
             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:

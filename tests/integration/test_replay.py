@@ -246,7 +246,7 @@ def test_replay_text_is_one_line_a_round_within_80_columns_without_a_terminal(re
     path = tmp_path / "job.jsonl"
     records = _export(recorded, nats_url, path)
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
-    shown = subprocess.run([sys.executable, "-m", "rolectl.roles.cli", "replay", "--file", str(path), "--check"],
+    shown = subprocess.run([sys.executable, "-m", "rolectl", "replay", "--file", str(path), "--check"],
                            capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[2],
                            timeout=300)
     assert shown.returncode == 0, shown.stderr

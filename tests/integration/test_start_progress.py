@@ -25,7 +25,7 @@ def test_start_on_a_terminal_shows_steps_against_the_total(nats_url, job_name, t
     config.write_text(yaml.safe_dump(data))
     total = data["trainer"]["total_steps"]
     main, child = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "rolectl.roles.cli", "start", "trainer", "--config", str(config),
+    proc = subprocess.Popen([sys.executable, "-m", "rolectl", "start", "trainer", "--config", str(config),
                              "--nats", nats_url], stdin=child, stdout=child, stderr=child, cwd=ROOT,
                             env=dict(os.environ, COLUMNS="160", TERM="xterm"))
     os.close(child)
