@@ -217,20 +217,20 @@ def start(role: str, config_path: str, member_id: str | None, job: str | None, n
 
 
 def _serving(role: str, cfg, serve: bool, port: int | None):
-    """The serving explorer's class when this start serves (--serve or serve.enabled), else None."""
+    """What builds the serving explorer when this start serves (--serve or serve.enabled), else None."""
     if (serve or port is not None) and role != "explorer":
         raise click.UsageError(f"--serve and --port are for `rolectl start explorer` (not {role})")
     if port is not None and not (serve or cfg.serve.enabled):
         raise click.UsageError("--port is the served endpoint's port: give --serve too (or serve.enabled: true)")
     if role != "explorer" or not (serve or cfg.serve.enabled):
         return None
-    from rolectl.roles.serve import ServingExplorer, serve_problems
+    from rolectl.roles.serve import serve_problems, serving_explorer
     from rolectl.sync_protocol import ConfigError
 
     problems = serve_problems(cfg)
     if problems:
         raise InputError(str(ConfigError(problems, where=cfg.source or "config")))
-    return ServingExplorer
+    return serving_explorer
 
 
 def _check_explorer_id(member_id: str, cfg) -> None:

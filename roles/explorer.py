@@ -16,6 +16,11 @@ Reads top to bottom like the reference explore loop:
   the task set is exhausted (or the trainer finished), and the step is saved so a restart resumes;
 - a trainer that goes silent (killed, restarting, expired) is waited for, up to
   `explorers.trainer_grace_s`; after that the explorer gives up and exits non-zero.
+
+What it does between its first pull and its stop is the loop it is given (`ExploreLoop`): the task
+set's (`TaskSetLoop`, the default), or serving requests (`roles.serve.ServeLoop`). A loop reports
+through the explorer (`publish_batch`, `report_step`, `save_state`) and asks it whether to go on
+(`stops_with_trainer`, `raise_if_trainer_gone`); the session, the syncs and the weights stay here.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ import json
 import math
 import time
 import zlib
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from typing import Protocol
 
 from rolectl.bus.errors import describe
 from rolectl.bus.experiences import ExperienceBatch, ExperiencePublisher
@@ -57,18 +64,30 @@ from rolectl.sync_protocol import (
 )
 from rolectl.sync_protocol.boundaries import explorer_needs_sync, needs_reload
 
-__all__ = ["Explorer"]
+__all__ = ["Explorer", "ExploreLoop", "TaskSetLoop", "over_rollout"]
+
+
+class ExploreLoop(Protocol):
+    """What an explorer does between its first pull and its stop, built for that explorer
+    (`Explorer(..., loop=...)` calls the loop's class with it). It publishes and reports each step
+    through the explorer, sets `explorer.finished` when the explorer's work is done, and raises
+    `JobIncomplete` when it cannot be done."""
+
+    async def run(self) -> None: ...
 
 
 class Explorer:
-    def __init__(self, cfg: JobConfig, member_id: str, *, start_mode: StartMode = StartMode.AUTO):
+    """A rollout worker of the job: joins, pulls the weights, runs its loop (the task set's unless
+    given another), syncs at the boundaries, and says STOPPED with its step saved."""
+
+    def __init__(self, cfg: JobConfig, member_id: str, *, start_mode: StartMode = StartMode.AUTO,
+                 loop: Callable[[Explorer], ExploreLoop] | None = None):
         from rolectl.roles.engines import make_eval_tasks, make_rollout_engine, make_taskset
 
         self.cfg = cfg
         self.sync = cfg.synchronizer
         self.member_id = member_id
-        index = _explorer_index(member_id)
-        self.step_delay_s = cfg.explorers.step_delay_s[index % len(cfg.explorers.step_delay_s)]
+        self.index = index = _explorer_index(member_id)
         self.engine = make_rollout_engine(cfg, member_id)
         # Further local ranks each hold their own copy of the weights, as separate rollout engines
         # (or tensor-parallel shards) would; an engine that runs its own tensor parallelism (vLLM's
@@ -87,11 +106,15 @@ class Explorer:
         self.sync_wait_s: list[float] = []
         self.finished = False  # our work is done: the task set is exhausted or the trainer finished
         self._background: asyncio.Task | None = None
-        self._pools: list[ThreadPoolExecutor] | None = None  # one per engine, for over-rollout
-        self.tasks_cut = 0  # tasks of the last step cancelled or dropped by over-rollout
         # (version, tensors, nbytes, fetch seconds) fetched in the background, applied between steps
         self._pending_weights: tuple[int, dict, int, float] | None = None
         self.start_mode = start_mode  # resumed or not in run(), once the stream says whether this is a restart
+        self.loop = (loop or TaskSetLoop)(self)
+
+    @property
+    def engines(self) -> list:
+        """The engine of each local rank, the first one's (`engine`) first."""
+        return [self.engine, *self.extra_ranks]
 
     def _trainer_finished_before_join(self, view) -> bool:
         """An explorer started after the trainer's final stop learns it from the stream and ends at
@@ -127,7 +150,7 @@ class Explorer:
             self.state_file.unlink()
             self.log.warning("discarded_saved_state", path=str(self.state_file), step=saved.step)
 
-    def _save_state(self) -> None:
+    def save_state(self) -> None:
         write_json_atomic(self.state_file, {"explore_step": self.explore_step,
                                             "taskset": self.taskset.state_dict()})
 
@@ -154,61 +177,37 @@ class Explorer:
                     await self.evaluate()
                 if self.sync.sync_style is SyncStyle.FULLY_ASYNC and not self.method.is_rendezvous:
                     self._background = asyncio.create_task(self._follow_versions(), name="background-pull")
-                await self.explore()
+                await self.loop.run()
             finally:
                 await self._cleanup()
 
-    # -- loop --------------------------------------------------------------------------------------
-    async def explore(self) -> None:
-        while True:
-            await self._apply_background_weights()
-            tasks = self.taskset.next_batch()
-            if tasks is None:
-                self.log.info("taskset_exhausted", step=self.explore_step)
-                self.finished = True
-                return
-            if self.cfg.explorers.stop_with_trainer and self.s.view.all_finished(Role.TRAINER):
-                self.log.info("trainer_finished_stop_exploring", step=self.explore_step)
-                self.finished = True
-                return
-            gone = self._trainer_gone_for_good(self.s.view)
-            if gone:
-                raise JobIncomplete(gone)
-            started = time.monotonic()
-            step = self.explore_step + 1
-            experiences = await asyncio.to_thread(self._rollout, tasks, step)
-            if self.step_delay_s:
-                await asyncio.sleep(self.step_delay_s)  # simulated slower rollout engine (config)
-            # A stop (Ctrl-C) waits for the batch's step to be reported and saved: a batch in the
-            # stream that no step reports would be counted nowhere
-            await finish_before_stopping(self._record_step(step, experiences, started), log=self.log,
-                                         what=f"explore step {step}: publish, report, save",
-                                         unless=lambda: self.s.replaced_by is not None)
-            if self.need_eval():
-                await self.evaluate()
-            if self.need_sync():
-                await self.sync_weight()
-
-    async def _record_step(self, step: int, experiences: list, started: float) -> None:
-        """Publish the step's batch, report the step, save the explorer's state."""
+    # -- what a loop reports and asks ---------------------------------------------------------------
+    async def publish_batch(self, batch: ExperienceBatch) -> None:
+        """Publish a step's experiences; the step is the explorer's from then on."""
         await self.s.fence()  # a process back from a pause must not publish beside its successor
-        await self.experiences.publish(ExperienceBatch(member=self.member_id, explore_step=step,
-                                                       model_version=self.engine.version,
-                                                       experiences=tuple(experiences)))
-        self.explore_step = step
-        self.s.step = step
-        reward = sum(e.reward for e in experiences) / max(len(experiences), 1)
-        # Reported before it is saved: a restart in between explores the step again (its
-        # batch is deduplicated by msg id) and reports it again; counts are per (member, step).
-        await self.s.publish(StepFinished(member=self.s.me, step=step, version=self.engine.version,
-                                          metrics={"reward_mean": reward, "experiences": float(len(experiences)),
-                                                   "total_steps": float(self.cfg.explorers.total_steps),
-                                                   "seconds": time.monotonic() - started,
-                                                   **({"over_rollout_tasks_cut": float(self.tasks_cut)}
-                                                      if self.cfg.explorers.over_rollout_ratio else {}),
-                                                   **self.engine.rollout_metrics}))
-        self._save_state()
-        self.log.info("explore_step", step=step, version=self.engine.version, reward=round(reward, 4))
+        await self.experiences.publish(batch)
+        self.explore_step = batch.explore_step
+        self.s.step = batch.explore_step
+
+    async def report_step(self, metrics: dict[str, float]) -> None:
+        """Report the explorer's current step, with the weights it holds, and `metrics`."""
+        await self.s.publish(StepFinished(member=self.s.me, step=self.explore_step, version=self.engine.version,
+                                          metrics=metrics))
+
+    @property
+    def replaced(self) -> bool:
+        """A newer incarnation of this member took over: its successor owns the work now."""
+        return self.s.replaced_by is not None
+
+    def stops_with_trainer(self) -> bool:
+        """The trainer finished and this explorer's work ends with it (`explorers.stop_with_trainer`)."""
+        return self.cfg.explorers.stop_with_trainer and self.s.view.all_finished(Role.TRAINER)
+
+    def raise_if_trainer_gone(self) -> None:
+        """`JobIncomplete` once the trainer has been away longer than its grace."""
+        gone = self._trainer_gone_for_good(self.s.view)
+        if gone:
+            raise JobIncomplete(gone)
 
     def need_eval(self) -> bool:
         interval = self.cfg.eval.eval_interval
@@ -224,25 +223,6 @@ class Explorer:
                                           seconds=result.seconds))
         self.log.info("eval_finished", step=self.explore_step, version=self.engine.version,
                       rewards={k: round(v, 4) for k, v in result.rewards.items()}, seconds=round(result.seconds, 3))
-
-    def _rollout(self, tasks, step: int) -> list:
-        """Split the step's tasks across this explorer's engines (one per local rank)."""
-        engines = [self.engine, *self.extra_ranks]
-        ratio = self.cfg.explorers.over_rollout_ratio
-        if ratio:
-            if self._pools is None:
-                self._pools = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rollout-r{i}")
-                               for i in range(len(engines))]
-            experiences, self.tasks_cut = over_rollout(engines, self._pools, tasks, step=step, member=self.member_id,
-                                                       wait_for=math.ceil(len(tasks) * (1 - ratio)))
-            return experiences
-        per = -(-len(tasks) // len(engines))
-        experiences = []
-        for i, engine in enumerate(engines):
-            chunk = tasks[i * per:(i + 1) * per]
-            if chunk:
-                experiences.extend(engine.rollout(chunk, explore_step=step))
-        return experiences
 
     def need_sync(self) -> bool:
         if not explorer_needs_sync(self.explore_step, self.sync):
@@ -338,7 +318,7 @@ class Explorer:
         if version < self.version:
             return
         self.version = version
-        for engine in (self.engine, *self.extra_ranks):
+        for engine in self.engines:
             engine.version = version
         self.s.version = version
         await self.s.publish(WeightsLoaded(member=self.s.me, version=version, round=round_id,
@@ -349,7 +329,7 @@ class Explorer:
         try:
             tensors = await self.transport.fetch(ref)
             self._log_fetch()
-            for engine in (self.engine, *self.extra_ranks):
+            for engine in self.engines:
                 engine.load_weights(tensors, ref.version)
             self.transport.recycle(tensors)  # copied into the engines: the next fetch may land there
         except TransferError as exc:
@@ -374,7 +354,7 @@ class Explorer:
                 ready, self.s.me, self.engine.weight_buffers(),
                 also_into=[e.weight_buffers() for e in self.extra_ranks],
             )
-            for engine in (self.engine, *self.extra_ranks):  # received in place; vLLM reloads its workers
+            for engine in self.engines:  # received in place; vLLM reloads its workers
                 engine.load_weights(engine.weight_buffers(), ready.version)
         except TransferError as exc:
             self.log.warning("receive_failed", round=ready.round, epoch=ready.epoch, error=describe(exc))
@@ -405,13 +385,14 @@ class Explorer:
             fetched = ref.version
             self._pending_weights = (ref.version, tensors, ref.nbytes, time.monotonic() - started)
 
-    async def _apply_background_weights(self) -> None:
+    async def apply_background_weights(self) -> None:
+        """Swap in the version the background fetch got (fully_async), between two steps."""
         if self._pending_weights is None:
             return
         version, tensors, nbytes, seconds = self._pending_weights
         self._pending_weights = None
         if needs_reload(self.version, version):
-            for engine in (self.engine, *self.extra_ranks):
+            for engine in self.engines:
                 engine.load_weights(tensors, version)
             self.transport.recycle(tensors)  # copied into the engines: the next fetch may land there
             self.version = version
@@ -420,15 +401,13 @@ class Explorer:
                                                nbytes=nbytes, seconds=seconds))
 
     async def _cleanup(self) -> None:
-        for pool in self._pools or ():
-            pool.shutdown(wait=False, cancel_futures=True)
         if self._background is not None:
             await stop_task(self._background, log=self.log)  # a plain cancel can be lost (see stop_task)
         if self.s.replaced_by is not None:  # fenced: the successor owns the saved state
             await self.transport.aclose()
             self.log.error("explorer_fenced", step=self.explore_step, replaced_by=self.s.replaced_by.incarnation)
             return
-        self._save_state()
+        self.save_state()
         try:
             await self.s.set_status(RunningStatus.STOPPED, final=self.finished)
         except Exception as exc:
@@ -438,6 +417,89 @@ class Explorer:
         self.log.info("explorer_finished" if self.finished else "explorer_stopped_early",
                       step=self.explore_step, version=self.engine.version, sync_waits=len(self.sync_wait_s),
                       sync_wait_max_s=round(max(self.sync_wait_s), 3) if self.sync_wait_s else None)
+
+
+class TaskSetLoop:
+    """The explore loop: the explorer's task set, a batch a step, rolled out across its engines
+    (over-rollout cuts the slowest tasks), each step published, reported and saved, then an eval
+    and a sync at their boundaries. It ends when the task set is exhausted or the trainer finished."""
+
+    def __init__(self, explorer: Explorer):
+        self.explorer = explorer
+        delays = explorer.cfg.explorers.step_delay_s
+        self.step_delay_s = delays[explorer.index % len(delays)]
+        self.tasks_cut = 0  # tasks of the last step cancelled or dropped by over-rollout
+        self._pools: list[ThreadPoolExecutor] | None = None  # one per engine, for over-rollout
+
+    async def run(self) -> None:
+        x = self.explorer
+        try:
+            while True:
+                await x.apply_background_weights()
+                tasks = x.taskset.next_batch()
+                if tasks is None:
+                    x.log.info("taskset_exhausted", step=x.explore_step)
+                    x.finished = True
+                    return
+                if x.stops_with_trainer():
+                    x.log.info("trainer_finished_stop_exploring", step=x.explore_step)
+                    x.finished = True
+                    return
+                x.raise_if_trainer_gone()
+                started = time.monotonic()
+                step = x.explore_step + 1
+                experiences = await asyncio.to_thread(self._rollout, tasks, step)
+                if self.step_delay_s:
+                    await asyncio.sleep(self.step_delay_s)  # simulated slower rollout engine (config)
+                # A stop (Ctrl-C) waits for the batch's step to be reported and saved: a batch in the
+                # stream that no step reports would be counted nowhere
+                await finish_before_stopping(self._record_step(step, experiences, started), log=x.log,
+                                             what=f"explore step {step}: publish, report, save",
+                                             unless=lambda: x.replaced)
+                if x.need_eval():
+                    await x.evaluate()
+                if x.need_sync():
+                    await x.sync_weight()
+        finally:
+            for pool in self._pools or ():
+                pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _record_step(self, step: int, experiences: list, started: float) -> None:
+        """Publish the step's batch, report the step, save the explorer's state."""
+        x = self.explorer
+        await x.publish_batch(ExperienceBatch(member=x.member_id, explore_step=step, model_version=x.engine.version,
+                                              experiences=tuple(experiences)))
+        reward = sum(e.reward for e in experiences) / max(len(experiences), 1)
+        # Reported before it is saved: a restart in between explores the step again (its
+        # batch is deduplicated by msg id) and reports it again; counts are per (member, step).
+        await x.report_step({"reward_mean": reward, "experiences": float(len(experiences)),
+                             "total_steps": float(x.cfg.explorers.total_steps),
+                             "seconds": time.monotonic() - started,
+                             **({"over_rollout_tasks_cut": float(self.tasks_cut)}
+                                if x.cfg.explorers.over_rollout_ratio else {}),
+                             **x.engine.rollout_metrics})
+        x.save_state()
+        x.log.info("explore_step", step=step, version=x.engine.version, reward=round(reward, 4))
+
+    def _rollout(self, tasks, step: int) -> list:
+        """Split the step's tasks across the explorer's engines (one per local rank)."""
+        engines = self.explorer.engines
+        ratio = self.explorer.cfg.explorers.over_rollout_ratio
+        if ratio:
+            if self._pools is None:
+                self._pools = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rollout-r{i}")
+                               for i in range(len(engines))]
+            experiences, self.tasks_cut = over_rollout(engines, self._pools, tasks, step=step,
+                                                       member=self.explorer.member_id,
+                                                       wait_for=math.ceil(len(tasks) * (1 - ratio)))
+            return experiences
+        per = -(-len(tasks) // len(engines))
+        experiences = []
+        for i, engine in enumerate(engines):
+            chunk = tasks[i * per:(i + 1) * per]
+            if chunk:
+                experiences.extend(engine.rollout(chunk, explore_step=step))
+        return experiences
 
 
 def over_rollout(engines, pools, tasks, *, step: int, member: str, wait_for: int) -> tuple[list, int]:

@@ -60,7 +60,7 @@ def run_role(role: str, cfg: JobConfig, member_id: str | None = None, *, start_m
     `log_json` picks one JSON object per line (files, log shippers) over aligned console text; a
     synchronizer finishes once every member of the job did, unless `keep_running`; a trainer's
     `engine` is built from `cfg` unless given (rank 0 of a trainer of several ranks). `make_runner`
-    replaces the explorer's class (the serving explorer, from a layer above this one)."""
+    builds the explorer instead (the serving one, from a layer above this one)."""
     setup_logging(cfg.log_level, json=log_json)
     if role != "sync":  # a synchronizer runs no engine: it (re)starts without importing torch
         # Each role process gets a share of a machine that also runs its peers: one intra-op
@@ -70,42 +70,11 @@ def run_role(role: str, cfg: JobConfig, member_id: str | None = None, *, start_m
         torch.set_num_threads(env_settings().torch_threads)
     member_id = member_id or default_member_id(role)
     log = structlog.get_logger().bind(job=cfg.job, role=role, member=member_id)
-    if role == "trainer":
-        from rolectl.roles.trainer import Trainer
-
-        runner = Trainer(cfg, member_id, start_mode=start_mode, engine=engine)
-    elif role == "explorer":
-        from rolectl.roles.explorer import Explorer
-
-        runner = (make_runner or Explorer)(cfg, member_id, start_mode=start_mode)
-    elif role == "sync":
-        from rolectl.roles.synchronizer import Synchronizer
-
-        runner = Synchronizer(cfg, member_id, keep_running=keep_running)
-    else:
-        raise ValueError(f"unknown role {role!r}; use trainer, explorer or sync")
-
-    async def main() -> None:
-        task = asyncio.current_task()
-        install_stop_signals(task)
-        if role == "sync" or log_json or not sys.stderr.isatty():
-            await runner.run()
-            return
-        # a person at a terminal: a progress bar below the log lines
-        done, total = ((lambda: runner.engine.step, runner.total_steps) if role == "trainer"
-                       else (lambda: runner.explore_step, cfg.explorers.total_steps))
-        with _progress_bar(f"{role} {member_id}") as progress:
-            setup_logging(cfg.log_level, json=False)  # again: log lines now go above the bar
-            bar = progress.add_task("steps", total=total, completed=done())
-            follow = asyncio.create_task(_follow_steps(progress, bar, done), name="progress-bar")
-            try:
-                await runner.run()
-            finally:
-                follow.cancel()
-
+    runner = _make_runner(role, cfg, member_id, start_mode=start_mode, keep_running=keep_running, engine=engine,
+                          make_runner=make_runner)
     try:
         try:
-            asyncio.run(main())
+            asyncio.run(_main(role, runner, cfg, member_id, log_json=log_json))
         finally:
             # The role's work is over (done, stopped or failed): a stop request that arrives while
             # the process exits changes nothing, and must not kill it by the signal (`up` saw a
@@ -135,3 +104,40 @@ def run_role(role: str, cfg: JobConfig, member_id: str | None = None, *, start_m
         return EXIT_ERROR
     log.info("role_exited")
     return EXIT_OK
+
+
+def _make_runner(role: str, cfg: JobConfig, member_id: str, *, start_mode: StartMode, keep_running: bool,
+                 engine: object | None, make_runner):
+    """The role's loop object: a Trainer, an Explorer (or what `make_runner` builds), a Synchronizer."""
+    if role == "trainer":
+        from rolectl.roles.trainer import Trainer
+
+        return Trainer(cfg, member_id, start_mode=start_mode, engine=engine)
+    if role == "explorer":
+        from rolectl.roles.explorer import Explorer
+
+        return (make_runner or Explorer)(cfg, member_id, start_mode=start_mode)
+    if role == "sync":
+        from rolectl.roles.synchronizer import Synchronizer
+
+        return Synchronizer(cfg, member_id, keep_running=keep_running)
+    raise ValueError(f"unknown role {role!r}; use trainer, explorer or sync")
+
+
+async def _main(role: str, runner, cfg: JobConfig, member_id: str, *, log_json: bool) -> None:
+    """The role's loop, stopped by SIGINT/SIGTERM; a person at a terminal gets a progress bar too."""
+    install_stop_signals(asyncio.current_task())
+    if role == "sync" or log_json or not sys.stderr.isatty():
+        await runner.run()
+        return
+    # a person at a terminal: a progress bar below the log lines
+    done, total = ((lambda: runner.engine.step, runner.total_steps) if role == "trainer"
+                   else (lambda: runner.explore_step, cfg.explorers.total_steps))
+    with _progress_bar(f"{role} {member_id}") as progress:
+        setup_logging(cfg.log_level, json=False)  # again: log lines now go above the bar
+        bar = progress.add_task("steps", total=total, completed=done())
+        follow = asyncio.create_task(_follow_steps(progress, bar, done), name="progress-bar")
+        try:
+            await runner.run()
+        finally:
+            follow.cancel()

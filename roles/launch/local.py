@@ -35,12 +35,13 @@ from rolectl.roles.exit_codes import ExitCode
 from rolectl.roles.launch.base import Launcher, RoleHandle
 from rolectl.roles.observe.dashboard import start_dashboard
 from rolectl.roles.observe.export import read_history
-from rolectl.roles.observe.observer import SUMMARY_MEANINGS, JobObserver, member_status
+from rolectl.roles.observe.observer import JobObserver
 from rolectl.roles.observe.replay import summarize, write_export
 from rolectl.roles.observe.trackers import Trackers
+from rolectl.roles.observe.views import SUMMARY_MEANINGS, member_status
 from rolectl.roles.provision import provision_job
 from rolectl.roles.runner import EXIT_ERROR, EXIT_INCOMPLETE, EXIT_INTERRUPTED
-from rolectl.roles.session import stop_task
+from rolectl.roles.stopping import stop_task
 from rolectl.sync_protocol import Role
 
 __all__ = ["run_up", "supervise", "summarize", "write_config", "LocalLauncher", "RoleProcess"]
@@ -208,143 +209,229 @@ async def supervise(cfg: JobConfig, launcher: Launcher, run_path: Path, *, monit
     """Start every role through `launcher`, show progress until the job ends (every worker exited
     0, one role failed, Ctrl-C or `timeout_s`), stop everyone, export the stream and write the summary.
     The same for every launcher: only how roles are started, watched and stopped differs."""
-    from rolectl.roles.engines import engine_summary  # here: it loads torch, which only `up` needs
-
-    started = time.monotonic()
-    url = cfg.nats_url
-    observer = auth.security("observer") if auth is not None else None
-    if auth is not None:  # only admin may create streams: make them before any role needs them
-        try:
-            streams = await provision_job(cfg, security=auth.security("admin"))
-        except BusError as exc:
-            console.print(f"[red]provisioning the job's streams as admin failed:[/] {exc}", highlight=False)
-            return ExitCode.ERROR
-        console.print(f"provisioned as admin: {', '.join(streams)}", highlight=False)
-    sync = launcher.start("sync", "sync-0")
-    trainer = launcher.start("trainer", "trainer")
-    explorers = [launcher.start("explorer", e) for e in cfg.explorer_ids()]
-    workers = [trainer, *explorers]
-    everyone = [sync, *workers]
-    handle = None
+    run = _Supervision(cfg, launcher, run_path, auth=auth)
+    if not await run.provision():
+        return ExitCode.ERROR
+    run.start()
+    dashboard_handle = None
     exit_code = 0
-    stop = asyncio.Event()  # the first Ctrl-C / SIGTERM: stop the roles in order
-    hurry = asyncio.Event()  # the second: kill them now
-    loop = asyncio.get_running_loop()
-
-    def on_signal(sig: signal.Signals) -> None:
-        if stop.is_set():
-            hurry.set()
-            console.print("[yellow]stopping now: killing the roles[/]")
-        else:
-            console.print(f"[yellow]interrupted ({sig.name}): stopping the roles (Ctrl-C again to kill them now)[/]")
-        stop.set()
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal, sig)
     try:
-        async with connect(url, job=cfg.job, role="observer", member="up", security=observer) as conn:
+        async with connect(cfg.nats_url, job=cfg.job, role="observer", member="up", security=run.observer) as conn:
             await ensure_event_stream(conn.js, conn.names, replicas=cfg.nats.replicas)
             await ensure_experience_stream(conn.js, conn.names, replicas=cfg.nats.replicas)
-            view = JobObserver(log_tail=0)
-            trackers = await asyncio.to_thread(
-                Trackers.start, cfg, run_path.name,
-                warn=lambda message: console.print(f"[yellow]{message}[/]", highlight=False, markup=False))
-            following = asyncio.create_task(_follow(conn, view, trackers), name="up-follow")
+            following = await _Following.start(conn, cfg, run_path.name)
             if dashboard:
-                try:
-                    handle = await start_dashboard(job=cfg.job, nats_url=url, security=observer,
-                                                   monitor_url=monitor_url, port=dashboard_port,
-                                                   archive_dir=cfg.event_archive_dir)
-                    console.print(f"dashboard: [link={handle.url}]{handle.url}[/link]")
-                except Exception as exc:  # the job matters more than its window
-                    console.print(f"[yellow]dashboard not started:[/] {exc}")
-            failed = None
-            served: set[str] = set()
-            progress = _Progress(cfg.trainer.total_steps)
-            next_line = time.monotonic() + _PIPE_LINE_S
-            with Live(_progress_view(cfg, view, everyone, progress), console=console, refresh_per_second=2,
-                      transient=not console.is_terminal) as live:
-                while True:
-                    progress.update(view.trainer_steps, time.monotonic())
-                    if cfg.serve.enabled:
-                        _print_serve_urls(cfg, served, everyone)
-                    live.update(_progress_view(cfg, view, everyone, progress))
-                    if not console.is_terminal and time.monotonic() >= next_line:
-                        # in a pipe the live table shows nothing until the end: a plain line now and then
-                        console.print(progress.line(), highlight=False)
-                        next_line = time.monotonic() + _PIPE_LINE_S
-                    failed = next((p for p in everyone if p.poll() not in (None, 0)), None)
-                    if failed or all(p.poll() == 0 for p in workers):
-                        break
-                    if stop.is_set() or (timeout_s and time.monotonic() - started > timeout_s):
-                        failed = "stopped" if stop.is_set() else "timeout"
-                        break
-                    await asyncio.sleep(0.5)  # refresh cadence of the progress table
-            if failed is not None and not isinstance(failed, str):
-                exit_code = failed.returncode if failed.returncode > 0 else EXIT_ERROR
-                console.print(f"[red]{failed.name} exited with code {failed.returncode}[/]; last log lines:")
-                console.print(failed.tail(), markup=False, highlight=False)
-                reason = why_it_stopped(failed.tail(200))
-                if reason:  # the role's own words, not buried in the tail
-                    console.print(f"[red]{failed.name}:[/] {reason}", highlight=False)
-            elif failed == "stopped":
-                exit_code = EXIT_INTERRUPTED
-            elif failed:
-                exit_code = EXIT_ERROR
-                console.print(f"[red]job {failed}[/]")
-            # Let the synchronizer see the last events, then stop it and record the run.
-            await _stop_roles(launcher, everyone, hurry)
-            try:
-                # the whole history: what the synchronizer archived (and trimmed), then the stream
-                records = await asyncio.wait_for(read_history(conn, cfg.event_archive_dir), timeout=30.0)
-            except (asyncio.TimeoutError, BusError, ArchiveError, nats.errors.Error) as exc:
-                console.print("[yellow]the job's stream could not be read for the export:[/] "
-                              f"{exc or type(exc).__name__}")
-                records = []
-            events_file = run_path / "events.jsonl"
-            write_export(records, events_file, job=cfg.job)
-            summary = summarize(records, job=cfg.job)
-            if not console.is_terminal:
-                # where it ended, in a pipe too: from the whole history, which the live view may trail
-                progress.update(max(view.trainer_steps, summary["trainer_steps"]), time.monotonic())
-                console.print(progress.line(), highlight=False)
-            if exit_code == 0 and not summary["complete"]:
-                exit_code = EXIT_INCOMPLETE  # every process exited 0 and still the job fell short
-                console.print(f"[red]job incomplete:[/] {summary['end_reason']}")
-            summary.update(nats_url=redact(url), secured=auth is not None, wall_s=round(time.monotonic() - started, 2),
-                           run_dir=str(run_path), events_file=str(events_file),
-                           launcher=launcher.name, exit_codes={p.name: p.returncode for p in everyone},
-                           restarts={p.name: p.restarts for p in everyone if p.restarts})
-            await stop_task(following)
-            for rec in records:  # what the live reader had not reached yet (seen records are skipped)
-                trackers.apply(rec)
-            await asyncio.to_thread(trackers.close)
-            if cfg.monitor.backends:
-                summary.update(trackers=list(cfg.monitor.backends), tracker_failures=dict(trackers.failures),
-                               monitor_dir=str(cfg.monitor_dir))
-            summary.update(extra_summary or {})
-            summary.update(engine_summary(cfg.model, records))
-            if (cfg.hf_export_dir / "final").is_dir():
-                summary["hf_model_dir"] = str(cfg.hf_export_dir / "final")
-            (run_path / "summary.json").write_text(json.dumps(summary, indent=2))
-            if summary_path:
-                Path(summary_path).write_text(json.dumps(summary, indent=2))
-            console.print(_summary_table(summary))
-            # where to look now that the server and the dashboard are gone with the job
-            written = [str(run_path / "summary.json"), *([str(summary_path)] if summary_path else [])]
-            console.print(f"summary: {' and '.join(written)}\nevents:  {events_file}\n"
-                          f"replay:  rolectl replay --file {events_file}   (add --check to verify every decision)",
-                          highlight=False, soft_wrap=True)
-            await stop_task(following)
+                dashboard_handle = await _open_dashboard(cfg, run.observer, monitor_url, dashboard_port)
+            exit_code = run.exit_code(await run.watch(following.view, timeout_s))
+            exit_code = await run.conclude(conn, following, exit_code, summary_path=summary_path,
+                                           extra_summary=extra_summary)
     except (BusError, nats.errors.Error, asyncio.TimeoutError) as exc:
         # the embedded server or the connection failed under us: say so, never a traceback
         console.print(f"[red]lost the job's NATS server:[/] {exc or type(exc).__name__}")
-        exit_code = EXIT_INTERRUPTED if stop.is_set() else EXIT_ERROR
+        exit_code = EXIT_INTERRUPTED if run.stop.is_set() else EXIT_ERROR
     finally:
-        await _stop_roles(launcher, everyone, hurry)
-        if handle is not None:
-            await handle.aclose()
+        await run.stop_roles()
+        if dashboard_handle is not None:
+            await dashboard_handle.aclose()
     return exit_code
+
+
+class _Supervision:
+    """One `supervise` call in three steps: start (streams provisioned, roles started, Ctrl-C
+    caught), watch (the progress table until the job ends), conclude (everyone stopped, the
+    history exported, the summary written)."""
+
+    def __init__(self, cfg: JobConfig, launcher: Launcher, run_path: Path, *, auth: AuthDir | None):
+        self.cfg = cfg
+        self.launcher = launcher
+        self.run_path = run_path
+        self.auth = auth
+        self.observer = auth.security("observer") if auth is not None else None
+        self.started = time.monotonic()
+        self.everyone: list[RoleHandle] = []  # the synchronizer, the trainer, the explorers
+        self.stop = asyncio.Event()  # the first Ctrl-C / SIGTERM: stop the roles in order
+        self.hurry = asyncio.Event()  # the second: kill them now
+        self.progress = _Progress(cfg.trainer.total_steps)
+
+    @property
+    def workers(self) -> list[RoleHandle]:
+        """The trainer and the explorers: the job is done when each of them exited 0."""
+        return self.everyone[1:]
+
+    # -- start -------------------------------------------------------------------------------------
+    async def provision(self) -> bool:
+        """With identities, only admin may create streams: make them before any role needs them."""
+        if self.auth is None:
+            return True
+        try:
+            streams = await provision_job(self.cfg, security=self.auth.security("admin"))
+        except BusError as exc:
+            console.print(f"[red]provisioning the job's streams as admin failed:[/] {exc}", highlight=False)
+            return False
+        console.print(f"provisioned as admin: {', '.join(streams)}", highlight=False)
+        return True
+
+    def start(self) -> None:
+        """Every role in `ROLE_ORDER`, then Ctrl-C / SIGTERM caught: once to stop, twice to kill."""
+        self.everyone = [self.launcher.start("sync", "sync-0"), self.launcher.start("trainer", "trainer"),
+                         *(self.launcher.start("explorer", e) for e in self.cfg.explorer_ids())]
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        if self.stop.is_set():
+            self.hurry.set()
+            console.print("[yellow]stopping now: killing the roles[/]")
+        else:
+            console.print(f"[yellow]interrupted ({sig.name}): stopping the roles (Ctrl-C again to kill them now)[/]")
+        self.stop.set()
+
+    # -- watch -------------------------------------------------------------------------------------
+    async def watch(self, view: JobObserver, timeout_s: float | None) -> RoleHandle | str | None:
+        """Show progress until the job ends; return why: the role that failed, "stopped" (Ctrl-C),
+        "timeout", or None when every worker exited 0."""
+        cfg, everyone = self.cfg, self.everyone
+        served: set[str] = set()
+        next_line = time.monotonic() + _PIPE_LINE_S
+        with Live(_progress_view(cfg, view, everyone, self.progress), console=console, refresh_per_second=2,
+                  transient=not console.is_terminal) as live:
+            while True:
+                self.progress.update(view.trainer_steps, time.monotonic())
+                if cfg.serve.enabled:
+                    _print_serve_urls(cfg, served, everyone)
+                live.update(_progress_view(cfg, view, everyone, self.progress))
+                if not console.is_terminal and time.monotonic() >= next_line:
+                    # in a pipe the live table shows nothing until the end: a plain line now and then
+                    console.print(self.progress.line(), highlight=False)
+                    next_line = time.monotonic() + _PIPE_LINE_S
+                failed = next((p for p in everyone if p.poll() not in (None, 0)), None)
+                if failed or all(p.poll() == 0 for p in self.workers):
+                    return failed
+                if self.stop.is_set():
+                    return "stopped"
+                if timeout_s and time.monotonic() - self.started > timeout_s:
+                    return "timeout"
+                await asyncio.sleep(0.5)  # refresh cadence of the progress table
+
+    def exit_code(self, ended: RoleHandle | str | None) -> int:
+        """The exit code for how `watch` ended, said on the console (a failed role's own words too)."""
+        if ended is None:
+            return 0
+        if ended == "stopped":
+            return EXIT_INTERRUPTED
+        if isinstance(ended, str):
+            console.print(f"[red]job {ended}[/]")
+            return EXIT_ERROR
+        console.print(f"[red]{ended.name} exited with code {ended.returncode}[/]; last log lines:")
+        console.print(ended.tail(), markup=False, highlight=False)
+        reason = why_it_stopped(ended.tail(200))
+        if reason:  # the role's own words, not buried in the tail
+            console.print(f"[red]{ended.name}:[/] {reason}", highlight=False)
+        return ended.returncode if ended.returncode > 0 else EXIT_ERROR
+
+    async def stop_roles(self) -> None:
+        await _stop_roles(self.launcher, self.everyone, self.hurry)
+
+    # -- conclude ----------------------------------------------------------------------------------
+    async def conclude(self, conn: BusConnection, following: _Following, exit_code: int, *,
+                       summary_path: str | None, extra_summary: dict | None) -> int:
+        """Stop everyone, export the history, write and show the summary. Returns the exit code:
+        `exit_code`, or EXIT_INCOMPLETE when every process exited 0 and still the job fell short."""
+        from rolectl.roles.engines import engine_summary  # here: it loads torch, which only `up` needs
+
+        cfg = self.cfg
+        # Let the synchronizer see the last events, then stop it and record the run.
+        await self.stop_roles()
+        records = await _read_history(conn, cfg)
+        events_file = self.run_path / "events.jsonl"
+        write_export(records, events_file, job=cfg.job)
+        summary = summarize(records, job=cfg.job)
+        if not console.is_terminal:
+            # where it ended, in a pipe too: from the whole history, which the live view may trail
+            self.progress.update(max(following.view.trainer_steps, summary["trainer_steps"]), time.monotonic())
+            console.print(self.progress.line(), highlight=False)
+        if exit_code == 0 and not summary["complete"]:
+            exit_code = EXIT_INCOMPLETE  # every process exited 0 and still the job fell short
+            console.print(f"[red]job incomplete:[/] {summary['end_reason']}")
+        everyone = self.everyone
+        summary.update(nats_url=redact(cfg.nats_url), secured=self.auth is not None,
+                       wall_s=round(time.monotonic() - self.started, 2), run_dir=str(self.run_path),
+                       events_file=str(events_file), launcher=self.launcher.name,
+                       exit_codes={p.name: p.returncode for p in everyone},
+                       restarts={p.name: p.restarts for p in everyone if p.restarts})
+        trackers = await following.close(records)
+        if cfg.monitor.backends:
+            summary.update(trackers=list(cfg.monitor.backends), tracker_failures=dict(trackers.failures),
+                           monitor_dir=str(cfg.monitor_dir))
+        summary.update(extra_summary or {})
+        summary.update(engine_summary(cfg.model, records))
+        if (cfg.hf_export_dir / "final").is_dir():
+            summary["hf_model_dir"] = str(cfg.hf_export_dir / "final")
+        self._write_summary(summary, summary_path, events_file)
+        return exit_code
+
+    def _write_summary(self, summary: dict, summary_path: str | None, events_file: Path) -> None:
+        text = json.dumps(summary, indent=2)
+        (self.run_path / "summary.json").write_text(text)
+        if summary_path:
+            Path(summary_path).write_text(text)
+        console.print(_summary_table(summary))
+        # where to look now that the server and the dashboard are gone with the job
+        written = [str(self.run_path / "summary.json"), *([str(summary_path)] if summary_path else [])]
+        console.print(f"summary: {' and '.join(written)}\nevents:  {events_file}\n"
+                      f"replay:  rolectl replay --file {events_file}   (add --check to verify every decision)",
+                      highlight=False, soft_wrap=True)
+
+
+@dataclasses.dataclass
+class _Following:
+    """The job's stream as `up` follows it: folded into `view` (the progress table reads it) and
+    fed to the experiment trackers."""
+
+    view: JobObserver
+    trackers: Trackers
+    task: asyncio.Task
+
+    @classmethod
+    async def start(cls, conn: BusConnection, cfg: JobConfig, run_name: str) -> _Following:
+        view = JobObserver(log_tail=0)
+        trackers = await asyncio.to_thread(
+            Trackers.start, cfg, run_name,
+            warn=lambda message: console.print(f"[yellow]{message}[/]", highlight=False, markup=False))
+        return cls(view, trackers, asyncio.create_task(_follow(conn, view, trackers), name="up-follow"))
+
+    async def close(self, records: list) -> Trackers:
+        """Stop following; the trackers get what the live reader had not reached yet (seen records
+        are skipped), then close."""
+        await stop_task(self.task)
+        for rec in records:
+            self.trackers.apply(rec)
+        await asyncio.to_thread(self.trackers.close)
+        return self.trackers
+
+
+async def _open_dashboard(cfg: JobConfig, security, monitor_url: str | None, port: int):
+    """The job's dashboard, its URL printed; None when it cannot start (the job matters more)."""
+    try:
+        handle = await start_dashboard(job=cfg.job, nats_url=cfg.nats_url, security=security,
+                                       monitor_url=monitor_url, port=port, archive_dir=cfg.event_archive_dir)
+    except Exception as exc:  # the job matters more than its window
+        console.print(f"[yellow]dashboard not started:[/] {exc}")
+        return None
+    console.print(f"dashboard: [link={handle.url}]{handle.url}[/link]")
+    return handle
+
+
+async def _read_history(conn: BusConnection, cfg: JobConfig) -> list:
+    """The whole history: what the synchronizer archived (and trimmed), then the stream; empty,
+    and said, when it cannot be read."""
+    try:
+        return await asyncio.wait_for(read_history(conn, cfg.event_archive_dir), timeout=30.0)
+    except (asyncio.TimeoutError, BusError, ArchiveError, nats.errors.Error) as exc:
+        console.print("[yellow]the job's stream could not be read for the export:[/] "
+                      f"{exc or type(exc).__name__}")
+        return []
 
 
 async def _stop_roles(launcher: Launcher, handles: list[RoleHandle], hurry: asyncio.Event) -> None:

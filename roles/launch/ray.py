@@ -353,8 +353,6 @@ def run_up_ray(cfg: JobConfig, *, ray_address: str | None, nats: str | None = No
     (same exit codes, same summary plus `launcher`), tear everything down at its end or on Ctrl-C.
     Raises RayUnavailable (no Ray) or RayLaunchError (cannot place the job) before anything starts."""
     ray = import_ray()
-    from ray.util.placement_group import placement_group, remove_placement_group
-
     from rolectl.bus.logging import setup_logging
     from rolectl.roles.launch.local import console, supervise, write_config
 
@@ -362,52 +360,17 @@ def run_up_ray(cfg: JobConfig, *, ray_address: str | None, nats: str | None = No
     if explorers is not None:
         cfg = cfg.with_overrides(explorers=cfg.explorers.replace(count=explorers))
     bundles = role_bundles(cfg)
-    needed_cpus = sum(b["CPU"] for _, _, b in bundles)
-    address = ray_address or os.environ.get("RAY_ADDRESS")
-    init: dict[str, Any] = dict(namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
-    if address:
-        ray.init(address=address, **init)
-    else:  # a Ray of our own on this machine, sized for the job's bundles
-        ray.init(num_cpus=max(os.cpu_count() or 1, int(needed_cpus)), include_dashboard=False, **init)
+    _init_ray(ray, ray_address, needed_cpus=sum(b["CPU"] for _, _, b in bundles))
     job_actor = pg = launcher = None
     try:
-        try:
-            job_actor = ray.remote(JobActor).options(
-                name=actor_name(cfg.job, "job"), namespace=NAMESPACE, num_cpus=0,
-                # on the head node: its disk keeps the NATS store, and it is there for the cluster's life
-                resources={"node:__internal_head__": 0.001},
-            ).remote()
-        except ValueError as exc:
-            raise RayLaunchError(
-                f"job {cfg.job!r} is already running on this Ray cluster (actor {actor_name(cfg.job, 'job')!r} "
-                f"in namespace {NAMESPACE!r} exists: {exc}); stop that `rolectl up` first, or give this run "
-                "another job name") from None
-        have = _available_resources(ray)
-        asks = {"CPU": needed_cpus, "GPU": sum(b.get("GPU", 0) for _, _, b in bundles)}
-        short = {k: v for k, v in asks.items() if v > have.get(k, 0)}
-        if short:
-            raise RayLaunchError(
-                f"job {cfg.job!r} needs {asks} (bundles {[(m, b) for _, m, b in bundles]}) but the Ray cluster has "
-                f"{have} in all: add nodes, or lower trainer.num_cpus/num_gpus, explorers.num_cpus/use_gpus "
-                "or the number of explorers")
-        pg = placement_group([b for _, _, b in bundles], strategy="PACK", name=f"rolectl-{cfg.job}")
-        ready, _ = ray.wait([pg.ready()], timeout=placement_timeout_s)
-        if not ready:
-            raise RayLaunchError(
-                f"job {cfg.job!r}: its placement group {[b for _, _, b in bundles]} was not ready after "
-                f"{placement_timeout_s:.0f} s (free now: {ray.available_resources()}); other jobs may hold "
-                "the resources")
+        job_actor = _start_job_actor(ray, cfg)
+        pg = _place(ray, cfg, bundles, placement_timeout_s)
         stamp = time.strftime("%Y%m%d-%H%M%S")
         run_path = Path(run_dir or cfg.run_dir).resolve() / f"{cfg.job}-{stamp}-{os.getpid()}"
         (run_path / "logs").mkdir(parents=True, exist_ok=True)
-        monitor_url = None
-        if nats:
-            url = nats
-        else:
-            url, monitor_url = ray.get(job_actor.start_nats.remote(str(run_path / "nats"),
-                                                                   str(run_path / "logs" / "nats-server.log"),
-                                                                   cfg.server_go_gc),
-                                       timeout=120)
+        url, monitor_url = (nats, None) if nats else ray.get(
+            job_actor.start_nats.remote(str(run_path / "nats"), str(run_path / "logs" / "nats-server.log"),
+                                        cfg.server_go_gc), timeout=120)
         cfg = cfg.with_overrides(nats_url=url, run_dir=str(run_path))
         config_path = run_path / "job.yaml"
         write_config(cfg, config_path)
@@ -423,14 +386,68 @@ def run_up_ray(cfg: JobConfig, *, ray_address: str | None, nats: str | None = No
         except KeyboardInterrupt:
             return 130
     finally:
-        if launcher is not None:
-            launcher.close()
-        if job_actor is not None:
-            try:
-                ray.get(job_actor.stop_nats.remote(), timeout=30)
-            except Exception:  # never created, or already gone
-                pass
-            ray.kill(job_actor, no_restart=True)
-        if pg is not None:
-            remove_placement_group(pg)
-        ray.shutdown()
+        _tear_down(ray, launcher, job_actor, pg)
+
+
+def _init_ray(ray, address: str | None, *, needed_cpus: float) -> None:
+    """Join the given cluster (or RAY_ADDRESS's), else start a Ray of our own sized for the job."""
+    address = address or os.environ.get("RAY_ADDRESS")
+    init: dict[str, Any] = dict(namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
+    if address:
+        ray.init(address=address, **init)
+    else:  # a Ray of our own on this machine, sized for the job's bundles
+        ray.init(num_cpus=max(os.cpu_count() or 1, int(needed_cpus)), include_dashboard=False, **init)
+
+
+def _start_job_actor(ray, cfg: JobConfig):
+    """The job's own actor (it runs the NATS server); its name refuses a second `up` of the job."""
+    try:
+        return ray.remote(JobActor).options(
+            name=actor_name(cfg.job, "job"), namespace=NAMESPACE, num_cpus=0,
+            # on the head node: its disk keeps the NATS store, and it is there for the cluster's life
+            resources={"node:__internal_head__": 0.001},
+        ).remote()
+    except ValueError as exc:
+        raise RayLaunchError(
+            f"job {cfg.job!r} is already running on this Ray cluster (actor {actor_name(cfg.job, 'job')!r} "
+            f"in namespace {NAMESPACE!r} exists: {exc}); stop that `rolectl up` first, or give this run "
+            "another job name") from None
+
+
+def _place(ray, cfg: JobConfig, bundles: list, timeout_s: float):
+    """The job's placement group, ready; RayLaunchError when the cluster is too small or busy."""
+    from ray.util.placement_group import placement_group
+
+    have = _available_resources(ray)
+    asks = {"CPU": sum(b["CPU"] for _, _, b in bundles), "GPU": sum(b.get("GPU", 0) for _, _, b in bundles)}
+    short = {k: v for k, v in asks.items() if v > have.get(k, 0)}
+    if short:
+        raise RayLaunchError(
+            f"job {cfg.job!r} needs {asks} (bundles {[(m, b) for _, m, b in bundles]}) but the Ray cluster has "
+            f"{have} in all: add nodes, or lower trainer.num_cpus/num_gpus, explorers.num_cpus/use_gpus "
+            "or the number of explorers")
+    pg = placement_group([b for _, _, b in bundles], strategy="PACK", name=f"rolectl-{cfg.job}")
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if not ready:
+        raise RayLaunchError(
+            f"job {cfg.job!r}: its placement group {[b for _, _, b in bundles]} was not ready after "
+            f"{timeout_s:.0f} s (free now: {ray.available_resources()}); other jobs may hold "
+            "the resources")
+    return pg
+
+
+def _tear_down(ray, launcher: RayLauncher | None, job_actor, pg) -> None:
+    """Kill the roles' actors, stop the NATS server and its actor, free the placement group, leave Ray."""
+    from ray.util.placement_group import remove_placement_group
+
+    if launcher is not None:
+        launcher.close()
+    if job_actor is not None:
+        try:
+            ray.get(job_actor.stop_nats.remote(), timeout=30)
+        except Exception:  # never created, or already gone
+            pass
+        ray.kill(job_actor, no_restart=True)
+    if pg is not None:
+        remove_placement_group(pg)
+    ray.shutdown()

@@ -13,7 +13,8 @@ a clock; callers pass `now_ms` where "how long ago" is wanted.
 
 "A sync" means one thing here and everywhere it is shown: a round the reducer closed as
 `completed`. Every other count has its own name (rounds by outcome, weight loads, sync waits), and
-`SUMMARY_MEANINGS` says in words what each figure of the run summary counts.
+`views.SUMMARY_MEANINGS` says in words what each figure of the run summary counts. What the fold
+builds (rounds, versions, transfers, log lines) and the rows it is shown in are in `views`.
 """
 
 from __future__ import annotations
@@ -21,19 +22,23 @@ from __future__ import annotations
 import statistics
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from rolectl.roles.observe.views import (
+    JobOutcome,
+    LogLine,
+    RoundView,
+    Transfer,
+    VersionView,
+    member_rows,
+    percentile,
+)
 from rolectl.sync_protocol import (
     Decision,
     EvalFinished,
     Event,
     IllegalEvent,
-    JobConfigured,
-    MemberExpired,
-    MemberJoined,
     MemberReleased,
-    NoNewVersion,
     Recorded,
     RendezvousReady,
     Role,
@@ -41,200 +46,19 @@ from rolectl.sync_protocol import (
     RoundOpened,
     RoundOutcome,
     RoundPhase,
-    RoundTimedOut,
     RunningStatus,
     State,
     StatusChanged,
     StepFinished,
-    SyncFailed,
     VersionPublished,
     WeightsBroadcast,
     WeightsLoaded,
     decision_identity,
 )
+from rolectl.sync_protocol.describe import in_words
 from rolectl.sync_protocol.reducer import reduce_lenient
 
-__all__ = [
-    "JobObserver",
-    "RoundView",
-    "Transfer",
-    "VersionView",
-    "LogLine",
-    "describe",
-    "member_status",
-    "member_rows",
-    "format_ago",
-    "percentile",
-    "JobOutcome",
-    "SUMMARY_MEANINGS",
-]
-
-
-@dataclass
-class Transfer:
-    """One member's part of moving weights: bytes, seconds and the rate they imply."""
-
-    member: str
-    version: int
-    nbytes: int
-    seconds: float
-    seq: int
-    time_ms: int
-    kind: str  # "loaded" (explorer received) or "broadcast" (trainer sent)
-
-    @property
-    def gbps(self) -> float | None:
-        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 and self.nbytes > 0 else None
-
-
-@dataclass
-class RoundView:
-    """One sync round as it happened (or as far as the records go)."""
-
-    id: int
-    method: str
-    opened_by: str
-    version: int  # the version the opener held when it asked
-    opened_seq: int  # stream seq of the input that opened it
-    opened_at_ms: int  # server time of that input
-    waited_for: list[str] = field(default_factory=list)
-    participants: list[str] = field(default_factory=list)
-    releases: list[dict[str, Any]] = field(default_factory=list)
-    rendezvous: dict[str, Any] | None = None
-    outcome: str | None = None
-    closed_seq: int | None = None  # stream seq of the input that closed it
-    closed_at_ms: int | None = None  # server time of that input
-    transfers: list[Transfer] = field(default_factory=list)
-
-    @property
-    def duration_ms(self) -> int | None:
-        return None if self.closed_at_ms is None else self.closed_at_ms - self.opened_at_ms
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.transfers if t.kind == "loaded")
-
-    @property
-    def transfer_seconds(self) -> float | None:
-        loaded = [t.seconds for t in self.transfers if t.kind == "loaded" and t.seconds > 0]
-        return max(loaded) if loaded else None
-
-    @property
-    def gbps(self) -> float | None:
-        # Aggregate rate: all bytes received over the slowest receiver's time (they overlap).
-        seconds = self.transfer_seconds
-        return self.nbytes / seconds / 1e9 if seconds and self.nbytes else None
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "method": self.method,
-            "opened_by": self.opened_by,
-            "version": self.version,
-            "opened_seq": self.opened_seq,
-            "opened_at_ms": self.opened_at_ms,
-            "waited_for": list(self.waited_for),
-            "participants": list(self.participants),
-            "releases": list(self.releases),
-            "rendezvous": self.rendezvous,
-            "outcome": self.outcome,
-            "closed_seq": self.closed_seq,
-            "closed_at_ms": self.closed_at_ms,
-            "duration_ms": self.duration_ms,
-            "nbytes": self.nbytes,
-            "transfer_seconds": self.transfer_seconds,
-            "gbps": self.gbps,
-            "transfers": [{**asdict(t), "gbps": t.gbps} for t in self.transfers],
-        }
-
-
-@dataclass
-class VersionView:
-    """A published weights version."""
-
-    version: int
-    step: int
-    method: str
-    nbytes: int
-    seq: int
-    time_ms: int
-
-
-@dataclass
-class LogLine:
-    """One line of the event log: what was recorded, by whom, and whether the reducer refused it."""
-
-    seq: int
-    time_ms: int
-    kind: str
-    who: str
-    text: str
-    decision: bool
-    illegal: str | None = None
-
-
-def describe(event: Event | Decision) -> str:
-    """A short human description of an event or decision (for logs and timelines)."""
-    if isinstance(event, MemberJoined):
-        return f"joined on {event.host} (pid {event.pid}) at step {event.step}, version {event.version}"
-    if isinstance(event, JobConfigured):
-        c = event.config
-        return f"config {c.sync_method.value}/{c.sync_style.value} interval {c.sync_interval}"
-    if isinstance(event, StatusChanged):
-        return f"{event.status.value} at step {event.step}, version {event.version}"
-    if isinstance(event, VersionPublished):
-        return f"published v{event.version} (step {event.step}, {_size(event.nbytes)} via {event.method.value})"
-    if isinstance(event, NoNewVersion):
-        return f"no version newer than v{event.version}"
-    if isinstance(event, WeightsLoaded):
-        where = f" (round {event.round})" if event.round is not None else " (background)"
-        return f"loaded v{event.version}{where} {_size(event.nbytes)} in {event.seconds:.3f} s"
-    if isinstance(event, WeightsBroadcast):
-        return f"broadcast v{event.version} round {event.round} {_size(event.nbytes)} in {event.seconds:.3f} s"
-    if isinstance(event, SyncFailed):
-        return f"sync failed (v{event.version}, round {event.round}): {event.reason}"
-    if isinstance(event, StepFinished):
-        reward = event.metrics.get("reward_mean")
-        extra = f", reward {reward:.3f}" if reward is not None else ""
-        return f"step {event.step} done with v{event.version}{extra}"
-    if isinstance(event, EvalFinished):
-        rewards = ", ".join(f"{name} {mean:.3f}" for name, mean in event.rewards.items())
-        return f"eval of v{event.version} at step {event.step}: {rewards} ({event.tasks} tasks, {event.seconds:.2f} s)"
-    if isinstance(event, MemberExpired):
-        return f"{event.expired} expired (silent {event.silent_for:.1f} s)"
-    if isinstance(event, RoundTimedOut):
-        return f"round {event.round} timed out"
-    if isinstance(event, RoundOpened):
-        return f"round {event.round} opened by {event.opened_by.key} ({event.method.value}, holds v{event.version})"
-    if isinstance(event, RendezvousReady):
-        return (f"round {event.round} rendezvous: v{event.version}, epoch {event.epoch}, "
-                f"world {event.world_size} at {event.master_addr}:{event.master_port}")
-    if isinstance(event, MemberReleased):
-        return f"round {event.round}: release {event.released.key} ({event.reason.value}, v{event.version})"
-    if isinstance(event, RoundClosed):
-        return f"round {event.round} closed: {event.outcome.value}"
-    return type(event).__name__
-
-
-def _size(nbytes: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes} B"
-
-
-def member_status(member) -> str:
-    """running / require_sync / stopped / expired (a dead member that did not say STOPPED expired),
-    or finished: it stopped for good, its work done (a stopped one may come back)."""
-    return "finished" if member.finished else member.condition
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """The nearest-rank `q` quantile of `values` (None when empty)."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+__all__ = ["JobObserver", "StepCounts"]
 
 
 class StepCounts:
@@ -265,88 +89,12 @@ class StepCounts:
         return sum(len(r) for r in self._recent.values())
 
 
-@dataclass(frozen=True)
-class JobOutcome:
-    """How a recorded job ended: `complete` (the trainer's final STOPPED after its last step),
-    `incomplete` (the trainer is gone without finishing), or `running` (the trainer is alive)."""
-
-    status: str
-    reason: str
-
-    @property
-    def complete(self) -> bool:
-        return self.status == "complete"
-
-
-# What each figure of `JobObserver.summary()` counts: `rolectl up` prints it beside the figure, so
-# no two counts that look alike (syncs, loads, waits) are read as the same thing.
-SUMMARY_MEANINGS: dict[str, str] = {
-    "syncs": "rounds completed",
-    "rounds": "rounds closed, by outcome",
-    "weight_loads": "explorer loads with bytes",
-    "sync_wait_ms": "explorer ask → answer",
-    "weights_bytes_moved": "bytes explorers loaded",
-    "weights_bytes_per_sync": "bytes the trainer sent per version",
-    "experiences_dropped_stale": "past the staleness bound",
-    "eval": "eval set's reward means, by version",
-    "over_rollout_tasks_cut": "tasks a step did not wait for",
-    "experiences_left_untrained": "produced, never trained nor dropped",
-    "served_requests": "completions served (serve mode)",
-    "rewarded": "served trajectories rewarded (trained on)",
-    "expired": "served trajectories never rewarded",
-}
+# the serve-mode figures of `summary()` (see views.SUMMARY_MEANINGS)
 _SERVED = ("served_requests", "rewarded", "expired")
-
 
 _CAUSE_TIMES_KEPT = 20_000
 """Server times of the newest inputs kept, to time the decisions they cause (a decision's cause is
 among the last few hundred records even with 64 explorers)."""
-
-
-def format_ago(ms: int | None) -> str:
-    if ms is None:
-        return "never"
-    seconds = max(0.0, ms / 1000)
-    if seconds < 60:
-        return f"{seconds:.1f} s ago"
-    if seconds < 3600:
-        return f"{seconds / 60:.1f} min ago"
-    return f"{seconds / 3600:.1f} h ago"
-
-
-def member_rows(state: State, heartbeats: dict[str, int] | None = None, now_ms: int | None = None
-                ) -> list[dict[str, Any]]:
-    """One row per member (trainer, explorers, synchronizers), sorted by role then id.
-
-    `heartbeats` maps member key -> server-independent receive time (ms) of its last heartbeat;
-    `last_seen_ms` is the later of that and its last recorded event.
-    """
-    heartbeats = heartbeats or {}
-    trainer = state.trainer_state
-    latest = max(state.latest.version, trainer.version if trainer else 0)
-    order = {Role.TRAINER: 0, Role.EXPLORER: 1, Role.SYNCHRONIZER: 2}
-    rows = []
-    for m in sorted(state.members.values(), key=lambda m: (order.get(m.ref.role, 9), m.ref.id)):
-        last_seen = max(m.last_time_ms, heartbeats.get(m.key, 0)) or None
-        total = int(m.metrics["total_steps"]) if m.metrics and m.metrics.get("total_steps") else None
-        rows.append({
-            "key": m.key,
-            "role": m.ref.role.value,
-            "id": m.ref.id,
-            "incarnation": m.ref.incarnation,
-            "status": member_status(m),
-            "alive": m.alive,
-            "step": m.step,
-            "total_steps": total,  # as the member reports it with each step (None before its first)
-            "fraction": round(min(m.step / total, 1.0), 4) if total else None,
-            "version": m.version,
-            "host": m.host,
-            "last_seen_ms": last_seen,
-            "last_seen_ago_ms": (now_ms - last_seen) if (now_ms is not None and last_seen) else None,
-            "has_latest": m.version >= latest and m.ref.role is not Role.SYNCHRONIZER,
-            "metrics": dict(m.metrics),
-        })
-    return rows
 
 
 class JobObserver:
@@ -470,7 +218,7 @@ class JobObserver:
         event = rec.event
         who = "synchronizer" if isinstance(event, Decision) else event.member.key
         self.log.append(LogLine(seq=rec.seq, time_ms=rec.time_ms, kind=event.KIND, who=who,
-                                text=describe(event), decision=isinstance(event, Decision), illegal=illegal))
+                                text=in_words(event), decision=isinstance(event, Decision), illegal=illegal))
 
     def _note_rounds(self, computed: tuple[Decision, ...]) -> None:
         # The reducer's round state says whom a round waits for; keep it from when the round

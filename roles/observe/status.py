@@ -20,7 +20,8 @@ from rolectl.bus.events import last_sequence, read_events, subscribe_heartbeats
 from rolectl.bus.logging import setup_logging
 from rolectl.bus.snapshots import SnapshotStore
 from rolectl.roles.exit_codes import ExitCode
-from rolectl.roles.observe.observer import JobObserver, format_ago
+from rolectl.roles.observe.observer import JobObserver
+from rolectl.roles.observe.views import format_ago
 from rolectl.sync_protocol import Role
 
 __all__ = ["collect_status", "print_status"]

@@ -9,7 +9,8 @@ import datetime as _dt
 from typing import Any
 
 from rolectl.bus.subjects import identity_problem
-from rolectl.roles.observe.observer import JobObserver, JobOutcome
+from rolectl.roles.observe.observer import JobObserver
+from rolectl.roles.observe.views import JobOutcome
 from rolectl.sync_protocol import Decision, Recorded
 from rolectl.sync_protocol.state import State
 

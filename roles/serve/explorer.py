@@ -1,10 +1,12 @@
-"""A serving explorer: the explorer role with its explore loop replaced by an OpenAI-compatible endpoint.
+"""A serving explorer: the explorer role given a loop that serves an OpenAI-compatible endpoint
+instead of exploring its task set.
 
 Everything else is the explorer's: joining the job, the first pull, following newer versions in the
-background (`fully_async`), the saved step, the trainer's grace. Its loop, every `_TICK_S` or when a
-reward arrives: load the newest fetched weights between two requests, expire completions whose reward
-did not come, publish every full group of rewarded experiences as one batch (validated as the trainer
-will), and report the traffic counts with the step. It stops serving once the trainer has finished.
+background (`fully_async`), the saved step, the trainer's grace. The serve loop, every `_TICK_S` or
+when a reward arrives: load the newest fetched weights between two requests, expire completions
+whose reward did not come, publish every full group of rewarded experiences as one batch (validated
+as the trainer will), and report the traffic counts with the step. It stops serving once the
+trainer has finished.
 """
 
 from __future__ import annotations
@@ -23,14 +25,14 @@ from rolectl.bus.experiences import ExperienceBatch, validate_batch
 from rolectl.roles.explorer import Explorer
 from rolectl.roles.resume import StartMode
 from rolectl.roles.session import JobIncomplete, write_json_atomic
-from rolectl.sync_protocol import ConfigError, Role, StepFinished, SyncStyle
+from rolectl.sync_protocol import ConfigError, SyncStyle
 from rolectl.sync_protocol.experience import ExperienceLimits
 
 from .endpoint import ServeEndpoint
 from .generate import model_config
 from .ledger import RewardLedger
 
-__all__ = ["ServingExplorer", "serve_problems"]
+__all__ = ["ServeLoop", "serving_explorer", "serve_problems"]
 
 _TICK_S = 1.0
 _AGENT_STOP_S = 10.0
@@ -56,29 +58,38 @@ def serve_problems(cfg) -> list[tuple[str, str]]:
     return problems
 
 
-class ServingExplorer(Explorer):
-    """An explorer that serves requests instead of exploring its task set."""
+def serving_explorer(cfg, member_id: str, *, start_mode: StartMode = StartMode.AUTO) -> Explorer:
+    """An explorer that serves requests instead of exploring its task set (`ServeLoop`); a job
+    that cannot serve is refused before any engine is built."""
+    problems = serve_problems(cfg)
+    if problems:
+        raise ConfigError(problems, where=cfg.source or "config")
+    return Explorer(cfg, member_id, start_mode=start_mode, loop=ServeLoop)
 
-    def __init__(self, cfg, member_id: str, *, start_mode: StartMode = StartMode.AUTO):
-        problems = serve_problems(cfg)
-        if problems:
-            raise ConfigError(problems, where=cfg.source or "config")
-        super().__init__(cfg, member_id, start_mode=start_mode)
-        self.serve = cfg.serve
+
+class ServeLoop:
+    """The serving explorer's loop: the endpoint up (and the agent beside it), then rewarded
+    groups published as steps until the trainer has finished."""
+
+    def __init__(self, explorer: Explorer):
+        self.explorer = explorer
+        engine, member_id = explorer.engine, explorer.member_id
+        self.serve = explorer.cfg.serve
         self.index = int(member_id.rsplit("-", 1)[-1]) if member_id.rsplit("-", 1)[-1].isdigit() else 0
         self.ledger = RewardLedger(prefix=f"{member_id}-serve-{uuid.uuid4().hex[:8]}",
-                                   group_size=self.engine.group_size, timeout_s=self.serve.reward_timeout_s)
-        self.url_file = cfg.job_dir / member_id / "serve_url"
+                                   group_size=engine.group_size, timeout_s=self.serve.reward_timeout_s)
+        self.url_file = explorer.cfg.job_dir / member_id / "serve_url"
         self._wake = asyncio.Event()
         self._last_batch_size = 0
         self._reported: dict[str, float] = {}
-        self.limits = ExperienceLimits(vocab_size=int(model_config(self.engine).vocab_size), prompt_length=None,
-                                       max_response_length=int(self.engine.config.max_new_tokens),
-                                       group_size=self.engine.group_size)
+        self.limits = ExperienceLimits(vocab_size=int(model_config(engine).vocab_size), prompt_length=None,
+                                       max_response_length=int(engine.config.max_new_tokens),
+                                       group_size=engine.group_size)
 
-    async def explore(self) -> None:
+    async def run(self) -> None:
+        x = self.explorer
         api_key = os.environ.get(self.serve.api_key_env) if self.serve.api_key_env else None
-        self.endpoint = ServeEndpoint(self.engine, self.ledger, model_name=self.serve.model_name or self.cfg.job,
+        self.endpoint = ServeEndpoint(x.engine, self.ledger, model_name=self.serve.model_name or x.cfg.job,
                                       api_key=api_key, max_queue=self.serve.max_queue, on_reward=self._wake.set)
         runner = web.AppRunner(self.endpoint.app, access_log=None)
         await runner.setup()
@@ -94,11 +105,11 @@ class ServingExplorer(Explorer):
             url = f"http://{host}:{bound}/v1"
             self.url_file.parent.mkdir(parents=True, exist_ok=True)
             write_json_atomic(self.url_file, {"url": url, "model": self.endpoint.model_name})
-            self.log.info("serving", url=url, model=self.endpoint.model_name, version=self.engine.version,
-                          api_key=bool(api_key))
+            x.log.info("serving", url=url, model=self.endpoint.model_name, version=x.engine.version,
+                       api_key=bool(api_key))
             if self.serve.agent and self.index == 0:
                 agent = await self._start_agent(url, api_key)
-            await self._serve_loop(agent)
+            await self._serve(agent)
         finally:
             if self.endpoint.closing is None:
                 self.endpoint.closing = "the explorer is stopping"
@@ -108,21 +119,20 @@ class ServingExplorer(Explorer):
             await self.endpoint.aclose()
             self.url_file.unlink(missing_ok=True)
 
-    async def _serve_loop(self, agent: asyncio.subprocess.Process | None) -> None:
+    async def _serve(self, agent: asyncio.subprocess.Process | None) -> None:
+        x = self.explorer
         while True:
             async with self.endpoint.engine_lock:  # between two requests, never during one
-                await self._apply_background_weights()
+                await x.apply_background_weights()
             self.ledger.expire(time.monotonic())
             await self._publish_rewarded()
             await self._report_counts()
-            if self.cfg.explorers.stop_with_trainer and self.s.view.all_finished(Role.TRAINER):
-                self.log.info("trainer_finished_stop_serving", **self.ledger.counts())
+            if x.stops_with_trainer():
+                x.log.info("trainer_finished_stop_serving", **self.ledger.counts())
                 self.endpoint.closing = "the job's trainer has finished"
-                self.finished = True
+                x.finished = True
                 return
-            gone = self._trainer_gone_for_good(self.s.view)
-            if gone:
-                raise JobIncomplete(gone)
+            x.raise_if_trainer_gone()
             if agent is not None and agent.returncode not in (None, 0):
                 raise JobIncomplete(f"the agent {' '.join(self.serve.agent or ())!r} exited with code "
                                     f"{agent.returncode} (its output is in this log)")
@@ -133,37 +143,34 @@ class ServingExplorer(Explorer):
                 pass
 
     async def _publish_rewarded(self) -> None:
+        x = self.explorer
         experiences = self.ledger.take_groups(time.monotonic())
         if not experiences:
             return
-        step = self.explore_step + 1
-        batch = ExperienceBatch(member=self.member_id, explore_step=step,
+        batch = ExperienceBatch(member=x.member_id, explore_step=x.explore_step + 1,
                                 model_version=max(e.model_version for e in experiences),
                                 experiences=tuple(experiences))
         validate_batch(batch, self.limits)  # what the trainer will check: refuse here, not there
-        await self.s.fence()
-        await self.experiences.publish(batch)
-        self.explore_step = step
-        self.s.step = step
+        await x.publish_batch(batch)
         self._last_batch_size = len(experiences)
         reward = sum(e.reward for e in experiences) / len(experiences)
         await self._report_counts(force=True, reward=reward)
-        self._save_state()
-        self.log.info("served_batch", step=step, experiences=len(experiences), reward=round(reward, 4),
-                      **self.ledger.counts())
+        x.save_state()
+        x.log.info("served_batch", step=x.explore_step, experiences=len(experiences), reward=round(reward, 4),
+                   **self.ledger.counts())
 
     async def _report_counts(self, *, force: bool = False, reward: float | None = None) -> None:
         """A StepFinished carries the traffic counts (the job's one fold reads them from there)."""
+        x = self.explorer
         counts = {**self.ledger.counts(), "refused_busy": float(self.endpoint.refused_busy)}
-        if not force and (counts == self._reported or self.explore_step == 0):
+        if not force and (counts == self._reported or x.explore_step == 0):
             return
         self._reported = counts
         metrics = {**counts, "experiences": float(self._last_batch_size),
-                   "total_steps": float(self.cfg.explorers.total_steps)}
+                   "total_steps": float(x.cfg.explorers.total_steps)}
         if reward is not None:
             metrics["reward_mean"] = reward
-        await self.s.publish(StepFinished(member=self.s.me, step=self.explore_step, version=self.engine.version,
-                                          metrics=metrics))
+        await x.report_step(metrics)
 
     async def _start_agent(self, url: str, api_key: str | None) -> asyncio.subprocess.Process:
         # `python` in the command is this interpreter's (the job's virtual environment)
@@ -173,16 +180,17 @@ class ServingExplorer(Explorer):
         command = list(self.serve.agent or ())
         proc = await asyncio.create_subprocess_exec(*command, env=env, cwd=str(Path.cwd()),
                                                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
-        self.log.info("agent_started", command=command, pid=proc.pid)
+        self.explorer.log.info("agent_started", command=command, pid=proc.pid)
         self._agent_log = asyncio.create_task(self._follow_agent(proc), name="agent-log")
         return proc
 
     async def _follow_agent(self, proc: asyncio.subprocess.Process) -> None:
         assert proc.stdout is not None
+        log = self.explorer.log
         async for line in proc.stdout:
-            self.log.info("agent", line=line.decode(errors="replace").rstrip())
+            log.info("agent", line=line.decode(errors="replace").rstrip())
         code = await proc.wait()
-        self.log.info("agent_exited", code=code)
+        log.info("agent_exited", code=code)
         self._wake.set()
 
     async def _stop_agent(self, proc: asyncio.subprocess.Process) -> None:
@@ -190,9 +198,9 @@ class ServingExplorer(Explorer):
         try:
             await asyncio.wait_for(proc.wait(), _AGENT_STOP_S)
         except asyncio.TimeoutError:
-            self.log.warning("agent_terminated", pid=proc.pid)
+            self.explorer.log.warning("agent_terminated", pid=proc.pid)
             proc.terminate()
             await proc.wait()
         except Exception as exc:
-            self.log.warning("agent_stop_failed", error=describe(exc))
+            self.explorer.log.warning("agent_stop_failed", error=describe(exc))
         await asyncio.wait_for(self._agent_log, _AGENT_STOP_S)

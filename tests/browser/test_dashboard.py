@@ -62,7 +62,7 @@ def running_job(tmp_path):
     log = tmp_path / "up.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "rolectl.roles.cli", "up", "--config", str(CONFIG), "--dashboard-port", str(port),
+            [sys.executable, "-m", "rolectl", "up", "--config", str(CONFIG), "--dashboard-port", str(port),
              "--run-dir", str(tmp_path / "runs")],
             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )

@@ -73,7 +73,7 @@ def dashboard_of_trimmed_job(request, nats_url, job_name, tmp_path):
         where = ["--config", str(config)]
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "rolectl.roles.cli", "dashboard", *where,
+            [sys.executable, "-m", "rolectl", "dashboard", *where,
              "--port", str(port), "--monitor-url", "http://127.0.0.1:1"],
             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}/"

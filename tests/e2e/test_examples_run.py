@@ -80,7 +80,7 @@ def test_cluster_example_runs_to_completion(example, tmp_path):
             for role, member in members:
                 log = open(tmp_path / f"{member}.log", "wb")
                 procs[member] = subprocess.Popen(
-                    [sys.executable, "-m", "rolectl.roles.cli", "start", role, "--config", str(config),
+                    [sys.executable, "-m", "rolectl", "start", role, "--config", str(config),
                      "--nats", cluster.url, "--id", member, "--log-format", "json"],
                     cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
                 log.close()
@@ -133,7 +133,7 @@ def test_eval_and_tracking_ends_with_the_eval_curve_and_tracker_files(tmp_path):
     assert [x.step for x in acc.Scalars("eval/positional_match")] == [0, 10]
     assert (Path(s["monitor_dir"]) / "mlflow" / "mlflow.db").is_file()
     # `rolectl bench` evaluates what the finished job kept: the base model and the trainer's checkpoints
-    bench = subprocess.run([sys.executable, "-m", "rolectl.roles.cli", "bench", "--config", str(config),
+    bench = subprocess.run([sys.executable, "-m", "rolectl", "bench", "--config", str(config),
                             "--run-dir", str(Path(s["run_dir"]).parent), "--json"],
                            cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert bench.returncode == 0, bench.stderr[-2000:]

@@ -30,7 +30,7 @@ def _start_late(job: LiveJob, member_id: str, config_path) -> subprocess.Popen:
     # not LiveJob.start: the late explorer runs with a config of its own
     log = open(job.logs / f"{member_id}.log", "ab")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rolectl.roles.cli", "start", "explorer", "--config", str(config_path),
+        [sys.executable, "-m", "rolectl", "start", "explorer", "--config", str(config_path),
          "--nats", job.url, "--id", member_id],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
         start_new_session=True)

@@ -140,13 +140,13 @@ def ray_head(tmp_path_factory):
 
 
 def _up_args(config: Path, tmp_path: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "rolectl.roles.cli", "up", "--launcher", "ray", "--config", str(config),
+    return [sys.executable, "-m", "rolectl", "up", "--launcher", "ray", "--config", str(config),
             "--summary", str(tmp_path / "summary.json"), "--no-dashboard", "--run-dir", str(tmp_path / "runs"),
             *extra]
 
 
 def test_ray_job_submit_runs_the_quickstart_and_it_learns(ray_head, tmp_path, record_property):
-    """`ray job submit -- <venv python> -m roles.cli up --launcher ray ...`: the entrypoint finds the
+    """`ray job submit -- <venv python> -m rolectl up --launcher ray ...`: the entrypoint finds the
     cluster through RAY_ADDRESS, as a user's would."""
     started = time.monotonic()
     result = subprocess.run(

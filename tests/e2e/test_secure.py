@@ -134,7 +134,7 @@ async def test_a_secured_job_denies_every_forbidden_action_and_still_finishes(tm
         observer = ["--nats", job.url, "--creds", str(auth_dir.credential("observer")), "--tls-ca", str(auth_dir.ca)]
 
         def cli(*args: str) -> subprocess.CompletedProcess:
-            return subprocess.run([sys.executable, "-m", "rolectl.roles.cli", *args, *observer],
+            return subprocess.run([sys.executable, "-m", "rolectl", *args, *observer],
                                   cwd=ROOT, capture_output=True, text=True, timeout=60)
 
         replay = cli("replay", "--job", JOB, "--check")

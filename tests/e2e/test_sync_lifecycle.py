@@ -69,7 +69,7 @@ async def test_keep_running_synchronizer_stays_after_the_job(tmp_path):
         log = tmp_path / "sync-keep.log"
         with open(log, "ab") as out:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "rolectl.roles.cli", "start", "sync", "--config", str(config),
+                [sys.executable, "-m", "rolectl", "start", "sync", "--config", str(config),
                  "--nats", job.url, "--id", "sync-keep", "--keep-running"],
                 cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:

@@ -22,7 +22,7 @@ def _scalars(logdir, tag: str) -> list[tuple[int, float]]:
 
 
 def _track(config, url: str, *extra: str, log) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "rolectl.roles.cli", "track", "--config", str(config),
+    return subprocess.Popen([sys.executable, "-m", "rolectl", "track", "--config", str(config),
                              "--nats", url, *extra], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -45,7 +45,7 @@ async def test_track_logs_a_job_started_role_by_role_and_exits_at_its_end(tmp_pa
         steps = sorted(set(trainer_steps(job.records)))
         assert steps == list(range(1, job.cfg.trainer.total_steps + 1))
 
-        once = subprocess.run([sys.executable, "-m", "rolectl.roles.cli", "track", "--config", str(config),
+        once = subprocess.run([sys.executable, "-m", "rolectl", "track", "--config", str(config),
                                "--nats", job.url, "--run", "after", "--once"],
                               cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert once.returncode == 0, once.stdout + once.stderr
@@ -62,7 +62,7 @@ async def test_track_logs_a_job_started_role_by_role_and_exits_at_its_end(tmp_pa
 
 async def test_track_refuses_a_config_without_trackers(tmp_path):
     config = job_config(tmp_path, job="e2e-track-none")
-    proc = subprocess.run([sys.executable, "-m", "rolectl.roles.cli", "track", "--config", str(config)],
+    proc = subprocess.run([sys.executable, "-m", "rolectl", "track", "--config", str(config)],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "monitor.backends is empty" in proc.stderr

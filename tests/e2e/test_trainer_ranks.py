@@ -144,6 +144,6 @@ async def test_kill9_of_rank_1_restarts_the_whole_trainer_and_trains_every_step_
             summary["experiences_trained"] + summary["experiences_dropped_stale"] + left), (summary, left)
         events = tmp_path / "events.jsonl"
         write_export(records, events, job=job.cfg.job)
-        check = subprocess.run([sys.executable, "-m", "rolectl.roles.cli", "replay", "--file", str(events), "--check"],
+        check = subprocess.run([sys.executable, "-m", "rolectl", "replay", "--file", str(events), "--check"],
                                cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert check.returncode == 0, check.stdout[-2000:] + check.stderr[-2000:]

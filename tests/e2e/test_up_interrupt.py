@@ -13,18 +13,19 @@ import pytest
 
 from rolectl.roles.runner import EXIT_INTERRUPTED
 from tests.support.e2e import ROOT, _kill_tree, job_config
+from tests.support.wait import wait_until_sync
 
 pytestmark = pytest.mark.e2e
 
 
 def _wait_for_text(path, text, proc, timeout):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def written() -> bool:
         if path.exists() and text in path.read_text(errors="replace"):
-            return
+            return True
         assert proc.poll() is None, f"exited {proc.returncode}\n{path.read_text(errors='replace')[-3000:]}"
-        time.sleep(0.2)
-    raise AssertionError(f"no {text!r} in {path} after {timeout} s")
+        return False  # polling a file another process writes
+
+    wait_until_sync(written, timeout=timeout, poll=0.2, what=f"{text!r} in {path}")
 
 
 @pytest.mark.parametrize("signals", [(signal.SIGINT,), (signal.SIGINT, signal.SIGINT), (signal.SIGTERM,)],
@@ -35,7 +36,7 @@ def test_up_interrupted_exits_130_without_a_traceback(tmp_path, signals):
     out_path = tmp_path / "up.out"
     with open(out_path, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "rolectl.roles.cli", "up", "--config", str(config), "--no-dashboard",
+            [sys.executable, "-m", "rolectl", "up", "--config", str(config), "--no-dashboard",
              "--run-dir", str(tmp_path / "runs")],
             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:

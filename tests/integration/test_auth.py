@@ -95,7 +95,7 @@ async def test_members_cannot_create_streams_and_say_to_run_provision_which_admi
     config = tmp_path / "job.yaml"
     config.write_text(f"job: {JOB}\nsynchronizer: {{sync_method: memory}}\n")
     result = subprocess.run(
-        [sys.executable, "-m", "rolectl.roles.cli", "provision", "--config", str(config), "--nats", auth.url,
+        [sys.executable, "-m", "rolectl", "provision", "--config", str(config), "--nats", auth.url,
          "--creds", str(auth.credential("admin")), "--tls-ca", str(auth.ca)],
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )
@@ -110,7 +110,7 @@ async def test_members_cannot_create_streams_and_say_to_run_provision_which_admi
 
 async def test_rolectl_server_runs_the_config_auth_init_wrote(tmp_path):
     auth = init_auth_dir(tmp_path / "auth", job=JOB, explorers=1, port=free_port(), http_port=free_port())
-    proc = subprocess.Popen([sys.executable, "-m", "rolectl.roles.cli", "server", "--config", str(auth.server_conf)],
+    proc = subprocess.Popen([sys.executable, "-m", "rolectl", "server", "--config", str(auth.server_conf)],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         def healthy() -> bool:

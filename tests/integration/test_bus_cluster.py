@@ -187,7 +187,7 @@ def _consumer_leader(cluster: NatsCluster, stream: str, consumer: str) -> str | 
 def test_rolectl_server_cluster_prints_the_url_writes_cluster_json_and_stops_every_node(tmp_path):
     store = tmp_path / "store"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rolectl.roles.cli", "server", "--cluster", "3", "--store-dir", str(store)],
+        [sys.executable, "-m", "rolectl", "server", "--cluster", "3", "--store-dir", str(store)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env=dict(os.environ, PYTHONUNBUFFERED="1"),
         # started with SIGINT ignored, as a shell's `&` (or a test worker that loaded vLLM/Ray) does:
@@ -229,7 +229,7 @@ def test_rolectl_server_cluster_prints_the_url_writes_cluster_json_and_stops_eve
 
 
 def test_rolectl_server_cluster_refuses_a_fixed_port():
-    result = subprocess.run([sys.executable, "-m", "rolectl.roles.cli", "server", "--cluster", "3", "--port", "4333"],
+    result = subprocess.run([sys.executable, "-m", "rolectl", "server", "--cluster", "3", "--port", "4333"],
                             cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "--port apply to a single server" in result.stderr

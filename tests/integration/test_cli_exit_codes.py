@@ -84,7 +84,7 @@ def test_a_busy_port_is_the_same_code_for_every_server(command, nats_url, tmp_pa
         port = busy.getsockname()[1]
         args = [a.format(nats=nats_url, port=port, free=free_port()) for a in command]
         # a real process: `server` execs and `dashboard` runs its own event loop
-        proc = subprocess.run([sys.executable, "-m", "rolectl.roles.cli", *args], capture_output=True, text=True,
+        proc = subprocess.run([sys.executable, "-m", "rolectl", *args], capture_output=True, text=True,
                               timeout=120)
     assert proc.returncode == ExitCode.USAGE, proc.stderr
     assert str(port) in proc.stderr and "Traceback" not in proc.stderr
@@ -121,7 +121,7 @@ def test_start_runs_the_config_as_another_job_with_job(nats_url, job_name, tmp_p
     data["run_dir"] = str(tmp_path / "runs")
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump(data))
-    proc = subprocess.Popen([sys.executable, "-m", "rolectl.roles.cli", "start", "trainer", "--config", str(config),
+    proc = subprocess.Popen([sys.executable, "-m", "rolectl", "start", "trainer", "--config", str(config),
                              "--nats", nats_url, "--job", job_name], stdout=subprocess.DEVNULL,
                             stderr=subprocess.STDOUT)
 

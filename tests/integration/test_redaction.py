@@ -51,7 +51,7 @@ async def test_connection_logs_and_errors_hide_the_password(password_server):
 
 def test_cli_errors_hide_the_password(password_server):
     result = subprocess.run(
-        [sys.executable, "-m", "rolectl.roles.cli", "status", "--job", "no-such-job", "--nats", _url(password_server)],
+        [sys.executable, "-m", "rolectl", "status", "--job", "no-such-job", "--nats", _url(password_server)],
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )
     assert result.returncode != 0

@@ -19,7 +19,7 @@ from rich.console import Console
 from rolectl.bus.errors import BusError
 from rolectl.roles.launch.local import _summary_table
 from rolectl.roles.observe.dashboard import Dashboard, _Collector
-from rolectl.roles.observe.observer import SUMMARY_MEANINGS, JobObserver
+from rolectl.roles.observe.observer import JobObserver
 from rolectl.roles.observe.replay import (
     ExportError,
     build_timeline,
@@ -31,6 +31,7 @@ from rolectl.roles.observe.replay import (
     summarize,
     write_export,
 )
+from rolectl.roles.observe.views import SUMMARY_MEANINGS
 from rolectl.sync_protocol import Decision, MemberReleased, RoundClosed, VersionPublished, decision_identity
 from rolectl.sync_protocol.reducer import fold_lenient
 from tests.support.scripted_job import run_scripted_job
@@ -245,7 +246,7 @@ def test_replay_text_is_one_line_a_round_within_80_columns_without_a_terminal(re
     path = tmp_path / "job.jsonl"
     records = _export(recorded, nats_url, path)
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
-    shown = subprocess.run([sys.executable, "-m", "rolectl.roles.cli", "replay", "--file", str(path), "--check"],
+    shown = subprocess.run([sys.executable, "-m", "rolectl", "replay", "--file", str(path), "--check"],
                            capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[2],
                            timeout=300)
     assert shown.returncode == 0, shown.stderr

@@ -7,9 +7,9 @@ import asyncio
 
 from rolectl.bus.connection import connect
 from rolectl.bus.snapshots import SnapshotStore
+from rolectl.roles.job_view import JobView
 from rolectl.roles.observe.export import read_history
 from rolectl.roles.observe.replay import run_replay
-from rolectl.roles.session import JobView
 from rolectl.sync_protocol import Decision
 from rolectl.sync_protocol.reducer import fold_lenient
 from rolectl.sync_protocol.snapshot import encode_state

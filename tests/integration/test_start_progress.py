@@ -9,10 +9,11 @@ import re
 import select
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import yaml
+
+from tests.support.wait import wait_until_sync
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,22 +25,25 @@ def test_start_on_a_terminal_shows_steps_against_the_total(nats_url, job_name, t
     config.write_text(yaml.safe_dump(data))
     total = data["trainer"]["total_steps"]
     main, child = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "rolectl.roles.cli", "start", "trainer", "--config", str(config),
+    proc = subprocess.Popen([sys.executable, "-m", "rolectl", "start", "trainer", "--config", str(config),
                              "--nats", nats_url], stdin=child, stdout=child, stderr=child, cwd=ROOT,
                             env=dict(os.environ, COLUMNS="160", TERM="xterm"))
     os.close(child)
-    seen = b""
+    seen = bytearray()
+
+    def bar_drawn() -> bool:
+        ready, _, _ = select.select([main], [], [], 1.0)  # a read that waits for output, up to a second
+        if ready:
+            try:
+                seen.extend(os.read(main, 65536))
+            except OSError:  # the process is gone: nothing more to read, the asserts below say what it wrote
+                return True
+        return bool(re.search(rb"trainer trainer.*0/%d" % total, seen)) and b"trainer_ready" in seen
+
     try:
-        deadline = time.monotonic() + 120  # a bound on "hung"
         # no explorer: the trainer waits at step 0, its bar drawn below the log lines
-        while time.monotonic() < deadline and not (re.search(rb"trainer trainer.*0/%d" % total, seen)
-                                                    and b"trainer_ready" in seen):
-            ready, _, _ = select.select([main], [], [], 1.0)
-            if ready:
-                try:
-                    seen += os.read(main, 65536)
-                except OSError:
-                    break
+        wait_until_sync(bar_drawn, timeout=120, poll=0, what="the trainer's progress bar and its log lines",
+                        details=lambda: seen.decode(errors="replace")[-3000:])
     finally:
         proc.kill()  # by PID: the process this test started
         proc.wait()

@@ -65,7 +65,7 @@ def test_start_refusal_is_readable_on_a_console_and_json_in_a_file(tmp_path, own
     state.parent.mkdir(parents=True)
     state.write_text(json.dumps({"checkpoint": "step-7", "step": 7}))  # left by an earlier run
     result = subprocess.run(
-        [sys.executable, "-m", "rolectl.roles.cli", "start", "trainer", "--config", str(tmp_path / "job.yaml"),
+        [sys.executable, "-m", "rolectl", "start", "trainer", "--config", str(tmp_path / "job.yaml"),
          "--nats", own_server.url, "--log-format", log_format],
         cwd=ROOT, capture_output=True, text=True, timeout=180,
     )

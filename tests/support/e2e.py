@@ -1,7 +1,7 @@
 """Helpers of the end-to-end tests: job configs, `rolectl up` as a subprocess, a job whose roles the
 test starts and kills itself, and the decision check (recorded decisions = fold of recorded inputs).
 
-Everything is real: a real nats-server, every role its own OS process (`python -m roles.cli ...`).
+Everything is real: a real nats-server, every role its own OS process (`python -m rolectl ...`).
 Nothing sleeps to synchronise: the tests wait for events in the job's stream, or poll a condition
 with a deadline.
 """
@@ -132,13 +132,13 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 
 
 def run_up(config_path: Path, tmp_path: Path, *, timeout: float = 150.0, extra: tuple[str, ...] = ()) -> UpRun:
-    """`python -m roles.cli up --config ... --summary ... --no-dashboard` to its end (or `timeout`)."""
+    """`python -m rolectl up --config ... --summary ... --no-dashboard` to its end (or `timeout`)."""
     summary_path = tmp_path / "summary.json"
     out_path = tmp_path / "up.out"
     started = time.monotonic()
     with open(out_path, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "rolectl.roles.cli", "up", "--config", str(config_path),
+            [sys.executable, "-m", "rolectl", "up", "--config", str(config_path),
              "--summary", str(summary_path), "--no-dashboard", *extra],
             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
         )
@@ -326,7 +326,7 @@ class LiveJob:
 
     # -- processes ---------------------------------------------------------------------------------
     def start(self, role: str, member_id: str) -> subprocess.Popen:
-        """`python -m roles.cli start ROLE --config ... --nats URL --id MEMBER_ID` as a new process."""
+        """`python -m rolectl start ROLE --config ... --nats URL --id MEMBER_ID` as a new process."""
         n = len(self.procs.get(member_id, []))
         log_path = self.logs / f"{member_id}.{n}.log"
         env = dict(os.environ, PYTHONUNBUFFERED="1", ROLECTL_ADVERTISE_HOST="127.0.0.1")
@@ -334,7 +334,7 @@ class LiveJob:
             env.update(self.auth.security(member_id).as_env())
         with open(log_path, "ab") as out:
             popen = subprocess.Popen(
-                [sys.executable, "-m", "rolectl.roles.cli", "start", role, "--config", str(self.config_path),
+                [sys.executable, "-m", "rolectl", "start", role, "--config", str(self.config_path),
                  "--nats", self.url, "--id", member_id],
                 cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
             )
@@ -371,8 +371,10 @@ class LiveJob:
         return popen.returncode
 
     async def wait_exits(self, member_ids: list[str], timeout: float) -> dict[str, int]:
-        deadline = time.monotonic() + timeout
-        return {m: await self.wait_exit(m, max(0.1, deadline - time.monotonic())) for m in member_ids}
+        """The exit codes of `member_ids`' current processes, once every one has exited."""
+        await wait_until(lambda: all(self.current(m).poll() is not None for m in member_ids), timeout=timeout,
+                         what=f"{', '.join(member_ids)} to exit", details=self.all_logs)
+        return {m: self.current(m).returncode for m in member_ids}
 
     async def all_exit_zero(self, member_ids: list[str], timeout: float) -> None:
         codes = await self.wait_exits(member_ids, timeout)

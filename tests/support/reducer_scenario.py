@@ -39,10 +39,11 @@ from rolectl.sync_protocol import (
     encode,
     reduce,
 )
+from rolectl.sync_protocol.describe import Phrasebook
 from rolectl.sync_protocol.state import RoundPhase
 
 __all__ = [
-    "T", "E1", "E2", "E3", "SYNC", "RDV",
+    "T", "E1", "E2", "E3", "SYNC", "RDV", "T_AGAIN", "E1_AGAIN", "E2_AGAIN",
     "configured", "join", "req", "run", "stop", "publish", "loaded", "broadcast", "failed",
     "no_new", "step_done", "expired", "timed_out",
     "Job", "snapshot", "describe", "run_script",
@@ -53,6 +54,10 @@ E1 = MemberRef(role=Role.EXPLORER, id="e1", incarnation=0)
 E2 = MemberRef(role=Role.EXPLORER, id="e2", incarnation=0)
 E3 = MemberRef(role=Role.EXPLORER, id="e3", incarnation=0)
 SYNC = MemberRef(role=Role.SYNCHRONIZER, id="sync", incarnation=0)
+# the same members restarted: their next incarnation
+T_AGAIN = MemberRef(role=Role.TRAINER, id="t", incarnation=1)
+E1_AGAIN = MemberRef(role=Role.EXPLORER, id="e1", incarnation=1)
+E2_AGAIN = MemberRef(role=Role.EXPLORER, id="e2", incarnation=1)
 RDV = "10.0.0.1:29500"  # the trainer's offered rendezvous
 
 
@@ -161,20 +166,21 @@ def snapshot(state: State) -> str:
             f"{' '.join(rounds) or '-'}")
 
 
-def describe(d: Decision) -> str:
-    """A decision on one line (cause_seq and the fields Job.feed checks itself left out)."""
-    if isinstance(d, RoundOpened):
-        return f"opened r{d.round} by {d.opened_by.id} @{d.version}"
-    if isinstance(d, MemberReleased):
-        return (f"released r{d.round} {d.released.id} {d.reason.value} @{d.version}"
-                f"{' reload' if d.reload else ''}")
-    if isinstance(d, RoundClosed):
-        return f"closed r{d.round} {d.outcome.value}"
-    if isinstance(d, RendezvousReady):
-        ranks = " ".join(f"{p.member.id}:{p.rank_offset}+{p.ranks}" for p in d.participants)
-        return (f"ready r{d.round} @{d.version} epoch={d.epoch} world={d.world_size} {ranks} "
-                f"at {d.master_addr}:{d.master_port}")
-    raise AssertionError(f"unexpected decision {d!r}")
+def _ready(d: RendezvousReady) -> str:
+    ranks = " ".join(f"{p.member.id}:{p.rank_offset}+{p.ranks}" for p in d.participants)
+    return (f"ready r{d.round} @{d.version} epoch={d.epoch} world={d.world_size} {ranks} "
+            f"at {d.master_addr}:{d.master_port}")
+
+
+# A decision on one line (cause_seq and the fields Job.feed checks itself left out): the core's
+# phrasebook with the scripts' short notation, so a timeline reads as one line per decision.
+describe = Phrasebook({
+    RoundOpened: lambda d: f"opened r{d.round} by {d.opened_by.id} @{d.version}",
+    MemberReleased: lambda d: (f"released r{d.round} {d.released.id} {d.reason.value} @{d.version}"
+                               f"{' reload' if d.reload else ''}"),
+    RoundClosed: lambda d: f"closed r{d.round} {d.outcome.value}",
+    RendezvousReady: _ready,
+})
 
 
 # ------------------------------------------------------------------------------------------------

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from rolectl.roles.job_view import DECISIONS_KEPT, JobView
 from rolectl.roles.observe.observer import JobObserver, StepCounts
-from rolectl.roles.session import DECISIONS_KEPT, JobView
 from rolectl.sync_protocol import (
     MemberReleased,
     Recorded,

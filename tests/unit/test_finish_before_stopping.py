@@ -8,7 +8,8 @@ import asyncio
 import pytest
 import structlog
 
-from rolectl.roles.session import finish_before_stopping
+from rolectl.roles.stopping import finish_before_stopping
+from tests.support.wait import wait_until
 
 log = structlog.get_logger()
 
@@ -24,7 +25,7 @@ async def test_a_stop_during_the_unit_waits_for_its_end_then_stops():
     steps: list[str] = []
     gate = asyncio.Event()
     role = asyncio.create_task(finish_before_stopping(_unit(steps, gate), log=log, what="a step"))
-    await asyncio.wait_for(_until(lambda: steps == ["published"]), timeout=5)
+    await wait_until(lambda: steps == ["published"], timeout=5, poll=0, what="the unit's first half")
     role.cancel()  # Ctrl-C
     role.cancel()  # and again, impatiently
     await asyncio.sleep(0)  # one turn of the loop: the role task takes both cancels
@@ -57,18 +58,13 @@ async def test_the_units_own_error_is_raised_not_hidden_by_the_stop():
         await asyncio.wait_for(role, timeout=5)
 
 
-async def _until(condition) -> None:
-    while not condition():
-        await asyncio.sleep(0)
-
-
 async def test_a_stop_of_a_replaced_member_cancels_the_unit_at_once():
     steps: list[str] = []
     gate = asyncio.Event()
     replaced = True
     role = asyncio.create_task(finish_before_stopping(_unit(steps, gate), log=log, what="a step",
                                                       unless=lambda: replaced))
-    await asyncio.wait_for(_until(lambda: steps == ["published"]), timeout=5)
+    await wait_until(lambda: steps == ["published"], timeout=5, poll=0, what="the unit's first half")
     role.cancel()  # the session's fence: a newer incarnation took over
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(role, timeout=5)

@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from rolectl.roles.session import JobView
+from rolectl.roles.job_view import JobView
 from rolectl.sync_protocol import (
     MemberRef,
     MemberReleased,

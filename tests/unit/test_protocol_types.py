@@ -1,13 +1,14 @@
-"""The core's types: one public `describe`, immutable slotted state, constructors that trust their types."""
+"""The core's types: one public `describe` (and words for people), immutable slotted state,
+constructors that trust their types."""
 
 from __future__ import annotations
 
 import pytest
 
 from rolectl.sync_protocol import (
+    KINDS,
     JobConfigured,
     MemberJoined,
-    MemberRef,
     MemberState,
     Recorded,
     RoundClosed,
@@ -20,9 +21,8 @@ from rolectl.sync_protocol import (
     describe,
     reduce,
 )
-from rolectl.sync_protocol.enums import Role
-
-T = MemberRef(role=Role.TRAINER, id="t", incarnation=0)
+from rolectl.sync_protocol.describe import in_words
+from tests.support.reducer_scenario import T
 
 
 @pytest.mark.parametrize("event, text", [
@@ -36,6 +36,13 @@ T = MemberRef(role=Role.TRAINER, id="t", incarnation=0)
 ])
 def test_describe_shows_the_kind_and_every_field_off_its_default_but_the_sender(event, text):
     assert describe(event) == text
+
+
+def test_every_kind_has_words_for_people():
+    # the observer's log says each record in a sentence: a kind without a phrase would show its class name
+    assert set(in_words.phrases) == set(KINDS.values())
+    assert in_words(StepFinished(member=T, step=3, version=2, metrics={"reward_mean": 0.5})) == \
+        "step 3 done with v2, reward 0.500"
 
 
 def test_states_are_slotted_and_frozen():

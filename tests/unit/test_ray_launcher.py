@@ -88,6 +88,6 @@ def test_role_handle_protocol_is_what_the_supervisor_uses():
 
     from rolectl.roles.launch import local
 
-    source = inspect.getsource(local.supervise)
+    source = inspect.getsource(local.supervise) + inspect.getsource(local._Supervision)
     assert ".proc" not in source  # the supervisor sees RoleHandles only, whatever the launcher
     assert {"poll", "returncode", "restarts", "tail", "name"} <= set(dir(RoleHandle))

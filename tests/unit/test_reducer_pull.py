@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from rolectl.sync_protocol import MemberRef, MemberReleased, ReleaseReason, Role, SyncConfig, SyncMethod, SyncStyle
+from rolectl.sync_protocol import MemberReleased, ReleaseReason, SyncConfig, SyncMethod, SyncStyle
 from tests.support.reducer_scenario import (
     E1,
     E2,
     E3,
+    T_AGAIN,
     T,
     configured,
     expired,
@@ -239,23 +240,22 @@ def test_trainer_finishing_releases_every_waiting_explorer(method):
 def test_waiting_explorers_wait_through_a_trainer_restart(method, leave):
     """A trainer that stops early, expires or restarts may come back: waiting rounds stay open
     and the restarted trainer's next version releases them."""
-    t_again = MemberRef(role=Role.TRAINER, id="t", incarnation=1)
     job = run_script(_start(method, SyncStyle.FIXED))
     job.feed(req(E1, 1, 0))
     job.feed(req(E2, 1, 0))
-    gone = {"stop": stop(T, 1, 0), "expire": expired(T), "restart": join(t_again, version=0)}[leave]
+    gone = {"stop": stop(T, 1, 0), "expire": expired(T), "restart": join(T_AGAIN, version=0)}[leave]
     assert job.lines(gone) == []
     assert sorted(job.state.rounds) == [3, 4]
     if leave != "restart":
         # a request made while the trainer is away waits too (instead of "trainer_stopped")
         job.feed(join(E3, version=0))
         assert job.lines(req(E3, 1, 0)) == ["opened r5 by e3 @0"]
-        job.feed(join(t_again, version=0))
+        job.feed(join(T_AGAIN, version=0))
     expected = ["released r3 e1 new_version @1 reload", "closed r3 completed",
                 "released r4 e2 new_version @1 reload", "closed r4 completed"]
     if leave != "restart":
         expected += ["released r5 e3 new_version @1 reload", "closed r5 completed"]
-    assert job.lines(publish(1, method, by=t_again)) == expected
+    assert job.lines(publish(1, method, by=T_AGAIN)) == expected
 
 
 def test_explorer_stopping_while_waiting_abandons_its_round_without_release():

@@ -6,9 +6,7 @@ import pytest
 
 from rolectl.sync_protocol import (
     IllegalEvent,
-    MemberRef,
     RendezvousReady,
-    Role,
     RunningStatus,
     StatusChanged,
     SyncConfig,
@@ -18,7 +16,9 @@ from rolectl.sync_protocol import (
 from tests.support.reducer_scenario import (
     E1,
     E2,
+    E2_AGAIN,
     E3,
+    T_AGAIN,
     Job,
     T,
     broadcast,
@@ -214,13 +214,12 @@ def test_explorer_restart_is_a_new_incarnation_and_a_new_epoch():
     job.feed(req(E2, 1, -1))  # round 1 ready, epoch 1
     for event in (loaded(E1, 1, 1), loaded(E2, 1, 1), broadcast(1, 1)):
         job.feed(event)
-    e2_again = MemberRef(role=Role.EXPLORER, id="e2", incarnation=1)
-    assert job.lines(join(e2_again)) == []
+    assert job.lines(join(E2_AGAIN)) == []
     job.feed(req(T, 2, 2))
     job.feed(req(E1, 2, 1))
-    assert job.lines(req(e2_again, 0, -1)) == [
+    assert job.lines(req(E2_AGAIN, 0, -1)) == [
         "ready r2 @2 epoch=2 world=4 e1:1+2 e2:3+1 at 10.0.0.1:29500"]
-    assert job.state.group.members[2].member == e2_again
+    assert job.state.group.members[2].member == E2_AGAIN
 
 
 def test_participant_stopping_mid_transfer_fails_the_round():
@@ -249,15 +248,14 @@ def test_trainer_finishing_releases_waiting_explorers():
 def test_explorers_wait_for_a_trainer_that_left_before_finishing(leave):
     """The round keeps gathering without the trainer; its next incarnation becomes a participant
     when it joins and the rendezvous happens once it asks."""
-    t_again = MemberRef(role=Role.TRAINER, id="t", incarnation=1)
     job = run_script(_start(SyncStyle.FIXED))
     job.feed(req(T, 1, 1))
     job.feed(req(E1, 1, -1))
     assert job.lines(stop(T, 1, 1) if leave == "stop" else expired(T)) == []
     assert job.state.rounds[1].participants == ("explorer/e1", "explorer/e2")
     assert job.lines(req(E2, 1, -1)) == []  # everyone but the trainer: still gathering
-    assert job.lines(join(t_again, version=1, step=1)) == []
-    assert job.lines(req(t_again, 1, 1, "10.0.0.1:29500")) == [
+    assert job.lines(join(T_AGAIN, version=1, step=1)) == []
+    assert job.lines(req(T_AGAIN, 1, 1, "10.0.0.1:29500")) == [
         "ready r1 @1 epoch=1 world=4 e1:1+2 e2:3+1 at 10.0.0.1:29500"]
 
 
@@ -344,9 +342,8 @@ def test_trainer_must_offer_a_rendezvous_address():
 
 def test_report_for_a_round_that_is_not_open_is_illegal():
     job = run_script(_start(SyncStyle.FIXED))
-    e1 = MemberRef(role=Role.EXPLORER, id="e1", incarnation=0)
     with pytest.raises(IllegalEvent) as info:
-        job.feed(loaded(e1, 3, round=7))
+        job.feed(loaded(E1, 3, round=7))
     assert str(info.value) == (
         "explorer/e1#0 sent WeightsLoaded(version=3, round=7, nbytes=1000, seconds=0.5) "
         "but round 7 is not open (member status running)")

@@ -25,9 +25,11 @@ from rolectl.sync_protocol import (
 )
 from tests.support.reducer_scenario import (
     E1,
+    E1_AGAIN,
     E2,
     E3,
     SYNC,
+    T_AGAIN,
     Job,
     T,
     configured,
@@ -45,8 +47,6 @@ from tests.support.reducer_scenario import (
 )
 
 MEMORY_FIXED = SyncConfig(sync_method=SyncMethod.MEMORY, sync_style=SyncStyle.FIXED)
-E1_AGAIN = MemberRef(role=Role.EXPLORER, id="e1", incarnation=1)
-T_AGAIN = MemberRef(role=Role.TRAINER, id="t", incarnation=1)
 OTHER_TRAINER = MemberRef(role=Role.TRAINER, id="t2", incarnation=0)
 
 

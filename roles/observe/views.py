@@ -1,0 +1,218 @@
+"""What the job's one fold (`observer.JobObserver`) is made of and how it is shown: sync rounds,
+versions, weight transfers and log lines as it builds them, one row per member, the job's
+outcome, and what each figure of the run summary counts. Pure: no I/O, no clock."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from rolectl.sync_protocol import Role, State
+
+__all__ = [
+    "RoundView",
+    "Transfer",
+    "VersionView",
+    "LogLine",
+    "JobOutcome",
+    "SUMMARY_MEANINGS",
+    "member_status",
+    "member_rows",
+    "format_ago",
+    "percentile",
+]
+
+
+@dataclass
+class Transfer:
+    """One member's part of moving weights: bytes, seconds and the rate they imply."""
+
+    member: str
+    version: int
+    nbytes: int
+    seconds: float
+    seq: int
+    time_ms: int
+    kind: str  # "loaded" (explorer received) or "broadcast" (trainer sent)
+
+    @property
+    def gbps(self) -> float | None:
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 and self.nbytes > 0 else None
+
+
+@dataclass
+class RoundView:
+    """One sync round as it happened (or as far as the records go)."""
+
+    id: int
+    method: str
+    opened_by: str
+    version: int  # the version the opener held when it asked
+    opened_seq: int  # stream seq of the input that opened it
+    opened_at_ms: int  # server time of that input
+    waited_for: list[str] = field(default_factory=list)
+    participants: list[str] = field(default_factory=list)
+    releases: list[dict[str, Any]] = field(default_factory=list)
+    rendezvous: dict[str, Any] | None = None
+    outcome: str | None = None
+    closed_seq: int | None = None  # stream seq of the input that closed it
+    closed_at_ms: int | None = None  # server time of that input
+    transfers: list[Transfer] = field(default_factory=list)
+
+    @property
+    def duration_ms(self) -> int | None:
+        return None if self.closed_at_ms is None else self.closed_at_ms - self.opened_at_ms
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.transfers if t.kind == "loaded")
+
+    @property
+    def transfer_seconds(self) -> float | None:
+        loaded = [t.seconds for t in self.transfers if t.kind == "loaded" and t.seconds > 0]
+        return max(loaded) if loaded else None
+
+    @property
+    def gbps(self) -> float | None:
+        # Aggregate rate: all bytes received over the slowest receiver's time (they overlap).
+        seconds = self.transfer_seconds
+        return self.nbytes / seconds / 1e9 if seconds and self.nbytes else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "method": self.method,
+            "opened_by": self.opened_by,
+            "version": self.version,
+            "opened_seq": self.opened_seq,
+            "opened_at_ms": self.opened_at_ms,
+            "waited_for": list(self.waited_for),
+            "participants": list(self.participants),
+            "releases": list(self.releases),
+            "rendezvous": self.rendezvous,
+            "outcome": self.outcome,
+            "closed_seq": self.closed_seq,
+            "closed_at_ms": self.closed_at_ms,
+            "duration_ms": self.duration_ms,
+            "nbytes": self.nbytes,
+            "transfer_seconds": self.transfer_seconds,
+            "gbps": self.gbps,
+            "transfers": [{**asdict(t), "gbps": t.gbps} for t in self.transfers],
+        }
+
+
+@dataclass
+class VersionView:
+    """A published weights version."""
+
+    version: int
+    step: int
+    method: str
+    nbytes: int
+    seq: int
+    time_ms: int
+
+
+@dataclass
+class LogLine:
+    """One line of the event log: what was recorded, by whom, and whether the reducer refused it."""
+
+    seq: int
+    time_ms: int
+    kind: str
+    who: str
+    text: str
+    decision: bool
+    illegal: str | None = None
+
+
+def member_status(member) -> str:
+    """running / require_sync / stopped / expired (a dead member that did not say STOPPED expired),
+    or finished: it stopped for good, its work done (a stopped one may come back)."""
+    return "finished" if member.finished else member.condition
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The nearest-rank `q` quantile of `values` (None when empty)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    """How a recorded job ended: `complete` (the trainer's final STOPPED after its last step),
+    `incomplete` (the trainer is gone without finishing), or `running` (the trainer is alive)."""
+
+    status: str
+    reason: str
+
+    @property
+    def complete(self) -> bool:
+        return self.status == "complete"
+
+
+# What each figure of `JobObserver.summary()` counts: `rolectl up` prints it beside the figure, so
+# no two counts that look alike (syncs, loads, waits) are read as the same thing.
+SUMMARY_MEANINGS: dict[str, str] = {
+    "syncs": "rounds completed",
+    "rounds": "rounds closed, by outcome",
+    "weight_loads": "explorer loads with bytes",
+    "sync_wait_ms": "explorer ask → answer",
+    "weights_bytes_moved": "bytes explorers loaded",
+    "weights_bytes_per_sync": "bytes the trainer sent per version",
+    "experiences_dropped_stale": "past the staleness bound",
+    "eval": "eval set's reward means, by version",
+    "over_rollout_tasks_cut": "tasks a step did not wait for",
+    "experiences_left_untrained": "produced, never trained nor dropped",
+    "served_requests": "completions served (serve mode)",
+    "rewarded": "served trajectories rewarded (trained on)",
+    "expired": "served trajectories never rewarded",
+}
+
+
+def format_ago(ms: int | None) -> str:
+    if ms is None:
+        return "never"
+    seconds = max(0.0, ms / 1000)
+    if seconds < 60:
+        return f"{seconds:.1f} s ago"
+    if seconds < 3600:
+        return f"{seconds / 60:.1f} min ago"
+    return f"{seconds / 3600:.1f} h ago"
+
+
+def member_rows(state: State, heartbeats: dict[str, int] | None = None, now_ms: int | None = None
+                ) -> list[dict[str, Any]]:
+    """One row per member (trainer, explorers, synchronizers), sorted by role then id.
+
+    `heartbeats` maps member key -> server-independent receive time (ms) of its last heartbeat;
+    `last_seen_ms` is the later of that and its last recorded event.
+    """
+    heartbeats = heartbeats or {}
+    trainer = state.trainer_state
+    latest = max(state.latest.version, trainer.version if trainer else 0)
+    order = {Role.TRAINER: 0, Role.EXPLORER: 1, Role.SYNCHRONIZER: 2}
+    rows = []
+    for m in sorted(state.members.values(), key=lambda m: (order.get(m.ref.role, 9), m.ref.id)):
+        last_seen = max(m.last_time_ms, heartbeats.get(m.key, 0)) or None
+        total = int(m.metrics["total_steps"]) if m.metrics and m.metrics.get("total_steps") else None
+        rows.append({
+            "key": m.key,
+            "role": m.ref.role.value,
+            "id": m.ref.id,
+            "incarnation": m.ref.incarnation,
+            "status": member_status(m),
+            "alive": m.alive,
+            "step": m.step,
+            "total_steps": total,  # as the member reports it with each step (None before its first)
+            "fraction": round(min(m.step / total, 1.0), 4) if total else None,
+            "version": m.version,
+            "host": m.host,
+            "last_seen_ms": last_seen,
+            "last_seen_ago_ms": (now_ms - last_seen) if (now_ms is not None and last_seen) else None,
+            "has_latest": m.version >= latest and m.ref.role is not Role.SYNCHRONIZER,
+            "metrics": dict(m.metrics),
+        })
+    return rows
