@@ -25,8 +25,7 @@ from rolectl.bus.server import go_gc_for_weights
 from rolectl.bus.subjects import check_name
 from rolectl.sync_protocol import ConfigError, SyncConfig, SyncMethod
 
-from .engines.config_errors import problems_of, yaml_kind
-from .engines.sections import NonNegativeInt, PathStr, PositiveInt, Seconds, Section, StrictBool
+from .config_base import NonNegativeInt, PathStr, PositiveInt, Seconds, Section, StrictBool, problems_of, yaml_kind
 
 __all__ = [
     "JobConfig",

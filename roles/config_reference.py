@@ -32,7 +32,7 @@ from .config import (
     TrainerConfig,
     TransportConfig,
 )
-from .engines.config_errors import _BOUNDS, _options, _unwrap
+from .config_base import _BOUNDS, _options, _unwrap
 from .engines.sections import (
     AlgorithmSection,
     DataSection,

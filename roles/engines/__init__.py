@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
 
+from rolectl.roles.config_base import validate_section
+
 from .base import RolloutEngine, Task, TaskSet, TrainEngine, WeightsMismatch
-from .config_errors import validate_section
 from .sections import ModelSection
 from .task import ReverseDigitsTaskSet, score_response
 

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .config_errors import validate_section
+from rolectl.roles.config_base import validate_section
+
 from .sections import OUTCOME_ESTIMATORS, AlgorithmSection
 
 __all__ = [

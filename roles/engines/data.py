@@ -16,8 +16,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from rolectl.roles.config_base import validate_section
+
 from .base import Task
-from .config_errors import validate_section
 from .rewards import reward_spec_problems
 from .sections import DataSection
 

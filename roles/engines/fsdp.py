@@ -39,10 +39,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from rolectl.bus.files import atomic_directory, atomic_path
+from rolectl.roles.config_base import validate_section
 from rolectl.sync_protocol.experience import Experience, ExperienceLimits
 
 from .algorithms import AlgorithmConfig, VerlAlgorithm
-from .config_errors import validate_section
 from .hf import AdapterDisabled, batch_inputs, batch_metrics, response_logprobs
 from .hf_model import HFModelConfig, hf_model_path_problems, load_tokenizer
 from .lora import ADAPTER_NAME, save_adapter, wrap_with_lora

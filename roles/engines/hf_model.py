@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .config_errors import validate_section
+from rolectl.roles.config_base import validate_section
+
 from .sections import HFBuildSection, HFModelSection
 
 __all__ = [

@@ -1,6 +1,5 @@
-"""Typed config sections: the base every section model shares (frozen, unknown keys refused), the
-named constraints, and the engines' own sections: `model:` (one model per engine, selected by
-`model.engine`), `data:` and `algorithm:`.
+"""The engines' config sections: `model:` (one model per engine, selected by `model.engine`), `data:`
+and `algorithm:`, on the base in `rolectl.roles.config_base`.
 
 It lives with the engines, below the job config (`rolectl.roles.config`) that builds on it, and
 imports neither torch nor NATS: a synchronizer loads the job config without either. What needs the
@@ -15,9 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
-    BaseModel,
     BeforeValidator,
-    ConfigDict,
     Discriminator,
     Field,
     Strict,
@@ -27,13 +24,18 @@ from pydantic import (
     model_validator,
 )
 
+from rolectl.roles.config_base import (
+    Name,
+    NonNegativeInt,
+    NonNegativeNumber,
+    PositiveInt,
+    PositiveNumber,
+    Seconds,
+    Section,
+    StrictBool,
+)
+
 __all__ = [
-    "Section",
-    "PositiveInt",
-    "NonNegativeInt",
-    "Seconds",
-    "StrictBool",
-    "PathStr",
     "TinyModelSection",
     "HFBuildSection",
     "LoRASection",
@@ -48,29 +50,6 @@ __all__ = [
     "KL_PENALTIES",
     "DTYPES",
 ]
-
-# Constraints, named once: strict (a YAML `true` or `"3"` is not a count) and finite.
-PositiveInt = Annotated[int, Strict(), Field(gt=0)]
-NonNegativeInt = Annotated[int, Strict(), Field(ge=0)]
-Seconds = Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False)]
-StrictBool = Annotated[bool, Strict()]
-PathStr = Annotated[str, Strict()]
-
-
-class Section(BaseModel):
-    """A config section: frozen, unknown keys refused, fields described by their docstrings."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
-
-    def replace(self, **changes: Any) -> Section:
-        """A copy with `changes`, validated like the file was."""
-        return type(self).model_validate({**dict(self), **changes})
-
-
-PositiveNumber = Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False)]
-NonNegativeNumber = Annotated[float, Strict(), Field(ge=0, allow_inf_nan=False)]
-Name = Annotated[str, Strict(), Field(min_length=1)]
-
 
 class TinyModelSection(Section):
     """`model:` for `engine: tiny`, the pure-PyTorch reference: a tiny transformer that learns to

@@ -17,10 +17,10 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from rolectl.bus.files import atomic_path
+from rolectl.roles.config_base import validate_section
 from rolectl.sync_protocol.experience import Experience, ExperienceLimits
 
 from .base import Task, WeightsMismatch
-from .config_errors import validate_section
 from .grpo import clipped_policy_loss, group_advantages
 from .model import TinyPolicy, build_base_policy, response_logprobs, sample_responses
 from .sections import TinyModelSection

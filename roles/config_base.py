@@ -1,4 +1,9 @@
-"""Pydantic's validation errors in a YAML user's words: a dotted path, what the field accepts, what it got."""
+"""The base of every config model: `Section`, the named constraints, and pydantic's errors in a
+YAML user's words (a dotted path, what the field accepts, what it got).
+
+It sits below the engines (their sections build on it) and above the bus, which knows nothing of job
+config; it imports pydantic alone, so a synchronizer loads the job config without torch or NATS.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +12,48 @@ from collections.abc import Mapping
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import annotated_types
-from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, Strict, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
-__all__ = ["problems_of", "validate_section", "yaml_kind", "expected", "section_models"]
+__all__ = [
+    "Section",
+    "PositiveInt",
+    "NonNegativeInt",
+    "Seconds",
+    "StrictBool",
+    "PathStr",
+    "PositiveNumber",
+    "NonNegativeNumber",
+    "Name",
+    "problems_of",
+    "validate_section",
+    "yaml_kind",
+    "expected",
+    "section_models",
+]
+
+# Constraints, named once: strict (a YAML `true` or `"3"` is not a count) and finite.
+PositiveInt = Annotated[int, Strict(), Field(gt=0)]
+NonNegativeInt = Annotated[int, Strict(), Field(ge=0)]
+Seconds = Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False)]
+StrictBool = Annotated[bool, Strict()]
+PathStr = Annotated[str, Strict()]
+PositiveNumber = Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False)]
+NonNegativeNumber = Annotated[float, Strict(), Field(ge=0, allow_inf_nan=False)]
+Name = Annotated[str, Strict(), Field(min_length=1)]
+
+
+class Section(BaseModel):
+    """A config section: frozen, unknown keys refused, fields described by their docstrings."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    def replace(self, **changes: Any) -> Section:
+        """A copy with `changes`, validated like the file was."""
+        return type(self).model_validate({**dict(self), **changes})
+
+
+# -- pydantic's errors in a YAML user's words --------------------------------------------------------
 
 _MAPPING_ERRORS = ("model_type", "model_attributes_type", "dict_type", "mapping_type")
 _BOUNDS = ((annotated_types.Gt, "gt", ">"), (annotated_types.Ge, "ge", ">="),
