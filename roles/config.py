@@ -25,7 +25,17 @@ from rolectl.bus.server import go_gc_for_weights
 from rolectl.bus.subjects import check_name
 from rolectl.sync_protocol import ConfigError, SyncConfig, SyncMethod
 
-from .config_base import NonNegativeInt, PathStr, PositiveInt, Seconds, Section, StrictBool, problems_of, yaml_kind
+from .config_base import (
+    NonNegativeInt,
+    PathStr,
+    PositiveInt,
+    Seconds,
+    Section,
+    StrictBool,
+    invalid,
+    problems_of,
+    yaml_kind,
+)
 
 __all__ = [
     "JobConfig",
@@ -290,15 +300,18 @@ class MonitorConfig(Section):
 
 
 def _sync_config(value: Any) -> Any:
-    """A `synchronizer:` mapping becomes the core's `SyncConfig` (its fields are checked there)."""
+    """A `synchronizer:` mapping becomes the core's `SyncConfig`: its fields are checked there, each
+    problem keeps its path."""
     if value is None:
         return SyncConfig()
-    if isinstance(value, Mapping):
-        try:
-            return SyncConfig.from_mapping(value, where="synchronizer")
-        except ConfigError as exc:
-            raise ValueError("; ".join(f"{name}: {why}" for name, why in exc.problems)) from None
-    return value
+    if isinstance(value, SyncConfig):
+        return value
+    if not isinstance(value, Mapping):
+        raise ValueError(f"must be a mapping (indented `key: value` lines), got {yaml_kind(value)}")
+    try:
+        return SyncConfig.from_mapping(value, where="synchronizer")
+    except ConfigError as exc:
+        raise invalid((name.removeprefix("synchronizer."), why) for name, why in exc.problems) from None
 
 
 def _job_name(value: str) -> str:
@@ -534,13 +547,6 @@ def parse_config(data: Any, *, source: str | None = None, check_engines: bool = 
                                            f"{yaml_kind(data)} (see examples/quickstart.yaml)")], where=where)
     values = {key: value for key, value in data.items() if value is not None or key in ("data", "algorithm")}
     problems: list[tuple[str, str]] = []
-    # The synchronizer's fields are checked by the core, each by its own path.
-    if isinstance(values.get("synchronizer"), Mapping):
-        try:
-            values["synchronizer"] = SyncConfig.from_mapping(values["synchronizer"], where="synchronizer")
-        except ConfigError as exc:
-            problems.extend(exc.problems)
-            values["synchronizer"] = SyncConfig()
     if source is not None:
         values["source"] = source
     cfg = None

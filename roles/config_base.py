@@ -7,13 +7,15 @@ config; it imports pydantic alone, so a synchronizer loads the job config withou
 
 from __future__ import annotations
 
+import re
 import types
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import annotated_types
 from pydantic import BaseModel, ConfigDict, Field, Strict, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 __all__ = [
     "Section",
@@ -25,6 +27,7 @@ __all__ = [
     "PositiveNumber",
     "NonNegativeNumber",
     "Name",
+    "invalid",
     "problems_of",
     "validate_section",
     "yaml_kind",
@@ -54,6 +57,19 @@ class Section(BaseModel):
 
 
 # -- pydantic's errors in a YAML user's words --------------------------------------------------------
+
+_PROBLEM = "config_problem"
+_PATH_PART = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
+
+
+def invalid(problems: Iterable[tuple[str, str]]) -> ValidationError:
+    """`problems` (a dotted path relative to the validator, what to write instead) as pydantic's error:
+    raised in a validator, each keeps its own path under the field or section that raised it."""
+    return ValidationError.from_exception_data("config", [
+        InitErrorDetails(type=PydanticCustomError(_PROBLEM, "{why}", {"why": why}), input=None,
+                         loc=tuple(int(index) if index else name for name, index in _PATH_PART.findall(path)))
+        for path, why in problems])
+
 
 _MAPPING_ERRORS = ("model_type", "model_attributes_type", "dict_type", "mapping_type")
 _BOUNDS = ((annotated_types.Gt, "gt", ">"), (annotated_types.Ge, "ge", ">="),
@@ -201,6 +217,8 @@ def _adapter(annotation: Any) -> TypeAdapter[Any]:
 
 def _why(error: Any, holder: type[BaseModel] | None, info: FieldInfo | None, item_of: bool, noun: str) -> str:
     kind, ctx, value = error["type"], error.get("ctx") or {}, error.get("input")
+    if kind == _PROBLEM:
+        return str(ctx["why"])
     if kind == "extra_forbidden":
         return f"unknown {noun}; known: {_known(holder)}" if holder is not None else "unknown field"
     if kind == "missing":
