@@ -45,7 +45,7 @@ def serve_problems(cfg) -> list[tuple[str, str]]:
                          f"serve mode needs sync_style fully_async with a pull method (memory or checkpoint), "
                          f"got {sync.sync_style.value} with {sync.sync_method.value}: a served request must never "
                          "wait for a sync"))
-    engine = cfg.model.get("rollout_engine") or cfg.model.get("engine")
+    engine = cfg.model.rollout_engine or cfg.model.engine
     if engine not in ("hf", "vllm"):
         problems.append(("model.rollout_engine",
                          f"serve mode serves from the `hf` or `vllm` rollout engine, got {engine!r}"))
