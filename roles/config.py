@@ -32,7 +32,7 @@ from pydantic import (
 )
 
 from rolectl.bus.connection import parse_server_urls
-from rolectl.bus.security import ClientSecurity
+from rolectl.bus.security import ENV_VARS, ClientSecurity
 from rolectl.bus.server import go_gc_for_weights
 from rolectl.bus.subjects import check_name
 from rolectl.sync_protocol import ConfigError, SyncConfig, SyncMethod
@@ -511,11 +511,22 @@ class JobConfig(Section):
                      f"step per round set trainer.train_batch_tasks: {count * batch} in the config")
 
 
-class EnvSettings(Section):
-    """Environment variables the roles read (prefix `ROLECTL_`); flags, where a command has one,
-    win over them. Other `ROLECTL_*` names are ignored."""
+ENV_PREFIX = "ROLECTL_"
 
-    model_config = ConfigDict(extra="ignore")
+
+def _variable(field: str) -> str:
+    """A setting's variable, `ROLECTL_<FIELD>`; the NATS client's are the bus's names (`ENV_VARS`: it
+    reads them itself when it connects)."""
+    nats = field.removeprefix("nats_")
+    return ENV_VARS[nats] if field != nats and nats in ENV_VARS else f"{ENV_PREFIX}{field.upper()}"
+
+
+class EnvSettings(Section):
+    """Environment variables (prefix `ROLECTL_`): those the roles read, a command's flag winning over
+    its variable (`rolectl COMMAND --help` names the variable beside the flag), and those rolectl
+    sets for the processes it starts. Other `ROLECTL_*` names are ignored."""
+
+    model_config = ConfigDict(extra="ignore", alias_generator=_variable)
 
     torch_threads: Annotated[int, Field(gt=0)] = 1  # not strict: a variable's value is text
     """Threads torch may use in each role process (`torch.set_num_threads`)."""
@@ -530,21 +541,33 @@ class EnvSettings(Section):
     """Client certificate for mTLS (as `--tls-cert` / `nats.tls_cert`)."""
     nats_tls_key: str | None = None
     """Client certificate's key (as `--tls-key` / `nats.tls_key`)."""
+    trainer_rank: Annotated[int, Field(ge=0)] | None = None
+    """Set by `rolectl start trainer` in each rank it starts (`trainer.world_size` > 1): this process's
+    rank; not for users."""
+    serve_model: str | None = None
+    """Set by explorer-0 for the agent it runs (`serve.agent`): the model id to ask the endpoint for."""
 
+    @classmethod
+    def variable(cls, field: str) -> str:
+        """The environment variable that sets `field`."""
+        return str(cls.model_fields[field].alias)
 
-ENV_PREFIX = "ROLECTL_"
+    @property
+    def nats_security(self) -> ClientSecurity:
+        """The NATS client's files these variables name."""
+        return ClientSecurity(creds=self.nats_creds, tls_ca=self.nats_tls_ca, tls_cert=self.nats_tls_cert,
+                              tls_key=self.nats_tls_key)
 
 
 def env_settings(environ: Mapping[str, str] | None = None) -> EnvSettings:
     """The `ROLECTL_*` variables of this process (or of `environ`), validated; a bad value raises
     `ConfigError` naming the variable."""
     environ = os.environ if environ is None else environ
-    values = {name[len(ENV_PREFIX):].lower(): value for name, value in environ.items() if name.startswith(ENV_PREFIX)}
     try:
-        return EnvSettings.model_validate(values)
+        return EnvSettings.model_validate({name: value for name, value in environ.items()
+                                           if name.startswith(ENV_PREFIX)})
     except ValidationError as exc:
-        problems = [(f"{ENV_PREFIX}{name.upper()}", why) for name, why in problems_of(exc, EnvSettings)]
-        raise ConfigError(problems, where="environment") from None
+        raise ConfigError(problems_of(exc, EnvSettings), where="environment") from None
 
 
 # -- loading ---------------------------------------------------------------------------------------

@@ -184,6 +184,11 @@ def section_models(annotation: Any) -> list[tuple[str | None, type[BaseModel]]]:
     return found
 
 
+def _field_named(model: type[BaseModel], key: str) -> FieldInfo | None:
+    """The field `key` names: by its name, or by its alias (an environment variable's name)."""
+    return model.model_fields.get(key) or next((f for f in model.model_fields.values() if f.alias == key), None)
+
+
 def _known(model: type[BaseModel]) -> list[str]:
     return sorted(name for name, info in model.model_fields.items() if not info.exclude)
 
@@ -210,7 +215,7 @@ def problems_of(exc: ValidationError, model: Any, *, prefix: str = "",
                 members = [(None, tagged)]
                 continue
             holder = members[0][1] if members else None
-            info = holder.model_fields.get(str(item)) if holder is not None else None
+            info = _field_named(holder, str(item)) if holder is not None else None
             members = section_models(info.annotation) if info is not None else []
             parts.append(str(item))
             item_of = False

@@ -20,7 +20,6 @@ from rolectl.sync_protocol import SyncConfig
 from rolectl.sync_protocol.enums import SyncMethod, SyncStyle
 
 from .config import (
-    ENV_PREFIX,
     BufferConfig,
     EnvSettings,
     EvalConfig,
@@ -175,10 +174,8 @@ def _sync_table() -> str:
 
 def _env_table() -> str:
     rows = ["| variable | type | default | constraint | description |", "| --- | --- | --- | --- | --- |"]
-    prefix = ENV_PREFIX
     for name, info in EnvSettings.model_fields.items():
-        row = _row(name, info)
-        rows.append(row.replace(f"| `{name}` |", f"| `{prefix}{name.upper()}` |", 1))
+        rows.append(_row(name, info).replace(f"| `{name}` |", f"| `{info.alias}` |", 1))
     return "\n".join(rows)
 
 

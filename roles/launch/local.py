@@ -30,7 +30,7 @@ from rolectl.bus.logging import setup_logging
 from rolectl.bus.security import redact
 from rolectl.bus.server import NatsServer, NatsServerError
 from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream
-from rolectl.roles.config import JobConfig
+from rolectl.roles.config import EnvSettings, JobConfig
 from rolectl.roles.exit_codes import ExitCode
 from rolectl.roles.launch.base import Launcher, RoleHandle
 from rolectl.roles.observe.dashboard import start_dashboard
@@ -97,7 +97,7 @@ class LocalLauncher:
     def start(self, role: str, member_id: str) -> RoleProcess:
         log_path = self.logs / f"{member_id}.log"
         out = open(log_path, "ab")
-        env = dict(os.environ, PYTHONUNBUFFERED="1", ROLECTL_ADVERTISE_HOST="127.0.0.1")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", EnvSettings.variable("advertise_host"): "127.0.0.1"}
         if self.auth is not None:  # its own identity, by file path in the environment (never argv)
             env.update(self.auth.security(member_id).as_env())
         proc = subprocess.Popen(
