@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
 
-from rolectl.roles.config_base import CHECK_ENGINES, OpenSection, Section, validate_section
+from rolectl.roles.config_base import CHECK_ENGINES, OpenSection, validate_section
 
 from .base import RolloutEngine, Task, TaskSet, TrainEngine, WeightsMismatch
 from .sections import (
@@ -87,7 +87,7 @@ def _invalid(problems: list[tuple[str, str]]) -> ValueError:
     return ValueError("invalid engine config: " + "; ".join(f"{path}: {why}" for path, why in problems))
 
 
-def _typed(model: type[Section] | Any, value: Any, where: str) -> Any:
+def _typed(model: Any, value: Any, where: str) -> Any:
     """`value` as the typed section `model` (a union by its annotation) when it is a mapping or was read
     as written (a job loaded without its engines); a typed section as it is."""
     if isinstance(value, OpenSection):

@@ -141,9 +141,9 @@ def write_config(cfg: JobConfig, path: Path) -> None:
         "eval": cfg.eval.model_dump(mode="json"),
         "monitor": cfg.monitor.model_dump(mode="json"),
         "serve": cfg.serve.model_dump(mode="json"),
-        "model": dict(cfg.model),
-        "data": cfg.data,
-        "algorithm": cfg.algorithm,
+        # the engine's sections as the file wrote them (what it left out stays a default)
+        **{name: section if section is None else section.model_dump(mode="json", exclude_unset=True)
+           for name, section in (("model", cfg.model), ("data", cfg.data), ("algorithm", cfg.algorithm))},
     }
     path.write_text(yaml.safe_dump(data, sort_keys=False))
 
