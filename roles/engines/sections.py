@@ -176,8 +176,7 @@ class LoRASection(Section):
 
 
 DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
-_TORCH_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-                 "float16": "float16", "fp16": "float16"}
+_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def _device(value: str) -> str:
@@ -233,7 +232,7 @@ class HFModelSection(Section):
         """The torch dtype `dtype` names (torch is the engines' import, made when they ask)."""
         import torch
 
-        return getattr(torch, _TORCH_DTYPES[self.dtype])
+        return getattr(torch, _DTYPE_ALIASES.get(self.dtype, self.dtype))
 
     @model_validator(mode="after")
     def _model_directory_exists(self, info: ValidationInfo) -> HFModelSection:
@@ -415,7 +414,7 @@ def _typed_unless_open(value: Any) -> str:
 
 DataField = Annotated[Annotated[DataSection, Tag("typed")] | Annotated[OpenSection, Tag("open")],
                       Discriminator(_typed_unless_open)]
-"""A job's `data:`: typed for the built-in engines, as written for an engine of another package."""
+"""A job's `data:`: typed for the engines that read it (`READS_DATA`), else as written."""
 AlgorithmField = Annotated[Annotated[AlgorithmSection, Tag("typed")] | Annotated[OpenSection, Tag("open")],
                            Discriminator(_typed_unless_open)]
-"""A job's `algorithm:`: typed for the built-in engines, as written for an engine of another package."""
+"""A job's `algorithm:`: typed for the engines that read it (`READS_DATA`), else as written."""
