@@ -61,8 +61,8 @@ def _config(scenario: str, workdir: Path, args: argparse.Namespace) -> Any:
     if scenario == "tiny":
         return cfg.with_overrides(model={"engine": "tiny", "group_size": 8, "seed": 0}, data=None,
                                   algorithm=None, transport=transport)
-    model = {**cfg.model, "rollout_engine": "hf", "path": str(ROOT / cfg.model["path"])}
-    data = {**(cfg.data or {}), "path": str(ROOT / cfg.data["path"])}
+    model = {**cfg.model.model_dump(), "rollout_engine": "hf", "path": str(ROOT / cfg.model.path)}
+    data = cfg.data.replace(path=str(ROOT / cfg.data.path))
     if scenario == "large":
         model.update(path=str(workdir / "large-model"), build=LARGE_BUILD, lr=args.large_lr,
                      micro_batch_size=32, minibatches=1)

@@ -42,10 +42,10 @@ def main() -> None:
     tasks = make_taskset(cfg, seed=0, batch_size=cfg.buffer.batch_size).next_batch()
     trainer = make_train_engine(cfg)
     started = time.perf_counter()
-    vllm_cfg = cfg.with_overrides(model={**cfg.model, "rollout_engine": "vllm"})
+    vllm_cfg = cfg.with_overrides(model=cfg.model.replace(rollout_engine="vllm"))
     vllm = make_rollout_engine(vllm_cfg, "explorer-0")
     vllm_start = time.perf_counter() - started
-    hf = make_rollout_engine(cfg.with_overrides(model={**cfg.model, "rollout_engine": "hf"}), "explorer-1")
+    hf = make_rollout_engine(cfg.with_overrides(model=cfg.model.replace(rollout_engine="hf")), "explorer-1")
     experiences = vllm.rollout(tasks, explore_step=1)
     weights = trainer.weights()
     figures = {

@@ -57,10 +57,11 @@ def worker(workdir: Path, args: argparse.Namespace) -> None:
     import torch
 
     from rolectl.roles.engines.algorithms import AlgorithmConfig
-    from rolectl.roles.engines.fsdp import FSDPTrainEngine, fsdp_config_from_mapping
+    from rolectl.roles.engines.fsdp import FSDPTrainEngine
+    from rolectl.roles.engines.sections import FSDPModelSection
 
     torch.set_num_threads(1)
-    engine = FSDPTrainEngine(fsdp_config_from_mapping(_section(workdir / "model", args)), AlgorithmConfig(),
+    engine = FSDPTrainEngine(FSDPModelSection.model_validate(_section(workdir / "model", args)), AlgorithmConfig(),
                              model_path=workdir / "model")
     bucket_bytes = args.bucket_mb * MB
     shard = sum(p.to_local().numel() * p.to_local().element_size() for p in engine.model.parameters())
@@ -115,12 +116,12 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     from rolectl.bus.server import free_port
-    from rolectl.roles.engines.hf_model import ensure_model, hf_model_config_from_mapping
+    from rolectl.roles.engines.hf_model import HFModelConfig, ensure_model
 
     with tempfile.TemporaryDirectory(prefix="fsdp-stream-") as tmp:
         workdir = Path(tmp)
         section = {k: v for k, v in _section(workdir / "model", args).items() if k != "engine"}
-        ensure_model(hf_model_config_from_mapping(section), data_path=str(DATA))
+        ensure_model(HFModelConfig.model_validate(section), data_path=str(DATA))
         port = free_port()
         forwarded = [f"--hidden={args.hidden}", f"--layers={args.layers}", f"--bucket-mb={args.bucket_mb}"]
         procs = [subprocess.Popen(

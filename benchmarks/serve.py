@@ -81,7 +81,7 @@ def main() -> None:
     for setting in args.settings.split(","):
         kind = "hf" if setting == "hf" else "vllm"
         if kind not in engines:
-            engines[kind] = make_rollout_engine(cfg.with_overrides(model={**cfg.model, "rollout_engine": kind}),
+            engines[kind] = make_rollout_engine(cfg.with_overrides(model=cfg.model.replace(rollout_engine=kind)),
                                                 "explorer-0")
         engine = engines[kind]
         prompts = prompts or [engine.tokenizer.decode(list(t.prompt), skip_special_tokens=True) for t in tasks]

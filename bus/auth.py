@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .security import ADMIN_IDENTITY, ClientSecurity, inbox_prefix
+from .security import ADMIN_IDENTITY, ENV_VARS, ClientSecurity, inbox_prefix
 from .subjects import JobNames, check_name
 
 __all__ = [
@@ -339,10 +339,10 @@ Server side (the NATS host only):
   ca.key            the CA's private key (0600): keep it offline; only needed to sign new certificates
 
 Every client:
-  ca.pem            the CA that signed the server certificate: --tls-ca ca.pem (ROLECTL_NATS_TLS_CA)
+  ca.pem            the CA that signed the server certificate: --tls-ca ca.pem ({ENV_VARS['tls_ca']})
 
 One credential per identity, an nkey seed (0600), given to that member only:
-  --creds FILE (ROLECTL_NATS_CREDS, or nats.creds in the job config)
+  --creds FILE ({ENV_VARS['creds']}, or nats.creds in the job config)
 {chr(10).join(rows)}
 
 Order of operations:

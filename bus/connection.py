@@ -39,7 +39,7 @@ from .acked_publish import AckedPublishes
 from .errors import BusUnavailable, RetriesExhausted, describe
 from .logging import get_logger
 from .retry import Interrupted, backoff_delay, retry_transient
-from .security import ClientSecurity, SecurityError, redact
+from .security import ENV_VARS, ClientSecurity, SecurityError, redact
 from .subjects import JobNames, check_name
 
 __all__ = ["BusConnection", "connect", "parse_server_urls", "DEFAULT_CONNECT_TIMEOUT"]
@@ -489,10 +489,10 @@ def _hint(cause: BaseException | None) -> str:
     text = str(cause or "").lower()
     if "authorization" in text or "authentication" in text:
         return ("The server refused the credentials: pass the identity's file with --creds FILE "
-                "(or ROLECTL_NATS_CREDS / nats.creds), as written by `rolectl auth init`.")
+                f"(or {ENV_VARS['creds']} / nats.creds), as written by `rolectl auth init`.")
     if "certificate" in text or "ssl" in text or "tls" in text:
         return ("TLS failed: pass the CA that signed the server's certificate with --tls-ca FILE "
-                "(or ROLECTL_NATS_TLS_CA / nats.tls_ca), e.g. ca.pem from `rolectl auth init`.")
+                f"(or {ENV_VARS['tls_ca']} / nats.tls_ca), e.g. ca.pem from `rolectl auth init`.")
     return ("Start one with `rolectl server` (or `rolectl up`), or pass --nats URL pointing at a "
             "running nats-server with JetStream.")
 

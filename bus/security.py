@@ -33,7 +33,8 @@ ENV_VARS = {
     "tls_cert": "ROLECTL_NATS_TLS_CERT",
     "tls_key": "ROLECTL_NATS_TLS_KEY",
 }
-"""Environment variable for each client security field."""
+"""Environment variable for each client security field: the one place these names are written (the
+bus reads them when it connects; the roles' `EnvSettings` and the CLI's flags take them from here)."""
 
 ADMIN_IDENTITY = "admin"
 """The one identity allowed to create, update, purge and delete streams and consumers."""

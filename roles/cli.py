@@ -61,26 +61,36 @@ def nats_option(default: str | None, help: str):
 
 
 def client_options(command):
-    """--creds / --tls-ca / --tls-cert / --tls-key: files, never secrets on the command line."""
+    """--creds / --tls-ca / --tls-cert / --tls-key: files, never secrets on the command line; each read
+    from its ROLECTL_NATS_* variable when not given (click's `envvar`, shown in --help)."""
+    from rolectl.bus.security import ENV_VARS
+
     file = click.Path(exists=True, dir_okay=False)
-    for flag, env, text in reversed([
-        ("--creds", "ROLECTL_NATS_CREDS",
-         "Credential file of this identity: nkey seed (.nk), NATS JWT creds (.creds) or client certificate "
-         "(.crt, key in .key)."),
-        ("--tls-ca", "ROLECTL_NATS_TLS_CA", "CA file that signed the server's certificate."),
-        ("--tls-cert", "ROLECTL_NATS_TLS_CERT", "Client certificate (mTLS), with --tls-key."),
-        ("--tls-key", "ROLECTL_NATS_TLS_KEY", "Client certificate's key."),
+    for field, text in reversed([
+        ("creds", "Credential file of this identity: nkey seed (.nk), NATS JWT creds (.creds) or client "
+                  "certificate (.crt, key in .key)."),
+        ("tls_ca", "CA file that signed the server's certificate."),
+        ("tls_cert", "Client certificate (mTLS), with --tls-key."),
+        ("tls_key", "Client certificate's key."),
     ]):
-        command = click.option(flag, type=file, default=None, help=f"{text} [env {env}]")(command)
+        command = click.option(f"--{field.replace('_', '-')}", type=file, default=None, envvar=ENV_VARS[field],
+                               show_envvar=True, help=text)(command)
     return command
 
 
 def _security(creds=None, tls_ca=None, tls_cert=None, tls_key=None, *, config=None):
-    """Flags over ROLECTL_NATS_* variables over the config's `nats:` section; checked now."""
+    """Flags over ROLECTL_NATS_* variables over the config's `nats:` section; checked now. (Under
+    click the flags already hold the variables; a caller outside click gets them here.)"""
     from rolectl.bus.security import ClientSecurity, SecurityError
+    from rolectl.roles.config import env_settings
+    from rolectl.sync_protocol import ConfigError
 
+    try:
+        environment = env_settings().nats_security
+    except ConfigError as exc:
+        raise InputError(str(exc)) from None
     resolved = ClientSecurity(creds=creds, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key).over(
-        ClientSecurity.from_env().over(config)
+        environment.over(config)
     )
     try:
         resolved.check()

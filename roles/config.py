@@ -4,7 +4,9 @@ One pydantic model per section, each field's constraint on its annotation; unkno
 refused. Field names follow the reference where it has them (`synchronizer.sync_method`,
 `sync_style`, `sync_interval`, `sync_offset`, `sync_timeout`; `trainer.total_steps`,
 `save_interval`; `buffer.batch_size`). The engine's sections (`model:`, `data:`, `algorithm:`)
-are typed in `rolectl.roles.engines.sections`. See `examples/*.yaml` for complete files and
+are typed in `rolectl.roles.engines.sections`. Rules across fields are model validators; what a
+section names outside itself (a file, an installed library) is checked once, when the job is loaded
+with its engines (`config_base.CHECK_ENGINES`). See `examples/*.yaml` for complete files and
 `docs/configuration.md`, generated from these models by `python -m rolectl.roles.config_reference`.
 """
 
@@ -17,16 +19,41 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, Strict, ValidationError
+from pydantic import (
+    AfterValidator,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Strict,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from rolectl.bus.connection import parse_server_urls
-from rolectl.bus.security import ClientSecurity
+from rolectl.bus.security import ENV_VARS, ClientSecurity
 from rolectl.bus.server import go_gc_for_weights
 from rolectl.bus.subjects import check_name
 from rolectl.sync_protocol import ConfigError, SyncConfig, SyncMethod
 
-from .engines.config_errors import problems_of, yaml_kind
-from .engines.sections import NonNegativeInt, PathStr, PositiveInt, Seconds, Section, StrictBool
+from .config_base import (
+    CHECK_ENGINES,
+    SKIP_ENGINES,
+    NonNegativeInt,
+    OpenSection,
+    PathStr,
+    PositiveInt,
+    Seconds,
+    Section,
+    StrictBool,
+    checking,
+    invalid,
+    problems_of,
+    skipping,
+    yaml_kind,
+)
+from .engines.sections import READS_DATA, AlgorithmField, DataField, ModelSection, OpenModelSection, TinyModelSection
 
 __all__ = [
     "JobConfig",
@@ -249,6 +276,13 @@ class EvalConfig(Section):
     def enabled(self) -> bool:
         return self.path is not None and (self.eval_interval > 0 or self.eval_on_startup)
 
+    @model_validator(mode="after")
+    def _path_when_evaluating(self) -> EvalConfig:
+        if self.path is None and (self.eval_interval or self.eval_on_startup):
+            raise invalid([("path", "required when eval.eval_interval or eval.eval_on_startup is set: "
+                                    "the held-out task file to evaluate on")])
+        return self
+
 
 TRACKERS = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
 """Experiment trackers by name, and the optional extra (`pip install 'rolectl[NAME]'`) each needs."""
@@ -289,17 +323,28 @@ class MonitorConfig(Section):
     project: str | None = None
     """Project / experiment name in the trackers; default the job's name."""
 
+    @field_validator("backends")
+    @classmethod
+    def _installed(cls, backends: tuple[str, ...], info: ValidationInfo) -> tuple[str, ...]:
+        problems = tracker_problems(backends) if checking(info) else []
+        if problems:
+            raise invalid((path.removeprefix("monitor.backends"), why) for path, why in problems)
+        return backends
+
 
 def _sync_config(value: Any) -> Any:
-    """A `synchronizer:` mapping becomes the core's `SyncConfig` (its fields are checked there)."""
+    """A `synchronizer:` mapping becomes the core's `SyncConfig`: its fields are checked there, each
+    problem keeps its path."""
     if value is None:
         return SyncConfig()
-    if isinstance(value, Mapping):
-        try:
-            return SyncConfig.from_mapping(value, where="synchronizer")
-        except ConfigError as exc:
-            raise ValueError("; ".join(f"{name}: {why}" for name, why in exc.problems)) from None
-    return value
+    if isinstance(value, SyncConfig):
+        return value
+    if not isinstance(value, Mapping):
+        raise ValueError(f"must be a mapping (indented `key: value` lines), got {yaml_kind(value)}")
+    try:
+        return SyncConfig.from_mapping(value, where="synchronizer")
+    except ConfigError as exc:
+        raise invalid((name.removeprefix("synchronizer."), why) for name, why in exc.problems) from None
 
 
 def _job_name(value: str) -> str:
@@ -315,9 +360,6 @@ def _lower_level(value: Any) -> Any:
     """Levels are read in any case; a bad one is reported as written."""
     known = ("debug", "info", "warning", "error")
     return value.lower() if isinstance(value, str) and value.lower() in known else value
-
-
-_Mapping = Annotated[dict[str, Any], Strict()]
 
 
 class JobConfig(Section):
@@ -350,14 +392,48 @@ class JobConfig(Section):
     monitor: MonitorConfig = MonitorConfig()
     serve: ServeConfig = ServeConfig()
     """Serve mode: an OpenAI-compatible endpoint on each explorer (off by default)."""
-    model: _Mapping = {}
+    model: ModelSection = Field(default_factory=TinyModelSection)
     """The engine's settings, selected by `model.engine` (see the engine sections)."""
-    data: _Mapping | None = None
-    """Task file and rewards (`hf` / `vllm` engines)."""
-    algorithm: _Mapping | None = None
-    """verl advantage estimator and policy loss (`hf` trainer)."""
+    data: DataField | None = None
+    """Task file and rewards (`hf` / `fsdp` / `vllm` engines)."""
+    algorithm: AlgorithmField | None = None
+    """verl advantage estimator and policy loss (`hf` / `fsdp` trainers)."""
     source: str | None = Field(default=None, exclude=True)
     """The file it was loaded from (set by `load_config`, not written in a file)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_sections_as_written(cls, values: Any, info: ValidationInfo) -> Any:
+        """`data:` and `algorithm:` are typed for the engines that read them (`READS_DATA`); for any
+        other engine they are read as written (it checks its own), and so are all three sections of a
+        job loaded without its engines (`SKIP_ENGINES`)."""
+        if not isinstance(values, Mapping):
+            return values
+        model = values.get("model")
+        engine = model.get("engine", "tiny") if isinstance(model, Mapping) else getattr(model, "engine", "tiny")
+        if engine in READS_DATA and not skipping(info):
+            return values
+        read = dict(values)
+        if skipping(info) and isinstance(model, Mapping):
+            try:
+                read["model"] = OpenModelSection.model_validate(model)
+            except ValidationError:
+                pass  # not even that (no engine name): the field reports it
+        for key in ("data", "algorithm"):
+            if isinstance(values.get(key), Mapping):
+                read[key] = OpenSection.model_validate(values[key])
+        return read
+
+    @model_validator(mode="after")
+    def _sections_agree(self, info: ValidationInfo) -> JobConfig:
+        """The rules across sections, every problem at once by its path; with the engines checked
+        (`CHECK_ENGINES`), also what the engines need and the eval file."""
+        problems = [*_over_rollout_problems(self), *_wire_dtype_problems(self), *_world_size_problems(self)]
+        if checking(info):
+            problems += [*_engine_problems(self), *_eval_problems(self)]
+        if problems:
+            raise invalid(problems)
+        return self
 
     @property
     def job_dir(self) -> Path:
@@ -435,11 +511,22 @@ class JobConfig(Section):
                      f"step per round set trainer.train_batch_tasks: {count * batch} in the config")
 
 
-class EnvSettings(Section):
-    """Environment variables the roles read (prefix `ROLECTL_`); flags, where a command has one,
-    win over them. Other `ROLECTL_*` names are ignored."""
+ENV_PREFIX = "ROLECTL_"
 
-    model_config = ConfigDict(extra="ignore")
+
+def _variable(field: str) -> str:
+    """A setting's variable, `ROLECTL_<FIELD>`; the NATS client's are the bus's names (`ENV_VARS`: it
+    reads them itself when it connects)."""
+    nats = field.removeprefix("nats_")
+    return ENV_VARS[nats] if field != nats and nats in ENV_VARS else f"{ENV_PREFIX}{field.upper()}"
+
+
+class EnvSettings(Section):
+    """Environment variables (prefix `ROLECTL_`): those the roles read, a command's flag winning over
+    its variable (`rolectl COMMAND --help` names the variable beside the flag), and those rolectl
+    sets for the processes it starts. Other `ROLECTL_*` names are ignored."""
+
+    model_config = ConfigDict(extra="ignore", alias_generator=_variable)
 
     torch_threads: Annotated[int, Field(gt=0)] = 1  # not strict: a variable's value is text
     """Threads torch may use in each role process (`torch.set_num_threads`)."""
@@ -454,33 +541,42 @@ class EnvSettings(Section):
     """Client certificate for mTLS (as `--tls-cert` / `nats.tls_cert`)."""
     nats_tls_key: str | None = None
     """Client certificate's key (as `--tls-key` / `nats.tls_key`)."""
+    trainer_rank: Annotated[int, Field(ge=0)] | None = None
+    """Set by `rolectl start trainer` in each rank it starts (`trainer.world_size` > 1): this process's
+    rank; not for users."""
+    serve_model: str | None = None
+    """Set by explorer-0 for the agent it runs (`serve.agent`): the model id to ask the endpoint for."""
 
+    @classmethod
+    def variable(cls, field: str) -> str:
+        """The environment variable that sets `field`."""
+        return str(cls.model_fields[field].alias)
 
-ENV_PREFIX = "ROLECTL_"
+    @property
+    def nats_security(self) -> ClientSecurity:
+        """The NATS client's files these variables name."""
+        return ClientSecurity(creds=self.nats_creds, tls_ca=self.nats_tls_ca, tls_cert=self.nats_tls_cert,
+                              tls_key=self.nats_tls_key)
 
 
 def env_settings(environ: Mapping[str, str] | None = None) -> EnvSettings:
     """The `ROLECTL_*` variables of this process (or of `environ`), validated; a bad value raises
     `ConfigError` naming the variable."""
     environ = os.environ if environ is None else environ
-    values = {name[len(ENV_PREFIX):].lower(): value for name, value in environ.items() if name.startswith(ENV_PREFIX)}
     try:
-        return EnvSettings.model_validate(values)
+        return EnvSettings.model_validate({name: value for name, value in environ.items()
+                                           if name.startswith(ENV_PREFIX)})
     except ValidationError as exc:
-        problems = [(f"{ENV_PREFIX}{name.upper()}", why) for name, why in problems_of(exc, EnvSettings)]
-        raise ConfigError(problems, where="environment") from None
+        raise ConfigError(problems_of(exc, EnvSettings), where="environment") from None
 
 
 # -- loading ---------------------------------------------------------------------------------------
 
-def _engine_problems(data: Mapping[str, Any], explorers: ExplorerConfig) -> list[tuple[str, str]]:
-    # Each engine owns its sections (model, data, algorithm) and reports their problems by path.
+def _engine_problems(cfg: JobConfig) -> list[tuple[str, str]]:
+    # Each engine says what it needs beyond its typed sections (libraries, the sections it reads).
     from rolectl.roles.engines import EngineSections, engine_config_problems
 
-    return engine_config_problems(EngineSections(model=data.get("model") or {}, data=data.get("data"),
-                                                 algorithm=data.get("algorithm"),
-                                                 explorer_count=explorers.count,
-                                                 tensor_parallel_size=explorers.tensor_parallel_size))
+    return engine_config_problems(EngineSections.of(cfg))
 
 
 def _over_rollout_problems(cfg: JobConfig) -> list[tuple[str, str]]:
@@ -500,32 +596,36 @@ def _over_rollout_problems(cfg: JobConfig) -> list[tuple[str, str]]:
              f"trainer.train_batch_tasks: {per_round} (or lower the ratio)")]
 
 
+def _wire_dtype_problems(cfg: JobConfig) -> list[tuple[str, str]]:
+    method = cfg.synchronizer.sync_method
+    if cfg.transport.wire_dtype is None or not method.is_rendezvous:
+        return []
+    return [("transport.wire_dtype", f"applies to the pull methods (memory, checkpoint), not to {method.value}: "
+                                     "remove it, or set model.dtype for what the explorers load")]
+
+
+def _world_size_problems(cfg: JobConfig) -> list[tuple[str, str]]:
+    if cfg.trainer.world_size == 1 or cfg.model.engine == "fsdp":
+        return []
+    return [("trainer.world_size", f"{cfg.trainer.world_size} ranks need a sharded engine: set "
+                                   "`model.engine: fsdp`, or world_size: 1")]
+
+
 def _eval_problems(cfg: JobConfig) -> list[tuple[str, str]]:
     # The eval file is read like a task file, by the engines (it needs `datasets`).
     if cfg.eval.path is None:
-        if cfg.eval.eval_interval or cfg.eval.eval_on_startup:
-            return [("eval.path", "required when eval.eval_interval or eval.eval_on_startup is set: "
-                                  "the held-out task file to evaluate on")]
         return []
     from rolectl.roles.engines.evaluation import eval_config_problems
 
     return eval_config_problems(cfg)
 
 
-def _explorers_or_default(section: Any) -> ExplorerConfig:
-    """The explorers' layout for checking the engine's sections when the job has other problems."""
-    try:
-        return ExplorerConfig.model_validate(section or {})
-    except ValidationError:
-        return ExplorerConfig()  # its problems are reported already
-
-
 def parse_config(data: Any, *, source: str | None = None, check_engines: bool = True) -> JobConfig:
     """Validate a mapping (parsed YAML) into a `JobConfig`; raise `ConfigError` listing every problem.
 
     `check_engines=False` leaves the engine's sections (model, data, algorithm) to the roles that
-    run an engine: checking them imports the engines (torch, seconds), which a synchronizer, whose
-    restart time is the job's stall, has no use for."""
+    run an engine, read as written: checking them imports the engines (torch, seconds), which a
+    synchronizer, whose restart time is the job's stall, has no use for."""
     where = source or "config"
     if not isinstance(data, Mapping):
         if data is None:
@@ -534,42 +634,15 @@ def parse_config(data: Any, *, source: str | None = None, check_engines: bool = 
         raise ConfigError([("(top level)", f"must be a mapping of sections (`job: NAME`, `trainer:` ...), got "
                                            f"{yaml_kind(data)} (see examples/quickstart.yaml)")], where=where)
     values = {key: value for key, value in data.items() if value is not None or key in ("data", "algorithm")}
-    problems: list[tuple[str, str]] = []
-    # The synchronizer's fields are checked by the core, each by its own path.
-    if isinstance(values.get("synchronizer"), Mapping):
-        try:
-            values["synchronizer"] = SyncConfig.from_mapping(values["synchronizer"], where="synchronizer")
-        except ConfigError as exc:
-            problems.extend(exc.problems)
-            values["synchronizer"] = SyncConfig()
     if source is not None:
         values["source"] = source
-    cfg = None
     try:
-        cfg = JobConfig.model_validate(values)
+        cfg = JobConfig.model_validate(values, context=CHECK_ENGINES if check_engines else SKIP_ENGINES)
     except ValidationError as exc:
-        problems.extend(problems_of(exc, JobConfig, top_level="section"))
-    explorers = cfg.explorers if cfg is not None else _explorers_or_default(data.get("explorers"))
-    engine_sections_ok = all(isinstance(data.get(key), (Mapping, type(None))) for key in ("model", "data", "algorithm"))
-    if check_engines and engine_sections_ok:
-        problems.extend(_engine_problems(data, explorers))
-    if cfg is not None:
-        problems.extend(_over_rollout_problems(cfg))
-    if check_engines and cfg is not None:
-        problems.extend(_eval_problems(cfg))
-        problems.extend(tracker_problems(cfg.monitor.backends))
-    if cfg is not None and cfg.transport.wire_dtype is not None and cfg.synchronizer.sync_method.is_rendezvous:
-        problems.append(("transport.wire_dtype", f"applies to the pull methods (memory, checkpoint), not to "
-                                                 f"{cfg.synchronizer.sync_method.value}: remove it, or set "
-                                                 "model.dtype for what the explorers load"))
-    if cfg is not None and cfg.trainer.world_size > 1 and cfg.model.get("engine") != "fsdp":
-        problems.append(("trainer.world_size", f"{cfg.trainer.world_size} ranks need a sharded engine: set "
-                                               "`model.engine: fsdp`, or world_size: 1"))
-    if problems:
         order = {str(key): i for i, key in enumerate(data)}
-        problems.sort(key=lambda problem: order.get(problem[0].split(".")[0].split("[")[0], len(order)))
-        raise ConfigError(problems, where=where)
-    assert cfg is not None
+        problems = sorted(problems_of(exc, JobConfig, top_level="section"),
+                          key=lambda problem: order.get(problem[0].split(".")[0].split("[")[0], len(order)))
+        raise ConfigError(problems, where=where) from None
     return _relative_to(cfg, source)
 
 

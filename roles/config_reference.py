@@ -20,7 +20,6 @@ from rolectl.sync_protocol import SyncConfig
 from rolectl.sync_protocol.enums import SyncMethod, SyncStyle
 
 from .config import (
-    ENV_PREFIX,
     BufferConfig,
     EnvSettings,
     EvalConfig,
@@ -32,7 +31,7 @@ from .config import (
     TrainerConfig,
     TransportConfig,
 )
-from .engines.config_errors import _BOUNDS, _options, _unwrap
+from .config_base import _BOUNDS, _options, _unwrap
 from .engines.sections import (
     AlgorithmSection,
     DataSection,
@@ -56,6 +55,9 @@ A job is one YAML file (`examples/` has one per sync style; each file's header s
 that runs it). Loading validates everything up front and reports every problem at once, each by its
 path (`explorers.count`, `model.lr`), saying what the field accepts. Unknown keys are refused.
 Values are strict: a count is an integer (not `"3"` or `true`), a duration a finite number of seconds.
+What a field names outside the file (a model directory, a data file, a reward function, an installed
+engine or tracker) is checked when a role that runs an engine (trainer, explorer) loads the job; a
+synchronizer reads the engine's sections as written and leaves them to those roles.
 """
 
 # Sections in file order: (heading, model, what the heading's path is)
@@ -69,13 +71,17 @@ _SECTIONS: tuple[tuple[str, type[BaseModel], str], ...] = (
     ("monitor", MonitorConfig, ""),
     ("serve", ServeConfig, ""),
     ("model (engine: tiny)", TinyModelSection,
-     "`model:` is one section per engine, selected by `model.engine` (`tiny` when absent)."),
+     "`model:` is one section per engine, selected by `model.engine` (`tiny` when absent). An engine "
+     "of another package (the `rolectl.engines` entry points) has its own keys in `model:`, and its own "
+     "`data:` and `algorithm:`, checked by that engine."),
     ("model (engine: hf)", HFModelSection, ""),
     ("model.build", HFBuildSection, ""),
     ("model (engine: fsdp)", FSDPModelSection, "The `hf` fields above, plus `fsdp:`. "),
     ("model.fsdp", FSDPSection, ""),
-    ("data", DataSection, "Required by `engine: hf` (the tiny engine has its own task and refuses it). "),
-    ("algorithm", AlgorithmSection, "The tiny engine has its own loss and refuses it. "),
+    ("data", DataSection, "Required by `engine: hf` and `engine: fsdp` (the tiny engine has its own task "
+                          "and refuses it). "),
+    ("algorithm", AlgorithmSection, "Optional for `engine: hf` and `engine: fsdp` (these defaults); the tiny "
+                                    "engine has its own loss and refuses it. "),
 )
 _TOP_LEVEL = ("job", "nats_url", "run_dir", "archive_dir", "log_level")
 _KINDS = {int: "integer", float: "number", bool: "boolean", str: "string", dict: "mapping"}
@@ -175,10 +181,8 @@ def _sync_table() -> str:
 
 def _env_table() -> str:
     rows = ["| variable | type | default | constraint | description |", "| --- | --- | --- | --- | --- |"]
-    prefix = ENV_PREFIX
     for name, info in EnvSettings.model_fields.items():
-        row = _row(name, info)
-        rows.append(row.replace(f"| `{name}` |", f"| `{prefix}{name.upper()}` |", 1))
+        rows.append(_row(name, info).replace(f"| `{name}` |", f"| `{info.alias}` |", 1))
     return "\n".join(rows)
 
 

@@ -1,8 +1,11 @@
 """Sync configuration: the knobs that change sync decisions, a frozen struct validated all at once.
 
-The constraint of each field sits on its annotation (`msgspec.Meta`); construction and decoding
-check every field against it and report every problem in one `ConfigError`. The job config
-(`rolectl.roles.config`) validates the same fields from YAML through these annotations.
+The constraint of each field sits on its annotation (`msgspec.Meta`). `from_mapping` converts a
+plain mapping (YAML, msgpack) with msgspec in one pass: unknown fields refused, the enums read in
+any case with the reference's aliases (`SyncMethod` / `SyncStyle` `_missing_`). msgspec stops at
+the first problem, so a mapping it refuses is then checked field by field, and every problem is
+reported in one `ConfigError`. The job config (`rolectl.roles.config`) reads its `synchronizer:`
+section through `from_mapping`.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from .errors import ConfigError
 
 __all__ = ["SyncConfig"]
 
-class SyncConfig(msgspec.Struct, frozen=True, kw_only=True):
+
+class SyncConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How and when weights move. Defaults follow the reference (nccl, fixed, every step, 3600 s).
 
     Heartbeat period/expiry are in seconds; a member silent for `heartbeat_expiry` is declared
@@ -50,7 +54,9 @@ class SyncConfig(msgspec.Struct, frozen=True, kw_only=True):
                                                           "snapshots (0 = never).")] = 10_000
 
     def __post_init__(self) -> None:
-        problems = _problems(self)
+        # msgspec checks what it converts, not a constructor's arguments: check them here (nine
+        # fields, cheap), with what msgspec cannot say (a finite number, the rule across fields)
+        problems = _problems(msgspec.structs.asdict(self))
         if problems:
             raise ConfigError(problems, where="sync config")
 
@@ -60,36 +66,19 @@ class SyncConfig(msgspec.Struct, frozen=True, kw_only=True):
         case and reporting every bad or unknown field at once."""
         if not isinstance(data, Mapping):
             raise ConfigError([(where, f"expected a mapping, got {type(data).__name__}")], where=where)
-        known = _annotations()
-        problems = [(f"{where}.{key}", f"unknown field; known: {sorted(known)}") for key in data if key not in known]
-        values = {key: _parse_enum(key, value) for key, value in data.items() if key in known}
         try:
-            cfg = cls(**values)
-        except ConfigError as exc:
-            problems.extend((f"{where}.{name}", why) for name, why in exc.problems)
-        if problems:
-            raise ConfigError(problems, where=where)
-        return cfg
+            return msgspec.convert(dict(data), cls)
+        except msgspec.ValidationError as exc:
+            # msgspec names the first problem only; __post_init__'s name them all, else look at each field
+            found = exc.__cause__.problems if isinstance(exc.__cause__, ConfigError) else _problems(data)
+            raise ConfigError([(f"{where}.{name}", why) for name, why in found], where=where) from None
 
     def to_mapping(self) -> dict[str, Any]:
         """Plain values (enums as strings), the inverse of `from_mapping`."""
-        return {name: getattr(self, name).value if isinstance(getattr(self, name), (SyncMethod, SyncStyle))
-                else getattr(self, name) for name in self.__struct_fields__}
-
+        mapping: dict[str, Any] = msgspec.to_builtins(self)
+        return mapping
 
 _ENUMS: dict[str, type[SyncMethod] | type[SyncStyle]] = {"sync_method": SyncMethod, "sync_style": SyncStyle}
-
-
-def _parse_enum(name: str, value: Any) -> Any:
-    """The enum member an alias or any-case spelling names; the value itself when it names none
-    (the field's check then reports it with the choices)."""
-    enum_cls = _ENUMS.get(name)
-    if enum_cls is None:
-        return value
-    try:
-        return enum_cls.parse(value)
-    except ValueError:
-        return value
 
 
 _HINTS: dict[str, Any] = {}
@@ -124,21 +113,26 @@ def _expected(annotation: Any) -> str:
     return " or ".join(sorted(words, key=lambda w: w != "null"))
 
 
-def _problems(cfg: SyncConfig) -> list[tuple[str, str]]:
-    """Every field that breaks its annotation, then the one rule across fields."""
-    problems: list[tuple[str, str]] = []
-    for name, annotation in _annotations().items():
-        value = getattr(cfg, name)
-        try:
-            msgspec.convert(value, annotation)
-            # msgspec's bounds let infinity through; a duration of inf seconds is a typo, not a choice
-            ok = not isinstance(value, float) or math.isfinite(value)
-        except msgspec.ValidationError:
-            ok = False
-        if not ok:
+def _fits(value: Any, annotation: Any) -> bool:
+    try:
+        msgspec.convert(value, annotation)
+    except msgspec.ValidationError:
+        return False
+    # msgspec's bounds let infinity through; a duration of inf seconds is a typo, not a choice
+    return not isinstance(value, float) or math.isfinite(value)
+
+
+def _problems(values: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """Every unknown field, every field that breaks its annotation, then the one rule across fields."""
+    known = _annotations()
+    problems = [(str(name), f"unknown field; known: {sorted(known)}") for name in values if name not in known]
+    for name, annotation in known.items():
+        if name in values and not _fits(values[name], annotation):
             why = f"one of {_ENUMS[name].choices()}" if name in _ENUMS else _expected(annotation)
-            problems.append((name, f"must be {why}, got {value!r}"))
-    period, expiry = cfg.heartbeat_period, cfg.heartbeat_expiry
+            problems.append((name, f"must be {why}, got {values[name]!r}"))
+    defaults = {field.name: field.default for field in msgspec.structs.fields(SyncConfig)}
+    period = values.get("heartbeat_period", defaults["heartbeat_period"])
+    expiry = values.get("heartbeat_expiry", defaults["heartbeat_expiry"])
     if not any(name.startswith("heartbeat") for name, _ in problems) and expiry <= period:
         problems.append(("heartbeat_expiry", f"must be longer than heartbeat_period ({period} s), got {expiry!r}"))
     return problems

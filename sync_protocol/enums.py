@@ -32,17 +32,21 @@ class _ParsableEnum(str, Enum):
         return {}
 
     @classmethod
+    def _lookup(cls, text: str) -> Self | None:
+        key = text.strip().lower()
+        key = cls._aliases().get(key, key)
+        return next((member for member in cls if member.value == key), None)
+
+    @classmethod
     def parse(cls, text: str | _ParsableEnum) -> Self:
         if isinstance(text, cls):
             return text
         if not isinstance(text, str):
             raise ValueError(f"expected one of {cls.choices()}, got {text!r}")
-        key = text.strip().lower()
-        key = cls._aliases().get(key, key)
-        for member in cls:
-            if member.value == key:
-                return member
-        raise ValueError(f"{text!r} is not a {cls.__name__}; expected one of {cls.choices()}")
+        found = cls._lookup(text)
+        if found is None:
+            raise ValueError(f"{text!r} is not a {cls.__name__}; expected one of {cls.choices()}")
+        return found
 
     @classmethod
     def choices(cls) -> list[str]:
@@ -69,7 +73,17 @@ class RunningStatus(_ParsableEnum):
     STOPPED = "stopped"
 
 
-class SyncMethod(_ParsableEnum):
+class _ConfigEnum(_ParsableEnum):
+    """An enum a config names: a value in any case, or one of the reference's aliases, is read as the
+    member it names by `Enum()` and by msgspec alike (both call `_missing_`). The wire's other enums
+    (roles, statuses) stay exact."""
+
+    @classmethod
+    def _missing_(cls, value: object) -> Self | None:
+        return cls._lookup(value) if isinstance(value, str) else None
+
+
+class SyncMethod(_ConfigEnum):
     """How weight bytes move. `memory` is the JetStream object store here."""
 
     NCCL = "nccl"
@@ -87,7 +101,7 @@ class SyncMethod(_ParsableEnum):
         return self in RENDEZVOUS_METHODS
 
 
-class SyncStyle(_ParsableEnum):
+class SyncStyle(_ConfigEnum):
     """Who decides when weights move."""
 
     FIXED = "fixed"

@@ -3,13 +3,14 @@
 `model.engine` names the trainer's engine and, unless `model.rollout_engine` names another, the
 explorers'. Built in: `tiny` (the pure-PyTorch reference, train + rollout), `hf` (Hugging Face
 transformers, train + rollout), `fsdp` (the `hf` model sharded over ranks with FSDP2, train; its
-explorers are `hf` unless `rollout_engine` says otherwise) and `vllm` (rollout). Other packages add engines through the
-`rolectl.engines` entry-point group: each entry point loads an `EngineSpec`.
+explorers are `hf` unless `rollout_engine` says otherwise) and `vllm` (rollout). Other packages add
+engines through the `rolectl.engines` entry-point group: each entry point loads an `EngineSpec`.
 
-Each engine validates its own sections (`model:`, and for `hf`/`vllm` also `data:` and `algorithm:`)
-and reports every problem at once, by dotted path. The built-ins' sections are typed models in
-`rolectl.roles.engines.sections` (`model:` a union selected by `model.engine`); what needs files or
-libraries (a model directory, a data file, verl, vllm) is checked here and in the engine modules.
+An engine is built from its typed sections (`EngineSections`): the job config validates them
+(`rolectl.roles.engines.sections`: `model:` a union selected by `model.engine`), and, when the job
+is loaded with its engines, runs each engine's `problems` once: what the engine needs installed
+(transformers, peft, vllm, verl) and which sections it reads. An engine of another package gets its
+sections as written (`OpenModelSection`, `OpenSection`) and checks them in its own `problems`.
 """
 
 from __future__ import annotations
@@ -21,9 +22,20 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
 
+from rolectl.roles.config_base import CHECK_ENGINES, OpenSection, validate_section
+
 from .base import RolloutEngine, Task, TaskSet, TrainEngine, WeightsMismatch
-from .config_errors import validate_section
-from .sections import ModelSection
+from .sections import (
+    BUILTIN_TRAINERS,
+    READS_DATA,
+    AlgorithmSection,
+    DataSection,
+    FSDPModelSection,
+    HFModelSection,
+    ModelSection,
+    OpenModelSection,
+    TinyModelSection,
+)
 from .task import ReverseDigitsTaskSet, score_response
 
 if TYPE_CHECKING:
@@ -66,15 +78,37 @@ __all__ = [
     "engine_summary",
 ]
 
+AnyModelSection = TinyModelSection | HFModelSection | OpenModelSection
+"""A `model:` section: a built-in engine's (`FSDPModelSection` is an `HFModelSection`), or another's as written."""
+_MODEL_SECTIONS = (TinyModelSection, HFModelSection, OpenModelSection)
+
+
+def _invalid(problems: list[tuple[str, str]]) -> ValueError:
+    return ValueError("invalid engine config: " + "; ".join(f"{path}: {why}" for path, why in problems))
+
+
+def _typed(model: Any, value: Any, where: str) -> Any:
+    """`value` as the typed section `model` (a union by its annotation) when it is a mapping or was read
+    as written (a job loaded without its engines); a typed section as it is."""
+    if isinstance(value, OpenSection):
+        value = value.model_dump()
+    if not isinstance(value, Mapping):
+        return value
+    section, problems = validate_section(model, value, where=where)
+    if problems:
+        raise _invalid(problems)
+    return section
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EngineSections:
-    """What an engine is built from: the job's `model:`, `data:` and `algorithm:` sections and the
-    explorers' layout (so a task set can take its shard)."""
+    """What an engine is built from: the job's typed `model:`, `data:` and `algorithm:` sections (as
+    written for an engine of another package) and the explorers' layout (so a task set can take
+    its shard)."""
 
-    model: Mapping[str, Any]
-    data: Mapping[str, Any] | None = None
-    algorithm: Mapping[str, Any] | None = None
+    model: AnyModelSection
+    data: DataSection | OpenSection | None = None
+    algorithm: AlgorithmSection | OpenSection | None = None
     explorer_count: int = 1
     tensor_parallel_size: int = 1
     wire_dtype: str | None = None
@@ -82,13 +116,23 @@ class EngineSections:
 
     @classmethod
     def of(cls, job: Any) -> EngineSections:
-        """From a `JobConfig`, or from a bare `model:` mapping (tests of the tiny engine)."""
-        if isinstance(job, Mapping):
-            return cls(model=job)
-        return cls(model=job.model, data=getattr(job, "data", None) or None,
-                   algorithm=getattr(job, "algorithm", None), explorer_count=job.explorers.count,
-                   tensor_parallel_size=job.explorers.tensor_parallel_size,
-                   wire_dtype=getattr(getattr(job, "transport", None), "wire_dtype", None))
+        """From a `JobConfig`, or from a `model:` section alone (a mapping: tests of the tiny engine).
+        A built-in engine's sections are typed here when the job was loaded without its engines."""
+        if isinstance(job, (Mapping, *_MODEL_SECTIONS)):
+            return cls(model=_model_section(job))
+        model = _model_section(job.model)
+        data, algorithm = job.data, job.algorithm
+        if model.engine in READS_DATA:
+            data, algorithm = _typed(DataSection, data, "data"), _typed(AlgorithmSection, algorithm, "algorithm")
+        return cls(model=model, data=data, algorithm=algorithm, explorer_count=job.explorers.count,
+                   tensor_parallel_size=job.explorers.tensor_parallel_size, wire_dtype=job.transport.wire_dtype)
+
+
+def _model_section(value: Any) -> AnyModelSection:
+    """A `model:` section typed by its engine (an engine of another package's as written)."""
+    if isinstance(value, OpenModelSection) and value.engine not in BUILTIN_TRAINERS:
+        return value
+    return _typed(ModelSection, value, "model")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -97,6 +141,8 @@ class EngineSpec:
 
     name: str
     problems: Callable[[EngineSections], list[tuple[str, str]]]
+    """What the engine needs beyond its typed sections (libraries, the sections it reads), as
+    (dotted path, reason); an engine of another package checks its sections here."""
     train: Callable[[EngineSections], TrainEngine] | None = None
     rollout: Callable[[EngineSections, str], RolloutEngine] | None = None
     taskset: Callable[..., TaskSet] | None = None
@@ -104,32 +150,19 @@ class EngineSpec:
     """Tasks from the eval file's (prompt, answer) rows (its path for messages); None: no eval."""
 
 
-def _model_problems(sections: EngineSections) -> list[tuple[str, str]]:
-    """The built-in engines' `model:` sections: one typed model per engine, selected by `engine`."""
-    return validate_section(ModelSection, sections.model, where="model")[1]
-
-
 # -- tiny ------------------------------------------------------------------------------------------
 
 def _tiny_problems(sections: EngineSections) -> list[tuple[str, str]]:
-    problems = _model_problems(sections)
-    for section in ("data", "algorithm"):
-        if getattr(sections, section):
-            problems.append((section, f"the tiny engine has its own task and loss; remove `{section}:` or use "
-                                      "engine: hf"))
-    return problems
-
-
-def _tiny_config(sections: EngineSections) -> TinyConfig:
-    from .tiny import tiny_config_from_mapping
-
-    return tiny_config_from_mapping(sections.model)
+    # an empty section asks for nothing
+    return [(name, f"the tiny engine has its own task and loss; remove `{name}:` or use engine: hf")
+            for name in ("data", "algorithm") if getattr(sections, name) is not None
+            and getattr(sections, name).model_dump()]
 
 
 def _tiny_train(sections: EngineSections) -> TinyTrainEngine:
     from .tiny import TinyTrainEngine
 
-    return TinyTrainEngine(_tiny_config(sections))
+    return TinyTrainEngine(sections.model)
 
 
 def _tiny_rollout(sections: EngineSections, member: str) -> TinyRolloutEngine:
@@ -137,7 +170,7 @@ def _tiny_rollout(sections: EngineSections, member: str) -> TinyRolloutEngine:
     restarted explorer samples exactly as before."""
     from .tiny import TinyRolloutEngine
 
-    config = _tiny_config(sections)
+    config = sections.model
     engine = TinyRolloutEngine(config, member=member, sampling_seed=zlib.crc32(f"{config.seed}/{member}".encode()))
     if sections.wire_dtype is not None:  # it receives and samples with the wire dtype
         import torch
@@ -150,7 +183,7 @@ def _tiny_taskset(sections: EngineSections, *, seed: int, total_batches: int | N
                   batch_size: int | None) -> ReverseDigitsTaskSet:
     from .tiny import build_task_set
 
-    config = _tiny_config(sections)
+    config = sections.model
     if batch_size is not None:
         config = config.replace(tasks_per_step=batch_size)
     return build_task_set(config, seed=config.seed * 1000 + seed, num_batches=total_batches)
@@ -159,46 +192,36 @@ def _tiny_taskset(sections: EngineSections, *, seed: int, total_batches: int | N
 def _tiny_eval_tasks(sections: EngineSections, rows: Sequence[tuple[str, str]], path: str) -> list[Task]:
     from .evaluation import tiny_eval_tasks
 
-    return tiny_eval_tasks(rows, task_length=_tiny_config(sections).task_length, path=path)
+    return tiny_eval_tasks(rows, task_length=sections.model.task_length, path=path)
 
 
-# -- hf / vllm (imported lazily: transformers and vllm are optional extras) --------------------------
+# -- hf / fsdp / vllm (imported lazily: transformers and vllm are optional extras) --------------------
 
-def _hf_model(sections: EngineSections) -> Mapping[str, Any]:
-    """The `model:` settings the hf engines read: an `fsdp` trainer's `model:` read as `hf` (its
-    explorers are `hf`/`vllm` rollouts), its own `model.fsdp:` left out."""
-    if sections.model.get("engine") == "fsdp":
-        return {**{k: v for k, v in sections.model.items() if k != "fsdp"}, "engine": "hf"}
-    return sections.model
+_DATA_REQUIRED = "required by the hf engine: `data: {path: FILE, prompt_key, answer_key, rewards}`"
 
 
 def _hf_problems(sections: EngineSections) -> list[tuple[str, str]]:
-    try:
-        from .hf_model import hf_model_path_problems
-    except ImportError as exc:
-        return [("model.engine", f"the hf engine needs transformers ({exc}); pip install -e '.[hf]'")]
-    problems = _model_problems(sections) + hf_model_path_problems(_hf_model(sections))
+    problems = []
     try:
         import datasets  # noqa: F401
         import transformers  # noqa: F401
     except ImportError as exc:
         problems.append(("model.engine", f"the hf engine needs transformers and datasets ({exc}); "
                                          "pip install -e '.[hf]' (docs/engines.md)"))
-    from .algorithms import algorithm_config_problems
-    from .data import data_config_problems
-
     if sections.data is None:
-        problems.append(("data", "required by the hf engine: `data: {path: FILE, prompt_key, answer_key, rewards}`"))
-    else:
-        problems.extend(data_config_problems(sections.data))
-    problems.extend(algorithm_config_problems(sections.algorithm or {}))
-    if isinstance(sections.model.get("lora"), Mapping):
+        problems.append(("data", _DATA_REQUIRED))
+    from .algorithms import verl_import_problem
+
+    missing = verl_import_problem()
+    if missing:
+        problems.append(("algorithm", missing))
+    if getattr(sections.model, "lora", None) is not None:
         try:
             import peft  # noqa: F401
         except ImportError as exc:
             problems.append(("model.lora", f"LoRA adapters need peft ({exc}); pip install -e '.[hf]' "
                                            "(docs/engines.md)"))
-    if sections.model.get("rollout_engine") == "vllm":
+    if sections.model.rollout_engine == "vllm":
         try:
             import vllm  # noqa: F401
         except Exception as exc:  # vllm fails at import in several ways when mis-installed
@@ -208,36 +231,36 @@ def _hf_problems(sections: EngineSections) -> list[tuple[str, str]]:
 
 
 def _hf_parts(sections: EngineSections):
-    from .data import data_config_from_mapping
-    from .hf_model import ensure_model, hf_model_config_from_mapping
+    """The hf engines' model section (an `fsdp` trainer's is an hf model too), data section, and model
+    directory (built first when `model.build` says how)."""
+    from .hf_model import ensure_model
 
-    model = hf_model_config_from_mapping(_hf_model(sections))
-    data = data_config_from_mapping(sections.data or {})
+    model, data = sections.model, sections.data
+    if not isinstance(data, DataSection):
+        raise _invalid([("data", _DATA_REQUIRED)])
     return model, data, ensure_model(model, data_path=data.path)
 
 
 def _hf_train(sections: EngineSections) -> TrainEngine:
-    from .algorithms import algorithm_config_from_mapping
     from .hf import HFTrainEngine
 
     model, _, path = _hf_parts(sections)
-    return HFTrainEngine(model, algorithm_config_from_mapping(sections.algorithm or {}), model_path=path)
+    return HFTrainEngine(model, sections.algorithm or AlgorithmSection(), model_path=path)
 
 
 def _fsdp_train(sections: EngineSections) -> TrainEngine:
-    from .algorithms import algorithm_config_from_mapping
-    from .fsdp import FSDPTrainEngine, fsdp_config_from_mapping
+    from .fsdp import FSDPTrainEngine
 
-    _, _, path = _hf_parts(sections)
-    return FSDPTrainEngine(fsdp_config_from_mapping(sections.model),
-                           algorithm_config_from_mapping(sections.algorithm or {}), model_path=path)
+    model, _, path = _hf_parts(sections)
+    assert isinstance(model, FSDPModelSection)
+    return FSDPTrainEngine(model, sections.algorithm or AlgorithmSection(), model_path=path)
 
 
 def _rollout_sections(sections: EngineSections) -> EngineSections:
     """A rollout engine's sections: with a wire dtype its model is loaded in that dtype (it receives it)."""
     if sections.wire_dtype is None:
         return sections
-    return dataclasses.replace(sections, model={**_hf_model(sections), "dtype": sections.wire_dtype})
+    return dataclasses.replace(sections, model=sections.model.replace(dtype=sections.wire_dtype))
 
 
 def _hf_rollout(sections: EngineSections, member: str) -> RolloutEngine:
@@ -273,7 +296,7 @@ def _text_eval_tasks(sections: EngineSections, rows: Sequence[tuple[str, str]], 
     from .hf_model import load_tokenizer
 
     _, data, model_path = _hf_parts(sections)
-    tasks = TextTaskSet(data.model_copy(update={"path": path}), load_tokenizer(model_path), shard=0, num_shards=1,
+    tasks = TextTaskSet(data.replace(path=path), load_tokenizer(model_path), shard=0, num_shards=1,
                         batch_size=1, rows=list(rows))
     return [tasks.tasks[i] for i in range(len(rows))]
 
@@ -300,32 +323,37 @@ def engines() -> dict[str, EngineSpec]:
     return found
 
 
-def engine_names(model: Mapping[str, Any]) -> dict[str, str]:
+def engine_names(model: Any) -> dict[str, str]:
     """`{"trainer": ..., "explorer": ...}` for a `model:` section."""
-    trainer = model.get("engine", "tiny")
-    return {"trainer": trainer, "explorer": model.get("rollout_engine") or trainer}
+    return {"trainer": model.engine, "explorer": model.rollout_engine or model.engine}
 
 
-def engine_config_problems(sections: EngineSections) -> list[tuple[str, str]]:
-    """Every problem with the engine sections, as (dotted path, reason); empty when valid."""
-    model = sections.model
-    if not isinstance(model, Mapping):
-        return [("model", f"must be a mapping, got {type(model).__name__}")]
+def _name_problems(model: Any) -> list[tuple[str, str]]:
+    """Engines the `model:` section names that are not installed, or that cannot pair."""
     known = engines()
     names = engine_names(model)
     problems = []
-    train = known.get(names["trainer"])
+    train, rollout = known.get(names["trainer"]), known.get(names["explorer"])
     if train is None or train.train is None:
         trainers = sorted(n for n, s in known.items() if s.train)
         problems.append(("model.engine", f"unknown trainer engine {names['trainer']!r}; known: {trainers}"))
-    rollout = known.get(names["explorer"])
     if rollout is None or rollout.rollout is None:
         rollouts = sorted(n for n, s in known.items() if s.rollout)
         problems.append(("model.rollout_engine", f"unknown rollout engine {names['explorer']!r}; known: {rollouts}"))
+    if not problems and "tiny" in names.values() and names["trainer"] != names["explorer"]:
+        problems.append(("model.rollout_engine", "the tiny engine pairs only with itself (its task is token ids, "
+                                                 "not text)"))
+    return problems
+
+
+def engine_config_problems(sections: EngineSections) -> list[tuple[str, str]]:
+    """What the engines the sections name need beyond the typed sections, as (dotted path, reason);
+    empty when they can be built. The job config runs it once, when loaded with its engines."""
+    problems = _name_problems(sections.model)
     if problems:
         return problems
-    if "tiny" in names.values() and names["trainer"] != names["explorer"]:
-        return [("model.rollout_engine", "the tiny engine pairs only with itself (its task is token ids, not text)")]
+    names = engine_names(sections.model)
+    train, rollout = engines()[names["trainer"]], engines()[names["explorer"]]
     problems = train.problems(sections)
     if rollout is not train:  # an fsdp trainer and hf explorers check the same sections: report each once
         problems += [p for p in rollout.problems(sections) if p not in problems]
@@ -334,50 +362,49 @@ def engine_config_problems(sections: EngineSections) -> list[tuple[str, str]]:
 
 def model_config_problems(model: Mapping[str, Any]) -> list[tuple[str, str]]:
     """Problems with a bare `model:` section (no `data:` / `algorithm:`)."""
-    return engine_config_problems(EngineSections(model=model))
+    section, problems = validate_section(ModelSection, model, where="model", context=CHECK_ENGINES)
+    return problems or engine_config_problems(EngineSections(model=section))
 
 
-def _checked(job: Any) -> EngineSections:
+def _built(job: Any, role: str) -> tuple[EngineSections, EngineSpec]:
+    """The typed sections of a `JobConfig` (or a `model:` section alone) and the engine of `role`."""
     sections = EngineSections.of(job)
-    problems = engine_config_problems(sections)
+    problems = _name_problems(sections.model)
     if problems:
-        raise ValueError("invalid engine config: " + "; ".join(f"{path}: {why}" for path, why in problems))
-    return sections
+        raise _invalid(problems)
+    return sections, engines()[engine_names(sections.model)[role]]
 
 
 def make_train_engine(job: Any) -> TrainEngine:
-    """The trainer's engine for a `JobConfig` (or a bare `model:` mapping)."""
-    sections = _checked(job)
-    return engines()[engine_names(sections.model)["trainer"]].train(sections)
+    """The trainer's engine for a `JobConfig` (or a `model:` section alone)."""
+    sections, spec = _built(job, "trainer")
+    return spec.train(sections)
 
 
 def make_rollout_engine(job: Any, member: str) -> RolloutEngine:
-    """Explorer `member`'s engine for a `JobConfig` (or a bare `model:` mapping)."""
-    sections = _checked(job)
-    return engines()[engine_names(sections.model)["explorer"]].rollout(sections, member)
+    """Explorer `member`'s engine for a `JobConfig` (or a `model:` section alone)."""
+    sections, spec = _built(job, "explorer")
+    return spec.rollout(sections, member)
 
 
 def make_taskset(job: Any, *, seed: int, total_batches: int | None = None, batch_size: int | None = None) -> TaskSet:
     """Explorer `seed`'s task stream: `batch_size` tasks per explore step, `total_batches` steps
     (default unbounded)."""
-    sections = _checked(job)
-    return engines()[engine_names(sections.model)["explorer"]].taskset(
-        sections, seed=seed, total_batches=total_batches, batch_size=batch_size)
+    sections, spec = _built(job, "explorer")
+    return spec.taskset(sections, seed=seed, total_batches=total_batches, batch_size=batch_size)
 
 
 def make_eval_tasks(job: Any) -> list[Task]:
     """The eval set of a `JobConfig` (its `eval:` file) as the explorers' engine's tasks."""
     from .evaluation import load_eval_rows
 
-    sections = _checked(job)
-    name = engine_names(sections.model)["explorer"]
-    spec = engines()[name]
+    sections, spec = _built(job, "explorer")
     if spec.eval_tasks is None:
-        raise ValueError(f"the {name} engine cannot evaluate (its EngineSpec has no eval_tasks)")
+        raise ValueError(f"the {spec.name} engine cannot evaluate (its EngineSpec has no eval_tasks)")
     return spec.eval_tasks(sections, load_eval_rows(job), str(job.eval.path))
 
 
-def engine_summary(model: Mapping[str, Any], records: Sequence[Any]) -> dict[str, Any]:
+def engine_summary(model: Any, records: Sequence[Any]) -> dict[str, Any]:
     """What `rolectl up`'s summary says about the engines: their names, the model's parameter count
     (and with `model.lora` the adapter's), for a trainer of ranks, their number (as the trainer
     reported them in its recorded `StepFinished` metrics)."""
@@ -387,7 +414,7 @@ def engine_summary(model: Mapping[str, Any], records: Sequence[Any]) -> dict[str
                if isinstance(r.event, StepFinished) and r.event.member.role is Role.TRAINER]
     count = next((int(m["model_parameters"]) for m in reversed(metrics) if "model_parameters" in m), None)
     summary = {"engines": engine_names(model), "model_parameters": count}
-    if model.get("lora") is not None:  # a LoRA adapter: how much of the model is trained (and sent)
+    if getattr(model, "lora", None) is not None:  # a LoRA adapter: how much of the model is trained (and sent)
         summary["trainable_parameters"] = next(
             (int(m["trainable_parameters"]) for m in reversed(metrics) if "trainable_parameters" in m), None)
     world = next((int(m["world_size"]) for m in reversed(metrics) if "world_size" in m), None)

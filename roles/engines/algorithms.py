@@ -10,21 +10,18 @@ does), so every estimator that needs only rewards, a response mask and a group i
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from .config_errors import validate_section
 from .sections import OUTCOME_ESTIMATORS, AlgorithmSection
 
 __all__ = [
     "AlgorithmConfig",
     "OUTCOME_ESTIMATORS",
-    "algorithm_config_problems",
-    "algorithm_config_from_mapping",
     "verl_import_problem",
     "VerlAlgorithm",
 ]
@@ -43,31 +40,6 @@ def verl_import_problem() -> str | None:
     except Exception as exc:  # ImportError or an incompatible dependency failing at import
         return f"verl's core_algos do not import ({type(exc).__name__}: {exc}); {_VERL_INSTALL}"
     return None
-
-
-def algorithm_config_problems(values: Any, *, where: str = "algorithm") -> list[tuple[str, str]]:
-    """Every problem with an `algorithm:` mapping (verl must import: names are checked against its registries)."""
-    if not isinstance(values, Mapping):
-        return [(where, f"must be a mapping, got {values!r}")]
-    _, problems = validate_section(AlgorithmConfig, values, where=where)
-    missing = verl_import_problem()
-    if missing:
-        problems.append((where, missing))
-    else:
-        from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
-
-        loss = values.get("policy_loss", "vanilla")
-        if isinstance(loss, str) and loss not in POLICY_LOSS_REGISTRY:
-            problems.append((f"{where}.policy_loss", f"not in verl's policy-loss registry "
-                                                     f"{sorted(POLICY_LOSS_REGISTRY)}, got {loss!r}"))
-    return problems
-
-
-def algorithm_config_from_mapping(values: Mapping[str, Any]) -> AlgorithmConfig:
-    problems = algorithm_config_problems(values)
-    if problems:
-        raise ValueError("invalid algorithm config: " + "; ".join(f"{p}: {why}" for p, why in problems))
-    return AlgorithmConfig.model_validate(values)
 
 
 class VerlAlgorithm:

@@ -17,40 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from .base import Task
-from .config_errors import validate_section
-from .rewards import reward_spec_problems
-from .sections import DataSection
+from .sections import TASK_FILES, DataSection
 
-__all__ = ["DataConfig", "data_config_problems", "data_config_from_mapping", "load_rows", "TextTaskSet"]
+__all__ = ["DataConfig", "load_rows", "TextTaskSet"]
 
-_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
 DataConfig = DataSection  # the `data:` section, as the engines use it
-
-
-def data_config_problems(values: Any, *, where: str = "data") -> list[tuple[str, str]]:
-    """Every problem with a `data:` mapping, as (dotted path, reason); empty when valid."""
-    _, problems = validate_section(DataConfig, values, where=where)
-    if not isinstance(values, Mapping):
-        return problems
-    path = values.get("path")
-    if isinstance(path, str) and path:
-        if Path(path).suffix.lower() not in _FORMATS:
-            problems.append((f"{where}.path", f"{path}: unknown file type; use one of {sorted(_FORMATS)}"))
-        elif not Path(path).is_file():
-            problems.append((f"{where}.path", f"{path}: no such file (relative paths are from the working "
-                                              f"directory {Path.cwd()})"))
-    if "rewards" in values:
-        problems.extend(reward_spec_problems(values["rewards"], where=f"{where}.rewards"))
-    return problems
-
-
-def data_config_from_mapping(values: Mapping[str, Any]) -> DataConfig:
-    problems = data_config_problems(values)
-    if problems:
-        raise ValueError("invalid data config: " + "; ".join(f"{p}: {why}" for p, why in problems))
-    return DataConfig.model_validate(values)
 
 
 def load_rows(config: DataConfig, *, section: str = "data") -> list[tuple[str, str]]:
@@ -58,7 +31,7 @@ def load_rows(config: DataConfig, *, section: str = "data") -> list[tuple[str, s
     config `section` whose keys name the columns)."""
     import datasets
 
-    kind = _FORMATS[Path(config.path).suffix.lower()]
+    kind = TASK_FILES[Path(config.path).suffix.lower()]
     datasets.disable_progress_bars()
     try:
         table = datasets.load_dataset(kind, data_files=str(config.path), split="train")

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from .base import Task
+from .sections import TASK_FILES
 from .task import BOS, SEP
 
 __all__ = [
@@ -31,7 +32,7 @@ __all__ = [
     "evaluate",
 ]
 
-EVAL_FORMATS = (".jsonl", ".json", ".parquet", ".csv")
+EVAL_FORMATS = tuple(TASK_FILES)
 _TINY_REWARDS = ("positional_match", "exact_match")
 
 
@@ -57,10 +58,10 @@ def eval_reward_names(job: Any) -> tuple[str, ...]:
     """The rewards an eval reports: `eval.rewards`, else those of `data.rewards`, else the tiny task's."""
     if job.eval.rewards:
         return tuple(job.eval.rewards)
-    if job.data and "rewards" in job.data:
+    if job.data is not None and "rewards" in job.data.model_fields_set:
         from .rewards import parse_reward_specs
 
-        return tuple(r.name for r in parse_reward_specs(job.data["rewards"]))
+        return tuple(r.name for r in parse_reward_specs(job.data.rewards))
     return _TINY_REWARDS
 
 
@@ -111,11 +112,8 @@ def eval_config_problems(job: Any) -> list[tuple[str, str]]:
         return problems + [("eval.path", f"eval files are read with `datasets` ({exc}); pip install -e '.[hf]'")]
     try:
         rows = load_eval_rows(job)
-        if (job.model or {}).get("engine", "tiny") == "tiny":
-            from .sections import TinyModelSection
-
-            length = TinyModelSection.model_validate(job.model or {}).task_length
-            tiny_eval_tasks(rows, task_length=length, path=str(path))
+        if job.model.engine == "tiny":
+            tiny_eval_tasks(rows, task_length=job.model.task_length, path=str(path))
     except ValueError as exc:
         problems.append(("eval.path", str(exc)))
     return problems

@@ -29,7 +29,6 @@ import json
 import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -42,51 +41,16 @@ from rolectl.bus.files import atomic_directory, atomic_path
 from rolectl.sync_protocol.experience import Experience, ExperienceLimits
 
 from .algorithms import AlgorithmConfig, VerlAlgorithm
-from .config_errors import validate_section
 from .hf import AdapterDisabled, batch_inputs, batch_metrics, response_logprobs
-from .hf_model import HFModelConfig, hf_model_path_problems, load_tokenizer
+from .hf_model import load_tokenizer
 from .lora import ADAPTER_NAME, save_adapter, wrap_with_lora
 from .sections import FSDPModelSection, LoRASection
 from .streaming import DEFAULT_BUCKET_BYTES, NamedTensors, buckets_of
 
-__all__ = ["FSDPConfig", "FSDPTrainEngine", "fsdp_config_from_mapping", "fsdp_config_problems"]
+__all__ = ["FSDPTrainEngine"]
 
 _STATE_JSON_FILE = "engine_state.json"
 _DCP_DIR = "dcp"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class FSDPConfig:
-    """What an `fsdp` engine is built from: the `hf` engine's model settings and `model.fsdp`
-    (see `FSDPModelSection`, whose fields these are)."""
-
-    model: HFModelConfig
-    param_dtype: str = "auto"
-    reshard_after_forward: bool = True
-    weight_bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    timeout_s: float = 600.0
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        if self.param_dtype == "auto":
-            return torch.bfloat16 if self.model.device.startswith("cuda") else torch.float32
-        return _DTYPES[self.param_dtype]
-
-
-def fsdp_config_problems(values: Mapping[str, Any], *, where: str = "model") -> list[tuple[str, str]]:
-    """Every problem with an `fsdp` `model:` mapping, as (dotted path, reason)."""
-    values = {**values, "engine": "fsdp"}
-    return validate_section(FSDPModelSection, values, where=where)[1] + hf_model_path_problems(values, where=where)
-
-
-def fsdp_config_from_mapping(values: Mapping[str, Any]) -> FSDPConfig:
-    problems = fsdp_config_problems(values)
-    if problems:
-        raise ValueError("invalid model config: " + "; ".join(f"{p}: {why}" for p, why in problems))
-    section = FSDPModelSection.model_validate({**values, "engine": "fsdp"})
-    hf = section.model_dump(exclude={"fsdp", "engine"})
-    return FSDPConfig(model=HFModelConfig.model_validate(hf), **section.fsdp.model_dump())
 
 
 def _join_process_group(device: str, timeout: timedelta) -> tuple[int, int, bool]:
@@ -117,26 +81,25 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 class FSDPTrainEngine:
     """Trainer side of the `fsdp` engine; one instance per rank."""
 
-    def __init__(self, config: FSDPConfig, algorithm: AlgorithmConfig, *, model_path: Path) -> None:
+    def __init__(self, config: FSDPModelSection, algorithm: AlgorithmConfig, *, model_path: Path) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
         self.config = config
         self.algorithm_config = algorithm
-        model_config = config.model
         self.rank, self.world_size, self._owns_group = _join_process_group(
-            model_config.device, timedelta(seconds=config.timeout_s))
-        if model_config.device.startswith("cuda"):
-            index = int(os.environ.get("LOCAL_RANK", "0")) if model_config.device == "cuda" else None
-            self.device = torch.device("cuda", index) if index is not None else torch.device(model_config.device)
+            config.device, timedelta(seconds=config.fsdp.timeout_s))
+        if config.device.startswith("cuda"):
+            index = int(os.environ.get("LOCAL_RANK", "0")) if config.device == "cuda" else None
+            self.device = torch.device("cuda", index) if index is not None else torch.device(config.device)
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
-        torch.manual_seed(model_config.seed)
+        torch.manual_seed(config.seed)
         self.model_path = Path(model_path)
         self.tokenizer = load_tokenizer(model_path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self.lora = model_config.lora
+        self.lora = config.lora
         self.model = self._sharded_model(trainable=True)
         self.reference: Any = None
         if algorithm.kl_coef > 0:  # the KL anchor: the base under the adapter, or version 0 frozen
@@ -144,9 +107,9 @@ class FSDPTrainEngine:
                               else self._sharded_model(trainable=False))
         trained = [p for p in self.model.parameters() if p.requires_grad]
         self.trainable_parameters = sum(p.numel() for p in trained)  # DTensors count their global size
-        self.optimizer = torch.optim.AdamW(trained, lr=model_config.lr, weight_decay=model_config.weight_decay)
-        self.algorithm = VerlAlgorithm(algorithm, group_size=model_config.group_size)
-        self.group_size = model_config.group_size
+        self.optimizer = torch.optim.AdamW(trained, lr=config.lr, weight_decay=config.weight_decay)
+        self.algorithm = VerlAlgorithm(algorithm, group_size=config.group_size)
+        self.group_size = config.group_size
         self.vocab_size = int(self.model.config.vocab_size)
         self.num_parameters = sum(p.numel() for p in self.model.parameters())  # DTensors count their global size
         state = self.model.state_dict(keep_vars=True)
@@ -154,7 +117,7 @@ class FSDPTrainEngine:
         marker = f".{ADAPTER_NAME}."
         self._sent_names = {n: n.replace(marker, ".") for n in state
                             if self.lora is None or ("lora_" in n and marker in n)}
-        itemsize = torch.empty(0, dtype=model_config.torch_dtype).element_size()
+        itemsize = torch.empty(0, dtype=config.torch_dtype).element_size()
         # Full sizes as streamed, so every rank cuts the same buckets without gathering to measure.
         self._streamed_nbytes = {self._sent_names[n]: t.numel() * (itemsize if t.is_floating_point()
                                                                    else t.element_size())
@@ -167,8 +130,8 @@ class FSDPTrainEngine:
                 self._tied_names.add(name)
             seen.add(id(tensor))
         self.experience_limits = ExperienceLimits(
-            vocab_size=self.vocab_size, prompt_length=None, max_response_length=model_config.max_new_tokens,
-            group_size=model_config.group_size)
+            vocab_size=self.vocab_size, prompt_length=None, max_response_length=config.max_new_tokens,
+            group_size=config.group_size)
         self.updates_skipped_nonfinite = 0
         self.step = 0
 
@@ -186,15 +149,15 @@ class FSDPTrainEngine:
             model = transformers.AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
         if (path / "generation_config.json").is_file():
             model.generation_config = transformers.GenerationConfig.from_pretrained(path, local_files_only=True)
-        if trainable and self.config.model.gradient_checkpointing:
+        if trainable and self.config.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        lora = self.config.model.lora if trainable else None
+        lora = self.config.lora if trainable else None
         if lora is not None:
-            if self.config.model.gradient_checkpointing:
+            if self.config.gradient_checkpointing:
                 model.enable_input_require_grads()  # the frozen embeddings' output must carry grad
-            model = wrap_with_lora(model, lora, seed=self.config.model.seed)  # on meta: values from rank 0
+            model = wrap_with_lora(model, lora, seed=self.config.seed)  # on meta: values from rank 0
         policy = MixedPrecisionPolicy(param_dtype=self.config.compute_dtype, reduce_dtype=torch.float32)
-        reshard = self.config.reshard_after_forward
+        reshard = self.config.fsdp.reshard_after_forward
         for layer in _decoder_layers(model):
             fully_shard(layer, mesh=self.mesh, mp_policy=policy, reshard_after_forward=reshard)
         fully_shard(model, mesh=self.mesh, mp_policy=policy, reshard_after_forward=reshard)
@@ -203,7 +166,7 @@ class FSDPTrainEngine:
         if self.rank == 0:
             full = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
             if lora is not None:  # the same seeded adapter the explorers build: version 0 everywhere
-                full = wrap_with_lora(full, lora, seed=self.config.model.seed)
+                full = wrap_with_lora(full, lora, seed=self.config.seed)
         set_model_state_dict(model, full.state_dict() if full is not None else {},
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         # Buffers outside the state dict (rotary frequencies) were computed at load on rank 0 only.
@@ -253,8 +216,8 @@ class FSDPTrainEngine:
     def train_step(self, experiences: Sequence[Experience], *, current_version: int) -> dict[str, float]:
         """One optimizer step per minibatch; every rank passes the same `experiences`."""
         old_logprobs, mask, rewards, advantages, group_order = batch_inputs(experiences, self.algorithm)
-        num_minibatches = min(self.config.model.minibatches, len(group_order))
-        micro_size = self.config.model.micro_batch_size
+        num_minibatches = min(self.config.minibatches, len(group_order))
+        micro_size = self.config.micro_batch_size
         losses, grad_norms = [], []
         metric_sums: dict[str, float] = {}
         metric_count = 0
@@ -312,7 +275,7 @@ class FSDPTrainEngine:
         batch = [experiences[i] for i in micro]
         width = max(1, max(len(e.response) for e in batch))
         prompts, responses = [e.prompt for e in batch], [e.response for e in batch]
-        device, temperature = str(self.device), self.config.model.temperature
+        device, temperature = str(self.device), self.config.temperature
         logprobs, micro_mask = response_logprobs(self.model, prompts, responses, pad_id=self.pad_id,
                                                  device=device, temperature=temperature)
         loss, metrics = self.algorithm.policy_loss(
@@ -330,7 +293,7 @@ class FSDPTrainEngine:
         return loss, numeric
 
     def _clip_gradients(self) -> float:
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.model.max_grad_norm)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
         full = getattr(norm, "full_tensor", None)
         return float(full() if full is not None else norm)
 
@@ -348,7 +311,7 @@ class FSDPTrainEngine:
         the model's dtype, on CPU; ranks that do not keep it drop it at once."""
         from torch.distributed.tensor import DTensor
 
-        dtype = self.config.model.torch_dtype
+        dtype = self.config.torch_dtype
         keep = all_ranks or self.rank == 0
         for state_name, tensor in self.model.state_dict().items():
             name = self._sent_names.get(state_name)
@@ -440,8 +403,8 @@ class FSDPTrainEngine:
         from peft import set_peft_model_state_dict
 
         base = transformers.AutoModelForCausalLM.from_pretrained(self.model_path, local_files_only=True,
-                                                                 dtype=self.config.model.torch_dtype)
-        model = wrap_with_lora(base, lora, seed=self.config.model.seed)
+                                                                 dtype=self.config.torch_dtype)
+        model = wrap_with_lora(base, lora, seed=self.config.seed)
         set_peft_model_state_dict(model, adapter, adapter_name=ADAPTER_NAME)
         model.merge_and_unload().save_pretrained(path)
         self.tokenizer.save_pretrained(path)
@@ -482,7 +445,7 @@ class FSDPTrainEngine:
         dcp.save(tensors, checkpoint_id=str(path / _DCP_DIR))
         if self.rank == 0:
             state = {"step": self.step, "world_size": self.world_size, "updates_skipped_nonfinite":
-                     self.updates_skipped_nonfinite, "model": self.config.model.model_dump(),
+                     self.updates_skipped_nonfinite, "model": self.config.model_dump(),
                      "optimizer_scalars": scalars, "extra": dict(extra or {})}
             with atomic_path(path / _STATE_JSON_FILE) as tmp:
                 Path(tmp).write_text(json.dumps(state, indent=1))

@@ -16,20 +16,15 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import Tensor
 
-from .config_errors import validate_section
 from .sections import HFBuildSection, HFModelSection
 
 __all__ = [
     "HFModelConfig",
-    "hf_model_config_problems",
-    "hf_model_config_from_mapping",
     "ensure_model",
     "load_tokenizer",
     "load_model",
@@ -38,43 +33,11 @@ __all__ = [
     "SPECIAL_TOKENS",
 ]
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>")
 
 
-class HFModelConfig(HFModelSection):
-    """`model:` for `engine: hf` (trainer and rollouts) and `rollout_engine: vllm`: the fields and
-    constraints of `HFModelSection`, and the torch dtype they name."""
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
-
-
+HFModelConfig = HFModelSection  # the `model:` section of the hf engines, as they use it
 _BUILD_DEFAULTS = HFBuildSection().model_dump()
-
-
-def hf_model_path_problems(values: Mapping[str, Any], *, where: str = "model") -> list[tuple[str, str]]:
-    """A model directory that is not there (and will not be built), as (dotted path, reason)."""
-    path = values.get("path")
-    if isinstance(path, str) and path and values.get("build") is None and not (Path(path) / "config.json").is_file():
-        return [(f"{where}.path", f"{path}: no config.json there (a local Hugging Face model directory "
-                                  "is needed; nothing is downloaded), or give model.build to build one")]
-    return []
-
-
-def hf_model_config_problems(values: Mapping[str, Any], *, where: str = "model") -> list[tuple[str, str]]:
-    """Every problem with an `hf` `model:` mapping, as (dotted path, reason)."""
-    return validate_section(HFModelConfig, values, where=where)[1] + hf_model_path_problems(values, where=where)
-
-
-def hf_model_config_from_mapping(values: Mapping[str, Any]) -> HFModelConfig:
-    config, problems = validate_section(HFModelConfig, values, where="model")
-    problems += hf_model_path_problems(values)
-    if problems:
-        raise ValueError("invalid model config: " + "; ".join(f"{p}: {why}" for p, why in problems))
-    return config
 
 
 def _word_vocab(data_path: str | None) -> list[str]:

@@ -1,23 +1,23 @@
-"""Typed config sections: the base every section model shares (frozen, unknown keys refused), the
-named constraints, and the engines' own sections: `model:` (one model per engine, selected by
-`model.engine`), `data:` and `algorithm:`.
+"""The engines' config sections: `model:` (one model per engine, selected by `model.engine`), `data:`
+and `algorithm:`, on the base in `rolectl.roles.config_base`.
 
 It lives with the engines, below the job config (`rolectl.roles.config`) that builds on it, and
-imports neither torch nor NATS: a synchronizer loads the job config without either. What needs the
-engines' libraries or the file system (a model directory, a data file, verl's registries, reward
-functions) is checked by the engines themselves.
+imports neither torch nor NATS: a synchronizer loads the job config without either. What a section
+names outside itself (a model directory, a data file, a reward function, a name in verl's registry)
+is checked by its validators when the job is loaded with its engines (`config_base.checking`), once;
+what an engine needs installed is its `EngineSpec.problems`. An engine of another package gets its
+sections as written (`OpenModelSection`, `OpenSection`) and checks them in its own `problems`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
-    BaseModel,
     BeforeValidator,
-    ConfigDict,
     Discriminator,
     Field,
     Strict,
@@ -27,49 +27,41 @@ from pydantic import (
     model_validator,
 )
 
+from rolectl.roles.config_base import (
+    Name,
+    NonNegativeInt,
+    NonNegativeNumber,
+    OpenSection,
+    PositiveInt,
+    PositiveNumber,
+    Seconds,
+    Section,
+    StrictBool,
+    checking,
+    invalid,
+)
+
 __all__ = [
-    "Section",
-    "PositiveInt",
-    "NonNegativeInt",
-    "Seconds",
-    "StrictBool",
-    "PathStr",
     "TinyModelSection",
     "HFBuildSection",
     "LoRASection",
     "HFModelSection",
     "FSDPSection",
     "FSDPModelSection",
+    "OpenModelSection",
+    "BUILTIN_TRAINERS",
+    "READS_DATA",
     "DataSection",
     "AlgorithmSection",
     "ModelSection",
+    "DataField",
+    "AlgorithmField",
+    "TASK_FILES",
     "OUTCOME_ESTIMATORS",
     "LOSS_AGG_MODES",
     "KL_PENALTIES",
     "DTYPES",
 ]
-
-# Constraints, named once: strict (a YAML `true` or `"3"` is not a count) and finite.
-PositiveInt = Annotated[int, Strict(), Field(gt=0)]
-NonNegativeInt = Annotated[int, Strict(), Field(ge=0)]
-Seconds = Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False)]
-StrictBool = Annotated[bool, Strict()]
-PathStr = Annotated[str, Strict()]
-
-
-class Section(BaseModel):
-    """A config section: frozen, unknown keys refused, fields described by their docstrings."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
-
-    def replace(self, **changes: Any) -> Section:
-        """A copy with `changes`, validated like the file was."""
-        return type(self).model_validate({**dict(self), **changes})
-
-
-PositiveNumber = Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False)]
-NonNegativeNumber = Annotated[float, Strict(), Field(ge=0, allow_inf_nan=False)]
-Name = Annotated[str, Strict(), Field(min_length=1)]
 
 
 class TinyModelSection(Section):
@@ -115,6 +107,14 @@ class TinyModelSection(Section):
         if heads and d_model % heads:
             raise ValueError(f"must be divisible by n_heads ({heads}), got {d_model}")
         return d_model
+
+    @property
+    def prompt_length(self) -> int:
+        return self.task_length + 2  # BOS digits SEP
+
+    @property
+    def max_response_length(self) -> int:
+        return self.task_length + 1  # digits EOS
 
 
 class HFBuildSection(Section):
@@ -176,6 +176,7 @@ class LoRASection(Section):
 
 
 DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def _device(value: str) -> str:
@@ -226,6 +227,20 @@ class HFModelSection(Section):
     """Train a LoRA adapter instead of the whole model (see the `model.lora` section); unset: full
     fine-tuning."""
 
+    @property
+    def torch_dtype(self) -> Any:
+        """The torch dtype `dtype` names (torch is the engines' import, made when they ask)."""
+        import torch
+
+        return getattr(torch, _DTYPE_ALIASES.get(self.dtype, self.dtype))
+
+    @model_validator(mode="after")
+    def _model_directory_exists(self, info: ValidationInfo) -> HFModelSection:
+        if checking(info) and self.build is None and not (Path(self.path) / "config.json").is_file():
+            raise invalid([("path", f"{self.path}: no config.json there (a local Hugging Face model directory "
+                                    "is needed; nothing is downloaded), or give model.build to build one")])
+        return self
+
 
 class FSDPSection(Section):
     """`model.fsdp`: how an `fsdp` trainer shards the model over its ranks (FSDP2)."""
@@ -252,19 +267,55 @@ class FSDPModelSection(HFModelSection):
     fsdp: FSDPSection = FSDPSection()
     """How the model is sharded (see the `model.fsdp` section)."""
 
+    @property
+    def compute_dtype(self) -> Any:
+        """The torch dtype the gathered parameters compute in (`fsdp.param_dtype`)."""
+        import torch
 
-def _engine_of(value: Any) -> Any:
-    """The tag of a `model:` section: its engine, `tiny` when it names none."""
+        if self.fsdp.param_dtype == "auto":
+            return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
+        return getattr(torch, self.fsdp.param_dtype)
+
+
+class OpenModelSection(OpenSection):
+    """`model:` for an engine of another package (the `rolectl.engines` entry points): `engine` and
+    `rollout_engine` are read here, every other key as written; the engine's `EngineSpec.problems`
+    checks them. A job loaded without its engines (a synchronizer) reads every `model:` so."""
+
+    engine: Name
+    """The trainer's engine (and the explorers', unless rollout_engine names another)."""
+    rollout_engine: Name | None = None
+    """The explorers' engine."""
+
+
+BUILTIN_TRAINERS = ("tiny", "hf", "fsdp")
+"""The engines whose `model:` is typed here; any other engine's is an `OpenModelSection`."""
+READS_DATA = ("hf", "fsdp")
+"""The engines whose trainer reads `data:` and `algorithm:` (typed here); any other engine's are read as
+written (the tiny engine refuses them, one of another package checks its own)."""
+
+
+def _engine_of(value: Any) -> str:
+    """The tag of a `model:` section: its engine (`tiny` when it names none), `other` for an engine
+    of another package."""
+    if isinstance(value, OpenModelSection):
+        return "other"
     if isinstance(value, Mapping):
-        return value.get("engine", "tiny")
-    return getattr(value, "engine", None)
+        engine = value.get("engine", "tiny")
+        return engine if engine in BUILTIN_TRAINERS else "other"
+    return getattr(value, "engine", "tiny")  # not a mapping: the tiny section says what it must be
 
 
 ModelSection = Annotated[Annotated[TinyModelSection, Tag("tiny")]
                          | Annotated[HFModelSection, Tag("hf")]
-                         | Annotated[FSDPModelSection, Tag("fsdp")],
+                         | Annotated[FSDPModelSection, Tag("fsdp")]
+                         | Annotated[OpenModelSection, Tag("other")],
                          Discriminator(_engine_of)]
-"""A built-in engine's `model:` section, selected by `model.engine`."""
+"""A job's `model:` section, selected by `model.engine`."""
+
+
+TASK_FILES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+"""Task files by suffix, and the `datasets` loader that reads each."""
 
 
 class DataSection(Section):
@@ -285,6 +336,29 @@ class DataSection(Section):
     `rolectl.roles.engines.rewards`)."""
     max_prompt_tokens: PositiveInt = 512
     """Prompts are cut to this many tokens."""
+
+    @field_validator("path")
+    @classmethod
+    def _task_file_exists(cls, path: str, info: ValidationInfo) -> str:
+        if not checking(info):
+            return path
+        if Path(path).suffix.lower() not in TASK_FILES:
+            raise ValueError(f"{path}: unknown file type; use one of {sorted(TASK_FILES)}")
+        if not Path(path).is_file():
+            raise ValueError(f"{path}: no such file (relative paths are from the working directory {Path.cwd()})")
+        return path
+
+    @field_validator("rewards")
+    @classmethod
+    def _rewards_resolve(cls, rewards: Any, info: ValidationInfo) -> Any:
+        # a `module:function` reward is imported to check it: only when the engines are checked
+        if checking(info):
+            from .rewards import reward_spec_problems
+
+            problems = reward_spec_problems(rewards, where="")
+            if problems:
+                raise invalid(problems)
+        return rewards
 
 
 OUTCOME_ESTIMATORS = ("grpo", "grpo_vectorized", "grpo_passk", "rloo", "rloo_vectorized", "opo", "gpg",
@@ -318,3 +392,29 @@ class AlgorithmSection(Section):
     """> 0: a KL loss against the version-0 model (kept frozen by the trainer)."""
     kl_penalty: Literal[KL_PENALTIES] = "low_var_kl"  # type: ignore[valid-type]
     """verl's KL estimator."""
+
+    @field_validator("policy_loss")
+    @classmethod
+    def _policy_loss_registered(cls, name: str, info: ValidationInfo) -> str:
+        # verl (and torch) load only when the engines are checked; without verl the engine says so
+        if checking(info):
+            from .algorithms import verl_import_problem
+
+            if verl_import_problem() is None:
+                from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+                if name not in POLICY_LOSS_REGISTRY:
+                    raise ValueError(f"not in verl's policy-loss registry {sorted(POLICY_LOSS_REGISTRY)}, got {name!r}")
+        return name
+
+
+def _typed_unless_open(value: Any) -> str:
+    return "open" if isinstance(value, OpenSection) else "typed"
+
+
+DataField = Annotated[Annotated[DataSection, Tag("typed")] | Annotated[OpenSection, Tag("open")],
+                      Discriminator(_typed_unless_open)]
+"""A job's `data:`: typed for the engines that read it (`READS_DATA`), else as written."""
+AlgorithmField = Annotated[Annotated[AlgorithmSection, Tag("typed")] | Annotated[OpenSection, Tag("open")],
+                           Discriminator(_typed_unless_open)]
+"""A job's `algorithm:`: typed for the engines that read it (`READS_DATA`), else as written."""

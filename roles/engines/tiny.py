@@ -20,7 +20,6 @@ from rolectl.bus.files import atomic_path
 from rolectl.sync_protocol.experience import Experience, ExperienceLimits
 
 from .base import Task, WeightsMismatch
-from .config_errors import validate_section
 from .grpo import clipped_policy_loss, group_advantages
 from .model import TinyPolicy, build_base_policy, response_logprobs, sample_responses
 from .sections import TinyModelSection
@@ -31,34 +30,25 @@ __all__ = [
     "TinyConfig",
     "TinyTrainEngine",
     "TinyRolloutEngine",
+    "build_policy",
     "build_task_set",
-    "tiny_config_problems",
-    "tiny_config_from_mapping",
 ]
 
 
-class TinyConfig(TinyModelSection):
-    """Everything that shapes the reference run: the `model:` section of `engine: tiny` (its fields
-    and constraints are `TinyModelSection`'s), and what the engine derives from it."""
+TinyConfig = TinyModelSection  # the `model:` section of `engine: tiny`, as the engines use it
 
-    @property
-    def prompt_length(self) -> int:
-        return self.task_length + 2  # BOS digits SEP
 
-    @property
-    def max_response_length(self) -> int:
-        return self.task_length + 1  # digits EOS
-
-    def build_policy(self) -> TinyPolicy:
-        return build_base_policy(
-            seed=self.seed,
-            vocab_size=VOCAB_SIZE,
-            max_seq_len=self.prompt_length + self.max_response_length,
-            d_model=self.d_model,
-            n_layers=self.n_layers,
-            n_heads=self.n_heads,
-            d_ff=self.d_ff,
-        )
+def build_policy(config: TinyConfig) -> TinyPolicy:
+    """The version-0 policy `config` describes (its seed makes trainer and explorers agree on it)."""
+    return build_base_policy(
+        seed=config.seed,
+        vocab_size=VOCAB_SIZE,
+        max_seq_len=config.prompt_length + config.max_response_length,
+        d_model=config.d_model,
+        n_layers=config.n_layers,
+        n_heads=config.n_heads,
+        d_ff=config.d_ff,
+    )
 
 
 def build_task_set(config: TinyConfig, *, seed: int, num_batches: int | None = None) -> ReverseDigitsTaskSet:
@@ -66,19 +56,6 @@ def build_task_set(config: TinyConfig, *, seed: int, num_batches: int | None = N
     return ReverseDigitsTaskSet(
         seed=seed, tasks_per_batch=config.tasks_per_step, length=config.task_length, num_batches=num_batches
     )
-
-
-def tiny_config_problems(values: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """Every problem with a (YAML) mapping of `TinyConfig` fields, as (field, reason); empty when valid."""
-    return [(path.removeprefix("model."), why) for path, why in validate_section(TinyConfig, values, where="model")[1]]
-
-
-def tiny_config_from_mapping(values: Mapping[str, Any]) -> TinyConfig:
-    """A `TinyConfig` from a (YAML) mapping; raises ValueError listing every problem at once."""
-    config, problems = validate_section(TinyConfig, values, where="model")
-    if problems:
-        raise ValueError("invalid tiny engine config: " + "; ".join(f"{name}: {why}" for name, why in problems))
-    return config
 
 
 _ALLOWED_RESPONSE_TOKENS = torch.tensor(RESPONSE_TOKENS)
@@ -93,7 +70,7 @@ class TinyTrainEngine:
 
     def __init__(self, config: TinyConfig) -> None:
         self.config = config
-        self.policy = config.build_policy()
+        self.policy = build_policy(config)
         self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=config.lr)
         self.group_size = config.group_size
         self.experience_limits = ExperienceLimits(
@@ -247,7 +224,7 @@ class TinyRolloutEngine:
         self.config = config
         self.member = member
         self.sampling_seed = config.seed if sampling_seed is None else sampling_seed
-        self.policy = config.build_policy().eval().requires_grad_(False)
+        self.policy = build_policy(config).eval().requires_grad_(False)
         self.group_size = config.group_size
         self.rollout_metrics: dict[str, float] = {}  # the task's one reward is the experiences' reward
         self.version = 0

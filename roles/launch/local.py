@@ -30,7 +30,7 @@ from rolectl.bus.logging import setup_logging
 from rolectl.bus.security import redact
 from rolectl.bus.server import NatsServer, NatsServerError
 from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream
-from rolectl.roles.config import JobConfig
+from rolectl.roles.config import EnvSettings, JobConfig
 from rolectl.roles.exit_codes import ExitCode
 from rolectl.roles.launch.base import Launcher, RoleHandle
 from rolectl.roles.observe.dashboard import start_dashboard
@@ -98,7 +98,7 @@ class LocalLauncher:
     def start(self, role: str, member_id: str) -> RoleProcess:
         log_path = self.logs / f"{member_id}.log"
         out = open(log_path, "ab")
-        env = dict(os.environ, PYTHONUNBUFFERED="1", ROLECTL_ADVERTISE_HOST="127.0.0.1")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", EnvSettings.variable("advertise_host"): "127.0.0.1"}
         if self.auth is not None:  # its own identity, by file path in the environment (never argv)
             env.update(self.auth.security(member_id).as_env())
         proc = subprocess.Popen(
@@ -142,9 +142,9 @@ def write_config(cfg: JobConfig, path: Path) -> None:
         "eval": cfg.eval.model_dump(mode="json"),
         "monitor": cfg.monitor.model_dump(mode="json"),
         "serve": cfg.serve.model_dump(mode="json"),
-        "model": dict(cfg.model),
-        "data": cfg.data,
-        "algorithm": cfg.algorithm,
+        # the engine's sections as the file wrote them (what it left out stays a default)
+        **{name: section if section is None else section.model_dump(mode="json", exclude_unset=True)
+           for name, section in (("model", cfg.model), ("data", cfg.data), ("algorithm", cfg.algorithm))},
     }
     path.write_text(yaml.safe_dump(data, sort_keys=False))
 

@@ -32,12 +32,12 @@ from typing import Any
 import structlog
 
 from rolectl.bus.server import free_port
-from rolectl.roles.config import JobConfig
+from rolectl.roles.config import EnvSettings, JobConfig, env_settings
 from rolectl.roles.exit_codes import ExitCode
 
 __all__ = ["RANK_ENV", "RankLeader", "follow", "run_trainer", "RankLayout", "supervise_ranks"]
 
-RANK_ENV = "ROLECTL_TRAINER_RANK"
+RANK_ENV = EnvSettings.variable("trainer_rank")
 """Set by the agent in each rank's environment: this process is that rank, not an agent."""
 
 # Rank 0 waits on the bus between commands for as long as the job takes; a dead peer is the agent's
@@ -150,12 +150,12 @@ def _run_rank(cfg: JobConfig, member_id: str | None, *, start_mode: Any, log_jso
 
     from rolectl.bus.errors import describe
     from rolectl.bus.logging import setup_logging
-    from rolectl.roles.config import env_settings
     from rolectl.roles.engines import make_train_engine
     from rolectl.roles.runner import run_role
 
-    rank = int(os.environ[RANK_ENV])
-    torch.set_num_threads(env_settings().torch_threads)
+    settings = env_settings()
+    rank = settings.trainer_rank
+    torch.set_num_threads(settings.torch_threads)
     setup_logging(cfg.log_level, json=log_json)
     log = structlog.get_logger().bind(job=cfg.job, role="trainer", member=member_id or "trainer", rank=rank)
     if rank > 0:

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rolectl.roles.config import JobConfig
+from rolectl.roles.config import EnvSettings, JobConfig
 from rolectl.roles.runner import EXIT_ERROR, EXIT_INCOMPLETE, EXIT_OK, EXIT_USAGE
 
 __all__ = ["RayUnavailable", "RayLaunchError", "import_ray", "role_bundles", "actor_name", "run_up_ray",
@@ -125,7 +125,7 @@ class RoleActor:
             raise self._spawn_error
 
     def _watch(self) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1", ROLECTL_ADVERTISE_HOST=self.node_ip)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", EnvSettings.variable("advertise_host"): self.node_ip}
         try:
             with open(self.log_path, "ab") as out:
                 out.write((f"--- rolectl up --launcher ray: {self.member_id} incarnation {self.incarnation} "

@@ -22,6 +22,7 @@ from aiohttp import web
 
 from rolectl.bus.errors import describe
 from rolectl.bus.experiences import ExperienceBatch, validate_batch
+from rolectl.roles.config import EnvSettings, env_settings
 from rolectl.roles.explorer import Explorer
 from rolectl.roles.resume import StartMode
 from rolectl.roles.session import JobIncomplete, write_json_atomic
@@ -47,7 +48,7 @@ def serve_problems(cfg) -> list[tuple[str, str]]:
                          f"serve mode needs sync_style fully_async with a pull method (memory or checkpoint), "
                          f"got {sync.sync_style.value} with {sync.sync_method.value}: a served request must never "
                          "wait for a sync"))
-    engine = cfg.model.get("rollout_engine") or cfg.model.get("engine")
+    engine = cfg.model.rollout_engine or cfg.model.engine
     if engine not in ("hf", "vllm"):
         problems.append(("model.rollout_engine",
                          f"serve mode serves from the `hf` or `vllm` rollout engine, got {engine!r}"))
@@ -101,7 +102,7 @@ class ServeLoop:
             bound = runner.addresses[0][1]
             # a wildcard bind is reached at the address the launcher advertises for this machine
             wildcard = self.serve.host in ("0.0.0.0", "", "::")
-            host = (os.environ.get("ROLECTL_ADVERTISE_HOST") or "127.0.0.1") if wildcard else self.serve.host
+            host = (env_settings().advertise_host or "127.0.0.1") if wildcard else self.serve.host
             url = f"http://{host}:{bound}/v1"
             self.url_file.parent.mkdir(parents=True, exist_ok=True)
             write_json_atomic(self.url_file, {"url": url, "model": self.endpoint.model_name})
@@ -176,7 +177,7 @@ class ServeLoop:
         # `python` in the command is this interpreter's (the job's virtual environment)
         path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
         env = {**os.environ, "PATH": path, "OPENAI_BASE_URL": url, "OPENAI_API_KEY": api_key or "none",
-               "ROLECTL_SERVE_MODEL": self.endpoint.model_name}
+               EnvSettings.variable("serve_model"): self.endpoint.model_name}
         command = list(self.serve.agent or ())
         proc = await asyncio.create_subprocess_exec(*command, env=env, cwd=str(Path.cwd()),
                                                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)

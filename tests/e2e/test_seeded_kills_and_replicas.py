@@ -98,7 +98,7 @@ async def test_random_kill9_of_every_role_job_completes(tmp_path, seed):
             stops = [r.event for r in of_kind(records, StatusChanged, member=member)
                      if r.event.status.value == "stopped"]
             assert stops and stops[-1].final, (member, stops)
-        assert summary["experiences_trained"] == total * 8 * job.cfg.model["group_size"]
+        assert summary["experiences_trained"] == total * 8 * job.cfg.model.group_size
 
 
 async def test_expired_but_alive_member_rejoins_and_carries_on(tmp_path):

@@ -80,7 +80,7 @@ async def test_weights_round_trip_bit_exact_into_hf_and_vllm(cfg, vllm_engine, t
     received = await transport.fetch(ref)
     assert {n: raw_bytes(t) for n, t in received.items()} == {n: raw_bytes(t) for n, t in sent.items()}
 
-    hf_cfg = parse_config({**_as_mapping(cfg), "model": {**cfg.model, "rollout_engine": "hf"}})
+    hf_cfg = parse_config({**_as_mapping(cfg), "model": {**cfg.model.model_dump(), "rollout_engine": "hf"}})
     hf_engine = make_rollout_engine(hf_cfg, "explorer-1")
     for engine in (hf_engine, vllm_engine):
         engine.load_weights(received, ref.version)
@@ -115,7 +115,7 @@ def test_weight_load_into_vllm_is_fast_and_reusable(vllm_engine, trained):
 
 
 def _as_mapping(cfg) -> dict:
-    return {"job": cfg.job, "model": dict(cfg.model), "data": dict(cfg.data), "explorers": {"count": 1}}
+    return {"job": cfg.job, "model": cfg.model.model_dump(), "data": cfg.data.model_dump(), "explorers": {"count": 1}}
 
 
 def test_a_vllm_eval_is_greedy_and_answers_as_the_hf_engine_does(cfg, vllm_engine):
@@ -125,7 +125,7 @@ def test_a_vllm_eval_is_greedy_and_answers_as_the_hf_engine_does(cfg, vllm_engin
     data = data_section()["path"]
     with_eval = cfg.with_overrides(eval=cfg.eval.replace(path=data, max_tasks=12, eval_interval=1))
     tasks = make_eval_tasks(with_eval)
-    hf_cfg = with_eval.with_overrides(model={**with_eval.model, "rollout_engine": "hf"})
+    hf_cfg = with_eval.with_overrides(model=with_eval.model.replace(rollout_engine="hf"))
     hf_engine = make_rollout_engine(hf_cfg, "explorer-0")
     hf_engine.load_weights({k: v.clone() for k, v in vllm_engine.weight_buffers().items()}, vllm_engine.version)
     # greedy: the same weights give the same answers on both engines, whatever the seed

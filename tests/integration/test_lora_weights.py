@@ -72,7 +72,7 @@ async def test_only_the_adapter_travels_bit_exact_into_hf_and_vllm(cfg, vllm_eng
     received = await transport.fetch(ref)
     assert {n: raw_bytes(t) for n, t in received.items()} == {n: raw_bytes(t) for n, t in sent.items()}
 
-    hf_cfg = cfg.with_overrides(model={**cfg.model, "rollout_engine": "hf"})
+    hf_cfg = cfg.with_overrides(model=cfg.model.replace(rollout_engine="hf"))
     hf_engine = make_rollout_engine(hf_cfg, "explorer-1")
     for engine in (hf_engine, vllm_engine):
         engine.load_weights(received, ref.version)

@@ -162,7 +162,7 @@ async def test_weights_through_each_transport_reach_both_workers_bit_exact(cfg, 
         assert wrong == [], f"rank {rank}: {wrong}"
 
     # the engine samples with the new weights: its logprobs are those of the sent model's forward
-    hf = make_rollout_engine(cfg.with_overrides(model={**cfg.model, "rollout_engine": "hf"}), "explorer-1")
+    hf = make_rollout_engine(cfg.with_overrides(model=cfg.model.replace(rollout_engine="hf")), "explorer-1")
     hf.load_weights(sent, version)
     tasks = make_taskset(cfg, seed=1, batch_size=2).next_batch()
     experiences = engine.rollout(tasks, explore_step=version)

@@ -24,8 +24,8 @@ def data_section(**overrides: Any) -> dict[str, Any]:
 
 def built_model(directory: Path) -> Path:
     """The tiny Qwen2 and its word-level tokenizer under `directory/model` (built on first use)."""
-    from rolectl.roles.engines.hf_model import ensure_model, hf_model_config_from_mapping
+    from rolectl.roles.engines.hf_model import HFModelConfig, ensure_model
 
     section = model_section(directory / "model")
     section.pop("engine")
-    return ensure_model(hf_model_config_from_mapping(section), data_path=str(DATA))
+    return ensure_model(HFModelConfig.model_validate(section), data_path=str(DATA))

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from rolectl.roles.engines.algorithms import AlgorithmConfig, VerlAlgorithm, algorithm_config_problems
+from rolectl.roles.config_base import CHECK_ENGINES, validate_section
+from rolectl.roles.engines.algorithms import AlgorithmConfig, VerlAlgorithm
 from rolectl.roles.engines.grpo import clipped_policy_loss, group_advantages
 
 
@@ -84,6 +85,11 @@ def test_kl_loss_uses_verls_estimator():
     got = algorithm.kl_loss(new, old, mask, batch_num_tokens=int(mask.sum()), global_batch_size=len(mask))
     expected = (kl_penalty(new, old, "low_var_kl") * mask).sum() / mask.sum()
     assert float(got) == pytest.approx(float(expected), abs=1e-6) and float(got) > 0
+
+
+def algorithm_config_problems(values):
+    """The `algorithm:` section's problems, as a job loaded with its engines reports them."""
+    return validate_section(AlgorithmConfig, values, where="algorithm", context=CHECK_ENGINES)[1]
 
 
 def test_algorithm_problems_name_verls_registries():

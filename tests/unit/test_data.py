@@ -7,9 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from rolectl.roles.engines.data import DataConfig, TextTaskSet, data_config_problems, load_rows
+from rolectl.roles.config_base import CHECK_ENGINES, validate_section
+from rolectl.roles.engines.data import DataConfig, TextTaskSet, load_rows
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def data_config_problems(values):
+    """The `data:` section's problems, as a job loaded with its engines reports them."""
+    return validate_section(DataConfig, values, where="data", context=CHECK_ENGINES)[1]
+
+
 ROWS = [{"prompt": f"reverse {i} {i % 7} =", "answer": f"{i % 7} {i}", "extra": i} for i in range(23)]
 
 

@@ -302,3 +302,26 @@ def test_factories_build_engines_from_the_model_section():
     assert len(batch) == 5 and len(batch[0].target) == 3 and tasks.next_batch() is None
     with pytest.raises(ValueError, match="model.group_size"):
         make_train_engine({"group_size": 1})
+
+
+def test_an_engine_of_another_package_reads_and_checks_its_own_sections(monkeypatch):
+    """An entry-point engine's `model:` keeps the keys only it knows, its `data:` is its own shape,
+    and its `EngineSpec.problems` reports on them by path, once, as the job loads."""
+    import rolectl.roles.engines as registry
+    from rolectl.roles.config import parse_config
+    from rolectl.roles.engines import EngineSpec
+    from rolectl.sync_protocol import ConfigError
+
+    checked = []
+
+    def problems(sections):
+        checked.append(sections)
+        return [] if sections.model.width == 3 else [("model.width", f"must be 3, got {sections.model.width!r}")]
+
+    spec = EngineSpec(name="echo", problems=problems, train=lambda s: None, rollout=lambda s, member: None)
+    monkeypatch.setitem(registry._BUILTIN, "echo", spec)
+    cfg = parse_config({"job": "j", "model": {"engine": "echo", "width": 3}, "data": {"dataset": "hub/x"}})
+    assert (cfg.model.width, cfg.data.dataset, len(checked)) == (3, "hub/x", 1)
+    with pytest.raises(ConfigError) as info:
+        parse_config({"job": "j", "model": {"engine": "echo", "width": 2}})
+    assert info.value.problems == [("model.width", "must be 3, got 2")]

@@ -16,11 +16,12 @@ import torch
 from safetensors.torch import load_file
 
 from rolectl.bus.server import free_port
+from rolectl.roles.config_base import CHECK_ENGINES, validate_section
 from rolectl.roles.engines import make_train_engine
 from rolectl.roles.engines.algorithms import AlgorithmConfig
-from rolectl.roles.engines.fsdp import fsdp_config_problems
 from rolectl.roles.engines.hf import HFTrainEngine
-from rolectl.roles.engines.hf_model import hf_model_config_from_mapping
+from rolectl.roles.engines.hf_model import HFModelConfig
+from rolectl.roles.engines.sections import FSDPModelSection
 from rolectl.roles.engines.streaming import buckets_of
 from tests.support import fsdp_ranks
 from tests.support.tiny_llm import built_model, data_section, model_section
@@ -104,7 +105,7 @@ def hf_run(workdir) -> dict:
     """The same 4 steps by the one-process `hf` engine (micro-batches of 4 rows, not 1)."""
     settings = {**model_section(workdir / "model"), "group_size": 3, "minibatches": 2, "micro_batch_size": 4}
     settings.pop("engine")
-    engine = HFTrainEngine(hf_model_config_from_mapping(settings), AlgorithmConfig(**fsdp_ranks.ALGORITHM),
+    engine = HFTrainEngine(HFModelConfig.model_validate(settings), AlgorithmConfig(**fsdp_ranks.ALGORITHM),
                            model_path=workdir / "model")
     batches = fsdp_ranks.load_batches(workdir)
     initial = engine.weights()
@@ -125,7 +126,7 @@ def hf_lora_run(workdir) -> dict:
     settings = {**model_section(workdir / "model"), "group_size": 3, "minibatches": 2, "micro_batch_size": 4,
                 "lora": fsdp_ranks.LORA}
     settings.pop("engine")
-    engine = HFTrainEngine(hf_model_config_from_mapping(settings), AlgorithmConfig(**fsdp_ranks.ALGORITHM),
+    engine = HFTrainEngine(HFModelConfig.model_validate(settings), AlgorithmConfig(**fsdp_ranks.ALGORITHM),
                            model_path=workdir / "model")
     initial = engine.weights()
     metrics = [engine.train_step(batch, current_version=step)
@@ -232,6 +233,11 @@ def test_buckets_are_cut_lazily_and_a_large_tensor_stands_alone():
     assert [n for n, _ in next(stream)] == ["t3"]
     with pytest.raises(ValueError, match="bucket_bytes must be a positive integer"):
         next(buckets_of(named(), 0))
+
+
+def fsdp_config_problems(values):
+    """An `fsdp` `model:` section's problems, as a job loaded with its engines reports them."""
+    return validate_section(FSDPModelSection, {**values, "engine": "fsdp"}, where="model", context=CHECK_ENGINES)[1]
 
 
 def test_fsdp_config_problems_are_reported_at_once_by_path(workdir):

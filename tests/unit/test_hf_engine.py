@@ -149,12 +149,12 @@ def test_every_engine_problem_is_reported_at_once(model_dir, tmp_path):
 
 
 def test_a_model_path_built_with_other_settings_is_refused(model_dir):
-    from rolectl.roles.engines.hf_model import ensure_model, hf_model_config_from_mapping
+    from rolectl.roles.engines.hf_model import HFModelConfig, ensure_model
     from tests.support.tiny_llm import BUILD
 
     section = {k: v for k, v in model_section(model_dir).items() if k != "engine"}
-    assert ensure_model(hf_model_config_from_mapping(section)) == model_dir  # same settings: reused
-    other = hf_model_config_from_mapping({**section, "build": {**BUILD, "seed": 1}})
+    assert ensure_model(HFModelConfig.model_validate(section)) == model_dir  # same settings: reused
+    other = HFModelConfig.model_validate({**section, "build": {**BUILD, "seed": 1}})
     with pytest.raises(ValueError, match="built with .* delete"):
         ensure_model(other)
 

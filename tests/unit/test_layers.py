@@ -1,5 +1,6 @@
 """Imports point one way, checked by import-linter's layers contract in pyproject.toml:
-`sync_protocol` ← `bus` ← `roles.engines` ← role loops ← `roles.observe` ← `roles.launch` ← `roles.cli`.
+`sync_protocol` ← `bus` ← `roles.config_base` ← `roles.engines` ← role loops ← `roles.observe` ←
+`roles.launch` ← `roles.cli`.
 grimp (import-linter's graph) counts imports inside functions too: a lazy import is still an edge."""
 
 from __future__ import annotations

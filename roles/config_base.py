@@ -1,16 +1,103 @@
-"""Pydantic's validation errors in a YAML user's words: a dotted path, what the field accepts, what it got."""
+"""The base of every config model: `Section`, the named constraints, and pydantic's errors in a
+YAML user's words (a dotted path, what the field accepts, what it got).
+
+It sits below the engines (their sections build on it) and above the bus, which knows nothing of job
+config; it imports pydantic alone, so a synchronizer loads the job config without torch or NATS.
+"""
 
 from __future__ import annotations
 
+import re
 import types
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import annotated_types
-from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, Strict, Tag, TypeAdapter, ValidationError, ValidationInfo
 from pydantic.fields import FieldInfo
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
-__all__ = ["problems_of", "validate_section", "yaml_kind", "expected", "section_models"]
+__all__ = [
+    "Section",
+    "PositiveInt",
+    "NonNegativeInt",
+    "Seconds",
+    "StrictBool",
+    "PathStr",
+    "PositiveNumber",
+    "NonNegativeNumber",
+    "Name",
+    "invalid",
+    "problems_of",
+    "validate_section",
+    "yaml_kind",
+    "expected",
+    "section_models",
+]
+
+# Constraints, named once: strict (a YAML `true` or `"3"` is not a count) and finite.
+PositiveInt = Annotated[int, Strict(), Field(gt=0)]
+NonNegativeInt = Annotated[int, Strict(), Field(ge=0)]
+Seconds = Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False)]
+StrictBool = Annotated[bool, Strict()]
+PathStr = Annotated[str, Strict()]
+PositiveNumber = Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False)]
+NonNegativeNumber = Annotated[float, Strict(), Field(ge=0, allow_inf_nan=False)]
+Name = Annotated[str, Strict(), Field(min_length=1)]
+
+
+class Section(BaseModel):
+    """A config section: frozen, unknown keys refused, fields described by their docstrings."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    def replace(self, **changes: Any) -> Section:
+        """A copy with `changes`, validated like the file was."""
+        return type(self).model_validate({**dict(self), **changes})
+
+
+class OpenSection(Section):
+    """A section read as written: every key is kept, none is checked here (an engine of another
+    package checks its own sections)."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+# -- what a validation checks, by its context --------------------------------------------------------
+
+CHECK_ENGINES = {"engines": "check"}
+"""Validation context of a job loaded with its engines: what its sections name outside themselves (a
+file, an installed library, a registry entry) is checked too, once, by the validators that ask
+`checking`. Without a context (a copy with changes) only the sections themselves are checked."""
+SKIP_ENGINES = {"engines": "skip"}
+"""Validation context of a job loaded without its engines (a synchronizer, the dashboard): the
+engine's sections are read as written (`OpenSection`), left to the roles that run an engine."""
+
+
+def checking(info: ValidationInfo) -> bool:
+    """Whether this validation checks what the sections name outside themselves (`CHECK_ENGINES`)."""
+    return bool(info.context) and info.context.get("engines") == "check"
+
+
+def skipping(info: ValidationInfo) -> bool:
+    """Whether this validation reads the engine's sections as written (`SKIP_ENGINES`)."""
+    return bool(info.context) and info.context.get("engines") == "skip"
+
+
+# -- pydantic's errors in a YAML user's words --------------------------------------------------------
+
+_PROBLEM = "config_problem"
+_PATH_PART = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
+
+
+def invalid(problems: Iterable[tuple[str, str]]) -> ValidationError:
+    """`problems` (a dotted path relative to the validator, what to write instead) as pydantic's error:
+    raised in a validator, each keeps its own path under the field or section that raised it."""
+    return ValidationError.from_exception_data("config", [
+        InitErrorDetails(type=PydanticCustomError(_PROBLEM, "{why}", {"why": why}), input=None,
+                         loc=tuple(int(index) if index else name for name, index in _PATH_PART.findall(path)))
+        for path, why in problems])
+
 
 _MAPPING_ERRORS = ("model_type", "model_attributes_type", "dict_type", "mapping_type")
 _BOUNDS = ((annotated_types.Gt, "gt", ">"), (annotated_types.Ge, "ge", ">="),
@@ -50,7 +137,14 @@ def _unwrap(annotation: Any) -> tuple[Any, list[Any]]:
 
 
 def _options(annotation: Any) -> tuple[Any, ...]:
-    return get_args(annotation) if get_origin(annotation) in (Union, types.UnionType) else (annotation,)
+    """The options of a union, nested unions flattened (each option as annotated: a `Tag` stays)."""
+    if get_origin(annotation) not in (Union, types.UnionType):
+        return (annotation,)
+    found: list[Any] = []
+    for option in get_args(annotation):
+        bare, _ = _unwrap(option)
+        found.extend(_options(bare) if get_origin(bare) in (Union, types.UnionType) else [option])
+    return tuple(found)
 
 
 def expected(annotation: Any, metadata: list[Any] | tuple[Any, ...] = ()) -> str:
@@ -76,25 +170,23 @@ def expected(annotation: Any, metadata: list[Any] | tuple[Any, ...] = ()) -> str
             bounds = [f"{sign} {getattr(m, attr)}" for m in (*metadata, *option_meta)
                       for cls, attr, sign in _BOUNDS if isinstance(m, cls)]
             words.append(" ".join([kind, " and ".join(bounds)]).strip())
-    return " or ".join(sorted(words, key=lambda w: w != "null"))
+    return " or ".join(sorted(dict.fromkeys(words), key=lambda w: w != "null"))
 
 
-def section_models(annotation: Any) -> list[type[BaseModel]]:
-    """The section models a field holds: one, or the members of a union selected by a tag."""
+def section_models(annotation: Any) -> list[tuple[str | None, type[BaseModel]]]:
+    """The section models a field holds, each with the tag that selects it in a union (None: untagged)."""
     annotation, _ = _unwrap(annotation)
     found = []
     for option in _options(annotation):
-        option, _ = _unwrap(option)
+        option, metadata = _unwrap(option)
         if isinstance(option, type) and issubclass(option, BaseModel):
-            found.append(option)
+            found.append((next((m.tag for m in metadata if isinstance(m, Tag)), None), option))
     return found
 
 
-def _tag_member(members: list[type[BaseModel]], tag: Any) -> type[BaseModel] | None:
-    """The union member `tag` selects (its `engine` field's default is the tag)."""
-    if len(members) < 2:
-        return None
-    return next((m for m in members if "engine" in m.model_fields and m.model_fields["engine"].default == tag), None)
+def _field_named(model: type[BaseModel], key: str) -> FieldInfo | None:
+    """The field `key` names: by its name, or by its alias (an environment variable's name)."""
+    return model.model_fields.get(key) or next((f for f in model.model_fields.values() if f.alias == key), None)
 
 
 def _known(model: type[BaseModel]) -> list[str]:
@@ -106,10 +198,10 @@ def problems_of(exc: ValidationError, model: Any, *, prefix: str = "",
     """Every error of `exc` (raised validating `model`: a section model or a union of them) as
     (dotted path, what to write instead)."""
     problems = []
-    start = [model] if isinstance(model, type) and issubclass(model, BaseModel) else section_models(model)
+    start = [(None, model)] if isinstance(model, type) and issubclass(model, BaseModel) else section_models(model)
     for error in exc.errors(include_url=False):
-        members: list[type[BaseModel]] = start
-        holder: type[BaseModel] | None = start[0] if len(start) == 1 else None
+        members = start
+        holder: type[BaseModel] | None = start[0][1] if len(start) == 1 else None
         info: FieldInfo | None = None
         parts = [prefix] if prefix else []
         item_of = False
@@ -118,12 +210,12 @@ def problems_of(exc: ValidationError, model: Any, *, prefix: str = "",
                 parts[-1:] = [f"{parts[-1]}[{item}]"] if parts else [f"[{item}]"]
                 item_of = True
                 continue
-            tagged = _tag_member(members, item)
+            tagged = next((member for tag, member in members if tag is not None and tag == item), None)
             if tagged is not None:  # the union's tag: not part of the user's path
-                members = [tagged]
+                members = [(None, tagged)]
                 continue
-            holder = members[0] if members else None
-            info = holder.model_fields.get(str(item)) if holder is not None else None
+            holder = members[0][1] if members else None
+            info = _field_named(holder, str(item)) if holder is not None else None
             members = section_models(info.annotation) if info is not None else []
             parts.append(str(item))
             item_of = False
@@ -132,15 +224,16 @@ def problems_of(exc: ValidationError, model: Any, *, prefix: str = "",
     return problems
 
 
-def validate_section(model: Any, values: Any, *, where: str) -> tuple[Any, list[tuple[str, str]]]:
+def validate_section(model: Any, values: Any, *, where: str,
+                     context: dict[str, Any] | None = None) -> tuple[Any, list[tuple[str, str]]]:
     """`values` validated as `model` (a section model, or a union of them by its annotation), and
     every problem by its path under `where`; the section is None when there are problems."""
     if not isinstance(values, Mapping):
         return None, [(where, f"must be a mapping (indented `key: value` lines), got {yaml_kind(values)}")]
     try:
         if isinstance(model, type) and issubclass(model, BaseModel):
-            return model.model_validate(values), []
-        return _adapter(model).validate_python(values), []
+            return model.model_validate(values, context=context), []
+        return _adapter(model).validate_python(values, context=context), []
     except ValidationError as exc:
         return None, problems_of(exc, model, prefix=where)
 
@@ -158,6 +251,8 @@ def _adapter(annotation: Any) -> TypeAdapter[Any]:
 
 def _why(error: Any, holder: type[BaseModel] | None, info: FieldInfo | None, item_of: bool, noun: str) -> str:
     kind, ctx, value = error["type"], error.get("ctx") or {}, error.get("input")
+    if kind == _PROBLEM:
+        return str(ctx["why"])
     if kind == "extra_forbidden":
         return f"unknown {noun}; known: {_known(holder)}" if holder is not None else "unknown field"
     if kind == "missing":
