@@ -4,6 +4,10 @@ reads them with a durable pull consumer and acks after use, so nothing is lost o
 Wire format: a msgpack map with a schema version. Token ids travel as raw little-endian int32 bytes
 and logprobs as little-endian float32 bytes (4 bytes a token instead of msgpack's up to 9, and no
 per-element decoding); no pickle anywhere. Logprobs are therefore rounded to float32 on the way.
+Schema 2 adds a multi-turn episode's loss mask (one uint8 a response token) and its token versions
+(int32 `(count, version)` pairs), each only on an experience that has it: a batch without them is
+written as schema 1, byte for byte what older builds read, and schema-1 batches decode as
+single-turn records.
 
 Validation: bytes from the wire reach the model only as a batch that decodes (`decode_batch`) *and*
 fits the trainer's engine (`validate_batch` with its `ExperienceLimits`: token ids in the vocabulary,
@@ -92,8 +96,9 @@ def validate_batch(batch: ExperienceBatch, limits: ExperienceLimits) -> None:
             if bad:
                 raise MalformedExperience(f"{w}: {part} token {bad[0]} outside the vocabulary "
                                           f"[0, {limits.vocab_size})")
+        _check_trajectory(exp, batch.model_version, w)
         if limits.response_tokens is not None:
-            bad = [t for t in exp.response if t not in limits.response_tokens]
+            bad = [t for t, sampled in zip(exp.response, exp.mask()) if sampled and t not in limits.response_tokens]
             if bad:
                 raise MalformedExperience(f"{w}: response token {bad[0]} is not one the policy samples")
         if not math.isfinite(exp.reward):
@@ -108,14 +113,38 @@ def validate_batch(batch: ExperienceBatch, limits: ExperienceLimits) -> None:
                                   f"{limits.group_size}")
 
 
+def _check_trajectory(exp: Experience, batch_version: int, where: str) -> None:
+    """A multi-turn episode's mask and versions: one per response token, 0/1, versions between the
+    experience's (the oldest) and the batch's."""
+    if exp.loss_mask is not None:
+        if len(exp.loss_mask) != len(exp.response):
+            raise MalformedExperience(f"{where}: loss_mask has {len(exp.loss_mask)} entries for "
+                                      f"{len(exp.response)} response tokens")
+        if any(m not in (0, 1) for m in exp.loss_mask):
+            raise MalformedExperience(f"{where}: loss_mask holds a value other than 0 and 1")
+    if exp.token_versions is None:
+        return
+    if any(count < 1 for count, _ in exp.token_versions):
+        raise MalformedExperience(f"{where}: token_versions holds a run of fewer than 1 token")
+    covered = sum(count for count, _ in exp.token_versions)
+    if covered != len(exp.response):
+        raise MalformedExperience(f"{where}: token_versions cover {covered} tokens, the response has "
+                                  f"{len(exp.response)}")
+    versions = [version for _, version in exp.token_versions]
+    if min(versions) < exp.model_version or max(versions) > batch_version:
+        raise MalformedExperience(f"{where}: a token version outside {exp.model_version}..{batch_version} "
+                                  "(the experience's oldest version .. the batch's)")
+
+
 # --------------------------------------------------------------------------------------------------
 # codec
 
-EXPERIENCE_SCHEMA = 1
+EXPERIENCE_SCHEMA = 2
 """Bumped on any incompatible change; decoders reject newer schemas instead of guessing."""
 
 _I32 = np.dtype("<i4")
 _F32 = np.dtype("<f4")
+_U8 = np.dtype("u1")
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
 
 
@@ -129,7 +158,7 @@ def _pack_ids(values: tuple[int, ...], what: str) -> bytes:
 
 
 def _encode_experience(exp: Experience) -> dict[str, Any]:
-    return {
+    fields: dict[str, Any] = {
         "id": exp.id,
         "group": exp.group,
         "prompt": _pack_ids(exp.prompt, f"experience {exp.id!r} prompt"),
@@ -138,13 +167,23 @@ def _encode_experience(exp: Experience) -> dict[str, Any]:
         "reward": float(exp.reward),
         "model_version": int(exp.model_version),
     }
+    if exp.loss_mask is not None:
+        fields["loss_mask"] = np.asarray(exp.loss_mask, dtype=_U8).tobytes()
+    if exp.token_versions is not None:
+        runs = tuple(value for run in exp.token_versions for value in run)
+        fields["token_versions"] = _pack_ids(runs, f"experience {exp.id!r} token_versions")
+    return fields
+
+
+def _is_trajectory(exp: Experience) -> bool:
+    return exp.loss_mask is not None or exp.token_versions is not None
 
 
 def encode_batch(batch: ExperienceBatch) -> bytes:
     """Serialise a batch (msgpack; token ids int32 and logprobs float32, little-endian)."""
     payload: bytes = msgpack.packb(
         {
-            "schema": EXPERIENCE_SCHEMA,
+            "schema": EXPERIENCE_SCHEMA if any(map(_is_trajectory, batch.experiences)) else 1,
             "member": batch.member,
             "explore_step": int(batch.explore_step),
             "model_version": int(batch.model_version),
@@ -171,6 +210,14 @@ def _unpack(data: dict[str, Any], key: str, dtype: np.dtype[Any], where: str) ->
         raise MalformedExperience(f"{where}: field {key!r} is {len(raw)} bytes, not a whole number of "
                                   f"{dtype.itemsize}-byte values")
     return tuple(np.frombuffer(raw, dtype=dtype).tolist())
+
+
+def _version_runs(item: dict[str, Any], where: str) -> tuple[tuple[int, int], ...]:
+    flat = _unpack(item, "token_versions", _I32, where)
+    if len(flat) % 2:
+        raise MalformedExperience(f"{where}: field 'token_versions' holds {len(flat)} numbers, not "
+                                  "(count, version) pairs")
+    return tuple(zip(flat[::2], flat[1::2]))
 
 
 def decode_batch(payload: bytes) -> ExperienceBatch:
@@ -206,6 +253,8 @@ def decode_batch(payload: bytes) -> ExperienceBatch:
                 logprobs=_unpack(item, "logprobs", _F32, w),
                 reward=float(_field(item, "reward", (int, float), w)),
                 model_version=_field(item, "model_version", (int,), w),
+                loss_mask=_unpack(item, "loss_mask", _U8, w) if "loss_mask" in item else None,
+                token_versions=_version_runs(item, w) if "token_versions" in item else None,
             )
         )
     return ExperienceBatch(member=member, explore_step=step, model_version=version, experiences=tuple(out))

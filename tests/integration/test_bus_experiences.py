@@ -57,6 +57,40 @@ def test_codec_round_trip_and_compact_token_arrays():
         (3).to_bytes(4, "little") + (151_000).to_bytes(4, "little")
 
 
+def _two_turn_episode(model_version: int = 2) -> Experience:
+    """Turn 1 sampled by version 2, a tool's answer (mask 0), turn 2 sampled by version 3."""
+    return Experience(id="e0-4-0", group="g4", prompt=(1, 2), response=(7, 8, 50, 51, 52, 9, 3),
+                      logprobs=(-0.5, -0.25, 0.0, 0.0, 0.0, -1.0, -0.125), reward=1.0, model_version=model_version,
+                      loss_mask=(1, 1, 0, 0, 0, 1, 1), token_versions=((5, 2), (2, 3)))
+
+
+def test_a_multi_turn_episode_round_trips_as_schema_2():
+    batch = ExperienceBatch(member="e0", explore_step=4, model_version=3,
+                            experiences=(_two_turn_episode(), *_batch(4).experiences))
+    payload = encode_batch(batch)
+    assert decode_batch(payload) == batch
+    raw = msgpack.unpackb(payload)
+    assert raw["schema"] == 2
+    assert raw["experiences"][0]["loss_mask"] == bytes([1, 1, 0, 0, 0, 1, 1])
+    assert "loss_mask" not in raw["experiences"][1]  # single-turn records carry nothing new
+
+
+def test_a_schema_1_record_decodes_as_a_single_turn_episode():
+    payload = encode_batch(_batch(3))
+    assert msgpack.unpackb(payload)["schema"] == 1  # what builds before trajectories wrote and read
+    exp = decode_batch(payload).experiences[0]
+    assert exp.loss_mask is None and exp.token_versions is None
+    assert exp.mask() == (1, 1, 1) and exp.versions() == (2, 2, 2) and exp.turns == 1
+
+
+def test_an_episode_says_its_turns_segments_and_trained_tokens():
+    exp = _two_turn_episode()
+    assert exp.turns == 2 and exp.trained_tokens == 4
+    assert exp.versions() == (2, 2, 2, 2, 2, 3, 3)
+    assert [(s.start, s.end, s.sampled, s.version) for s in exp.segments()] == [
+        (0, 2, True, 2), (2, 5, False, 2), (5, 7, True, 3)]
+
+
 def test_logprobs_travel_as_float32():
     exp = Experience(id="x", group="g", prompt=(), response=(1,), logprobs=(0.1,), reward=1, model_version=0)
     back = decode_batch(encode_batch(ExperienceBatch(member="e0", explore_step=1, model_version=0,
@@ -76,6 +110,10 @@ def test_logprobs_travel_as_float32():
                         "experiences": [{"id": "x", "group": "g", "prompt": b"\x01\x02\x03",
                                          "response": b"", "logprobs": b"", "reward": 0.0,
                                          "model_version": 0}]}), "whole number"),
+        (msgpack.packb({"schema": 2, "member": "e0", "explore_step": 1, "model_version": 0,
+                        "experiences": [{"id": "x", "group": "g", "prompt": b"", "response": b"",
+                                         "logprobs": b"", "reward": 0.0, "model_version": 0,
+                                         "token_versions": b"\x01\x00\x00\x00"}]}), "not \\(count, version\\) pairs"),
     ],
 )
 def test_decode_rejects_malformed_input_with_a_typed_error(payload, words):

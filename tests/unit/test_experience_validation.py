@@ -46,6 +46,12 @@ def test_a_batch_that_fits_passes():
         ({"group": "g9"}, "has 1 responses"),
         ({"id": "e-0-0"}, "id repeated"),
         ({"model_version": 3}, "model_version 3 outside 0..2"),
+        ({"loss_mask": (1,)}, "loss_mask has 1 entries for 2 response tokens"),
+        ({"loss_mask": (1, 2)}, "loss_mask holds a value other than 0 and 1"),
+        ({"token_versions": ((1, 2),)}, "token_versions cover 1 tokens, the response has 2"),
+        ({"token_versions": ((2, 3),)}, "a token version outside 2..2"),
+        ({"token_versions": ((0, 2), (2, 2))}, "a run of fewer than 1 token"),
+        ({"model_version": 1, "token_versions": ((1, 0), (1, 2))}, "a token version outside 1..2"),
     ],
 )
 def test_each_rule_names_the_batch_the_experience_and_the_problem(change, words):
@@ -53,6 +59,13 @@ def test_each_rule_names_the_batch_the_experience_and_the_problem(change, words)
         validate_batch(_batch(**change), LIMITS)
     assert "experience batch explorer-0/5" in str(err.value)
     assert words in str(err.value)
+
+
+def test_only_the_tokens_the_policy_sampled_must_be_ones_it_samples():
+    """A tool's answer (mask 0) may hold any token of the vocabulary; a sampled one may not."""
+    validate_batch(_batch(response=(13, 12), loss_mask=(0, 1)), LIMITS)
+    with pytest.raises(MalformedExperience, match="response token 13 is not one the policy samples"):
+        validate_batch(_batch(response=(13, 12), loss_mask=(1, 1)), LIMITS)
 
 
 def test_an_empty_batch_is_refused():
