@@ -91,7 +91,7 @@ class Trainer:
         self.announced_versions: set[int] = set()
         self.start_mode = start_mode  # resumed or not in run(), once the stream says whether this is a restart
         # The parts that need the live member session, built by _setup() at the top of run():
-        self.s: MemberSession | None = None
+        self.session: MemberSession | None = None
         self.log: Any = None  # the session's logger, bound with job, role and member
         self.transport: PullTransport | RendezvousTransport | None = None
         self.reader: ExperienceReader | None = None
@@ -147,7 +147,7 @@ class Trainer:
         """Build the parts that need the live session: resume (or not), catch up with what the stream
         says was published, the weight transport, the experience reader and the ack ledger; join.
         Returns the step the stream last heard of from this member."""
-        self.s, self.log = session, session.log
+        self.session, self.log = session, session.log
         await session.view.start()
         await session.refuse_if_live()  # before anything that touches its state (checkpoint, held batches)
         saved = self._resume_or_start_fresh(session.view)
@@ -205,17 +205,17 @@ class Trainer:
             # nowhere once the job ends. A replaced trainer stops at once: the step is its successor's.
             await finish_before_stopping(self._train_step(batch), log=self.log,
                                          what=f"train step {self.engine.step + 1}: train, save, report",
-                                         unless=lambda: self.s.replaced_by is not None)
+                                         unless=lambda: self.session.replaced_by is not None)
             if await self.need_sync():
                 await self.sync_weight()
 
     async def _train_step(self, batch: list) -> None:
         """Train one step on `batch`, save when due, report the step."""
-        await self.s.fence()  # a process back from a pause must not train what its successor trains
+        await self.session.fence()  # a process back from a pause must not train what its successor trains
         metrics = await asyncio.to_thread(self.engine.train_step, batch, current_version=self.version)
         self.ledger.step_trained()  # the next save may ack them
         self._guard_metrics(metrics)
-        self.s.step = self.engine.step
+        self.session.step = self.engine.step
         metrics["dropped_stale_total"] = float(self.dropped_stale)
         metrics["total_steps"] = float(self.total_steps)  # progress against it: status, dashboard
         metrics["mean_staleness"] = (
@@ -239,8 +239,8 @@ class Trainer:
                              updates=int(metrics["updates_skipped_nonfinite"]))
 
     async def _step_finished(self, metrics: dict) -> None:
-        await self.s.publish(StepFinished(member=self.s.me, step=self.engine.step,
-                                          version=self.version, metrics=metrics))
+        await self.session.publish(StepFinished(member=self.session.me, step=self.engine.step,
+                                                version=self.version, metrics=metrics))
         self.log.info("train_step", step=self.engine.step, version=self.version,
                       reward=round(metrics.get("reward_mean", 0.0), 4), loss=round(metrics.get("loss", 0.0), 4))
 
@@ -255,7 +255,7 @@ class Trainer:
             return await self._fill(batch)
 
     def _explorers_now(self) -> str:
-        explorers = self.s.view.state.explorers(alive_only=False)
+        explorers = self.session.view.state.explorers(alive_only=False)
         if not explorers:
             return "no explorer has joined the job yet"
         return ", ".join(f"{m.ref.id} {'at step ' + str(m.step) if m.alive else 'away'}" for m in explorers)
@@ -280,7 +280,7 @@ class Trainer:
     def _explorers_done(self) -> bool:
         """Nobody will produce more experiences: every explorer finished its task set, or all are
         gone (killed, expired) and none came back within `trainer.explorer_grace_s`."""
-        view = self.s.view
+        view = self.session.view
         if view.all_finished(Role.EXPLORER):
             self._why_no_more = self._why_explorers_fell_short()
             return True
@@ -310,7 +310,7 @@ class Trainer:
         """explorer_driven: an explorer's open round is our cue (the reference polls every 1 s)."""
         if self.sync.sync_style is not SyncStyle.EXPLORER_DRIVEN:
             return
-        for round_id, rnd in list(self.s.view.state.rounds.items()):
+        for round_id, rnd in list(self.session.view.state.rounds.items()):
             if round_id in self.answered_rounds or rnd.opened_by.role is not Role.EXPLORER:
                 continue
             self.answered_rounds.add(round_id)
@@ -320,7 +320,8 @@ class Trainer:
                 await self.sync_weight()
             else:
                 self.log.info("no_new_version", round=round_id, version=self.version)
-                await self.s.publish(NoNewVersion(member=self.s.me, version=self.version, step=self.engine.step))
+                await self.session.publish(NoNewVersion(member=self.session.me, version=self.version,
+                                                        step=self.engine.step))
 
     async def need_sync(self) -> bool:
         if self.sync.sync_style is SyncStyle.EXPLORER_DRIVEN:
@@ -336,10 +337,10 @@ class Trainer:
         step = self.engine.step
         if self.method.is_rendezvous:
             await self._sync_rendezvous(step)
-        elif step > 0 and step <= self.s.view.state.latest.version:
+        elif step > 0 and step <= self.session.view.state.latest.version:
             # A restart from an older checkpoint trains these steps again; explorers already
             # hold a newer version, and versions never go down.
-            self.log.info("version_already_published", step=step, latest=self.s.view.state.latest.version)
+            self.log.info("version_already_published", step=step, latest=self.session.view.state.latest.version)
         elif step > 0:
             # bucket by bucket: a sharded trainer never gathers the whole model in one process
             streams = _WeightStreams(lambda: cast_source(self.engine.iter_weight_buckets(), wire_dtype(self.cfg)))
@@ -347,11 +348,11 @@ class Trainer:
                 ref = await self.transport.publish(step, streams)
             finally:
                 streams.close()
-            await self.s.publish(VersionPublished(member=self.s.me, version=step, step=step,
-                                                  method=self.method, location=ref.location,
-                                                  nbytes=ref.nbytes, digest=ref.digest))
+            await self.session.publish(VersionPublished(member=self.session.me, version=step, step=step,
+                                                        method=self.method, location=ref.location,
+                                                        nbytes=ref.nbytes, digest=ref.digest))
             self.version = step
-            self.s.version = step
+            self.session.version = step
             self.announced_versions.add(step)
             pruned = await self.transport.prune(self.cfg.trainer.keep_versions,
                                                 announced=self.announced_versions)
@@ -370,8 +371,8 @@ class Trainer:
 
     async def _sync_rendezvous_once(self, step: int) -> None:
         offer = f"{_advertised_host()}:{self.transport.offer_port()}"
-        seq = await self.s.set_status(RunningStatus.REQUIRE_SYNC, rendezvous=offer)
-        me = self.s.me
+        seq = await self.session.set_status(RunningStatus.REQUIRE_SYNC, rendezvous=offer)
+        me = self.session.me
 
         def for_us(d):
             if isinstance(d, RendezvousReady):
@@ -380,32 +381,33 @@ class Trainer:
                 return d
             return None
 
-        decision = await self.s.wait_decision(for_us, after=seq, what="the rendezvous decision")
+        decision = await self.session.wait_decision(for_us, after=seq, what="the rendezvous decision")
         if decision is None:
             return  # no synchronizer: keep training; explorers keep the weights they have
         if isinstance(decision, MemberReleased):
             self.log.info("rendezvous_released", reason=decision.reason.value, round=decision.round)
-            self.s.status = RunningStatus.RUNNING
+            self.session.status = RunningStatus.RUNNING
             return
         started = time.monotonic()
         try:
             nbytes = await self.transport.send(decision, self.engine.weights())
         except TransferError as exc:
             self.log.warning("broadcast_failed", round=decision.round, epoch=decision.epoch, error=describe(exc))
-            await self.s.publish(SyncFailed(member=me, version=self.version, reason=str(exc), round=decision.round))
-            self.s.status = RunningStatus.RUNNING
+            await self.session.publish(SyncFailed(member=me, version=self.version, reason=str(exc),
+                                                  round=decision.round))
+            self.session.status = RunningStatus.RUNNING
             return
         seconds = time.monotonic() - started
         self.version = decision.version
-        self.s.version = self.version
-        self.s.status = RunningStatus.RUNNING
-        await self.s.publish(WeightsBroadcast(member=me, version=decision.version, round=decision.round,
-                                              nbytes=nbytes, seconds=seconds))
+        self.session.version = self.version
+        self.session.status = RunningStatus.RUNNING
+        await self.session.publish(WeightsBroadcast(member=me, version=decision.version, round=decision.round,
+                                                    nbytes=nbytes, seconds=seconds))
         self.log.info("weights_broadcast", round=decision.round, epoch=decision.epoch, version=decision.version,
                       nbytes=nbytes, seconds=round(seconds, 3), world_size=decision.world_size)
 
     async def save_checkpoint(self) -> None:
-        await self.s.fence()  # the checkpoint and the acks belong to the live incarnation only
+        await self.session.fence()  # the checkpoint and the acks belong to the live incarnation only
         step = self.engine.step
         name = f"step-{step}"
         await asyncio.to_thread(self.engine.save_checkpoint, self.ckpt_dir / name)
@@ -434,14 +436,14 @@ class Trainer:
     async def _cleanup(self) -> None:
         """Final save, STOPPED, close transports. Runs on normal end, Ctrl-C and errors; a replaced
         (fenced) trainer only closes: its successor owns the checkpoint and the experiences."""
-        if self.s.replaced_by is not None:
+        if self.session.replaced_by is not None:
             await self._close()
-            self.log.error("trainer_fenced", step=self.engine.step, replaced_by=self.s.replaced_by.incarnation)
+            self.log.error("trainer_fenced", step=self.engine.step, replaced_by=self.session.replaced_by.incarnation)
             return
         try:
             if self.engine.step > 0:
                 await self.save_checkpoint()
-                await self.ledger.confirm_before_exit(self.s.conn)
+                await self.ledger.confirm_before_exit(self.session.conn)
         except Exception as exc:
             self.log.error("final_save_failed", error=describe(exc))
         finished = self.engine.step >= self.total_steps
@@ -452,8 +454,8 @@ class Trainer:
                 self.log.error("hf_export_failed", error=describe(exc))
         try:
             # final: the job is done, explorers may stop; otherwise a restart is expected
-            await self.s.set_status(RunningStatus.STOPPED, final=finished,
-                                    metrics={"dropped_stale_total": float(self.dropped_stale)})
+            await self.session.set_status(RunningStatus.STOPPED, final=finished,
+                                          metrics={"dropped_stale_total": float(self.dropped_stale)})
         except Exception as exc:
             self.log.error("stopped_not_published", error=describe(exc))
         await self._close()
