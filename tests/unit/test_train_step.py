@@ -14,14 +14,6 @@ from rolectl.roles.engines.step import TrainStep, micro_batches
 SMALL = TinyConfig(seed=0, task_length=2, group_size=4, tasks_per_step=8, minibatches=2)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _batch(config: TinyConfig = SMALL, *, seed: int = 0) -> tuple[list, TrainBatch]:
     explorer = TinyRolloutEngine(config, member="e0", sampling_seed=seed)
     experiences = explorer.rollout(build_task_set(config, seed=seed).next_batch(), explore_step=1)
