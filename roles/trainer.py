@@ -10,7 +10,8 @@ Reads top to bottom like the reference train loop (init → setup → train → 
 - a checkpoint (model, optimizer, step, last synced step) is saved *before* the version is
   announced and before experiences are acked, so a restart neither repeats nor skips a version and
   loses no experience; the ack subjects of the batches it holds are written down as they arrive,
-  so a restart gives them back to the stream at once instead of after `ack_wait_s`;
+  so a restart gives them back to the stream at once instead of after `ack_wait_s` (the books of
+  fetched, trained and acked messages are `roles.ack_ledger.AckLedger`'s);
 - the job ends when `total_steps` are trained (a final STOPPED); a trainer that cannot get there
   (every explorer finished its task set, or gone longer than `trainer.explorer_grace_s`) ends
   with a non-zero exit, saying why.
@@ -27,11 +28,13 @@ from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any
 
-from rolectl.bus.errors import AckFailed, describe
+from rolectl.bus.errors import describe
 from rolectl.bus.experiences import ExperienceReader
 from rolectl.bus.security import redact
 from rolectl.bus.weights import TransferError
+from rolectl.bus.weights.base import PullTransport, RendezvousTransport
 from rolectl.bus.weights.delta import cast_source
+from rolectl.roles.ack_ledger import AckLedger
 from rolectl.roles.config import JobConfig, env_settings
 from rolectl.roles.resume import SavedState, StartMode, decide_resume
 from rolectl.roles.session import (
@@ -75,25 +78,10 @@ class Trainer:
         self.save_interval = cfg.trainer.save_interval
         self.train_batch_tasks = cfg.trainer.train_batch_tasks or cfg.buffer.batch_size
         self.experiences_per_step = self.train_batch_tasks * self.engine.group_size
+        self.method = self.sync.sync_method
         self.last_sync_step = 0
         self.version = 0  # the base model
         self.dropped_stale = 0
-        # Experience messages fetched and not yet acked, by stream seq. One is acked only at a
-        # checkpoint that covers all its experiences, so a restart neither loses nor repeats any.
-        self.held: dict[int, object] = {}
-        self.leftover: list = []  # (seq, index, experience) fetched but not yet trained on
-        # (seq, index, experience) of the step being trained: not trained until train_step returns,
-        # so a save after a failed step (the final save in _cleanup) must not ack them.
-        self.in_step: list = []
-        # Seqs a checkpoint marked trained whose ack is not confirmed (lost in a crash or refused):
-        # if one comes back it is acked, not trained again. Kept across saves until seen.
-        self.acked_at_save: set[int] = set()
-        # Those of them this process still has the delivery of: acked again at every save and
-        # before exit, so a server that was away during an ack does not leave trained batches in
-        # the stream when the job ends (they would come back only after ack_wait_s).
-        self.unconfirmed: dict[int, object] = {}
-        # seq -> indices not trained as of the checkpoint, for messages not redelivered yet
-        self.partial: dict[int, set[int]] = {}
         self.last_metrics: dict | None = None  # the saved step's StepFinished metrics
         self.answered_rounds: set[int] = set()
         self.end_reason = ""
@@ -101,16 +89,18 @@ class Trainer:
         # Versions the stream announced (ours, and the latest at start): prune keeps the newest of
         # these and nothing else, so junk with a high version number never pushes them out.
         self.announced_versions: set[int] = set()
-        self._last_extend = 0.0
-        # Ack subjects of the batches we hold, on disk: a restart naks them so the stream hands
-        # them out at once (the server would otherwise keep them for ack_wait_s).
-        self.held_file = self.ckpt_dir / "held_batches.json"
-        self._held_written: frozenset[int] = frozenset()
         self.start_mode = start_mode  # resumed or not in run(), once the stream says whether this is a restart
+        # The parts that need the live member session, built by _setup() at the top of run():
+        self.session: MemberSession | None = None
+        self.log: Any = None  # the session's logger, bound with job, role and member
+        self.transport: PullTransport | RendezvousTransport | None = None
+        self.reader: ExperienceReader | None = None
+        self.ledger: AckLedger | None = None  # experience messages from fetch to ack (exactly once)
 
     # -- setup -------------------------------------------------------------------------------------
-    def _resume_or_start_fresh(self, view) -> None:
-        """Resume from the saved checkpoint if this is a restart (see roles.resume), else start at 0."""
+    def _resume_or_start_fresh(self, view) -> dict | None:
+        """Resume from the saved checkpoint if this is a restart (see roles.resume), else start at 0;
+        the trainer state resumed from, if any."""
         state_file = self.ckpt_dir / "trainer_state.json"
         state = json.loads(state_file.read_text()) if state_file.exists() else None
         saved = SavedState(state_file, state["step"] if state else None)
@@ -120,60 +110,71 @@ class Trainer:
             self.log.warning("resuming_from_checkpoint", path=str(state_file), step=saved.step,
                              recorded_step=recorded.step if recorded else None, mode=self.start_mode.value)
             self._resume(state)
-        elif state is not None:
+            return state
+        if state is not None:
             shutil.rmtree(self.ckpt_dir)
             self.log.warning("discarded_saved_state", path=str(self.ckpt_dir), step=saved.step)
+        return None
 
     def _resume(self, state: dict) -> None:
         self.engine.load_checkpoint(self.ckpt_dir / state["checkpoint"])
         self.last_sync_step = state["last_sync_step"]
         self.version = state["version"]
         self.dropped_stale = state.get("dropped_stale", 0)
-        self.acked_at_save = set(state.get("acked_seqs", ()))
-        self.partial = {int(seq): set(idx) for seq, idx in state.get("partial", {}).items()}
         self.last_metrics = state.get("metrics")
+
+    def _adopt_published_versions(self, view) -> None:
+        """What the stream says was published after our checkpoint counts as published."""
+        latest = view.state.latest
+        if latest.version > 0:
+            self.announced_versions.add(latest.version)
+        if latest.version > self.version and latest.step == self.engine.step:
+            # Announced after our last checkpoint was saved (we died between the two): it
+            # is the version of our current step, so it counts as synced.
+            self.version = latest.version
+            self.last_sync_step = max(self.last_sync_step, latest.step)
+        elif latest.version > self.version:
+            # With save_interval > 1 the steps after the checkpoint are trained again; the
+            # versions already announced for them are not announced a second time.
+            self.log.warning("resuming_behind_published_version", step=self.engine.step,
+                             published=latest.version)
+        if self.method.is_rendezvous and view.broadcast_version > self.version:
+            # Likewise for a broadcast our previous incarnation sent after the checkpoint.
+            self.version = view.broadcast_version
+            self.last_sync_step = max(self.last_sync_step, self.version)
+
+    async def _setup(self, session: MemberSession) -> int:
+        """Build the parts that need the live session: resume (or not), catch up with what the stream
+        says was published, the weight transport, the experience reader and the ack ledger; join.
+        Returns the step the stream last heard of from this member."""
+        self.session, self.log = session, session.log
+        await session.view.start()
+        await session.refuse_if_live()  # before anything that touches its state (checkpoint, held batches)
+        saved = self._resume_or_start_fresh(session.view)
+        previous = session.view.member(Role.TRAINER, self.member_id)
+        reported_step = previous.step if previous is not None else 0
+        self._adopt_published_versions(session.view)
+        session.step = self.engine.step
+        session.version = self.version
+        if self.method.is_rendezvous:
+            self.transport = await make_rendezvous_transport(self.cfg, session)
+        else:
+            self.transport = make_pull_transport(self.cfg, session.conn)
+        # Batches that do not fit the engine are refused (terminated, counted) before training.
+        self.reader = ExperienceReader(session.conn, ack_wait_s=self.cfg.buffer.ack_wait_s,
+                                       limits=self.engine.experience_limits)
+        self.ledger = AckLedger(self.reader, held_file=self.ckpt_dir / "held_batches.json", log=self.log,
+                                saved=saved)
+        await self.ledger.give_back_predecessors()
+        await self.ledger.forget_confirmed()
+        await session.join(step=self.engine.step, version=self.version)
+        self.log.info("trainer_ready", step=self.engine.step, version=self.version,
+                      method=self.method.value, style=self.sync.sync_style.value)
+        return reported_step
 
     async def run(self) -> None:
         async with MemberSession(self.cfg, Role.TRAINER, self.member_id) as session:
-            self.s = session
-            self.log = session.log
-            await session.view.start()
-            await session.refuse_if_live()  # before anything that touches its state (checkpoint, held batches)
-            self._resume_or_start_fresh(session.view)
-            latest = session.view.state.latest
-            if latest.version > 0:
-                self.announced_versions.add(latest.version)
-            previous = session.view.member(Role.TRAINER, self.member_id)
-            reported_step = previous.step if previous is not None else 0
-            if latest.version > self.version and latest.step == self.engine.step:
-                # Announced after our last checkpoint was saved (we died between the two): it
-                # is the version of our current step, so it counts as synced.
-                self.version = latest.version
-                self.last_sync_step = max(self.last_sync_step, latest.step)
-            elif latest.version > self.version:
-                # With save_interval > 1 the steps after the checkpoint are trained again; the
-                # versions already announced for them are not announced a second time.
-                self.log.warning("resuming_behind_published_version", step=self.engine.step,
-                                 published=latest.version)
-            if self.sync.sync_method.is_rendezvous and session.view.broadcast_version > self.version:
-                # Likewise for a broadcast our previous incarnation sent after the checkpoint.
-                self.version = session.view.broadcast_version
-                self.last_sync_step = max(self.last_sync_step, self.version)
-            session.step = self.engine.step
-            session.version = self.version
-            self.method = self.sync.sync_method
-            if self.method.is_rendezvous:
-                self.transport = await make_rendezvous_transport(self.cfg, session)
-            else:
-                self.transport = make_pull_transport(self.cfg, session.conn)
-            # Batches that do not fit the engine are refused (terminated, counted) before training.
-            self.reader = ExperienceReader(session.conn, ack_wait_s=self.cfg.buffer.ack_wait_s,
-                                           limits=self.engine.experience_limits)
-            await self._give_back_predecessors_batches()
-            await self._forget_confirmed_acks()
-            await session.join(step=self.engine.step, version=self.version)
-            self.log.info("trainer_ready", step=self.engine.step, version=self.version,
-                          method=self.method.value, style=self.sync.sync_style.value)
+            reported_step = await self._setup(session)
             try:
                 if self.engine.step > reported_step and self.last_metrics is not None:
                     # We died between our checkpoint and its StepFinished: report the step now,
@@ -189,44 +190,6 @@ class Trainer:
                 raise JobIncomplete(self.end_reason)
 
     # -- loop --------------------------------------------------------------------------------------
-    async def _give_back_predecessors_batches(self) -> None:
-        """Nak the batches a previous incarnation held (fetched, not acked) so they come back now."""
-        if not self.held_file.exists():
-            return
-        try:
-            held = json.loads(self.held_file.read_text())
-        except (OSError, ValueError) as exc:
-            self.log.warning("held_batches_unreadable", file=str(self.held_file), error=describe(exc))
-            return
-        given = await self.reader.give_back([item["ack"] for item in held.get("batches", ())])
-        if given:
-            self.log.info("predecessor_batches_given_back", batches=given)
-
-    async def _forget_confirmed_acks(self) -> None:
-        """Drop from the checkpoint's `acked_seqs` what the server has confirmed since (below the
-        consumer's ack floor): a predecessor killed after its acks went through left them there, and
-        each restart would otherwise carry them on for the life of the job."""
-        if not self.acked_at_save:
-            return
-        try:
-            floor = await self.reader.ack_floor()
-        except Exception as exc:  # only bookkeeping: the next restart tries again
-            self.log.info("ack_floor_unread", error=describe(exc))
-            return
-        confirmed = {seq for seq in self.acked_at_save if seq <= floor}
-        self.acked_at_save -= confirmed
-        if confirmed:
-            self.log.info("acked_seqs_confirmed", forgotten=len(confirmed), kept=len(self.acked_at_save))
-
-    def _record_held(self) -> None:
-        """Write down the ack subjects of the batches we hold (only when the set changed)."""
-        seqs = frozenset(self.held)
-        if seqs == self._held_written:
-            return
-        write_json_atomic(self.held_file, {"batches": [
-            {"seq": seq, "ack": msg.ack_subject} for seq, msg in sorted(self.held.items())]})
-        self._held_written = seqs
-
     async def train(self) -> None:
         self.end_reason = f"trained {self.total_steps} steps"
         while self.engine.step < self.total_steps:
@@ -242,17 +205,17 @@ class Trainer:
             # nowhere once the job ends. A replaced trainer stops at once: the step is its successor's.
             await finish_before_stopping(self._train_step(batch), log=self.log,
                                          what=f"train step {self.engine.step + 1}: train, save, report",
-                                         unless=lambda: self.s.replaced_by is not None)
+                                         unless=lambda: self.session.replaced_by is not None)
             if await self.need_sync():
                 await self.sync_weight()
 
     async def _train_step(self, batch: list) -> None:
         """Train one step on `batch`, save when due, report the step."""
-        await self.s.fence()  # a process back from a pause must not train what its successor trains
+        await self.session.fence()  # a process back from a pause must not train what its successor trains
         metrics = await asyncio.to_thread(self.engine.train_step, batch, current_version=self.version)
-        self.in_step = []  # trained: the next save may ack them
+        self.ledger.step_trained()  # the next save may ack them
         self._guard_metrics(metrics)
-        self.s.step = self.engine.step
+        self.session.step = self.engine.step
         metrics["dropped_stale_total"] = float(self.dropped_stale)
         metrics["total_steps"] = float(self.total_steps)  # progress against it: status, dashboard
         metrics["mean_staleness"] = (
@@ -277,23 +240,23 @@ class Trainer:
                              updates=int(metrics["updates_skipped_nonfinite"]))
 
     async def _step_finished(self, metrics: dict) -> None:
-        await self.s.publish(StepFinished(member=self.s.me, step=self.engine.step,
-                                          version=self.version, metrics=metrics))
+        await self.session.publish(StepFinished(member=self.session.me, step=self.engine.step,
+                                                version=self.version, metrics=metrics))
         self.log.info("train_step", step=self.engine.step, version=self.version,
                       reward=round(metrics.get("reward_mean", 0.0), 4), loss=round(metrics.get("loss", 0.0), 4))
 
     async def _sample(self):
         """Collect one step's experiences; while waiting, answer explorer-driven sync requests."""
-        # `batch` stays `self.leftover` while it fills: a stop mid-fill saves what it holds as
-        # untrained (not acked), instead of acking experiences it never trained
-        batch = self.leftover
+        # `batch` stays the ledger's pending list while it fills: a stop mid-fill saves what it holds
+        # as untrained (not acked), instead of acking experiences it never trained
+        batch = self.ledger.pending
         with WaitNotice(self.log, f"experiences for step {self.engine.step + 1}",
                         detail=lambda: f"{len(batch)} of {self.experiences_per_step} in hand, "
                                        f"{self.dropped_stale} dropped as stale so far; {self._explorers_now()}"):
             return await self._fill(batch)
 
     def _explorers_now(self) -> str:
-        explorers = self.s.view.state.explorers(alive_only=False)
+        explorers = self.session.view.state.explorers(alive_only=False)
         if not explorers:
             return "no explorer has joined the job yet"
         return ", ".join(f"{m.ref.id} {'at step ' + str(m.step) if m.alive else 'away'}" for m in explorers)
@@ -303,49 +266,22 @@ class Trainer:
             await self._serve_sync_requests()
             received = await self.reader.fetch(max_batches=8, timeout=0.5)
             for msg in received:
-                if msg.seq in self.held:  # redelivered while we hold it: keep the newer delivery
-                    self.held[msg.seq] = msg
-                    continue
-                if msg.seq in self.acked_at_save:  # trained and acked by our checkpoint; the ack was lost
-                    await self._ack(msg)
-                    continue
-                keep = self.partial.pop(msg.seq, None)  # part of it was trained before a restart
-                self.held[msg.seq] = msg
-                for index, exp in enumerate(msg.batch.experiences):
-                    if keep is not None and index not in keep:
-                        continue
+                for index, exp in await self.ledger.receive(msg):
                     if is_stale(exp.model_version, self.version, self.sync.max_staleness):
                         self.dropped_stale += 1
                     else:
                         batch.append((msg.seq, index, exp))
-            self._record_held()
+            self.ledger.record_held()
             if not received and self._explorers_done():
                 # Nobody will produce more: train on what is left, or stop.
-                self.in_step, self.leftover = batch, []
-                return [exp for _, _, exp in batch] or None
-            await self._extend_held()
-        self.leftover = batch[self.experiences_per_step:]
-        self.in_step = batch[: self.experiences_per_step]
-        return [exp for _, _, exp in self.in_step]
-
-    async def _extend_held(self) -> None:
-        """Tell the server we still work on the held messages (so they are not redelivered),
-        every third of ack_wait; a failure during a reconnect only means trying next time."""
-        now = time.monotonic()
-        if now - self._last_extend < self.cfg.buffer.ack_wait_s / 3:
-            return
-        self._last_extend = now
-        for msg in list(self.held.values()):
-            try:
-                await msg.in_progress()
-            except AckFailed as exc:  # the server is away (reconnecting); the next call retries
-                self.log.debug("in_progress_failed", seq=msg.seq, error=describe(exc))
-                break
+                return self.ledger.start_step() or None
+            await self.ledger.extend_held(self.cfg.buffer.ack_wait_s)
+        return self.ledger.start_step(self.experiences_per_step)
 
     def _explorers_done(self) -> bool:
         """Nobody will produce more experiences: every explorer finished its task set, or all are
         gone (killed, expired) and none came back within `trainer.explorer_grace_s`."""
-        view = self.s.view
+        view = self.session.view
         if view.all_finished(Role.EXPLORER):
             self._why_no_more = self._why_explorers_fell_short()
             return True
@@ -375,7 +311,7 @@ class Trainer:
         """explorer_driven: an explorer's open round is our cue (the reference polls every 1 s)."""
         if self.sync.sync_style is not SyncStyle.EXPLORER_DRIVEN:
             return
-        for round_id, rnd in list(self.s.view.state.rounds.items()):
+        for round_id, rnd in list(self.session.view.state.rounds.items()):
             if round_id in self.answered_rounds or rnd.opened_by.role is not Role.EXPLORER:
                 continue
             self.answered_rounds.add(round_id)
@@ -385,7 +321,8 @@ class Trainer:
                 await self.sync_weight()
             else:
                 self.log.info("no_new_version", round=round_id, version=self.version)
-                await self.s.publish(NoNewVersion(member=self.s.me, version=self.version, step=self.engine.step))
+                await self.session.publish(NoNewVersion(member=self.session.me, version=self.version,
+                                                        step=self.engine.step))
 
     async def need_sync(self) -> bool:
         if self.sync.sync_style is SyncStyle.EXPLORER_DRIVEN:
@@ -401,10 +338,10 @@ class Trainer:
         step = self.engine.step
         if self.method.is_rendezvous:
             await self._sync_rendezvous(step)
-        elif step > 0 and step <= self.s.view.state.latest.version:
+        elif step > 0 and step <= self.session.view.state.latest.version:
             # A restart from an older checkpoint trains these steps again; explorers already
             # hold a newer version, and versions never go down.
-            self.log.info("version_already_published", step=step, latest=self.s.view.state.latest.version)
+            self.log.info("version_already_published", step=step, latest=self.session.view.state.latest.version)
         elif step > 0:
             # bucket by bucket: a sharded trainer never gathers the whole model in one process
             streams = _WeightStreams(lambda: cast_source(self.engine.iter_weight_buckets(), wire_dtype(self.cfg)))
@@ -412,11 +349,11 @@ class Trainer:
                 ref = await self.transport.publish(step, streams)
             finally:
                 streams.close()
-            await self.s.publish(VersionPublished(member=self.s.me, version=step, step=step,
-                                                  method=self.method, location=ref.location,
-                                                  nbytes=ref.nbytes, digest=ref.digest))
+            await self.session.publish(VersionPublished(member=self.session.me, version=step, step=step,
+                                                        method=self.method, location=ref.location,
+                                                        nbytes=ref.nbytes, digest=ref.digest))
             self.version = step
-            self.s.version = step
+            self.session.version = step
             self.announced_versions.add(step)
             pruned = await self.transport.prune(self.cfg.trainer.keep_versions,
                                                 announced=self.announced_versions)
@@ -435,8 +372,8 @@ class Trainer:
 
     async def _sync_rendezvous_once(self, step: int) -> None:
         offer = f"{_advertised_host()}:{self.transport.offer_port()}"
-        seq = await self.s.set_status(RunningStatus.REQUIRE_SYNC, rendezvous=offer)
-        me = self.s.me
+        seq = await self.session.set_status(RunningStatus.REQUIRE_SYNC, rendezvous=offer)
+        me = self.session.me
 
         def for_us(d):
             if isinstance(d, RendezvousReady):
@@ -445,58 +382,45 @@ class Trainer:
                 return d
             return None
 
-        decision = await self.s.wait_decision(for_us, after=seq, what="the rendezvous decision")
+        decision = await self.session.wait_decision(for_us, after=seq, what="the rendezvous decision")
         if decision is None:
             return  # no synchronizer: keep training; explorers keep the weights they have
         if isinstance(decision, MemberReleased):
             self.log.info("rendezvous_released", reason=decision.reason.value, round=decision.round)
-            self.s.status = RunningStatus.RUNNING
+            self.session.status = RunningStatus.RUNNING
             return
         started = time.monotonic()
         try:
             nbytes = await self.transport.send(decision, self.engine.weights())
         except TransferError as exc:
             self.log.warning("broadcast_failed", round=decision.round, epoch=decision.epoch, error=describe(exc))
-            await self.s.publish(SyncFailed(member=me, version=self.version, reason=str(exc), round=decision.round))
-            self.s.status = RunningStatus.RUNNING
+            await self.session.publish(SyncFailed(member=me, version=self.version, reason=str(exc),
+                                                  round=decision.round))
+            self.session.status = RunningStatus.RUNNING
             return
         seconds = time.monotonic() - started
         self.version = decision.version
-        self.s.version = self.version
-        self.s.status = RunningStatus.RUNNING
-        await self.s.publish(WeightsBroadcast(member=me, version=decision.version, round=decision.round,
-                                              nbytes=nbytes, seconds=seconds))
+        self.session.version = self.version
+        self.session.status = RunningStatus.RUNNING
+        await self.session.publish(WeightsBroadcast(member=me, version=decision.version, round=decision.round,
+                                                    nbytes=nbytes, seconds=seconds))
         self.log.info("weights_broadcast", round=decision.round, epoch=decision.epoch, version=decision.version,
                       nbytes=nbytes, seconds=round(seconds, 3), world_size=decision.world_size)
 
     async def save_checkpoint(self) -> None:
-        await self.s.fence()  # the checkpoint and the acks belong to the live incarnation only
+        await self.session.fence()  # the checkpoint and the acks belong to the live incarnation only
         step = self.engine.step
         name = f"step-{step}"
         await asyncio.to_thread(self.engine.save_checkpoint, self.ckpt_dir / name)
-        # Messages whose experiences are all trained on are acked; the others (their rest is in
-        # `leftover`) stay held, and the checkpoint says which of their experiences remain.
-        # Messages of an earlier checkpoint not redelivered since the restart keep their record,
-        # or a save before their redelivery would have them trained again in full.
-        partial: dict[int, list[int]] = {seq: sorted(idx) for seq, idx in self.partial.items()}
-        for seq, index, _ in self.leftover + self.in_step:  # fetched, not trained: not acked
-            partial.setdefault(seq, []).append(index)
-        done = [msg for seq, msg in self.held.items() if seq not in partial]
+        acks = self.ledger.at_checkpoint()  # which experiences are trained on, which messages done
         state = {"checkpoint": name, "step": step, "last_sync_step": self.last_sync_step,
                  "version": self.version, "dropped_stale": self.dropped_stale,
-                 "metrics": self.last_metrics,
-                 "acked_seqs": sorted(self.acked_at_save | {msg.seq for msg in done}),
-                 "partial": {str(seq): indices for seq, indices in partial.items()}}
+                 "metrics": self.last_metrics, **acks.state}
         # If we die after this but before publishing the version, the restart publishes it.
         write_json_atomic(self.ckpt_dir / "trainer_state.json", state)
         _prune_checkpoints(self.ckpt_dir, keep=2)
         # Only now are the experiences of these steps safe: ack them.
-        await self._ack_unconfirmed()
-        for msg in done:
-            del self.held[msg.seq]
-            if not await self._ack(msg):
-                self.acked_at_save.add(msg.seq)
-        self._record_held()
+        await self.ledger.ack_trained(acks)
 
     async def _export_hf(self, name: str) -> None:
         """A Hugging Face `save_pretrained` directory of the current weights, by engines that can
@@ -510,54 +434,17 @@ class Trainer:
         self.log.info("hf_model_saved", path=str(path), step=self.engine.step,
                       seconds=round(time.monotonic() - started, 3))
 
-    async def _ack(self, msg) -> bool:
-        """Ack a trained message; an unconfirmed ack is logged, not fatal (it comes back and is acked)."""
-        try:
-            await msg.ack()
-        except AckFailed as exc:
-            self.log.warning("experience_ack_failed", seq=msg.seq, error=describe(exc))
-            self.unconfirmed[msg.seq] = msg
-            return False
-        self.acked_at_save.discard(msg.seq)
-        self.unconfirmed.pop(msg.seq, None)
-        return True
-
-    async def _ack_unconfirmed(self) -> None:
-        """Ack again the trained batches whose ack was not confirmed (the delivery's ack subject
-        stays valid across a server restart)."""
-        for msg in list(self.unconfirmed.values()):
-            if not await self._ack(msg):
-                return  # the server is still away: the next save tries again
-
-    async def _confirm_acks_before_exit(self, within_s: float = 60.0) -> None:
-        """The last save's acks, confirmed before the trainer goes, while the server comes back
-        within `within_s`. Whatever is still unconfirmed then is not lost nor trained twice: the
-        checkpoint lists it (`acked_seqs`), and a trainer that gets it back acks it untrained."""
-        deadline = time.monotonic() + within_s
-        while self.unconfirmed and time.monotonic() < deadline:
-            try:
-                await self.s.conn.wait_connected(timeout=max(0.0, deadline - time.monotonic()))
-            except asyncio.TimeoutError:
-                break
-            await self._ack_unconfirmed()
-            if self.unconfirmed:
-                await asyncio.sleep(0.5)  # JetStream may answer at once while it recovers: back off
-        if self.unconfirmed:
-            self.log.warning("experience_acks_unconfirmed_at_exit", seqs=sorted(self.unconfirmed),
-                             hint="the server redelivers them after buffer.ack_wait_s; a trainer of this "
-                                  "job acks them without training (its checkpoint lists them)")
-
     async def _cleanup(self) -> None:
         """Final save, STOPPED, close transports. Runs on normal end, Ctrl-C and errors; a replaced
         (fenced) trainer only closes: its successor owns the checkpoint and the experiences."""
-        if self.s.replaced_by is not None:
+        if self.session.replaced_by is not None:
             await self._close()
-            self.log.error("trainer_fenced", step=self.engine.step, replaced_by=self.s.replaced_by.incarnation)
+            self.log.error("trainer_fenced", step=self.engine.step, replaced_by=self.session.replaced_by.incarnation)
             return
         try:
             if self.engine.step > 0:
                 await self.save_checkpoint()
-                await self._confirm_acks_before_exit()
+                await self.ledger.confirm_before_exit(self.session.conn)
         except Exception as exc:
             self.log.error("final_save_failed", error=describe(exc))
         finished = self.engine.step >= self.total_steps
@@ -568,8 +455,8 @@ class Trainer:
                 self.log.error("hf_export_failed", error=describe(exc))
         try:
             # final: the job is done, explorers may stop; otherwise a restart is expected
-            await self.s.set_status(RunningStatus.STOPPED, final=finished,
-                                    metrics={"dropped_stale_total": float(self.dropped_stale)})
+            await self.session.set_status(RunningStatus.STOPPED, final=finished,
+                                          metrics={"dropped_stale_total": float(self.dropped_stale)})
         except Exception as exc:
             self.log.error("stopped_not_published", error=describe(exc))
         await self._close()

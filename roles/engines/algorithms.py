@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .losses import LossFunction, LossSum, MicroBatch
 from .sections import OUTCOME_ESTIMATORS, AlgorithmSection
 
 __all__ = [
@@ -24,6 +25,8 @@ __all__ = [
     "OUTCOME_ESTIMATORS",
     "verl_import_problem",
     "VerlAlgorithm",
+    "VerlPolicyLoss",
+    "VerlKLPenalty",
 ]
 
 _VERL_INSTALL = ("install verl's algorithms: `pip install -e '.[verl]'` (see docs/engines.md; "
@@ -95,3 +98,46 @@ class VerlAlgorithm:
         kl = self.core_algos.kl_penalty(logprobs, ref_logprobs, self.config.kl_penalty)
         return self.core_algos.agg_loss(kl, response_mask.float(), self.config.loss_agg_mode, dp_size=1,
                                         batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size)
+
+    def loss_function(self) -> LossFunction:
+        """The configured objective for the one training step: verl's policy loss, plus
+        `kl_coef` x the KL penalty to the frozen reference when `kl_coef` > 0."""
+        policy = VerlPolicyLoss(self)
+        if self.config.kl_coef > 0:
+            return LossSum(policy, (self.config.kl_coef, VerlKLPenalty(self)))
+        return policy
+
+
+class VerlPolicyLoss:
+    """verl's policy loss (`algorithm.policy_loss`, aggregated by `loss_agg_mode`) as a `LossFunction`;
+    its metrics without verl's `actor/` prefix (`pg_clipfrac`, `ppo_kl`, ...)."""
+
+    needs_reference = False
+    keeps_groups = False
+
+    def __init__(self, algorithm: VerlAlgorithm) -> None:
+        self.algorithm = algorithm
+
+    def __call__(self, micro: MicroBatch) -> tuple[Tensor, dict[str, float]]:
+        loss, metrics = self.algorithm.policy_loss(
+            micro.old_logprobs, micro.logprobs, micro.advantages, micro.loss_mask,
+            batch_num_tokens=micro.num_tokens, global_batch_size=micro.num_sequences)
+        return loss, {key.replace("actor/", ""): float(value) for key, value in metrics.items()
+                      if isinstance(value, (int, float, Tensor))}
+
+
+class VerlKLPenalty:
+    """verl's KL penalty (`algorithm.kl_penalty`) of the policy to the frozen reference, as a
+    `LossFunction`; its metric `kl_loss` is the unweighted penalty."""
+
+    needs_reference = True
+    keeps_groups = False
+
+    def __init__(self, algorithm: VerlAlgorithm) -> None:
+        self.algorithm = algorithm
+
+    def __call__(self, micro: MicroBatch) -> tuple[Tensor, dict[str, float]]:
+        assert micro.ref_logprobs is not None  # the step computes them for a loss that needs them
+        kl = self.algorithm.kl_loss(micro.logprobs, micro.ref_logprobs, micro.loss_mask,
+                                    batch_num_tokens=micro.num_tokens, global_batch_size=micro.num_sequences)
+        return kl, {"kl_loss": float(kl.detach())}

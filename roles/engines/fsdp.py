@@ -1,9 +1,9 @@
 """The `fsdp` train engine: a Hugging Face causal LM sharded over N ranks with FSDP2, trained with verl's losses.
 
 Every rank builds the same engine and calls the same methods in the same order (SPMD): `train_step`
-gets the whole batch on every rank (the trainer's rank 0 receives it and broadcasts it) and each rank
-trains on its slice of each minibatch's rows; gradients are summed across ranks, so N ranks take the
-same optimizer step as the one-process `hf` engine on the same batch.
+gets the whole batch on every rank (the trainer's rank 0 receives it and broadcasts it) and runs the
+one training step (`roles.engines.step`) on its slice of each minibatch's rows; gradients are summed
+across ranks, so N ranks take the same optimizer step as the one-process `hf` engine on the same batch.
 
 - Sharding: `fully_shard` (torch.distributed.fsdp, FSDP2) on each decoder layer (the model's
   `_no_split_modules`) and on the root, over a 1-D device mesh; gloo on CPU, NCCL on CUDA.
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import timedelta
@@ -41,10 +40,12 @@ from rolectl.bus.files import atomic_directory, atomic_path
 from rolectl.sync_protocol.experience import Experience, ExperienceLimits
 
 from .algorithms import AlgorithmConfig, VerlAlgorithm
-from .hf import AdapterDisabled, batch_inputs, batch_metrics, response_logprobs
+from .hf import AdapterDisabled, model_forward
 from .hf_model import load_tokenizer
 from .lora import ADAPTER_NAME, save_adapter, wrap_with_lora
+from .losses import experience_batch
 from .sections import FSDPModelSection, LoRASection
+from .step import TrainStep, step_metrics
 from .streaming import DEFAULT_BUCKET_BYTES, NamedTensors, buckets_of
 
 __all__ = ["FSDPTrainEngine"]
@@ -109,6 +110,14 @@ class FSDPTrainEngine:
         self.trainable_parameters = sum(p.numel() for p in trained)  # DTensors count their global size
         self.optimizer = torch.optim.AdamW(trained, lr=config.lr, weight_decay=config.weight_decay)
         self.algorithm = VerlAlgorithm(algorithm, group_size=config.group_size)
+        # Each rank trains on its rows of each minibatch; gradients are summed across ranks (see
+        # `_sharded_model`), so the step is the one-process step.
+        self.update = TrainStep(model=self.model, optimizer=self.optimizer, reference=self.reference,
+                                forward=model_forward(self.pad_id, str(self.device), config.temperature),
+                                max_grad_norm=config.max_grad_norm, minibatches=config.minibatches,
+                                micro_batch_size=config.micro_batch_size, rank=self.rank,
+                                world_size=self.world_size)
+        self.loss_fn = self.algorithm.loss_function()
         self.group_size = config.group_size
         self.vocab_size = int(self.model.config.vocab_size)
         self.num_parameters = sum(p.numel() for p in self.model.parameters())  # DTensors count their global size
@@ -214,95 +223,17 @@ class FSDPTrainEngine:
                 for e in json.loads(buffer.numpy().tobytes())]
 
     def train_step(self, experiences: Sequence[Experience], *, current_version: int) -> dict[str, float]:
-        """One optimizer step per minibatch; every rank passes the same `experiences`."""
-        old_logprobs, mask, rewards, advantages, group_order = batch_inputs(experiences, self.algorithm)
-        num_minibatches = min(self.config.minibatches, len(group_order))
-        micro_size = self.config.micro_batch_size
-        losses, grad_norms = [], []
-        metric_sums: dict[str, float] = {}
-        metric_count = 0
-        for minibatch in range(num_minibatches):
-            groups = set(group_order[minibatch::num_minibatches])
-            rows = [i for i, e in enumerate(experiences) if e.group in groups]
-            tokens = int(mask[rows].sum())
-            mine = rows[self.rank::self.world_size]
-            # Every rank runs the same number of forward/backward passes (each is a collective);
-            # a rank out of rows runs one on a borrowed row with its loss zeroed.
-            passes = math.ceil(math.ceil(len(rows) / self.world_size) / micro_size)
-            self.optimizer.zero_grad(set_to_none=True)
-            local_loss = 0.0
-            for index in range(passes):
-                micro = mine[index * micro_size:(index + 1) * micro_size]
-                real = bool(micro)
-                micro = micro or rows[:1]
-                loss, metrics = self._micro_loss(experiences, micro, old_logprobs, advantages,
-                                                 tokens=tokens, sequences=len(rows))
-                if not real:
-                    loss = loss * 0.0
-                loss.backward()
-                if real:
-                    local_loss += float(loss.detach())
-                    metric_count += 1
-                    for key, value in metrics.items():
-                        metric_sums[key] = metric_sums.get(key, 0.0) + value
-            minibatch_loss = self._sum_over_ranks([local_loss])[0]
-            grad_norm = self._clip_gradients()
-            if not (math.isfinite(minibatch_loss) and math.isfinite(grad_norm)):
-                # a non-finite loss or gradient would poison the weights: skip this update, count it
-                self.optimizer.zero_grad(set_to_none=True)
-                self.updates_skipped_nonfinite += 1
-                continue
-            grad_norms.append(grad_norm)
-            self.optimizer.step()
-            losses.append(minibatch_loss)
+        """The one training step on this rank's share of each minibatch; every rank passes the same
+        `experiences` and gets the whole batch's metrics."""
+        batch = experience_batch(experiences, self.algorithm.advantages)
+        result = self.update.train_batch(batch, self.loss_fn)
         self.step += 1
-        keys = sorted(metric_sums)
-        summed = self._sum_over_ranks([metric_sums[k] for k in keys] + [float(metric_count)])
-        averaged = {k.replace("actor/", ""): v / max(summed[-1], 1.0) for k, v in zip(keys, summed)}
-        return {
-            "loss": sum(losses) / len(losses) if losses else 0.0,
-            "updates_skipped_nonfinite": float(self.updates_skipped_nonfinite),
-            **batch_metrics(experiences, rewards, mask, current_version=current_version),
-            "grad_norm": max(grad_norms, default=0.0),
-            "model_parameters": float(self.num_parameters),
-            "trainable_parameters": float(self.trainable_parameters),
-            "world_size": float(self.world_size),
-            **averaged,
-        }
-
-    def _micro_loss(self, experiences: Sequence[Experience], micro: list[int], old_logprobs: Tensor,
-                    advantages: Tensor, *, tokens: int, sequences: int) -> tuple[Tensor, dict[str, float]]:
-        batch = [experiences[i] for i in micro]
-        width = max(1, max(len(e.response) for e in batch))
-        prompts, responses = [e.prompt for e in batch], [e.response for e in batch]
-        device, temperature = str(self.device), self.config.temperature
-        logprobs, micro_mask = response_logprobs(self.model, prompts, responses, pad_id=self.pad_id,
-                                                 device=device, temperature=temperature)
-        loss, metrics = self.algorithm.policy_loss(
-            old_logprobs[micro, :width].to(self.device), logprobs, advantages[micro, :width].to(self.device),
-            micro_mask, batch_num_tokens=tokens, global_batch_size=sequences)
-        numeric = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float, Tensor))}
-        if self.reference is not None:
-            with torch.no_grad():
-                ref, _ = response_logprobs(self.reference, prompts, responses, pad_id=self.pad_id, device=device,
-                                           temperature=temperature)
-            kl = self.algorithm.kl_loss(logprobs, ref, micro_mask, batch_num_tokens=tokens,
-                                        global_batch_size=sequences)
-            numeric["kl_loss"] = float(kl.detach())
-            loss = loss + self.algorithm_config.kl_coef * kl
-        return loss, numeric
-
-    def _clip_gradients(self) -> float:
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
-        full = getattr(norm, "full_tensor", None)
-        return float(full() if full is not None else norm)
-
-    def _sum_over_ranks(self, values: list[float]) -> list[float]:
-        if self.world_size == 1:
-            return values
-        buffer = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(buffer, op=dist.ReduceOp.SUM)  # CPU tensor: gloo (beside NCCL on GPUs)
-        return buffer.tolist()
+        self.updates_skipped_nonfinite += result.updates_skipped
+        return {**step_metrics(result, batch, experiences, current_version=current_version,
+                               updates_skipped=self.updates_skipped_nonfinite),
+                "model_parameters": float(self.num_parameters),
+                "trainable_parameters": float(self.trainable_parameters),
+                "world_size": float(self.world_size)}
 
     # -- weights out -------------------------------------------------------------------------------
 

@@ -8,7 +8,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["group_advantages", "clipped_policy_loss"]
+from .losses import MicroBatch
+
+__all__ = ["group_advantages", "token_group_advantages", "clipped_policy_loss", "ClippedPolicyLoss"]
 
 
 def group_advantages(rewards: Tensor, groups: Sequence[str], *, eps: float = 1e-6) -> Tensor:
@@ -30,6 +32,11 @@ def group_advantages(rewards: Tensor, groups: Sequence[str], *, eps: float = 1e-
     return advantages
 
 
+def token_group_advantages(rewards: Tensor, mask: Tensor, groups: Sequence[str]) -> Tensor:
+    """`group_advantages` on every token of each response: `(batch, response_len)` like `mask`."""
+    return group_advantages(rewards, groups).unsqueeze(-1).expand(mask.shape)
+
+
 def clipped_policy_loss(
     new_logprobs: Tensor,
     old_logprobs: Tensor,
@@ -37,22 +44,28 @@ def clipped_policy_loss(
     mask: Tensor,
     *,
     clip_eps: float,
+    loss_tokens: int | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Token-level PPO clipped objective, averaged over every valid token of the batch.
 
     `old_logprobs` are the explorer's sampling logprobs, so the ratio corrects for weights that are
     a few versions stale; clipping bounds how far one step moves on such data. Averaging over all
     tokens (not per sequence first) weights long and short responses by their tokens.
-    Shapes: logprobs and mask `(batch, response_len)`, advantages `(batch,)`.
+    Shapes: logprobs and mask `(batch, response_len)`, advantages `(batch,)` or per token.
+    `loss_tokens`: the tokens the loss is averaged over when this batch is one micro-batch of a
+    larger one (its statistics stay this batch's own); by default this batch's.
     """
     mask = mask.to(new_logprobs.dtype)
     log_ratio = (new_logprobs - old_logprobs) * mask
     ratio = log_ratio.exp()
-    per_token_advantage = advantages.unsqueeze(-1)
+    per_token_advantage = advantages if advantages.dim() == 2 else advantages.unsqueeze(-1)
     unclipped = ratio * per_token_advantage
     clipped = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * per_token_advantage
     num_tokens = mask.sum().clamp(min=1.0)
-    loss = -(torch.minimum(unclipped, clipped) * mask).sum() / num_tokens
+    denominator = num_tokens
+    if loss_tokens is not None:
+        denominator = torch.tensor(float(max(loss_tokens, 1)), dtype=mask.dtype, device=mask.device)
+    loss = -(torch.minimum(unclipped, clipped) * mask).sum() / denominator
     with torch.no_grad():
         was_clipped = ((ratio - 1.0).abs() > clip_eps).to(mask.dtype) * mask
         stats = {
@@ -62,3 +75,17 @@ def clipped_policy_loss(
             "approx_kl": float(((ratio - 1.0 - log_ratio) * mask).sum() / num_tokens),
         }
     return loss, stats
+
+
+class ClippedPolicyLoss:
+    """`clipped_policy_loss` as a `LossFunction` for the one training step (the tiny engine's)."""
+
+    needs_reference = False
+    keeps_groups = False
+
+    def __init__(self, *, clip_eps: float) -> None:
+        self.clip_eps = clip_eps
+
+    def __call__(self, micro: MicroBatch) -> tuple[Tensor, dict[str, float]]:
+        return clipped_policy_loss(micro.logprobs, micro.old_logprobs, micro.advantages, micro.loss_mask,
+                                   clip_eps=self.clip_eps, loss_tokens=micro.num_tokens)

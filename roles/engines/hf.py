@@ -1,8 +1,9 @@
 """The `hf` engines: a Hugging Face transformers causal LM as trainer (verl's losses) and as rollout engine.
 
 `HFTrainEngine.train_step` computes advantages and the policy loss with verl's `core_algos`
-(`roles.engines.algorithms`), in `minibatches` optimizer steps over slices of the batch's groups, each
-accumulated over micro-batches of `micro_batch_size` sequences. Checkpoints are safetensors (model,
+(`roles.engines.algorithms`) and runs the one training step (`roles.engines.step`): `minibatches`
+optimizer steps over slices of the batch's groups, each accumulated over micro-batches of
+`micro_batch_size` sequences. Checkpoints are safetensors (model,
 optimizer tensors, RNG) plus JSON: no pickle. `HFRolloutEngine` samples with `generate` under a seed
 derived from (member, explore step, task), scores decoded text with the job's reward functions, and
 tags each experience with the version it sampled with.
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -29,47 +29,17 @@ from .algorithms import AlgorithmConfig, VerlAlgorithm
 from .base import Task, WeightsMismatch
 from .hf_model import HFModelConfig, flat_weights, load_model, load_tokenizer, parameter_count
 from .lora import adapter_tensors, save_adapter, save_merged, wrap_with_lora
+from .losses import TrainBatch, experience_batch
 from .rewards import WeightedReward, score_all
+from .step import Forward, TrainStep, step_metrics
 from .streaming import DEFAULT_BUCKET_BYTES, NamedTensors, buckets_of
 
-__all__ = ["HFTrainEngine", "HFRolloutEngine", "AdapterDisabled", "response_logprobs", "task_seed", "score_texts",
-           "check_weights"]
+__all__ = ["HFTrainEngine", "HFRolloutEngine", "AdapterDisabled", "response_logprobs", "model_forward", "task_seed",
+           "score_texts", "check_weights"]
 
 _MODEL_FILE = "model.safetensors"
 _STATE_TENSORS_FILE = "engine_state.safetensors"
 _STATE_JSON_FILE = "engine_state.json"
-
-
-def batch_inputs(experiences: Sequence[Experience], algorithm: VerlAlgorithm
-                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, list[Any]]:
-    """What a train step needs of its batch: the sampling logprobs and the response mask (padded to
-    the longest response), the rewards, their advantages, and the groups in first-seen order."""
-    if not experiences:
-        raise ValueError("train_step needs at least one experience")
-    max_len = max(1, max(len(e.response) for e in experiences))
-    old_logprobs = torch.zeros(len(experiences), max_len)
-    mask = torch.zeros(len(experiences), max_len, dtype=torch.bool)
-    for row, e in enumerate(experiences):
-        old_logprobs[row, :len(e.response)] = torch.tensor(e.logprobs, dtype=torch.float32)
-        mask[row, :len(e.response)] = True
-    rewards = torch.tensor([e.reward for e in experiences], dtype=torch.float32)
-    advantages = algorithm.advantages(rewards, mask, [e.group for e in experiences])
-    return old_logprobs, mask, rewards, advantages, list(dict.fromkeys(e.group for e in experiences))
-
-
-def batch_metrics(experiences: Sequence[Experience], rewards: Tensor, mask: Tensor, *,
-                  current_version: int) -> dict[str, float]:
-    """A train step's figures about its batch: rewards, staleness, response lengths, size."""
-    staleness = [current_version - e.model_version for e in experiences]
-    return {
-        "reward_mean": float(rewards.mean()),
-        "reward_std": float(rewards.std(correction=0)),
-        "reward_max": float(rewards.max()),
-        "staleness_mean": sum(staleness) / len(staleness),
-        "staleness_max": float(max(staleness)),
-        "response_length_mean": float(mask.sum(dim=1).float().mean()),
-        "num_experiences": float(len(experiences)),
-    }
 
 
 def task_seed(seed: int, member: str, explore_step: int, task_idx: int) -> int:
@@ -101,6 +71,16 @@ def response_logprobs(model, prompts: Sequence[Sequence[int]], responses: Sequen
     targets = input_ids.gather(1, (index + 1).clamp(max=width - 1))
     logprobs = torch.log_softmax(picked / temperature, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return logprobs * mask, mask
+
+
+def model_forward(pad_id: int, device: str, temperature: float) -> Forward:
+    """The one training step's `Forward` for a causal LM: `response_logprobs` of the batch's rows."""
+    def forward(model, batch: TrainBatch, rows: Sequence[int]) -> Tensor:
+        logprobs, _ = response_logprobs(model, [batch.prompts[row] for row in rows],
+                                        [batch.responses[row] for row in rows], pad_id=pad_id, device=device,
+                                        temperature=temperature)
+        return logprobs
+    return forward
 
 
 def score_texts(rewards: Sequence[WeightedReward], texts: Sequence[str], answers: Sequence[str]
@@ -181,6 +161,11 @@ class HFTrainEngine:
         trained = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trained, lr=config.lr, weight_decay=config.weight_decay)
         self.algorithm = VerlAlgorithm(algorithm, group_size=config.group_size)
+        self.update = TrainStep(model=self.model, optimizer=self.optimizer, reference=self.reference,
+                                forward=model_forward(self.pad_id, config.device, config.temperature),
+                                max_grad_norm=config.max_grad_norm, minibatches=config.minibatches,
+                                micro_batch_size=config.micro_batch_size)
+        self.loss_fn = self.algorithm.loss_function()
         self.group_size = config.group_size
         self.vocab_size = int(self.model.config.vocab_size)
         self.num_parameters = parameter_count(self.model)
@@ -194,59 +179,14 @@ class HFTrainEngine:
         self.step = 0
 
     def train_step(self, experiences: Sequence[Experience], *, current_version: int) -> dict[str, float]:
-        old_logprobs, mask, rewards, advantages, group_order = batch_inputs(experiences, self.algorithm)
-        num_minibatches = min(self.config.minibatches, len(group_order))
-        losses, grad_norms, pg_metrics = [], [], []
-        device = self.config.device
-        for minibatch in range(num_minibatches):
-            groups = set(group_order[minibatch::num_minibatches])
-            rows = [i for i, e in enumerate(experiences) if e.group in groups]
-            tokens = int(mask[rows].sum())
-            self.optimizer.zero_grad(set_to_none=True)
-            minibatch_loss = 0.0
-            for start in range(0, len(rows), self.config.micro_batch_size):
-                micro = rows[start:start + self.config.micro_batch_size]
-                batch = [experiences[i] for i in micro]
-                width = max(1, max(len(e.response) for e in batch))
-                logprobs, micro_mask = response_logprobs(
-                    self.model, [e.prompt for e in batch], [e.response for e in batch], pad_id=self.pad_id,
-                    device=device, temperature=self.config.temperature)
-                loss, metrics = self.algorithm.policy_loss(
-                    old_logprobs[micro, :width].to(device), logprobs, advantages[micro, :width].to(device),
-                    micro_mask, batch_num_tokens=tokens, global_batch_size=len(rows))
-                if self.reference is not None:
-                    with torch.no_grad():
-                        ref, _ = response_logprobs(
-                            self.reference, [e.prompt for e in batch], [e.response for e in batch],
-                            pad_id=self.pad_id, device=device, temperature=self.config.temperature)
-                    kl = self.algorithm.kl_loss(logprobs, ref, micro_mask, batch_num_tokens=tokens,
-                                                global_batch_size=len(rows))
-                    metrics = {**metrics, "kl_loss": float(kl.detach())}
-                    loss = loss + self.algorithm_config.kl_coef * kl
-                loss.backward()
-                minibatch_loss += float(loss.detach())
-                pg_metrics.append(metrics)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm))
-            if not (math.isfinite(minibatch_loss) and math.isfinite(grad_norm)):
-                # a non-finite loss or gradient would poison the weights: skip this update, count it
-                self.optimizer.zero_grad(set_to_none=True)
-                self.updates_skipped_nonfinite += 1
-                continue
-            grad_norms.append(grad_norm)
-            self.optimizer.step()
-            losses.append(minibatch_loss)
+        batch = experience_batch(experiences, self.algorithm.advantages)
+        result = self.update.train_batch(batch, self.loss_fn)
         self.step += 1
-        averaged = {key.replace("actor/", ""): sum(m[key] for m in pg_metrics) / len(pg_metrics)
-                    for key in pg_metrics[0] if isinstance(pg_metrics[0][key], (int, float))}
-        return {
-            "loss": sum(losses) / len(losses) if losses else 0.0,
-            "updates_skipped_nonfinite": float(self.updates_skipped_nonfinite),
-            **batch_metrics(experiences, rewards, mask, current_version=current_version),
-            "grad_norm": max(grad_norms, default=0.0),
-            "model_parameters": float(self.num_parameters),
-            "trainable_parameters": float(self.trainable_parameters),
-            **averaged,
-        }
+        self.updates_skipped_nonfinite += result.updates_skipped
+        return {**step_metrics(result, batch, experiences, current_version=current_version,
+                               updates_skipped=self.updates_skipped_nonfinite),
+                "model_parameters": float(self.num_parameters),
+                "trainable_parameters": float(self.trainable_parameters)}
 
     def weights(self) -> dict[str, Tensor]:
         # Copies on CPU: a transport may still be serialising while the next step runs; tied weights

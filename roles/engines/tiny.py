@@ -7,7 +7,6 @@ trainer and its explorers agree on the base weights without transferring them.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,9 +19,11 @@ from rolectl.bus.files import atomic_path
 from rolectl.sync_protocol.experience import Experience, ExperienceLimits
 
 from .base import Task, WeightsMismatch
-from .grpo import clipped_policy_loss, group_advantages
+from .grpo import ClippedPolicyLoss, token_group_advantages
+from .losses import LossFunction, TrainBatch, experience_batch
 from .model import TinyPolicy, build_base_policy, response_logprobs, sample_responses
 from .sections import TinyModelSection
+from .step import TrainStep, step_metrics
 from .streaming import DEFAULT_BUCKET_BYTES, NamedTensors, buckets_of
 from .task import EOS, RESPONSE_TOKENS, VOCAB_SIZE, ReverseDigitsTaskSet, score_response
 
@@ -66,12 +67,18 @@ _STATE_JSON_FILE = "engine_state.json"
 
 class TinyTrainEngine:
     """Trainer side: a `train_step` takes `minibatches` Adam steps of the clipped GRPO loss, one per
-    slice of the batch's groups; the weights after it are version `step`."""
+    slice of the batch's groups (the one training step, `roles.engines.step`); the weights after it
+    are version `step`."""
 
     def __init__(self, config: TinyConfig) -> None:
         self.config = config
         self.policy = build_policy(config)
         self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=config.lr)
+        # Each minibatch in one pass: its whole-minibatch token mean is the clipped loss's own.
+        self.update = TrainStep(model=self.policy, optimizer=self.optimizer, forward=self._logprobs,
+                                max_grad_norm=config.max_grad_norm, minibatches=config.minibatches,
+                                micro_batch_size=None)
+        self.loss_fn: LossFunction = ClippedPolicyLoss(clip_eps=config.clip_eps)
         self.group_size = config.group_size
         self.experience_limits = ExperienceLimits(
             vocab_size=VOCAB_SIZE,
@@ -83,75 +90,27 @@ class TinyTrainEngine:
         self.step = 0
 
     def train_step(self, experiences: Sequence[Experience], *, current_version: int) -> dict[str, float]:
-        if not experiences:
-            raise ValueError("train_step needs at least one experience")
         prompt_lengths = {len(e.prompt) for e in experiences}
-        if len(prompt_lengths) != 1:
+        if len(prompt_lengths) > 1:
             raise ValueError(f"all prompts of a batch must have one length, got {sorted(prompt_lengths)}")
-        prompts = torch.tensor([e.prompt for e in experiences])
-        max_len = max(1, max(len(e.response) for e in experiences))
-        # Pad with EOS (an allowed token, so its logprob is finite); the mask drops it from the loss.
-        responses = torch.full((len(experiences), max_len), EOS)
-        old_logprobs = torch.zeros(len(experiences), max_len)
-        mask = torch.zeros(len(experiences), max_len, dtype=torch.bool)
-        for row, experience in enumerate(experiences):
-            n = len(experience.response)
-            responses[row, :n] = torch.tensor(experience.response, dtype=torch.long)
-            old_logprobs[row, :n] = torch.tensor(experience.logprobs)
-            mask[row, :n] = True
-        rewards = torch.tensor([e.reward for e in experiences])
-        advantages = group_advantages(rewards, [e.group for e in experiences])
-
+        batch = experience_batch(experiences, token_group_advantages)
         self.policy.train()
-        group_order = list(dict.fromkeys(e.group for e in experiences))
-        num_minibatches = min(self.config.minibatches, len(group_order))
-        losses, grad_norms, all_stats = [], [], []
-        skipped = 0
-        for minibatch in range(num_minibatches):
-            # Whole groups per minibatch, so each minibatch is balanced around zero advantage.
-            groups = set(group_order[minibatch::num_minibatches])
-            rows = torch.tensor([i for i, e in enumerate(experiences) if e.group in groups])
-            new_logprobs = response_logprobs(
-                self.policy,
-                prompts[rows],
-                responses[rows],
-                allowed_tokens=_ALLOWED_RESPONSE_TOKENS,
-                temperature=self.config.temperature,
-            )
-            loss, stats = clipped_policy_loss(
-                new_logprobs, old_logprobs[rows], advantages[rows], mask[rows], clip_eps=self.config.clip_eps
-            )
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.config.max_grad_norm))
-            if not (math.isfinite(float(loss.detach())) and math.isfinite(grad_norm)):
-                # One NaN/inf update would poison every later version (and the explorers sampling
-                # with it): drop this update, keep the weights and the optimizer state.
-                self.optimizer.zero_grad(set_to_none=True)
-                skipped += 1
-                continue
-            self.optimizer.step()
-            grad_norms.append(grad_norm)
-            losses.append(float(loss.detach()))
-            all_stats.append(stats)
-        stats = {key: sum(s[key] for s in all_stats) / len(all_stats) for key in all_stats[0]} if all_stats else {}
+        result = self.update.train_batch(batch, self.loss_fn)
         self.step += 1
+        # this step's skipped updates (the hf and fsdp engines count since the start)
+        return {**step_metrics(result, batch, experiences, current_version=current_version,
+                               updates_skipped=result.updates_skipped),
+                "model_parameters": float(sum(p.numel() for p in self.policy.parameters()))}
 
-        staleness = [current_version - e.model_version for e in experiences]
-        return {
-            "loss": sum(losses) / len(losses) if losses else 0.0,
-            "reward_mean": float(rewards.mean()),
-            "reward_std": float(rewards.std(correction=0)),
-            "reward_max": float(rewards.max()),
-            "grad_norm": max(grad_norms, default=0.0),
-            "updates_skipped_nonfinite": float(skipped),
-            "staleness_mean": sum(staleness) / len(staleness),
-            "staleness_max": float(max(staleness)),
-            "response_length_mean": float(mask.sum(dim=1).float().mean()),
-            "num_experiences": float(len(experiences)),
-            "model_parameters": float(sum(p.numel() for p in self.policy.parameters())),
-            **stats,
-        }
+    def _logprobs(self, policy: TinyPolicy, batch: TrainBatch, rows: Sequence[int]) -> Tensor:
+        """The `Forward` of the one training step: prompts of one length, responses padded with EOS
+        (an allowed token, so its logprob is finite; the loss mask drops it)."""
+        prompts = torch.tensor([batch.prompts[row] for row in rows])
+        responses = torch.full((len(rows), batch.loss_mask.shape[1]), EOS)
+        for index, row in enumerate(rows):
+            responses[index, :len(batch.responses[row])] = torch.tensor(batch.responses[row], dtype=torch.long)
+        return response_logprobs(policy, prompts, responses, allowed_tokens=_ALLOWED_RESPONSE_TOKENS,
+                                 temperature=self.config.temperature)
 
     def weights(self) -> dict[str, Tensor]:
         # A copy, not a view: a transport may still be serialising while the next step runs.

@@ -1,9 +1,9 @@
-"""One rank of the `fsdp` engine tests, run as its own process (`python -m tests.support.fsdp_ranks SCENARIO WORKDIR`
-from the repository root).
+"""The `fsdp` engine tests' ranks: `run_ranks` starts them through the product's rank launcher
+(`roles.launch.ranks.supervise_ranks`); each is `python -m tests.support.fsdp_ranks SCENARIO WORKDIR`.
 
 Rank, world size and rendezvous come from torchrun's environment variables (RANK, WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT), set by `tests/unit/test_fsdp_engine.py`. Inputs are in WORKDIR
-(`experiences.json`, `model/`); each scenario writes what the test asserts on under WORKDIR/<scenario>/.
+MASTER_ADDR, MASTER_PORT), set by the launcher. Inputs are in WORKDIR (`experiences.json`, `model/`);
+each scenario writes what the test asserts on under WORKDIR/<scenario>/.
 
 - `train`: 3 steps, the stream, a DCP checkpoint, a Hugging Face export and the logits of a probe
   batch; then a 4th step.
@@ -14,24 +14,49 @@ MASTER_ADDR, MASTER_PORT), set by `tests/unit/test_fsdp_engine.py`. Inputs are i
 
 from __future__ import annotations
 
+import faulthandler
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
+import structlog
 import torch
 from safetensors.torch import save_file
 
 from rolectl.roles.config import parse_config
 from rolectl.roles.engines import make_train_engine
 from rolectl.roles.engines.fsdp import FSDPTrainEngine
+from rolectl.roles.launch.ranks import RankLayout, supervise_ranks
 from rolectl.sync_protocol.experience import Experience
 from tests.support.tiny_llm import data_section, model_section
 
+ROOT = Path(__file__).resolve().parents[2]
+RANK_TIMEOUT_S = 240  # a bound on "hung": a rank still running then prints its stacks and exits
 BUCKET_BYTES = 16 << 10
 PROBE = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 4, 5, 6]]
 FSDP_SETTINGS = {"engine": "fsdp", "group_size": 3, "minibatches": 2, "micro_batch_size": 1}
 ALGORITHM = {"kl_coef": 0.05}  # exercises the sharded frozen reference model too
 LORA = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"], "merge_on_save": True}
+
+
+def run_ranks(scenario: str, workdir: Path, world_size: int) -> list[dict]:
+    """Run `scenario` as `world_size` ranks with the trainer's own launcher (one rank failing ends
+    them all); their reports, by rank. The ranks' output goes to the test's (captured) output."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    # `env` execs python in its place: the launcher's kill reaches the rank itself
+    command = ["env", f"PYTHONPATH={path}", "OMP_NUM_THREADS=1", sys.executable, "-m", "tests.support.fsdp_ranks",
+               scenario, str(workdir)]
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = supervise_ranks(RankLayout(world_size), command, max_restarts=0,
+                               log=structlog.get_logger().bind(scenario=scenario))
+    finally:  # the launcher took Ctrl-C and SIGTERM to stop its ranks: give them back to the test
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert code == 0, f"{scenario}: the ranks ended with exit {code} (each rank's output is in the test's)"
+    return [json.loads((workdir / scenario / f"report-{rank}.json").read_text()) for rank in range(world_size)]
 
 
 def load_batches(workdir: Path) -> list[list[Experience]]:
@@ -46,6 +71,7 @@ def probe_logits(engine: FSDPTrainEngine) -> torch.Tensor:
 
 
 def main(scenario: str, workdir: Path) -> None:
+    faulthandler.dump_traceback_later(RANK_TIMEOUT_S, exit=True)
     out = workdir / scenario
     out.mkdir(exist_ok=True)
     lora = scenario.startswith("lora-")

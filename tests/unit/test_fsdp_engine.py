@@ -1,199 +1,25 @@
-"""The `fsdp` engine on CPU: 2 ranks (gloo, one process each) train as one `hf` process, stream their
-weights, checkpoint 2 -> 1 with DCP and export a Hugging Face model, with and without a LoRA adapter;
-the `hf` and `tiny` weight streams."""
+"""The `fsdp` engine's config and registration, and the `hf` and `tiny` weight streams, in process (the
+ranks' own tests, as processes, are tests/integration/test_fsdp_ranks.py)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from rolectl.bus.server import free_port
 from rolectl.roles.config_base import CHECK_ENGINES, validate_section
 from rolectl.roles.engines import make_train_engine
-from rolectl.roles.engines.algorithms import AlgorithmConfig
-from rolectl.roles.engines.hf import HFTrainEngine
-from rolectl.roles.engines.hf_model import HFModelConfig
 from rolectl.roles.engines.sections import FSDPModelSection
 from rolectl.roles.engines.streaming import buckets_of
-from tests.support import fsdp_ranks
 from tests.support.tiny_llm import built_model, data_section, model_section
-
-ROOT = Path(__file__).resolve().parents[2]
-
-RANK_TIMEOUT_S = 240
-# fp32 sums in another order (two ranks' shards, micro-batches of 1 against 4): AdamW's first steps
-# divide by sqrt(v), so parameter differences stay at the fp32 rounding of gradients.
-ATOL = 2e-5
-
-
-def _experiences(vocab_size: int, *, batches: int = 4, groups: int = 3, group_size: int = 3) -> list[list[dict]]:
-    generator = torch.Generator().manual_seed(1)
-    out = []
-    for step in range(batches):
-        batch = []
-        for g in range(groups):
-            prompt = torch.randint(4, vocab_size, (4,), generator=generator).tolist()
-            for k in range(group_size):
-                length = int(torch.randint(1, 6, (1,), generator=generator))
-                response = torch.randint(4, vocab_size, (length,), generator=generator).tolist()
-                batch.append({"id": f"e-{step}-{g}-{k}", "group": f"e-{step}-{g}", "prompt": prompt,
-                              "response": response, "logprobs": [-2.9] * length,
-                              "reward": float(torch.rand(1, generator=generator)), "model_version": step})
-        out.append(batch)
-    return out
-
-
-def run_ranks(scenario: str, workdir: Path, world_size: int) -> list[dict]:
-    """Run `tests/support/fsdp_ranks.py scenario` as `world_size` processes; their reports, by rank.
-
-    Bounded: a rank still running after RANK_TIMEOUT_S, or any rank failing, kills them all.
-    """
-    port = free_port()
-    procs = []
-    for rank in range(world_size):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        log = open(workdir / f"{scenario}-rank{rank}.log", "w")
-        procs.append((subprocess.Popen([sys.executable, "-m", "tests.support.fsdp_ranks", scenario, str(workdir)],
-                                       cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
-    deadline = time.monotonic() + RANK_TIMEOUT_S
-    try:
-        for proc, _ in procs:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            if proc.returncode != 0:
-                break
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for proc, log in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=30)
-            log.close()
-    failed = [rank for rank, (proc, _) in enumerate(procs) if proc.returncode != 0]
-    if failed:
-        tails = "\n".join(f"--- rank {r} (exit {procs[r][0].returncode}):\n"
-                          + (workdir / f"{scenario}-rank{r}.log").read_text()[-3000:] for r in failed)
-        pytest.fail(f"{scenario}: ranks {failed} failed or ran past {RANK_TIMEOUT_S} s\n{tails}")
-    return [json.loads((workdir / scenario / f"report-{rank}.json").read_text()) for rank in range(world_size)]
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("fsdp")
-    model = built_model(root)
-    vocab_size = json.loads((model / "config.json").read_text())["vocab_size"]
-    (root / "experiences.json").write_text(json.dumps(_experiences(vocab_size)))
+    built_model(root)
     return root
-
-
-@pytest.fixture(scope="module")
-def two_ranks(workdir) -> list[dict]:
-    return run_ranks("train", workdir, 2)
-
-
-@pytest.fixture(scope="module")
-def hf_run(workdir) -> dict:
-    """The same 4 steps by the one-process `hf` engine (micro-batches of 4 rows, not 1)."""
-    settings = {**model_section(workdir / "model"), "group_size": 3, "minibatches": 2, "micro_batch_size": 4}
-    settings.pop("engine")
-    engine = HFTrainEngine(HFModelConfig.model_validate(settings), AlgorithmConfig(**fsdp_ranks.ALGORITHM),
-                           model_path=workdir / "model")
-    batches = fsdp_ranks.load_batches(workdir)
-    initial = engine.weights()
-    metrics = [engine.train_step(batch, current_version=step) for step, batch in enumerate(batches[:3])]
-    after_3 = engine.weights()
-    metrics.append(engine.train_step(batches[3], current_version=3))
-    return {"initial": initial, "metrics": metrics, "weights_3": after_3, "weights_4": engine.weights()}
-
-
-@pytest.fixture(scope="module")
-def lora_ranks(workdir) -> list[dict]:
-    return run_ranks("lora-train", workdir, 2)
-
-
-@pytest.fixture(scope="module")
-def hf_lora_run(workdir) -> dict:
-    """The same 3 steps under the same `model.lora` by the one-process `hf` engine."""
-    settings = {**model_section(workdir / "model"), "group_size": 3, "minibatches": 2, "micro_batch_size": 4,
-                "lora": fsdp_ranks.LORA}
-    settings.pop("engine")
-    engine = HFTrainEngine(HFModelConfig.model_validate(settings), AlgorithmConfig(**fsdp_ranks.ALGORITHM),
-                           model_path=workdir / "model")
-    initial = engine.weights()
-    metrics = [engine.train_step(batch, current_version=step)
-               for step, batch in enumerate(fsdp_ranks.load_batches(workdir)[:3])]
-    return {"initial": initial, "metrics": metrics, "weights_3": engine.weights()}
-
-
-def _assert_close(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], *, atol: float) -> None:
-    assert sorted(got) == sorted(expected)
-    worst = max((float((got[n] - expected[n]).abs().max()), n) for n in expected)
-    assert worst[0] <= atol, f"largest difference {worst[0]:.3g} at {worst[1]}"
-
-
-def test_two_fsdp_ranks_train_as_one_hf_process(workdir, two_ranks, hf_run):
-    fsdp_weights = load_file(workdir / "train" / "weights-3.safetensors")
-    assert any(not torch.equal(fsdp_weights[n], t) for n, t in hf_run["initial"].items())  # training moved them
-    _assert_close(fsdp_weights, hf_run["weights_3"], atol=ATOL)
-    for rank in two_ranks:  # every rank reports the whole batch's metrics
-        assert rank["world_size"] == 2
-        losses = [m["loss"] for m in rank["metrics"]]
-        assert losses == pytest.approx([m["loss"] for m in hf_run["metrics"][:3]], rel=1e-4, abs=1e-6)
-        grad_norms = [m["grad_norm"] for m in rank["metrics"]]
-        assert grad_norms == pytest.approx([m["grad_norm"] for m in hf_run["metrics"][:3]], rel=1e-4)
-        # verl's per-micro-batch statistics are averaged over micro-batches, whose size differs here
-        assert all(0 <= m["pg_clipfrac"] <= 1 for m in rank["metrics"])
-        assert rank["metrics"][2]["kl_loss"] > 0  # the frozen reference is the version-0 model
-    _assert_close(load_file(workdir / "train" / "weights-4.safetensors"), hf_run["weights_4"], atol=2 * ATOL)
-
-
-def test_the_weight_stream_gathers_bucket_by_bucket_into_rank_0_only(workdir, two_ranks, hf_run):
-    rank0, rank1 = two_ranks[0]["buckets"], two_ranks[1]["buckets"]
-    assert len(rank0) == len(rank1) > 1 and all(bucket == [] for bucket in rank1)
-    expected = hf_run["weights_3"]
-    assert [name for bucket in rank0 for name, _ in bucket] == list(expected)  # every name once, in order
-    for bucket in rank0:
-        sizes = [torch.Size(shape).numel() * 4 for _, shape in bucket]
-        assert len(bucket) == 1 or sum(sizes) <= fsdp_ranks.BUCKET_BYTES, bucket
-        assert all(tuple(shape) == tuple(expected[name].shape) for name, shape in bucket)
-
-
-def test_a_checkpoint_written_by_two_ranks_resumes_on_one(workdir, two_ranks):
-    (report,) = run_ranks("resume", workdir, 1)
-    assert report["step_after_load"] == 3
-    assert report["snapshot_unchanged"]  # one rank: the stream copies rather than hands out live shards
-    assert report["extra"] == {"data_position": 3, "trained": ["a", "b"]}
-    saved, loaded = (load_file(workdir / run / "weights-3.safetensors") for run in ("train", "resume"))
-    _assert_close(loaded, saved, atol=0.0)
-    # The optimizer's moments came back too: the next step is the 2-rank trainer's 4th step.
-    _assert_close(load_file(workdir / "resume" / "weights-4.safetensors"),
-                  load_file(workdir / "train" / "weights-4.safetensors"), atol=ATOL)
-    assert report["metrics_4"]["loss"] == pytest.approx(two_ranks[0]["metrics_4"]["loss"], rel=1e-4, abs=1e-6)
-
-
-def test_the_hugging_face_export_loads_and_gives_the_engines_logits(workdir, two_ranks):
-    import transformers
-
-    export = workdir / "hf"
-    assert {"config.json", "tokenizer.json", "model.safetensors.index.json"} <= {p.name for p in export.iterdir()}
-    assert not any(p.suffix in (".bin", ".pt", ".pkl") for p in export.iterdir())
-    model = transformers.AutoModelForCausalLM.from_pretrained(export, local_files_only=True, dtype=torch.float32)
-    _assert_close(dict(model.state_dict()), load_file(workdir / "train" / "weights-3.safetensors"), atol=0.0)
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor(fsdp_ranks.PROBE)).logits.float()
-    expected = load_file(workdir / "train" / "logits.safetensors")["logits"]
-    assert float((logits - expected).abs().max()) <= 1e-5
-    tokenizer = transformers.AutoTokenizer.from_pretrained(export, local_files_only=True)
-    assert tokenizer.eos_token == "<eos>"
 
 
 @pytest.mark.parametrize("engine", ["hf", "tiny"])
@@ -235,11 +61,6 @@ def test_buckets_are_cut_lazily_and_a_large_tensor_stands_alone():
         next(buckets_of(named(), 0))
 
 
-def fsdp_config_problems(values):
-    """An `fsdp` `model:` section's problems, as a job loaded with its engines reports them."""
-    return validate_section(FSDPModelSection, {**values, "engine": "fsdp"}, where="model", context=CHECK_ENGINES)[1]
-
-
 def test_fsdp_config_problems_are_reported_at_once_by_path(workdir):
     section = {**model_section(workdir / "model"), "engine": "fsdp", "dtype": "fp8",
                "fsdp": {"param_dtype": "fp8", "reshard_after_forward": "yes", "weight_bucket_bytes": 0, "shards": 2}}
@@ -270,49 +91,6 @@ def test_an_fsdp_trainer_is_registered_and_pairs_with_hf_or_vllm_explorers(workd
     assert [path for path, _ in info.value.problems] == ["model.fsdp"]  # only an fsdp trainer reads it
 
 
-def test_two_fsdp_ranks_train_a_lora_adapter_as_one_hf_process(workdir, lora_ranks, hf_lora_run):
-    adapter = load_file(workdir / "lora-train" / "weights-3.safetensors")
-    assert adapter and all(".lora_A." in n or ".lora_B." in n for n in adapter)  # the adapter alone moves
-    assert any(not torch.equal(adapter[n], t) for n, t in hf_lora_run["initial"].items())
-    _assert_close(adapter, hf_lora_run["weights_3"], atol=ATOL)  # same names, same seeded start, same steps
-    for rank in lora_ranks:
-        losses = [m["loss"] for m in rank["metrics"]]
-        assert losses == pytest.approx([m["loss"] for m in hf_lora_run["metrics"]], rel=1e-4, abs=1e-6)
-        assert rank["metrics"][2]["kl_loss"] > 0  # the anchor is the base with the adapter disabled
-        trainable = rank["metrics"][0]["trainable_parameters"]
-        assert 0 < trainable == hf_lora_run["metrics"][0]["trainable_parameters"] < rank["metrics"][0][
-            "model_parameters"]
-
-
-def test_a_lora_checkpoint_holds_the_adapter_only_and_resumes_on_one_rank(workdir, lora_ranks):
-    from torch.distributed.checkpoint import FileSystemReader
-
-    saved = FileSystemReader(str(workdir / "lora-ckpt" / "dcp")).read_metadata().state_dict_metadata
-    model_keys = [k for k in saved if k.startswith("model.")]
-    assert model_keys and all("lora_" in k for k in model_keys), model_keys  # the frozen base is reloaded
-    (report,) = run_ranks("lora-resume", workdir, 1)
-    assert report["step_after_load"] == 3
-    _assert_close(load_file(workdir / "lora-resume" / "weights-3.safetensors"),
-                  load_file(workdir / "lora-train" / "weights-3.safetensors"), atol=0.0)
-    _assert_close(load_file(workdir / "lora-resume" / "weights-4.safetensors"),
-                  load_file(workdir / "lora-train" / "weights-4.safetensors"), atol=ATOL)
-
-
-def test_the_lora_export_is_a_peft_adapter_and_a_merged_model(workdir, lora_ranks):
-    import transformers
-    from peft import PeftModel
-
-    export = workdir / "lora-hf"
-    assert json.loads((export / "adapter_config.json").read_text())["r"] == fsdp_ranks.LORA["rank"]
-    adapter = load_file(export / "adapter_model.safetensors")
-    _assert_close(adapter, load_file(workdir / "lora-train" / "weights-3.safetensors"), atol=0.0)
-    base = transformers.AutoModelForCausalLM.from_pretrained(workdir / "model", local_files_only=True)
-    probe = torch.tensor(fsdp_ranks.PROBE)
-    expected = load_file(workdir / "lora-train" / "logits.safetensors")["logits"]
-    with torch.no_grad():
-        with_adapter = PeftModel.from_pretrained(base, export).eval()(input_ids=probe).logits.float()
-        merged = transformers.AutoModelForCausalLM.from_pretrained(export / "merged", local_files_only=True)
-        merged_logits = merged.eval()(input_ids=probe).logits.float()
-    assert float((with_adapter - expected).abs().max()) <= 1e-5
-    assert float((merged_logits - expected).abs().max()) <= 1e-4
-    assert not any("lora_" in n for n in merged.state_dict())
+def fsdp_config_problems(values):
+    """An `fsdp` `model:` section's problems, as a job loaded with its engines reports them."""
+    return validate_section(FSDPModelSection, {**values, "engine": "fsdp"}, where="model", context=CHECK_ENGINES)[1]

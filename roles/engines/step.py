@@ -1,0 +1,217 @@
+"""The one training step every train engine runs: `TrainStep.train_batch(batch, loss_fn)`.
+
+As verl's `BaseEngine.train_batch`: for each minibatch (a slice of the batch's groups), zero the
+gradients, run forward and backward over micro-batches with the loss function it is given, clip,
+skip the update if the loss or the gradient is not finite, else step the optimizer. The step is the
+same at any number of ranks (torchtitan): each rank runs its share of each minibatch's rows, every
+rank the same number of passes (a pass is a collective under FSDP), and the minibatch's loss is
+summed over ranks; with one rank there is nothing to sum. Engines differ only in what they hand it:
+a model and optimizer, a `Forward` (how the model scores a batch's rows), and their rank.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from rolectl.sync_protocol.experience import Experience
+
+from .losses import LossFunction, LossSum, MicroBatch, TrainBatch
+
+__all__ = ["Forward", "StepResult", "TrainStep", "micro_batches", "step_metrics"]
+
+
+class Forward(Protocol):
+    """How an engine's model scores rows of a batch: `(len(rows), width)` logprobs of their response
+    tokens (finite past a response's end: losses read them through `loss_mask`), `width` at most the
+    batch's."""
+
+    def __call__(self, model: Any, batch: TrainBatch, rows: Sequence[int]) -> Tensor: ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepResult:
+    """What one `train_batch` did."""
+
+    loss: float
+    """Mean over the applied updates of their minibatch loss; 0.0 when none was applied."""
+    grad_norm: float
+    """Largest gradient norm (before clipping) of the applied updates."""
+    updates_skipped: int
+    """Updates dropped because their loss or gradient was not finite (the weights stayed)."""
+    metrics: dict[str, float]
+    """The loss function's metrics, averaged over every micro-batch of every rank."""
+
+
+def micro_batches(rows: Sequence[int], groups: Sequence[str], *, size: int | None, rank: int = 0,
+                  world_size: int = 1, keep_groups: bool = False) -> tuple[list[list[int]], int]:
+    """This rank's micro-batches of a minibatch's `rows`, and how many passes every rank makes.
+
+    Rows are dealt to ranks in turn, one at a time (with `keep_groups`, a group at a time), and each
+    rank's cut into micro-batches of at most `size` rows (a group larger than that stands alone;
+    `size` None: one micro-batch per rank).
+    """
+    if keep_groups:
+        by_group: dict[str, list[int]] = {}
+        for row in rows:
+            by_group.setdefault(groups[row], []).append(row)
+        units = list(by_group.values())
+    else:
+        units = [[row] for row in rows]
+    per_rank = [_pack(units[r::world_size], size) for r in range(world_size)]
+    return per_rank[rank], max(len(batches) for batches in per_rank)
+
+
+def _pack(units: list[list[int]], size: int | None) -> list[list[int]]:
+    packed: list[list[int]] = []
+    current: list[int] = []
+    for unit in units:
+        if current and size is not None and len(current) + len(unit) > size:
+            packed.append(current)
+            current = []
+        current = current + unit
+    return [*packed, current] if current else packed
+
+
+class _MetricSums:
+    """A loss function's metrics summed over this rank's micro-batches, and how many there were."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.count = 0
+
+    def add(self, metrics: dict[str, float]) -> None:
+        self.count += 1
+        for key, value in metrics.items():
+            self.sums[key] = self.sums.get(key, 0.0) + value
+
+
+def _borrowed(rows: list[int], groups: Sequence[str], *, keep_groups: bool) -> list[int]:
+    """The rows of an idle rank's pass: the minibatch's first row (its first group with `keep_groups`)."""
+    return [row for row in rows if groups[row] == groups[rows[0]]] if keep_groups else rows[:1]
+
+
+class TrainStep:
+    """The training step of one engine's model: built once, run on every batch with a loss function.
+
+    `minibatches` optimizer steps per batch, each over a slice of its groups; `micro_batch_size`
+    rows per forward/backward (None: a rank's whole share in one pass). `reference` is the frozen
+    model a loss that `needs_reference` is compared with. `rank`/`world_size` > 1: a sharded model
+    whose ranks all call `train_batch` with the same batch.
+    """
+
+    def __init__(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, forward: Forward,
+                 max_grad_norm: float, minibatches: int, micro_batch_size: int | None, reference: Any = None,
+                 rank: int = 0, world_size: int = 1) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.forward = forward
+        self.max_grad_norm = max_grad_norm
+        self.minibatches = minibatches
+        self.micro_batch_size = micro_batch_size
+        self.reference = reference
+        self.rank, self.world_size = rank, world_size
+
+    def train_batch(self, batch: TrainBatch, loss_fn: LossFunction) -> StepResult:
+        """One optimizer step per minibatch of `batch`, on `loss_fn`; every rank passes the same batch."""
+        if loss_fn.needs_reference and self.reference is None:
+            name = str(loss_fn) if isinstance(loss_fn, LossSum) else type(loss_fn).__name__
+            raise ValueError(f"the loss {name} needs a frozen reference model and this engine has none "
+                             "(it keeps one when algorithm.kl_coef > 0)")
+        group_order = list(dict.fromkeys(batch.groups))
+        count = min(self.minibatches, len(group_order))
+        losses, grad_norms, skipped = [], [], 0
+        measured = _MetricSums()
+        for index in range(count):
+            chosen = set(group_order[index::count])
+            rows = [row for row, group in enumerate(batch.groups) if group in chosen]
+            self.optimizer.zero_grad(set_to_none=True)
+            minibatch_loss = self._forward_backward(batch, rows, loss_fn, measured)
+            grad_norm = self._clip_gradients()
+            if not (math.isfinite(minibatch_loss) and math.isfinite(grad_norm)):
+                # a non-finite loss or gradient would poison the weights: skip this update, count it
+                self.optimizer.zero_grad(set_to_none=True)
+                skipped += 1
+                continue
+            grad_norms.append(grad_norm)
+            self.optimizer.step()
+            losses.append(minibatch_loss)
+        return StepResult(loss=sum(losses) / len(losses) if losses else 0.0, grad_norm=max(grad_norms, default=0.0),
+                          updates_skipped=skipped, metrics=self._averaged(measured))
+
+    def _forward_backward(self, batch: TrainBatch, rows: list[int], loss_fn: LossFunction,
+                          measured: _MetricSums) -> float:
+        """Accumulate this rank's gradients of one minibatch; its loss summed over ranks. Each real
+        micro-batch's metrics go to `measured`."""
+        mine, passes = micro_batches(rows, batch.groups, size=self.micro_batch_size, rank=self.rank,
+                                     world_size=self.world_size, keep_groups=loss_fn.keeps_groups)
+        tokens = int(batch.loss_mask[rows].sum())
+        local_loss = 0.0
+        for index in range(passes):
+            # A rank out of rows still makes the pass (a collective), on borrowed rows, its loss zeroed.
+            real = index < len(mine)
+            micro = mine[index] if real else _borrowed(rows, batch.groups, keep_groups=loss_fn.keeps_groups)
+            loss, metrics = loss_fn(self._micro_batch(batch, micro, loss_fn, tokens=tokens, sequences=len(rows)))
+            if not real:
+                loss = loss * 0.0
+            loss.backward()
+            if real:
+                local_loss += float(loss.detach())
+                measured.add(metrics)
+        return self._sum_over_ranks([local_loss])[0]
+
+    def _micro_batch(self, batch: TrainBatch, rows: list[int], loss_fn: LossFunction, *, tokens: int,
+                     sequences: int) -> MicroBatch:
+        logprobs = self.forward(self.model, batch, rows)
+        ref_logprobs = None
+        if loss_fn.needs_reference:
+            with torch.no_grad():
+                ref_logprobs = self.forward(self.reference, batch, rows)
+        return MicroBatch(batch=batch, rows=rows, logprobs=logprobs, ref_logprobs=ref_logprobs, num_tokens=tokens,
+                          num_sequences=sequences)
+
+    def _clip_gradients(self) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        full = getattr(norm, "full_tensor", None)  # a sharded model's norm is a DTensor
+        return float(full() if full is not None else norm)
+
+    def _averaged(self, measured: _MetricSums) -> dict[str, float]:
+        """The metrics' means over every rank's micro-batches."""
+        keys = sorted(measured.sums)  # every rank reduces in the same order
+        *totals, count = self._sum_over_ranks([measured.sums[k] for k in keys] + [float(measured.count)])
+        by_key = dict(zip(keys, totals))
+        return {key: by_key[key] / max(count, 1.0) for key in measured.sums}
+
+    def _sum_over_ranks(self, values: list[float]) -> list[float]:
+        if self.world_size == 1:
+            return values
+        import torch.distributed as dist
+
+        buffer = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(buffer, op=dist.ReduceOp.SUM)  # CPU tensor: gloo (beside NCCL on GPUs)
+        return buffer.tolist()
+
+
+def step_metrics(result: StepResult, batch: TrainBatch, experiences: Sequence[Experience], *,
+                 current_version: int, updates_skipped: int) -> dict[str, float]:
+    """A train step's figures: its loss and gradient, the batch's rewards, staleness, response
+    lengths and size, and the loss function's metrics. Engines add their model's figures."""
+    staleness = [current_version - e.model_version for e in experiences]
+    return {
+        "loss": result.loss,
+        "updates_skipped_nonfinite": float(updates_skipped),
+        "reward_mean": float(batch.rewards.mean()),
+        "reward_std": float(batch.rewards.std(correction=0)),
+        "reward_max": float(batch.rewards.max()),
+        "staleness_mean": sum(staleness) / len(staleness),
+        "staleness_max": float(max(staleness)),
+        "response_length_mean": float(torch.tensor([float(len(e.response)) for e in experiences]).mean()),
+        "num_experiences": float(len(experiences)),
+        "grad_norm": result.grad_norm,
+        **result.metrics,
+    }
