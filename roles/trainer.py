@@ -169,9 +169,10 @@ class Trainer:
             # Batches that do not fit the engine are refused (terminated, counted) before training.
             self.reader = ExperienceReader(session.conn, ack_wait_s=self.cfg.buffer.ack_wait_s,
                                            limits=self.engine.experience_limits)
-            await self._give_back_predecessors_batches()
             await self._forget_confirmed_acks()
             await session.join(step=self.engine.step, version=self.version)
+            # once joined: a start that loses the race to join must not nak the winner's batches
+            await self._give_back_predecessors_batches()
             self.log.info("trainer_ready", step=self.engine.step, version=self.version,
                           method=self.method.value, style=self.sync.sync_style.value)
             try:
