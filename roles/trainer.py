@@ -165,9 +165,10 @@ class Trainer:
                                        limits=self.engine.experience_limits)
         self.ledger = AckLedger(self.reader, held_file=self.ckpt_dir / "held_batches.json", log=self.log,
                                 saved=saved)
-        await self.ledger.give_back_predecessors()
         await self.ledger.forget_confirmed()
         await session.join(step=self.engine.step, version=self.version)
+        # once joined: a start that loses the race to join must not nak the winner's batches
+        await self.ledger.give_back_predecessors()
         self.log.info("trainer_ready", step=self.engine.step, version=self.version,
                       method=self.method.value, style=self.sync.sync_style.value)
         return reported_step

@@ -325,8 +325,9 @@ class LiveJob:
                     self._changed.notify_all()
 
     # -- processes ---------------------------------------------------------------------------------
-    def start(self, role: str, member_id: str) -> subprocess.Popen:
-        """`python -m rolectl start ROLE --config ... --nats URL --id MEMBER_ID` as a new process."""
+    def start(self, role: str, member_id: str, *, runner: tuple[str, ...] = ("-m", "rolectl")) -> subprocess.Popen:
+        """`python -m rolectl start ROLE --config ... --nats URL --id MEMBER_ID` as a new process
+        (`runner` in place of `-m rolectl`: e.g. `tests.support.barrier_start`'s)."""
         n = len(self.procs.get(member_id, []))
         log_path = self.logs / f"{member_id}.{n}.log"
         env = dict(os.environ, PYTHONUNBUFFERED="1", ROLECTL_ADVERTISE_HOST="127.0.0.1")
@@ -334,7 +335,7 @@ class LiveJob:
             env.update(self.auth.security(member_id).as_env())
         with open(log_path, "ab") as out:
             popen = subprocess.Popen(
-                [sys.executable, "-m", "rolectl", "start", role, "--config", str(self.config_path),
+                [sys.executable, *runner, "start", role, "--config", str(self.config_path),
                  "--nats", self.url, "--id", member_id],
                 cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
             )
