@@ -16,7 +16,8 @@ import msgspec
 
 from .config import SyncConfig
 from .enums import Role, RunningStatus, SyncMethod
-from .events import MemberRef, RankAssignment
+from .errors import UnboundRendezvous
+from .events import MemberRef, RankAssignment, RendezvousReady
 
 __all__ = [
     "RoundPhase",
@@ -118,15 +119,36 @@ class RoundState(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class GroupState(msgspec.Struct, frozen=True, kw_only=True):
-    """The last rendezvous group formed: its epoch and ranks (trainer at rank 0 first).
+    """The last rendezvous group formed: its epoch and ranks (trainer at rank 0 first, then the
+    explorers sorted by member id).
 
     `broken` is set when a transfer in this group failed; the next rendezvous then starts a new epoch
     even if membership is unchanged, so every member re-forms the group instead of reusing a dead one.
+
+    This is the membership record a `RendezvousReady` refers to: every reader folds it from the
+    same records, so the decision names it (epoch, count, digest) instead of listing it.
     """
 
     epoch: int = 0
     members: tuple[RankAssignment, ...] = ()
     broken: bool = False
+
+    @property
+    def participants(self) -> tuple[RankAssignment, ...]:
+        """The explorers' places, in rank order (the members after the trainer's rank 0)."""
+        return self.members[1:]
+
+    def bind(self, ready: RendezvousReady) -> RendezvousReady:
+        """`ready` holding this group's rank assignments when it names this group (its epoch,
+        count and digest), else `ready` as it is: a decision bound already (the reducer's own, or
+        one recorded by schema 4 with its list) is returned unchanged, and one naming another
+        group stays unbound, so asking it for ranks raises `UnboundRendezvous` saying why."""
+        if ready.is_bound or ready.epoch != self.epoch:
+            return ready
+        try:
+            return ready.bound(self.participants)
+        except UnboundRendezvous:
+            return ready
 
 
 class State(msgspec.Struct, frozen=True, kw_only=True):
