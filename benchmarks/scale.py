@@ -51,7 +51,15 @@ from pathlib import Path
 
 import structlog
 
-from benchmarks.sync_latency import ROOT, _cpu_seconds, _job_yaml, _pct, _start_synchronizer, _stop
+from benchmarks.sync_latency import (
+    ROOT,
+    _cpu_seconds,
+    _job_yaml,
+    _pct,
+    _start_synchronizer,
+    _stop,
+    _stream_latencies,
+)
 from rolectl.bus.connection import connect
 from rolectl.bus.events import EventPublisher
 from rolectl.bus.experiences import ExperiencePublisher, ExperienceReader, encode_batch
@@ -420,6 +428,7 @@ async def measure(server: _Server, workdir: Path, *, method: str, explorers: int
                     stamps.samples.clear()
                     cpu_before = [_cpu_seconds(sync.pid), sum(_cpu_seconds(p) for p in server.pids)]
                     bytes_before, decisions_before = await _stream_bytes(conn), _decisions_seen(view)
+                    first_counted_seq = view.last_seq + 1
                     counted_from = time.monotonic()
                 if r == WARMUP_ROUNDS + rounds + 1:  # the herd round, after the counted ones
                     figures["herd"] = await _watched(_herd(server, trainer, stamps, r, explorers, early),
@@ -437,6 +446,7 @@ async def measure(server: _Server, workdir: Path, *, method: str, explorers: int
                     stream_bytes = await _stream_bytes(conn) - bytes_before
                     decisions = _decisions_seen(view) - decisions_before
                     rss, peak = _rss_mb(sync.pid)
+                    last_counted_seq = view.last_seq
             if method == "nccl":
                 await _wait_for(view, lambda v: sum(m.version >= rounds + WARMUP_ROUNDS
                                                     for m in v.state.explorers()) >= explorers,
@@ -456,6 +466,10 @@ async def measure(server: _Server, workdir: Path, *, method: str, explorers: int
                 if task is not None:
                     await stop_task(task)
             await view.aclose()
+        # decision recorded minus cause recorded (server time): the path through the synchronizer
+        # and the server, without the members' own CPU
+        stream_ms = [ms for seq, ms in await _stream_latencies(server.url, job, first_counted_seq, with_seq=True)
+                     if seq <= last_counted_seq]
     finally:
         for w in workers:
             if w.poll() is None:
@@ -468,16 +482,18 @@ async def measure(server: _Server, workdir: Path, *, method: str, explorers: int
         samples += [tuple(s) for s in rep["samples"]]
     member_ms = [(got - sent_at[cause]) * 1000 for cause, got in samples
                  if cause in sent_at and counted_from <= sent_at[cause] <= counted_from + counted_s]
-    pct = _pct(member_ms)
+    pct, stream = _pct(member_ms), _pct(stream_ms)
     result = {
         "explorers": explorers, "method": method, "procs": procs, "rounds": rounds,
         "member_p50_ms": pct["p50"], "member_p99_ms": pct["p99"], "member_max_ms": pct["max"],
         "samples": len(member_ms), "decisions": decisions,
+        "stream_p50_ms": stream["p50"], "stream_p99_ms": stream["p99"],
         "sync_ms_per_decision": round(1000 * sync_cpu / max(1, decisions), 3),
         # net of the heartbeats it handles anyway, at the rate measured while idle
         "sync_ms_per_decision_net": round(1000 * max(0.0, sync_cpu - idle_rate * counted_s) / max(1, decisions), 3),
         "sync_idle_cpu_pct": round(100 * idle_rate, 1),
         "sync_ms_per_round": round(1000 * sync_cpu / rounds, 1),
+        "sync_ms_per_member": round(1000 * sync_cpu / rounds / explorers, 3),  # per explorer answered
         "sync_rss_mb": rss, "sync_peak_rss_mb": peak,
         "server_ms_per_round": round(1000 * server_cpu / rounds, 1),
         "bytes_per_step": int(stream_bytes / rounds),
@@ -491,7 +507,8 @@ async def measure(server: _Server, workdir: Path, *, method: str, explorers: int
 
 def _print(res: dict) -> None:
     line = (f"{res['method']:>6} N={res['explorers']:<5} ({res['procs']} worker processes) member ms "
-            f"p50 {res['member_p50_ms']} p99 {res['member_p99_ms']} max {res['member_max_ms']} | synchronizer "
+            f"p50 {res['member_p50_ms']} p99 {res['member_p99_ms']} max {res['member_max_ms']} (stream p50 "
+            f"{res['stream_p50_ms']} p99 {res['stream_p99_ms']}) | synchronizer "
             f"{res['sync_ms_per_decision']} ms CPU/decision ({res['sync_ms_per_decision_net']} net of heartbeats; "
             f"{res['sync_idle_cpu_pct']} % CPU idle), {res['sync_ms_per_round']} ms/round, RSS "
             f"{res['sync_rss_mb']} MB (peak {res['sync_peak_rss_mb']}) | server {res['server_ms_per_round']} ms "
@@ -508,6 +525,51 @@ def _print(res: dict) -> None:
               f"explorer released and loaded after {h['all_explorers_s']} s ({h['expired']} expired)", flush=True)
 
 
+_COLUMNS = ["N", "method", "worker processes", "member p50 / p99 ms", "stream p50 / p99 ms",
+            "sync ms per decision (net of heartbeats)", "sync ms per explorer answered", "sync CPU ms per round",
+            "sync RSS MB (peak)", "server CPU ms per round", "stream bytes per step (per explorer)",
+            "intake MB/s, experiences/s", "server restart: first decision / every explorer (s)", "load"]
+
+
+def _row(res: dict) -> list[str]:
+    intake = res.get("intake")
+    herd = res.get("herd")
+    return [str(res["explorers"]), res["method"], str(res["procs"]),
+            f"{res['member_p50_ms']:.0f} / {res['member_p99_ms']:.0f}",
+            f"{res['stream_p50_ms']:.1f} / {res['stream_p99_ms']:.1f}",
+            f"{res['sync_ms_per_decision']:.3f} ({res['sync_ms_per_decision_net']:.3f})",
+            f"{res['sync_ms_per_member']:.3f}", f"{res['sync_ms_per_round']:.0f}",
+            f"{res['sync_rss_mb']:.0f} ({res['sync_peak_rss_mb']:.0f})", f"{res['server_ms_per_round']:.0f}",
+            f"{res['bytes_per_step']} ({res['bytes_per_step'] // res['explorers']})",
+            f"{intake['mb_per_s']}, {intake['records_per_s']:.0f}" if intake else "—",
+            f"{herd['first_decision_s']} / {herd['all_explorers_s']}" if herd else "—",
+            str(res["loadavg"])]
+
+
+def record_run(out: dict, path: Path, command: str) -> None:
+    """Add this run to a results file (docs/gen_benchmarks.py's format), with the scaling plot."""
+    data = json.loads(path.read_text())
+    results = out["results"]
+    cluster = out["config"]["cluster"]
+    plot = {"file": f"scale_curve{'_cluster' if cluster else ''}.svg",
+            "title": f"synchronizer CPU per round against explorers ({'3-node cluster' if cluster else 'one node'})",
+            "x_label": "explorers", "y_label": "synchronizer CPU ms per round",
+            "series": [{"name": f"{method} ({'pull' if method == 'memory' else 'rendezvous'})",
+                        "points": [[r["explorers"], r["sync_ms_per_round"]] for r in results if r["method"] == method]}
+                       for method in dict.fromkeys(r["method"] for r in results)]}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    loads = [r["loadavg"] for r in results]
+    data["runs"].append({
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit,
+        "machine": f"{os.cpu_count()}-core x86 VM, no GPU",
+        "conditions": (f"{'a local 3-node cluster, streams R3' if cluster else 'one nats-server'}; shared with other "
+                       f"work: load {out['config']['loadavg_at_start'][0]} at the start, {min(loads)}-{max(loads)} "
+                       f"during; {out['config']['rounds']} counted rounds after {WARMUP_ROUNDS} warm-up"),
+        "command": command, "columns": _COLUMNS, "rows": [_row(r) for r in results], "plot": plot})
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
 def _default_procs(explorers: int) -> int:
     return max(1, min(8, explorers // 64))
 
@@ -521,6 +583,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--cluster", action="store_true", help="a local 3-node cluster (streams R3), not one node")
     parser.add_argument("--no-herd", dest="herd", action="store_false", help="skip the server-restart herd")
     parser.add_argument("--json", dest="json_path", default=None, help="also write the JSON result here")
+    parser.add_argument("--record", default=None, metavar="RESULTS_JSON",
+                        help="add the run to this results file (benchmarks/results/scale.json)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker is not None:
@@ -560,6 +624,9 @@ def main(argv: list[str] | None = None) -> dict:
     print(json.dumps(out))
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(out, indent=2))
+    if args.record:
+        given = sys.argv[1:] if argv is None else argv
+        record_run(out, Path(args.record), "python -m benchmarks.scale " + " ".join(given))
     return out
 
 

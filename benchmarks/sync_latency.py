@@ -294,8 +294,9 @@ async def bus_hop(server: NatsServer, count: int = 60) -> dict:
     return _pct(hops[5:])
 
 
-async def _stream_latencies(url: str, job: str, from_seq: int) -> list[float]:
-    """Decision recorded minus cause recorded (ms), for decisions at or after `from_seq`."""
+async def _stream_latencies(url: str, job: str, from_seq: int, *, with_seq: bool = False) -> list:
+    """Decision recorded minus cause recorded (ms), for decisions at or after `from_seq` (with
+    `with_seq`, as (decision seq, ms) pairs)."""
     async with connect(url, job=job, role="observer", member="bench") as conn:
         end = await last_sequence(conn)
         reader = _TimedReader(conn, from_seq=1, include_decisions=True, stop_at_end=True)
@@ -304,7 +305,8 @@ async def _stream_latencies(url: str, job: str, from_seq: int) -> list[float]:
     out = []
     for rec in records:
         if isinstance(rec.event, Decision) and rec.seq >= from_seq and rec.event.cause_seq in reader.time_ns:
-            out.append((reader.time_ns[rec.seq] - reader.time_ns[rec.event.cause_seq]) / 1e6)
+            ms = (reader.time_ns[rec.seq] - reader.time_ns[rec.event.cause_seq]) / 1e6
+            out.append((rec.seq, ms) if with_seq else ms)
     assert records and records[-1].seq <= end
     return out
 
