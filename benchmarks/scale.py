@@ -9,7 +9,8 @@ whose helpers this reuses), and members built from the real `MemberSession` code
 `set_status`, `publish`, `wait_decision` on a `JobView`, heartbeats and the rejoin watch included).
 What is simulated: the explorers run many to a process — P worker processes (`--procs`, printed
 and recorded), each with one connection and one `JobView` that its members share, as
-`benchmarks.sync_latency` does in one process — and their engines do nothing. The trainer is a
+`benchmarks.sync_latency` does in one process; they run at `--nice` 10, standing in for a fleet of
+machines of its own that does not take the synchronizer's CPU — and their engines do nothing. The trainer is a
 `MemberSession` of this (the controller) process. Clocks: `time.monotonic()` is the machine's
 CLOCK_MONOTONIC, the same in every process, so a member's latency can start in another process.
 
@@ -214,6 +215,7 @@ async def _on_signal(conn, job: str, what: str) -> asyncio.Event:
 def _worker_main(spec_json: str) -> None:
     setup_logging("warning")
     spec = json.loads(spec_json)
+    os.nice(spec["nice"])  # the fleet stands in for machines of its own: it yields the CPU first
     profile = os.environ.get("SCALE_PROFILE_WORKERS")  # a directory: one cProfile per worker there
     if profile:
         import cProfile
@@ -282,6 +284,21 @@ async def _watched(aw, workers: list[subprocess.Popen], sync: subprocess.Popen, 
     return task.result()
 
 
+async def _idle_cpu(view: JobView, pid: int, method: str, explorers: int, early: int) -> float:
+    """CPU seconds a second the synchronizer spends with nothing to decide (every member's
+    heartbeats), measured once every explorer waits for the trainer and the requests are folded."""
+    def waiting(v: JobView) -> bool:
+        if method == "memory":
+            return len(v.state.rounds) >= early
+        return any(len(rnd.waiting) >= explorers for rnd in v.state.rounds.values())
+
+    await _wait_for(view, waiting, "every explorer waiting for the trainer")
+    await asyncio.sleep(1.0)  # let the synchronizer finish what it was deciding: a pause, not a wait
+    started, cpu = time.monotonic(), _cpu_seconds(pid)
+    await asyncio.sleep(IDLE_WINDOW_S)  # the measuring window
+    return (_cpu_seconds(pid) - cpu) / (time.monotonic() - started)
+
+
 async def _stream_bytes(conn) -> int:
     info = await conn.js.stream_info(conn.names.event_stream)
     return info.state.bytes
@@ -319,12 +336,12 @@ async def _rendezvous_trainer_round(trainer: MemberSession, stamps: _Stamps, r: 
 
 
 def _spawn_workers(config: Path, method: str, explorers: int, procs: int, rounds: int, workdir: Path,
-                   job: str) -> list[subprocess.Popen]:
+                   job: str, nice: int) -> list[subprocess.Popen]:
     ids = [f"explorer-{i:04d}" for i in range(explorers)]
     early = ids[0::2] if explorers > 1 else ids
     out = []
     for index in range(procs):
-        spec = {"index": index, "config": str(config), "method": method, "rounds": rounds,
+        spec = {"index": index, "config": str(config), "method": method, "rounds": rounds, "nice": nice,
                 "members": ids[index::procs], "early": [m for m in early if int(m[-4:]) % procs == index]}
         out.append(subprocess.Popen(
             [sys.executable, "-m", "benchmarks.scale", "--worker", json.dumps(spec)], cwd=ROOT,
@@ -391,7 +408,7 @@ async def _herd(server: _Server, trainer: MemberSession, stamps: _Stamps, r: int
 
 
 async def measure(server: _Server, workdir: Path, *, method: str, explorers: int, rounds: int, procs: int,
-                  herd: bool) -> dict:
+                  herd: bool, nice: int = 0) -> dict:
     job = f"scale-{method}-{explorers}-{os.getpid()}-{time.time_ns() % 10**6}"
     config = _job_yaml(workdir / f"{job}.yaml", job=job, url=server.url, method=method, explorers=explorers)
     if server.cluster:  # every stream R3, as a job on a cluster runs
@@ -412,19 +429,17 @@ async def measure(server: _Server, workdir: Path, *, method: str, explorers: int
             await trainer.join(step=0, version=0)
             joined = await _signals(conn, job, "joined", procs)
             done = await _signals(conn, job, "done", procs)
-            workers = _spawn_workers(config, method, explorers, procs, total_rounds, workdir, job)
+            workers = _spawn_workers(config, method, explorers, procs, total_rounds, workdir, job, nice)
             await _watched(joined.wait(), workers, sync, workdir, "the workers joining")
             await _watched(_wait_for(view, lambda v: len(v.state.explorers()) >= explorers
                                      and any(m.ref.role is Role.SYNCHRONIZER and m.alive
                                              for m in v.state.members.values()),
                                      "every explorer and the synchronizer to join"), workers, sync, workdir, "joining")
-            # what the synchronizer spends with nothing to decide: every member's heartbeats
-            idle_from, idle_cpu = time.monotonic(), _cpu_seconds(sync.pid)
-            await asyncio.sleep(IDLE_WINDOW_S)  # a measuring window, not a synchronisation
-            idle_rate = (_cpu_seconds(sync.pid) - idle_cpu) / (time.monotonic() - idle_from)
             figures: dict = {}
             for r in range(1, total_rounds + 1):
                 if r == WARMUP_ROUNDS + 1:
+                    idle_rate = await _watched(_idle_cpu(view, sync.pid, method, explorers, early), workers, sync,
+                                               workdir, "the synchronizer's idle CPU")
                     stamps.samples.clear()
                     cpu_before = [_cpu_seconds(sync.pid), sum(_cpu_seconds(p) for p in server.pids)]
                     bytes_before, decisions_before = await _stream_bytes(conn), _decisions_seen(view)
@@ -484,7 +499,7 @@ async def measure(server: _Server, workdir: Path, *, method: str, explorers: int
                  if cause in sent_at and counted_from <= sent_at[cause] <= counted_from + counted_s]
     pct, stream = _pct(member_ms), _pct(stream_ms)
     result = {
-        "explorers": explorers, "method": method, "procs": procs, "rounds": rounds,
+        "explorers": explorers, "method": method, "procs": procs, "worker_nice": nice, "rounds": rounds,
         "member_p50_ms": pct["p50"], "member_p99_ms": pct["p99"], "member_max_ms": pct["max"],
         "samples": len(member_ms), "decisions": decisions,
         "stream_p50_ms": stream["p50"], "stream_p99_ms": stream["p99"],
@@ -571,7 +586,8 @@ def record_run(out: dict, path: Path, command: str) -> None:
 
 
 def _default_procs(explorers: int) -> int:
-    return max(1, min(8, explorers // 64))
+    # each process folds the whole stream once for its members: few, but enough for their waits
+    return max(1, min(4, explorers // 128))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -579,7 +595,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--explorers", default="64,256,1024", help="comma-separated explorer counts")
     parser.add_argument("--method", default="memory,nccl", help="memory (pull) and/or nccl (rendezvous)")
     parser.add_argument("--rounds", type=int, default=10, help="counted rounds per run (after 2 warm-up rounds)")
-    parser.add_argument("--procs", type=int, default=0, help="worker processes (default: N/64, 1 to 8)")
+    parser.add_argument("--procs", type=int, default=0, help="worker processes (default: N/128, 1 to 4)")
+    parser.add_argument("--nice", type=int, default=10, help="niceness of the worker processes (default 10: "
+                        "the simulated fleet yields the CPU to the synchronizer and the server)")
     parser.add_argument("--cluster", action="store_true", help="a local 3-node cluster (streams R3), not one node")
     parser.add_argument("--no-herd", dest="herd", action="store_false", help="skip the server-restart herd")
     parser.add_argument("--json", dest="json_path", default=None, help="also write the JSON result here")
@@ -616,7 +634,7 @@ def main(argv: list[str] | None = None) -> dict:
                     procs = args.procs or _default_procs(n)
                     herd = args.herd and method == "memory" and not args.cluster
                     res = asyncio.run(measure(server, workdir, method=method, explorers=n, rounds=args.rounds,
-                                              procs=min(procs, n), herd=herd))
+                                              procs=min(procs, n), herd=herd, nice=args.nice))
                     out["results"].append(res)
                     _print(res)
         finally:

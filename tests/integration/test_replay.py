@@ -385,8 +385,9 @@ def _as_recorded_by(schema: int, item) -> bytes:
     plain = {**to_plain(item), "schema": schema}
     if isinstance(item, RendezvousReady):  # the list schema 5 replaced by a count and a digest
         del plain["explorers"], plain["membership"]
-        plain["participants"] = [{"member": {"role": p.member.role.value, "id": p.member.id, "inc": p.member.incarnation},
-                                  "rank_offset": p.rank_offset, "ranks": p.ranks} for p in item.participants]
+        plain["participants"] = [
+            {"member": {"role": p.member.role.value, "id": p.member.id, "inc": p.member.incarnation},
+             "rank_offset": p.rank_offset, "ranks": p.ranks} for p in item.participants]
     return msgpack.packb(plain, use_bin_type=True)
 
 

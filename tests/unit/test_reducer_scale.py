@@ -81,3 +81,25 @@ def test_a_pull_round_of_4096_explorers_answers_each_in_constant_sized_decisions
     batches = [released[i:i + 128] for i in range(0, len(released), 128)]
     assert all(len(encode_decisions(b)) < STREAM_MAX_MSG for b in batches)
     assert decode_all(encode_decisions(batches[0])) == tuple(batches[0])
+
+
+def test_a_reader_of_a_recorded_stream_binds_each_rendezvous_to_the_group_before_it():
+    from rolectl.sync_protocol import Recorded
+    from rolectl.sync_protocol.groups import bind_groups
+
+    job, explorers = Job(), [_explorer(i) for i in range(5)]
+    records = []
+    for event in [configured(SyncConfig(sync_method=SyncMethod.NCCL)), join(T), *(join(e) for e in explorers),
+                  *(req(e, 1, -1) for e in explorers), req(T, 1, 1)]:
+        decisions = job.feed(event)
+        records.append(job.history[-1])
+        for d in decisions:  # as read from the wire: unbound
+            job.seq += 1
+            records.append(Recorded(seq=job.seq, time_ms=job.time_ms, event=decode(encode(d))))
+    read = bind_groups(records)
+    ready = [r.event for r in read if isinstance(r.event, RendezvousReady)]
+    assert len(ready) == 1 and ready[0].is_bound and [p.member for p in ready[0].participants] == explorers
+    assert [r.seq for r in read] == [r.seq for r in records]
+    # a decision whose inputs the reader never saw (it starts after them) stays unbound, and says so
+    alone = bind_groups([r for r in records if isinstance(r.event, RendezvousReady)])
+    assert not alone[0].event.is_bound
