@@ -410,7 +410,9 @@ async def _herd(server: _Server, trainer: MemberSession, stamps: _Stamps, r: int
 async def measure(server: _Server, workdir: Path, *, method: str, explorers: int, rounds: int, procs: int,
                   herd: bool, nice: int = 0) -> dict:
     job = f"scale-{method}-{explorers}-{os.getpid()}-{time.time_ns() % 10**6}"
-    config = _job_yaml(workdir / f"{job}.yaml", job=job, url=server.url, method=method, explorers=explorers)
+    # no snapshot (nor the trim after it) during the run: the stream's growth is the bytes per step
+    config = _job_yaml(workdir / f"{job}.yaml", job=job, url=server.url, method=method, explorers=explorers,
+                       snapshot_every=10**8)
     if server.cluster:  # every stream R3, as a job on a cluster runs
         config.write_text(config.read_text() + "nats:\n  replicas: 3\n")
     cfg = load_config(config)
