@@ -60,6 +60,7 @@ from benchmarks.sync_latency import (
     _start_synchronizer,
     _stop,
     _stream_latencies,
+    _Timestamps,
 )
 from rolectl.bus.connection import connect
 from rolectl.bus.events import EventPublisher
@@ -70,7 +71,6 @@ from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream
 from rolectl.roles.config import load_config
 from rolectl.roles.session import JobView, MemberSession, stop_task
 from rolectl.sync_protocol import (
-    Decision,
     MemberReleased,
     RendezvousReady,
     Role,
@@ -86,7 +86,7 @@ WARMUP_ROUNDS = 2
 ROUND_TIMEOUT_S = float(os.environ.get("SCALE_ROUND_TIMEOUT_S", "300"))  # a bound on "hung"
 EXPERIENCES_PER_BATCH = 8
 TOKENS = 128  # prompt and response tokens of one experience (64 each)
-IDLE_WINDOW_S = 3.0
+IDLE_WINDOWS = 5
 
 
 def _control(job: str, what: str) -> str:
@@ -115,37 +115,11 @@ def _session(cfg, conn, view: JobView, role: Role, member_id: str, version: int)
     return s
 
 
-class _Stamps:
-    """When inputs were sent (seq -> monotonic time) and when members found their decisions."""
-
-    def __init__(self) -> None:
-        self.sent_at: dict[int, float] = {}
-        self.samples: list[tuple[int, float]] = []  # (cause seq, when a member's view found its decision)
-
-    async def timed(self, coro) -> int:
-        started = time.monotonic()
-        seq = await coro
-        self.sent_at[seq] = started
-        return seq
-
-    async def wait(self, s: MemberSession, after: int, match) -> Decision:
-        def received(d: Decision):
-            if match(d):
-                self.samples.append((d.cause_seq, time.monotonic()))
-                return d
-            return None
-
-        d = await s.wait_decision(received, after=after, what=f"the decision for {s.member_id}")
-        if d is None:
-            raise RuntimeError(f"{s.member_id}: no decision within sync_timeout: is the synchronizer running?")
-        return d
-
-
 # ==================================================================================================
 # worker processes: many explorers each
 
 
-async def _explorer_rounds(s: MemberSession, stamps: _Stamps, method: str, early: bool, rounds: int) -> None:
+async def _explorer_rounds(s: MemberSession, stamps: _Timestamps, method: str, early: bool, rounds: int) -> None:
     me = s.me
     for r in range(1, rounds + 1):
         if method == "memory":
@@ -179,7 +153,7 @@ async def _worker(spec: dict) -> dict:
     async with connect(cfg.nats_url, job=job, role="explorer", member=f"bench-worker-{spec['index']}") as conn:
         view = JobView(conn)
         await view.start()
-        stamps = _Stamps()
+        stamps = _Timestamps(clock=time.monotonic)
         sessions = [_session(cfg, conn, view, Role.EXPLORER, m, 0) for m in spec["members"]]
         go_experiences, stop = await _on_signal(conn, job, "experiences"), await _on_signal(conn, job, "stop")
         await asyncio.gather(*(s.join(step=0, version=0) for s in sessions))
@@ -293,10 +267,16 @@ async def _idle_cpu(view: JobView, pid: int, method: str, explorers: int, early:
         return any(len(rnd.waiting) >= explorers for rnd in v.state.rounds.values())
 
     await _wait_for(view, waiting, "every explorer waiting for the trainer")
-    await asyncio.sleep(1.0)  # let the synchronizer finish what it was deciding: a pause, not a wait
-    started, cpu = time.monotonic(), _cpu_seconds(pid)
-    await asyncio.sleep(IDLE_WINDOW_S)  # the measuring window
-    return (_cpu_seconds(pid) - cpu) / (time.monotonic() - started)
+    # The synchronizer may still be folding the last requests (a starved one, seconds after the
+    # view): the quietest one-second windows are the heartbeats alone. CPU time comes in 10 ms
+    # ticks, so three of them are summed.
+    windows = []
+    for _ in range(IDLE_WINDOWS):
+        started, cpu = time.monotonic(), _cpu_seconds(pid)
+        await asyncio.sleep(1.0)  # a measuring window, not a synchronisation
+        windows.append((_cpu_seconds(pid) - cpu, time.monotonic() - started))
+    quietest = sorted(windows)[:3]
+    return sum(c for c, _ in quietest) / sum(s for _, s in quietest)
 
 
 async def _stream_bytes(conn) -> int:
@@ -308,7 +288,7 @@ def _decisions_seen(view: JobView) -> int:
     return view._decisions_base + len(view.decisions)
 
 
-async def _pull_trainer_round(trainer: MemberSession, stamps: _Stamps, r: int, explorers: int, early: int) -> None:
+async def _pull_trainer_round(trainer: MemberSession, stamps: _Timestamps, r: int, explorers: int, early: int) -> None:
     """Publish version `r` once every early explorer waits for it and the others hold `r - 1`;
     return once every explorer reported it loaded `r`."""
     view = trainer.view
@@ -326,7 +306,7 @@ async def _pull_trainer_round(trainer: MemberSession, stamps: _Stamps, r: int, e
                     f"every explorer holding version {r}")
 
 
-async def _rendezvous_trainer_round(trainer: MemberSession, stamps: _Stamps, r: int) -> None:
+async def _rendezvous_trainer_round(trainer: MemberSession, stamps: _Timestamps, r: int) -> None:
     trainer.version = trainer.step = r
     seq = await stamps.timed(trainer.set_status(RunningStatus.REQUIRE_SYNC, rendezvous="127.0.0.1:29500"))
     d = await stamps.wait(trainer, seq, lambda d: isinstance(d, RendezvousReady))
@@ -385,7 +365,7 @@ async def _experience_intake(conn, job: str, explorers: int) -> dict:
             "records_per_s": round(experiences / seconds, 1), "batch_bytes": batch_bytes}
 
 
-async def _herd(server: _Server, trainer: MemberSession, stamps: _Stamps, r: int, explorers: int,
+async def _herd(server: _Server, trainer: MemberSession, stamps: _Timestamps, r: int, explorers: int,
                 early: int) -> dict:
     """Stop and start the server while half the explorers wait in round `r`; the trainer publishes
     `r` as soon as it can. Seconds from the server's return to the first decision after it, and
@@ -419,7 +399,7 @@ async def measure(server: _Server, workdir: Path, *, method: str, explorers: int
     total_rounds = WARMUP_ROUNDS + rounds + (1 if herd else 0)
     sync = _start_synchronizer(config, server.url, workdir / f"{job}.sync.log")
     workers: list[subprocess.Popen] = []
-    stamps = _Stamps()
+    stamps = _Timestamps(clock=time.monotonic)  # the machine's CLOCK_MONOTONIC: the same in every process
     early = explorers // 2 if explorers > 1 else 1
     try:
         async with connect(server.url, job=job, role="trainer", member="bench-controller") as conn:
