@@ -334,8 +334,9 @@ class RendezvousReady(Decision, frozen=True, kw_only=True, tag="rendezvous_ready
         if members is None:
             raise UnboundRendezvous(
                 f"round {self.round}: RendezvousReady names group epoch {self.epoch} ({self.explorers} "
-                f"explorers, {self.membership}) without listing it; bind it to the group folded from "
-                "the stream first (GroupState.bind, as the job view does)")
+                f"explorers, {self.membership}) without listing it, and was not bound to that group: bind "
+                "it to the group folded from the inputs before it (GroupState.bind, as the job view does); "
+                "a reader whose fold holds another group (another epoch or digest) cannot")
         return members
 
     # Derived, never sent: every receiver looks itself up, and a view serving many members would
