@@ -1,17 +1,18 @@
 """A fleet of explorers against the real synchronizer: decision latency, cost and herds at N = 64 ... 1,024.
 
     python -m benchmarks.scale [--explorers 64,256,1024] [--method memory,nccl] [--rounds 10]
-                               [--procs P] [--cluster] [--no-herd] [--json F]
+                               [--procs P] [--nice 10] [--cluster] [--no-herd] [--json F]
+                               [--record benchmarks/results/scale.json]
 
 What is real: a nats-server (or, with `--cluster`, a local 3-node cluster, every stream R3), the
 synchronizer as its own process (`rolectl start sync --keep-running`, see `benchmarks.sync_latency`,
 whose helpers this reuses), and members built from the real `MemberSession` code (`join`,
 `set_status`, `publish`, `wait_decision` on a `JobView`, heartbeats and the rejoin watch included).
-What is simulated: the explorers run many to a process — P worker processes (`--procs`, printed
-and recorded), each with one connection and one `JobView` that its members share, as
-`benchmarks.sync_latency` does in one process; they run at `--nice` 10, standing in for a fleet of
-machines of its own that does not take the synchronizer's CPU — and their engines do nothing. The trainer is a
-`MemberSession` of this (the controller) process. Clocks: `time.monotonic()` is the machine's
+What is simulated: the explorers run many to a process — P worker processes (`--procs`, 1 to 4 by
+default, printed and recorded), each with one connection and one `JobView` that its members share,
+as `benchmarks.sync_latency` does in one process; they run at `--nice` 10, standing in for a fleet
+of machines of its own that does not take the synchronizer's CPU — and their engines do nothing.
+The trainer is a `MemberSession` of this (the controller) process. Clocks: `time.monotonic()` is the machine's
 CLOCK_MONOTONIC, the same in every process, so a member's latency can start in another process.
 
 Per N and method, after 2 warm-up rounds:
@@ -23,9 +24,13 @@ Per N and method, after 2 warm-up rounds:
   the explorers ask before the trainer publishes the round's version and wait, the other half ask
   once it exists and are answered at once. `nccl` (a rendezvous, decision only: no process group
   is formed): the trainer and every explorer ask; the last arrival makes the `RendezvousReady`.
-- the synchronizer's CPU (user + system, /proc) per round and per recorded decision, its RSS at the
-  end and its peak (VmHWM); the server's CPU per round; event-stream bytes per trainer step (one
-  round is one trainer step: the stream's bytes after minus before, over the rounds).
+- `stream_ms` p50/p99: the decision's server timestamp minus its cause's: the synchronizer's and
+  the server's part, without the members' own CPU.
+- the synchronizer's CPU (user + system, /proc) per round, per recorded decision (also net of its
+  heartbeat handling, at the rate measured while every explorer waits) and per explorer answered,
+  its RSS at the end and its peak (VmHWM); the server's CPU per round; event-stream bytes per
+  trainer step (one round is one trainer step: the stream's bytes after minus before, over the
+  rounds; the jobs take no snapshot, so nothing is trimmed meanwhile).
 - experience intake (`memory` runs): every explorer publishes one batch at the same moment and the
   trainer (an `ExperienceReader`, fetching and acking as the trainer does) takes them all: MB/s
   and experiences/s from the go signal to the last ack.
