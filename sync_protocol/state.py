@@ -1,9 +1,10 @@
 """The job's sync state as the reducer folds it: members, latest version, open rounds, the group.
 
 Every class here is a frozen msgspec `Struct` (slotted, no `__dict__`) and every mapping a read-only
-view, so a state returned by `reduce` can be kept, shared between threads, compared and replayed;
-nothing ever changes it. The reducer builds successors with `msgspec.structs.replace`, which copies
-without re-validating (the reducer only ever writes well-typed values).
+view (the members an immutable `MemberMap`), so a state returned by `reduce` can be kept, shared
+between threads, compared and replayed; nothing ever changes it. The reducer builds successors
+with `msgspec.structs.replace`, which copies without re-validating (the reducer only ever writes
+well-typed values).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from .config import SyncConfig
 from .enums import Role, RunningStatus, SyncMethod
 from .errors import UnboundRendezvous
 from .events import MemberRef, RankAssignment, RendezvousReady
+from .members import MemberMap
 
 __all__ = [
     "RoundPhase",
@@ -160,7 +162,7 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
     """
 
     config: SyncConfig | None = None
-    members: MappingProxyType[str, MemberState] = msgspec.field(default_factory=lambda: MappingProxyType({}))
+    members: MemberMap = msgspec.field(default_factory=MemberMap)
     latest: LatestVersion = msgspec.field(default_factory=LatestVersion)
     rounds: MappingProxyType[int, RoundState] = msgspec.field(default_factory=lambda: MappingProxyType({}))
     next_round: int = 1
