@@ -24,6 +24,7 @@ from rolectl.bus.connection import BusConnection, connect
 from rolectl.bus.errors import SubjectMoved, describe
 from rolectl.bus.events import EventPublisher, last_sequence, publish_heartbeat
 from rolectl.bus.files import write_json_atomic  # re-exported: the roles write their state with it
+from rolectl.bus.retry import backoff_delay
 from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream
 from rolectl.roles.config import JobConfig
 from rolectl.roles.identity import Claim, live_member_refusal, pid_running, read_claim
@@ -311,16 +312,22 @@ class MemberSession:
         joined meanwhile (a restart replaced us): then this process is fenced and its role stops.
         A try that fails (the server away or still recovering its streams: expiry comes with
         outages) is tried again; the member stays expired, and says so, until one succeeds."""
+        failures = 0
+        period = self.cfg.synchronizer.heartbeat_period
         while True:
             await self.view.wait_for(lambda v: self.expired(v) or self.replaced(v) or self._rejoining is not None,
                                      timeout=None, what="our own expiry or replacement", membership_only=True)
             try:
                 if await self._rejoin_or_stop():
                     return
+                failures = 0
             except Exception as exc:
                 self.log.warning("rejoin_failed", incarnation=self.incarnation, error=describe(exc),
                                  hint="tried again in a moment")
-                await asyncio.sleep(self.cfg.synchronizer.heartbeat_period)  # a pause between tries, not a wait
+                # a pause between tries, not a wait; jittered and growing, so a fleet back from a
+                # server restart does not rejoin in one burst
+                await asyncio.sleep(backoff_delay(failures, base=period, cap=8 * period))
+                failures += 1
 
     async def _rejoin_or_stop(self) -> bool:
         """One try at `_rejoin_when_expired`: True when a newer incarnation replaced us (stop)."""

@@ -167,6 +167,8 @@ class JobObserver:
         self.last_time_ms = rec.time_ms
         event = rec.event
         if isinstance(event, Decision):
+            if isinstance(event, RendezvousReady):  # its ranks are the group this fold holds
+                event = self.state.group.bind(event)
             self.decisions_recorded += 1
             if rec.seq != self.state.last_seq:
                 self._at_last_seq = {decision_identity(event)}
@@ -264,7 +266,7 @@ class JobObserver:
         elif isinstance(d, MemberReleased):
             self._answered(d.released.key, d.reason.value, time_ms)
         elif isinstance(d, RendezvousReady):
-            for p in d.participants:
+            for p in (d.participants if d.is_bound else ()):  # unbound: a group this fold never held
                 self._answered(p.member.key, "rendezvous", time_ms)
         if isinstance(d, RoundOpened):
             info = self._round_info.get(d.round, {})
@@ -288,8 +290,9 @@ class JobObserver:
             view.rendezvous = {"version": d.version, "epoch": d.epoch, "world_size": d.world_size,
                                "master": f"{d.master_addr}:{d.master_port}", "cause_seq": d.cause_seq,
                                "at_ms": at, "waited_ms": at - view.opened_at_ms,
-                               "participants": [p.member.key for p in d.participants]}
-            view.participants = [p.member.key for p in d.participants]
+                               "participants": [p.member.key for p in d.participants] if d.is_bound else []}
+            if d.is_bound:
+                view.participants = [p.member.key for p in d.participants]
         elif isinstance(d, RoundClosed):
             view.outcome = d.outcome.value
             view.closed_seq = d.cause_seq

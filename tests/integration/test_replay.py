@@ -360,3 +360,77 @@ def test_check_fails_a_job_whose_trainer_never_finished(recorded, nats_url, tmp_
     # the unedited recording is a complete job
     assert run_replay(job=None, nats=nats_url, file=tmp_path / "job.jsonl", until=None, check=True,
                       as_json=False) == 0
+
+
+# -- a job recorded by an older build (schema 3 or 4): a RendezvousReady listed its whole group ---
+
+def _old_rendezvous_inputs(explorers: int) -> list:
+    """The inputs of a finished nccl job: trainer and `explorers` explorers, two rendezvous rounds."""
+    from rolectl.sync_protocol import MemberRef, Role, SyncConfig, SyncMethod, SyncStyle
+    from tests.support.reducer_scenario import T, broadcast, configured, finish, join, loaded, req
+
+    fleet = [MemberRef(role=Role.EXPLORER, id=f"explorer-{i}", incarnation=1) for i in range(explorers)]
+    inputs = [configured(SyncConfig(sync_method=SyncMethod.NCCL, sync_style=SyncStyle.FIXED)), join(T),
+              *(join(e, ranks=1 + i % 2) for i, e in enumerate(fleet))]
+    for version in (1, 2):
+        inputs += [*(req(e, version, version - 1) for e in fleet), req(T, version, version)]
+        inputs += [*(loaded(e, version, round=version) for e in fleet), broadcast(version, round=version)]
+    return inputs + [*(finish(e, 3, 2) for e in fleet), finish(T, 2, 2)]
+
+
+def _as_recorded_by(schema: int, item) -> bytes:
+    import msgpack
+
+    from rolectl.sync_protocol import RendezvousReady, to_plain
+
+    plain = {**to_plain(item), "schema": schema}
+    if isinstance(item, RendezvousReady):  # the list schema 5 replaced by a count and a digest
+        del plain["explorers"], plain["membership"]
+        plain["participants"] = [
+            {"member": {"role": p.member.role.value, "id": p.member.id, "inc": p.member.incarnation},
+             "rank_offset": p.rank_offset, "ranks": p.ranks} for p in item.participants]
+    return msgpack.packb(plain, use_bin_type=True)
+
+
+async def _record_as_an_old_build(conn, schema: int, inputs: list) -> int:
+    """Publish `inputs` and, after each, the decisions a synchronizer of that build recorded (the
+    reducer's, computed from the recorded sequence and server time): schema 3 on each round's own
+    subject, 4 on the decision log. Returns how many messages."""
+    from rolectl.sync_protocol import Recorded, State, reduce
+
+    names, state, count = conn.names, State.initial(), 0
+    for event in inputs:
+        ack = await conn.js.publish(names.event(event.member.role, event.member.id, event.KIND),
+                                    _as_recorded_by(schema, event))
+        stored = await conn.js.get_msg(names.event_stream, ack.seq)
+        time_ms = (stored.time - dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)) // dt.timedelta(milliseconds=1)
+        state, decisions = reduce(state, Recorded(seq=ack.seq, time_ms=time_ms, event=event))
+        for d in decisions:
+            await conn.js.publish(names.decision(d.round) if schema == 3 else names.decision_log,
+                                  _as_recorded_by(schema, d))
+        count += 1 + len(decisions)
+    return count
+
+
+@pytest.mark.parametrize("schema", [3, 4])
+def test_a_rendezvous_job_recorded_by_an_older_build_decodes_and_replays(nats_url, job_name, schema, capsys):
+    """Decisions listed every participant until schema 5: such a stream, recorded on a real server
+    where its build put it (schema 3: each round's own subject; 4: the decision log), still reads,
+    and `replay --check` recomputes every decision, the rendezvous ones included, as equal."""
+    from rolectl.bus.connection import connect
+    from rolectl.bus.streams import ensure_event_stream
+    from rolectl.sync_protocol import RendezvousReady
+
+    async def record() -> int:
+        async with connect(nats_url, job=job_name, role="observer", member="old-build") as conn:
+            await ensure_event_stream(conn.js, conn.names)
+            return await _record_as_an_old_build(conn, schema, _old_rendezvous_inputs(explorers=40))
+
+    published = asyncio.run(record())
+    records = asyncio.run(read_job(job_name, nats_url))
+    ready = [r.event for r in records if isinstance(r.event, RendezvousReady)]
+    assert len(ready) == 2 and all(d.is_bound and d.explorers == 40 for d in ready)
+    assert len(records) == published and check_decisions(records) == []
+    assert run_replay(job=job_name, nats=nats_url, file=None, until=None, check=True, as_json=True) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["check"]["ok"] is True and shown["outcome"]["status"] == "complete"

@@ -30,6 +30,7 @@ from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream
 from rolectl.roles.config import JobConfig, load_config
 from rolectl.roles.observe.replay import check_decisions, load_export
 from rolectl.sync_protocol import Decision, Event, Recorded, Role
+from rolectl.sync_protocol.groups import GroupBinder, bind_groups
 from tests.support.wait import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -158,7 +159,8 @@ def run_up(config_path: Path, tmp_path: Path, *, timeout: float = 150.0, extra: 
     wall = time.monotonic() - started
     output = out_path.read_text(errors="replace")
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    records = load_export(summary["events_file"]) if summary.get("events_file") else []
+    # rendezvous decisions bound to the group they name, as a member's view reads them
+    records = bind_groups(load_export(summary["events_file"])) if summary.get("events_file") else []
     if rc == -1:
         raise AssertionError(f"rolectl up did not finish within {timeout} s\n{output[-4000:]}")
     return UpRun(rc=rc, wall_s=wall, summary=summary, records=records, output=output)
@@ -318,10 +320,11 @@ class LiveJob:
         await asyncio.to_thread(self.server.stop)
 
     async def _follow(self) -> None:
+        bind = GroupBinder()  # rendezvous decisions bound to their group, as a member's view does
         async with read_events(self.conn, from_seq=1, include_decisions=True) as reader:
             async for rec in reader:
                 async with self._changed:
-                    self.records.append(rec)
+                    self.records.append(bind(rec))
                     self._changed.notify_all()
 
     # -- processes ---------------------------------------------------------------------------------
