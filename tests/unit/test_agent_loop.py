@@ -10,7 +10,7 @@ import structlog
 
 from rolectl.roles.engines.agent.config import AgentSection
 from rolectl.roles.engines.agent.environment import Message, StepResult
-from rolectl.roles.engines.agent.loop import AgentLoop, episode_seed
+from rolectl.roles.engines.agent.loop import AgentLoop, EnvCalls, episode_seed
 from rolectl.roles.engines.agent.render import TinyRenderer
 from rolectl.roles.engines.base import Task
 from rolectl.roles.engines.rewards import parse_reward_specs
@@ -194,3 +194,18 @@ def test_each_token_carries_the_version_that_sampled_its_turn_and_the_oldest_is_
     assert first.model_version == 5
     assert first.token_versions == ((7, 5), (5, 6))  # the digits carry the version of the turn they answer
     assert [s.version for s in first.segments()] == [5, 5, 6]
+
+
+def test_env_calls_bound_each_call_from_its_own_start_and_replace_a_hung_worker():
+    calls = EnvCalls(workers=2)
+    hang = threading.Event()
+    # two workers: the third call starts only when the first is done, and has its own bound
+    outcomes = calls.run([lambda: 1, lambda: hang.wait(60), lambda: 3, lambda: 1 / 0], timeout_s=0.5)
+    try:
+        assert [o.value for o in outcomes] == [1, None, 3, None]
+        assert outcomes[1].timed_out and isinstance(outcomes[3].error, ZeroDivisionError)
+        # the hung worker's place was taken: the next batch still has two workers that answer
+        assert [o.value for o in calls.run([lambda: 5] * 6, timeout_s=0.5)] == [5] * 6
+        assert all(t.daemon for t in threading.enumerate() if t.name.startswith("agent-env-"))
+    finally:
+        hang.set()

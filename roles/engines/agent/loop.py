@@ -12,16 +12,18 @@ oldest. It ends when the environment says done, after `max_turns` model turns, o
 budget is spent (a turn samples at most what is left; an observation that would fill it ends the
 episode): the last two are counted `agent/truncated`.
 
-An environment that raises, or runs past `step_timeout_s` (each call runs in a thread of its own;
-a hung one is abandoned), costs its episode only: it stays in its group (groups stay whole) with
-reward 0.0 and the tokens it has, counted `agent/env_errors/<reason>` (`reset_failed`, `exception`,
-`timeout`) and logged with the task, the episode and the turn. Sampling seeds derive from (member,
+An environment that raises, or runs past `step_timeout_s` (calls run on worker threads, each
+bounded from its own start; a hung one is abandoned with its thread), costs its episode only: it
+stays in its group (groups stay whole) with reward 0.0 and the tokens it has, counted
+`agent/env_errors/<reason>` (`reset_failed`, `exception`, `timeout`) and logged with the task, the
+episode and the turn. Sampling seeds derive from (member,
 explore step, task, episode, turn): a replayed explore step plays the same episodes.
 """
 
 from __future__ import annotations
 
 import math
+import queue
 import threading
 import time
 import zlib
@@ -41,7 +43,7 @@ from .config import AgentSection, resolve_environment
 from .environment import StepResult, TurnGenerator, TurnOutput
 from .render import Renderer, as_messages
 
-__all__ = ["AgentLoop", "episode_seed", "ENV_ERRORS"]
+__all__ = ["AgentLoop", "EnvCalls", "episode_seed", "ENV_ERRORS"]
 
 ENV_ERRORS = ("reset_failed", "exception", "timeout")
 """Why an environment cost its episode, as counted in `agent/env_errors/<reason>`."""
@@ -99,25 +101,75 @@ class _Outcome:
     timed_out: bool = False
 
 
-def _bounded(calls: Sequence[Callable[[], Any]], timeout_s: float) -> list[_Outcome]:
-    """Each call in a daemon thread of its own, all started at once, waited for up to `timeout_s`; a
-    call still running then is abandoned (its thread ends when it does, or with the process)."""
-    slots: list[_Outcome | None] = [None] * len(calls)
+class _Batch:
+    """One batch of calls: their outcomes as they come, and when each started."""
 
-    def run(index: int, call: Callable[[], Any]) -> None:
+    def __init__(self, size: int) -> None:
+        self.done = threading.Condition()
+        self.outcomes: list[_Outcome | None] = [None] * size
+        self.started: list[float | None] = [None] * size
+        self.left = size
+
+    def run(self, index: int, call: Callable[[], Any]) -> bool:
+        """Run call `index` on this thread; False when it was abandoned meanwhile (past its time)."""
+        with self.done:
+            self.started[index] = time.monotonic()
         try:
-            slots[index] = _Outcome(value=call())
+            outcome = _Outcome(value=call())
         except BaseException as exc:  # an environment's failure is its episode's, whatever it is
-            slots[index] = _Outcome(error=exc)
+            outcome = _Outcome(error=exc)
+        with self.done:
+            if self.outcomes[index] is not None:
+                return False
+            self.outcomes[index] = outcome
+            self.left -= 1
+            if not self.left:
+                self.done.notify()
+        return True
 
-    threads = [threading.Thread(target=run, args=(i, call), name=f"agent-env-{i}", daemon=True)
-               for i, call in enumerate(calls)]
-    for thread in threads:
-        thread.start()
-    deadline = time.monotonic() + timeout_s
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
-    return [slot if slot is not None else _Outcome(timed_out=True) for slot in slots]
+
+class EnvCalls:
+    """Calls into environments on `workers` daemon threads, each call bounded by `timeout_s` from its
+    own start. A call past it is abandoned with its thread (a daemon: it never holds the process up),
+    and a new worker takes that thread's place; the abandoned one leaves if its call ever returns."""
+
+    def __init__(self, workers: int = 64) -> None:
+        self.workers = workers
+        self._queue: queue.SimpleQueue[tuple[_Batch, int, Callable[[], Any]]] = queue.SimpleQueue()
+        self._started = 0
+
+    def _worker(self) -> None:
+        while True:
+            batch, index, call = self._queue.get()
+            if not batch.run(index, call):
+                return  # replaced while its call hung
+
+    def _spawn(self, count: int) -> None:
+        for _ in range(count):
+            self._started += 1
+            threading.Thread(target=self._worker, name=f"agent-env-{self._started}", daemon=True).start()
+
+    def run(self, calls: Sequence[Callable[[], Any]], timeout_s: float) -> list[_Outcome]:
+        """Every call's outcome: its value, its exception, or `timed_out`."""
+        if self._started == 0:
+            self._spawn(self.workers)
+        batch = _Batch(len(calls))
+        for index, call in enumerate(calls):
+            self._queue.put((batch, index, call))
+        with batch.done:
+            while batch.left:
+                running = [(started, i) for i, (started, outcome) in enumerate(zip(batch.started, batch.outcomes))
+                           if started is not None and outcome is None]
+                now = time.monotonic()
+                late = [i for started, i in running if now - started >= timeout_s]
+                for i in late:
+                    batch.outcomes[i] = _Outcome(timed_out=True)
+                    batch.left -= 1
+                self._spawn(len(late))
+                if batch.left:
+                    earliest = min((started for started, i in running if i not in late), default=now)
+                    batch.done.wait(max(0.001, earliest + timeout_s - now))
+        return [outcome for outcome in batch.outcomes if outcome is not None]
 
 
 class AgentLoop:
@@ -140,6 +192,7 @@ class AgentLoop:
         self.rewards = tuple(rewards)
         self.metrics: dict[str, float] = {}
         self._counts: Counter[str] = Counter()
+        self._calls = EnvCalls()
         self.log = structlog.get_logger("rolectl.agent").bind(member=member)
 
     def rollout(self, tasks: Sequence[Task], *, explore_step: int) -> list[Experience]:
@@ -165,7 +218,7 @@ class AgentLoop:
             env = self.environment(**self.section.args)
             return env, env.reset(episode.task)
 
-        outcomes = _bounded([lambda e=e: start(e) for e in episodes], self.section.step_timeout_s)
+        outcomes = self._calls.run([lambda e=e: start(e) for e in episodes], self.section.step_timeout_s)
         for episode, outcome in zip(episodes, outcomes):
             if outcome.error is not None or outcome.timed_out:
                 self._env_error(episode, "reset_failed", outcome, turn=0)
@@ -197,7 +250,8 @@ class AgentLoop:
     def _environment_turn(self, live: list[_Episode], *, turn: int) -> None:
         """Every live environment's answer to the model's turn, at once; then each episode ends or
         gets the answer's tokens."""
-        outcomes = _bounded([lambda e=e: e.env.step(e.last_text) for e in live], self.section.step_timeout_s)
+        outcomes = self._calls.run([lambda e=e: e.env.step(e.last_text) for e in live],
+                                   self.section.step_timeout_s)
         for episode, outcome in zip(live, outcomes):
             if outcome.error is not None or outcome.timed_out:
                 self._env_error(episode, "timeout" if outcome.timed_out else "exception", outcome, turn=turn)
