@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from rolectl.roles.config_base import CHECK_ENGINES, OpenSection, validate_section
 
+from .agent.config import AgentSection
 from .base import RolloutEngine, Task, TaskSet, TrainEngine, WeightsMismatch
 from .sections import (
     BUILTIN_TRAINERS,
@@ -113,6 +114,8 @@ class EngineSections:
     tensor_parallel_size: int = 1
     wire_dtype: str | None = None
     """`transport.wire_dtype`: the dtype rollout engines hold and serve (they receive it)."""
+    agent: AgentSection | None = None
+    """`agent:`: explorers play multi-turn episodes; trainers take trajectories of its token budget."""
 
     @classmethod
     def of(cls, job: Any) -> EngineSections:
@@ -125,7 +128,8 @@ class EngineSections:
         if model.engine in READS_DATA:
             data, algorithm = _typed(DataSection, data, "data"), _typed(AlgorithmSection, algorithm, "algorithm")
         return cls(model=model, data=data, algorithm=algorithm, explorer_count=job.explorers.count,
-                   tensor_parallel_size=job.explorers.tensor_parallel_size, wire_dtype=job.transport.wire_dtype)
+                   tensor_parallel_size=job.explorers.tensor_parallel_size, wire_dtype=job.transport.wire_dtype,
+                   agent=job.agent)
 
 
 def _model_section(value: Any) -> AnyModelSection:
