@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 from rich.console import Console
 
 from rolectl.bus.errors import BusError
-from rolectl.roles.launch.local import _summary_table
+from rolectl.roles.launch.up_view import summary_table
 from rolectl.roles.observe.dashboard import Dashboard, _Collector
 from rolectl.roles.observe.observer import JobObserver
 from rolectl.roles.observe.replay import (
@@ -278,7 +278,7 @@ def test_summary_counts_a_sync_as_the_reducer_does_and_names_every_other_count(r
     assert summary["complete"] and summary["trainer_steps"] == 3
     # `rolectl up` prints each count beside what it counts, within 80 columns
     console = Console(width=80, file=io.StringIO(), record=True)
-    console.print(_summary_table(summary))
+    console.print(summary_table(summary))
     lines = console.export_text().splitlines()
     assert all(len(line) <= 80 for line in lines)
     for key in ("syncs", "rounds", "weight_loads", "sync_wait_ms"):
