@@ -411,13 +411,13 @@ def server(port: int, http_port: int, store_dir: str | None, host: str, cluster_
         if given:
             raise click.UsageError(f"{' and '.join(given)} apply to a single server; --cluster picks free ports "
                                    "for every node (see cluster.json)")
-        srv = NatsCluster(size=cluster_size, host=host, store_dir=store_dir)
+        srv = NatsCluster(size=cluster_size, host=host, store_dir=store_dir, own_session=True)
     else:
         for flag, value in (("--port", port), ("--http-port", http_port)):
             if _port_taken(host, value):
                 raise InputError(f"{flag} {value}: {host}:{value} is already in use (another nats-server? "
                                  f"`rolectl server` twice?); pass a free {flag}, or stop what listens there")
-        srv = NatsServer(host=host, port=port, http_port=http_port, store_dir=store_dir)
+        srv = NatsServer(host=host, port=port, http_port=http_port, store_dir=store_dir, own_session=True)
     stop = threading.Event()
     # Both set explicitly: a SIGINT ignored by the parent (a non-interactive shell's `&`, some
     # libraries in a test process) is inherited, and Python then raises no KeyboardInterrupt, so
