@@ -167,7 +167,7 @@ class NatsServer:
         env = dict(os.environ)
         if self.go_gc is not None:
             env.setdefault("GOGC", str(self.go_gc))
-        self._proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env,
+        self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
                                       start_new_session=self.own_session)
         if wait:
             self.wait_ready()

@@ -249,8 +249,13 @@ def _check_explorer_id(member_id: str, cfg) -> None:
                                  f"in {cfg.source}); raise explorers.count to run more", param_hint="--id")
 
 
-@main.command()
-@click.option("--config", "config_path", required=True, type=click.Path(exists=True, dir_okay=False))
+@main.command(epilog=_exit_codes_epilog())
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Job YAML (see examples/); required unless --resume.")
+@click.option("--resume", "resume_dir", type=click.Path(exists=True, file_okay=False), default=None,
+              help="Continue the run in this run directory (what `up` printed as its run dir) after Ctrl-C or a "
+                   "crash: the same job, server store, checkpoints and directory, with the config it was "
+                   "recorded with (a --config must agree with it). A run that finished is said so (exit 0).")
 @click.option("--explorers", type=click.IntRange(min=1), default=None,
               help="Number of explorers (overrides the config). A train_batch_tasks of one round "
                    "(count x buffer.batch_size) is scaled with it; otherwise it is kept, with a note.")
@@ -271,12 +276,21 @@ def _check_explorer_id(member_id: str, cfg) -> None:
                    "nats-server started as an actor on the head node.")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=3, show_default=True,
               help="With --launcher ray: how often Ray restarts a role that crashed before the job fails.")
-def up(config_path, explorers, summary, dashboard, dashboard_port, run_dir, auth_dir, launcher, ray_address,
-       nats, max_restarts) -> None:
+def up(config_path, resume_dir, explorers, summary, dashboard, dashboard_port, run_dir, auth_dir, launcher,
+       ray_address, nats, max_restarts) -> None:
     """Run a whole job: a nats-server and every role as its own process, on this machine
     (--launcher local) or as actors on a Ray cluster (--launcher ray). Prints a summary at the end;
-    exits 0 when the job completed, 3 when it ended short of its last step, 1 when a role failed."""
-    cfg = _load(config_path, None)
+    exits 0 when the job completed, 3 when it ended short of its last step, 1 when a role failed,
+    130 when interrupted (Ctrl-C, SIGTERM); then `rolectl up --resume RUN_DIR` continues it."""
+    if config_path is None and resume_dir is None:
+        raise click.UsageError("give --config FILE (a new run) or --resume RUN_DIR (continue one)")
+    if resume_dir is not None:
+        given = [flag for flag, value in (("--explorers", explorers), ("--run-dir", run_dir),
+                                          ("--launcher ray", launcher == "ray")) if value]
+        if given:
+            raise click.UsageError(f"{' and '.join(given)} cannot change a run being resumed: --resume continues "
+                                   "the run in its directory with the config it was recorded with")
+    cfg = _load(config_path, None) if config_path is not None else None
     if launcher == "ray":
         given = [flag for flag, value in (("--auth-dir", auth_dir),) if value]
         if given:
@@ -304,10 +318,24 @@ def up(config_path, explorers, summary, dashboard, dashboard_port, run_dir, auth
             auth = read_auth_dir(auth_dir)
         except ValueError as exc:
             raise click.ClickException(str(exc)) from None
+    resume = None
+    if resume_dir is not None:
+        resume, cfg = _open_run_for_resume(resume_dir, cfg)
     sys.exit(
         run_up(cfg, explorers=explorers, summary_path=summary, dashboard=dashboard,
-               dashboard_port=dashboard_port, run_dir=run_dir, auth=auth)
+               dashboard_port=dashboard_port, run_dir=run_dir, auth=auth, resume=resume)
     )
+
+
+def _open_run_for_resume(resume_dir: str, given):
+    """`up --resume`: the run directory and its recorded config (a bad one is a usage error, exit 2)."""
+    from rolectl.roles.launch.run_dir import ResumeError, open_for_resume
+    from rolectl.sync_protocol import ConfigError
+
+    try:
+        return open_for_resume(resume_dir, given)
+    except (ResumeError, ConfigError) as exc:
+        raise InputError(f"--resume {resume_dir}: {exc}") from None
 
 
 @main.command()

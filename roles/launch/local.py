@@ -16,7 +16,6 @@ from collections import deque
 from pathlib import Path
 
 import nats.errors
-import yaml
 from rich.console import Console
 from rich.live import Live
 
@@ -32,6 +31,7 @@ from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream
 from rolectl.roles.config import JobConfig
 from rolectl.roles.exit_codes import ExitCode
 from rolectl.roles.launch.base import Launcher, RoleHandle
+from rolectl.roles.launch.run_dir import RUN_CONFIG, new_run_path, resume_command, write_config
 from rolectl.roles.launch.up_view import PIPE_LINE_S, ConsoleLog, Progress, progress_view, summary_table
 from rolectl.roles.observe.dashboard import start_dashboard
 from rolectl.roles.observe.export import read_history
@@ -103,7 +103,7 @@ class LocalLauncher:
         proc = subprocess.Popen(
             [sys.executable, "-m", "rolectl.roles.cli", "start", role, "--config", str(self.config_path),
              "--nats", self.nats_url, "--id", member_id, "--log-format", "json"],
-            stdout=out, stderr=subprocess.STDOUT, env=env,
+            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
             start_new_session=True,  # Ctrl-C in the terminal reaches `up`, which stops children in order
         )
         out.close()
@@ -125,39 +125,16 @@ class LocalLauncher:
                 p.proc.wait()
 
 
-def write_config(cfg: JobConfig, path: Path) -> None:
-    """The effective config every role of this run reads (nats URL and run dir filled in)."""
-    data = {
-        "job": cfg.job,
-        "nats_url": cfg.nats_url,
-        "run_dir": cfg.run_dir,
-        "archive_dir": str(cfg.event_archive_dir),  # where `up` reads the history back at the end
-        "log_level": cfg.log_level,
-        "synchronizer": cfg.synchronizer.to_mapping(),
-        "trainer": cfg.trainer.model_dump(mode="json"),
-        "explorers": cfg.explorers.model_dump(mode="json"),
-        "buffer": cfg.buffer.model_dump(mode="json"),
-        "transport": cfg.transport.model_dump(mode="json"),
-        # stream replicas; credentials reach each role through its environment, never this file
-        "nats": {"replicas": cfg.nats.replicas},
-        "eval": cfg.eval.model_dump(mode="json"),
-        "monitor": cfg.monitor.model_dump(mode="json"),
-        "serve": cfg.serve.model_dump(mode="json"),
-        "model": dict(cfg.model),
-        "data": cfg.data,
-        "algorithm": cfg.algorithm,
-    }
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-
-
 def run_up(cfg: JobConfig, *, explorers: int | None = None, summary_path: str | None = None,
            dashboard: bool = True, dashboard_port: int = 0, run_dir: str | None = None,
-           timeout_s: float | None = None, auth: AuthDir | None = None) -> int:
+           timeout_s: float | None = None, auth: AuthDir | None = None, resume: Path | None = None) -> int:
     """Run the job to its end; the exit code follows `roles.runner`: 0 the job completed, 3 it ended
     short of its last step (every process may have exited 0), 1 a role failed, 130 interrupted.
 
     With `auth` (what `rolectl auth init` wrote) the server runs from its nats-server.conf (TLS, one
-    identity per member), admin provisions the streams and each role connects as itself."""
+    identity per member), admin provisions the streams and each role connects as itself. With
+    `resume` (a run directory, `cfg` its recorded config) the run goes on there: the same store,
+    checkpoints and directory; a run that already finished is said so, and that is all (exit 0)."""
     setup_logging("warning", json=False, stream=ConsoleLog(console))  # above the live table, for people
     if explorers is not None:
         cfg, note = cfg.with_explorer_count(explorers)
@@ -168,19 +145,8 @@ def run_up(cfg: JobConfig, *, explorers: int | None = None, summary_path: str | 
         if problem:
             console.print(f"[red]rolectl up --auth-dir {auth.path}:[/] {problem}", highlight=False)
             return ExitCode.USAGE
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    base = Path(run_dir or cfg.run_dir).resolve()
-    run_path = base / f"{cfg.job}-{stamp}-{os.getpid()}"
-    (run_path / "logs").mkdir(parents=True, exist_ok=True)
-    if auth is None:
-        server = NatsServer(store_dir=str(run_path / "nats"), log_file=str(run_path / "logs" / "nats-server.log"),
-                            go_gc=cfg.server_go_gc, own_session=True)
-    else:  # the store stays per run, so a second run of the same job starts from an empty stream
-        conf = run_path / "nats-server.conf"
-        conf.write_text(auth.server_conf_with_store(run_path / "nats"))
-        server = NatsServer(config_file=str(conf), host="127.0.0.1", port=auth.port,
-                            http_port=auth.http_port, log_file=str(run_path / "logs" / "nats-server.log"),
-                            go_gc=cfg.server_go_gc, own_session=True)
+    run_path = resume if resume is not None else new_run_path(cfg, run_dir)
+    server = _embedded_server(cfg, run_path, auth)
     try:
         server.start()
     except NatsServerError as exc:
@@ -188,20 +154,57 @@ def run_up(cfg: JobConfig, *, explorers: int | None = None, summary_path: str | 
         return ExitCode.ERROR
     url = server.url if auth is None else auth.url
     cfg = cfg.with_overrides(nats_url=url, run_dir=str(run_path))
-    config_path = run_path / "job.yaml"
+    config_path = run_path / RUN_CONFIG
     write_config(cfg, config_path)
     secured = "" if auth is None else f" (TLS, identities from {auth.path})"
-    console.print(f"[bold]rolectl up[/] job [cyan]{cfg.job}[/]: nats {url}{secured} (monitoring {server.monitor_url}), "
-                  f"run dir {run_path}")
+    console.print(f"[bold]rolectl up[/] job [cyan]{cfg.job}[/]{' resumed' if resume else ''}: nats {url}{secured} "
+                  f"(monitoring {server.monitor_url}), run dir {run_path}")
+    code: int = EXIT_INTERRUPTED
     try:
+        if resume is not None and asyncio.run(_finished_already(cfg, run_path, auth)):
+            code = ExitCode.OK
+            return code
         launcher = LocalLauncher(config_path=config_path, nats_url=url, logs=run_path / "logs", auth=auth)
-        return asyncio.run(supervise(cfg, launcher, run_path, monitor_url=server.monitor_url,
+        code = asyncio.run(supervise(cfg, launcher, run_path, monitor_url=server.monitor_url,
                                      summary_path=summary_path, dashboard=dashboard,
                                      dashboard_port=dashboard_port, timeout_s=timeout_s, auth=auth))
+        return code
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     finally:
         server.stop()
+        if code in (EXIT_ERROR, EXIT_INCOMPLETE, EXIT_INTERRUPTED):  # ended short: how to go on
+            console.print(f"resume:  {resume_command(run_path)}", highlight=False, soft_wrap=True)
+
+
+def _embedded_server(cfg: JobConfig, run_path: Path, auth: AuthDir | None) -> NatsServer:
+    """The job's own nats-server, its store in the run directory; out of the terminal's process
+    group (`up` stops it last, after the roles and the export)."""
+    log_file = str(run_path / "logs" / "nats-server.log")
+    if auth is None:
+        return NatsServer(store_dir=str(run_path / "nats"), log_file=log_file, go_gc=cfg.server_go_gc,
+                          own_session=True)
+    # the store stays per run, so a second run of the same job starts from an empty stream
+    conf = run_path / "nats-server.conf"
+    conf.write_text(auth.server_conf_with_store(run_path / "nats"))
+    return NatsServer(config_file=str(conf), host="127.0.0.1", port=auth.port, http_port=auth.http_port,
+                      log_file=log_file, go_gc=cfg.server_go_gc, own_session=True)
+
+
+async def _finished_already(cfg: JobConfig, run_path: Path, auth: AuthDir | None) -> bool:
+    """True (and said) when the record in the run's store shows the job finished: nothing to resume."""
+    security = auth.security("observer") if auth is not None else None
+    try:
+        async with connect(cfg.nats_url, job=cfg.job, role="observer", member="up", security=security) as conn:
+            records = await asyncio.wait_for(read_history(conn, cfg.event_archive_dir), timeout=30.0)
+    except (asyncio.TimeoutError, BusError, ArchiveError, nats.errors.Error):
+        return False  # no record to read (the run stopped before its streams were made): the roles make it
+    outcome = JobObserver().extend(records).outcome()
+    if outcome.complete:
+        console.print(f"job {cfg.job} in {run_path} already finished ({outcome.reason}): nothing to resume. "
+                      f"Its summary: {run_path / 'summary.json'}; to train again, start a new run with --config",
+                      highlight=False, soft_wrap=True)
+    return outcome.complete
 
 
 async def supervise(cfg: JobConfig, launcher: Launcher, run_path: Path, *, monitor_url: str | None,
