@@ -32,26 +32,17 @@ def _port_taken(host: str, port: int) -> bool:
     return False
 
 
-_NATS_SCHEMES = ("nats", "tls", "ws", "wss")
-
-
 def _check_nats_url(_ctx, param, value: str | None) -> str | None:
-    """--nats: one or more comma-separated server URLs; a malformed one is a usage error (exit 2)."""
+    """--nats: one or more comma-separated server URLs; a malformed one is a usage error (exit 2),
+    said before anything starts."""
     if value is None:
         return None
-    from urllib.parse import urlsplit
+    from rolectl.bus.connection import parse_server_urls
 
-    for url in value.split(","):
-        url = url.strip()
-        parts = urlsplit(url if "://" in url else f"nats://{url}")
-        try:
-            port = parts.port
-        except ValueError:
-            port = -1
-        if parts.scheme not in _NATS_SCHEMES or not parts.hostname or port == -1:
-            raise click.BadParameter(
-                f"{url!r} is not a NATS server URL: write nats://HOST:PORT (or tls://, ws://, wss://), "
-                "several separated by commas", param=param)
+    try:
+        parse_server_urls(value)
+    except ValueError as exc:
+        raise click.BadParameter(f"{exc}; several servers are separated by commas", param=param) from None
     return value
 
 
@@ -115,7 +106,22 @@ def _exit_codes_epilog() -> str:
     return "\b\nExit codes (every command):\n" + exit_code_table()
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=_exit_codes_epilog())
+class _Commands(click.Group):
+    """rolectl's commands. Output whose reader went away (`rolectl status | head`) ends quietly with
+    0: the reader had what it wanted (click would say nothing and exit 1). `replay --check` keeps
+    its verdict (roles.observe.replay)."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except BrokenPipeError:
+            from rolectl.roles.observe.render import quiet_closed_stdout
+
+            quiet_closed_stdout()
+            ctx.exit(0)
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]}, epilog=_exit_codes_epilog())
 @click.version_option(package_name="rolectl")
 def main() -> None:
     """rolectl: RL fine-tuning roles coordinated over NATS.

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from rolectl.roles.launch.base import RoleHandle
 from rolectl.roles.observe.observer import JobObserver
-from rolectl.roles.observe.views import SUMMARY_MEANINGS, member_status
+from rolectl.roles.observe.views import SUMMARY_MEANINGS, progress_text, version_text
 from rolectl.sync_protocol import Role
 
 __all__ = ["PIPE_LINE_S", "Progress", "progress_view", "summary_table", "SUMMARY_SHOWN", "ConsoleLog"]
@@ -85,12 +85,10 @@ def _progress_table(cfg, view: JobObserver, processes: list[RoleHandle]) -> Tabl
     for col in ("member", "status", "step", "version", "reward", "process"):
         table.add_column(col)
     procs = {p.member_id: p for p in processes}
-    for member in sorted(view.state.members.values(), key=lambda m: (m.ref.role.value, m.ref.id)):
-        proc = procs.get(member.ref.id) or procs.get("sync-0" if member.ref.role is Role.SYNCHRONIZER else "")
-        reward = member.metrics.get("reward_mean") if member.metrics else None
-        total = int(member.metrics.get("total_steps", 0)) if member.metrics else 0
-        table.add_row(member.ref.key, member_status(member), f"{member.step}/{total}" if total else str(member.step),
-                      str(member.version),
+    for row in view.members():
+        proc = procs.get(row["id"]) or procs.get("sync-0" if row["role"] == Role.SYNCHRONIZER.value else "")
+        reward = row["metrics"].get("reward_mean")
+        table.add_row(row["key"], row["status"], progress_text(row), version_text(row),
                       f"{reward:.3f}" if reward is not None else "",
                       "running" if proc and proc.poll() is None else (f"exit {proc.returncode}" if proc else ""))
     return table

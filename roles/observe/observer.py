@@ -378,7 +378,14 @@ class JobObserver:
     # -- views -----------------------------------------------------------------------------------
 
     def members(self, now_ms: int | None = None) -> list[dict[str, Any]]:
-        return member_rows(self.state, self.heartbeats, now_ms)
+        """`views.member_rows`; a synchronizer's row also says what the job's synchronizers decided
+        (`decisions` recorded, the `last_round`): it has no step nor version of its own."""
+        rows = member_rows(self.state, self.heartbeats, now_ms)
+        last_round = max(self.rounds) if self.rounds else None
+        for row in rows:
+            if row["role"] == Role.SYNCHRONIZER.value:
+                row.update(decisions=self.decisions_recorded, last_round=last_round)
+        return rows
 
     def latest(self) -> dict[str, Any]:
         """The newest weights: the last published version, or for rendezvous methods (which move

@@ -9,7 +9,7 @@ from __future__ import annotations
 from rolectl.roles.observe.observer import JobObserver
 from rolectl.roles.observe.trackers import Trackers
 from rolectl.sync_protocol import Recorded, RunningStatus, StatusChanged, StepsRolledBack, SyncConfig, SyncMethod
-from tests.support.reducer_scenario import T, T_AGAIN, configured, join, step_done
+from tests.support.reducer_scenario import T_AGAIN, T, configured, join, step_done
 
 
 def _records(*events) -> list[Recorded]:
@@ -91,3 +91,18 @@ def test_a_trainer_stopped_by_a_signal_ends_the_job_interrupted():
     assert "after step 2" in interrupted["end_reason"]
     stopped = JobObserver().extend(_records(*base, _stopped(False))).summary(job="j")
     assert stopped["end_reason"].startswith("the trainer stopped before its last step"), stopped["end_reason"]
+
+
+def test_a_synchronizer_row_says_what_was_decided_not_step_0_version_0():
+    from rolectl.roles.observe.views import progress_text, version_text
+    from rolectl.sync_protocol import RoundClosed, RoundOpened, RoundOutcome
+    from tests.support.reducer_scenario import E1, SYNC
+
+    opened = RoundOpened(round=4, cause_seq=3, method=SyncMethod.MEMORY, opened_by=E1, version=0, opened_at_ms=1)
+    records = _records(configured(SyncConfig(sync_method=SyncMethod.MEMORY)), join(SYNC), join(E1), opened,
+                       RoundClosed(round=4, cause_seq=3, outcome=RoundOutcome.ABANDONED))
+    rows = {row["id"]: row for row in JobObserver().extend(records[:3]).members()}
+    assert (progress_text(rows["sync"]), version_text(rows["sync"])) == ("—", "—")
+    rows = {row["id"]: row for row in JobObserver().extend(records).members()}
+    assert (progress_text(rows["sync"]), version_text(rows["sync"])) == ("2 decisions, round 4", "—")
+    assert (progress_text(rows["e1"]), version_text(rows["e1"])) == ("0", "-1")
