@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
@@ -290,13 +291,10 @@ def up(config_path, resume_dir, explorers, summary, dashboard, dashboard_port, r
     130 when interrupted (Ctrl-C, SIGTERM); then `rolectl up --resume RUN_DIR` continues it."""
     if config_path is None and resume_dir is None:
         raise click.UsageError("give --config FILE (a new run) or --resume RUN_DIR (continue one)")
-    if resume_dir is not None:
-        given = [flag for flag, value in (("--explorers", explorers), ("--run-dir", run_dir),
-                                          ("--launcher ray", launcher == "ray")) if value]
-        if given:
-            raise click.UsageError(f"{' and '.join(given)} cannot change a run being resumed: --resume continues "
-                                   "the run in its directory with the config it was recorded with")
     cfg = _load(config_path, None) if config_path is not None else None
+    resume = None
+    if resume_dir is not None:
+        resume, cfg = _open_run_for_resume(resume_dir, cfg, explorers=explorers, run_dir=run_dir, launcher=launcher)
     if launcher == "ray":
         given = [flag for flag, value in (("--auth-dir", auth_dir),) if value]
         if given:
@@ -324,20 +322,21 @@ def up(config_path, resume_dir, explorers, summary, dashboard, dashboard_port, r
             auth = read_auth_dir(auth_dir)
         except ValueError as exc:
             raise click.ClickException(str(exc)) from None
-    resume = None
-    if resume_dir is not None:
-        resume, cfg = _open_run_for_resume(resume_dir, cfg)
     sys.exit(
         run_up(cfg, explorers=explorers, summary_path=summary, dashboard=dashboard,
                dashboard_port=dashboard_port, run_dir=run_dir, auth=auth, resume=resume)
     )
 
 
-def _open_run_for_resume(resume_dir: str, given):
+def _open_run_for_resume(resume_dir: str, given, **changes):
     """`up --resume`: the run directory and its recorded config (a bad one is a usage error, exit 2)."""
     from rolectl.roles.launch.run_dir import ResumeError, open_for_resume
     from rolectl.sync_protocol import ConfigError
 
+    flags = [f"--{k.replace('_', '-')}" for k, v in changes.items() if v not in (None, "local")]
+    if flags:
+        raise click.UsageError(f"{' and '.join(flags)} cannot change a run being resumed: --resume continues "
+                               "the run in its directory with the config it was recorded with")
     try:
         return open_for_resume(resume_dir, given)
     except (ResumeError, ConfigError) as exc:
@@ -482,30 +481,60 @@ def server(port: int, http_port: int, store_dir: str | None, host: str, cluster_
         srv.stop()
 
 
+run_option = click.option(
+    "--run", "run_dir", type=click.Path(exists=True, file_okay=False), default=None,
+    help="A run directory of `rolectl up` (runs/JOB-TIME-PID): its job, record and archive, read with no server to "
+         "start (a private one opens the run's store), instead of --job/--nats/--archive.")
+
+
+@contextmanager
+def _job_source(job: str | None, nats: str | None, archive: str | None, run_dir: str | None,
+                others: tuple[str, ...] = ()):
+    """(job, NATS URL, archive dir, monitoring URL or None) to read, from --job/--nats/--archive or --run."""
+    from click.core import ParameterSource
+
+    from rolectl.roles.observe.run_store import RunError, job_source
+
+    ctx = click.get_current_context()
+    given = [f"--{name.replace('_', '-')}" for name in ("job", "nats", "archive", *others) if run_dir
+             and ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)]
+    if given:
+        raise click.UsageError(f"--run reads the job, its record and archive from the run: drop {' and '.join(given)}")
+    try:
+        with job_source(job, nats, archive, run_dir) as source:
+            yield source
+    except RunError as exc:  # raised on opening: the commands' own errors are not RunErrors
+        raise InputError(str(exc)) from None
+
+
 @main.command()
-@click.option("--job", required=True)
+@click.option("--job", default=None, help="The job to read (or --run).")
 @nats_option("nats://127.0.0.1:4222", "NATS URL(s), comma-separated.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option("--archive", "archive", type=click.Path(file_okay=False), default=None,
               help="The job's archived history (default place: RUN_DIR/JOB/archive), read before the stream.")
+@run_option
 @client_options
-def status(job: str, nats: str, as_json: bool, archive: str | None, **security) -> None:
+def status(job: str | None, nats: str, as_json: bool, archive: str | None, run_dir: str | None, **security) -> None:
     """Members of a job (role, id, status, step, version, last seen), read from its stream."""
     from rolectl.roles.observe.status import print_status
 
-    sys.exit(asyncio.run(print_status(job, nats, as_json=as_json, security=_security(**security),
-                                      archive_dir=Path(archive) if archive else None)))
+    client = _security(**security)
+    with _job_source(job, nats, archive, run_dir) as (job, nats, archive_dir, _):
+        code = asyncio.run(print_status(job, nats, as_json=as_json, security=client, archive_dir=archive_dir))
+    sys.exit(code)
 
 
 @main.command()
-@click.option("--job", required=True)
+@click.option("--job", default=None, help="The job to read (or --run).")
 @nats_option("nats://127.0.0.1:4222", "NATS URL(s), comma-separated.")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
               help="File to write (.jsonl for JSON lines, .msgpack for msgpack).")
 @click.option("--archive", "archive", type=click.Path(file_okay=False), default=None,
               help="The job's archived history (default place: RUN_DIR/JOB/archive), read before the stream.")
+@run_option
 @client_options
-def export(job: str, nats: str, output: str, archive: str | None, **security) -> None:
+def export(job: str | None, nats: str, output: str, archive: str | None, run_dir: str | None, **security) -> None:
     """Write a job's recorded events and decisions, with sequences and server timestamps."""
     from rolectl.bus.archive import ArchiveError
     from rolectl.bus.errors import BusError
@@ -513,9 +542,10 @@ def export(job: str, nats: str, output: str, archive: str | None, **security) ->
     from rolectl.roles.observe.replay import ExportError, export_job
 
     setup_logging("warning")
+    client = _security(**security)
     try:
-        n = asyncio.run(export_job(job, nats, Path(output), security=_security(**security),
-                                   archive_dir=Path(archive) if archive else None))
+        with _job_source(job, nats, archive, run_dir) as (job, nats, archive_dir, _):
+            n = asyncio.run(export_job(job, nats, Path(output), security=client, archive_dir=archive_dir))
     except ArchiveError as exc:  # a damaged segment: named, nothing written
         raise InputError(str(exc)) from None
     except BusError as exc:  # NATS away, no such job: exit 1 as every command
@@ -535,15 +565,22 @@ def export(job: str, nats: str, output: str, archive: str | None, **security) ->
 @click.option("--json", "as_json", is_flag=True, help="Print the timeline as JSON.")
 @click.option("--archive", "archive", type=click.Path(file_okay=False), default=None,
               help="The job's archived history (default place: RUN_DIR/JOB/archive), read before the stream.")
+@run_option
 @client_options
-def replay(job, nats, file_, until, check, as_json, archive, **security) -> None:
+def replay(job, nats, file_, until, check, as_json, archive, run_dir, **security) -> None:
     """Fold a job's events into a readable timeline; with --check, verify every decision."""
     from rolectl.roles.observe.replay import run_replay
 
-    if (job is None) == (file_ is None):
-        raise click.UsageError("give exactly one of --job or --file")
-    sys.exit(run_replay(job=job, nats=nats, file=file_, until=until, check=check, as_json=as_json,
-                        security=_security(**security), archive=archive))
+    if sum(given is not None for given in (job, file_, run_dir)) != 1:
+        raise click.UsageError("give exactly one of --job, --file or --run")
+    client = _security(**security)
+    if file_ is not None:
+        sys.exit(run_replay(job=None, nats=nats, file=file_, until=until, check=check, as_json=as_json,
+                            security=client, archive=archive))
+    with _job_source(job, nats, archive, run_dir) as (job, nats, archive_dir, _):
+        code = run_replay(job=job, nats=nats, file=None, until=until, check=check, as_json=as_json,
+                          security=client, archive=archive_dir)
+    sys.exit(code)
 
 
 @main.command()
@@ -556,12 +593,19 @@ def replay(job, nats, file_, until, check, as_json, archive, **security) -> None
 @click.option("--port", type=int, default=8080, show_default=True)
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--monitor-url", default=None, help="nats-server monitoring URL (default: same host, port 8222).")
+@run_option
 @client_options
-def dashboard(job, nats, config_path, archive, port, host, monitor_url, **security) -> None:
+def dashboard(job, nats, config_path, archive, port, host, monitor_url, run_dir, **security) -> None:
     """Serve the live dashboard of a job (members, versions, rounds, NATS health, /metrics): its archived
     history, then its stream live, as one history."""
     from rolectl.roles.observe.dashboard import serve_dashboard
 
+    if run_dir is not None:
+        with _job_source(job, nats, archive, run_dir, others=("config_path", "monitor_url")) as (
+                job, nats, archive_dir, monitor_url):
+            code = serve_dashboard(job=job, nats=nats, host=host, port=port, monitor_url=monitor_url,
+                                   security=_security(**security), archive_dir=archive_dir)
+        sys.exit(code)
     if config_path is not None:
         cfg = _load(config_path, nats, security, check_engines=False)
         if job is not None and job != cfg.job:

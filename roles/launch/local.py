@@ -37,6 +37,7 @@ from rolectl.roles.observe.dashboard import start_dashboard
 from rolectl.roles.observe.export import read_history
 from rolectl.roles.observe.observer import JobObserver
 from rolectl.roles.observe.replay import summarize, write_export
+from rolectl.roles.observe.run_store import server_running, server_stopped
 from rolectl.roles.observe.trackers import Trackers
 from rolectl.roles.provision import provision_job
 from rolectl.roles.runner import EXIT_ERROR, EXIT_INCOMPLETE, EXIT_INTERRUPTED
@@ -153,6 +154,7 @@ def run_up(cfg: JobConfig, *, explorers: int | None = None, summary_path: str | 
         console.print(f"[red]cannot start the embedded nats-server:[/] {exc}")
         return ExitCode.ERROR
     url = server.url if auth is None else auth.url
+    server_running(run_path, server, url)  # `--run` readers use it, and never open the store beside it
     cfg = cfg.with_overrides(nats_url=url, run_dir=str(run_path))
     config_path = run_path / RUN_CONFIG
     write_config(cfg, config_path)
@@ -173,6 +175,7 @@ def run_up(cfg: JobConfig, *, explorers: int | None = None, summary_path: str | 
         return EXIT_INTERRUPTED
     finally:
         server.stop()
+        server_stopped(run_path)
         if code in (EXIT_ERROR, EXIT_INCOMPLETE, EXIT_INTERRUPTED):  # ended short: how to go on
             console.print(f"resume:  {resume_command(run_path)}", highlight=False, soft_wrap=True)
 
@@ -385,8 +388,11 @@ class _Supervision:
         console.print(summary_table(summary))
         # where to look now that the server and the dashboard are gone with the job
         written = [str(self.run_path / "summary.json"), *([str(summary_path)] if summary_path else [])]
+        replay = (f"rolectl replay --file {events_file}" if summary.get("events") else
+                  f"rolectl replay --run {self.run_path}")  # no export: the run's own store
         console.print(f"summary: {' and '.join(written)}\nevents:  {events_file}\n"
-                      f"replay:  rolectl replay --file {events_file}   (add --check to verify every decision)",
+                      f"replay:  {replay}   (add --check to verify every decision)\n"
+                      f"later:   rolectl status|replay|dashboard|export --run {self.run_path}",
                       highlight=False, soft_wrap=True)
 
 

@@ -19,12 +19,11 @@ from typing import Any
 import yaml
 
 from rolectl.roles.config import JobConfig, load_config
+from rolectl.roles.observe.run_store import RUN_CONFIG  # the effective config of a run, in its directory
 
 __all__ = ["RUN_CONFIG", "ResumeError", "config_mapping", "write_config", "new_run_path", "open_for_resume",
            "config_differences", "resume_command"]
 
-RUN_CONFIG = "job.yaml"
-"""The effective config of a run, in its run directory."""
 
 # What a --config given to `up --resume` may change: where things are and how much is logged. Any
 # other field changes the job its record is of (steps, data, model, sync, members).
