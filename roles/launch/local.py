@@ -388,11 +388,12 @@ class _Supervision:
         console.print(summary_table(summary))
         # where to look now that the server and the dashboard are gone with the job
         written = [str(self.run_path / "summary.json"), *([str(summary_path)] if summary_path else [])]
-        replay = (f"rolectl replay --file {events_file}" if summary.get("events") else
+        own_store = self.launcher.name == "local"  # the run directory holds the server's store
+        replay = (f"rolectl replay --file {events_file}" if summary.get("events") or not own_store else
                   f"rolectl replay --run {self.run_path}")  # no export: the run's own store
+        later = f"\nlater:   rolectl status|replay|dashboard|export --run {self.run_path}" if own_store else ""
         console.print(f"summary: {' and '.join(written)}\nevents:  {events_file}\n"
-                      f"replay:  {replay}   (add --check to verify every decision)\n"
-                      f"later:   rolectl status|replay|dashboard|export --run {self.run_path}",
+                      f"replay:  {replay}   (add --check to verify every decision){later}",
                       highlight=False, soft_wrap=True)
 
 
