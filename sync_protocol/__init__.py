@@ -1,6 +1,6 @@
 """The pure sync core: events in, state and decisions out. No I/O, no clock, no torch."""
 
-from .boundaries import explorer_needs_sync, is_stale, needs_reload, trainer_needs_sync
+from .boundaries import explorer_needs_sync, is_stale, needs_reload, past_staleness_bound, trainer_needs_sync
 from .codec import (
     SCHEMA_VERSION,
     decode,
@@ -15,9 +15,11 @@ from .config import SyncConfig
 from .describe import describe
 from .enums import (
     ReleaseReason,
+    ResumeReason,
     Role,
     RoundOutcome,
     RunningStatus,
+    StalenessPolicy,
     SyncMethod,
     SyncStyle,
 )
@@ -39,6 +41,8 @@ __all__ = [
     "describe",
     "SyncConfig",
     "ReleaseReason",
+    "ResumeReason",
+    "StalenessPolicy",
     "Role",
     "RoundOutcome",
     "RunningStatus",
@@ -64,4 +68,5 @@ __all__ = [
     "trainer_needs_sync",
     "needs_reload",
     "is_stale",
+    "past_staleness_bound",
 ]

@@ -76,14 +76,19 @@ _DECODER = msgspec.msgpack.Decoder()
 
 # Fields added to a kind after its schema was fixed: left out while at their default, so such a
 # record is byte-identical to what earlier builds wrote (and read by them).
-_ADDED_LATER: dict[str, tuple[str, ...]] = {"status_changed": ("metrics", "interrupted")}
+_ADDED_LATER: dict[str, tuple[str, ...]] = {"status_changed": ("metrics", "interrupted"),
+                                            "job_configured": ("train_batch_tasks",),
+                                            "step_finished": ("tasks",)}
 
 
 def to_plain(event: Event | Decision) -> dict[str, Any]:
     """The event as a plain map (JSON/msgpack-ready): schema, kind and every field."""
     fields: dict[str, Any] = msgspec.to_builtins(event, enc_hook=_enc_hook)
+    if isinstance(event, JobConfigured):  # msgspec writes the struct whole; its own mapping leaves out
+        fields["config"] = event.config.to_mapping()  # what was added later and is left at its default
     for name in _ADDED_LATER.get(event.KIND, ()):
-        if not fields.get(name):
+        value = fields.get(name)
+        if value is None or value is False or value == {}:  # its default (a 0 is a value: kept)
             fields.pop(name, None)
     return {"schema": SCHEMA_VERSION, **fields}  # msgspec puts the tag (`kind`) first
 

@@ -17,7 +17,7 @@ from typing import Annotated, Any, get_type_hints
 import msgspec
 from msgspec import Meta
 
-from .enums import SyncMethod, SyncStyle
+from .enums import StalenessPolicy, SyncMethod, SyncStyle
 from .errors import ConfigError
 
 __all__ = ["SyncConfig"]
@@ -29,7 +29,11 @@ class SyncConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     Heartbeat period/expiry are in seconds; a member silent for `heartbeat_expiry` is declared
     expired (by an event) and leaves every round, instead of peers waiting `sync_timeout`.
     `max_staleness` bounds how many versions older than the trainer's an experience may be
-    (None = unbounded). `snapshot_every`: the active synchronizer records a reducer snapshot every
+    (None = unbounded), and `staleness_policy` says what happens to an older one (dropped, or kept
+    and trained with the job's off-policy correction). `max_ahead` bounds the other way: explorers
+    pause once they have produced more than `max_ahead` train steps' worth of tasks beyond the one
+    the trainer takes next (None = unbounded; the reducer decides it, see `ExplorerPaused`).
+    `snapshot_every`: the active synchronizer records a reducer snapshot every
     so many stream records (0 = never), so restarts fold only the tail and the stream may be trimmed.
     """
 
@@ -52,10 +56,17 @@ class SyncConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
                                                          "trainer's; null = unbounded.")] | None = None
     snapshot_every: Annotated[int, Meta(ge=0, description="Stream records between reducer "
                                                           "snapshots (0 = never).")] = 10_000
+    staleness_policy: Annotated[StalenessPolicy, Meta(
+        description="What the trainer does with an experience older than max_staleness: drop "
+                    "(counted) or correct (train on it with algorithm.rollout_correction).")] = StalenessPolicy.DROP
+    max_ahead: Annotated[int, Meta(ge=0, description="Train steps' worth of tasks explorers may "
+                                                     "produce beyond the trainer's next step before "
+                                                     "they pause (AReaL's max_head_offpolicyness); "
+                                                     "null = unbounded.")] | None = None
 
     def __post_init__(self) -> None:
-        # msgspec checks what it converts, not a constructor's arguments: check them here (nine
-        # fields, cheap), with what msgspec cannot say (a finite number, the rule across fields)
+        # msgspec checks what it converts, not a constructor's arguments: check them here (a
+        # dozen fields, cheap), with what msgspec cannot say (a finite number, the rule across fields)
         problems = _problems(msgspec.structs.asdict(self))
         if problems:
             raise ConfigError(problems, where="sync config")
@@ -74,11 +85,20 @@ class SyncConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
             raise ConfigError([(f"{where}.{name}", why) for name, why in found], where=where) from None
 
     def to_mapping(self) -> dict[str, Any]:
-        """Plain values (enums as strings), the inverse of `from_mapping`."""
+        """Plain values (enums as strings), the inverse of `from_mapping`. Fields added after the wire
+        format was fixed are left out while at their default, so the config of a job that does not
+        use them is written as earlier builds wrote it (and read by them)."""
         mapping: dict[str, Any] = msgspec.to_builtins(self)
+        for name, default in _ADDED_LATER.items():
+            if getattr(self, name) == default:
+                del mapping[name]
         return mapping
 
-_ENUMS: dict[str, type[SyncMethod] | type[SyncStyle]] = {"sync_method": SyncMethod, "sync_style": SyncStyle}
+
+_ADDED_LATER: dict[str, Any] = {"staleness_policy": StalenessPolicy.DROP, "max_ahead": None}
+
+_ENUMS: dict[str, type[SyncMethod] | type[SyncStyle] | type[StalenessPolicy]] = {
+    "sync_method": SyncMethod, "sync_style": SyncStyle, "staleness_policy": StalenessPolicy}
 
 
 _HINTS: dict[str, Any] = {}

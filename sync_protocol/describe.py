@@ -20,6 +20,8 @@ from .events import (
     Decision,
     EvalFinished,
     Event,
+    ExplorerPaused,
+    ExplorersResumed,
     JobConfigured,
     MemberExpired,
     MemberJoined,
@@ -138,5 +140,9 @@ in_words = Phrasebook({
                                 f"world {d.world_size} at {d.master_addr}:{d.master_port}"),
     MemberReleased: lambda d: f"round {d.round}: release {d.released.key} ({d.reason.value}, v{d.version})",
     RoundClosed: lambda d: f"round {d.round} closed: {d.outcome.value}",
+    ExplorerPaused: lambda d: (f"pause {d.explorer.key} after step {d.step}: explorers' tasks {d.produced}, "
+                               f"trainer's {d.consumed}, bound {d.limit} ahead"),
+    ExplorersResumed: lambda d: (f"resume {d.paused} paused explorer(s) ({d.reason.value}): explorers' tasks "
+                                 f"{d.produced}, trainer's {d.consumed}"),
 })
 """A short sentence for an event or a decision (the observer's log, timelines)."""

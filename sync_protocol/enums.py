@@ -19,6 +19,8 @@ __all__ = [
     "SyncStyle",
     "ReleaseReason",
     "RoundOutcome",
+    "StalenessPolicy",
+    "ResumeReason",
     "RENDEZVOUS_METHODS",
     "PULL_METHODS",
 ]
@@ -112,6 +114,20 @@ class SyncStyle(_ConfigEnum):
     @classmethod
     def _aliases(cls) -> dict[str, str]:
         return {"dynamic_by_trainer": "trainer_driven", "dynamic_by_explorer": "explorer_driven"}
+
+
+class StalenessPolicy(_ConfigEnum):
+    """What the trainer does with an experience more than `max_staleness` versions behind its own."""
+
+    DROP = "drop"  # drop it, counted (the default)
+    CORRECT = "correct"  # train on it, with the job's off-policy correction (algorithm.rollout_correction)
+
+
+class ResumeReason(_ParsableEnum):
+    """Why explorers paused for running ahead of the trainer may explore again."""
+
+    CAUGHT_UP = "caught_up"  # the trainer took enough of what they produced
+    TRAINER_FINISHED = "trainer_finished"  # the trainer trained its last step: nothing will take more
 
 
 class ReleaseReason(_ParsableEnum):

@@ -26,7 +26,7 @@ from typing import Annotated, ClassVar
 import msgspec
 
 from .config import SyncConfig
-from .enums import ReleaseReason, Role, RoundOutcome, RunningStatus, SyncMethod
+from .enums import ReleaseReason, ResumeReason, Role, RoundOutcome, RunningStatus, SyncMethod
 from .errors import UnboundRendezvous
 
 __all__ = [
@@ -55,6 +55,8 @@ __all__ = [
     "RendezvousReady",
     "MemberReleased",
     "RoundClosed",
+    "ExplorerPaused",
+    "ExplorersResumed",
     "INPUT_KINDS",
     "DECISION_KINDS",
     "KINDS",
@@ -136,9 +138,13 @@ class Decision(msgspec.Struct, frozen=True, tag_field="kind", forbid_unknown_fie
 
 class JobConfigured(Event, frozen=True, kw_only=True, tag="job_configured"):
     """A member started with this sync config. The first in the stream is the job's; a different
-    one later is illegal (a member runs with a config the job was not started with)."""
+    one later is illegal (a member runs with a config the job was not started with).
+
+    `train_batch_tasks` is the tasks a train step takes: the unit of `config.max_ahead` (None in a
+    record of an older build, or where no bound is set)."""
 
     config: SyncConfig
+    train_batch_tasks: int | None = None
 
 
 class MemberJoined(Event, frozen=True, kw_only=True, tag="member_joined"):
@@ -225,11 +231,17 @@ class SyncFailed(Event, frozen=True, kw_only=True, tag="sync_failed"):
 
 class StepFinished(Event, frozen=True, kw_only=True, tag="step_finished"):
     """A member finished train/explore step `step` with weights `version`; `metrics` are its figures
-    (reward, loss, experiences dropped as stale, ...). Progress only: it never opens a round."""
+    (reward, loss, experiences dropped as stale, ...). It never opens a round.
+
+    `tasks` is the member's running total of tasks (groups), given where the job bounds how far
+    explorers run ahead (`SyncConfig.max_ahead`): an explorer's produced (published) so far, the
+    trainer's taken off the experience stream (trained, dropped or filtered) so far. The reducer
+    paces explorers by the two (`ExplorerPaused`, `ExplorersResumed`)."""
 
     step: int
     version: int
     metrics: Mapping[str, float] = msgspec.field(default_factory=dict)
+    tasks: int | None = None
 
 
 class StepsRolledBack(Event, frozen=True, kw_only=True, tag="steps_rolled_back"):
@@ -388,6 +400,30 @@ class RoundClosed(Decision, frozen=True, kw_only=True, tag="round_closed"):
     outcome: RoundOutcome
 
 
+class ExplorerPaused(Decision, frozen=True, kw_only=True, tag="explorer_paused"):
+    """Explorer `explorer` finished explore step `step` with the explorers' tasks `produced` at or
+    past `limit` beyond the `consumed` the trainer took (`limit` = (max_ahead + 1) x
+    train_batch_tasks): it explores no further until an `ExplorersResumed`. `round` is 0: no sync
+    round is involved."""
+
+    explorer: MemberRef
+    step: int
+    produced: int
+    consumed: int
+    limit: int
+
+
+class ExplorersResumed(Decision, frozen=True, kw_only=True, tag="explorers_resumed"):
+    """Every paused explorer (`paused` of them) may explore again: the trainer caught up (produced
+    is below consumed + the limit again) or finished. One decision for the whole fleet; an explorer
+    knows it was paused by its `ExplorerPaused`. `round` is 0."""
+
+    reason: ResumeReason
+    paused: int
+    produced: int
+    consumed: int
+
+
 INPUT_KINDS: dict[str, type[Event]] = {
     str(cls.__struct_config__.tag): cls
     for cls in (
@@ -407,7 +443,8 @@ INPUT_KINDS: dict[str, type[Event]] = {
     )
 }
 DECISION_KINDS: dict[str, type[Decision]] = {
-    str(cls.__struct_config__.tag): cls for cls in (RoundOpened, RendezvousReady, MemberReleased, RoundClosed)
+    str(cls.__struct_config__.tag): cls for cls in (RoundOpened, RendezvousReady, MemberReleased, RoundClosed,
+                                                    ExplorerPaused, ExplorersResumed)
 }
 KINDS: dict[str, type[Event] | type[Decision]] = {**INPUT_KINDS, **DECISION_KINDS}
 
@@ -434,7 +471,13 @@ class Recorded:
 
 
 def decision_identity(decision: Decision) -> tuple[str, int, int, str]:
-    """What makes two decisions "the same one" (kind, round, cause, released member): replicas and
-    replay line decisions up by it, and the bus derives a decision's message id from it."""
-    released = decision.released.key if isinstance(decision, MemberReleased) else ""
-    return (decision.KIND, decision.round, decision.cause_seq, released)
+    """What makes two decisions "the same one" (kind, round, cause, the member it releases or
+    pauses): replicas and replay line decisions up by it, and the bus derives a decision's message
+    id from it."""
+    if isinstance(decision, MemberReleased):
+        member = decision.released.key
+    elif isinstance(decision, ExplorerPaused):
+        member = decision.explorer.key
+    else:
+        member = ""
+    return (decision.KIND, decision.round, decision.cause_seq, member)

@@ -19,6 +19,10 @@ same decisions from the same stream.
   newer version exists. The handlers only pick the trigger; the table says what follows.
 * Before a JobConfigured is folded nothing is decided (members and versions are still recorded);
   the JobConfigured then evaluates every pending REQUIRE_SYNC as if it had just arrived.
+* Pace (`SyncConfig.max_ahead`): explorers and the trainer report running totals of tasks in their
+  `StepFinished`; an explorer whose step leaves the explorers' tasks `(max_ahead + 1) x
+  train_batch_tasks` or more past the trainer's is paused, and every paused explorer resumes when
+  the trainer catches up or finishes. Every move is a row of `PACE_TRANSITIONS`.
 
 Each call works on a `_Tx`: the predecessor's fields as typed attributes, a private copy of the
 member map, and the round map copied on first write; `commit` builds the successor `State`.
@@ -39,6 +43,7 @@ from .config import SyncConfig
 from .describe import describe, describe_config
 from .enums import (
     ReleaseReason,
+    ResumeReason,
     Role,
     RoundOutcome,
     RunningStatus,
@@ -49,6 +54,8 @@ from .events import (
     Decision,
     EvalFinished,
     Event,
+    ExplorerPaused,
+    ExplorersResumed,
     JobConfigured,
     MemberExpired,
     MemberJoined,
@@ -82,7 +89,13 @@ __all__ = [
     "TRIGGER_CAUSES",
     "PULL_POLICY",
     "SENDERS",
+    "Pace",
+    "PaceTrigger",
+    "PaceTransition",
+    "PACE_TRANSITIONS",
+    "PACE_CAUSES",
     "transitions_markdown",
+    "pace_markdown",
     "parse_rendezvous",
 ]
 
@@ -224,6 +237,71 @@ def transitions_markdown() -> str:
         group = "broken: next rendezvous starts a new epoch" if t.breaks_group else "—"
         lines.append(f"| {kind} | `{phase.value}` | `{trigger.value}` | {TRIGGER_CAUSES[trigger]} "
                      f"| {becomes} | {release} | {group} |")
+    return "\n".join(lines)
+
+
+class Pace(str, Enum):
+    """Where an explorer is with respect to the bound on running ahead (`max_ahead`)."""
+
+    EXPLORING = "exploring"
+    PAUSED = "paused"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class PaceTrigger(str, Enum):
+    """What moves an explorer's pace (the handlers map inputs to these)."""
+
+    AHEAD = "ahead"  # its step (or its join) left the explorers' tasks at or past the bound
+    CAUGHT_UP = "caught_up"  # the tasks are below the bound again
+    TRAINER_FINISHED = "trainer_finished"  # the trainer trained its last step
+    LEFT = "left"  # the paused explorer stopped, expired or restarted
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True, slots=True)
+class PaceTransition:
+    """What a trigger does to an explorer's pace: its next pace, and the decision that says so
+    (None: it just leaves the paused set, telling nobody). A resume moves every paused explorer
+    at once, in one decision with `resume` as its reason."""
+
+    becomes: Pace
+    decision: type[Decision] | None = None
+    resume: ResumeReason | None = None
+
+
+PACE_TRANSITIONS: Mapping[tuple[Pace, PaceTrigger], PaceTransition] = MappingProxyType({
+    (Pace.EXPLORING, PaceTrigger.AHEAD): PaceTransition(Pace.PAUSED, ExplorerPaused),
+    (Pace.PAUSED, PaceTrigger.CAUGHT_UP): PaceTransition(Pace.EXPLORING, ExplorersResumed, ResumeReason.CAUGHT_UP),
+    (Pace.PAUSED, PaceTrigger.TRAINER_FINISHED): PaceTransition(Pace.EXPLORING, ExplorersResumed,
+                                                                ResumeReason.TRAINER_FINISHED),
+    # its pause ends with it; a restart (a new incarnation) is exploring until its own next step
+    (Pace.PAUSED, PaceTrigger.LEFT): PaceTransition(Pace.EXPLORING),
+})
+
+PACE_CAUSES: Mapping[PaceTrigger, str] = MappingProxyType({
+    PaceTrigger.AHEAD: "an explorer's StepFinished (or its MemberJoined: a restart, a late joiner) leaves "
+                       "the explorers' tasks at or past the trainer's + (max_ahead + 1) x train_batch_tasks "
+                       "(and the trainer has not finished)",
+    PaceTrigger.CAUGHT_UP: "after any report of tasks (the trainer's StepFinished mostly), the explorers' "
+                           "tasks are below the trainer's + (max_ahead + 1) x train_batch_tasks",
+    PaceTrigger.TRAINER_FINISHED: "the trainer's final STOPPED after its last step",
+    PaceTrigger.LEFT: "the paused explorer stops, expires or restarts",
+})
+
+
+def pace_markdown() -> str:
+    """`PACE_TRANSITIONS` as a markdown table (the docs embed it verbatim; a test checks)."""
+    lines = ["| pace | trigger | when | becomes | decision |", "| --- | --- | --- | --- | --- |"]
+    for (pace, trigger), t in PACE_TRANSITIONS.items():
+        decision = "—" if t.decision is None else f"`{t.decision.__name__}`"
+        if t.resume is not None:
+            decision += f" (`{t.resume.value}`; every paused explorer at once)"
+        lines.append(f"| `{pace.value}` | `{trigger.value}` | {PACE_CAUSES[trigger]} | `{t.becomes.value}` "
+                     f"| {decision} |")
     return "\n".join(lines)
 
 
@@ -386,8 +464,8 @@ class _Tx:
     """
 
     __slots__ = ("config", "members", "latest", "rounds", "_old_rounds", "_own_rounds", "next_round", "group",
-                 "trainer", "rounds_closed", "syncs_completed", "versions_published", "seq", "time_ms",
-                 "decisions")
+                 "trainer", "rounds_closed", "syncs_completed", "versions_published", "train_batch_tasks",
+                 "tasks_produced", "paused", "explorer_pauses", "seq", "time_ms", "decisions")
 
     def __init__(self, state: State, seq: int, time_ms: int):
         self.config: SyncConfig | None = state.config
@@ -402,6 +480,10 @@ class _Tx:
         self.rounds_closed: int = state.rounds_closed
         self.syncs_completed: int = state.syncs_completed
         self.versions_published: int = state.versions_published
+        self.train_batch_tasks: int | None = state.train_batch_tasks
+        self.tasks_produced: int = state.tasks_produced
+        self.paused: tuple[str, ...] = state.paused
+        self.explorer_pauses: int = state.explorer_pauses
         self.seq = seq
         self.time_ms = time_ms
         self.decisions: list[Decision] = []
@@ -419,6 +501,10 @@ class _Tx:
             rounds_closed=self.rounds_closed,
             syncs_completed=self.syncs_completed,
             versions_published=self.versions_published,
+            train_batch_tasks=self.train_batch_tasks,
+            tasks_produced=self.tasks_produced,
+            paused=self.paused,
+            explorer_pauses=self.explorer_pauses,
         )
         return state, tuple(self.decisions)
 
@@ -630,6 +716,10 @@ def _leave(tx: _Tx, member: MemberState) -> None:
     """`member` (already marked not alive) stopped, expired or was replaced: it leaves every round."""
     key = member.ref.key
     is_trainer = member.ref.role is _TRAINER and key == tx.trainer
+    if key in tx.paused:
+        _move_pace(tx, PaceTrigger.LEFT, member)
+    elif is_trainer and member.finished and tx.paused:
+        _move_pace(tx, PaceTrigger.TRAINER_FINISHED)
     for rnd in list(tx.rounds.values()):
         if rnd.phase is _TRANSFERRING:
             # one that already reported its part leaves nothing unfinished behind
@@ -702,11 +792,72 @@ def _report_done(tx: _Tx, event: WeightsLoaded | WeightsBroadcast, member: Membe
 
 
 # ==================================================================================================
+# Pace: how far explorers may run ahead of the trainer (a row of PACE_TRANSITIONS per move)
+
+
+def _consumed(tx: _Tx) -> int:
+    key = tx.trainer
+    return tx.members[key].tasks if key is not None else 0
+
+
+def _ahead_limit(tx: _Tx) -> int | None:
+    """`State.ahead_limit` of the state under construction."""
+    config = tx.config
+    if config is None or config.max_ahead is None or not tx.train_batch_tasks:
+        return None
+    return (config.max_ahead + 1) * tx.train_batch_tasks
+
+
+def _move_pace(tx: _Tx, trigger: PaceTrigger, explorer: MemberState | None = None) -> None:
+    """Pause `explorer` (AHEAD), let a paused one go silently (LEFT), or resume every paused one."""
+    pace = Pace.EXPLORING if trigger is PaceTrigger.AHEAD else Pace.PAUSED
+    row = PACE_TRANSITIONS.get((pace, trigger))
+    if row is None:  # a handler asked for a move the table does not have: a reducer bug
+        raise AssertionError(f"no pace transition for {pace.value} on {trigger.value}")
+    if row.decision is ExplorerPaused:
+        assert explorer is not None and _ahead_limit(tx) is not None
+        tx.paused = tx.paused + (explorer.ref.key,)
+        tx.explorer_pauses += 1
+        tx.decisions.append(ExplorerPaused(round=0, cause_seq=tx.seq, explorer=explorer.ref, step=explorer.step,
+                                           produced=tx.tasks_produced, consumed=_consumed(tx),
+                                           limit=_ahead_limit(tx) or 0))
+    elif row.decision is ExplorersResumed:
+        assert row.resume is not None
+        tx.decisions.append(ExplorersResumed(round=0, cause_seq=tx.seq, reason=row.resume, paused=len(tx.paused),
+                                             produced=tx.tasks_produced, consumed=_consumed(tx)))
+        tx.paused = ()
+    else:
+        assert explorer is not None
+        tx.paused = _without(tx.paused, explorer.ref.key)
+
+
+def _settle_pace(tx: _Tx, stepped: MemberState | None) -> None:
+    """After a report of tasks: resume the paused explorers once below the bound; pause `stepped`
+    (an explorer that just finished a step, or joined) when at or past it."""
+    limit = _ahead_limit(tx)
+    if limit is None or tx.trainer_finished():
+        return
+    ahead = tx.tasks_produced - _consumed(tx)
+    if tx.paused and ahead < limit:
+        _move_pace(tx, PaceTrigger.CAUGHT_UP)
+    if stepped is not None and ahead >= limit and stepped.ref.key not in tx.paused:
+        _move_pace(tx, PaceTrigger.AHEAD, stepped)
+
+
+# ==================================================================================================
 # Handlers: one per input kind. Each validates, records, and picks the trigger.
 
 
 def _on_job_configured(tx: _Tx, event: JobConfigured, _: None) -> None:
     current = tx.config
+    if current is not None and current != event.config:
+        raise _illegal(event, f"the job runs with {describe_config(current)}", tx.members.get(event.member.key))
+    unit = event.train_batch_tasks
+    if unit is not None:
+        if unit < 1 or tx.train_batch_tasks not in (None, unit):
+            raise _illegal(event, f"the job trains {tx.train_batch_tasks} tasks a step" if unit >= 1
+                           else "train_batch_tasks must be at least 1", tx.members.get(event.member.key))
+        tx.train_batch_tasks = unit
     if current is None:
         tx.config = event.config
         # requests made before the job's config was known are evaluated now, in join order
@@ -717,9 +868,6 @@ def _on_job_configured(tx: _Tx, event: JobConfigured, _: None) -> None:
                         and not _valid_rendezvous(member.rendezvous)):
                     continue  # it cannot be met without an address; its next request will be
                 _request_sync(tx, member)
-    elif current != event.config:
-        raise _illegal(event, f"the job runs with {describe_config(current)}",
-                       tx.members.get(event.member.key))
 
 
 def _on_member_joined(tx: _Tx, event: MemberJoined, _: None) -> None:
@@ -744,11 +892,15 @@ def _on_member_joined(tx: _Tx, event: MemberJoined, _: None) -> None:
     if old is not None and old.alive:
         # a restart: the old incarnation is gone as if it had expired, then the new one joins
         _leave(tx, tx.update_member(key, alive=False))
+    # its tasks so far stay its own: a restart resumes them (its next report says how many)
     members[key] = MemberState(ref=ref, status=_RUNNING, step=event.step, version=event.version,
                                ranks=event.ranks, host=event.host, alive=True, joined_seq=tx.seq,
-                               last_seq=tx.seq, last_time_ms=tx.time_ms, metrics=_EMPTY_METRICS)
+                               last_seq=tx.seq, last_time_ms=tx.time_ms, metrics=_EMPTY_METRICS,
+                               tasks=old.tasks if old is not None else 0)
     if ref.role is _TRAINER:
         tx.trainer = key
+    elif ref.role is _EXPLORER:
+        _settle_pace(tx, members[key])  # one that joins (a restart too) while the explorers are ahead waits
     if tx.config is not None and ref.role is not _SYNCHRONIZER:
         # a late joiner becomes a participant of the rendezvous being gathered: it waits for it too
         rnd = _waiting_rendezvous_round(tx)
@@ -843,8 +995,19 @@ def _on_step_finished(tx: _Tx, event: StepFinished, member: MemberState) -> None
     # a step can finish with the weights it started with after newer ones were loaded in the
     # background (fully_async), so the held version is the larger of the two
     metrics = MappingProxyType(dict(event.metrics)) if event.metrics else _EMPTY_METRICS
-    tx.update_member(member.ref.key, step=event.step, version=max(event.version, member.version),
-                     metrics=metrics)
+    key = member.ref.key
+    if event.tasks is None:
+        tx.update_member(key, step=event.step, version=max(event.version, member.version), metrics=metrics)
+        return
+    if event.tasks < 0:
+        raise _illegal(event, "a count of tasks is never negative", member)
+    explorer = member.ref.role is _EXPLORER
+    if explorer:
+        tx.tasks_produced += event.tasks - member.tasks
+    stepped = tx.update_member(key, step=event.step, version=max(event.version, member.version), metrics=metrics,
+                               tasks=event.tasks)
+    if explorer or key == tx.trainer:
+        _settle_pace(tx, stepped if explorer else None)
 
 
 def _on_eval_finished(tx: _Tx, event: EvalFinished, member: MemberState) -> None:

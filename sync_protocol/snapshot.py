@@ -42,7 +42,8 @@ def encode_state(state: State, *, extra: Mapping[str, Any] | None = None) -> byt
     members = []
     for m in state.members.values():
         members.append([_ref(m.ref), m.status.value, m.step, m.version, m.ranks, m.host, m.alive,
-                        m.joined_seq, m.last_seq, m.last_time_ms, m.rendezvous, dict(m.metrics), m.finished])
+                        m.joined_seq, m.last_seq, m.last_time_ms, m.rendezvous, dict(m.metrics), m.finished,
+                        m.tasks])
     rounds = []
     for r in state.rounds.values():
         rounds.append([r.id, r.method.value, _ref(r.opened_by), r.opened_at_ms, r.opened_seq,
@@ -62,6 +63,7 @@ def encode_state(state: State, *, extra: Mapping[str, Any] | None = None) -> byt
         "last_seq": state.last_seq,
         "trainer": state.trainer,
         "counts": [state.rounds_closed, state.syncs_completed, state.versions_published],
+        "pace": [state.train_batch_tasks, state.tasks_produced, list(state.paused), state.explorer_pauses],
         "extra": dict(extra or {}),
     }
     return msgspec.msgpack.encode(data)
@@ -88,11 +90,12 @@ def decode_state(payload: bytes) -> tuple[State, dict[str, Any]]:
 def _build(data: dict[str, Any]) -> State:
     members: dict[str, MemberState] = {}
     for (ref, status, step, version, ranks, host, alive, joined_seq, last_seq, last_time_ms, rendezvous,
-         metrics, finished) in data["members"]:
+         metrics, finished, *tasks) in data["members"]:  # a member's tasks came later: 13 items before
         member = MemberState(ref=_unref(ref), status=RunningStatus(status), step=step, version=version,
                              ranks=ranks, host=host, alive=alive, joined_seq=joined_seq, last_seq=last_seq,
                              last_time_ms=last_time_ms, rendezvous=rendezvous,
-                             metrics=MappingProxyType(dict(metrics)), finished=finished)
+                             metrics=MappingProxyType(dict(metrics)), finished=finished,
+                             tasks=int(tasks[0]) if tasks else 0)
         members[member.ref.key] = member
     rounds: dict[int, RoundState] = {}
     for (rid, method, opened_by, opened_at_ms, opened_seq, waiting, participants, phase, version, epoch,
@@ -104,6 +107,7 @@ def _build(data: dict[str, Any]) -> State:
     version, step, method, location, digest, nbytes = data["latest"]
     epoch, group_members, broken = data["group"]
     rounds_closed, syncs_completed, versions_published = data["counts"]
+    train_batch_tasks, tasks_produced, paused, explorer_pauses = data.get("pace", (None, 0, (), 0))
     config = data["config"]
     return State(
         config=SyncConfig.from_mapping(config, where="snapshot.config") if config is not None else None,
@@ -120,4 +124,8 @@ def _build(data: dict[str, Any]) -> State:
         rounds_closed=rounds_closed,
         syncs_completed=syncs_completed,
         versions_published=versions_published,
+        train_batch_tasks=train_batch_tasks,
+        tasks_produced=tasks_produced,
+        paused=tuple(paused),
+        explorer_pauses=explorer_pauses,
     )

@@ -76,6 +76,7 @@ class MemberState(msgspec.Struct, frozen=True, kw_only=True):
     rendezvous: str | None = None
     metrics: Mapping[str, float] = msgspec.field(default_factory=_empty)
     finished: bool = False  # it stopped for good (StatusChanged final): its work is done
+    tasks: int = 0  # its last reported running total of tasks (StepFinished.tasks), kept across restarts
 
     @property
     def key(self) -> str:
@@ -159,6 +160,11 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
     `members` is keyed by `MemberRef.key` ("role/id"); `rounds` holds open rounds only, by id. Round
     ids are handed out 1, 2, 3, ... in fold order, so every replica names rounds identically.
     `trainer` is the key of the job's trainer (the last one that joined), if any.
+
+    The pace of explorers (`SyncConfig.max_ahead`): `tasks_produced` is the sum of every explorer's
+    reported tasks, the trainer's own `tasks` what it took; `paused` the explorers an
+    `ExplorerPaused` stopped (keys, in pause order) until the next `ExplorersResumed`;
+    `train_batch_tasks` the unit of the bound (from `JobConfigured`); `explorer_pauses` counts pauses.
     """
 
     config: SyncConfig | None = None
@@ -172,6 +178,10 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
     rounds_closed: int = 0
     syncs_completed: int = 0
     versions_published: int = 0
+    train_batch_tasks: int | None = None
+    tasks_produced: int = 0
+    paused: tuple[str, ...] = ()
+    explorer_pauses: int = 0
 
     @classmethod
     def initial(cls, config: SyncConfig | None = None) -> State:
@@ -198,6 +208,21 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
             m for m in self.members.values()
             if m.ref.role is Role.EXPLORER and (m.alive or not alive_only)
         )
+
+    @property
+    def tasks_consumed(self) -> int:
+        """The tasks the trainer reported it took off the experience stream (0 before it reported)."""
+        trainer = self.trainer_state
+        return trainer.tasks if trainer is not None else 0
+
+    def ahead_limit(self) -> int | None:
+        """How far the explorers' tasks may run past the trainer's before one pauses:
+        `(max_ahead + 1) x train_batch_tasks` (its next step's batch and `max_ahead` more); None
+        when unbounded, or before the job's config and its unit are known."""
+        config = self.config
+        if config is None or config.max_ahead is None or not self.train_batch_tasks:
+            return None
+        return (config.max_ahead + 1) * self.train_batch_tasks
 
     def round_of(self, who: MemberRef | str) -> RoundState | None:
         """The open round `who` is waiting in or taking part in, if any."""

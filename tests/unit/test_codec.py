@@ -16,6 +16,8 @@ from rolectl.sync_protocol import (
     Decision,
     DecodeError,
     EvalFinished,
+    ExplorerPaused,
+    ExplorersResumed,
     JobConfigured,
     MemberExpired,
     MemberJoined,
@@ -26,6 +28,7 @@ from rolectl.sync_protocol import (
     RankAssignment,
     ReleaseReason,
     RendezvousReady,
+    ResumeReason,
     Role,
     RoundClosed,
     RoundOpened,
@@ -88,15 +91,42 @@ SAMPLES: list = [
     EvalFinished(member=E, version=9, step=13, rewards={"positional_match": 0.5, "exact_match": 0.25},
                  tasks=64, responses=64, seconds=0.75),
     StepsRolledBack(member=T, from_step=36, to_step=30),
+    ExplorerPaused(round=0, cause_seq=104, explorer=E, step=13, produced=48, consumed=24, limit=24),
+    ExplorersResumed(round=0, cause_seq=105, reason=ResumeReason.CAUGHT_UP, paused=2, produced=48, consumed=32),
 ]
+# kinds with the fields of the bound on explorers running ahead (written only when given)
+PACED = [
+    JobConfigured(member=T, config=SyncConfig(sync_method=SyncMethod.MEMORY, sync_style=SyncStyle.FULLY_ASYNC,
+                                              max_staleness=2, staleness_policy="correct", max_ahead=1),
+                  train_batch_tasks=8),
+    StepFinished(member=T, step=4, version=4, tasks=0),
+]
+
+
+@pytest.mark.parametrize("event", PACED, ids=lambda e: e.KIND)
+def test_paced_kinds_round_trip(event):
+    assert decode(encode(event)) == event
+
+
+def test_fields_added_later_are_written_only_when_given():
+    # a job that does not bound its explorers writes what earlier builds wrote (and read)
+    plain = to_plain(SAMPLES[0])
+    assert "train_batch_tasks" not in plain and set(plain["config"]) == {
+        "sync_method", "sync_style", "sync_interval", "sync_offset", "sync_timeout", "heartbeat_period",
+        "heartbeat_expiry", "max_staleness", "snapshot_every"}
+    assert "tasks" not in to_plain(SAMPLES[8])
+    bounded = to_plain(PACED[0])
+    assert bounded["train_batch_tasks"] == 8
+    assert bounded["config"]["max_ahead"] == 1 and bounded["config"]["staleness_policy"] == "correct"
+    assert to_plain(PACED[1])["tasks"] == 0  # a count of 0 is a count, not "not given"
 
 
 def test_samples_cover_every_kind():
     assert sorted(type(s).KIND for s in SAMPLES) == sorted(KINDS)
 
 
-# the samples' decisions, all of round 17: what batches are made of
-DECISIONS = [d for d in SAMPLES if isinstance(d, Decision)]
+# the samples' decisions of round 17: what batches are made of (the pace decisions are of no round)
+DECISIONS = [d for d in SAMPLES if isinstance(d, Decision) and d.round]
 assert len(DECISIONS) == 4 and {d.round for d in DECISIONS} == {17}
 
 
@@ -519,12 +549,18 @@ def _as_schema_5(recorded_hex: str) -> bytes:
     return bytes.fromhex(recorded_hex.replace("a6736368656d6104", "a6736368656d6105"))
 
 
-@pytest.mark.parametrize("event", SAMPLES, ids=lambda e: e.KIND)
+# kinds no earlier build wrote: additive, so the schema stays 5 (no existing kind changed)
+_NEW_KINDS = {"explorer_paused", "explorers_resumed"}
+_RECORDED_SAMPLES = [s for s in SAMPLES if s.KIND not in _NEW_KINDS]
+
+
+@pytest.mark.parametrize("event", _RECORDED_SAMPLES, ids=lambda e: e.KIND)
 def test_what_earlier_builds_wrote_decodes_to_the_same_event(event):
     assert decode(bytes.fromhex(_RECORDED[event.KIND])) == event
 
 
-@pytest.mark.parametrize("event", [s for s in SAMPLES if not isinstance(s, RendezvousReady)], ids=lambda e: e.KIND)
+@pytest.mark.parametrize("event", [s for s in _RECORDED_SAMPLES if not isinstance(s, RendezvousReady)],
+                         ids=lambda e: e.KIND)
 def test_the_wire_format_is_what_earlier_builds_wrote_but_the_schema(event):
     assert encode(event) == _as_schema_5(_RECORDED[event.KIND])
 

@@ -1,7 +1,9 @@
 """Properties of the reducer over random interleavings of what a trainer and explorers can do.
 
 A small model of the roles turns a random list of actions into a plausible stream: explorers join,
-step, ask for syncs, load weights, fail, stop, restart; the trainer steps, publishes, asks for a
+step (reporting the tasks they produced, and exploring no further while paused for running ahead
+of the trainer), ask for syncs, load weights, fail, stop, restart; the trainer steps (reporting the
+tasks it took), publishes, asks for a
 rendezvous, answers "nothing new", broadcasts, stops, restarts; the synchronizer's clock expires
 members and times rounds out. The model reads the folded state to aim its reports at real rounds,
 but is sloppy on purpose (stale incarnations, repeated reports, events before joining), so the
@@ -19,6 +21,8 @@ from hypothesis import strategies as st
 from rolectl.sync_protocol import (
     DecodeError,
     EvalFinished,
+    ExplorerPaused,
+    ExplorersResumed,
     JobConfigured,
     MemberExpired,
     MemberJoined,
@@ -42,6 +46,7 @@ from rolectl.sync_protocol import (
     VersionPublished,
     WeightsBroadcast,
     WeightsLoaded,
+    decision_identity,
     decode,
     encode,
     fold_lenient,
@@ -62,6 +67,8 @@ ACTIONS = (
 )
 _LIFECYCLE = frozenset({"join", "t_join", "restart", "t_restart", "expire", "t_expire", "stale",
                         "configure", "timeout"})
+UNIT = 2  # train_batch_tasks: the unit of max_ahead
+MOST_PER_STEP = 2  # tasks an explorer's step produces at most
 
 
 class _Model:
@@ -72,6 +79,9 @@ class _Model:
         self.incarnation = {key: 0 for key in ("trainer/t",) + tuple(f"explorer/{i}" for i in EXPLORER_IDS)}
         self.state = State.initial()
         self.seq = 0
+        self.produced = {f"explorer/{i}": 0 for i in EXPLORER_IDS}  # each explorer's tasks, across restarts
+        self.consumed = 0  # the trainer's
+        self.decisions: list = []  # what the reducer decided as the stream was recorded
 
     def ref(self, key: str) -> MemberRef:
         role, member_id = key.split("/")
@@ -103,7 +113,7 @@ class _Model:
         version = member.version if member else -1
         latest = self.state.latest.version
         if action == "configure":
-            return JobConfigured(member=ref, config=self.config)
+            return JobConfigured(member=ref, config=self.config, train_batch_tasks=UNIT)
         if action in ("join", "t_join"):
             return MemberJoined(member=ref, host="h", pid=1, step=step, version=0 if key == trainer else -1,
                                 ranks=1 + who % 2)
@@ -112,13 +122,19 @@ class _Model:
                 self.incarnation[key] += 1
             return MemberJoined(member=self.ref(key), host="h", pid=2, step=0,
                                 version=0 if key == trainer else -1, ranks=1)
+        if action == "step" and key in self.state.paused:
+            # a paused explorer explores no further (an eval record changes no decision)
+            return EvalFinished(member=ref, version=max(version, 0), step=step, tasks=1, responses=1)
         if action == "step":
-            return StepFinished(member=ref, step=step + 1, version=max(version, 0))
+            return StepFinished(member=ref, step=step + 1, version=max(version, 0),
+                                tasks=self.produced[key] + 1 + who % MOST_PER_STEP)
         if action == "eval":  # a record only: it must never change a decision
             return EvalFinished(member=ref, version=max(version, 0), step=step, rewards={"r": 0.5}, tasks=2,
                                 responses=2, seconds=0.1)
         if action == "t_step":
-            return StepFinished(member=ref, step=step + 1, version=version)
+            # it takes what is there, a step's worth or a little more (filtered, dropped), never more
+            taken = min(sum(self.produced.values()), self.consumed + UNIT + who % 2)
+            return StepFinished(member=ref, step=step + 1, version=version, tasks=taken)
         if action == "req":
             return StatusChanged(member=ref, status=RunningStatus.REQUIRE_SYNC, step=step, version=version)
         if action == "t_req":
@@ -157,7 +173,15 @@ class _Model:
     def record(self, action: str, who: int) -> Recorded:
         self.seq += 1 + who % 2  # gaps in the stream sequence are fine
         rec = Recorded(seq=self.seq, time_ms=1000 * self.seq, event=self.event_for(action, who))
-        self.state, _, _ = reduce_lenient(self.state, rec)
+        self.state, decisions, error = reduce_lenient(self.state, rec)
+        self.decisions.extend(decisions)
+        event = rec.event
+        if error is None and isinstance(event, StepFinished) and event.tasks is not None:
+            # a count the job took (a refused report counts nothing: the role reports it again)
+            if event.member.role is Role.EXPLORER:
+                self.produced[event.member.key] = event.tasks
+            else:
+                self.consumed = event.tasks
         return rec
 
 
@@ -165,6 +189,7 @@ _configs = st.builds(
     SyncConfig,
     sync_method=st.sampled_from(list(SyncMethod)),
     sync_style=st.sampled_from(list(SyncStyle)),
+    max_ahead=st.one_of(st.none(), st.integers(0, 3)),
 )
 # "calm" scripts have no departures, so rendezvous rounds get to complete; "stormy" ones have all
 _CALM_ACTIONS = tuple(a for a in ACTIONS if a not in {"stop", "restart", "expire", "t_stop", "t_restart",
@@ -176,6 +201,10 @@ _scripts = st.lists(st.tuples(st.sampled_from(_CALM_ACTIONS), st.integers(0, 5))
 
 
 def _stream(config: SyncConfig, script, configure_first: bool) -> list[Recorded]:
+    return _recorded(config, script, configure_first)[0]
+
+
+def _recorded(config: SyncConfig, script, configure_first: bool) -> tuple[list[Recorded], _Model]:
     model = _Model(config)
     records = []
     if configure_first:
@@ -184,11 +213,12 @@ def _stream(config: SyncConfig, script, configure_first: bool) -> list[Recorded]
         records.append(model.record(action, who))
     for action, who in script:
         records.append(model.record(action, who))
-    return records
+    return records, model
 
 
-def _check_invariants(records: list[Recorded]) -> tuple[State, list, list]:
-    """Fold step by step, checking each invariant after every input."""
+def _check_invariants(records: list[Recorded], *, paced_from_start: bool = False) -> tuple[State, list, list]:
+    """Fold step by step, checking each invariant after every input (`paced_from_start`: the
+    job's config came first, so the bound on explorers running ahead held from their first step)."""
     state = State.initial()
     opened: set[int] = set()
     closed: set[int] = set()
@@ -230,8 +260,37 @@ def _check_invariants(records: list[Recorded]) -> tuple[State, list, list]:
             for key in rnd.waiting:
                 member = state.members[key]
                 assert member.alive and member.status is RunningStatus.REQUIRE_SYNC, (key, rnd)
+        trainer = state.trainer_state
+        # once the trainer finished, explorers are free to go on (a trainer started again re-binds them)
+        paced_from_start = paced_from_start and not (trainer is not None and trainer.finished)
+        _check_pace(state, decisions, paced_from_start)
         all_decisions.extend(decisions)
+    identities = [decision_identity(d) for d in all_decisions]
+    assert len(identities) == len(set(identities)), "two decisions share an identity (a message id)"
     return state, all_decisions, errors
+
+
+def _check_pace(state: State, decisions, paced_from_start: bool) -> None:
+    """The bound on explorers running ahead, after every input."""
+    limit = state.ahead_limit()
+    ahead = state.tasks_produced - state.tasks_consumed
+    # the sum is the explorers' own reports
+    assert state.tasks_produced == sum(m.tasks for m in state.explorers(alive_only=False))
+    for key in state.paused:  # only live explorers are paused, each once
+        assert state.members[key].alive and state.members[key].ref.role is Role.EXPLORER
+    assert len(set(state.paused)) == len(state.paused)
+    if state.paused:  # nobody stays paused once the trainer caught up or finished
+        trainer = state.trainer_state
+        assert limit is not None and ahead >= limit and not (trainer and trainer.finished), (ahead, limit)
+    for d in decisions:
+        if isinstance(d, ExplorerPaused):
+            assert state.members[d.explorer.key].ref == d.explorer and d.produced - d.consumed >= d.limit
+        elif isinstance(d, ExplorersResumed):
+            assert not state.paused
+    if paced_from_start and limit is not None:
+        # explorers that explore no further while paused never run more than the bound ahead, plus
+        # at most the one step each was in when the bound was reached
+        assert ahead <= limit - 1 + len(EXPLORER_IDS) * MOST_PER_STEP, (ahead, limit)
 
 
 def _check_rendezvous_ready(d: RendezvousReady, state: State, rec: Recorded) -> None:
@@ -250,7 +309,7 @@ def _check_rendezvous_ready(d: RendezvousReady, state: State, rec: Recorded) -> 
 @given(config=_configs, script=_scripts, configure_first=st.booleans())
 def test_invariants_hold_on_random_interleavings(config, script, configure_first):
     records = _stream(config, script, configure_first)
-    _check_invariants(records)
+    _check_invariants(records, paced_from_start=configure_first)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
@@ -260,7 +319,20 @@ def test_invariants_hold_on_long_random_streams(config, seed, calm):
     rng = random.Random(seed)
     actions = _CALM_ACTIONS if calm else ACTIONS
     script = [(rng.choice(actions), rng.randrange(6)) for _ in range(250)]
-    _check_invariants(_stream(config, script, rng.random() < 0.9))
+    configure_first = rng.random() < 0.9
+    _check_invariants(_stream(config, script, configure_first), paced_from_start=configure_first)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(config=_configs.filter(lambda c: c.max_ahead is not None), script=_scripts)
+def test_replay_reproduces_every_pause_and_resume(config, script):
+    # what `rolectl replay --check` does: the decisions recomputed from the recorded inputs alone are
+    # the ones made while they were recorded, pauses and resumes included
+    records, model = _recorded(config, script, True)
+    recomputed = fold_lenient(records)[1]
+    assert recomputed == model.decisions
+    paced = [d for d in recomputed if isinstance(d, (ExplorerPaused, ExplorersResumed))]
+    assert paced == [d for d in model.decisions if isinstance(d, (ExplorerPaused, ExplorersResumed))]
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
