@@ -1,6 +1,6 @@
 """The pure sync core: events in, state and decisions out. No I/O, no clock, no torch."""
 
-from .boundaries import explorer_needs_sync, is_stale, needs_reload, past_staleness_bound, trainer_needs_sync
+from .boundaries import explorer_needs_sync, is_stale, needs_reload, trainer_needs_sync
 from .codec import (
     SCHEMA_VERSION,
     decode,
@@ -19,7 +19,6 @@ from .enums import (
     Role,
     RoundOutcome,
     RunningStatus,
-    StalenessPolicy,
     SyncMethod,
     SyncStyle,
 )
@@ -42,7 +41,6 @@ __all__ = [
     "SyncConfig",
     "ReleaseReason",
     "ResumeReason",
-    "StalenessPolicy",
     "Role",
     "RoundOutcome",
     "RunningStatus",
@@ -68,5 +66,4 @@ __all__ = [
     "trainer_needs_sync",
     "needs_reload",
     "is_stale",
-    "past_staleness_bound",
 ]

@@ -7,9 +7,9 @@ reducer can never disagree about where a sync boundary is or whether an offered 
 from __future__ import annotations
 
 from .config import SyncConfig
-from .enums import StalenessPolicy, SyncStyle
+from .enums import SyncStyle
 
-__all__ = ["explorer_needs_sync", "trainer_needs_sync", "needs_reload", "is_stale", "past_staleness_bound"]
+__all__ = ["explorer_needs_sync", "trainer_needs_sync", "needs_reload", "is_stale"]
 
 _INTERVAL_DRIVEN = frozenset({SyncStyle.FIXED, SyncStyle.TRAINER_DRIVEN, SyncStyle.FULLY_ASYNC})
 
@@ -49,12 +49,3 @@ def needs_reload(current_version: int, offered_version: int) -> bool:
 def is_stale(experience_version: int, trainer_version: int, max_staleness: int | None) -> bool:
     """Whether an experience generated with `experience_version` is too old to train on now."""
     return max_staleness is not None and trainer_version - experience_version > max_staleness
-
-
-def past_staleness_bound(experience_version: int, trainer_version: int, cfg: SyncConfig) -> StalenessPolicy | None:
-    """What becomes of an experience generated with `experience_version` when the trainer holds
-    `trainer_version`: None within `max_staleness` (trained as any other), else the job's
-    `staleness_policy` (dropped and counted, or trained with the job's off-policy correction)."""
-    if not is_stale(experience_version, trainer_version, cfg.max_staleness):
-        return None
-    return cfg.staleness_policy

@@ -17,7 +17,7 @@ from typing import Annotated, Any, get_type_hints
 import msgspec
 from msgspec import Meta
 
-from .enums import StalenessPolicy, SyncMethod, SyncStyle
+from .enums import SyncMethod, SyncStyle
 from .errors import ConfigError
 
 __all__ = ["SyncConfig"]
@@ -29,8 +29,7 @@ class SyncConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     Heartbeat period/expiry are in seconds; a member silent for `heartbeat_expiry` is declared
     expired (by an event) and leaves every round, instead of peers waiting `sync_timeout`.
     `max_staleness` bounds how many versions older than the trainer's an experience may be
-    (None = unbounded), and `staleness_policy` says what happens to an older one (dropped, or kept
-    and trained with the job's off-policy correction). `max_ahead` bounds the other way: explorers
+    (None = unbounded; an older one is dropped and counted). `max_ahead` bounds the other way: explorers
     pause once they have produced more than `max_ahead` train steps' worth of tasks beyond the one
     the trainer takes next (None = unbounded; the reducer decides it, see `ExplorerPaused`).
     `snapshot_every`: the active synchronizer records a reducer snapshot every
@@ -56,9 +55,6 @@ class SyncConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
                                                          "trainer's; null = unbounded.")] | None = None
     snapshot_every: Annotated[int, Meta(ge=0, description="Stream records between reducer "
                                                           "snapshots (0 = never).")] = 10_000
-    staleness_policy: Annotated[StalenessPolicy, Meta(
-        description="What the trainer does with an experience older than max_staleness: drop "
-                    "(counted) or correct (train on it with algorithm.rollout_correction).")] = StalenessPolicy.DROP
     max_ahead: Annotated[int, Meta(ge=0, description="Train steps' worth of tasks explorers may "
                                                      "produce beyond the trainer's next step before "
                                                      "they pause (AReaL's max_head_offpolicyness); "
@@ -95,10 +91,9 @@ class SyncConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
         return mapping
 
 
-_ADDED_LATER: dict[str, Any] = {"staleness_policy": StalenessPolicy.DROP, "max_ahead": None}
+_ADDED_LATER: dict[str, Any] = {"max_ahead": None}
 
-_ENUMS: dict[str, type[SyncMethod] | type[SyncStyle] | type[StalenessPolicy]] = {
-    "sync_method": SyncMethod, "sync_style": SyncStyle, "staleness_policy": StalenessPolicy}
+_ENUMS: dict[str, type[SyncMethod] | type[SyncStyle]] = {"sync_method": SyncMethod, "sync_style": SyncStyle}
 
 
 _HINTS: dict[str, Any] = {}

@@ -19,7 +19,6 @@ __all__ = [
     "SyncStyle",
     "ReleaseReason",
     "RoundOutcome",
-    "StalenessPolicy",
     "ResumeReason",
     "RENDEZVOUS_METHODS",
     "PULL_METHODS",
@@ -114,13 +113,6 @@ class SyncStyle(_ConfigEnum):
     @classmethod
     def _aliases(cls) -> dict[str, str]:
         return {"dynamic_by_trainer": "trainer_driven", "dynamic_by_explorer": "explorer_driven"}
-
-
-class StalenessPolicy(_ConfigEnum):
-    """What the trainer does with an experience more than `max_staleness` versions behind its own."""
-
-    DROP = "drop"  # drop it, counted (the default)
-    CORRECT = "correct"  # train on it, with the job's off-policy correction (algorithm.rollout_correction)
 
 
 class ResumeReason(_ParsableEnum):

@@ -235,7 +235,7 @@ class StepFinished(Event, frozen=True, kw_only=True, tag="step_finished"):
 
     `tasks` is the member's running total of tasks (groups), given where the job bounds how far
     explorers run ahead (`SyncConfig.max_ahead`): an explorer's produced (published) so far, the
-    trainer's taken off the experience stream (trained, dropped or filtered) so far. The reducer
+    trainer's taken off the experience stream (trained or dropped) so far. The reducer
     paces explorers by the two (`ExplorerPaused`, `ExplorersResumed`)."""
 
     step: int

@@ -4,14 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from rolectl.sync_protocol import StalenessPolicy, SyncConfig, SyncStyle
-from rolectl.sync_protocol.boundaries import (
-    explorer_needs_sync,
-    is_stale,
-    needs_reload,
-    past_staleness_bound,
-    trainer_needs_sync,
-)
+from rolectl.sync_protocol import SyncConfig, SyncStyle
+from rolectl.sync_protocol.boundaries import explorer_needs_sync, is_stale, needs_reload, trainer_needs_sync
 
 
 @pytest.mark.parametrize(
@@ -79,11 +73,3 @@ def test_needs_reload_only_for_really_newer_weights(current, offered, expected):
 )
 def test_is_stale_beyond_the_bound(experience, trainer, bound, expected):
     assert is_stale(experience, trainer, bound) is expected
-
-
-@pytest.mark.parametrize("policy", list(StalenessPolicy))
-def test_past_the_staleness_bound_the_policy_decides(policy):
-    cfg = SyncConfig(max_staleness=1, staleness_policy=policy)
-    assert past_staleness_bound(4, 5, cfg) is None  # within the bound: trained as any other
-    assert past_staleness_bound(3, 5, cfg) is policy
-    assert past_staleness_bound(0, 99, SyncConfig()) is None  # unbounded
