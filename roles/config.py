@@ -36,7 +36,7 @@ from rolectl.bus.connection import parse_server_urls
 from rolectl.bus.security import ENV_VARS, ClientSecurity
 from rolectl.bus.server import go_gc_for_weights
 from rolectl.bus.subjects import check_name
-from rolectl.sync_protocol import ConfigError, SyncConfig, SyncMethod
+from rolectl.sync_protocol import ConfigError, JobConfigured, MemberRef, SyncConfig, SyncMethod
 
 from .config_base import (
     CHECK_ENGINES,
@@ -478,6 +478,13 @@ class JobConfig(Section):
 
     def explorer_ids(self) -> list[str]:
         return [f"explorer-{i}" for i in range(self.explorers.count)]
+
+    def job_configured(self, member: MemberRef) -> JobConfigured:
+        """What a member of this job announces first: its sync config and, when explorers are paced
+        (`synchronizer.max_ahead`), the tasks a train step takes (the bound's unit)."""
+        paced = self.synchronizer.max_ahead is not None
+        unit = (self.trainer.train_batch_tasks or self.buffer.batch_size) if paced else None
+        return JobConfigured(member=member, config=self.synchronizer, train_batch_tasks=unit)
 
     def with_overrides(self, **changes: Any) -> JobConfig:
         """This job with `changes` (sections or top-level values), validated like the file was."""

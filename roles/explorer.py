@@ -12,6 +12,9 @@ Reads top to bottom like the reference explore loop:
   its first step (`eval_on_startup`) and after every `eval_interval`-th step, before that step's
   sync (explore steps, then eval, then sync, as the reference does); an eval trains nothing and is
   recorded as `EvalFinished`;
+- with `synchronizer.max_ahead`, every step reports the tasks the explorer produced so far, and
+  before each step it explores no further while the core has paused it for running ahead of the
+  trainer (`ExplorerPaused`), until the recorded `ExplorersResumed`;
 - every experience carries the version of the weights that produced it; STOPPED is published when
   the task set is exhausted (or the trainer finished), and the step is saved so a restart resumes;
 - a trainer that goes silent (killed, restarting, expired) is waited for, up to
@@ -52,6 +55,7 @@ from rolectl.roles.session import (
 from rolectl.roles.transports import make_pull_transport, make_rendezvous_transport
 from rolectl.sync_protocol import (
     EvalFinished,
+    ExplorersResumed,
     MemberReleased,
     ReleaseReason,
     RendezvousReady,
@@ -103,6 +107,8 @@ class Explorer:
         self.state_file = cfg.job_dir / member_id / "explorer_state.json"
         self.explore_step = 0
         self.version = -1  # no weights pulled yet (the engine holds the base model, version 0)
+        self.tasks_produced = 0  # tasks (groups) published so far: the pace the core bounds (max_ahead)
+        self._told_seq = 0  # the stream seq of our last join or step report: what the core paced us by
         self.sync_wait_s: list[float] = []
         self.finished = False  # our work is done: the task set is exhausted or the trainer finished
         self._background: asyncio.Task | None = None
@@ -156,13 +162,14 @@ class Explorer:
             self.log.warning("resuming_from_saved_state", path=str(self.state_file), step=saved.step,
                              recorded_step=recorded.step if recorded else None, mode=self.start_mode.value)
             self.explore_step = state["explore_step"]
+            self.tasks_produced = state.get("tasks_produced", 0)
             self.taskset.load_state_dict(state["taskset"])
         elif state is not None:
             self.state_file.unlink()
             self.log.warning("discarded_saved_state", path=str(self.state_file), step=saved.step)
 
     def save_state(self) -> None:
-        write_json_atomic(self.state_file, {"explore_step": self.explore_step,
+        write_json_atomic(self.state_file, {"explore_step": self.explore_step, "tasks_produced": self.tasks_produced,
                                             "taskset": self.taskset.state_dict()})
 
     # -- setup -------------------------------------------------------------------------------------
@@ -183,7 +190,7 @@ class Explorer:
             else:
                 self.transport = make_pull_transport(self.cfg, session.conn)
             self.experiences = ExperiencePublisher(session.conn, self.member_id)
-            await session.join(step=self.explore_step, version=self.version)
+            self._told_seq = await session.join(step=self.explore_step, version=self.version)
             try:
                 await self.sync_weight()  # the first pull, before exploring
                 if self.evaluates and self.cfg.eval.eval_on_startup and self.explore_step == 0:
@@ -201,11 +208,43 @@ class Explorer:
         await self.experiences.publish(batch)
         self.explore_step = batch.explore_step
         self.s.step = batch.explore_step
+        self.tasks_produced += len({e.group for e in batch.experiences})
 
     async def report_step(self, metrics: dict[str, float]) -> None:
-        """Report the explorer's current step, with the weights it holds, and `metrics`."""
-        await self.s.publish(StepFinished(member=self.s.me, step=self.explore_step, version=self.engine.version,
-                                          metrics=metrics))
+        """Report the explorer's current step, with the weights it holds, and `metrics` (and, when
+        explorers are paced, the tasks produced so far)."""
+        tasks = self.tasks_produced if self.sync.max_ahead is not None else None
+        self._told_seq = await self.s.publish(StepFinished(member=self.s.me, step=self.explore_step,
+                                                           version=self.engine.version, metrics=metrics, tasks=tasks))
+
+    async def wait_while_paused(self) -> None:
+        """Start no step while the core has us paused for running ahead of the trainer
+        (`synchronizer.max_ahead`): our view, folded past our last report, says whether we are; the
+        recorded `ExplorersResumed` after it lets us go (none within the sync timeout: no
+        synchronizer runs, and we go on, as a sync wait does)."""
+        if self.sync.max_ahead is None:
+            return
+        while True:
+            try:
+                return await self._wait_for_resume()
+            except MemberRejoined as exc:  # expired meanwhile: the new incarnation's join is paced again
+                self._told_seq = self.s.view.last_seq
+                self.log.warning("pause_asked_again", reason=str(exc))
+
+    async def _wait_for_resume(self) -> None:
+        view, told = self.s.view, self._told_seq
+        await view.wait_for(lambda v: v.last_seq >= told, timeout=120.0, what=f"our report (seq {told}) folded")
+        if self.s.key not in view.state.paused:
+            return
+        at, started = view.last_seq, time.monotonic()
+        self.log.info("explorer_paused", step=self.explore_step, produced=view.state.tasks_produced,
+                      consumed=view.state.tasks_consumed, limit=view.state.ahead_limit())
+        resumed = await self.s.wait_decision(
+            lambda d: d if isinstance(d, ExplorersResumed) and d.cause_seq > at else None, after=at,
+            what="the trainer to take what the explorers produced (paused: synchronizer.max_ahead)",
+            give_up=self._trainer_gone_for_good, detail=self._who_is_missing)
+        self.log.info("explorer_resumed", step=self.explore_step, waited_s=round(time.monotonic() - started, 3),
+                      reason=resumed.reason.value if resumed else "no decision")
 
     @property
     def replaced(self) -> bool:
@@ -448,7 +487,8 @@ class TaskSetLoop:
         x = self.explorer
         try:
             while True:
-                await x.apply_background_weights()
+                await x.wait_while_paused()
+                await x.apply_background_weights()  # fetched while it waited, too: the newest
                 position = x.taskset.state_dict()  # where a stop before this step is recorded resumes
                 tasks = x.taskset.next_batch()
                 if tasks is None:

@@ -37,7 +37,6 @@ from rolectl.sync_protocol import (
     EvalFinished,
     Event,
     IllegalEvent,
-    JobConfigured,
     MemberJoined,
     MemberRef,
     Recorded,
@@ -171,7 +170,7 @@ class MemberSession:
             self.incarnation = claim.incarnation
             self.publisher = EventPublisher(self.conn, self.me)
             # the same msg id in two racing starts of this incarnation: stored once, either way
-            await self.publish(JobConfigured(member=self.me, config=self.cfg.synchronizer))
+            await self.publish(self.cfg.job_configured(self.me))
             try:
                 seq = await self.publisher.publish(self._joined(), msg_id=claim.join_msg_id(self.me),
                                                    expected_last_subject_seq=claim.guard)
@@ -355,7 +354,7 @@ class MemberSession:
         # Joined first, switched after: anything this process says from now on comes from an
         # incarnation already in the record (a waiter asking again must not overtake the join).
         publisher = EventPublisher(self.conn, new)
-        await publisher.publish(JobConfigured(member=new, config=self.cfg.synchronizer))
+        await publisher.publish(self.cfg.job_configured(new))
         try:
             await publisher.publish(self._joined(new), msg_id=claim.join_msg_id(new),
                                     expected_last_subject_seq=claim.guard)

@@ -77,7 +77,6 @@ from rolectl.roles.resume import StartRefused
 from rolectl.roles.session import freeze_heap, stop_task
 from rolectl.sync_protocol import (
     Decision,
-    JobConfigured,
     MemberExpired,
     MemberJoined,
     MemberRef,
@@ -220,7 +219,7 @@ class Synchronizer:
         """Announce the config we decide with and that we are up, as the incarnation claimed: the join
         is stored only if no other start of this replica id joined since the claim was read."""
         claim = self._claim
-        await self.events.publish(JobConfigured(member=self.me, config=self.sync_cfg))
+        await self.events.publish(self.cfg.job_configured(self.me))
         try:
             await self.events.publish(
                 MemberJoined(member=self.me, host=socket.gethostname(), pid=os.getpid(), step=0, version=0, ranks=0),

@@ -83,6 +83,8 @@ class Trainer:
         self.last_sync_step = 0
         self.version = 0  # the base model
         self.dropped_stale = 0
+        # experiences taken off the stream: trained, dropped or filtered (what paces explorers, max_ahead)
+        self.experiences_taken = 0
         self.last_metrics: dict | None = None  # the saved step's StepFinished metrics
         self.answered_rounds: set[int] = set()
         self.end_reason = ""
@@ -123,6 +125,7 @@ class Trainer:
         self.last_sync_step = state["last_sync_step"]
         self.version = state["version"]
         self.dropped_stale = state.get("dropped_stale", 0)
+        self.experiences_taken = state.get("experiences_taken", 0)
         self.last_metrics = state.get("metrics")
 
     def _adopt_published_versions(self, view) -> None:
@@ -226,6 +229,7 @@ class Trainer:
         await self.session.fence()  # a process back from a pause must not train what its successor trains
         metrics = await asyncio.to_thread(self.engine.train_step, batch, current_version=self.version)
         self.ledger.step_trained()  # the next save may ack them
+        self.experiences_taken += len(batch)
         self._guard_metrics(metrics)
         self.session.step = self.engine.step
         metrics["dropped_stale_total"] = float(self.dropped_stale)
@@ -252,8 +256,10 @@ class Trainer:
                              updates=int(metrics["updates_skipped_nonfinite"]))
 
     async def _step_finished(self, metrics: dict) -> None:
+        # with explorers paced (max_ahead), the tasks taken off the stream so far: the core's count
+        tasks = self.experiences_taken // self.engine.group_size if self.sync.max_ahead is not None else None
         await self.session.publish(StepFinished(member=self.session.me, step=self.engine.step,
-                                                version=self.version, metrics=metrics))
+                                                version=self.version, metrics=metrics, tasks=tasks))
         self.log.info("train_step", step=self.engine.step, version=self.version,
                       reward=round(metrics.get("reward_mean", 0.0), 4), loss=round(metrics.get("loss", 0.0), 4))
 
@@ -281,6 +287,7 @@ class Trainer:
                 for index, exp in await self.ledger.receive(msg):
                     if is_stale(exp.model_version, self.version, self.sync.max_staleness):
                         self.dropped_stale += 1
+                        self.experiences_taken += 1
                     else:
                         batch.append((msg.seq, index, exp))
             self.ledger.record_held()
@@ -427,6 +434,7 @@ class Trainer:
         acks = self.ledger.at_checkpoint()  # which experiences are trained on, which messages done
         state = {"checkpoint": name, "step": step, "last_sync_step": self.last_sync_step,
                  "version": self.version, "dropped_stale": self.dropped_stale,
+                 "experiences_taken": self.experiences_taken,
                  "metrics": self.last_metrics, **acks.state}
         # If we die after this but before publishing the version, the restart publishes it.
         write_json_atomic(self.ckpt_dir / "trainer_state.json", state)
