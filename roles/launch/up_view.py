@@ -99,12 +99,15 @@ SUMMARY_SHOWN = ("job", "complete", "end_reason", "engines", "trainer_world_size
                  "trainer_steps", "explorer_steps",
                  "syncs", "rounds", "weight_loads", "final_version", "reward_first", "reward_last",
                  "experiences_produced", "experiences_trained", "experiences_dropped_stale",
-                 "experiences_left_untrained", "weights_bytes_moved", "weights_bytes_per_sync",
+                 "experiences_left_untrained", "explorer_pauses",
+                 "weights_bytes_moved", "weights_bytes_per_sync",
                  "sync_wait_ms", "wall_s", "run_dir")
 
 
 # a trainer of ranks; an engine that exports; a LoRA adapter
 _SHOWN_WHEN_SET = ("trainer_world_size", "hf_model_dir", "trainable_parameters")
+# what only a job that paces its explorers (synchronizer.max_ahead) counts
+_SHOWN_WHEN_NONZERO = ("explorer_pauses",)
 
 
 def summary_table(summary: dict) -> Table:
@@ -116,6 +119,8 @@ def summary_table(summary: dict) -> Table:
     served = ("served_requests", "rewarded", "expired") if "served_requests" in summary else ()
     for key in (*SUMMARY_SHOWN, *served):
         if key in _SHOWN_WHEN_SET and key not in summary:
+            continue
+        if key in _SHOWN_WHEN_NONZERO and not summary.get(key):
             continue
         table.add_row(key, json.dumps(summary.get(key)), SUMMARY_MEANINGS.get(key, ""))
     return table

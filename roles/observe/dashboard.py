@@ -46,7 +46,7 @@ from rolectl.bus.security import redact
 from rolectl.bus.snapshots import SnapshotStore
 from rolectl.bus.subjects import JobNames
 from rolectl.roles.exit_codes import ExitCode
-from rolectl.roles.observe.observer import JobObserver
+from rolectl.roles.observe.observer import JobObserver, pace_view
 from rolectl.roles.stopping import stop_task
 from rolectl.sync_protocol import Role
 
@@ -327,6 +327,7 @@ class Dashboard:
             "served": obs.served_view(),  # serve mode's traffic (None when no explorer serves)
             "staleness": {"mean": stale[1] if stale else None, "dropped_total": stale[2] if stale else None,
                           "series": _thin([[s, m, d] for s, m, d in obs.staleness])},
+            "pace": pace_view(obs),  # explorers paused for running ahead of the trainer (max_ahead)
             "series": {
                 "reward": _thin([[step, reward] for step, reward, _ in obs.reward]),
                 # eval means by version, on the reward's axis: version N is the weights after train step N
@@ -449,6 +450,17 @@ def _trainer_metrics(obs: JobObserver, job: str):
         c = _counter("trainer_dropped_stale", "Experiences the trainer dropped as too stale")
         c.add_metric((job,), dropped)
         yield c
+    yield from _pace_metrics(obs, job)
+
+
+def _pace_metrics(obs: JobObserver, job: str):
+    """The explorers paused for running ahead of the trainer (`synchronizer.max_ahead`), and the pauses."""
+    view = pace_view(obs)
+    paused = _gauge("explorers_paused", "Explorers paused now for running ahead of the trainer (max_ahead)")
+    paused.add_metric((job,), len(view["paused"]))
+    pauses = _counter("explorer_pauses", "Explorer pauses for running ahead of the trainer (max_ahead)")
+    pauses.add_metric((job,), view["pauses"])
+    yield from (paused, pauses)
 
 
 def _stream_metrics(obs: JobObserver, job: str):

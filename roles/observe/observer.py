@@ -59,7 +59,7 @@ from rolectl.sync_protocol import (
 from rolectl.sync_protocol.describe import in_words
 from rolectl.sync_protocol.reducer import reduce_lenient
 
-__all__ = ["JobObserver", "StepCounts"]
+__all__ = ["JobObserver", "StepCounts", "pace_view"]
 
 
 class StepCounts:
@@ -491,6 +491,7 @@ class JobObserver:
             "experiences_dropped_stale": self.dropped_stale,
             "experiences_left_untrained": (self.experiences_produced.total - self.experiences_trained.total
                                            - self.dropped_stale),
+            "explorer_pauses": self.state.explorer_pauses,
             "over_rollout_tasks_cut": self.tasks_cut.total,
             # percentiles of the newest `max_points` waits; the counts are of every wait
             "sync_wait_ms": {"p50": percentile(waits, 0.5), "p99": percentile(waits, 0.99),
@@ -502,3 +503,11 @@ class JobObserver:
             **({key: self.served_total(key) for key in _SERVED} if self.served else {}),
             "events": self.records,
         }
+
+
+def pace_view(obs: JobObserver) -> dict[str, Any]:
+    """The explorers paused now for running ahead of the trainer (`synchronizer.max_ahead`), the
+    pauses so far, and the tasks behind them: what `rolectl status` and the page flag."""
+    state = obs.state
+    return {"paused": list(state.paused), "pauses": state.explorer_pauses, "produced": state.tasks_produced,
+            "consumed": state.tasks_consumed, "limit": state.ahead_limit()}

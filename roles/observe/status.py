@@ -20,7 +20,7 @@ from rolectl.bus.events import last_sequence, read_events, subscribe_heartbeats
 from rolectl.bus.logging import setup_logging
 from rolectl.bus.snapshots import SnapshotStore
 from rolectl.roles.exit_codes import ExitCode
-from rolectl.roles.observe.observer import JobObserver
+from rolectl.roles.observe.observer import JobObserver, pace_view
 from rolectl.roles.observe.render import stdout_console
 from rolectl.roles.observe.views import format_ago, progress_text, version_text
 from rolectl.sync_protocol import Role
@@ -80,6 +80,14 @@ async def collect_status(job: str, nats: str, *, heartbeat_wait_s: float | None 
     return observer, time.time_ns() // 1_000_000
 
 
+def _print_pace(out, view: dict) -> None:
+    """The explorers paused for running ahead of the trainer, and by how much."""
+    if view["paused"]:
+        out.print(f"paused, ahead of the trainer (synchronizer.max_ahead): {', '.join(view['paused'])}; "
+                  f"explorers' tasks {view['produced']}, the trainer's {view['consumed']}, bound {view['limit']} "
+                  "ahead", highlight=False, markup=False)
+
+
 def _every_live_member_beat(observer: JobObserver) -> bool:
     live = [m.key for m in observer.state.members.values() if m.alive and m.ref.role is not Role.SYNCHRONIZER]
     return bool(live) and all(k in observer.heartbeats for k in live)
@@ -101,10 +109,11 @@ async def print_status(job: str, nats: str, *, as_json: bool = False, connect_ti
         return ExitCode.ERROR
     rows = observer.members(now_ms)
     latest = observer.latest()
+    pace = pace_view(observer)
     if as_json:
         json.dump({"job": job, "latest": latest, "members": rows, "last_seq": observer.state.last_seq,
                    "open_rounds": sorted(observer.state.rounds), "illegal_events": observer.illegal_total,
-                   "eval": observer.eval_curve()},
+                   "eval": observer.eval_curve(), "pace": pace},
                   sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
@@ -112,7 +121,8 @@ async def print_status(job: str, nats: str, *, as_json: bool = False, connect_ti
     table = Table(title=f"job {job} · latest version {latest['version']} · stream seq {observer.state.last_seq}")
     for col in ("role", "id", "status", "step", "version", "last seen", "host"):
         table.add_column(col, justify="right" if col in ("step", "version") else "left")
-    colour = {"running": "green", "require_sync": "yellow", "finished": "blue", "stopped": "dim", "expired": "red"}
+    colour = {"running": "green", "require_sync": "yellow", "paused": "yellow", "finished": "blue", "stopped": "dim",
+              "expired": "red"}
     for row in rows:
         status = f"[{colour.get(row['status'], 'white')}]{row['status']}[/]"
         table.add_row(row["role"], row["id"], status, progress_text(row), version_text(row),
@@ -122,6 +132,7 @@ async def print_status(job: str, nats: str, *, as_json: bool = False, connect_ti
     elif observer.state.rounds:
         table.caption = f"open sync rounds: {', '.join(map(str, sorted(observer.state.rounds)))}"
     out.print(table)
+    _print_pace(out, pace)
     curve = observer.eval_curve()
     if curve:
         last = curve[-1]

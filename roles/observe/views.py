@@ -165,6 +165,7 @@ SUMMARY_MEANINGS: dict[str, str] = {
     "weights_bytes_moved": "bytes explorers loaded",
     "weights_bytes_per_sync": "bytes the trainer sent per version",
     "experiences_dropped_stale": "past the staleness bound",
+    "explorer_pauses": "explorers paused, running ahead",
     "eval": "eval set's reward means, by version",
     "over_rollout_tasks_cut": "tasks a step did not wait for",
     "experiences_left_untrained": "produced, never trained nor dropped",
@@ -205,7 +206,8 @@ def version_text(row: dict[str, Any]) -> str:
 
 def member_rows(state: State, heartbeats: dict[str, int] | None = None, now_ms: int | None = None
                 ) -> list[dict[str, Any]]:
-    """One row per member (trainer, explorers, synchronizers), sorted by role then id.
+    """One row per member (trainer, explorers, synchronizers), sorted by role then id; an explorer
+    the core paused for running ahead of the trainer (`synchronizer.max_ahead`) is `paused`.
 
     `heartbeats` maps member key -> server-independent receive time (ms) of its last heartbeat;
     `last_seen_ms` is the later of that and its last recorded event.
@@ -223,7 +225,7 @@ def member_rows(state: State, heartbeats: dict[str, int] | None = None, now_ms: 
             "role": m.ref.role.value,
             "id": m.ref.id,
             "incarnation": m.ref.incarnation,
-            "status": member_status(m),
+            "status": "paused" if m.alive and m.key in state.paused else member_status(m),
             "alive": m.alive,
             "step": m.step,
             "total_steps": total,  # as the member reports it with each step (None before its first)
