@@ -154,11 +154,23 @@ class EngineSpec:
 
 # -- tiny ------------------------------------------------------------------------------------------
 
+_TINY_READS_NO_DATA = (
+    "the tiny engine's vocabulary is ten digits and four special tokens: it reads no text, only its own "
+    "digit-reversal task. For your own data and rewards use `model: {engine: hf, path: DIR, build: {family: "
+    "gpt2}}` (a small GPT-2 built at DIR from your data's words: no download, runs on CPU; or DIR your own "
+    "Hugging Face model) with `pip install -e '.[verl]'` (the hf extra's transformers and datasets, and verl, "
+    "whose losses the hf trainer uses: `.[hf]` alone is not enough); examples/own_model.yaml shows it")
+
+
 def _tiny_problems(sections: EngineSections) -> list[tuple[str, str]]:
     # an empty section asks for nothing
-    return [(name, f"the tiny engine has its own task and loss; remove `{name}:` or use engine: hf")
-            for name in ("data", "algorithm") if getattr(sections, name) is not None
-            and getattr(sections, name).model_dump()]
+    problems = []
+    if sections.data is not None and sections.data.model_dump():
+        problems.append(("data", _TINY_READS_NO_DATA))
+    if sections.algorithm is not None and sections.algorithm.model_dump():
+        problems.append(("algorithm", "the tiny engine has its own task and loss; remove `algorithm:` or use "
+                                      "engine: hf"))
+    return problems
 
 
 def _tiny_train(sections: EngineSections) -> TinyTrainEngine:
