@@ -261,8 +261,9 @@ class EvalConfig(TableSection):
     reverse (`{"prompt": "reverse 3 1 4 0 =", "answer": "0 4 1 3"}`)."""
 
     rewards: tuple[Annotated[str, Strict(), Field(min_length=1)], ...] | None = None
-    """Reward names (built-ins or `module:function`) whose means are reported; default the names in
-    `data.rewards`, or `positional_match` and `exact_match` for the tiny engine."""
+    """Reward names (built-ins, `module:function` or `path/to/file.py:function`, as in `data.rewards`)
+    whose means are reported; default the names in `data.rewards`, or `positional_match` and
+    `exact_match` for the tiny engine."""
     temperature: Annotated[float, Strict(), Field(ge=0, allow_inf_nan=False)] = 0.0
     """Sampling temperature; 0 is greedy (the default)."""
     samples: PositiveInt = 1
