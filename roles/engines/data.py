@@ -39,6 +39,7 @@ __all__ = [
     "open_table",
     "load_rows",
     "describe_source",
+    "source_field_problems",
     "path_problems",
     "dataset_problem",
     "config_problem",
@@ -186,6 +187,20 @@ def split_problem(path: str | list[str], split: str) -> str | None:
         return f"{what} one split, `train` (got {split!r}): point path at the {split} data, or leave split out"
     splits = json.loads((directory / "dataset_dict.json").read_text()).get("splits", [])
     return None if split in splits else f"{directory} has no split {split!r}; its splits: {splits}"
+
+
+def source_field_problems(field: str, value: Any, earlier: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """Problems with one field of a source section (`path`, `dataset`, `config`, `split`) given the
+    fields validated before it, each at its location relative to the field ("" or "[i]")."""
+    if field == "path":
+        return path_problems(value) if value is not None else []
+    if field == "dataset":
+        problem = dataset_problem(value) if value is not None else None
+    elif field == "config":
+        problem = config_problem(earlier["dataset"], value) if earlier.get("dataset") is not None else None
+    else:
+        problem = split_problem(earlier["path"], value) if earlier.get("path") is not None else None
+    return [("", problem)] if problem else []
 
 
 # -- reading -------------------------------------------------------------------------------------------

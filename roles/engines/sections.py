@@ -343,51 +343,16 @@ class TableSection(Section):
     """Column holding the answer the rewards compare with."""
 
     # What the source names is checked field by field, so that every problem is reported at once.
-    @field_validator("path")
+    @field_validator("path", "dataset", "config", "split")
     @classmethod
-    def _files_exist(cls, path: str | list[str] | None, info: ValidationInfo) -> str | list[str] | None:
-        if path is not None and checking(info):
-            from .data import path_problems
+    def _source_exists(cls, value: Any, info: ValidationInfo) -> Any:
+        if checking(info):
+            from .data import source_field_problems
 
-            problems = path_problems(path)
+            problems = source_field_problems(info.field_name, value, info.data)
             if problems:
                 raise invalid(problems)
-        return path
-
-    @field_validator("dataset")
-    @classmethod
-    def _dataset_cached(cls, dataset: str | None, info: ValidationInfo) -> str | None:
-        if dataset is not None and checking(info):
-            from .data import dataset_problem
-
-            problem = dataset_problem(dataset)
-            if problem:
-                raise ValueError(problem)
-        return dataset
-
-    @field_validator("config")
-    @classmethod
-    def _config_cached(cls, config: str | None, info: ValidationInfo) -> str | None:
-        dataset = info.data.get("dataset")
-        if dataset is not None and checking(info):
-            from .data import config_problem
-
-            problem = config_problem(dataset, config)
-            if problem:
-                raise ValueError(problem)
-        return config
-
-    @field_validator("split")
-    @classmethod
-    def _split_exists(cls, split: str, info: ValidationInfo) -> str:
-        path = info.data.get("path")
-        if path is not None and checking(info):
-            from .data import split_problem
-
-            problem = split_problem(path, split)
-            if problem:
-                raise ValueError(problem)
-        return split
+        return value
 
     @model_validator(mode="after")
     def _one_source(self) -> TableSection:
