@@ -12,6 +12,7 @@ advantage and no loss.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -58,6 +59,10 @@ class VerlAlgorithm:
         self.config = config
         self.core_algos = core_algos
         self.advantage_fn = core_algos.get_adv_estimator_fn(config.advantage)
+        # verl's trainer hands GRPO this flag itself: its estimators do not read it from the config
+        takes = inspect.signature(self.advantage_fn).parameters
+        self._estimator_kwargs = ({"norm_adv_by_std_in_grpo": config.norm_adv_by_std_in_grpo}
+                                  if "norm_adv_by_std_in_grpo" in takes else {})
         self.policy_loss_fn = core_algos.get_policy_loss_fn(config.policy_loss)
         self.algo_config = AlgoConfig(adv_estimator=config.advantage,
                                       norm_adv_by_std_in_grpo=config.norm_adv_by_std_in_grpo,
@@ -82,7 +87,7 @@ class VerlAlgorithm:
         token_rewards = token_rewards * response_mask
         index = np.array(list(groups), dtype=object)
         advantages, _ = self.advantage_fn(token_level_rewards=token_rewards, response_mask=response_mask.float(),
-                                          index=index, config=self.algo_config)
+                                          index=index, config=self.algo_config, **self._estimator_kwargs)
         return advantages
 
     def policy_loss(self, old_logprobs: Tensor, logprobs: Tensor, advantages: Tensor, response_mask: Tensor, *,

@@ -176,3 +176,12 @@ def test_an_outcome_reward_sits_on_the_last_trained_token():
     returns = rewards.unsqueeze(-1).expand(-1, 3)
     expected = (returns - returns.mean()) / (returns.std() + 1e-8)
     assert advantages[:, [0, 1, 4]].flatten().tolist() == pytest.approx(expected.flatten().tolist(), abs=1e-4)
+
+
+def test_norm_adv_by_std_in_grpo_false_leaves_the_advantages_centred():
+    _, _, mask, rewards, groups = batch(seed=8)
+    advantages = VerlAlgorithm(AlgorithmConfig(norm_adv_by_std_in_grpo=False), group_size=4).advantages(
+        rewards, mask, groups)
+    first = [i for i, g in enumerate(groups) if g == "g0"]
+    assert advantages[first, 0].tolist() == pytest.approx((rewards[first] - rewards[first].mean()).tolist(),
+                                                          abs=1e-6)
