@@ -67,7 +67,15 @@ __all__ = [
 
 
 def _finite(values: tuple[float, ...]) -> bool:
-    return all(math.isfinite(v) for v in values)
+    # the sum (in C) is finite unless a value is not, or the sum overflows: then look at each
+    return math.isfinite(sum(values)) or all(math.isfinite(v) for v in values)
+
+
+def _outside(tokens: tuple[int, ...], vocab_size: int) -> int | None:
+    """The first token id outside [0, vocab_size), or None."""
+    if not tokens or (min(tokens) >= 0 and max(tokens) < vocab_size):
+        return None
+    return next(t for t in tokens if not 0 <= t < vocab_size)
 
 
 def validate_batch(batch: ExperienceBatch, limits: ExperienceLimits) -> None:
@@ -98,10 +106,9 @@ def validate_batch(batch: ExperienceBatch, limits: ExperienceLimits) -> None:
         if len(exp.logprobs) != len(exp.response):
             raise MalformedExperience(f"{w}: {len(exp.logprobs)} logprobs for {len(exp.response)} response tokens")
         for part in ("prompt", "response"):
-            tokens = getattr(exp, part)
-            bad = [t for t in tokens if not 0 <= t < limits.vocab_size]
-            if bad:
-                raise MalformedExperience(f"{w}: {part} token {bad[0]} outside the vocabulary "
+            bad = _outside(getattr(exp, part), limits.vocab_size)
+            if bad is not None:
+                raise MalformedExperience(f"{w}: {part} token {bad} outside the vocabulary "
                                           f"[0, {limits.vocab_size})")
         _check_trajectory(exp, batch.model_version, w)
         if limits.response_tokens is not None:
@@ -127,7 +134,7 @@ def _check_trajectory(exp: Experience, batch_version: int, where: str) -> None:
         if len(exp.loss_mask) != len(exp.response):
             raise MalformedExperience(f"{where}: loss_mask has {len(exp.loss_mask)} entries for "
                                       f"{len(exp.response)} response tokens")
-        if any(m not in (0, 1) for m in exp.loss_mask):
+        if not set(exp.loss_mask) <= {0, 1}:
             raise MalformedExperience(f"{where}: loss_mask holds a value other than 0 and 1")
     if exp.token_versions is None:
         return

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -72,16 +73,19 @@ def experience_batch(experiences: Sequence[Experience], advantages: AdvantageEst
     if not experiences:
         raise ValueError("train_step needs at least one experience")
     width = max(1, max(len(e.response) for e in experiences))
-    old_logprobs = torch.zeros(len(experiences), width)
-    mask = torch.zeros(len(experiences), width, dtype=torch.bool)
+    # filled in numpy: torch.tensor reads a tuple of Python numbers an order of magnitude slower;
+    # a mask of 0/1 reads fastest as bytes
+    old_logprobs = np.zeros((len(experiences), width), dtype=np.float32)
+    mask = np.zeros((len(experiences), width), dtype=np.bool_)
     for row, e in enumerate(experiences):
-        old_logprobs[row, :len(e.response)] = torch.tensor(e.logprobs, dtype=torch.float32)
-        mask[row, :len(e.response)] = torch.tensor(e.mask(), dtype=torch.bool)
+        old_logprobs[row, :len(e.response)] = e.logprobs
+        mask[row, :len(e.response)] = True if e.loss_mask is None else np.frombuffer(bytes(e.loss_mask), np.uint8)
     rewards = torch.tensor([e.reward for e in experiences], dtype=torch.float32)
     groups = tuple(e.group for e in experiences)
+    loss_mask = torch.from_numpy(mask)
     return TrainBatch(prompts=tuple(e.prompt for e in experiences), responses=tuple(e.response for e in experiences),
-                      groups=groups, loss_mask=mask, old_logprobs=old_logprobs,
-                      advantages=advantages(rewards, mask, groups), rewards=rewards)
+                      groups=groups, loss_mask=loss_mask, old_logprobs=torch.from_numpy(old_logprobs),
+                      advantages=advantages(rewards, loss_mask, groups), rewards=rewards)
 
 
 @dataclass(frozen=True, slots=True)
