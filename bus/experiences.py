@@ -22,8 +22,10 @@ Delivery: at least once. A batch is stored once per (explorer, explore step) tha
 Size: a batch travels as one message while it fits the stream's `max_msg_size` (and the server's
 `max_payload`). One over it travels one message per group instead, `exp/<member>/<explore_step>/<g>`
 for its `g`-th group: a group is what the trainer needs whole, and a replayed step stores each of
-its groups once whatever its episodes' lengths came out as. A group over the limit is refused
-before anything of the batch is sent (`PayloadTooLarge`, naming the settings that size it).
+its groups once whatever its episodes' lengths came out as (a replay that lands on the other side
+of the limit, whole once and by group once, is stored twice: batches belong well inside it). A
+group over the limit is refused before anything of the batch is sent (`PayloadTooLarge`, naming
+the settings that size it).
 """
 
 from __future__ import annotations
