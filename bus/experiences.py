@@ -108,9 +108,9 @@ def validate_batch(batch: ExperienceBatch, limits: ExperienceLimits) -> None:
         if len(exp.logprobs) != len(exp.response):
             raise MalformedExperience(f"{w}: {len(exp.logprobs)} logprobs for {len(exp.response)} response tokens")
         for part in ("prompt", "response"):
-            bad = _outside(getattr(exp, part), limits.vocab_size)
-            if bad is not None:
-                raise MalformedExperience(f"{w}: {part} token {bad} outside the vocabulary "
+            outside = _outside(getattr(exp, part), limits.vocab_size)
+            if outside is not None:
+                raise MalformedExperience(f"{w}: {part} token {outside} outside the vocabulary "
                                           f"[0, {limits.vocab_size})")
         _check_trajectory(exp, batch.model_version, w)
         if limits.response_tokens is not None:
