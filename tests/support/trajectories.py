@@ -14,8 +14,8 @@ import torch
 from rolectl.bus.experiences import ExperienceBatch, decode_batch, encode_batch
 from rolectl.sync_protocol.experience import Experience
 
-__all__ = ["multi_turn_episodes", "logit_gradients", "assert_gradient_on_sampled_tokens_only",
-           "assert_hf_trains_on_sampled_tokens_only"]
+__all__ = ["multi_turn_episodes", "logit_gradients", "over_the_wire", "assert_gradient_on_sampled_tokens_only",
+           "assert_a_step_trains_and_counts_tokens", "assert_hf_trains_on_sampled_tokens_only"]
 
 
 def multi_turn_episodes(*, sampled: Sequence[int], observed: Sequence[int], groups: int = 3, group_size: int = 2,
@@ -77,14 +77,22 @@ def assert_gradient_on_sampled_tokens_only(grad: torch.Tensor, experiences: Sequ
             assert bool(torch.count_nonzero(position)) == bool(sampled), (row, j, sampled)
 
 
-def _hf_episodes(trainer, seed: int = 0) -> list:
-    """Multi-turn episodes over the model's vocabulary (special tokens left out), sent over the wire
-    (schema 2) and decoded as the trainer receives them."""
-    words = range(4, trainer.vocab_size)
-    experiences = multi_turn_episodes(sampled=words, observed=words, seed=seed, group_size=trainer.group_size)
+def over_the_wire(experiences: Sequence[Experience]) -> list[Experience]:
+    """`experiences` as a trainer receives them: sent as one batch (schema 2) and decoded."""
     wire = ExperienceBatch(member="e0", explore_step=1, model_version=0, experiences=tuple(experiences))
     assert msgpack.unpackb(encode_batch(wire))["schema"] == 2
     return list(decode_batch(encode_batch(wire)).experiences)
+
+
+def assert_a_step_trains_and_counts_tokens(engine, experiences: Sequence[Experience], *, max_entropy: float) -> None:
+    """`engine.train_step` on multi-turn episodes moves the weights and counts their tokens."""
+    before = engine.weights()
+    metrics = engine.train_step(experiences, current_version=0)
+    assert math.isfinite(metrics["loss"]) and metrics["updates_skipped_nonfinite"] == 0
+    assert any(not torch.equal(t, before[n]) for n, t in engine.weights().items())
+    assert metrics["trained_tokens"] == sum(sum(e.mask()) for e in experiences)
+    assert metrics["masked_tokens"] == sum(e.mask().count(0) for e in experiences) > 0
+    assert 0 < metrics["entropy"] <= max_entropy
 
 
 def _on_policy_batch(trainer, experiences):
@@ -99,18 +107,13 @@ def _on_policy_batch(trainer, experiences):
 
 
 def assert_hf_trains_on_sampled_tokens_only(trainer) -> None:
-    """One minibatch in one pass over multi-turn episodes: the logits that predict an environment's
-    token get exactly zero gradient, the sampled tokens' do not; and the same episodes through
-    `train_step` move the weights and count the tokens."""
-    experiences = _hf_episodes(trainer)
+    """One minibatch in one pass over multi-turn episodes (over the model's vocabulary, special tokens
+    left out): the logits that predict an environment's token get exactly zero gradient, the sampled
+    tokens' do not; and the same episodes through `train_step` move the weights and count the tokens."""
+    words = range(4, trainer.vocab_size)
+    experiences = over_the_wire(multi_turn_episodes(sampled=words, observed=words, group_size=trainer.group_size))
     batch = _on_policy_batch(trainer, experiences)
     head = trainer.model.get_output_embeddings()
     [grad] = logit_gradients(head, lambda: trainer.update.train_batch(batch, trainer.loss_fn))
     assert_gradient_on_sampled_tokens_only(grad, experiences)
-    before = trainer.weights()
-    metrics = trainer.train_step(experiences, current_version=0)
-    assert math.isfinite(metrics["loss"]) and metrics["updates_skipped_nonfinite"] == 0
-    assert any(not torch.equal(t, before[n]) for n, t in trainer.weights().items())
-    assert metrics["trained_tokens"] == sum(sum(e.mask()) for e in experiences)
-    assert metrics["masked_tokens"] == sum(e.mask().count(0) for e in experiences) > 0
-    assert 0 < metrics["entropy"] <= math.log(trainer.vocab_size)
+    assert_a_step_trains_and_counts_tokens(trainer, experiences, max_entropy=math.log(trainer.vocab_size))

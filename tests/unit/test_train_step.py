@@ -7,11 +7,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import msgpack
 import pytest
 import torch
 
-from rolectl.bus.experiences import ExperienceBatch, decode_batch, encode_batch
 from rolectl.roles.engines import TinyConfig, TinyRolloutEngine, TinyTrainEngine, build_task_set
 from rolectl.roles.engines.grpo import ClippedPolicyLoss, token_group_advantages
 from rolectl.roles.engines.losses import (
@@ -26,9 +24,11 @@ from rolectl.roles.engines.step import TrainStep, micro_batches
 from rolectl.roles.engines.task import BOS, EOS, PAD, RESPONSE_TOKENS, SEP
 from rolectl.sync_protocol.experience import Experience
 from tests.support.trajectories import (
+    assert_a_step_trains_and_counts_tokens,
     assert_gradient_on_sampled_tokens_only,
     logit_gradients,
     multi_turn_episodes,
+    over_the_wire,
 )
 
 SMALL = TinyConfig(seed=0, task_length=2, group_size=4, tasks_per_step=8, minibatches=2)
@@ -218,18 +218,8 @@ def test_what_a_masked_token_carries_changes_nothing():
 
 
 def test_a_schema_2_batch_trains_the_tiny_engine_and_counts_its_tokens():
-    experiences = _episodes()
-    wire = ExperienceBatch(member="e0", explore_step=1, model_version=0, experiences=tuple(experiences))
-    assert msgpack.unpackb(encode_batch(wire))["schema"] == 2
-    received = list(decode_batch(encode_batch(wire)).experiences)
-    engine = TinyTrainEngine(TRAJ)
-    before = engine.weights()
-    metrics = engine.train_step(received, current_version=0)
-    assert math.isfinite(metrics["loss"]) and metrics["updates_skipped_nonfinite"] == 0
-    assert any(not torch.equal(t, before[n]) for n, t in engine.weights().items())
-    assert metrics["trained_tokens"] == sum(sum(e.mask()) for e in experiences)
-    assert metrics["masked_tokens"] == sum(e.mask().count(0) for e in experiences) > 0
-    assert 0 < metrics["entropy"] <= math.log(len(RESPONSE_TOKENS))
+    assert_a_step_trains_and_counts_tokens(TinyTrainEngine(TRAJ), over_the_wire(_episodes()),
+                                           max_entropy=math.log(len(RESPONSE_TOKENS)))
 
 
 def test_a_minibatch_without_a_sampled_token_is_no_update():
