@@ -60,9 +60,14 @@ __all__ = [
     "TASK_FILES",
     "OUTCOME_ESTIMATORS",
     "LOSS_AGG_MODES",
+    "TINY_LOSS_AGG_MODES",
     "KL_PENALTIES",
     "DTYPES",
 ]
+
+
+TINY_LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+"""verl's loss aggregation modes the tiny engine's own loss offers (the hf engines take all of verl's)."""
 
 
 class TinyModelSection(Section):
@@ -100,6 +105,9 @@ class TinyModelSection(Section):
     """Gradient-norm clip."""
     temperature: PositiveNumber = 1.0
     """Sampling temperature."""
+    loss_agg_mode: Literal[TINY_LOSS_AGG_MODES] = "token-mean"  # type: ignore[valid-type]
+    """How the loss adds up the trained tokens, as verl's `agg_loss`: token-mean weighs every token
+    alike (long responses more), seq-mean-token-sum / seq-mean-token-mean each sequence alike."""
 
     @field_validator("d_model")
     @classmethod
