@@ -40,6 +40,7 @@ from .engines.sections import (
     FSDPSection,
     HFBuildSection,
     HFModelSection,
+    RolloutCorrectionSection,
     TinyModelSection,
 )
 
@@ -83,6 +84,7 @@ _SECTIONS: tuple[tuple[str, type[BaseModel], str], ...] = (
                           "and refuses it). "),
     ("algorithm", AlgorithmSection, "Optional for `engine: hf` and `engine: fsdp` (these defaults); the tiny "
                                     "engine has its own loss and refuses it. "),
+    ("algorithm.rollout_correction", RolloutCorrectionSection, ""),
     ("agent", AgentSection, ""),
 )
 _TOP_LEVEL = ("job", "nats_url", "run_dir", "archive_dir", "log_level")

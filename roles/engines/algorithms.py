@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from .losses import LossFunction, LossSum, MicroBatch
-from .sections import OUTCOME_ESTIMATORS, AlgorithmSection
+from .sections import OUTCOME_ESTIMATORS, AlgorithmSection, RolloutCorrectionSection
 
 __all__ = [
     "AlgorithmConfig",
@@ -30,6 +30,8 @@ __all__ = [
     "VerlAlgorithm",
     "VerlPolicyLoss",
     "VerlKLPenalty",
+    "RolloutCorrection",
+    "MISMATCH_ALARM",
 ]
 
 _VERL_INSTALL = ("install verl's algorithms: `pip install -e '.[verl]'` (see docs/engines.md; "
@@ -91,22 +93,30 @@ class VerlAlgorithm:
         return advantages
 
     def policy_loss(self, old_logprobs: Tensor, logprobs: Tensor, advantages: Tensor, response_mask: Tensor, *,
-                    batch_num_tokens: int, global_batch_size: int) -> tuple[Tensor, dict[str, Any]]:
+                    batch_num_tokens: int, global_batch_size: int,
+                    rollout_is_weights: Tensor | None = None) -> tuple[Tensor, dict[str, Any]]:
         """verl's policy loss on a micro-batch, aggregated over the whole minibatch (given its tokens and
-        sequences), so gradients accumulated over micro-batches equal one pass over the minibatch."""
+        sequences), so gradients accumulated over micro-batches equal one pass over the minibatch;
+        `rollout_is_weights` (off-policy correction) scale each token's loss."""
         actor_config = self._actor_config_cls(
             **self._actor_kwargs,
             global_batch_info={"dp_size": 1, "batch_num_tokens": batch_num_tokens,
                                "global_batch_size": global_batch_size})
+        weights = {} if rollout_is_weights is None else {"rollout_is_weights": rollout_is_weights}
         return self.policy_loss_fn(old_log_prob=old_logprobs, log_prob=logprobs, advantages=advantages,
                                    response_mask=response_mask.float(), loss_agg_mode=self.config.loss_agg_mode,
-                                   config=actor_config)
+                                   config=actor_config, **weights)
 
     def kl_loss(self, logprobs: Tensor, ref_logprobs: Tensor, response_mask: Tensor, *,
                 batch_num_tokens: int, global_batch_size: int) -> Tensor:
         kl = self.core_algos.kl_penalty(logprobs, ref_logprobs, self.config.kl_penalty)
         return self.core_algos.agg_loss(kl, response_mask.float(), self.config.loss_agg_mode, dp_size=1,
                                         batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size)
+
+    def correction(self) -> RolloutCorrection | None:
+        """The off-policy correction the train step applies (`algorithm.rollout_correction`), if any."""
+        section = self.config.rollout_correction
+        return None if section is None else RolloutCorrection(section)
 
     def loss_function(self) -> LossFunction:
         """The configured objective for the one training step: verl's policy loss, plus
@@ -130,8 +140,9 @@ class VerlPolicyLoss:
 
     def __call__(self, micro: MicroBatch) -> tuple[Tensor, dict[str, float]]:
         loss, metrics = self.algorithm.policy_loss(
-            micro.old_logprobs, micro.logprobs, micro.advantages, micro.loss_mask,
-            batch_num_tokens=micro.num_tokens, global_batch_size=micro.num_sequences)
+            micro.proximal_logprobs, micro.logprobs, micro.advantages, micro.loss_mask,
+            batch_num_tokens=micro.num_tokens, global_batch_size=micro.num_sequences,
+            rollout_is_weights=micro.is_weights)
         measured = {key.replace("actor/", ""): float(value) for key, value in metrics.items()
                     if isinstance(value, (int, float, Tensor))}
         if micro.entropy is not None:  # as verl's actor: this micro-batch's, by loss_agg_mode
@@ -155,3 +166,35 @@ class VerlKLPenalty:
         kl = self.algorithm.kl_loss(micro.logprobs, micro.ref_logprobs, micro.loss_mask,
                                     batch_num_tokens=micro.num_tokens, global_batch_size=micro.num_sequences)
         return kl, {"kl_loss": float(kl.detach())}
+
+
+MISMATCH_ALARM = "rollout_corr/mismatch_alarm"
+"""The step metric that is 1 when the rollout/trainer logprob gap passed `alarm_kl` (else 0)."""
+
+
+class RolloutCorrection:
+    """verl's rollout correction (`rollout_corr_helper`) of a batch: from the trainer's proximal
+    logprobs and the sampler's, the truncated importance weights, the mask with the rejected tokens
+    off, and verl's `rollout_corr/*` metrics, plus `rollout_corr/log_gap_max` (the largest
+    |trainer - sampler| token logprob gap) and the mismatch alarm (`MISMATCH_ALARM`)."""
+
+    def __init__(self, section: RolloutCorrectionSection) -> None:
+        from verl.trainer.ppo import rollout_corr_helper
+
+        self.section = section
+        self._helper = rollout_corr_helper
+
+    def __call__(self, proximal: Tensor, behaviour: Tensor, mask: Tensor
+                 ) -> tuple[Tensor | None, Tensor, dict[str, float]]:
+        """`(weights or None, mask with rejections off, metrics)` for `(rows, width)` logprobs
+        under `mask` (bool; at least one token set)."""
+        s = self.section
+        weights, kept, metrics = self._helper.compute_rollout_correction_and_rejection_mask(
+            old_log_prob=proximal, rollout_log_prob=behaviour, response_mask=mask.float(),
+            rollout_is=s.rollout_is, rollout_is_threshold=s.rollout_is_threshold,
+            rollout_rs=s.rollout_rs, rollout_rs_threshold=s.rollout_rs_threshold)
+        gap = ((proximal - behaviour).abs() * mask).amax()
+        metrics["rollout_corr/log_gap_max"] = float(gap)
+        alarm = s.alarm_kl is not None and metrics["rollout_corr/k3_kl"] > s.alarm_kl
+        metrics[MISMATCH_ALARM] = 1.0 if alarm else 0.0
+        return (None if weights is None else weights.batch["rollout_is_weights"]), kept.bool() & mask, metrics

@@ -125,7 +125,7 @@ class FSDPTrainEngine:
                                 forward=model_forward(self.pad_id, str(self.device), config.temperature),
                                 max_grad_norm=config.max_grad_norm, minibatches=config.minibatches,
                                 micro_batch_size=config.micro_batch_size, rank=self.rank,
-                                world_size=self.world_size)
+                                world_size=self.world_size, correction=self.algorithm.correction())
         self.loss_fn = self.algorithm.loss_function()
         self.group_size = config.group_size
         self.vocab_size = int(self.model.config.vocab_size)

@@ -177,7 +177,7 @@ class HFTrainEngine:
         self.update = TrainStep(model=self.model, optimizer=self.optimizer, reference=self.reference,
                                 forward=model_forward(self.pad_id, config.device, config.temperature),
                                 max_grad_norm=config.max_grad_norm, minibatches=config.minibatches,
-                                micro_batch_size=config.micro_batch_size)
+                                micro_batch_size=config.micro_batch_size, correction=self.algorithm.correction())
         self.loss_fn = self.algorithm.loss_function()
         self.group_size = config.group_size
         self.vocab_size = int(self.model.config.vocab_size)

@@ -58,6 +58,11 @@ class TrainBatch:
     """float: per-token advantages (read where `loss_mask` is set)."""
     rewards: Tensor
     """float `(rows,)`: one scalar reward per sequence."""
+    proximal_logprobs: Tensor | None = None
+    """float: the trainer's logprobs before the step's update (decoupled PPO's proximal policy),
+    set by the step's off-policy correction; None: PPO's ratio is against `old_logprobs`."""
+    is_weights: Tensor | None = None
+    """float: the off-policy correction's truncated importance weight of each token; None: none."""
 
     def __len__(self) -> int:
         return len(self.groups)
@@ -157,6 +162,18 @@ class MicroBatch:
     @property
     def loss_mask(self) -> Tensor:
         return self.take(self.batch.loss_mask)
+
+    @property
+    def proximal_logprobs(self) -> Tensor:
+        """What PPO's ratio is taken against: the proximal policy's logprobs where the step's
+        off-policy correction computed them (decoupled PPO), else the sampler's."""
+        proximal = self.batch.proximal_logprobs
+        return self.take(self.batch.old_logprobs if proximal is None else proximal)
+
+    @property
+    def is_weights(self) -> Tensor | None:
+        """The off-policy correction's importance weights of these rows, or None."""
+        return None if self.batch.is_weights is None else self.take(self.batch.is_weights)
 
     @property
     def old_logprobs(self) -> Tensor:

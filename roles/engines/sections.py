@@ -54,6 +54,7 @@ __all__ = [
     "TableSection",
     "DataSection",
     "AlgorithmSection",
+    "RolloutCorrectionSection",
     "ModelSection",
     "DataField",
     "AlgorithmField",
@@ -419,6 +420,59 @@ LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-tok
 KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k3+", "low_var_kl+")
 
 
+class RolloutCorrectionSection(Section):
+    """`algorithm.rollout_correction`: off-policy correction of what explorers sampled with other
+    weights (an older version, another precision), verl's rollout correction under verl's names.
+
+    With this section the trainer runs decoupled PPO (verl's `bypass_mode: false`): one more
+    forward pass, without gradient, gives the trainer's logprobs before the step's update (the
+    proximal policy); PPO's ratio and clip are taken against them, and the gap between them and the
+    sampler's (behaviour) logprobs is measured every step (`rollout_corr/*` metrics: k3 KL, the
+    largest token gap, importance weights, tokens masked), corrected by truncated importance
+    weights (`rollout_is`) and tokens or sequences past a bound masked out (`rollout_rs`). Without
+    it, PPO's ratio is taken against the sampler's logprobs, as before."""
+
+    rollout_is: Literal["token", "sequence"] | None = None
+    """Truncated importance sampling of the proximal to the sampler's probabilities, a weight per
+    token or per sequence, capped at `rollout_is_threshold` (TIS); null: no weights."""
+    rollout_is_threshold: Annotated[float, Strict(), Field(gt=1, allow_inf_nan=False)] = 2.0
+    """The cap on an importance weight."""
+    rollout_rs: Name | None = None
+    """Masked importance sampling (verl's rejection sampling): tokens or sequences whose divergence
+    passes `rollout_rs_threshold` train nothing, e.g. `token_k1`, `seq_mean_k3`, or several
+    comma-separated (verl's `SUPPORTED_ROLLOUT_RS_OPTIONS`); null: none masked."""
+    rollout_rs_threshold: Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False)] | Name | None = None
+    """Required with `rollout_rs`: one bound per option, comma-separated; a `*_k1` option takes
+    `lower_upper` ratio bounds (e.g. `0.5_2.0`)."""
+    alarm_kl: NonNegativeNumber | None = 0.1
+    """The mismatch alarm: a step whose k3 KL of the sampler's logprobs to the trainer's (over the
+    trained tokens) passes it is flagged (`rollout_corr/mismatch_alarm`, `rolectl status`, the
+    dashboard, the summary's `mismatch_alarms`): the sign of an explorer sampling with stale or
+    wrong weights; set it well above the `rollout_corr/k3_kl` of the job's healthy steps; null: none."""
+
+    @field_validator("rollout_rs")
+    @classmethod
+    def _rs_options_known(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and checking(info):
+            from .algorithms import verl_import_problem
+
+            if verl_import_problem() is None:
+                from verl.trainer.ppo.rollout_corr_helper import SUPPORTED_ROLLOUT_RS_OPTIONS
+
+                unknown = [o for o in value.split(",") if o.strip() not in SUPPORTED_ROLLOUT_RS_OPTIONS]
+                if unknown:
+                    raise ValueError(f"{', '.join(map(repr, unknown))} not among verl's rejection options "
+                                     f"{sorted(SUPPORTED_ROLLOUT_RS_OPTIONS)}")
+        return value
+
+    @model_validator(mode="after")
+    def _rs_bounded(self) -> RolloutCorrectionSection:
+        if self.rollout_rs is not None and self.rollout_rs_threshold is None:
+            raise invalid([("rollout_rs_threshold", f"required with rollout_rs ({self.rollout_rs!r}): the bound "
+                                                    "past which a token or sequence is masked, e.g. 2.0")])
+        return self
+
+
 class AlgorithmSection(Section):
     """`algorithm:` for the `hf` trainer: verl's advantage estimator and policy loss."""
 
@@ -442,6 +496,9 @@ class AlgorithmSection(Section):
     """> 0: a KL loss against the version-0 model (kept frozen by the trainer)."""
     kl_penalty: Literal[KL_PENALTIES] = "low_var_kl"  # type: ignore[valid-type]
     """verl's KL estimator."""
+    rollout_correction: RolloutCorrectionSection | None = None
+    """Off-policy correction (decoupled PPO, truncated or masked importance sampling) and the
+    rollout/trainer gap's metrics and alarm; null: PPO against the sampler's logprobs."""
 
     @field_validator("policy_loss")
     @classmethod

@@ -7,12 +7,18 @@ same at any number of ranks (torchtitan): each rank runs its share of each minib
 rank the same number of passes (a pass is a collective under FSDP), and the minibatch's loss is
 summed over ranks; with one rank there is nothing to sum. Engines differ only in what they hand it:
 a model and optimizer, a `Forward` (how the model scores a batch's rows), and their rank.
+
+With an off-policy correction (`algorithm.rollout_correction`), one pass without gradient first
+scores every row under the weights before the update (the proximal policy, decoupled PPO); the
+correction compares them with the sampler's logprobs, gives importance weights and masks rejected
+tokens, and its metrics join the step's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -46,7 +52,13 @@ class StepResult:
     updates_skipped: int
     """Updates dropped because their loss or gradient was not finite (the weights stayed)."""
     metrics: dict[str, float]
-    """The loss function's metrics, averaged over every micro-batch of every rank."""
+    """The loss function's metrics, averaged over every micro-batch of every rank, and the
+    off-policy correction's, of the whole batch."""
+
+
+Correction = Callable[[Tensor, Tensor, Tensor], tuple[Tensor | None, Tensor, dict[str, float]]]
+"""`(proximal logprobs, behaviour logprobs, loss mask) -> (importance weights or None, loss mask
+with rejected tokens off, metrics)`, all `(rows, width)` (`algorithms.RolloutCorrection`)."""
 
 
 def micro_batches(rows: Sequence[int], groups: Sequence[str], *, size: int | None, rank: int = 0,
@@ -109,12 +121,13 @@ class TrainStep:
     `minibatches` optimizer steps per batch, each over a slice of its groups; `micro_batch_size`
     rows per forward/backward (None: a rank's whole share in one pass). `reference` is the frozen
     model a loss that `needs_reference` is compared with. `rank`/`world_size` > 1: a sharded model
-    whose ranks all call `train_batch` with the same batch.
+    whose ranks all call `train_batch` with the same batch. `correction`: the off-policy correction
+    applied to every batch (None: PPO's ratio against the sampler's logprobs).
     """
 
     def __init__(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, forward: Forward,
                  max_grad_norm: float, minibatches: int, micro_batch_size: int | None, reference: Any = None,
-                 rank: int = 0, world_size: int = 1) -> None:
+                 rank: int = 0, world_size: int = 1, correction: Correction | None = None) -> None:
         self.model = model
         self.optimizer = optimizer
         self.forward = forward
@@ -123,6 +136,7 @@ class TrainStep:
         self.micro_batch_size = micro_batch_size
         self.reference = reference
         self.rank, self.world_size = rank, world_size
+        self.correction = correction
 
     def train_batch(self, batch: TrainBatch, loss_fn: LossFunction) -> StepResult:
         """One optimizer step per minibatch of `batch`, on `loss_fn`; every rank passes the same batch."""
@@ -130,6 +144,7 @@ class TrainStep:
             name = str(loss_fn) if isinstance(loss_fn, LossSum) else type(loss_fn).__name__
             raise ValueError(f"the loss {name} needs a frozen reference model and this engine has none "
                              "(it keeps one when algorithm.kl_coef > 0)")
+        batch, corrected = self._corrected(batch)
         group_order = list(dict.fromkeys(batch.groups))
         count = min(self.minibatches, len(group_order))
         losses, grad_norms, skipped = [], [], 0
@@ -151,7 +166,38 @@ class TrainStep:
             self.optimizer.step()
             losses.append(minibatch_loss)
         return StepResult(loss=sum(losses) / len(losses) if losses else 0.0, grad_norm=max(grad_norms, default=0.0),
-                          updates_skipped=skipped, metrics=self._averaged(measured))
+                          updates_skipped=skipped, metrics={**self._averaged(measured), **corrected})
+
+    def _corrected(self, batch: TrainBatch) -> tuple[TrainBatch, dict[str, float]]:
+        """`batch` with the off-policy correction's proximal logprobs, weights and mask, and its metrics."""
+        if self.correction is None or not batch.loss_mask.any():
+            return batch, {}
+        proximal = self._proximal_logprobs(batch)
+        weights, mask, metrics = self.correction(proximal, batch.old_logprobs, batch.loss_mask)
+        return dataclasses.replace(batch, proximal_logprobs=proximal, is_weights=weights, loss_mask=mask), metrics
+
+    def _proximal_logprobs(self, batch: TrainBatch) -> Tensor:
+        """Every row's logprobs under the weights before the update, without gradient, 0 where
+        `loss_mask` is: each rank scores its share (all making the same passes), and the ranks add
+        their shares up, so every rank holds the whole batch's."""
+        rows = list(range(len(batch)))
+        mine, passes = micro_batches(rows, batch.groups, size=self.micro_batch_size, rank=self.rank,
+                                     world_size=self.world_size, keep_groups=False)
+        proximal = torch.zeros_like(batch.old_logprobs)
+        with torch.no_grad():
+            for index in range(passes):
+                real = index < len(mine)
+                micro = mine[index] if real else _borrowed(rows, batch.groups, keep_groups=False)
+                logprobs = self.forward(self.model, batch, micro, entropy=False).logprobs
+                if real:
+                    width = logprobs.shape[1]
+                    trained = batch.loss_mask[micro, :width].to(logprobs.device)
+                    proximal[micro, :width] = _trained_only(logprobs, trained).float().cpu()
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(proximal, op=dist.ReduceOp.SUM)  # the rows are dealt once: a sum gathers them
+        return proximal
 
     def _forward_backward(self, batch: TrainBatch, rows: list[int], loss_fn: LossFunction,
                           measured: _MetricSums) -> float:
