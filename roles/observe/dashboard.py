@@ -46,7 +46,7 @@ from rolectl.bus.security import redact
 from rolectl.bus.snapshots import SnapshotStore
 from rolectl.bus.subjects import JobNames
 from rolectl.roles.exit_codes import ExitCode
-from rolectl.roles.observe.observer import JobObserver, pace_view
+from rolectl.roles.observe.observer import JobObserver, mismatch_view, pace_view
 from rolectl.roles.stopping import stop_task
 from rolectl.sync_protocol import Role
 
@@ -328,6 +328,7 @@ class Dashboard:
             "staleness": {"mean": stale[1] if stale else None, "dropped_total": stale[2] if stale else None,
                           "series": _thin([[s, m, d] for s, m, d in obs.staleness])},
             "pace": pace_view(obs),  # explorers paused for running ahead of the trainer (max_ahead)
+            "mismatch": mismatch_view(obs),  # the rollout/trainer logprob gap and its alarm
             "series": {
                 "reward": _thin([[step, reward] for step, reward, _ in obs.reward]),
                 # eval means by version, on the reward's axis: version N is the weights after train step N
@@ -451,6 +452,7 @@ def _trainer_metrics(obs: JobObserver, job: str):
         c.add_metric((job,), dropped)
         yield c
     yield from _pace_metrics(obs, job)
+    yield from _mismatch_metrics(obs, job)
 
 
 def _pace_metrics(obs: JobObserver, job: str):
@@ -461,6 +463,24 @@ def _pace_metrics(obs: JobObserver, job: str):
     pauses = _counter("explorer_pauses", "Explorer pauses for running ahead of the trainer (max_ahead)")
     pauses.add_metric((job,), view["pauses"])
     yield from (paused, pauses)
+
+
+def _mismatch_metrics(obs: JobObserver, job: str):
+    """The rollout/trainer logprob gap of the trainer's last step and its alarm (rollout_correction)."""
+    view = mismatch_view(obs)
+    for key, name, doc in (("k3_kl", "trainer_rollout_k3_kl", "k3 KL of the sampler's logprobs to the trainer's, "
+                                                               "last step"),
+                           ("log_gap_max", "trainer_rollout_log_gap_max",
+                            "Largest |trainer - sampler| token logprob gap, last step")):
+        if view[key] is not None:
+            g = _gauge(name, doc)
+            g.add_metric((job,), view[key])
+            yield g
+    alarm = _gauge("trainer_mismatch_alarm", "1 when the trainer's last step passed the rollout/trainer gap alarm")
+    alarm.add_metric((job,), 1 if view["alarm"] else 0)
+    alarms = _counter("trainer_mismatch_alarms", "Trainer steps that passed the rollout/trainer gap alarm")
+    alarms.add_metric((job,), view["alarms"])
+    yield from (alarm, alarms)
 
 
 def _stream_metrics(obs: JobObserver, job: str):

@@ -59,7 +59,7 @@ from rolectl.sync_protocol import (
 from rolectl.sync_protocol.describe import in_words
 from rolectl.sync_protocol.reducer import reduce_lenient
 
-__all__ = ["JobObserver", "StepCounts", "pace_view"]
+__all__ = ["JobObserver", "StepCounts", "pace_view", "mismatch_view", "MISMATCH_ALARM"]
 
 
 class StepCounts:
@@ -99,6 +99,11 @@ class StepCounts:
 
 # the serve-mode figures of `summary()` (see views.SUMMARY_MEANINGS)
 _SERVED = ("served_requests", "rewarded", "expired")
+
+MISMATCH_ALARM = "rollout_corr/mismatch_alarm"
+"""The trainer's step metric that is 1 when the step's rollout/trainer logprob gap passed
+`algorithm.rollout_correction.alarm_kl` (`roles.engines.algorithms.MISMATCH_ALARM`; a test keeps
+the two equal: this module loads no engine)."""
 
 _CAUSE_TIMES_KEPT = 20_000
 """Server times of the newest inputs kept, to time the decisions they cause (a decision's cause is
@@ -154,6 +159,7 @@ class JobObserver:
         self.served: dict[tuple[str, int], dict[str, float]] = {}
         self.served_times: deque[tuple[int, int]] = deque(maxlen=64)  # (time, served so far), for a rate
         self.dropped_stale = 0
+        self.mismatch_alarms = StepCounts()  # trainer steps that raised the rollout/trainer mismatch alarm
         self.tasks_cut = StepCounts()  # tasks over-rollout cut, a step reported twice counts once
         self._asked_at: dict[str, int] = {}  # explorer key -> time it went require_sync
         # the decisions taken from the message at last_seq: a decision batch gives several records
@@ -375,6 +381,7 @@ class JobObserver:
                 + len(self.staleness) + len(self.background_transfers) + len(self.heartbeats)
                 + len(self.sync_waits) + len(self.sync_wait_answers) + len(self.explorer_steps)
                 + self.experiences_produced.size() + self.experiences_trained.size() + len(self._asked_at)
+                + self.mismatch_alarms.size()
                 + len(self._round_info) + len(self._tracking) + len(self._times) + len(self._at_last_seq)
                 + len(self.state.members) + len(self.state.rounds))
 
@@ -410,6 +417,7 @@ class JobObserver:
                 self.rewards_first.append((event.step, m["reward_mean"]))
             self.experiences_trained.add(event.member.id, event.step, int(m.get("num_experiences", 0)))
             self.dropped_stale = max(self.dropped_stale, int(m.get("dropped_stale_total", 0)))
+            self.mismatch_alarms.add(event.member.id, event.step, 1 if m.get(MISMATCH_ALARM, 0.0) >= 1 else 0)
         elif event.member.role is Role.EXPLORER:
             self.explorer_steps[event.member.id] = max(self.explorer_steps.get(event.member.id, 0), event.step)
             self.experiences_produced.add(event.member.id, event.step, int(m.get("experiences", 0)))
@@ -427,6 +435,7 @@ class JobObserver:
         self.reward = deque((p for p in self.reward if p[0] <= after), maxlen=self.reward.maxlen)
         self.staleness = deque((p for p in self.staleness if p[0] <= after), maxlen=self.staleness.maxlen)
         self.experiences_trained.roll_back(event.member.id, after)
+        self.mismatch_alarms.roll_back(event.member.id, after)
 
     def eval_curve(self) -> list[dict[str, Any]]:
         """The evals as recorded: version, explore step, each reward's mean, tasks, responses."""
@@ -492,6 +501,7 @@ class JobObserver:
             "experiences_left_untrained": (self.experiences_produced.total - self.experiences_trained.total
                                            - self.dropped_stale),
             "explorer_pauses": self.state.explorer_pauses,
+            "mismatch_alarms": self.mismatch_alarms.total,
             "over_rollout_tasks_cut": self.tasks_cut.total,
             # percentiles of the newest `max_points` waits; the counts are of every wait
             "sync_wait_ms": {"p50": percentile(waits, 0.5), "p99": percentile(waits, 0.99),
@@ -511,3 +521,14 @@ def pace_view(obs: JobObserver) -> dict[str, Any]:
     state = obs.state
     return {"paused": list(state.paused), "pauses": state.explorer_pauses, "produced": state.tasks_produced,
             "consumed": state.tasks_consumed, "limit": state.ahead_limit()}
+
+
+def mismatch_view(obs: JobObserver) -> dict[str, Any]:
+    """The rollout/trainer logprob gap of the trainer's last step (`algorithm.rollout_correction`),
+    whether it raised the mismatch alarm, and the steps that did so far: what `rolectl status` and
+    the page flag."""
+    trainer = obs.state.trainer_state
+    metrics = dict(trainer.metrics) if trainer else {}
+    return {"step": trainer.step if trainer else None, "alarm": metrics.get(MISMATCH_ALARM, 0.0) >= 1,
+            "alarms": obs.mismatch_alarms.total, "k3_kl": metrics.get("rollout_corr/k3_kl"),
+            "log_gap_max": metrics.get("rollout_corr/log_gap_max")}

@@ -20,7 +20,7 @@ from rolectl.bus.events import last_sequence, read_events, subscribe_heartbeats
 from rolectl.bus.logging import setup_logging
 from rolectl.bus.snapshots import SnapshotStore
 from rolectl.roles.exit_codes import ExitCode
-from rolectl.roles.observe.observer import JobObserver, pace_view
+from rolectl.roles.observe.observer import JobObserver, mismatch_view, pace_view
 from rolectl.roles.observe.render import stdout_console
 from rolectl.roles.observe.views import format_ago, progress_text, version_text
 from rolectl.sync_protocol import Role
@@ -88,6 +88,16 @@ def _print_pace(out, view: dict) -> None:
                   "ahead", highlight=False, markup=False)
 
 
+def _print_mismatch(out, view: dict) -> None:
+    """The mismatch alarm (the sign of stale or wrong weights in an explorer), flagged."""
+    if view["alarms"]:
+        last = (f"; the last step ({view['step']}) passed it: k3 KL {view['k3_kl']:.4g}, largest logprob gap "
+                f"{view['log_gap_max']:.4g}" if view["alarm"] else "")
+        out.print(f"[bold red]mismatch alarm[/]: {view['alarms']} trainer step(s) passed the rollout/trainer gap "
+                  f"alarm (algorithm.rollout_correction.alarm_kl){last}; an explorer may sample with stale or "
+                  "wrong weights", highlight=False)
+
+
 def _every_live_member_beat(observer: JobObserver) -> bool:
     live = [m.key for m in observer.state.members.values() if m.alive and m.ref.role is not Role.SYNCHRONIZER]
     return bool(live) and all(k in observer.heartbeats for k in live)
@@ -109,11 +119,11 @@ async def print_status(job: str, nats: str, *, as_json: bool = False, connect_ti
         return ExitCode.ERROR
     rows = observer.members(now_ms)
     latest = observer.latest()
-    pace = pace_view(observer)
+    pace, mismatch = pace_view(observer), mismatch_view(observer)
     if as_json:
         json.dump({"job": job, "latest": latest, "members": rows, "last_seq": observer.state.last_seq,
                    "open_rounds": sorted(observer.state.rounds), "illegal_events": observer.illegal_total,
-                   "eval": observer.eval_curve(), "pace": pace},
+                   "eval": observer.eval_curve(), "pace": pace, "mismatch": mismatch},
                   sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
@@ -133,6 +143,7 @@ async def print_status(job: str, nats: str, *, as_json: bool = False, connect_ti
         table.caption = f"open sync rounds: {', '.join(map(str, sorted(observer.state.rounds)))}"
     out.print(table)
     _print_pace(out, pace)
+    _print_mismatch(out, mismatch)
     curve = observer.eval_curve()
     if curve:
         last = curve[-1]

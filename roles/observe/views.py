@@ -166,6 +166,7 @@ SUMMARY_MEANINGS: dict[str, str] = {
     "weights_bytes_per_sync": "bytes the trainer sent per version",
     "experiences_dropped_stale": "past the staleness bound",
     "explorer_pauses": "explorers paused, running ahead",
+    "mismatch_alarms": "steps past the rollout/trainer gap alarm",
     "eval": "eval set's reward means, by version",
     "over_rollout_tasks_cut": "tasks a step did not wait for",
     "experiences_left_untrained": "produced, never trained nor dropped",

@@ -203,7 +203,8 @@ def test_each_alert_fires_when_it_should_and_not_before():
     assert result.returncode == 0 and "SUCCESS" in result.stdout, result.stdout + result.stderr
     cases = yaml.safe_load((PROMETHEUS / "rolectl-alerts.test.yml").read_text())["tests"]
     tested = {case["alertname"] for test in cases for case in test["alert_rule_test"]}
-    assert {"RolectlTrainerStalled", "RolectlMemberExpired", "RolectlSyncSlowerThanItsP99"} <= tested
+    assert {"RolectlTrainerStalled", "RolectlMemberExpired", "RolectlSyncSlowerThanItsP99",
+            "RolectlRolloutMismatch"} <= tested
 
 
 def _rolectl_metrics() -> set[str]:
@@ -266,7 +267,8 @@ def _exprs() -> dict[str, str]:
 def test_every_shipped_expression_reads_metrics_that_rolectl_or_nats_server_export():
     exported = _rolectl_metrics() | NATS_EXPORTER_METRICS
     assert {"rolectl_member_status", "rolectl_sync_round_last_duration_seconds",
-            "rolectl_sync_rounds_closed_total", "rolectl_illegal_events_total"} <= exported  # the check can fail
+            "rolectl_sync_rounds_closed_total", "rolectl_illegal_events_total",
+            "rolectl_trainer_mismatch_alarms_total"} <= exported  # the check can fail
     exprs = _exprs()
     assert len(exprs) > 20
     unknown = {where: sorted(_metric_names(expr) - exported) for where, expr in exprs.items()

@@ -119,3 +119,9 @@ def test_bad_settings_say_what_to_write():
     assert _problems({"rollout_is": "sequence", "rollout_rs": "seq_mean_k3", "rollout_rs_threshold": 0.1}) == {}
     assert RolloutCorrectionSection().alarm_kl == 0.1
 
+
+
+def test_the_observer_reads_the_alarm_the_engines_write():
+    from rolectl.roles.observe import observer
+
+    assert observer.MISMATCH_ALARM == MISMATCH_ALARM

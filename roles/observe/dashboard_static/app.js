@@ -180,6 +180,12 @@ function renderHeader(s) {
   if (s.connection.error) problems.push(s.connection.error);
   if (s.archive.error) problems.push(s.archive.error);
   if (s.stream.illegal) problems.push(`${s.stream.illegal} input(s) refused by the reducer (see the event log)`);
+  const mm = s.mismatch;  // the rollout/trainer logprob gap: stale or wrong weights in an explorer
+  if (mm && mm.alarms) {
+    problems.push(`rollout/trainer mismatch alarm: ${mm.alarms} trainer step(s) passed it` +
+      (mm.alarm ? ` (the last, step ${mm.step}: k3 KL ${fmtNum(mm.k3_kl)}, largest gap ${fmtNum(mm.log_gap_max)})` : "") +
+      " · an explorer may sample with stale or wrong weights");
+  }
   banner.hidden = !problems.length;
   banner.textContent = problems.join(" · ");
 }
