@@ -258,3 +258,7 @@ def test_two_fsdp_ranks_and_one_hf_process_give_the_same_loss_on_multi_turn_epis
             assert metrics["masked_tokens"] == sum(e.mask().count(0) for e in batch) > 0
             assert metrics["updates_skipped_nonfinite"] == 0 and metrics["entropy"] > 0 and metrics["kl_loss"] >= 0
         assert got[1]["kl_loss"] > 0  # the update moved the policy off its anchor
+        if run == "full":  # every rank corrects by the whole batch's gap, as one process does
+            for key in ("rollout_corr/k3_kl", "rollout_corr/log_gap_max", "rollout_corr/rollout_is_mean"):
+                assert [m[key] for m in got] == pytest.approx([m[key] for m in expected], rel=1e-4), key
+            assert got[0]["rollout_corr/k3_kl"] > 0

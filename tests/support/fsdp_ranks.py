@@ -11,7 +11,8 @@ each scenario writes what the test asserts on under WORKDIR/<scenario>/.
 - `lora-train`, `lora-resume`: the same under `model.lora` (checkpoint `lora-ckpt`, export `lora-hf`,
   merged too).
 - `masked`: the multi-turn episodes of `masked.json` (loss masks with an environment's tokens), 2
-  steps each by the whole model (`MASKED_ALGORITHM`) and by a LoRA adapter (`ALGORITHM`).
+  steps each by the whole model (`MASKED_ALGORITHM`, with off-policy correction) and by a LoRA
+  adapter (`ALGORITHM`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ PROBE = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 4, 5, 6]]
 FSDP_SETTINGS = {"engine": "fsdp", "group_size": 3, "minibatches": 2, "micro_batch_size": 1}
 ALGORITHM = {"kl_coef": 0.05}  # exercises the sharded frozen reference model too
 LORA = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"], "merge_on_save": True}
-MASKED_ALGORITHM = {"kl_coef": 0.05, "loss_agg_mode": "seq-mean-token-mean"}  # sequences counted across ranks
+# sequences counted across ranks; the off-policy correction's proximal logprobs gathered across them
+MASKED_ALGORITHM = {"kl_coef": 0.05, "loss_agg_mode": "seq-mean-token-mean",
+                    "rollout_correction": {"rollout_is": "token"}}
 
 
 def run_ranks(scenario: str, workdir: Path, world_size: int) -> list[dict]:
