@@ -56,6 +56,7 @@ from rolectl.sync_protocol import (
     StepsRolledBack,
     SyncFailed,
     SyncStyle,
+    TasksTaken,
     VersionPublished,
     WeightsBroadcast,
 )
@@ -85,6 +86,7 @@ class Trainer:
         self.dropped_stale = 0
         # experiences taken off the stream: trained, dropped or filtered (what paces explorers, max_ahead)
         self.experiences_taken = 0
+        self.tasks_reported = 0  # the last count of tasks taken the core heard (StepFinished, TasksTaken)
         self.last_metrics: dict | None = None  # the saved step's StepFinished metrics
         self.answered_rounds: set[int] = set()
         self.end_reason = ""
@@ -258,6 +260,7 @@ class Trainer:
     async def _step_finished(self, metrics: dict) -> None:
         # with explorers paced (max_ahead), the tasks taken off the stream so far: the core's count
         tasks = self.experiences_taken // self.engine.group_size if self.sync.max_ahead is not None else None
+        self.tasks_reported = tasks or 0
         await self.session.publish(StepFinished(member=self.session.me, step=self.engine.step,
                                                 version=self.version, metrics=metrics, tasks=tasks))
         self.log.info("train_step", step=self.engine.step, version=self.version,
@@ -291,11 +294,22 @@ class Trainer:
                     else:
                         batch.append((msg.seq, index, exp))
             self.ledger.record_held()
+            await self._report_drops_to_paused_explorers()
             if not received and self._explorers_done():
                 # Nobody will produce more: train on what is left, or stop.
                 return self.ledger.start_step() or None
             await self.ledger.extend_held(self.cfg.buffer.ack_wait_s)
         return self.ledger.start_step(self.experiences_per_step)
+
+    async def _report_drops_to_paused_explorers(self) -> None:
+        """Explorers the core paused wait for our count of tasks taken to move; drops move it before
+        our next step, which may need what they would produce: say it now (TasksTaken)."""
+        if self.sync.max_ahead is None or not self.session.view.state.paused:
+            return
+        tasks = self.experiences_taken // self.engine.group_size
+        if tasks > self.tasks_reported:
+            await self.session.publish(TasksTaken(member=self.session.me, tasks=tasks))
+            self.tasks_reported = tasks
 
     def _explorers_done(self) -> bool:
         """Nobody will produce more experiences: every explorer finished its task set, or all are

@@ -36,6 +36,7 @@ from .events import (
     StepFinished,
     StepsRolledBack,
     SyncFailed,
+    TasksTaken,
     VersionPublished,
     WeightsBroadcast,
     WeightsLoaded,
@@ -131,6 +132,7 @@ in_words = Phrasebook({
     StepsRolledBack: lambda e: (f"rolled back to step {e.to_step}: steps {e.to_step + 1}..{e.from_step} "
                                 f"are trained again"),
     EvalFinished: _eval_finished,
+    TasksTaken: lambda e: f"took {e.tasks} tasks so far, filling a step",
     MemberExpired: lambda e: f"{e.expired} expired (silent {e.silent_for:.1f} s)",
     RoundTimedOut: lambda e: f"round {e.round} timed out",
     # decisions

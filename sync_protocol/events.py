@@ -47,6 +47,7 @@ __all__ = [
     "SyncFailed",
     "StepFinished",
     "StepsRolledBack",
+    "TasksTaken",
     "EvalFinished",
     "MemberExpired",
     "RoundTimedOut",
@@ -244,6 +245,15 @@ class StepFinished(Event, frozen=True, kw_only=True, tag="step_finished"):
     tasks: int | None = None
 
 
+class TasksTaken(Event, frozen=True, kw_only=True, tag="tasks_taken"):
+    """The trainer took `tasks` tasks off the experience stream so far (its running total, as in
+    `StepFinished.tasks`) while filling a step: it dropped some as stale, and explorers the core
+    paused wait for its count to move, which without this would move only with its next step (a
+    step that may need what they would produce). Only where explorers are paced (`max_ahead`)."""
+
+    tasks: int
+
+
 class StepsRolledBack(Event, frozen=True, kw_only=True, tag="steps_rolled_back"):
     """The trainer resumed from a checkpoint of step `to_step` after reporting steps up to
     `from_step`: steps `to_step + 1 .. from_step` are trained again, and each one's new
@@ -437,6 +447,7 @@ INPUT_KINDS: dict[str, type[Event]] = {
         SyncFailed,
         StepFinished,
         StepsRolledBack,
+        TasksTaken,
         EvalFinished,
         MemberExpired,
         RoundTimedOut,

@@ -71,6 +71,7 @@ from .events import (
     StepFinished,
     StepsRolledBack,
     SyncFailed,
+    TasksTaken,
     VersionPublished,
     WeightsBroadcast,
     WeightsLoaded,
@@ -188,6 +189,7 @@ SENDERS: Mapping[type[Event], tuple[Role, ...]] = MappingProxyType({
     StepFinished: _ANYONE,
     EvalFinished: (_EXPLORER,),
     StepsRolledBack: (_TRAINER,),
+    TasksTaken: (_TRAINER,),
     VersionPublished: (_TRAINER,),
     NoNewVersion: (_TRAINER,),
     WeightsBroadcast: (_TRAINER,),
@@ -286,7 +288,8 @@ PACE_CAUSES: Mapping[PaceTrigger, str] = MappingProxyType({
     PaceTrigger.AHEAD: "an explorer's StepFinished (or its MemberJoined: a restart, a late joiner) leaves "
                        "the explorers' tasks at or past the trainer's + (max_ahead + 1) x train_batch_tasks "
                        "(and the trainer has not finished)",
-    PaceTrigger.CAUGHT_UP: "after any report of tasks (the trainer's StepFinished mostly), the explorers' "
+    PaceTrigger.CAUGHT_UP: "after any report of tasks (the trainer's StepFinished, or its TasksTaken when it "
+                           "drops stale experiences while filling a step), the explorers' "
                            "tasks are below the trainer's + (max_ahead + 1) x train_batch_tasks",
     PaceTrigger.TRAINER_FINISHED: "the trainer's final STOPPED after its last step",
     PaceTrigger.LEFT: "the paused explorer stops, expires or restarts",
@@ -1010,6 +1013,13 @@ def _on_step_finished(tx: _Tx, event: StepFinished, member: MemberState) -> None
         _settle_pace(tx, stepped if explorer else None)
 
 
+def _on_tasks_taken(tx: _Tx, event: TasksTaken, member: MemberState) -> None:
+    if event.tasks < 0:
+        raise _illegal(event, "a count of tasks is never negative", member)
+    tx.update_member(member.ref.key, tasks=event.tasks)
+    _settle_pace(tx, None)
+
+
 def _on_eval_finished(tx: _Tx, event: EvalFinished, member: MemberState) -> None:
     pass  # a record for the eval curve (observers fold it); no sync decision depends on it
 
@@ -1045,6 +1055,7 @@ _HANDLERS: dict[type[Event], _Handler] = {
     WeightsBroadcast: _on_weights_broadcast,
     SyncFailed: _on_sync_failed,
     StepFinished: _on_step_finished,
+    TasksTaken: _on_tasks_taken,
     EvalFinished: _on_eval_finished,
     StepsRolledBack: _on_steps_rolled_back,
     MemberExpired: _on_member_expired,

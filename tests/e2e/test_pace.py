@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from rolectl.sync_protocol import ExplorerPaused, ExplorersResumed, Recorded, Role, StepFinished
+from rolectl.sync_protocol import ExplorerPaused, ExplorersResumed, Recorded, Role, StepFinished, TasksTaken
 from tests.support.e2e import assert_decisions_replay, job_config, of_kind, run_up
 
 pytestmark = pytest.mark.e2e
@@ -45,3 +45,21 @@ def test_an_explorer_ahead_of_the_trainer_is_paused_and_released(tmp_path):
     assert max(_explore_steps_ahead(run.records)) <= 1, _explore_steps_ahead(run.records)
     assert run.summary["explorer_pauses"] == len(paused)
     assert_decisions_replay(run.records)  # every pause and release recomputed from the inputs
+
+
+def test_a_trainer_that_drops_stale_experiences_releases_the_paused_explorer(tmp_path):
+    # max_staleness 0: whatever the explorer sampled before it loaded the trainer's newest weights is
+    # dropped while the trainer fills its next step, which then needs what the paused explorer would
+    # produce: the trainer's TasksTaken releases it (without it, each waits for the other)
+    config = job_config(tmp_path, job="e2e-paced-drops",
+                        synchronizer={"sync_method": "memory", "sync_style": "fully_async", "max_ahead": 0,
+                                      "max_staleness": 0},
+                        trainer={"total_steps": 3, "train_batch_tasks": 4},
+                        explorers={"count": 1, "total_steps": 100_000, "stop_with_trainer": True,
+                                   "step_delay_s": [0.0]})
+    run = run_up(config, tmp_path, timeout=300)  # a bound on "hung", not on speed
+    assert run.rc == 0, run.role_logs()
+    taken = [r.event for r in of_kind(run.records, TasksTaken)]
+    assert run.summary["experiences_dropped_stale"] > 0 and taken, run.role_logs()
+    assert all(t.member.role is Role.TRAINER for t in taken)
+    assert_decisions_replay(run.records)

@@ -42,6 +42,7 @@ from rolectl.sync_protocol import (
     SyncFailed,
     SyncMethod,
     SyncStyle,
+    TasksTaken,
     UnboundRendezvous,
     VersionPublished,
     WeightsBroadcast,
@@ -93,6 +94,7 @@ SAMPLES: list = [
     StepsRolledBack(member=T, from_step=36, to_step=30),
     ExplorerPaused(round=0, cause_seq=104, explorer=E, step=13, produced=48, consumed=24, limit=24),
     ExplorersResumed(round=0, cause_seq=105, reason=ResumeReason.CAUGHT_UP, paused=2, produced=48, consumed=32),
+    TasksTaken(member=T, tasks=33),
 ]
 # kinds with the fields of the bound on explorers running ahead (written only when given)
 PACED = [
@@ -550,7 +552,7 @@ def _as_schema_5(recorded_hex: str) -> bytes:
 
 
 # kinds no earlier build wrote: additive, so the schema stays 5 (no existing kind changed)
-_NEW_KINDS = {"explorer_paused", "explorers_resumed"}
+_NEW_KINDS = {"explorer_paused", "explorers_resumed", "tasks_taken"}
 _RECORDED_SAMPLES = [s for s in SAMPLES if s.KIND not in _NEW_KINDS]
 
 

@@ -19,6 +19,7 @@ from rolectl.sync_protocol import (
     SyncConfig,
     SyncMethod,
     SyncStyle,
+    TasksTaken,
     decode,
     encode,
     fold,
@@ -100,6 +101,19 @@ def test_filtered_and_dropped_tasks_count_as_taken():
     assert job.state.paused == ("explorer/e1",)
     (resumed,) = job.feed(_step(T, 1, 12))
     assert resumed.consumed == 12 and job.state.paused == ()
+
+
+def test_a_trainer_dropping_while_it_fills_a_step_resumes_the_paused():
+    # its next step needs 4 fresh tasks; the 8 it took were stale: without TasksTaken the explorers
+    # would wait for its step and its step for them
+    job = _started()
+    job.feed(_step(E1, 1, 8))
+    (resumed,) = job.feed(TasksTaken(member=T, tasks=8))
+    assert resumed.reason is ResumeReason.CAUGHT_UP and resumed.consumed == 8 and job.state.tasks_consumed == 8
+    with pytest.raises(IllegalEvent, match="trainer"):
+        job.feed(TasksTaken(member=E1, tasks=8))
+    with pytest.raises(IllegalEvent, match="never negative"):
+        job.feed(TasksTaken(member=T, tasks=-1))
 
 
 def test_the_trainer_finishing_resumes_the_paused_and_pauses_nobody_after():
