@@ -464,13 +464,21 @@ def server(port: int, http_port: int, store_dir: str | None, host: str, cluster_
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option("--archive", "archive", type=click.Path(file_okay=False), default=None,
               help="The job's archived history (default place: RUN_DIR/JOB/archive), read before the stream.")
+@click.option("--limit", type=click.IntRange(min=1), default=None,
+              help="List this many explorers, the furthest behind first (default: 40 in the table, all in JSON).")
+@click.option("--all", "list_all", is_flag=True, help="List every explorer.")
 @client_options
-def status(job: str, nats: str, as_json: bool, archive: str | None, **security) -> None:
-    """Members of a job (role, id, status, step, version, last seen), read from its stream."""
-    from rolectl.roles.observe.status import print_status
+def status(job: str, nats: str, as_json: bool, archive: str | None, limit: int | None, list_all: bool,
+           **security) -> None:
+    """Members of a job, read from its stream: counts by role and status, then the trainer, the
+    explorers (stragglers first) and the synchronizers (role, id, status, step, version, last seen)."""
+    from rolectl.roles.observe.status import DEFAULT_LIMIT, print_status
 
+    if list_all and limit is not None:
+        raise click.UsageError("give --limit N or --all, not both")
+    shown = None if list_all else limit if limit is not None else None if as_json else DEFAULT_LIMIT
     sys.exit(asyncio.run(print_status(job, nats, as_json=as_json, security=_security(**security),
-                                      archive_dir=Path(archive) if archive else None)))
+                                      archive_dir=Path(archive) if archive else None, limit=shown)))
 
 
 @main.command()
