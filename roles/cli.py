@@ -270,7 +270,8 @@ def _check_explorer_id(member_id: str, cfg) -> None:
 @click.option("--run-dir", default=None, help="Where role logs and checkpoints go (default: config run_dir).")
 @click.option("--auth-dir", default=None, type=click.Path(exists=True, file_okay=False),
               help="Run secured with what `rolectl auth init` wrote there: its nats-server.conf (TLS, "
-                   "identities), admin provisions the streams, each role connects as its own identity.")
+                   "identities), admin provisions the streams, each role connects as its own identity "
+                   "(with --launcher ray, each actor is handed its own identity's files only).")
 @click.option("--launcher", type=click.Choice(["local", "ray"]), default="local", show_default=True,
               help="local: every role a process on this machine. ray: every role a Ray actor in one "
                    "placement group (needs `pip install 'rolectl[ray]'`).")
@@ -287,25 +288,6 @@ def up(config_path, explorers, summary, dashboard, dashboard_port, run_dir, auth
     (--launcher local) or as actors on a Ray cluster (--launcher ray). Prints a summary at the end;
     exits 0 when the job completed, 3 when it ended short of its last step, 1 when a role failed."""
     cfg = _load(config_path, None)
-    if launcher == "ray":
-        given = [flag for flag, value in (("--auth-dir", auth_dir),) if value]
-        if given:
-            raise click.UsageError(f"{given[0]} is not supported with --launcher ray yet; run secured jobs "
-                                   "with the local launcher or start the roles yourself (docs/security.md)")
-        from rolectl.roles.launch.ray import RayLaunchError, RayUnavailable, run_up_ray
-
-        try:
-            code = run_up_ray(cfg, ray_address=ray_address, nats=nats, explorers=explorers, summary_path=summary,
-                              dashboard=dashboard, dashboard_port=dashboard_port, run_dir=run_dir,
-                              max_restarts=max_restarts)
-        except (RayUnavailable, RayLaunchError) as exc:
-            raise click.ClickException(str(exc)) from None
-        sys.exit(code)
-    given = [flag for flag, value in (("--ray-address", ray_address), ("--nats", nats)) if value]
-    if given:
-        raise click.UsageError(f"{' and '.join(given)} apply to --launcher ray only")
-    from rolectl.roles.launch.local import run_up
-
     auth = None
     if auth_dir:
         from rolectl.bus.auth import read_auth_dir
@@ -314,6 +296,21 @@ def up(config_path, explorers, summary, dashboard, dashboard_port, run_dir, auth
             auth = read_auth_dir(auth_dir)
         except ValueError as exc:
             raise click.ClickException(str(exc)) from None
+    if launcher == "ray":
+        from rolectl.roles.launch.ray import RayLaunchError, RayUnavailable, run_up_ray
+
+        try:
+            code = run_up_ray(cfg, ray_address=ray_address, nats=nats, explorers=explorers, summary_path=summary,
+                              dashboard=dashboard, dashboard_port=dashboard_port, run_dir=run_dir,
+                              max_restarts=max_restarts, auth=auth)
+        except (RayUnavailable, RayLaunchError) as exc:
+            raise click.ClickException(str(exc)) from None
+        sys.exit(code)
+    given = [flag for flag, value in (("--ray-address", ray_address), ("--nats", nats)) if value]
+    if given:
+        raise click.UsageError(f"{' and '.join(given)} apply to --launcher ray only")
+    from rolectl.roles.launch.local import run_up
+
     sys.exit(
         run_up(cfg, explorers=explorers, summary_path=summary, dashboard=dashboard,
                dashboard_port=dashboard_port, run_dir=run_dir, auth=auth)
