@@ -78,9 +78,6 @@ class JobView(StreamView):
     def member_state(self, key: str) -> MemberState | None:
         return self.state.members.get(key)
 
-    def member(self, role: Role, member_id: str) -> MemberState | None:
-        return self.state.members.get(f"{role.value}/{member_id}")
-
     @property
     def latest(self) -> LatestVersion:
         """The newest version the trainer published."""
@@ -90,9 +87,6 @@ class JobView(StreamView):
     def trainer(self) -> MemberState | None:
         """The job's trainer (the last one that joined), if any."""
         return self.state.trainer_state
-
-    def synchronizers_alive(self) -> int:
-        return sum(m.alive for m in self._members_of(Role.SYNCHRONIZER))
 
     def trainer_waiting(self) -> bool:
         """The trainer asked for a sync and its round is still open."""

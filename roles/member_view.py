@@ -199,9 +199,6 @@ class MemberView(StreamView):
                              "the trainer and the synchronizers): it does not fold that member's records")
         return self._partial.members.get(key)
 
-    def member(self, role: Role, member_id: str) -> MemberState | None:
-        return self.member_state(f"{role.value}/{member_id}")
-
     def _members_of(self, role: Role) -> list[MemberState]:
         if role not in _SCOPE_ROLES:
             raise OutOfScope(f"an explorer's view does not fold every {role.value}: it cannot say whether "
@@ -217,9 +214,6 @@ class MemberView(StreamView):
     def trainer(self) -> MemberState | None:
         """The job's trainer (the last one that joined), if any."""
         return self._partial.trainer_state
-
-    def synchronizers_alive(self) -> int:
-        return sum(m.alive for m in self._members_of(Role.SYNCHRONIZER))
 
     def trainer_waiting(self) -> bool:
         """The trainer asked for a sync and the synchronizer has not closed its round yet."""

@@ -365,6 +365,12 @@ class StreamView:
         """The `MemberState` of member `key` ("role/id"), or None."""
         raise NotImplementedError
 
+    def member(self, role: Role, member_id: str):
+        return self.member_state(f"{role.value}/{member_id}")
+
+    def synchronizers_alive(self) -> int:
+        return sum(m.alive for m in self._members_of(Role.SYNCHRONIZER))
+
     async def joined_event(self, key: str) -> MemberJoined | None:
         """The MemberJoined of member `key`'s current incarnation (host and pid: who to stop). A
         view started from a snapshot did not fold it: it is read from the stream (or the archive,

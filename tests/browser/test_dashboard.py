@@ -57,6 +57,17 @@ def _wait_http(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> N
     wait_until_sync(answers, timeout=timeout, what=f"the dashboard at {url} to answer", details=lambda: _tail(log))
 
 
+def _interrupt(proc: subprocess.Popen, timeout: float) -> None:
+    """Ctrl-C, as a person would; killed if it has not exited after `timeout`."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 @pytest.fixture
 def running_job(tmp_path):
     """`rolectl up` with the test config; yields the dashboard URL; stops the job afterwards."""
@@ -73,13 +84,7 @@ def running_job(tmp_path):
         _wait_http(url + "healthz", proc, log, timeout=60.0)
         yield url
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)  # up stops every role, then itself
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        _interrupt(proc, timeout=60)  # up stops every role, then itself
 
 
 def test_dashboard_shows_members_and_a_moving_version(running_job, tmp_path):
@@ -152,12 +157,7 @@ def fleet_dashboard(tmp_path, nats_url, job_name):
         _wait_http(url + "healthz", proc, log, timeout=60.0)
         yield url
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        _interrupt(proc, timeout=30)
 
 
 def test_a_fleet_of_a_thousand_is_counted_and_paged_stragglers_first(fleet_dashboard, tmp_path):
