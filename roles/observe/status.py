@@ -21,7 +21,15 @@ from rolectl.bus.logging import setup_logging
 from rolectl.bus.snapshots import SnapshotStore
 from rolectl.roles.exit_codes import ExitCode
 from rolectl.roles.observe.observer import JobObserver
-from rolectl.roles.observe.views import MEMBER_STATUSES, format_ago, member_counts, page_members
+from rolectl.roles.observe.render import stdout_console
+from rolectl.roles.observe.views import (
+    MEMBER_STATUSES,
+    format_ago,
+    member_counts,
+    page_members,
+    progress_text,
+    version_text,
+)
 from rolectl.sync_protocol import Role
 
 __all__ = ["collect_status", "print_status"]
@@ -119,7 +127,7 @@ async def print_status(job: str, nats: str, *, as_json: bool = False, connect_ti
                   sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
-    out = Console()
+    out = stdout_console()
     if rows:
         out.print(_counts_table(counts))
     table = Table(title=f"job {job} · latest version {latest['version']} · stream seq {observer.state.last_seq}")
@@ -127,7 +135,7 @@ async def print_status(job: str, nats: str, *, as_json: bool = False, connect_ti
         table.add_column(col, justify="right" if col in ("step", "version") else "left")
     for row in shown:
         status = f"[{_COLOURS.get(row['status'], 'white')}]{row['status']}[/]"
-        table.add_row(row["role"], row["id"], status, format_progress(row), str(row["version"]),
+        table.add_row(row["role"], row["id"], status, progress_text(row), version_text(row),
                       format_ago(row["last_seen_ago_ms"]), row["host"])
     captions = []
     if not rows:
@@ -169,9 +177,3 @@ def _some(items: list, shown: int = 10) -> str:
     head = ", ".join(map(str, items[:shown]))
     return head + (f" … (+{len(items) - shown})" if len(items) > shown else "")
 
-
-def format_progress(row: dict) -> str:
-    """`17/50 (34%)` when the member reported its total, else the step alone."""
-    if row.get("total_steps"):
-        return f"{row['step']}/{row['total_steps']} ({row['fraction']:.0%})"
-    return str(row["step"])

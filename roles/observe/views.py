@@ -21,6 +21,8 @@ __all__ = [
     "member_counts",
     "page_members",
     "MEMBER_STATUSES",
+    "progress_text",
+    "version_text",
     "format_ago",
     "percentile",
 ]
@@ -229,6 +231,24 @@ def page_members(rows: list[dict[str, Any]], limit: int | None) -> tuple[list[di
                 continue
         shown.append(row)
     return shown, len(rows) - len(shown)
+
+
+def progress_text(row: dict[str, Any]) -> str:
+    """A member row's progress for people: `17/50 (34%)` when the member reported its total, else
+    its step; for a synchronizer, which has no steps, what was decided (`12 decisions, round 5`)."""
+    if row["role"] == Role.SYNCHRONIZER.value:
+        if not row.get("decisions"):
+            return "—"
+        last = row.get("last_round")
+        return f"{row['decisions']} decisions" + (f", round {last}" if last is not None else "")
+    if row.get("total_steps"):
+        return f"{row['step']}/{row['total_steps']} ({row['fraction']:.0%})"
+    return str(row["step"])
+
+
+def version_text(row: dict[str, Any]) -> str:
+    """A member row's weights version; "—" for a synchronizer, which holds none."""
+    return "—" if row["role"] == Role.SYNCHRONIZER.value else str(row["version"])
 
 
 def member_rows(state: State, heartbeats: dict[str, int] | None = None, now_ms: int | None = None

@@ -220,6 +220,15 @@ function renderKpis(s) {
   }
 }
 
+// a member's progress: its step against its total; a synchronizer has no steps: what was decided
+function progressText(m) {
+  if (m.role === "synchronizer") {
+    if (!m.decisions) return "–";
+    return `${m.decisions} decisions` + (m.last_round != null ? `, round ${m.last_round}` : "");
+  }
+  return m.total_steps ? `${m.step} / ${m.total_steps} (${Math.round(m.fraction * 100)}%)` : m.step;
+}
+
 // A fleet of a thousand is shown a page at a time, the stragglers first (the server orders them),
 // under the counts of every role by status; the page shown stays put across updates.
 const MEMBERS_PER_PAGE = 50;
@@ -255,7 +264,7 @@ function renderMembers(s) {
       `<td><span class="role role-${esc(m.role)}">${esc(m.role)}</span></td>` +
       `<td class="mono">${esc(m.id)}</td>` +
       `<td><span class="status s-${esc(m.status)}"><span class="dot"></span>${esc(m.status.replace("_", " "))}</span></td>` +
-      `<td class="num">${m.total_steps ? `${m.step} / ${m.total_steps} (${Math.round(m.fraction * 100)}%)` : m.step}</td>` +
+      `<td class="num">${progressText(m)}</td>` +
       `<td class="num version">${m.role === "synchronizer" ? "–" : m.version}${latest}</td>` +
       `<td>${esc(fmtAgo(m.last_seen_ago_ms))}</td>` +
       `<td class="mono">${esc(m.host)}</td></tr>`;
