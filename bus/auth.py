@@ -198,7 +198,12 @@ def with_tls_files(conf_text: str, *, cert_file: str | Path, key_file: str | Pat
     """A config `render_server_conf` wrote, its server certificate and key moved to these files
     (a server started on another node, from copies written there)."""
     for key, path in (("cert_file", cert_file), ("key_file", key_file)):
-        conf_text, n = re.subn(rf"(?m)^(\s*{key}: ).*$", lambda m, p=path: m.group(1) + json.dumps(str(p)), conf_text)
+        quoted = json.dumps(str(path))
+
+        def keep_key(match: re.Match[str], quoted: str = quoted) -> str:  # a function: the path is not a template
+            return match.group(1) + quoted
+
+        conf_text, n = re.subn(rf"(?m)^(\s*{key}: ).*$", keep_key, conf_text)
         if n != 1:
             raise ValueError(f"not a nats-server.conf `rolectl auth init` wrote: no `{key}:` line")
     return conf_text
