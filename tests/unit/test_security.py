@@ -82,7 +82,7 @@ def test_settings_that_cannot_work_say_what_to_do(tmp_path, settings, words):
 
 
 def test_flags_win_over_environment_over_the_config_file(tmp_path, monkeypatch):
-    from rolectl.roles.cli import _security
+    from rolectl.roles.cli.options import client_security
 
     files = {n: tmp_path / n for n in ("flag.nk", "env.nk", "conf.nk", "env-ca.pem", "conf-ca.pem")}
     for f in files.values():
@@ -90,10 +90,10 @@ def test_flags_win_over_environment_over_the_config_file(tmp_path, monkeypatch):
     monkeypatch.setenv("ROLECTL_NATS_CREDS", str(files["env.nk"]))
     monkeypatch.setenv("ROLECTL_NATS_TLS_CA", str(files["env-ca.pem"]))
     config = ClientSecurity(creds=str(files["conf.nk"]), tls_ca=str(files["conf-ca.pem"]))
-    assert _security(creds=str(files["flag.nk"]), config=config) == ClientSecurity(
+    assert client_security(creds=str(files["flag.nk"]), config=config) == ClientSecurity(
         creds=str(files["flag.nk"]), tls_ca=str(files["env-ca.pem"]))
     monkeypatch.delenv("ROLECTL_NATS_CREDS")
-    assert _security(config=config).creds == str(files["conf.nk"])
+    assert client_security(config=config).creds == str(files["conf.nk"])
 
 
 def test_the_config_nats_section_takes_paths_relative_to_the_file(tmp_path):
