@@ -150,7 +150,7 @@ class ExplorerConfig(Section):
     which is slower on the batched tiny engine; 0 (the default) rolls the batch out at once. Counted
     in the summary (`over_rollout_tasks_cut`)."""
     partial_rollout: StrictBool = False
-    """Partial rollouts (`sync_style: fully_async` with a pull method; engines tiny and hf): a version
+    """Partial rollouts (`sync_style: fully_async` with a pull method; engines tiny, hf, vllm): a version
     that arrives while generations are in flight pauses them between two tokens, loads, and each
     goes on from the tokens it already has instead of finishing on the old weights. Each token keeps
     the version that sampled it (the experience's `token_versions`; its `model_version` is the
@@ -610,8 +610,14 @@ def _over_rollout_problems(cfg: JobConfig) -> list[tuple[str, str]]:
              f"trainer.train_batch_tasks: {per_round} (or lower the ratio)")]
 
 
-PARTIAL_ROLLOUT_ENGINES = ("tiny", "hf")
+PARTIAL_ROLLOUT_ENGINES = ("tiny", "hf", "vllm")
 """The rollout engines that pause between two tokens (`RolloutEngine.rollout(..., pause_point=)`)."""
+
+
+def _rollout_engine(cfg: JobConfig) -> str:
+    """The explorers' engine: `model.rollout_engine`, else the trainer's own (fsdp's explorers run hf)."""
+    named = getattr(cfg.model, "rollout_engine", None)
+    return named or ("hf" if cfg.model.engine == "fsdp" else cfg.model.engine)
 
 
 def _partial_rollout_problems(cfg: JobConfig) -> list[tuple[str, str]]:
@@ -625,9 +631,10 @@ def _partial_rollout_problems(cfg: JobConfig) -> list[tuple[str, str]]:
                          f"needs synchronizer.sync_style: fully_async with a pull sync_method (memory, checkpoint), "
                          f"got {sync.sync_style.value} with {sync.sync_method.value}: other styles sync between "
                          "steps, when no generation is in flight; set both, or remove partial_rollout"))
-    if cfg.model.engine not in PARTIAL_ROLLOUT_ENGINES:
+    engine = _rollout_engine(cfg)
+    if engine not in PARTIAL_ROLLOUT_ENGINES:
         problems.append(("explorers.partial_rollout",
-                         f"the {cfg.model.engine!r} engine cannot pause a generation for new weights (engines that "
+                         f"the {engine!r} rollout engine cannot pause a generation for new weights (engines that "
                          f"can: {', '.join(PARTIAL_ROLLOUT_ENGINES)}); remove partial_rollout"))
     if cfg.agent is not None:
         problems.append(("explorers.partial_rollout",

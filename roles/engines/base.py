@@ -160,7 +160,7 @@ class RolloutEngine(Protocol):
         `f"{member}-{explore_step}-{task_idx}-{k}"` and `group` is `f"{member}-{explore_step}-{task_idx}"`,
         so a replayed explore step produces the same ids (the trainer deduplicates on them).
 
-        The engines that support partial rollouts (tiny, hf) take a keyword `pause_point`
+        The engines that support partial rollouts (tiny, hf, vllm) take a keyword `pause_point`
         (`PausePoint`); an experience whose tokens two versions sampled records them in
         `token_versions`, and its `model_version` is the oldest.
         """

@@ -14,35 +14,11 @@ from rolectl.roles.engines.base import PausePoint
 from rolectl.roles.engines.tiny import _ALLOWED_RESPONSE_TOKENS
 from rolectl.sync_protocol import ConfigError
 from rolectl.sync_protocol.experience import ExperienceBatch, Segment
+from tests.support.pause import PauseAfter, changed_weights
 from tests.support.tiny_llm import built_model, data_section, model_section
 
 PAUSE_AT = 2
 """The pause comes after this many tokens of the first generation."""
-
-
-class PauseAfter:
-    """A `PausePoint` whose new version is pending once the engine has asked `after` times (its
-    `after`-th token boundary), and loads `tensors` as `version` into `engine`."""
-
-    def __init__(self, engine, tensors, version: int, *, after: int):
-        self.engine, self.tensors, self.version, self.after = engine, tensors, version, after
-        self.asked = 0
-        self.loads = 0
-
-    def pending(self) -> bool:
-        self.asked += 1
-        return self.loads == 0 and self.asked > self.after
-
-    def load(self) -> None:
-        self.engine.load_weights(self.tensors, self.version)
-        self.loads += 1
-
-
-def _changed_weights(engine, seed: int = 1) -> dict[str, torch.Tensor]:
-    """The engine's weights moved far enough that sampling with them differs (a trained version)."""
-    generator = torch.Generator().manual_seed(seed)
-    return {name: t.detach() + 0.5 * torch.randn(t.shape, generator=generator, dtype=t.dtype)
-            for name, t in engine.weight_buffers().items()}
 
 
 def _tiny_job(**explorers):
@@ -56,7 +32,7 @@ def test_tiny_pause_keeps_the_prefix_and_samples_the_rest_with_the_new_version()
     tasks = make_taskset(cfg, seed=0, batch_size=3).next_batch()
     unpaused = make_rollout_engine(cfg, "explorer-0").rollout(tasks, explore_step=5)
     engine = make_rollout_engine(cfg, "explorer-0")
-    new_weights = _changed_weights(engine)
+    new_weights = changed_weights(engine)
     pause = PauseAfter(engine, new_weights, 3, after=PAUSE_AT)
     assert isinstance(pause, PausePoint)
     paused = engine.rollout(tasks, explore_step=5, pause_point=pause)
@@ -112,7 +88,7 @@ def test_hf_pause_keeps_the_prefix_and_records_both_versions(model_dir):
     unpaused = make_rollout_engine(cfg, "explorer-0").rollout(tasks, explore_step=4)
     engine = make_rollout_engine(cfg, "explorer-0")
     # a generate's stopping check runs after each token: the pause comes after PAUSE_AT tokens
-    pause = PauseAfter(engine, _changed_weights(engine), 2, after=PAUSE_AT - 1)
+    pause = PauseAfter(engine, changed_weights(engine), 2, after=PAUSE_AT - 1)
     paused = engine.rollout(tasks, explore_step=4, pause_point=pause)
 
     assert pause.loads == 1 and engine.version == 2
