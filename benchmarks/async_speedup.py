@@ -16,15 +16,16 @@ tasks x group size: each explorer explores exactly `--steps` steps, nothing is d
 and the same CPUs. Without a bound on how far explorers run ahead (another change of #42), the async
 modes train on older experiences (`mean_staleness`); the reward at equal samples shows what it costs.
 Figures per mode:
-- `seconds_per_step` / `samples_per_s`: from the moment the trainer and both explorers had joined
-  (start-up excluded) to the trainer's last `StepFinished`, as recorded; `speedup_vs_sync`: samples
-  per second over the `sync` mode's;
+- `seconds_per_step` / `samples_per_s`: from the start of the first explore step (processes'
+  start-up excluded) to the trainer's last `StepFinished`, as recorded: the time to sample and train
+  it all; `speedup_vs_sync`: samples per second over the `sync` mode's;
 - `reward_last` (the summary's: the last 5 train steps) and `reward_gap_vs_sync` (this minus sync's),
   at equal trained samples; `seconds_to_reward`: first step to the first step whose reward reaches
   `--reward-threshold` (None if none did);
 - `trainer_busy_fraction`: the trainer process's CPU seconds (psutil, polled) over the same span, a
-  proxy for the time it computes (one torch thread); `explorer_busy_fraction`: the explorers' rollout
-  seconds (their `StepFinished` `seconds`) over the span, averaged;
+  proxy for the time it computes (one torch thread); `explorer_busy_fraction`: the explorers' step
+  seconds (the `seconds` of their `StepFinished` within the span: rollout and pauses, wall time) over
+  the span, averaged over the two;
 - `partial_rollout_pauses`: weight loads inside rollouts (the partial mode only).
 The last line printed is the JSON written to `--json`.
 
@@ -130,16 +131,17 @@ def _cpu_between(samples: list[tuple[float, float]], start: float, end: float) -
 def figures(summary: dict, records: list, trainer_cpu: list[tuple[float, float]], *, samples_per_step: int,
             threshold: float) -> dict[str, Any]:
     """One mode's figures from its summary and recorded stream."""
-    from rolectl.sync_protocol import MemberJoined, Role, StepFinished
+    from rolectl.sync_protocol import Role, StepFinished
 
     trainer = [(r.time_ms / 1000, r.event.metrics) for r in records
                if isinstance(r.event, StepFinished) and r.event.member.role is Role.TRAINER]
-    explorer = [r.event.metrics for r in records
-                if isinstance(r.event, StepFinished) and r.event.member.role is Role.EXPLORER]
-    # from the moment the trainer and both explorers had joined (start-up excluded) to the last step
-    start = max(r.time_ms / 1000 for r in records if isinstance(r.event, MemberJoined)
-                and r.event.member.role in (Role.TRAINER, Role.EXPLORER))
+    # from the start of the first explore step to the last train step: sampling and training it all
+    # (an async explorer may sample while the trainer still starts up: that counts, as it would)
+    start = min(r.time_ms / 1000 - r.event.metrics.get("seconds", 0.0) for r in records
+                if isinstance(r.event, StepFinished) and r.event.member.role is Role.EXPLORER)
     span = trainer[-1][0] - start
+    explorer = [r.event.metrics for r in records if isinstance(r.event, StepFinished)
+                and r.event.member.role is Role.EXPLORER and start <= r.time_ms / 1000 <= trainer[-1][0]]
     steps = len(trainer)
     reached = next((t for t, m in trainer if m.get("reward_mean", 0.0) >= threshold), None)
     rollout_s = sum(m.get("seconds", 0.0) for m in explorer)
@@ -213,7 +215,7 @@ def record(result: dict[str, Any], *, conditions: str, argv: list[str]) -> None:
         "command": "python -m benchmarks.async_speedup --json F",
         "what": "One tiny-engine job (rolectl up: trainer, 2 explorers, synchronizer, nats-server) run back to "
                 "back in each sync mode with the same samples sampled and trained; time per train step from "
-                "every role joined to the last step. See the script's docstring for each figure.",
+                "the first explore step to the last train step. See the script's docstring for each figure.",
         "runs": []}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     rows = [[mode, f"{m['seconds_per_step']:.3f}", f"{m['samples_per_s']:.0f}", f"{m['speedup_vs_sync']:.2f}x",
