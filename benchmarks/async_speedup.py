@@ -81,7 +81,7 @@ def job_config(work: Path, mode: str, *, steps: int, batch_size: int, group_size
 def _run_up(config: Path, summary: Path, log: Path, timeout_s: float) -> tuple[int, list[tuple[float, float]]]:
     """`rolectl up`, its exit code, and the trainer's CPU seconds over time: (unix time, CPU seconds
     of its process so far), polled every `_POLL_S`."""
-    argv = [sys.executable, "-m", "rolectl.roles.cli", "up", "--config", str(config), "--summary", str(summary),
+    argv = [sys.executable, "-m", "rolectl", "up", "--config", str(config), "--summary", str(summary),
             "--no-dashboard"]
     samples: list[tuple[float, float]] = []
     with open(log, "wb") as out:
