@@ -58,6 +58,7 @@ from rolectl.roles.session import (
 from rolectl.roles.transports import make_pull_transport, make_rendezvous_transport
 from rolectl.sync_protocol import (
     EvalFinished,
+    ExplorerPaused,
     ExplorersResumed,
     MemberReleased,
     ReleaseReason,
@@ -239,17 +240,33 @@ class Explorer:
     async def _wait_for_resume(self) -> None:
         view, told = self.s.view, self._told_seq
         await view.wait_for(lambda v: v.last_seq >= told, timeout=120.0, what=f"our report (seq {told}) folded")
-        if self.s.key not in view.state.paused:
+        if self._alone_past_the_bound(view):  # the synchronizer's verdict on our report is sure to come
+            await self.s.wait_decision(lambda d: d if isinstance(d, (ExplorerPaused, ExplorersResumed)) else None,
+                                       # addressed to us: a pause of ours, or a resume of all
+                                       after=told, what="the synchronizer to pace us (synchronizer.max_ahead)",
+                                       give_up=self._trainer_gone_for_good, detail=self._who_is_missing)
+        pause = view.pause_of(self.s.key)
+        if pause is None:
             return
         at, started = view.last_seq, time.monotonic()
-        self.log.info("explorer_paused", step=self.explore_step, produced=view.state.tasks_produced,
-                      consumed=view.state.tasks_consumed, limit=view.state.ahead_limit())
+        self.log.info("explorer_paused", step=self.explore_step, produced=pause.produced, consumed=pause.consumed,
+                      limit=pause.limit)
         resumed = await self.s.wait_decision(
             lambda d: d if isinstance(d, ExplorersResumed) and d.cause_seq > at else None, after=at,
             what="the trainer to take what the explorers produced (paused: synchronizer.max_ahead)",
             give_up=self._trainer_gone_for_good, detail=self._who_is_missing)
         self.log.info("explorer_resumed", step=self.explore_step, waited_s=round(time.monotonic() - started, 3),
                       reason=resumed.reason.value if resumed else "no decision")
+
+    def _alone_past_the_bound(self, view) -> bool:
+        """Whether our tasks alone reach the bound past the trainer's: our report then pauses us
+        (unless the trainer finished); otherwise only the pace decisions say (our view does not fold
+        the other explorers' tasks: we may start one step before a pause reaches us)."""
+        trainer = view.trainer
+        if trainer is None or trainer.finished:
+            return False
+        unit = self.cfg.trainer.train_batch_tasks or self.cfg.buffer.batch_size
+        return self.tasks_produced - trainer.tasks >= (self.sync.max_ahead + 1) * unit
 
     @property
     def replaced(self) -> bool:

@@ -40,8 +40,11 @@ from rolectl.bus.events import EventReader, last_sequence, read_events
 from rolectl.bus.snapshots import SnapshotStore
 from rolectl.roles.stream_view import StreamView
 from rolectl.sync_protocol import (
+    ExplorerPaused,
+    ExplorersResumed,
     IllegalEvent,
     JobConfigured,
+    MemberJoined,
     Recorded,
     RendezvousReady,
     Role,
@@ -83,6 +86,7 @@ class MemberView(StreamView):
         self._partial = State.initial()  # the scope's fold, config withheld: never read as the job's state
         self._trainer_rounds: set[int] = set()  # rounds the trainer opened, not closed yet (decisions)
         self._groups: dict[int, tuple] = {}  # epoch -> rank assignments read from the group records
+        self._pauses: dict[str, ExplorerPaused] = {}  # own explorer key -> its pause, until a resume (decisions)
         self._snapshots: SnapshotStore | None = None
         self._reader: EventReader | None = None
 
@@ -149,6 +153,8 @@ class MemberView(StreamView):
     def _fold_input(self, rec: Recorded) -> IllegalEvent | None:
         if isinstance(rec.event, JobConfigured):
             return None  # withheld: with it, the reducer would open rounds it cannot see whole
+        if isinstance(rec.event, MemberJoined):  # a restart leaves the paused set (its join may pause it again)
+            self._pauses.pop(rec.event.member.key, None)
         self._partial, _, error = reduce_lenient(self._partial, rec)
         return error
 
@@ -158,6 +164,10 @@ class MemberView(StreamView):
             self._trainer_rounds.add(event.round)
         elif isinstance(event, RoundClosed):
             self._trainer_rounds.discard(event.round)
+        elif isinstance(event, ExplorerPaused) and event.explorer.key in self._own_keys:
+            self._pauses[event.explorer.key] = event
+        elif isinstance(event, ExplorersResumed):
+            self._pauses.clear()
         elif isinstance(event, RendezvousReady) and not event.is_bound:
             participants = self._groups.get(event.epoch)
             if participants is not None:
@@ -214,6 +224,11 @@ class MemberView(StreamView):
     def trainer(self) -> MemberState | None:
         """The job's trainer (the last one that joined), if any."""
         return self._partial.trainer_state
+
+    def pause_of(self, key: str) -> ExplorerPaused | None:
+        """The decision that paused our explorer `key` for running ahead of the trainer, while no
+        `ExplorersResumed` has come since (a pace decision: the view does not fold the fleet's tasks)."""
+        return self._pauses.get(key)
 
     def trainer_waiting(self) -> bool:
         """The trainer asked for a sync and the synchronizer has not closed its round yet."""

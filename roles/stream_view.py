@@ -33,6 +33,7 @@ from rolectl.roles.waiting import WaitNotice
 from rolectl.sync_protocol import (
     Decision,
     Event,
+    ExplorerPaused,
     IllegalEvent,
     MemberExpired,
     MemberJoined,
@@ -200,9 +201,12 @@ class StreamView:
 
     def _address(self, decision: Decision) -> str | None:
         """The member a decision is about, or `_EVERYONE`: a release names its member, a round's
-        opening and close the member that opened it; a RendezvousReady names its whole group."""
+        opening and close the member that opened it, a pause its explorer; a RendezvousReady names its
+        whole group (and an ExplorersResumed every paused explorer)."""
         if isinstance(decision, MemberReleased):
             return decision.released.key
+        if isinstance(decision, ExplorerPaused):
+            return decision.explorer.key
         if isinstance(decision, RoundOpened):
             key = self._openers[decision.round] = decision.opened_by.key
             return key

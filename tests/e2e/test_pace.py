@@ -25,18 +25,26 @@ def _explore_steps_ahead(records: list[Recorded]) -> list[int]:
     return ahead
 
 
+def _paced_run(tmp_path, job: str, *, trainer_steps: int, **synchronizer):
+    """One explorer that explores until the trainer finishes (fully_async, no wait for weights),
+    bound to max_ahead 0, each explore step one train step's worth (4 tasks); the run, ended well."""
+    config = job_config(tmp_path, job=job,
+                        synchronizer={"sync_method": "memory", "sync_style": "fully_async", "max_ahead": 0,
+                                      **synchronizer},
+                        trainer={"total_steps": trainer_steps, "train_batch_tasks": 4},
+                        explorers={"count": 1, "total_steps": 100_000, "stop_with_trainer": True,
+                                   "step_delay_s": [0.0]})
+    run = run_up(config, tmp_path, timeout=300)  # a bound on "hung", not on speed
+    assert run.rc == 0, run.role_logs()
+    return run
+
+
 def test_an_explorer_ahead_of_the_trainer_is_paused_and_released(tmp_path):
     # one explorer whose step is one train step's worth, never waiting for weights (fully_async),
     # bound to max_ahead 0: after each step it has produced the trainer's next batch, and waits
     # until the trainer took it. It explores until the trainer finishes, so it is ahead in every
     # interleaving.
-    config = job_config(tmp_path, job="e2e-paced",
-                        synchronizer={"sync_method": "memory", "sync_style": "fully_async", "max_ahead": 0},
-                        trainer={"total_steps": 4, "train_batch_tasks": 4},
-                        explorers={"count": 1, "total_steps": 100_000, "stop_with_trainer": True,
-                                   "step_delay_s": [0.0]})
-    run = run_up(config, tmp_path, timeout=300)  # a bound on "hung", not on speed
-    assert run.rc == 0, run.role_logs()
+    run = _paced_run(tmp_path, "e2e-paced", trainer_steps=4)
     paused = [r.event for r in of_kind(run.records, ExplorerPaused)]
     resumed = [r.event for r in of_kind(run.records, ExplorersResumed)]
     assert paused and resumed, run.role_logs()
@@ -51,14 +59,7 @@ def test_a_trainer_that_drops_stale_experiences_releases_the_paused_explorer(tmp
     # max_staleness 0: whatever the explorer sampled before it loaded the trainer's newest weights is
     # dropped while the trainer fills its next step, which then needs what the paused explorer would
     # produce: the trainer's TasksTaken releases it (without it, each waits for the other)
-    config = job_config(tmp_path, job="e2e-paced-drops",
-                        synchronizer={"sync_method": "memory", "sync_style": "fully_async", "max_ahead": 0,
-                                      "max_staleness": 0},
-                        trainer={"total_steps": 3, "train_batch_tasks": 4},
-                        explorers={"count": 1, "total_steps": 100_000, "stop_with_trainer": True,
-                                   "step_delay_s": [0.0]})
-    run = run_up(config, tmp_path, timeout=300)  # a bound on "hung", not on speed
-    assert run.rc == 0, run.role_logs()
+    run = _paced_run(tmp_path, "e2e-paced-drops", trainer_steps=3, max_staleness=0)
     taken = [r.event for r in of_kind(run.records, TasksTaken)]
     assert run.summary["experiences_dropped_stale"] > 0 and taken, run.role_logs()
     assert all(t.member.role is Role.TRAINER for t in taken)
