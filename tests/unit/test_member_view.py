@@ -87,6 +87,9 @@ def test_the_scope_s_view_says_what_the_whole_fold_says_about_the_scope(config, 
         assert scoped.all_gone(Role.TRAINER) == whole.all_gone(Role.TRAINER)
         assert [r.seq for r in scoped.decisions] == [r.seq for r in whole.decisions]
         assert not scoped._partial.rounds  # the config withheld: it opens no round it cannot see whole
+        own = whole.member_state("explorer/e1")
+        if own is not None and own.alive:  # a pause ends with its explorer (the view learns at its rejoin)
+            assert (scoped.pause_of("explorer/e1") is not None) == ("explorer/e1" in whole.state.paused), rec
 
 
 def test_another_explorer_is_out_of_the_scope():
