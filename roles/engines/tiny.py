@@ -109,8 +109,10 @@ class TinyTrainEngine:
         responses = torch.full((len(rows), batch.loss_mask.shape[1]), EOS)
         for index, row in enumerate(rows):
             responses[index, :len(batch.responses[row])] = torch.tensor(batch.responses[row], dtype=torch.long)
-        return response_logprobs(policy, prompts, responses, allowed_tokens=_ALLOWED_RESPONSE_TOKENS,
-                                 temperature=self.config.temperature)
+        logprobs = response_logprobs(policy, prompts, responses, allowed_tokens=_ALLOWED_RESPONSE_TOKENS,
+                                     temperature=self.config.temperature)
+        # an environment's token may be one the policy never samples (logprob -inf): read as 0, never trained
+        return logprobs.masked_fill(~batch.loss_mask[list(rows), :logprobs.shape[1]], 0.0)
 
     def weights(self) -> dict[str, Tensor]:
         # A copy, not a view: a transport may still be serialising while the next step runs.
