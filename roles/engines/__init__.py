@@ -166,7 +166,7 @@ def _tiny_problems(sections: EngineSections) -> list[tuple[str, str]]:
 def _tiny_train(sections: EngineSections) -> TinyTrainEngine:
     from .tiny import TinyTrainEngine
 
-    return TinyTrainEngine(sections.model)
+    return TinyTrainEngine(sections.model, agent=sections.agent)
 
 
 def _tiny_rollout(sections: EngineSections, member: str) -> TinyRolloutEngine:
@@ -175,7 +175,8 @@ def _tiny_rollout(sections: EngineSections, member: str) -> TinyRolloutEngine:
     from .tiny import TinyRolloutEngine
 
     config = sections.model
-    engine = TinyRolloutEngine(config, member=member, sampling_seed=zlib.crc32(f"{config.seed}/{member}".encode()))
+    engine = TinyRolloutEngine(config, member=member, sampling_seed=zlib.crc32(f"{config.seed}/{member}".encode()),
+                               agent=sections.agent)
     if sections.wire_dtype is not None:  # it receives and samples with the wire dtype
         import torch
 
@@ -249,7 +250,8 @@ def _hf_train(sections: EngineSections) -> TrainEngine:
     from .hf import HFTrainEngine
 
     model, _, path = _hf_parts(sections)
-    return HFTrainEngine(model, sections.algorithm or AlgorithmSection(), model_path=path)
+    return _sized_for_trajectories(HFTrainEngine(model, sections.algorithm or AlgorithmSection(), model_path=path),
+                                   sections)
 
 
 def _fsdp_train(sections: EngineSections) -> TrainEngine:
@@ -257,7 +259,17 @@ def _fsdp_train(sections: EngineSections) -> TrainEngine:
 
     model, _, path = _hf_parts(sections)
     assert isinstance(model, FSDPModelSection)
-    return FSDPTrainEngine(model, sections.algorithm or AlgorithmSection(), model_path=path)
+    return _sized_for_trajectories(FSDPTrainEngine(model, sections.algorithm or AlgorithmSection(), model_path=path),
+                                   sections)
+
+
+def _sized_for_trajectories(engine: TrainEngine, sections: EngineSections) -> TrainEngine:
+    """An agent's trajectories hold up to its token budget (by default one response's): the trainer
+    takes responses that long."""
+    if sections.agent is not None:
+        budget, _ = sections.agent.budget(sections.model.max_new_tokens)
+        engine.experience_limits = dataclasses.replace(engine.experience_limits, max_response_length=budget)
+    return engine
 
 
 def _rollout_sections(sections: EngineSections) -> EngineSections:
@@ -386,9 +398,15 @@ def make_train_engine(job: Any) -> TrainEngine:
 
 
 def make_rollout_engine(job: Any, member: str) -> RolloutEngine:
-    """Explorer `member`'s engine for a `JobConfig` (or a `model:` section alone)."""
+    """Explorer `member`'s engine for a `JobConfig` (or a `model:` section alone); with an `agent:`
+    section its rollouts are the agent's episodes (`agent.rollout.AgentRollout`)."""
     sections, spec = _built(job, "explorer")
-    return spec.rollout(sections, member)
+    engine = spec.rollout(sections, member)
+    if sections.agent is None:
+        return engine
+    from .agent.rollout import AgentRollout
+
+    return AgentRollout(engine, sections.agent)
 
 
 def make_taskset(job: Any, *, seed: int, total_batches: int | None = None, batch_size: int | None = None) -> TaskSet:
