@@ -24,7 +24,7 @@ from rolectl.roles.observe.observer import JobObserver
 from rolectl.roles.observe.views import format_ago
 from rolectl.sync_protocol import Role
 
-__all__ = ["collect_status", "print_status"]
+__all__ = ["collect_status", "print_status", "format_agent"]
 
 
 async def collect_status(job: str, nats: str, *, heartbeat_wait_s: float | None = None,
@@ -103,7 +103,7 @@ async def print_status(job: str, nats: str, *, as_json: bool = False, connect_ti
     if as_json:
         json.dump({"job": job, "latest": latest, "members": rows, "last_seq": observer.state.last_seq,
                    "open_rounds": sorted(observer.state.rounds), "illegal_events": observer.illegal_total,
-                   "eval": observer.eval_curve()},
+                   "eval": observer.eval_curve(), "agent": observer.agent.summary()},
                   sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
@@ -127,7 +127,20 @@ async def print_status(job: str, nats: str, *, as_json: bool = False, connect_ti
         rewards = ", ".join(f"{name} {mean:.4f}" for name, mean in last["rewards"].items())
         out.print(f"last eval: v{last['version']} at step {last['step']}: {rewards} ({len(curve)} evals)",
                   highlight=False, markup=False)
+    agent = observer.agent.summary()
+    if agent:
+        out.print(format_agent(agent), highlight=False, markup=False)
     return 0
+
+
+def format_agent(agent: dict) -> str:
+    """An agent job's figures in a line: episodes, turns, tool calls by outcome, errors, truncations."""
+    calls = "; ".join(f"{tool} " + ", ".join(f"{outcome} {n}" for outcome, n in outcomes.items())
+                      for tool, outcomes in agent["tool_calls"].items()) or "none"
+    errors = ", ".join(f"{reason} {n}" for reason, n in agent["env_errors"].items()) or "none"
+    trained = f", trained tokens {agent['trained_tokens']}" if agent.get("trained_tokens") is not None else ""
+    return (f"agent: {agent['episodes']} episodes, {agent['turns_mean']:.2f} turns each, "
+            f"{agent['truncated']} truncated; tool calls: {calls}; env errors: {errors}{trained}")
 
 
 def format_progress(row: dict) -> str:

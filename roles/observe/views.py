@@ -169,6 +169,7 @@ SUMMARY_MEANINGS: dict[str, str] = {
     "served_requests": "completions served (serve mode)",
     "rewarded": "served trajectories rewarded (trained on)",
     "expired": "served trajectories never rewarded",
+    "agent": "episodes, turns, tool calls, env errors, trained tokens",
 }
 
 
