@@ -170,12 +170,12 @@ def sample_turns(
     max_tokens: Sequence[int],
     seeds: Sequence[int],
     allowed_tokens: Tensor,
-    eos_token: int,
+    stop_tokens: Sequence[int],
     pad_token: int,
     temperature: float,
 ) -> list[tuple[list[int], list[float], bool]]:
     """Continue each token sequence (of any length) by one turn: at most its `max_tokens`, stopping at
-    EOS (greedy at temperature 0). Returns per sequence (tokens, logprobs, stopped at EOS).
+    a stop token, kept (greedy at temperature 0). Returns per sequence (tokens, logprobs, stopped).
 
     Sequences are right-padded (causal attention: a row's next token is read at its own last
     position). Each row draws its Gumbel noise from a generator seeded by its own seed, so a row
@@ -195,6 +195,7 @@ def sample_turns(
                                                           generator=torch.Generator().manual_seed(seed % 2**63))
                                                .clamp(min=1e-20))) for seed in seeds])
     limits = torch.tensor(list(max_tokens))
+    stops = torch.tensor(list(stop_tokens))
     position = lengths.clone()
     done = torch.zeros(rows, dtype=torch.bool)
     stopped = torch.zeros(rows, dtype=torch.bool)
@@ -211,7 +212,7 @@ def sample_turns(
         picked_logprobs[live, step] = logprobs.gather(-1, picked.unsqueeze(-1)).squeeze(-1)
         tokens[live, position[live]] = picked
         position[live] += 1
-        stopped[live] = picked == eos_token
+        stopped[live] = torch.isin(picked, stops)
         done[live] = stopped[live] | (position[live] - lengths[live] >= limits[live])
     counts = (position - lengths).tolist()
     return [(picks[row, :n].tolist(), picked_logprobs[row, :n].tolist(), bool(stopped[row]))

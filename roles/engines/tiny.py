@@ -34,6 +34,7 @@ from .task import (
     AGENT_VOCAB_SIZE,
     EOS,
     PAD,
+    QUERY,
     RESPONSE_TOKENS,
     VOCAB_SIZE,
     ReverseDigitsTaskSet,
@@ -61,12 +62,16 @@ TinyConfig = TinyModelSection  # the `model:` section of `engine: tiny`, as the 
 @dataclass(frozen=True, slots=True)
 class TinyLayout:
     """What the policy is sized for: its vocabulary, the tokens it may sample, the longest response
-    (for an agent: the trajectory's token budget) and the longest turn."""
+    (for an agent: the trajectory's token budget) and the longest turn. An agent's prompts are what
+    its environment says first, rendered (any length up to the task's `prompt_length`)."""
 
     vocab_size: int
     response_tokens: tuple[int, ...]
     max_response_length: int
     turn_tokens: int
+    stop_tokens: tuple[int, ...] = (EOS,)
+    """Tokens that end a model turn (kept in it): EOS, and in an agent's episodes the query (the
+    model asks, and its environment answers)."""
 
 
 def tiny_layout(config: TinyConfig, agent: AgentSection | None = None) -> TinyLayout:
@@ -75,7 +80,7 @@ def tiny_layout(config: TinyConfig, agent: AgentSection | None = None) -> TinyLa
     if agent is None:
         return TinyLayout(VOCAB_SIZE, RESPONSE_TOKENS, config.max_response_length, config.max_response_length)
     budget, turn = agent.budget(config.max_response_length)
-    return TinyLayout(AGENT_VOCAB_SIZE, AGENT_RESPONSE_TOKENS, budget, turn)
+    return TinyLayout(AGENT_VOCAB_SIZE, AGENT_RESPONSE_TOKENS, budget, turn, stop_tokens=(EOS, QUERY))
 
 
 def build_policy(config: TinyConfig, layout: TinyLayout | None = None) -> TinyPolicy:
@@ -123,7 +128,7 @@ class TinyTrainEngine:
         self.group_size = config.group_size
         self.experience_limits = ExperienceLimits(
             vocab_size=self.layout.vocab_size,
-            prompt_length=config.prompt_length,
+            prompt_length=config.prompt_length if agent is None else None,
             max_response_length=self.layout.max_response_length,
             group_size=config.group_size,
             response_tokens=frozenset(self.layout.response_tokens),
@@ -299,7 +304,7 @@ class TinyRolloutEngine:
         if not sequences:
             return []
         turns = sample_turns(self.policy, sequences, max_tokens=max_tokens, seeds=seeds,
-                             allowed_tokens=self.allowed_tokens, eos_token=EOS, pad_token=PAD,
+                             allowed_tokens=self.allowed_tokens, stop_tokens=self.layout.stop_tokens, pad_token=PAD,
                              temperature=self.config.temperature)
         return [TurnOutput(tokens=tuple(tokens), logprobs=tuple(logprobs), version=self.version, finished=finished)
                 for tokens, logprobs, finished in turns]

@@ -30,14 +30,16 @@ def _tiny_job(**agent):
 
 def test_a_tiny_turn_is_sampled_from_its_own_seed_whatever_else_is_in_the_batch():
     engine = make_rollout_engine(_tiny_job(), "explorer-0").engine
-    sequences = [[10, 13, 13, 13, 13, 11], [10, 13, 13, 13, 13, 11, QUERY, EOS, 1, 2, 3, 4, 11]]
+    sequences = [[10, 13, 13, 13, 13, 11], [10, 13, 13, 13, 13, 11, QUERY, 1, 2, 3, 4, 11]]
     both = engine.generate_turns(sequences, max_tokens=[5, 3], seeds=[1, 2])
     alone = engine.generate_turns(sequences[1:], max_tokens=[3], seeds=[2])
     assert both[1] == alone[0]
     assert both[0] != engine.generate_turns(sequences[:1], max_tokens=[5], seeds=[3])[0]
     for turn, limit in zip(both, [5, 3]):
         assert 1 <= len(turn.tokens) <= limit and set(turn.tokens) <= set(AGENT_RESPONSE_TOKENS)
-        assert turn.finished == (turn.tokens[-1] == EOS) and EOS not in turn.tokens[:-1]
+        # a turn ends at EOS or at the query (the model asks; its environment answers)
+        assert turn.finished == (turn.tokens[-1] in (EOS, QUERY))
+        assert not {EOS, QUERY} & set(turn.tokens[:-1])
         assert turn.version == 0
     # the logprobs are the policy's own (as the trainer computes them), under the agent vocabulary
     for sequence, turn in zip(sequences, both):

@@ -21,10 +21,11 @@ HERE = __name__
 
 
 def asks_then_reverses(sequence: list[int]) -> list[int]:
-    """The policy HiddenReverse rewards: ask first, then the revealed digits reversed."""
+    """The policy HiddenReverse rewards: ask first (a query ends the turn), then the revealed digits
+    reversed."""
     if QUERY not in sequence:
-        return [QUERY, EOS]
-    revealed = sequence[sequence.index(QUERY) + 2:-1]  # after `QUERY EOS`, before the SEP
+        return [QUERY]
+    revealed = sequence[sequence.index(QUERY) + 1:-1]  # after the query, before the SEP
     return [*reversed(revealed), EOS]
 
 
@@ -48,11 +49,11 @@ def test_an_episode_that_asks_then_answers_is_one_trajectory_masked_on_the_envir
     loop, generator = _loop(asks_then_reverses)
     experiences = loop.rollout(TASKS, explore_step=4)
     first = experiences[0]
-    assert first.prompt == (BOS, PAD, PAD, PAD, PAD, SEP)  # the digits are hidden
-    assert first.response == (QUERY, EOS, 3, 1, 4, 1, SEP, 1, 4, 1, 3, EOS)
-    assert first.loss_mask == (1, 1, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1)
-    assert first.logprobs == (-0.5, -0.5, 0.0, 0.0, 0.0, 0.0, 0.0, -0.5, -0.5, -0.5, -0.5, -0.5)
-    assert (first.reward, first.turns, first.trained_tokens, first.model_version) == (1.0, 2, 7, 3)
+    assert first.prompt == (BOS, SEP)  # the digits are hidden: the prompt says nothing
+    assert first.response == (QUERY, 3, 1, 4, 1, SEP, 1, 4, 1, 3, EOS)
+    assert first.loss_mask == (1, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1)
+    assert first.logprobs == (-0.5, 0.0, 0.0, 0.0, 0.0, 0.0, -0.5, -0.5, -0.5, -0.5, -0.5)
+    assert (first.reward, first.turns, first.trained_tokens, first.model_version) == (1.0, 2, 6, 3)
     assert first.token_versions is None  # one version sampled it all
     # ids and groups as a single-turn rollout gives them: the trainer deduplicates on them
     assert [e.id for e in experiences] == ["explorer-0-4-0-0", "explorer-0-4-0-1", "explorer-0-4-1-0",
@@ -63,26 +64,34 @@ def test_an_episode_that_asks_then_answers_is_one_trajectory_masked_on_the_envir
     assert len(generator.calls) == 2  # the episodes advanced together: one batched call per turn
 
 
-def test_a_policy_that_never_asks_is_answered_with_blanks_until_max_turns():
+def test_a_policy_that_never_asks_is_answered_with_blanks_then_its_guess_is_scored():
     loop, generator = _loop(never_asks, max_turns=3)
     [first, *_] = loop.rollout(TASKS, explore_step=1)
     assert first.response == (1, 2, EOS, PAD, SEP, 1, 2, EOS, PAD, SEP, 1, 2, EOS)
-    assert (first.reward, first.turns) == (0.0, 3)
-    assert loop.metrics["agent/truncated"] == 4.0 and loop.metrics["agent/turns_mean"] == 3.0
+    assert (first.reward, first.turns) == (0.25, 3)  # "1 2" against "1 4 1 3"
+    assert loop.metrics["agent/truncated"] == 0.0 and loop.metrics["agent/turns_mean"] == 3.0
     assert "agent/tool_calls/reveal/ok" not in loop.metrics
 
 
+def test_an_episode_still_going_at_max_turns_is_truncated():
+    loop, generator = _loop(never_asks, max_turns=2)
+    [first, *_] = loop.rollout(TASKS, explore_step=1)
+    assert first.response == (1, 2, EOS, PAD, SEP, 1, 2, EOS)  # the second blank is not rendered
+    assert (first.reward, first.turns) == (0.0, 2)
+    assert loop.metrics["agent/truncated"] == 4.0
+
+
 def test_a_turn_samples_at_most_the_budget_left_and_an_observation_that_would_fill_it_ends_the_episode():
-    # 5 + 3 tokens: after `QUERY EOS` and the digits (7 tokens) one is left for the answer's 5
+    # after the query and the digits (6 tokens) two are left for the answer's 5
     loop, generator = _loop(asks_then_reverses, max_tokens=8)
     [first, *_] = loop.rollout(TASKS, explore_step=1)
-    assert [limits for _, limits, _ in generator.calls] == [[5, 5, 5, 5], [1, 1, 1, 1]]
-    assert first.response == (QUERY, EOS, 3, 1, 4, 1, SEP, 1)  # the cut answer
-    assert first.reward == 0.25 and loop.metrics["agent/truncated"] == 0.0
+    assert [limits for _, limits, _ in generator.calls] == [[5, 5, 5, 5], [2, 2, 2, 2]]
+    assert first.response == (QUERY, 3, 1, 4, 1, SEP, 1, 4)  # the cut answer
+    assert first.reward == 0.5 and loop.metrics["agent/truncated"] == 0.0
     # an observation that would leave nothing to answer with is not appended
-    loop, generator = _loop(asks_then_reverses, max_tokens=7)
+    loop, generator = _loop(asks_then_reverses, max_tokens=6)
     [first, *_] = loop.rollout(TASKS, explore_step=1)
-    assert first.response == (QUERY, EOS) and first.reward == 0.0
+    assert first.response == (QUERY,) and first.reward == 0.0
     assert loop.metrics["agent/truncated"] == 4.0 and len(generator.calls) == 1
 
 
@@ -124,8 +133,8 @@ class FailsAt:
 
 
 @pytest.mark.parametrize(("how", "reason", "response"), [
-    ("raise", "exception", (QUERY, EOS, 3, 1, 4, 1, SEP, 1, 4, 1, 3, EOS)),
-    ("hang", "timeout", (QUERY, EOS, 3, 1, 4, 1, SEP, 1, 4, 1, 3, EOS)),
+    ("raise", "exception", (QUERY, 3, 1, 4, 1, SEP, 1, 4, 1, 3, EOS)),
+    ("hang", "timeout", (QUERY, 3, 1, 4, 1, SEP, 1, 4, 1, 3, EOS)),
     ("reset", "reset_failed", ()),
 ])
 def test_an_environment_that_fails_costs_its_episode_only_counted_and_logged(how, reason, response):
@@ -138,7 +147,7 @@ def test_an_environment_that_fails_costs_its_episode_only_counted_and_logged(how
         FailsAt.release.set()
     failed, *others = [e for e in experiences if e.group.endswith("-0")]
     assert (failed.response, failed.reward) == (response, 0.0)
-    assert failed.loss_mask == (1, 1, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1)[:len(response)]
+    assert failed.loss_mask == (1, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1)[:len(response)]
     assert len(experiences) == 4 and {e.reward for e in experiences[2:]} == {1.0}  # the groups stay whole
     assert loop.metrics[f"agent/env_errors/{reason}"] == 2.0
     [logged, _] = [entry for entry in logs if entry["event"] == "agent_env_error"]
@@ -192,7 +201,7 @@ def test_each_token_carries_the_version_that_sampled_its_turn_and_the_oldest_is_
     loop, _ = _loop(asks_then_reverses, generator=Versioned(asks_then_reverses, version=4))
     [first, *_] = loop.rollout(TASKS, explore_step=1)
     assert first.model_version == 5
-    assert first.token_versions == ((7, 5), (5, 6))  # the digits carry the version of the turn they answer
+    assert first.token_versions == ((6, 5), (5, 6))  # the digits carry the version of the turn they answer
     assert [s.version for s in first.segments()] == [5, 5, 6]
 
 
