@@ -66,7 +66,7 @@ def experience_batch(experiences: Sequence[Experience], advantages: AdvantageEst
     mask = torch.zeros(len(experiences), width, dtype=torch.bool)
     for row, e in enumerate(experiences):
         old_logprobs[row, :len(e.response)] = torch.tensor(e.logprobs, dtype=torch.float32)
-        mask[row, :len(e.response)] = torch.tensor(e.mask(), dtype=torch.bool)
+        mask[row, :len(e.response)] = True
     rewards = torch.tensor([e.reward for e in experiences], dtype=torch.float32)
     groups = tuple(e.group for e in experiences)
     return TrainBatch(prompts=tuple(e.prompt for e in experiences), responses=tuple(e.response for e in experiences),

@@ -155,10 +155,8 @@ class TinyTrainEngine:
         responses = torch.full((len(rows), batch.loss_mask.shape[1]), EOS)
         for index, row in enumerate(rows):
             responses[index, :len(batch.responses[row])] = torch.tensor(batch.responses[row], dtype=torch.long)
-        logprobs = response_logprobs(policy, prompts, responses, allowed_tokens=self.allowed_tokens,
-                                     temperature=self.config.temperature)
-        # an environment's token may be one the policy never samples (logprob -inf): read as 0, never trained
-        return logprobs.masked_fill(~batch.loss_mask[list(rows), :logprobs.shape[1]], 0.0)
+        return response_logprobs(policy, prompts, responses, allowed_tokens=self.allowed_tokens,
+                                 temperature=self.config.temperature)
 
     def weights(self) -> dict[str, Tensor]:
         # A copy, not a view: a transport may still be serialising while the next step runs.
