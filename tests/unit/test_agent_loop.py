@@ -189,6 +189,20 @@ def test_the_jobs_reward_functions_score_the_final_turn_and_are_added():
     assert loop.metrics["reward/positional_match"] == 1.0
 
 
+def row_reward(response: str, answer: str, *, prompt: str, row: dict) -> float:
+    """A data reward that reads the task's prompt text and its whole row."""
+    return 1.0 if (prompt, row["level"]) == ("reverse the hidden digits", "easy") else 0.0
+
+
+def test_a_data_reward_that_takes_the_prompt_and_the_row_gets_the_tasks():
+    rewards = parse_reward_specs([f"{HERE}:row_reward"])
+    text_task = Task(id="q", prompt=(BOS, SEP), answer="1 4 1 3", target=(1, 4, 1, 3),
+                     prompt_text="reverse the hidden digits", row={"level": "easy"})
+    loop, _ = _loop(asks_then_reverses, rewards=rewards)
+    [first, *_] = loop.rollout([text_task], explore_step=1)
+    assert first.reward == 1.0 + 1.0 and loop.metrics[f"reward/{HERE}:row_reward"] == 1.0
+
+
 class Versioned(ScriptedTurns):
     """Weights that change between turns (a partial rollout): each call one version newer."""
 

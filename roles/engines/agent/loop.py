@@ -299,7 +299,7 @@ class AgentLoop:
         total = sum(reward * discount ** t for t, reward in enumerate(episode.rewards))
         if not self.rewards or episode.last_text is None:
             return total, {}
-        scored, scores = score_all(self.rewards, episode.last_text, episode.task.answer)
+        scored, scores = score_all(self.rewards, episode.last_text, episode.task)
         return total + scored, scores
 
     def _experience(self, episode: _Episode, explore_step: int) -> Experience:
