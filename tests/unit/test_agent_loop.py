@@ -64,8 +64,15 @@ def test_an_episode_that_asks_then_answers_is_one_trajectory_masked_on_the_envir
     assert len(generator.calls) == 2  # the episodes advanced together: one batched call per turn
 
 
-def test_a_policy_that_never_asks_is_answered_with_blanks_then_its_guess_is_scored():
+def test_a_policy_that_never_asks_is_answered_with_blanks_and_scores_nothing():
     loop, generator = _loop(never_asks, max_turns=3)
+    [first, *_] = loop.rollout(TASKS, explore_step=1)
+    assert first.response == (1, 2, EOS, PAD, SEP, 1, 2, EOS, PAD, SEP, 1, 2, EOS)
+    assert (first.reward, first.turns) == (0.0, 3) and loop.metrics["agent/truncated"] == 4.0
+
+
+def test_with_blanks_a_policy_that_never_asks_has_its_guess_scored():
+    loop, generator = _loop(never_asks, max_turns=3, args={"blanks": 2})
     [first, *_] = loop.rollout(TASKS, explore_step=1)
     assert first.response == (1, 2, EOS, PAD, SEP, 1, 2, EOS, PAD, SEP, 1, 2, EOS)
     assert (first.reward, first.turns) == (0.25, 3)  # "1 2" against "1 4 1 3"

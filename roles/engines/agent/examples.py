@@ -30,16 +30,17 @@ class HiddenReverse:
     The prompt says nothing. A turn that asks (begins with `?`) is answered with the digits (counted
     `tool_calls/reveal/ok`); the first turn after that which does not ask is the answer: its reward is
     the fraction of positions right (`positional_match`), and the episode is done. A turn that does
-    not ask before the digits were revealed is answered with a blank, `blanks` times; the next such
-    turn is taken as the answer, a guess. (So a policy that guesses and one that asks and answers at
-    random score alike, and asking pays only once the answer uses what it revealed.)
+    not ask before the digits were revealed is answered with a blank: so a policy that never asks
+    scores nothing. With `blanks`, only that many times: the next such turn is taken as the answer,
+    a guess (then a policy that guesses and one that asks and answers at random score alike, and
+    asking pays only once the answer uses what it revealed: a harder task to learn).
     """
 
     tools: tuple[dict[str, Any], ...] = ()
 
-    def __init__(self, blanks: int = 2) -> None:
-        if blanks < 0:
-            raise ValueError(f"blanks must be >= 0, got {blanks}")
+    def __init__(self, blanks: int | None = None) -> None:
+        if blanks is not None and blanks < 0:
+            raise ValueError(f"blanks must be >= 0 or None, got {blanks}")
         self.blanks = blanks
         self.digits: list[str] = []
         self.revealed = False
@@ -57,7 +58,7 @@ class HiddenReverse:
         if model_text.split()[:1] == [QUERY]:
             self.revealed = True
             return StepResult(observation=" ".join(self.digits), info={"tool_calls/reveal/ok": 1.0})
-        if not self.revealed and self.blanked < self.blanks:
+        if not self.revealed and (self.blanks is None or self.blanked < self.blanks):
             self.blanked += 1
             return StepResult(observation=BLANK)
         return StepResult(reward=positional_match(model_text, " ".join(reversed(self.digits))), done=True)
