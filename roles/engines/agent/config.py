@@ -71,8 +71,9 @@ class AgentSection(Section):
     (docs/agents.md)."""
 
     environment: Name
-    """The environment: a built-in (`tools`, `hidden_reverse`) or your own class as `module:Class`,
-    imported from the Python path of every explorer."""
+    """The environment: a built-in (`tools`, `hidden_reverse`) or your own class as `module:Class`
+    (imported from the working directory or the Python path) or `path/to/file.py:Class`; every
+    explorer imports it."""
     args: Annotated[dict[str, Any], Strict()] = {}
     """Keyword arguments the environment's class is built with, one instance per episode."""
     max_turns: PositiveInt = 4
