@@ -6,7 +6,6 @@ and it must exit 0 with `complete: true`. A new example without a run here fails
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -16,34 +15,20 @@ import pytest
 import yaml
 
 from rolectl.bus.server import NatsCluster
-from tests.support.e2e import ROOT, job_config, run_up
+from tests.support.e2e import ROOT, job_config, run_up, shortened
 
 pytestmark = pytest.mark.e2e
 
 EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.yaml"))
-STEPS = 6  # trainer steps of a shortened run
+STEPS = 6  # trainer steps of a shortened run (`shortened`'s default)
 # The LLM examples (hf/vLLM, a model to build; own_model.yaml too) run shortened in test_llm_quickstart.py, the 2-rank
 # fsdp one in test_trainer_ranks.py, the served one (its agent beside it) below, the LoRA one with a
-# kill -9 of its trainer in test_lora_quickstart.py.
+# kill -9 of its trainer in test_lora_quickstart.py, the multi-turn agent one in test_agent_example.py.
 RUN_ELSEWHERE = {"llm_quickstart.yaml": "test_llm_quickstart.py", "llm_quickstart_hf.yaml": "test_llm_quickstart.py",
                  "llm_quickstart_fsdp.yaml": "test_trainer_ranks.py", "serve_quickstart.yaml": "test_examples_run.py",
-                 "lora_quickstart.yaml": "test_lora_quickstart.py", "own_model.yaml": "test_llm_quickstart.py"}
+                 "lora_quickstart.yaml": "test_lora_quickstart.py", "own_model.yaml": "test_llm_quickstart.py",
+                 "agent_multiturn.yaml": "test_agent_example.py"}
 ON_A_CLUSTER = {"cluster.yaml"}
-
-
-def shortened(example: str, tmp_path: Path, steps: int = STEPS) -> Path:
-    """The example with `steps` trainer steps and as many more explorer steps, in proportion, as
-    it ships with (an offset, a margin for stale drops), its run dir under `tmp_path`."""
-    data = yaml.safe_load((ROOT / "examples" / example).read_text())
-    trainer, explorers = data["trainer"], data["explorers"]
-    ratio = explorers["total_steps"] / trainer["total_steps"]
-    trainer["total_steps"] = steps
-    trainer["save_interval"] = min(trainer.get("save_interval", 1), steps)
-    explorers["total_steps"] = math.ceil(steps * ratio)
-    data["run_dir"] = str(tmp_path / "runs")
-    path = tmp_path / example
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
 
 
 def test_every_example_is_run_somewhere():
