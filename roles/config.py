@@ -36,7 +36,7 @@ from rolectl.bus.connection import parse_server_urls
 from rolectl.bus.security import ENV_VARS, ClientSecurity
 from rolectl.bus.server import go_gc_for_weights
 from rolectl.bus.subjects import check_name
-from rolectl.sync_protocol import ConfigError, SyncConfig, SyncMethod
+from rolectl.sync_protocol import ConfigError, SyncConfig, SyncMethod, SyncStyle
 
 from .config_base import (
     CHECK_ENGINES,
@@ -149,6 +149,12 @@ class ExplorerConfig(Section):
     so a straggler does not hold the step. Tasks are then rolled out one by one per engine (rank),
     which is slower on the batched tiny engine; 0 (the default) rolls the batch out at once. Counted
     in the summary (`over_rollout_tasks_cut`)."""
+    partial_rollout: StrictBool = False
+    """Partial rollouts (`sync_style: fully_async` with a pull method; engines tiny, hf, vllm): a version
+    that arrives while generations are in flight pauses them between two tokens, loads, and each
+    goes on from the tokens it already has instead of finishing on the old weights. Each token keeps
+    the version that sampled it (the experience's `token_versions`; its `model_version` is the
+    oldest); counted per step (`partial_rollout_pauses`)."""
     num_cpus: PositiveInt = 1
     """CPUs of each explorer's bundle under `rolectl up --launcher ray`."""
     use_gpus: StrictBool = False
@@ -435,7 +441,8 @@ class JobConfig(Section):
     def _sections_agree(self, info: ValidationInfo) -> JobConfig:
         """The rules across sections, every problem at once by its path; with the engines checked
         (`CHECK_ENGINES`), also what the engines need and the eval file."""
-        problems = [*_over_rollout_problems(self), *_wire_dtype_problems(self), *_world_size_problems(self)]
+        problems = [*_over_rollout_problems(self), *_partial_rollout_problems(self), *_wire_dtype_problems(self),
+                    *_world_size_problems(self)]
         if checking(info):
             problems += [*_engine_problems(self), *_eval_problems(self)]
         if problems:
@@ -601,6 +608,43 @@ def _over_rollout_problems(cfg: JobConfig) -> list[tuple[str, str]]:
              f"{ratio:g} keeps {per_step} of each step's {cfg.buffer.batch_size} tasks, {per_round} per round of "
              f"{cfg.explorers.count} explorers, fewer than the {needed} a train step takes; set "
              f"trainer.train_batch_tasks: {per_round} (or lower the ratio)")]
+
+
+PARTIAL_ROLLOUT_ENGINES = ("tiny", "hf", "vllm")
+"""The rollout engines that pause between two tokens (`RolloutEngine.rollout(..., pause_point=)`)."""
+
+
+def _rollout_engine(cfg: JobConfig) -> str:
+    """The explorers' engine: `model.rollout_engine`, else the trainer's own (fsdp's explorers run hf)."""
+    named = getattr(cfg.model, "rollout_engine", None)
+    return named or ("hf" if cfg.model.engine == "fsdp" else cfg.model.engine)
+
+
+def _partial_rollout_problems(cfg: JobConfig) -> list[tuple[str, str]]:
+    # Versions arrive while generations are in flight only where explorers never wait for them:
+    # every other style syncs between two steps, when nothing is in flight to pause.
+    if not cfg.explorers.partial_rollout:
+        return []
+    sync, problems = cfg.synchronizer, []
+    if sync.sync_style is not SyncStyle.FULLY_ASYNC or sync.sync_method.is_rendezvous:
+        problems.append(("explorers.partial_rollout",
+                         f"needs synchronizer.sync_style: fully_async with a pull sync_method (memory, checkpoint), "
+                         f"got {sync.sync_style.value} with {sync.sync_method.value}: other styles sync between "
+                         "steps, when no generation is in flight; set both, or remove partial_rollout"))
+    engine = _rollout_engine(cfg)
+    if engine not in PARTIAL_ROLLOUT_ENGINES:
+        problems.append(("explorers.partial_rollout",
+                         f"the {engine!r} rollout engine cannot pause a generation for new weights (engines that "
+                         f"can: {', '.join(PARTIAL_ROLLOUT_ENGINES)}); remove partial_rollout"))
+    if cfg.agent is not None:
+        problems.append(("explorers.partial_rollout",
+                         "applies to single-turn rollouts; an agent's episodes take the version each turn "
+                         "starts with (remove partial_rollout, or the agent: section)"))
+    if cfg.explorers.over_rollout_ratio:
+        problems.append(("explorers.partial_rollout",
+                         "does not combine with explorers.over_rollout_ratio (its engines run tasks on threads of "
+                         "their own, and a pause loads every engine of the explorer): set one of them"))
+    return problems
 
 
 def _wire_dtype_problems(cfg: JobConfig) -> list[tuple[str, str]]:

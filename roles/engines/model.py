@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -154,17 +154,22 @@ def sample_responses(
     eos_token: int,
     temperature: float,
     generator: torch.Generator,
+    before_token: Callable[[], None] | None = None,
 ) -> tuple[list[list[int]], list[list[float]]]:
     """Sample one response per prompt row (greedy at temperature 0), stopping each at EOS; returns
     tokens and their logprobs.
 
-    Recomputes the whole (short) sequence each step: no KV cache, fewer moving parts.
+    Recomputes the whole (short) sequence each step: no KV cache, fewer moving parts — and a pause
+    for new weights (`before_token`, called before each token is sampled; it may load weights into
+    `policy`) continues from the tokens so far with nothing computed by the old weights kept.
     """
     batch = prompts.shape[0]
     tokens = prompts
     finished = torch.zeros(batch, dtype=torch.bool)
     sampled, sampled_logprobs = [], []
     for _ in range(max_new_tokens):
+        if before_token is not None:
+            before_token()
         # temperature 0 is greedy: the most likely allowed token (its logprob at temperature 1)
         logprobs = _masked_log_softmax(policy(tokens)[:, -1], allowed_tokens, temperature or 1.0)
         if temperature == 0:

@@ -19,10 +19,10 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from rolectl.bus.files import atomic_path
-from rolectl.sync_protocol.experience import Experience, ExperienceLimits
+from rolectl.sync_protocol.experience import Experience, ExperienceLimits, version_runs
 
 from .agent.environment import TurnOutput
-from .base import Task, WeightsMismatch
+from .base import PausePoint, Task, WeightsMismatch
 from .grpo import ClippedPolicyLoss, token_group_advantages
 from .losses import LossFunction, TokenScores, TrainBatch, experience_batch
 from .model import TinyPolicy, build_base_policy, sample_responses, sample_turns, scored_tokens
@@ -265,12 +265,20 @@ class TinyRolloutEngine:
                     own.copy_(received)
         self.version = version
 
-    def rollout(self, tasks: Sequence[Task], *, explore_step: int) -> list[Experience]:
+    def rollout(self, tasks: Sequence[Task], *, explore_step: int,
+                pause_point: PausePoint | None = None) -> list[Experience]:
         group_size = self.config.group_size
         if not tasks:
             return []
         prompts = torch.tensor([task.prompt for task in tasks]).repeat_interleave(group_size, dim=0)
         generator = torch.Generator().manual_seed((self.sampling_seed * 1_000_003 + explore_step) % 2**63)
+        token_versions: list[int] = []  # the version that samples the batch's t-th token
+
+        def before_token() -> None:
+            if pause_point is not None and pause_point.pending():
+                pause_point.load()  # the pause: the next token is sampled with the new weights
+            token_versions.append(self.version)
+
         responses, logprobs = sample_responses(
             self.policy,
             prompts,
@@ -279,12 +287,14 @@ class TinyRolloutEngine:
             eos_token=EOS,
             temperature=self.config.temperature,
             generator=generator,
+            before_token=before_token,
         )
         experiences = []
         for task_idx, task in enumerate(tasks):
             group = f"{self.member}-{explore_step}-{task_idx}"
             for k in range(group_size):
                 row = task_idx * group_size + k
+                versions = token_versions[:len(responses[row])]
                 experiences.append(
                     Experience(
                         id=f"{group}-{k}",
@@ -293,7 +303,8 @@ class TinyRolloutEngine:
                         response=tuple(responses[row]),
                         logprobs=tuple(logprobs[row]),
                         reward=score_response(responses[row], task.target),
-                        model_version=self.version,
+                        model_version=min(versions, default=self.version),
+                        token_versions=version_runs(versions),
                     )
                 )
         return experiences

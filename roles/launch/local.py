@@ -102,7 +102,7 @@ class LocalLauncher:
         if self.auth is not None:  # its own identity, by file path in the environment (never argv)
             env.update(self.auth.security(member_id).as_env())
         proc = subprocess.Popen(
-            [sys.executable, "-m", "rolectl.roles.cli", "start", role, "--config", str(self.config_path),
+            [sys.executable, "-m", "rolectl", "start", role, "--config", str(self.config_path),
              "--nats", self.nats_url, "--id", member_id, "--log-format", "json"],
             stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
             start_new_session=True,  # Ctrl-C in the terminal reaches `up`, which stops children in order

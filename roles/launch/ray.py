@@ -178,7 +178,7 @@ class RoleActor:
                 # refusing with "nothing to resume" until the restarts run out).
                 resume = ["--resume"] if self.incarnation > 0 and self.role != "sync" else []
                 self._proc = subprocess.Popen(
-                    [sys.executable, "-m", "rolectl.roles.cli", "start", self.role, "--config", str(self.config_path),
+                    [sys.executable, "-m", "rolectl", "start", self.role, "--config", str(self.config_path),
                      "--nats", self.nats_url, "--id", self.member_id, *resume],
                     stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_prepare_role_process)
         except BaseException as exc:

@@ -239,3 +239,28 @@ def test_env_calls_bound_each_call_from_its_own_start_and_replace_a_hung_worker(
         assert all(t.daemon for t in threading.enumerate() if t.name.startswith("agent-env-"))
     finally:
         hang.set()
+
+
+class NewWeightsBeforeTurn:
+    """A `PausePoint` whose newer version waits before the second model turn (partial rollouts)."""
+
+    def __init__(self, generator: ScriptedTurns) -> None:
+        self.generator = generator
+        self.asked = 0
+        self.loads = 0
+
+    def pending(self) -> bool:
+        self.asked += 1
+        return self.asked == 2
+
+    def load(self) -> None:
+        self.loads += 1
+        self.generator.version += 1
+
+
+def test_a_partial_rollout_loads_a_waiting_version_between_two_turns():
+    loop, generator = _loop(asks_then_reverses)
+    pause = NewWeightsBeforeTurn(generator)
+    [first, *_] = loop.rollout(TASKS, explore_step=1, pause_point=pause)
+    assert (pause.asked, pause.loads) == (2, 1)  # asked before each turn, loaded once
+    assert first.model_version == 3 and first.token_versions == ((6, 3), (5, 4))

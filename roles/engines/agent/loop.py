@@ -30,14 +30,13 @@ import zlib
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import groupby
 from typing import Any
 
 import structlog
 
-from rolectl.sync_protocol.experience import Experience
+from rolectl.sync_protocol.experience import Experience, version_runs
 
-from ..base import Task
+from ..base import PausePoint, Task
 from ..rewards import WeightedReward, score_all
 from .config import AgentSection, resolve_environment
 from .environment import StepResult, TurnGenerator, TurnOutput
@@ -195,8 +194,11 @@ class AgentLoop:
         self._calls = EnvCalls()
         self.log = structlog.get_logger("rolectl.agent").bind(member=member)
 
-    def rollout(self, tasks: Sequence[Task], *, explore_step: int) -> list[Experience]:
-        """`group_size` episodes per task; ids and groups as a single-turn rollout gives them."""
+    def rollout(self, tasks: Sequence[Task], *, explore_step: int,
+                pause_point: PausePoint | None = None) -> list[Experience]:
+        """`group_size` episodes per task; ids and groups as a single-turn rollout gives them. With
+        `pause_point` (partial rollouts) a newer version waiting is loaded between two model turns:
+        each turn's tokens carry the version that sampled them."""
         self._counts = Counter()
         episodes = [_Episode(task_idx=i, k=k, task=task) for i, task in enumerate(tasks)
                     for k in range(self.group_size)]
@@ -205,6 +207,8 @@ class AgentLoop:
             live = [e for e in episodes if e.live]
             if not live:
                 break
+            if pause_point is not None and pause_point.pending():
+                pause_point.load()
             self._model_turn(live, explore_step=explore_step, turn=turn)
             self._environment_turn([e for e in live if e.live], turn=turn)
         experiences = [self._experience(e, explore_step) for e in episodes]
@@ -307,9 +311,7 @@ class AgentLoop:
         reward, episode.scores = self._reward(episode)
         versions = episode.versions
         oldest = min(versions, default=self.version())
-        runs = None
-        if any(v != oldest for v in versions):
-            runs = tuple((sum(1 for _ in run), v) for v, run in groupby(versions))
+        runs = version_runs(versions)
         return Experience(id=f"{group}-{episode.k}", group=group, prompt=tuple(episode.prompt),
                           response=tuple(episode.response), logprobs=tuple(episode.logprobs), reward=reward,
                           model_version=oldest, loss_mask=tuple(episode.mask), token_versions=runs)

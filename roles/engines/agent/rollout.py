@@ -16,7 +16,7 @@ from typing import Any
 
 from rolectl.sync_protocol.experience import Experience
 
-from ..base import Task
+from ..base import PausePoint, Task
 from .config import AgentSection
 from .loop import AgentLoop
 
@@ -63,8 +63,9 @@ class AgentRollout:
     def load_weights(self, tensors: Mapping[str, Any], version: int) -> None:
         self.engine.load_weights(tensors, version)
 
-    def rollout(self, tasks: Sequence[Task], *, explore_step: int) -> list[Experience]:
-        return self.loop.rollout(tasks, explore_step=explore_step)
+    def rollout(self, tasks: Sequence[Task], *, explore_step: int,
+                pause_point: PausePoint | None = None) -> list[Experience]:
+        return self.loop.rollout(tasks, explore_step=explore_step, pause_point=pause_point)
 
     def __getattr__(self, name: str) -> Any:
         # the rest (generate for evals, serve_step, tensor_parallel_size, ...) is the engine's own
