@@ -125,3 +125,12 @@ def test_the_shipped_quickstart_data_is_what_its_script_writes():
     spec.loader.exec_module(module)
     assert (ROOT / "examples/data/reverse_digits.jsonl").read_text() == module.render()
     assert (ROOT / "examples/data/reverse_digits_eval.jsonl").read_text() == module.render_eval()
+
+
+def test_the_shipped_tool_example_data_is_what_its_script_writes():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_add", ROOT / "examples/data/make_add_numbers.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert (ROOT / "examples/data/add_numbers.jsonl").read_text() == module.render()
