@@ -32,6 +32,7 @@ __all__ = [
     "parameter_count",
     "SPECIAL_TOKENS",
     "CHAT_TEMPLATE",
+    "context_length",
 ]
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>")
@@ -166,6 +167,15 @@ def load_model(config: HFModelConfig, path: Path):
     model = transformers.AutoModelForCausalLM.from_pretrained(
         path, local_files_only=True, dtype=config.torch_dtype)
     return model.to(config.device)
+
+
+def context_length(hf_config) -> int:
+    """The longest sequence a Hugging Face model takes (its positions; GPT-2 calls them `n_positions`)."""
+    for name in ("max_position_embeddings", "n_positions"):
+        value = getattr(hf_config, name, None)
+        if value:
+            return int(value)
+    return 1 << 30
 
 
 def flat_weights(model: torch.nn.Module, *, keep_vars: bool = False) -> dict[str, Tensor]:
