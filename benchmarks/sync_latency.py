@@ -154,12 +154,43 @@ class _TimedReader(EventReader):
         return records
 
 
-class _Members:
+class _Timestamps:
+    """When inputs began to be published (stream seq -> `clock()`) and when members found the
+    decisions about them; `benchmarks.scale` shares it across processes with a system-wide clock."""
+
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
+        self.sent_at: dict[int, float] = {}  # stream seq of an input -> when its publish began
+        self.samples: list[tuple[int, float]] = []  # (cause seq, when a member got the decision)
+
+    async def timed(self, coro) -> int:
+        started = self.clock()
+        seq = await coro
+        self.sent_at[seq] = started
+        return seq
+
+    async def wait(self, s: MemberSession, after: int, match) -> Decision:
+        def received(d: Decision):
+            # The member has its decision when its view finds it. Stamped here, not when the
+            # waiting task resumes: the view answers every waiter of a burst at once, and the
+            # tasks of 65 members then run one after another in this one process, each publishing
+            # its next event before the next one resumes, which 65 member processes would not.
+            if match(d):
+                self.samples.append((d.cause_seq, self.clock()))
+                return d
+            return None
+
+        d = await s.wait_decision(received, after=after, what=f"the decision for {s.member_id}")
+        if d is None:
+            raise RuntimeError(f"{s.member_id}: no decision within sync_timeout: is the synchronizer running?")
+        return d
+
+
+class _Members(_Timestamps):
     """A trainer and N explorers: real `MemberSession`s sharing this process's connection and view."""
 
     def __init__(self, cfg, conn: BusConnection, view: JobView, explorers: int):
-        self.sent_at: dict[int, float] = {}  # stream seq of an input -> perf_counter when its publish began
-        self.samples: list[tuple[int, float]] = []  # (cause seq, perf_counter when a member got the decision)
+        super().__init__()
         log = structlog.get_logger()
 
         def session(role: Role, member_id: str, version: int) -> MemberSession:
@@ -182,28 +213,6 @@ class _Members:
                 if task is not None:
                     await stop_task(task)
 
-    async def timed(self, s: MemberSession, coro) -> int:
-        started = time.perf_counter()
-        seq = await coro
-        self.sent_at[seq] = started
-        return seq
-
-    async def wait(self, s: MemberSession, after: int, match) -> Decision:
-        def received(d: Decision):
-            # The member has its decision when its view finds it. Stamped here, not when the
-            # waiting task resumes: the view answers every waiter of a burst at once, and the
-            # tasks of 65 members then run one after another in this one process, each publishing
-            # its next event before the next one resumes, which 65 member processes would not.
-            if match(d):
-                self.samples.append((d.cause_seq, time.perf_counter()))
-                return d
-            return None
-
-        d = await s.wait_decision(received, after=after, what=f"the decision for {s.member_id}")
-        if d is None:
-            raise RuntimeError(f"{s.member_id}: no decision within sync_timeout: is the synchronizer running?")
-        return d
-
     # -- memory: pull rounds ----------------------------------------------------------------------
     async def pull_round(self, version: int) -> None:
         early = self.explorers[0::2] if len(self.explorers) > 1 else self.explorers
@@ -213,14 +222,14 @@ class _Members:
 
         async def explorer(s: MemberSession, wait_for_version: bool) -> None:
             if wait_for_version:
-                seq = await self.timed(s, s.set_status(RunningStatus.REQUIRE_SYNC))
+                seq = await self.timed(s.set_status(RunningStatus.REQUIRE_SYNC))
                 requested.append(seq)
                 if len(requested) == len(early):
                     asked.set()
             else:
                 await s.view.wait_for(lambda v: v.state.latest.version >= version, timeout=300,
                                       what=f"version {version}")
-                seq = await self.timed(s, s.set_status(RunningStatus.REQUIRE_SYNC))
+                seq = await self.timed(s.set_status(RunningStatus.REQUIRE_SYNC))
             me = s.me
             d = await self.wait(s, seq, lambda d: isinstance(d, MemberReleased) and d.released == me)
             s.version = d.version
@@ -234,7 +243,7 @@ class _Members:
             await self.trainer.view.wait_for(lambda v: v.last_seq >= last, timeout=300, what=f"seq {last}")
             t = self.trainer
             t.version = t.step = version
-            await self.timed(t, t.publish(VersionPublished(
+            await self.timed(t.publish(VersionPublished(
                 member=t.me, version=version, step=version, method=SyncMethod.MEMORY,
                 location=f"weights/v{version}", nbytes=0, digest=f"sha256:{version}")))
 
@@ -245,7 +254,7 @@ class _Members:
         async def member(s: MemberSession, is_trainer: bool) -> None:
             if is_trainer:
                 s.version = s.step = version
-            seq = await self.timed(s, s.set_status(RunningStatus.REQUIRE_SYNC,
+            seq = await self.timed(s.set_status(RunningStatus.REQUIRE_SYNC,
                                                    rendezvous="127.0.0.1:29500" if is_trainer else None))
             me = s.me
             # the trainer sends to every participant (it is not one of them); an explorer is one
@@ -294,8 +303,9 @@ async def bus_hop(server: NatsServer, count: int = 60) -> dict:
     return _pct(hops[5:])
 
 
-async def _stream_latencies(url: str, job: str, from_seq: int) -> list[float]:
-    """Decision recorded minus cause recorded (ms), for decisions at or after `from_seq`."""
+async def _stream_latencies(url: str, job: str, from_seq: int, *, with_seq: bool = False) -> list:
+    """Decision recorded minus cause recorded (ms), for decisions at or after `from_seq` (with
+    `with_seq`, as (decision seq, ms) pairs)."""
     async with connect(url, job=job, role="observer", member="bench") as conn:
         end = await last_sequence(conn)
         reader = _TimedReader(conn, from_seq=1, include_decisions=True, stop_at_end=True)
@@ -304,7 +314,8 @@ async def _stream_latencies(url: str, job: str, from_seq: int) -> list[float]:
     out = []
     for rec in records:
         if isinstance(rec.event, Decision) and rec.seq >= from_seq and rec.event.cause_seq in reader.time_ns:
-            out.append((reader.time_ns[rec.seq] - reader.time_ns[rec.event.cause_seq]) / 1e6)
+            ms = (reader.time_ns[rec.seq] - reader.time_ns[rec.event.cause_seq]) / 1e6
+            out.append((rec.seq, ms) if with_seq else ms)
     assert records and records[-1].seq <= end
     return out
 

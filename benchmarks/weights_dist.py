@@ -111,9 +111,9 @@ async def _worker(spec: dict) -> None:
     modes: list[str] = spec["modes"]
 
     def ready(method: SyncMethod, round_: int, port: int) -> RendezvousReady:
-        return RendezvousReady(
+        return RendezvousReady.for_group(
             round=round_, cause_seq=round_, method=method, version=round_, epoch=1, master_addr="127.0.0.1",
-            master_port=port, world_size=world,
+            master_port=port,
             participants=tuple(RankAssignment(member=m, rank_offset=r, ranks=1)
                                for r, m in zip(receivers, members)),
         )

@@ -25,6 +25,7 @@ __all__ = [
     "HistoryGap",
     "AckFailed",
     "MalformedExperience",
+    "SubjectMoved",
     "DecisionSuperseded",
     "NatsServerError",
     "TransferError",
@@ -141,7 +142,12 @@ class MalformedExperience(BusError, ValueError):
     """Bytes on the experience subject are not a valid `ExperienceBatch` (or a newer schema)."""
 
 
-class DecisionSuperseded(PublishRejected):
+class SubjectMoved(PublishRejected):
+    """A publish guarded by its subject's last sequence (`Nats-Expected-Last-Subject-Sequence`) was
+    not stored: the subject holds a message the publisher did not know of (another writer's)."""
+
+
+class DecisionSuperseded(SubjectMoved):
     """A decision was not stored because the decision log holds a message this replica did not
     know of (another replica's decision, or a foreign message): re-read the log to decide."""
 

@@ -25,6 +25,7 @@ from rolectl.sync_protocol import (
     MemberExpired,
     MemberJoined,
     Recorded,
+    RendezvousReady,
     Role,
     RunningStatus,
     StatusChanged,
@@ -134,6 +135,9 @@ class JobView:
     def fold(self, rec: Recorded) -> None:
         """Take the next record of the stream (the follower calls it; a test may, without a bus)."""
         if isinstance(rec.event, Decision):
+            if isinstance(rec.event, RendezvousReady):  # its ranks are the group this fold holds
+                rec = Recorded(seq=rec.seq, time_ms=rec.time_ms, event=self.state.group.bind(rec.event),
+                               subject=rec.subject)
             self.decisions.append(rec)
             if len(self.decisions) > 2 * DECISIONS_KEPT:
                 self._forget_old_decisions()

@@ -1,5 +1,6 @@
-"""What every role process shares: its identity in the job (joined, rejoined after an expiry, fenced
-once a newer incarnation took over), event publishing, heartbeats, and a live view of the job.
+"""What every role process shares: its identity in the job (claimed from the record, joined, rejoined
+after an expiry, fenced once a newer incarnation took over), event publishing, heartbeats, and a
+live view of the job.
 
 The view (`roles.job_view.JobView`) and the stopping helpers (`roles.stopping`) live in modules of
 their own; they are imported from here too, as the role loops always have."""
@@ -20,12 +21,15 @@ from msgspec.structs import replace
 
 from rolectl.bus.archive import read_range
 from rolectl.bus.connection import BusConnection, connect
-from rolectl.bus.errors import describe
+from rolectl.bus.errors import SubjectMoved, describe
 from rolectl.bus.events import EventPublisher, last_sequence, publish_heartbeat
 from rolectl.bus.files import write_json_atomic  # re-exported: the roles write their state with it
+from rolectl.bus.retry import backoff_delay
 from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream
 from rolectl.roles.config import JobConfig
+from rolectl.roles.identity import Claim, live_member_refusal, pid_running, read_claim
 from rolectl.roles.job_view import DECISIONS_KEPT, JobView
+from rolectl.roles.resume import StartRefused
 from rolectl.roles.stopping import finish_before_stopping, install_stop_signals, stop_task
 from rolectl.roles.waiting import WaitNotice
 from rolectl.sync_protocol import (
@@ -45,7 +49,7 @@ from rolectl.sync_protocol import (
 )
 
 __all__ = [
-    "write_json_atomic", "new_incarnation", "JobView", "DECISIONS_KEPT", "MemberSession", "install_stop_signals",
+    "write_json_atomic", "JobView", "DECISIONS_KEPT", "MemberSession", "install_stop_signals",
     "finish_before_stopping",
     "RoleStopped", "MemberRejoined", "MemberReplaced", "JobIncomplete", "stop_task", "freeze_heap"]
 
@@ -80,13 +84,7 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
-def new_incarnation() -> int:
-    """A number that grows with every start of a process: milliseconds since the epoch.
-
-    Restarts of the same member id get a larger incarnation, so the core can tell a stale process
-    from its replacement without any coordination.
-    """
-    return time.time_ns() // 1_000_000
+_JOIN_TRIES = 3  # a join whose guard failed on something that is not another start's join tries again
 
 
 @dataclass
@@ -97,7 +95,8 @@ class MemberSession:
     role: Role
     member_id: str
     ranks: int = 1
-    incarnation: int = field(default_factory=new_incarnation)
+    # claimed from the record (roles.identity) by `refuse_if_live` or `join`; 0 until then
+    incarnation: int = 0
 
     step: int = 0
     version: int = -1
@@ -112,6 +111,8 @@ class MemberSession:
     _heartbeat_task: asyncio.Task | None = None
     _rejoin_task: asyncio.Task | None = None
     _rejoining: MemberRef | None = None  # the incarnation a rejoin that has not succeeded yet joins as
+    _claim: Claim | None = field(default=None, repr=False, compare=False)  # read by refuse_if_live, for join
+    _rejoin_claim: Claim | None = field(default=None, repr=False, compare=False)  # _rejoining's
     _me: MemberRef | None = field(default=None, repr=False, compare=False)
     replaced_by: MemberRef | None = None  # set once a newer incarnation of this member joined
     _main_task: asyncio.Task | None = field(default=None, repr=False, compare=False)
@@ -152,20 +153,35 @@ class MemberSession:
             await self._stack.aclose()
             raise
         self.publisher = EventPublisher(self.conn, self.me)
-        self._ours.add(self.incarnation)
         archive = self.cfg.event_archive_dir
         self.view = JobView(self.conn, log=self.log, backfill=lambda first, last: read_range(archive, first, last))
         self.view.on_refused = self._note_refused
         return self
 
     async def join(self, *, step: int, version: int) -> int:
-        """Announce the config this member runs with and that it is up; start heartbeats."""
+        """Announce the config this member runs with and that it is up; start heartbeats.
+
+        The join claims this start's incarnation (see roles.identity): it is stored only if no
+        other start joined since the claim was read, else `StartRefused` names the one that did.
+        The view must be following the stream (`view.start()`)."""
         self.step, self.version = step, version
-        await self.publish(JobConfigured(member=self.me, config=self.cfg.synchronizer))
-        seq = await self.publish(
-            MemberJoined(member=self.me, host=socket.gethostname(), pid=os.getpid(),
-                         step=step, version=version, ranks=self.ranks)
-        )
+        for _ in range(_JOIN_TRIES):
+            claim = self._claim or await self._read_claim()
+            self._claim = None
+            self.incarnation = claim.incarnation
+            self.publisher = EventPublisher(self.conn, self.me)
+            # the same msg id in two racing starts of this incarnation: stored once, either way
+            await self.publish(JobConfigured(member=self.me, config=self.cfg.synchronizer))
+            try:
+                seq = await self.publisher.publish(self._joined(), msg_id=claim.join_msg_id(self.me),
+                                                   expected_last_subject_seq=claim.guard)
+                break
+            except SubjectMoved:
+                await self._refuse_raced(claim)  # returns when what came first was no other start's join
+        else:
+            raise StartRefused(f"{self.key} of job {self.cfg.job!r}: its join subject kept changing under "
+                               f"{_JOIN_TRIES} tries to join; something else publishes there")
+        self._ours.add(self.incarnation)
         self.status = RunningStatus.RUNNING
         self._main_task = asyncio.current_task()
         self._current_at = time.monotonic()
@@ -178,6 +194,36 @@ class MemberSession:
     async def publish(self, event: Event) -> int:
         return await self.publisher.publish(event)
 
+    def _joined(self, ref: MemberRef | None = None) -> MemberJoined:
+        return MemberJoined(member=ref or self.me, host=socket.gethostname(), pid=os.getpid(), step=self.step,
+                            version=self.version, ranks=self.ranks)
+
+    async def _read_claim(self) -> Claim:
+        """The incarnation this start (or rejoin) claims: read the member's join subject, then fold
+        the record at least that far, so the claim's guard and the fold (who is alive) agree."""
+        claim = await read_claim(self.conn, self.role, self.member_id)
+        await self.view.wait_for(lambda v: v.last_seq >= claim.guard, timeout=self.cfg.synchronizer.sync_timeout,
+                                 what=f"the job's record up to this member's last join (seq {claim.guard})")
+        member = self.view.state.members.get(self.key)
+        return claim.after(member.ref.incarnation if member else None, *self._ours)
+
+    async def _refuse_raced(self, claim: Claim) -> None:
+        """Our join lost its compare-and-set: raise `StartRefused` naming the start that joined
+        first; return (try again) when what moved the subject holds no newer incarnation (junk)."""
+        await self._read_to_end("after another start joined first")
+        member = self.view.state.members.get(self.key)
+        if member is None or member.ref.incarnation < claim.incarnation:
+            self.log.warning("join_subject_moved", incarnation=claim.incarnation, guard=claim.guard)
+            return
+        joined = await self.view.joined_event(self.key)
+        if member.alive:
+            raise StartRefused(live_member_refusal(
+                member.ref, job=self.cfg.job, joined=joined, host=member.host, step=member.step,
+                expiry=self.cfg.synchronizer.heartbeat_expiry, lead="another start of it joined first: "))
+        raise StartRefused(f"{self.role.value} {self.member_id!r} of job {self.cfg.job!r}: another start joined "
+                           f"first (incarnation {member.ref.incarnation}) and has left since; start again to "
+                           "resume after it")
+
     def expired(self, view: JobView) -> bool:
         """True when the job's record says our current incarnation left, and we did not stop:
         the synchronizer expired us (it could not hear us for `heartbeat_expiry`)."""
@@ -186,30 +232,22 @@ class MemberSession:
                 and self.status is not RunningStatus.STOPPED)
 
     async def refuse_if_live(self) -> None:
-        """Raise `StartRefused` when the job's record shows this member alive in another process:
-        two live trainers train the same steps twice. A restart goes on: the old incarnation
-        stopped, expired, or (on this host) its process is gone although not yet expired."""
-        from rolectl.roles.resume import StartRefused
-
+        """Claim this start's incarnation (see roles.identity) and raise `StartRefused` when the
+        job's record shows this member alive in another process: two live trainers train the same
+        steps twice. A restart goes on: the old incarnation stopped, expired, or (on this host) its
+        process is gone although not yet expired. A start that passes here and is overtaken by
+        another one's join before its own is refused by `join` (the claim's guard)."""
+        claim = await self._read_claim()
         member = self.view.state.members.get(self.key)
-        if member is None or not member.alive:
-            return
-        joined = await self.view.joined_event(self.key)
-        if joined is not None:
-            if joined.host == socket.gethostname() and not _pid_running(joined.pid):
-                self.log.info("previous_process_gone", incarnation=member.ref.incarnation, pid=joined.pid)
-                return
-            where = f"pid {joined.pid} on host {joined.host}"
-            stop = f"stop it first (Ctrl-C in its terminal, or `kill {joined.pid}` on {joined.host})"
-        else:
-            where, stop = f"on host {member.host or '?'}", "stop it first"
-        expiry = self.cfg.synchronizer.heartbeat_expiry
-        raise StartRefused(
-            f"{self.role.value} {self.member_id!r} of job {self.cfg.job!r} is already running ({where}, "
-            f"incarnation {member.ref.incarnation}, at step {member.step}): a second one would do its work "
-            f"twice. To replace it, {stop} and start again: the new one resumes where it stopped. If it "
-            f"hangs or its machine is gone, a running synchronizer expires it {expiry} s after its last "
-            f"heartbeat (`rolectl status --job {self.cfg.job}` then shows it expired) and a start resumes it")
+        if member is not None and member.alive:
+            joined = await self.view.joined_event(self.key)
+            if joined is None or joined.host != socket.gethostname() or pid_running(joined.pid):
+                raise StartRefused(live_member_refusal(member.ref, job=self.cfg.job, joined=joined, host=member.host,
+                                                       step=member.step, expiry=self.cfg.synchronizer.heartbeat_expiry))
+            self.log.info("previous_process_gone", incarnation=member.ref.incarnation, pid=joined.pid)
+        self._claim = claim
+        self.incarnation = claim.incarnation
+        self.publisher = EventPublisher(self.conn, self.me)
 
     def replaced(self, view: JobView) -> bool:
         """True when the record's current incarnation of this member is newer than ours, and not
@@ -274,16 +312,22 @@ class MemberSession:
         joined meanwhile (a restart replaced us): then this process is fenced and its role stops.
         A try that fails (the server away or still recovering its streams: expiry comes with
         outages) is tried again; the member stays expired, and says so, until one succeeds."""
+        failures = 0
+        period = self.cfg.synchronizer.heartbeat_period
         while True:
             await self.view.wait_for(lambda v: self.expired(v) or self.replaced(v) or self._rejoining is not None,
                                      timeout=None, what="our own expiry or replacement", membership_only=True)
             try:
                 if await self._rejoin_or_stop():
                     return
+                failures = 0
             except Exception as exc:
                 self.log.warning("rejoin_failed", incarnation=self.incarnation, error=describe(exc),
                                  hint="tried again in a moment")
-                await asyncio.sleep(self.cfg.synchronizer.heartbeat_period)  # a pause between tries, not a wait
+                # a pause between tries, not a wait; jittered and growing, so a fleet back from a
+                # server restart does not rejoin in one burst
+                await asyncio.sleep(backoff_delay(failures, base=period, cap=8 * period))
+                failures += 1
 
     async def _rejoin_or_stop(self) -> bool:
         """One try at `_rejoin_when_expired`: True when a newer incarnation replaced us (stop)."""
@@ -304,17 +348,22 @@ class MemberSession:
         as the same incarnation with the same message ids: a join stored before its ack was lost
         is stored once, and is ours."""
         old = self.me
-        if self._rejoining is None:
-            self._rejoining = MemberRef(role=self.role, id=self.member_id,
-                                        incarnation=max(new_incarnation(), old.incarnation + 1))
-        new = self._rejoining
+        if self._rejoining is None or self._rejoin_claim is None:
+            self._rejoin_claim = await self._read_claim()  # the next incarnation, as a start claims it
+            self._rejoining = MemberRef(role=self.role, id=self.member_id, incarnation=self._rejoin_claim.incarnation)
+        new, claim = self._rejoining, self._rejoin_claim
         # Joined first, switched after: anything this process says from now on comes from an
         # incarnation already in the record (a waiter asking again must not overtake the join).
         publisher = EventPublisher(self.conn, new)
         await publisher.publish(JobConfigured(member=new, config=self.cfg.synchronizer))
-        await publisher.publish(MemberJoined(member=new, host=socket.gethostname(), pid=os.getpid(),
-                                             step=self.step, version=self.version, ranks=self.ranks))
-        self._rejoining = None
+        try:
+            await publisher.publish(self._joined(new), msg_id=claim.join_msg_id(new),
+                                    expected_last_subject_seq=claim.guard)
+        except SubjectMoved:
+            # another start joined meanwhile: the next try finds us replaced, or claims after it
+            self._rejoining = self._rejoin_claim = None
+            raise
+        self._rejoining = self._rejoin_claim = None
         self._ours.add(new.incarnation)
         self.incarnation, self.publisher = new.incarnation, publisher
         self.status = RunningStatus.RUNNING
@@ -412,11 +461,12 @@ class MemberSession:
             return result
 
     async def set_status(self, status: RunningStatus, *, rendezvous: str | None = None,
-                         final: bool = False, metrics: dict[str, float] | None = None) -> int:
+                         final: bool = False, metrics: dict[str, float] | None = None,
+                         interrupted: bool = False) -> int:
         self.status = status
         return await self.publish(
             StatusChanged(member=self.me, status=status, step=self.step, version=self.version,
-                          rendezvous=rendezvous, final=final, metrics=metrics or {})
+                          rendezvous=rendezvous, final=final, metrics=metrics or {}, interrupted=interrupted)
         )
 
     async def _heartbeat(self) -> None:
@@ -456,15 +506,3 @@ class MemberSession:
             await self.view.aclose()
         if self._stack is not None:
             await self._stack.aclose()
-
-
-def _pid_running(pid: int) -> bool:
-    """Whether a process `pid` exists on this host (one we may not signal counts as existing)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-

@@ -59,7 +59,7 @@ import structlog
 
 from rolectl.bus.archive import ArchiveError, archive_and_trim, read_range
 from rolectl.bus.connection import connect
-from rolectl.bus.errors import DecisionSuperseded, PayloadTooLarge, describe
+from rolectl.bus.errors import DecisionSuperseded, PayloadTooLarge, SubjectMoved, describe
 from rolectl.bus.events import (
     DecisionPublisher,
     EventPublisher,
@@ -72,7 +72,9 @@ from rolectl.bus.lease import Lease, lease_ttl_s
 from rolectl.bus.snapshots import SnapshotStore
 from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream
 from rolectl.roles.config import JobConfig
-from rolectl.roles.session import freeze_heap, new_incarnation, stop_task
+from rolectl.roles.identity import Claim, live_member_refusal, read_claim, refuse_if_synchronizer_live
+from rolectl.roles.resume import StartRefused
+from rolectl.roles.session import freeze_heap, stop_task
 from rolectl.sync_protocol import (
     Decision,
     JobConfigured,
@@ -104,7 +106,9 @@ class Synchronizer:
         self.cfg = cfg
         self.keep_running = keep_running
         self.sync_cfg = cfg.synchronizer
-        self.me = MemberRef(role=Role.SYNCHRONIZER, id=member_id, incarnation=new_incarnation())
+        # the incarnation is claimed from the record when it runs (roles.identity); 0 until then
+        self.me = MemberRef(role=Role.SYNCHRONIZER, id=member_id, incarnation=0)
+        self._claim: Claim | None = None  # None also once our join lost to another start's: nothing to stop
         self.log = structlog.get_logger().bind(job=cfg.job, role="synchronizer", member=member_id)
         self.state = State.initial()
         self.recorded: dict[tuple, int] = {}  # decision_identity -> seq, for decisions already in the stream
@@ -148,9 +152,11 @@ class Synchronizer:
             self.conn = conn
             await ensure_event_stream(conn.js, conn.names, replicas=self.cfg.nats.replicas)
             await ensure_experience_stream(conn.js, conn.names, replicas=self.cfg.nats.replicas)
+            self.snapshots = SnapshotStore(conn, replicas=self.cfg.nats.replicas)
+            from_seq = await self._load_snapshot()
+            await self._claim_identity()
             self.events = EventPublisher(conn, self.me)
             self.decisions = DecisionPublisher(conn)
-            self.snapshots = SnapshotStore(conn, replicas=self.cfg.nats.replicas)
             self.lease = Lease(conn, bucket=conn.names.lease_bucket, key="synchronizer",
                                holder=f"{self.me.id}#{self.me.incarnation}",
                                ttl_s=lease_ttl_s(self.sync_cfg.heartbeat_period), replicas=self.cfg.nats.replicas)
@@ -158,7 +164,6 @@ class Synchronizer:
             self._connected_since = time.monotonic()
             self._reconnects_seen = conn.reconnects
             await subscribe_heartbeats(conn, self._on_heartbeat)
-            from_seq = await self._load_snapshot()
             end = await last_sequence(conn)
             self.log.info("catching_up", from_seq=from_seq, last_seq=end)
             if end < from_seq:
@@ -169,9 +174,7 @@ class Synchronizer:
                 # lists synchronizers too). Recorded like any input, so replay sees the same thing.
                 # Inside the try: a stop that lands while the join's ack is on its way (it may be
                 # recorded already) still records our STOPPED.
-                await self.events.publish(JobConfigured(member=self.me, config=self.sync_cfg))
-                await self.events.publish(MemberJoined(member=self.me, host=socket.gethostname(), pid=os.getpid(),
-                                                       step=0, version=0, ranks=0))
+                await self._join()
                 tasks = [asyncio.create_task(self._timers(), name="timers"),
                          asyncio.create_task(self._heartbeat(), name="heartbeat"),
                          asyncio.create_task(self._hold_lease(), name="lease")]
@@ -202,6 +205,33 @@ class Synchronizer:
                     await self.lease.release()  # a standby takes over at once instead of after the ttl
                 await self._record_stopped()
 
+    async def _claim_identity(self) -> None:
+        """Claim this start's incarnation (roles.identity); `StartRefused` while a process of the same
+        replica id runs. The record's last join of it, and the snapshot's, are what it follows."""
+        member = self.state.members.get(self.me.key)
+        claim = await read_claim(self.conn, Role.SYNCHRONIZER, self.me.id,
+                                 known=(member.ref.incarnation if member else None,))
+        await refuse_if_synchronizer_live(self.conn, claim, expiry=self.sync_cfg.heartbeat_expiry, log=self.log)
+        self._claim = claim
+        self.me = MemberRef(role=Role.SYNCHRONIZER, id=self.me.id, incarnation=claim.incarnation)
+        self.log = self.log.bind(incarnation=claim.incarnation)
+
+    async def _join(self) -> None:
+        """Announce the config we decide with and that we are up, as the incarnation claimed: the join
+        is stored only if no other start of this replica id joined since the claim was read."""
+        claim = self._claim
+        await self.events.publish(JobConfigured(member=self.me, config=self.sync_cfg))
+        try:
+            await self.events.publish(
+                MemberJoined(member=self.me, host=socket.gethostname(), pid=os.getpid(), step=0, version=0, ranks=0),
+                msg_id=claim.join_msg_id(self.me), expected_last_subject_seq=claim.guard)
+        except SubjectMoved:
+            self._claim = None  # the incarnation is the other start's: record nothing as it
+            winner = (await read_claim(self.conn, Role.SYNCHRONIZER, self.me.id)).previous
+            raise StartRefused(live_member_refusal(
+                winner.member if winner else self.me, job=self.cfg.job, joined=winner,
+                expiry=self.sync_cfg.heartbeat_expiry, lead="another start of it joined first: ")) from None
+
     def _job_done(self) -> bool:
         """Every trainer and explorer that joined stopped for good and every decision is recorded:
         nothing is left to decide (a member that comes back later joins as a new incarnation, and a
@@ -219,6 +249,8 @@ class Synchronizer:
 
     async def _record_stopped(self) -> None:
         """Record our own final STOPPED (on the way out, also when cancelled by a signal)."""
+        if self._claim is None:  # we never claimed an incarnation, or lost it to another start
+            return
         try:
             await asyncio.wait_for(self.events.publish(StatusChanged(
                 member=self.me, status=RunningStatus.STOPPED, step=0, version=0, final=True)), 10.0)

@@ -21,7 +21,7 @@ from .enums import (
     SyncMethod,
     SyncStyle,
 )
-from .errors import ConfigError, DecodeError, IllegalEvent, ProtocolError
+from .errors import ConfigError, DecodeError, IllegalEvent, ProtocolError, UnboundRendezvous
 from .events import *  # noqa: F401,F403  (the event classes are the package's vocabulary)
 from .events import __all__ as _event_names
 from .reducer import fold, fold_lenient, reduce, reduce_lenient
@@ -48,6 +48,7 @@ __all__ = [
     "DecodeError",
     "IllegalEvent",
     "ProtocolError",
+    "UnboundRendezvous",
     *_event_names,
     "State",
     "MemberState",

@@ -21,12 +21,21 @@ import msgspec
 
 from .config import SyncConfig
 from .errors import DecodeError
-from .events import KINDS, Decision, Event, JobConfigured, MemberRef
+from .events import (
+    KINDS,
+    Decision,
+    Event,
+    JobConfigured,
+    MemberRef,
+    RankAssignment,
+    RendezvousReady,
+    membership_digest,
+)
 
 __all__ = ["SCHEMA_VERSION", "BATCH_KIND", "MAX_BATCH", "encode", "encode_decisions", "decode", "decode_all",
            "to_plain", "from_plain", "member_from_plain"]
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """Bumped on any incompatible change; decoders reject newer schemas instead of guessing.
 
 2: `StatusChanged.final` (a member's last STOPPED). Schema-1 records still decode (the field
@@ -34,7 +43,10 @@ defaults to False), so streams recorded by older builds replay.
 3: decision batches (`kind: decisions`), one round's decisions each. Schema-2 records still decode.
 4: decisions go to one decision log subject (`bus.subjects`), a batch may hold several rounds'
 decisions. Schema-3 records still decode; a schema-3 build cannot read a job of this one (it says
-so: "upgrade rolectl")."""
+so: "upgrade rolectl").
+5: `RendezvousReady` names its group (`explorers`, `membership` digest) instead of listing every
+participant, so its size does not grow with the fleet. A record of schema 4 or earlier decodes to
+the same decision, bound to the list it carries (`_rendezvous_listed`), so old jobs replay."""
 
 BATCH_KIND = "decisions"
 MAX_BATCH = 256
@@ -64,7 +76,7 @@ _DECODER = msgspec.msgpack.Decoder()
 
 # Fields added to a kind after its schema was fixed: left out while at their default, so such a
 # record is byte-identical to what earlier builds wrote (and read by them).
-_ADDED_LATER: dict[str, tuple[str, ...]] = {"status_changed": ("metrics",)}
+_ADDED_LATER: dict[str, tuple[str, ...]] = {"status_changed": ("metrics", "interrupted")}
 
 
 def to_plain(event: Event | Decision) -> dict[str, Any]:
@@ -134,11 +146,35 @@ def from_plain(data: Any) -> Event | Decision:
     try:
         if cls is JobConfigured and "config" in body:
             body["config"] = _job_config(body["config"])
+        if cls is RendezvousReady and schema < _GROUP_BY_REFERENCE:
+            return _rendezvous_listed(body)
         return msgspec.convert(body, cls, dec_hook=_dec_hook)
     except msgspec.ValidationError as exc:
         raise DecodeError(f"{kind}: {_explain(exc)}") from None
     except DecodeError as exc:
         raise DecodeError(f"{kind}: {exc}") from None
+
+
+_GROUP_BY_REFERENCE = 5  # the schema from which a RendezvousReady names its group instead of listing it
+
+
+def _rendezvous_listed(body: dict[str, Any]) -> RendezvousReady:
+    """A RendezvousReady as schema 4 and earlier recorded it, every participant listed: the same
+    decision a schema-5 reducer computes (count and digest of the list), bound to the list."""
+    if "participants" not in body:
+        raise DecodeError("field 'participants': Object missing required field `participants` "
+                          "(schema 4 and earlier list the group)")
+    try:
+        listed = msgspec.convert(body.pop("participants"), tuple[RankAssignment, ...])
+    except msgspec.ValidationError as exc:
+        raise DecodeError(f"in 'participants': {_explain(exc)}") from None
+    ready = msgspec.convert({**body, "explorers": len(listed), "membership": membership_digest(listed)},
+                            RendezvousReady)
+    ranks = 1 + sum(p.ranks for p in listed)
+    if ready.world_size != ranks:
+        raise DecodeError(f"world_size {ready.world_size}, but its participants hold {ranks} ranks "
+                          "(trainer included)")
+    return ready.bound(listed)
 
 
 def encode_decisions(decisions: Sequence[Decision]) -> bytes:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["ProtocolError", "DecodeError", "IllegalEvent", "ConfigError"]
+__all__ = ["ProtocolError", "DecodeError", "IllegalEvent", "ConfigError", "UnboundRendezvous"]
 
 
 class ProtocolError(Exception):
@@ -45,3 +45,9 @@ class ConfigError(ProtocolError, ValueError):
         self.where = where
         lines = "\n".join(f"  - {name}: {why}" for name, why in self.problems)
         super().__init__(f"invalid {where} ({len(self.problems)} problem(s)):\n{lines}")
+
+
+class UnboundRendezvous(ProtocolError, LookupError):
+    """A `RendezvousReady`'s rank assignments were asked for, but it holds none: it was read from
+    the wire and not bound to the group it names (`GroupState.bind`), or the group this reader
+    folded is not the one decided. The message says which."""

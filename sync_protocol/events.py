@@ -17,7 +17,8 @@ that builds an event from untrusted values goes through `codec.from_plain`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import hashlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Annotated, ClassVar
@@ -26,10 +27,12 @@ import msgspec
 
 from .config import SyncConfig
 from .enums import ReleaseReason, Role, RoundOutcome, RunningStatus, SyncMethod
+from .errors import UnboundRendezvous
 
 __all__ = [
     "MemberRef",
     "RankAssignment",
+    "membership_digest",
     "Event",
     "Decision",
     "Recorded",
@@ -43,6 +46,7 @@ __all__ = [
     "WeightsBroadcast",
     "SyncFailed",
     "StepFinished",
+    "StepsRolledBack",
     "EvalFinished",
     "MemberExpired",
     "RoundTimedOut",
@@ -91,6 +95,17 @@ class RankAssignment(msgspec.Struct, frozen=True, kw_only=True):
     member: MemberRef
     rank_offset: int
     ranks: int
+
+
+_DIGEST_ENCODER = msgspec.msgpack.Encoder()
+
+
+def membership_digest(participants: Sequence[RankAssignment]) -> str:
+    """`sha256:<hex>` of a group's explorers in rank order (role, id, incarnation, offset, ranks):
+    what a `RendezvousReady` names its group by, instead of listing it."""
+    rows = [(p.member.role.value, p.member.id, p.member.incarnation, p.rank_offset, p.ranks)
+            for p in participants]
+    return "sha256:" + hashlib.sha256(_DIGEST_ENCODER.encode(rows)).hexdigest()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -149,6 +164,9 @@ class StatusChanged(Event, frozen=True, kw_only=True, tag="status_changed"):
 
     `metrics` on a STOPPED are the member's totals at its end (a trainer's experiences dropped as
     stale after its last StepFinished are counted only here).
+
+    `interrupted` marks a STOPPED asked for by a stop signal (Ctrl-C, SIGTERM), not by the member's
+    own end or failure: what the job's summary calls "interrupted".
     """
 
     status: RunningStatus
@@ -157,6 +175,7 @@ class StatusChanged(Event, frozen=True, kw_only=True, tag="status_changed"):
     rendezvous: str | None = None
     final: bool = False
     metrics: Mapping[str, float] = msgspec.field(default_factory=dict)
+    interrupted: bool = False
 
 
 class VersionPublished(Event, frozen=True, kw_only=True, tag="version_published"):
@@ -213,6 +232,16 @@ class StepFinished(Event, frozen=True, kw_only=True, tag="step_finished"):
     metrics: Mapping[str, float] = msgspec.field(default_factory=dict)
 
 
+class StepsRolledBack(Event, frozen=True, kw_only=True, tag="steps_rolled_back"):
+    """The trainer resumed from a checkpoint of step `to_step` after reporting steps up to
+    `from_step`: steps `to_step + 1 .. from_step` are trained again, and each one's new
+    StepFinished replaces the one recorded before (a kill -9 between two checkpoints). A record
+    for those who count steps: the reducer decides nothing on it."""
+
+    from_step: int
+    to_step: int
+
+
 class EvalFinished(Event, frozen=True, kw_only=True, tag="eval_finished"):
     """An explorer evaluated weights `version` on the eval set after explore step `step`:
     `rewards` is each reward's mean over `responses` responses to `tasks` tasks, in `seconds`.
@@ -255,8 +284,18 @@ class RoundOpened(Decision, frozen=True, kw_only=True, tag="round_opened"):
 
 
 class RendezvousReady(Decision, frozen=True, kw_only=True, tag="rendezvous_ready", dict=True):
-    """REQUIRE_SYNC is satisfied for a rendezvous method: the trainer (rank 0) and every listed
-    explorer meet now. `epoch` names the group; a new epoch means the group must be re-formed."""
+    """REQUIRE_SYNC is satisfied for a rendezvous method: the trainer (rank 0) and `explorers`
+    explorers meet now in group `epoch` of `world_size` ranks; a new epoch means the group must be
+    re-formed.
+
+    The group's rank assignments are not in the message: at a thousand explorers they alone would
+    pass the stream's 64 KiB message limit. They are `State.group`, which every reader folds from
+    the same records, sorted by member id after the trainer; the decision names them by `epoch`,
+    their count and `membership` (their `membership_digest`), so a reader proves it holds the very
+    group decided before it takes a rank. The reducer's own decisions come bound to them; a reader
+    binds a recorded one with `GroupState.bind`, and `participants` / `assignment_of` read them.
+    (Schema 4 and earlier listed them; such a record decodes bound to its own list.)
+    """
 
     method: SyncMethod
     version: int
@@ -264,11 +303,59 @@ class RendezvousReady(Decision, frozen=True, kw_only=True, tag="rendezvous_ready
     master_addr: str
     master_port: int
     world_size: int
-    participants: tuple[RankAssignment, ...]
+    explorers: int
+    membership: str
 
-    # Derived, never sent, so not a field: msgspec has no non-wire fields, hence `dict=True` and a
-    # cached property. Every receiver looks itself up, and a view serving many members would scan
-    # the list once per member; this builds the index once per decision.
+    @classmethod
+    def for_group(cls, *, round: int, cause_seq: int, method: SyncMethod, version: int, epoch: int,
+                  master_addr: str, master_port: int,
+                  participants: Sequence[RankAssignment]) -> RendezvousReady:
+        """The decision for a group of `participants` (the explorers, in rank order), bound to them:
+        world size, count and digest are derived from the list."""
+        members = tuple(participants)
+        ready = cls(round=round, cause_seq=cause_seq, method=method, version=version, epoch=epoch,
+                    master_addr=master_addr, master_port=master_port,
+                    world_size=1 + sum(p.ranks for p in members), explorers=len(members),
+                    membership=membership_digest(members))
+        ready.__dict__["_participants"] = members  # derived, never sent (see `participants`)
+        return ready
+
+    def bound(self, participants: Sequence[RankAssignment]) -> RendezvousReady:
+        """A copy of this decision holding `participants`, which must be the group it names
+        (count, world size and digest); `UnboundRendezvous` saying what differs otherwise."""
+        members = tuple(participants)
+        ranks = 1 + sum(p.ranks for p in members)
+        if len(members) != self.explorers or ranks != self.world_size:
+            raise UnboundRendezvous(
+                f"round {self.round}: the group held here has {len(members)} explorers and {ranks} "
+                f"ranks, the decision names {self.explorers} and {self.world_size} (epoch {self.epoch})")
+        digest = membership_digest(members)
+        if digest != self.membership:
+            raise UnboundRendezvous(f"round {self.round}: the group held here ({digest}) is not the one "
+                                    f"decided ({self.membership}, epoch {self.epoch})")
+        copy = msgspec.structs.replace(self)
+        copy.__dict__["_participants"] = members
+        return copy
+
+    @property
+    def is_bound(self) -> bool:
+        """Whether this decision holds its group's rank assignments."""
+        return "_participants" in self.__dict__
+
+    @property
+    def participants(self) -> tuple[RankAssignment, ...]:
+        """Every explorer's place in the group, in rank order (the trainer is rank 0, not listed)."""
+        members: tuple[RankAssignment, ...] | None = self.__dict__.get("_participants")
+        if members is None:
+            raise UnboundRendezvous(
+                f"round {self.round}: RendezvousReady names group epoch {self.epoch} ({self.explorers} "
+                f"explorers, {self.membership}) without listing it, and was not bound to that group: bind "
+                "it to the group folded from the inputs before it (GroupState.bind, as the job view does); "
+                "a reader whose fold holds another group (another epoch or digest) cannot")
+        return members
+
+    # Derived, never sent: every receiver looks itself up, and a view serving many members would
+    # scan the list once per member; this builds the index once per decision.
     @cached_property
     def _assignments(self) -> Mapping[MemberRef, RankAssignment]:
         index: dict[MemberRef, RankAssignment] = {}
@@ -277,7 +364,8 @@ class RendezvousReady(Decision, frozen=True, kw_only=True, tag="rendezvous_ready
         return index
 
     def assignment_of(self, member: MemberRef) -> RankAssignment | None:
-        """`member`'s place in the group (this exact incarnation), or None if it is not in it."""
+        """`member`'s place in the group (this exact incarnation), or None if it is not in it.
+        `UnboundRendezvous` when the decision holds no group (see the class docstring)."""
         return self._assignments.get(member)
 
 
@@ -312,6 +400,7 @@ INPUT_KINDS: dict[str, type[Event]] = {
         WeightsBroadcast,
         SyncFailed,
         StepFinished,
+        StepsRolledBack,
         EvalFinished,
         MemberExpired,
         RoundTimedOut,

@@ -26,7 +26,7 @@ member map, and the round map copied on first write; `commit` builds the success
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from types import MappingProxyType
@@ -62,11 +62,13 @@ from .events import (
     RoundTimedOut,
     StatusChanged,
     StepFinished,
+    StepsRolledBack,
     SyncFailed,
     VersionPublished,
     WeightsBroadcast,
     WeightsLoaded,
 )
+from .members import MemberMap
 from .state import GroupState, LatestVersion, MemberState, RoundPhase, RoundState, State
 
 __all__ = [
@@ -172,6 +174,7 @@ SENDERS: Mapping[type[Event], tuple[Role, ...]] = MappingProxyType({
     StatusChanged: _ANYONE,  # a synchronizer's status is recorded, never part of a round
     StepFinished: _ANYONE,
     EvalFinished: (_EXPLORER,),
+    StepsRolledBack: (_TRAINER,),
     VersionPublished: (_TRAINER,),
     NoNewVersion: (_TRAINER,),
     WeightsBroadcast: (_TRAINER,),
@@ -338,11 +341,48 @@ def _with_last_seq(state: State, seq: int) -> State:
     return replace(state, last_seq=seq)
 
 
+class _MemberWrites:
+    """The member map under construction: the predecessor's `MemberMap` and this input's writes,
+    read as one dict (writes first); `commit` makes the successor map, copying only what changed."""
+
+    __slots__ = ("base", "writes")
+
+    def __init__(self, base: MemberMap):
+        self.base = base
+        self.writes: dict[str, MemberState] = {}
+
+    def __getitem__(self, key: str) -> MemberState:
+        member = self.writes.get(key)
+        return member if member is not None else self.base[key]
+
+    def get(self, key: str) -> MemberState | None:
+        member = self.writes.get(key)
+        return member if member is not None else self.base.get(key)
+
+    def __setitem__(self, key: str, member: MemberState) -> None:
+        self.writes[key] = member
+
+    def __iter__(self) -> Iterator[str]:
+        return (key for key, _ in self.items())
+
+    def items(self) -> Iterator[tuple[str, MemberState]]:
+        """In join order, as a dict's: members joined before this input, then those it joined."""
+        writes, base = self.writes, self.base
+        for key, member in base.items():
+            yield key, writes.get(key, member)
+        for key, member in writes.items():
+            if key not in base:
+                yield key, member
+
+    def commit(self) -> MemberMap:
+        return self.base.with_changes(self.writes)
+
+
 class _Tx:
     """The successor state under construction: the predecessor's fields, typed, changed in place.
 
-    `members` is a private copy of the member map; `rounds` is the old read-only map until the
-    first write copies it (most inputs touch no round).
+    `members` reads through to the old member map and keeps this input's writes; `rounds` is the
+    old read-only map until the first write copies it (most inputs touch no round).
     """
 
     __slots__ = ("config", "members", "latest", "rounds", "_old_rounds", "_own_rounds", "next_round", "group",
@@ -351,7 +391,7 @@ class _Tx:
 
     def __init__(self, state: State, seq: int, time_ms: int):
         self.config: SyncConfig | None = state.config
-        self.members: dict[str, MemberState] = state.members.copy()
+        self.members = _MemberWrites(state.members)
         self.latest: LatestVersion = state.latest
         self.rounds: Mapping[int, RoundState] = state.rounds
         self._old_rounds = state.rounds
@@ -369,7 +409,7 @@ class _Tx:
     def commit(self) -> tuple[State, tuple[Decision, ...]]:
         state = State(
             config=self.config,
-            members=MappingProxyType(self.members),
+            members=self.members.commit(),
             latest=self.latest,
             rounds=self._old_rounds if self._own_rounds is None else MappingProxyType(self._own_rounds),
             next_round=self.next_round,
@@ -517,9 +557,9 @@ def _start_transfer(tx: _Tx, rnd: RoundState) -> None:
     # the trainer's step at REQUIRE_SYNC is the version it is about to send
     rnd = tx.update_round(rnd.id, phase=_TRANSFERRING, version=trainer.step, epoch=group.epoch)
     host, port = parse_rendezvous(trainer.rendezvous or "")
-    tx.decisions.append(RendezvousReady(round=rnd.id, cause_seq=tx.seq, method=rnd.method,
-                                        version=rnd.version, epoch=rnd.epoch, master_addr=host,
-                                        master_port=port, world_size=offset, participants=participants))
+    tx.decisions.append(RendezvousReady.for_group(round=rnd.id, cause_seq=tx.seq, method=rnd.method,
+                                                  version=rnd.version, epoch=rnd.epoch, master_addr=host,
+                                                  master_port=port, participants=participants))
 
 
 def _waiting_rendezvous_round(tx: _Tx) -> RoundState | None:
@@ -604,13 +644,23 @@ def _leave(tx: _Tx, member: MemberState) -> None:
         elif key in rnd.waiting or key in rnd.participants:
             rnd = tx.update_round(
                 rnd.id,
-                waiting=tuple(k for k in rnd.waiting if k != key),
-                participants=tuple(k for k in rnd.participants if k != key),
+                waiting=_without(rnd.waiting, key),
+                participants=_without(rnd.participants, key),
             )
             if rnd.method.is_rendezvous:
                 _settle_rendezvous(tx, rnd)  # may now be complete without it
             elif not rnd.waiting:
                 _apply(tx, rnd, Trigger.NOBODY_WAITING)
+
+
+def _without(keys: tuple[str, ...], key: str) -> tuple[str, ...]:
+    """`keys` less `key`, in order. A round lists a key once at most, so this is two slices copied
+    in C, not a Python loop: a rendezvous of 1,024 explorers takes them off one by one."""
+    try:
+        i = keys.index(key)
+    except ValueError:
+        return keys
+    return keys[:i] + keys[i + 1:]
 
 
 def _in_round(tx: _Tx, key: str) -> bool:
@@ -622,7 +672,7 @@ def _withdraw(tx: _Tx, key: str) -> None:
     expected rendezvous participant)."""
     for rnd in list(tx.rounds.values()):
         if rnd.phase is _WAITING and key in rnd.waiting:
-            rnd = tx.update_round(rnd.id, waiting=tuple(k for k in rnd.waiting if k != key))
+            rnd = tx.update_round(rnd.id, waiting=_without(rnd.waiting, key))
             if not rnd.waiting:
                 _apply(tx, rnd, Trigger.NOBODY_WAITING)
 
@@ -643,7 +693,7 @@ def _report_done(tx: _Tx, event: WeightsLoaded | WeightsBroadcast, member: Membe
     if key in rnd.reported:
         return  # a repeated report changes nothing
     rnd = tx.update_round(rnd.id, reported=rnd.reported + (key,),
-                          waiting=tuple(k for k in rnd.waiting if k != key))
+                          waiting=_without(rnd.waiting, key))
     # Its part is done: it is running again, so its next REQUIRE_SYNC is a new request (for the
     # next round) even while slower peers are still receiving this one.
     tx.update_member(key, status=_RUNNING)
@@ -801,6 +851,10 @@ def _on_eval_finished(tx: _Tx, event: EvalFinished, member: MemberState) -> None
     pass  # a record for the eval curve (observers fold it); no sync decision depends on it
 
 
+def _on_steps_rolled_back(tx: _Tx, event: StepsRolledBack, member: MemberState) -> None:
+    pass  # a record for step counts (observers fold it); the join already said where the trainer resumed
+
+
 def _on_member_expired(tx: _Tx, event: MemberExpired, _: None) -> None:
     target = event.expired
     member = tx.members.get(target.key)
@@ -829,6 +883,7 @@ _HANDLERS: dict[type[Event], _Handler] = {
     SyncFailed: _on_sync_failed,
     StepFinished: _on_step_finished,
     EvalFinished: _on_eval_finished,
+    StepsRolledBack: _on_steps_rolled_back,
     MemberExpired: _on_member_expired,
     RoundTimedOut: _on_round_timed_out,
 }

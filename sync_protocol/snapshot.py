@@ -20,6 +20,7 @@ from .config import SyncConfig
 from .enums import RunningStatus, SyncMethod
 from .errors import ConfigError, DecodeError
 from .events import MemberRef, RankAssignment
+from .members import MemberMap
 from .state import GroupState, LatestVersion, MemberState, RoundPhase, RoundState, State
 
 __all__ = ["SNAPSHOT_SCHEMA", "encode_state", "decode_state"]
@@ -106,7 +107,7 @@ def _build(data: dict[str, Any]) -> State:
     config = data["config"]
     return State(
         config=SyncConfig.from_mapping(config, where="snapshot.config") if config is not None else None,
-        members=MappingProxyType(members),
+        members=MemberMap(members),
         latest=LatestVersion(version=version, step=step, method=SyncMethod(method) if method else None,
                              location=location, digest=digest, nbytes=nbytes),
         rounds=MappingProxyType(rounds),

@@ -1,9 +1,10 @@
 """The job's sync state as the reducer folds it: members, latest version, open rounds, the group.
 
 Every class here is a frozen msgspec `Struct` (slotted, no `__dict__`) and every mapping a read-only
-view, so a state returned by `reduce` can be kept, shared between threads, compared and replayed;
-nothing ever changes it. The reducer builds successors with `msgspec.structs.replace`, which copies
-without re-validating (the reducer only ever writes well-typed values).
+view (the members an immutable `MemberMap`), so a state returned by `reduce` can be kept, shared
+between threads, compared and replayed; nothing ever changes it. The reducer builds successors
+with `msgspec.structs.replace`, which copies without re-validating (the reducer only ever writes
+well-typed values).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import msgspec
 
 from .config import SyncConfig
 from .enums import Role, RunningStatus, SyncMethod
-from .events import MemberRef, RankAssignment
+from .errors import UnboundRendezvous
+from .events import MemberRef, RankAssignment, RendezvousReady
+from .members import MemberMap
 
 __all__ = [
     "RoundPhase",
@@ -118,15 +121,36 @@ class RoundState(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class GroupState(msgspec.Struct, frozen=True, kw_only=True):
-    """The last rendezvous group formed: its epoch and ranks (trainer at rank 0 first).
+    """The last rendezvous group formed: its epoch and ranks (trainer at rank 0 first, then the
+    explorers sorted by member id).
 
     `broken` is set when a transfer in this group failed; the next rendezvous then starts a new epoch
     even if membership is unchanged, so every member re-forms the group instead of reusing a dead one.
+
+    This is the membership record a `RendezvousReady` refers to: every reader folds it from the
+    same records, so the decision names it (epoch, count, digest) instead of listing it.
     """
 
     epoch: int = 0
     members: tuple[RankAssignment, ...] = ()
     broken: bool = False
+
+    @property
+    def participants(self) -> tuple[RankAssignment, ...]:
+        """The explorers' places, in rank order (the members after the trainer's rank 0)."""
+        return self.members[1:]
+
+    def bind(self, ready: RendezvousReady) -> RendezvousReady:
+        """`ready` holding this group's rank assignments when it names this group (its epoch,
+        count and digest), else `ready` as it is: a decision bound already (the reducer's own, or
+        one recorded by schema 4 with its list) is returned unchanged, and one naming another
+        group stays unbound, so asking it for ranks raises `UnboundRendezvous` saying why."""
+        if ready.is_bound or ready.epoch != self.epoch:
+            return ready
+        try:
+            return ready.bound(self.participants)
+        except UnboundRendezvous:
+            return ready
 
 
 class State(msgspec.Struct, frozen=True, kw_only=True):
@@ -138,7 +162,7 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
     """
 
     config: SyncConfig | None = None
-    members: MappingProxyType[str, MemberState] = msgspec.field(default_factory=lambda: MappingProxyType({}))
+    members: MemberMap = msgspec.field(default_factory=MemberMap)
     latest: LatestVersion = msgspec.field(default_factory=LatestVersion)
     rounds: MappingProxyType[int, RoundState] = msgspec.field(default_factory=lambda: MappingProxyType({}))
     next_round: int = 1

@@ -2,7 +2,8 @@
 
 - `EventPublisher` puts a member's input events into the job's event stream with a deterministic
   `Nats-Msg-Id` (`<role>/<id>#<incarnation>/<counter>`), so a publish retried after a lost ack or a
-  reconnect is stored once.
+  reconnect is stored once. A member's join is also guarded by its subject's last sequence
+  (`expected_last_subject_seq`): two processes claiming the same incarnation, one is stored.
 - `DecisionPublisher` appends decisions to the decision log `rft.<job>.sync.log` with a
   deterministic msg id *and* `Nats-Expected-Last-Subject-Sequence`: two synchronizer replicas racing
   produce one sequence of decisions; the loser's publish is refused and it reads what the winner
@@ -38,7 +39,7 @@ from .heartbeats import (
     publish_heartbeat,
     subscribe_heartbeats,
 )
-from .publishers import DecisionPublisher, EventPublisher, decision_msg_id
+from .publishers import DecisionPublisher, EventPublisher, decision_msg_id, last_on_subject
 from .reader import EventReader, last_sequence, read_all, read_events
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "read_events",
     "last_sequence",
     "decision_msg_id",
+    "last_on_subject",
     "identity_problem",
     "HEARTBEAT_SCHEMA",
 ]

@@ -1,8 +1,9 @@
 """Publishing to the job's event stream: a member's input events, the synchronizer's decisions.
 
-`EventPublisher` stores each event once under a deterministic `Nats-Msg-Id`; `DecisionPublisher`
-appends decision batches to the decision log guarded by the log's last sequence, so racing
-replicas record one history (see the package docstring).
+`EventPublisher` stores each event once under a deterministic `Nats-Msg-Id` (a member's join also
+guarded by its subject's last sequence: of two processes claiming one incarnation, one is stored);
+`DecisionPublisher` appends decision batches to the decision log guarded by the log's last
+sequence, so racing replicas record one history (see the package docstring).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections.abc import Sequence
 
 import nats.errors
 import nats.js.errors
+from nats.js.api import RawStreamMsg
 
 from rolectl.sync_protocol import (
     Decision,
@@ -24,18 +26,33 @@ from rolectl.sync_protocol import (
 )
 
 from ..connection import BusConnection
-from ..errors import DecisionSuperseded, PayloadTooLarge, PublishRejected
+from ..errors import DecisionSuperseded, PayloadTooLarge, PublishRejected, SubjectMoved
 from ..streams import MSG_TOO_BIG, explain_refusal
 
 __all__ = [
     "EventPublisher",
     "DecisionPublisher",
     "decision_msg_id",
+    "last_on_subject",
 ]
 
 _EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 # JetStream error codes that mean "another writer got to this subject first".
 _WRONG_LAST_SEQUENCE = {10071, 10164}
+
+
+def _wrong_last_sequence(exc: PublishRejected) -> bool:
+    return exc.err_code in _WRONG_LAST_SEQUENCE or "wrong last sequence" in (exc.description or "").lower()
+
+
+async def last_on_subject(conn: BusConnection, subject: str, *, retry_for: float = 30.0) -> RawStreamMsg | None:
+    """The newest message on `subject` in the job's event stream (headers included), or None when
+    the stream holds none there (never written, or trimmed)."""
+    try:
+        return await conn.retry(lambda: conn.js.get_last_msg(conn.names.event_stream, subject),
+                                what=f"read the last message on {subject}", retry_for=retry_for)
+    except nats.js.errors.NotFoundError:
+        return None
 
 
 class EventPublisher:
@@ -60,12 +77,18 @@ class EventPublisher:
         self._counter += 1
         return f"{self.member.key}#{self.member.incarnation}/{self._counter}"
 
-    async def publish(self, event: Event, *, msg_id: str | None = None) -> int:
+    async def publish(self, event: Event, *, msg_id: str | None = None,
+                      expected_last_subject_seq: int | None = None) -> int:
         """Store `event` and return its stream sequence (the original one if it was a duplicate).
 
         `msg_id` overrides the member counter for events whose identity is not "the n-th thing this
         member said": the synchronizer's timer events use `timeout/<round>` or `expired/<key>#<inc>`
         so every replica publishes the same fact once.
+
+        `expected_last_subject_seq` stores the event only if its subject's last message is still at
+        that sequence (0: none), else raises `SubjectMoved`: a member's join is a compare-and-set.
+        A try stored before its ack was lost is found by its msg id (the server checks the guard
+        before the duplicate window), and is ours.
         """
         if not isinstance(event, Event):
             raise TypeError(f"EventPublisher publishes input events, not {type(event).__name__}; "
@@ -77,15 +100,32 @@ class EventPublisher:
             msg_id = self.next_msg_id()
         subject = self.conn.names.event(self.member.role, self.member.id, event.KIND)
         payload = encode(event)
+        guard = None if expected_last_subject_seq is None else {
+            _EXPECTED_LAST_SUBJECT_SEQ: str(int(expected_last_subject_seq))}
         try:
             ack = await self.conn.publish_acked(
-                subject, payload, msg_id=msg_id, ack_timeout=self.ack_timeout, retry_for=self.retry_for
+                subject, payload, msg_id=msg_id, headers=guard, ack_timeout=self.ack_timeout,
+                retry_for=self.retry_for
             )
         except PublishRejected as exc:
+            if guard is not None and _wrong_last_sequence(exc):
+                return await self._stored_before(subject, msg_id, expected_last_subject_seq, exc)
             raise explain_refusal(exc, self.conn.names.event_stream, len(payload)) from exc
         if ack.duplicate:
             self.conn.log.debug("bus.event_duplicate", subject=subject, msg_id=msg_id, seq=ack.seq)
         return ack.seq
+
+    async def _stored_before(self, subject: str, msg_id: str, expected: int | None, exc: PublishRejected) -> int:
+        """A guarded publish was refused: the sequence of our own earlier try if that is what the
+        subject ends with, else `SubjectMoved`."""
+        last = await last_on_subject(self.conn, subject, retry_for=self.retry_for)
+        if last is not None and last.seq and (last.headers or {}).get("Nats-Msg-Id") == msg_id:
+            self.conn.log.debug("bus.event_duplicate", subject=subject, msg_id=msg_id, seq=last.seq)
+            return last.seq
+        raise SubjectMoved(
+            f"{msg_id} not stored: {subject} does not end at seq {expected} ({exc.description})",
+            subject=subject, msg_id=msg_id, code=exc.code, err_code=exc.err_code,
+            description=exc.description) from exc
 
 
 # --------------------------------------------------------------------------------------------------
@@ -148,7 +188,7 @@ class DecisionPublisher:
                 retry_for=self.retry_for,
             )
         except PublishRejected as exc:
-            if exc.err_code in _WRONG_LAST_SEQUENCE or "wrong last sequence" in exc.description.lower():
+            if _wrong_last_sequence(exc):
                 # The log does not end where this replica knew it did: something it did not know
                 # of is there (maybe these very decisions from another replica, maybe junk), or
                 # messages aged out. Only the caller can tell.
@@ -170,14 +210,8 @@ class DecisionPublisher:
 
     async def last_on_log(self) -> int:
         """The sequence of the decision log's newest message, 0 when it holds none."""
-        subject = self.conn.names.decision_log
-        try:
-            msg = await self.conn.retry(
-                lambda: self.conn.js.get_last_msg(self.conn.names.event_stream, subject),
-                what=f"read the last message on {subject}", retry_for=self.retry_for)
-        except nats.js.errors.NotFoundError:
-            return 0
-        return msg.seq or 0  # a stored message always has a sequence (>= 1)
+        msg = await last_on_subject(self.conn, self.conn.names.decision_log, retry_for=self.retry_for)
+        return 0 if msg is None else msg.seq or 0  # a stored message always has a sequence (>= 1)
 
     async def on_subject_after(self, after_seq: int, *,
                                limit: int = 64) -> list[tuple[int, tuple[Decision, ...]]]:

@@ -27,6 +27,7 @@ from ..aio import raise_if_cancelling
 from ..connection import BusConnection
 from ..errors import BusClosed, BusError, HistoryGap, describe
 from ..logging import LogBudget
+from ..retry import backoff_delay
 from ..subjects import identity_problem
 
 __all__ = [
@@ -199,7 +200,7 @@ class EventReader:
                 attempt += 1
                 self.conn.log.debug("bus.reader_create_retry", stream=self._stream, attempt=attempt,
                                     error=describe(exc))
-                await asyncio.sleep(min(2.0, 0.05 * 2**attempt))
+                await asyncio.sleep(backoff_delay(attempt, base=0.05, cap=2.0))  # jittered: a fleet's readers spread
         self._consumer = info.name
         self._sub = sub
         self._next_subject = f"{api_prefix(self.conn.js)}.CONSUMER.MSG.NEXT.{self._stream}.{info.name}"
@@ -285,7 +286,7 @@ class EventReader:
             self.conn.log.info("bus.reader_consumer_lost", stream=self._stream, last_seq=self.last_seq,
                                lost_in_a_row=self._lost_in_a_row)
             if self._lost_in_a_row:  # lost again before a record came: back off (JetStream may be starting)
-                await asyncio.sleep(min(2.0, 0.05 * 2 ** self._lost_in_a_row))
+                await asyncio.sleep(backoff_delay(self._lost_in_a_row, base=0.05, cap=2.0))
             self._lost_in_a_row += 1
             await self._create_consumer()
             return

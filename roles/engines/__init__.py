@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from rolectl.roles.config_base import CHECK_ENGINES, OpenSection, validate_section
 
+from .agent.config import AgentSection
 from .base import RolloutEngine, Task, TaskSet, TrainEngine, WeightsMismatch
 from .sections import (
     BUILTIN_TRAINERS,
@@ -113,6 +114,8 @@ class EngineSections:
     tensor_parallel_size: int = 1
     wire_dtype: str | None = None
     """`transport.wire_dtype`: the dtype rollout engines hold and serve (they receive it)."""
+    agent: AgentSection | None = None
+    """`agent:`: explorers play multi-turn episodes; trainers take trajectories of its token budget."""
     serve_trajectory_tokens: int | None = None
     """Serve mode's `serve.max_trajectory_tokens` (0: the model's context length); None: not serving."""
 
@@ -129,6 +132,7 @@ class EngineSections:
         serve = job.serve
         return cls(model=model, data=data, algorithm=algorithm, explorer_count=job.explorers.count,
                    tensor_parallel_size=job.explorers.tensor_parallel_size, wire_dtype=job.transport.wire_dtype,
+                   agent=job.agent,
                    serve_trajectory_tokens=(serve.max_trajectory_tokens or 0) if serve.enabled else None)
 
 

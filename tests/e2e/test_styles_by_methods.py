@@ -41,7 +41,8 @@ def _check_run(run, *, method: str, style: str, engine_num: int) -> None:
 
     opened = [r.event for r in of_kind(run.records, RoundOpened)]
     if method == "nccl":
-        readies = [r.event for r in of_kind(run.records, RendezvousReady)]
+        readies = [r.event for r in of_kind(run.records, RendezvousReady)]  # bound to their group
+        assert all(d.is_bound for d in readies)
         broadcasts = [r.event for r in of_kind(run.records, WeightsBroadcast)]
         assert readies and broadcasts, "no rendezvous happened"
         # every explorer rank in one group behind the trainer's rank 0

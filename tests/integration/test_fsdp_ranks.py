@@ -17,9 +17,16 @@ from rolectl.roles.engines.hf_model import HFModelConfig
 from tests.support import fsdp_ranks
 from tests.support.tiny_llm import built_model, model_section
 
-# fp32 sums in another order (two ranks' shards, micro-batches of 1 against 4): AdamW's first steps
-# divide by sqrt(v), so parameter differences stay at the fp32 rounding of gradients.
-ATOL = 2e-5
+# fp32 sums in another order (two ranks' shards, micro-batches of 1 against 4) round gradients
+# differently, and AdamW divides by sqrt(v): where a gradient is near zero its rounding is not small
+# beside it, so single elements may differ by a sizeable part of one lr step (3e-3). What must agree is
+# the training itself: each tensor's change, to within RTOL of its length; and no element may stray
+# further than ATOL (a tenth of one lr step).
+RTOL = 1e-3
+ATOL = 3e-4
+# Where no element's gradient sits at its rounding (a LoRA adapter's few parameters, one step after a
+# resume), the weights agree to about fp32 rounding.
+ROUNDING = 2e-5
 
 
 def _experiences(vocab_size: int, *, batches: int = 4, groups: int = 3, group_size: int = 3) -> list[list[dict]]:
@@ -93,10 +100,21 @@ def _assert_close(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor
     assert worst[0] <= atol, f"largest difference {worst[0]:.3g} at {worst[1]}"
 
 
+def _assert_same_training(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
+                          initial: dict[str, torch.Tensor]) -> None:
+    """`got` moved from `initial` as `expected` did: per tensor, the two differ by at most RTOL of the
+    change training made (and by at most ATOL anywhere)."""
+    _assert_close(got, expected, atol=ATOL)
+    for name, want in expected.items():
+        moved = float((want - initial[name]).norm())
+        apart = float((got[name] - want).norm())
+        assert apart <= RTOL * moved + 1e-7, f"{name}: {apart:.3g} apart after a change of {moved:.3g}"
+
+
 def test_two_fsdp_ranks_train_as_one_hf_process(workdir, two_ranks, hf_run):
     fsdp_weights = load_file(workdir / "train" / "weights-3.safetensors")
     assert any(not torch.equal(fsdp_weights[n], t) for n, t in hf_run["initial"].items())  # training moved them
-    _assert_close(fsdp_weights, hf_run["weights_3"], atol=ATOL)
+    _assert_same_training(fsdp_weights, hf_run["weights_3"], hf_run["initial"])
     for rank in two_ranks:  # every rank reports the whole batch's metrics
         assert rank["world_size"] == 2
         losses = [m["loss"] for m in rank["metrics"]]
@@ -106,7 +124,8 @@ def test_two_fsdp_ranks_train_as_one_hf_process(workdir, two_ranks, hf_run):
         # verl's per-micro-batch statistics are averaged over micro-batches, whose size differs here
         assert all(0 <= m["pg_clipfrac"] <= 1 for m in rank["metrics"])
         assert rank["metrics"][2]["kl_loss"] > 0  # the frozen reference is the version-0 model
-    _assert_close(load_file(workdir / "train" / "weights-4.safetensors"), hf_run["weights_4"], atol=2 * ATOL)
+    _assert_same_training(load_file(workdir / "train" / "weights-4.safetensors"), hf_run["weights_4"],
+                          hf_run["initial"])
 
 
 def test_the_weight_stream_gathers_bucket_by_bucket_into_rank_0_only(workdir, two_ranks, hf_run):
@@ -129,7 +148,7 @@ def test_a_checkpoint_written_by_two_ranks_resumes_on_one(workdir, two_ranks):
     _assert_close(loaded, saved, atol=0.0)
     # The optimizer's moments came back too: the next step is the 2-rank trainer's 4th step.
     _assert_close(load_file(workdir / "resume" / "weights-4.safetensors"),
-                  load_file(workdir / "train" / "weights-4.safetensors"), atol=ATOL)
+                  load_file(workdir / "train" / "weights-4.safetensors"), atol=ROUNDING)
     assert report["metrics_4"]["loss"] == pytest.approx(two_ranks[0]["metrics_4"]["loss"], rel=1e-4, abs=1e-6)
 
 
@@ -153,7 +172,7 @@ def test_two_fsdp_ranks_train_a_lora_adapter_as_one_hf_process(workdir, lora_ran
     adapter = load_file(workdir / "lora-train" / "weights-3.safetensors")
     assert adapter and all(".lora_A." in n or ".lora_B." in n for n in adapter)  # the adapter alone moves
     assert any(not torch.equal(adapter[n], t) for n, t in hf_lora_run["initial"].items())
-    _assert_close(adapter, hf_lora_run["weights_3"], atol=ATOL)  # same names, same seeded start, same steps
+    _assert_close(adapter, hf_lora_run["weights_3"], atol=ROUNDING)  # same names, same seeded start, same steps
     for rank in lora_ranks:
         losses = [m["loss"] for m in rank["metrics"]]
         assert losses == pytest.approx([m["loss"] for m in hf_lora_run["metrics"]], rel=1e-4, abs=1e-6)
@@ -174,7 +193,7 @@ def test_a_lora_checkpoint_holds_the_adapter_only_and_resumes_on_one_rank(workdi
     _assert_close(load_file(workdir / "lora-resume" / "weights-3.safetensors"),
                   load_file(workdir / "lora-train" / "weights-3.safetensors"), atol=0.0)
     _assert_close(load_file(workdir / "lora-resume" / "weights-4.safetensors"),
-                  load_file(workdir / "lora-train" / "weights-4.safetensors"), atol=ATOL)
+                  load_file(workdir / "lora-train" / "weights-4.safetensors"), atol=ROUNDING)
 
 
 def test_the_lora_export_is_a_peft_adapter_and_a_merged_model(workdir, lora_ranks):

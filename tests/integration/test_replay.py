@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 from rich.console import Console
 
 from rolectl.bus.errors import BusError
-from rolectl.roles.launch.local import _summary_table
+from rolectl.roles.launch.up_view import summary_table
 from rolectl.roles.observe.dashboard import Dashboard, _Collector
 from rolectl.roles.observe.observer import JobObserver
 from rolectl.roles.observe.replay import (
@@ -242,8 +242,10 @@ def test_timeline_rounds_say_who_waited_for_what_and_how_long(recorded, nats_url
     assert {m["status"] for m in timeline["members"] if m["role"] != "synchronizer"} == {"finished"}
 
 
-def test_replay_text_is_one_line_a_round_within_80_columns_without_a_terminal(recorded, nats_url, tmp_path):
-    path = tmp_path / "job.jsonl"
+def test_replay_text_is_one_whole_line_a_round_without_a_terminal(recorded, nats_url, tmp_path):
+    # a pipe or a file gets every line whole (rich alone would cut them at 80 columns)
+    path = tmp_path / ("a-directory-name-long-enough-to-pass-80-columns" * 2) / "job.jsonl"
+    path.parent.mkdir()
     records = _export(recorded, nats_url, path)
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
     shown = subprocess.run([sys.executable, "-m", "rolectl", "replay", "--file", str(path), "--check"],
@@ -251,8 +253,7 @@ def test_replay_text_is_one_line_a_round_within_80_columns_without_a_terminal(re
                            timeout=300)
     assert shown.returncode == 0, shown.stderr
     lines = shown.stdout.splitlines()
-    too_wide = [line for line in lines if len(line) > 80]
-    assert too_wide == []
+    assert str(path) in lines[0] and "…" not in shown.stdout, shown.stdout
     timeline = build_timeline(records)
     round_ids = [int(line.split()[0]) for line in lines if re.match(r"\s*\d+ \d\d:\d\d:\d\d", line)]
     assert round_ids == [r["id"] for r in timeline["rounds"]]
@@ -260,6 +261,24 @@ def test_replay_text_is_one_line_a_round_within_80_columns_without_a_terminal(re
     assert len(members) == len(timeline["members"])
     assert len(lines) <= len(round_ids) + len(members) + 12, shown.stdout  # a few header lines, no more
     assert "check OK" in shown.stdout
+
+
+@pytest.mark.parametrize("check", [False, True])
+def test_replay_into_a_pipe_nobody_reads_ends_quietly(recorded, nats_url, tmp_path, check):
+    """`rolectl replay | head`: the reader went away; nothing is said about it, the exit is 0 (the
+    job completed, so --check's verdict is 0 too)."""
+    path = tmp_path / "job.jsonl"
+    _export(recorded, nats_url, path)
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # nobody reads: every write the command makes to its stdout fails (EPIPE)
+    try:
+        shown = subprocess.run([sys.executable, "-m", "rolectl", "replay", "--file", str(path),
+                                *(["--check"] if check else [])], stdout=write_end, stderr=subprocess.PIPE,
+                               text=True, cwd=Path(__file__).resolve().parents[2], timeout=300)
+    finally:
+        os.close(write_end)
+    assert shown.returncode == 0, shown.stderr
+    assert "Traceback" not in shown.stderr and "pipe" not in shown.stderr.lower(), shown.stderr
 
 
 def test_summary_counts_a_sync_as_the_reducer_does_and_names_every_other_count(recorded, nats_url, tmp_path):
@@ -278,7 +297,7 @@ def test_summary_counts_a_sync_as_the_reducer_does_and_names_every_other_count(r
     assert summary["complete"] and summary["trainer_steps"] == 3
     # `rolectl up` prints each count beside what it counts, within 80 columns
     console = Console(width=80, file=io.StringIO(), record=True)
-    console.print(_summary_table(summary))
+    console.print(summary_table(summary))
     lines = console.export_text().splitlines()
     assert all(len(line) <= 80 for line in lines)
     for key in ("syncs", "rounds", "weight_loads", "sync_wait_ms"):
@@ -360,3 +379,77 @@ def test_check_fails_a_job_whose_trainer_never_finished(recorded, nats_url, tmp_
     # the unedited recording is a complete job
     assert run_replay(job=None, nats=nats_url, file=tmp_path / "job.jsonl", until=None, check=True,
                       as_json=False) == 0
+
+
+# -- a job recorded by an older build (schema 3 or 4): a RendezvousReady listed its whole group ---
+
+def _old_rendezvous_inputs(explorers: int) -> list:
+    """The inputs of a finished nccl job: trainer and `explorers` explorers, two rendezvous rounds."""
+    from rolectl.sync_protocol import MemberRef, Role, SyncConfig, SyncMethod, SyncStyle
+    from tests.support.reducer_scenario import T, broadcast, configured, finish, join, loaded, req
+
+    fleet = [MemberRef(role=Role.EXPLORER, id=f"explorer-{i}", incarnation=1) for i in range(explorers)]
+    inputs = [configured(SyncConfig(sync_method=SyncMethod.NCCL, sync_style=SyncStyle.FIXED)), join(T),
+              *(join(e, ranks=1 + i % 2) for i, e in enumerate(fleet))]
+    for version in (1, 2):
+        inputs += [*(req(e, version, version - 1) for e in fleet), req(T, version, version)]
+        inputs += [*(loaded(e, version, round=version) for e in fleet), broadcast(version, round=version)]
+    return inputs + [*(finish(e, 3, 2) for e in fleet), finish(T, 2, 2)]
+
+
+def _as_recorded_by(schema: int, item) -> bytes:
+    import msgpack
+
+    from rolectl.sync_protocol import RendezvousReady, to_plain
+
+    plain = {**to_plain(item), "schema": schema}
+    if isinstance(item, RendezvousReady):  # the list schema 5 replaced by a count and a digest
+        del plain["explorers"], plain["membership"]
+        plain["participants"] = [
+            {"member": {"role": p.member.role.value, "id": p.member.id, "inc": p.member.incarnation},
+             "rank_offset": p.rank_offset, "ranks": p.ranks} for p in item.participants]
+    return msgpack.packb(plain, use_bin_type=True)
+
+
+async def _record_as_an_old_build(conn, schema: int, inputs: list) -> int:
+    """Publish `inputs` and, after each, the decisions a synchronizer of that build recorded (the
+    reducer's, computed from the recorded sequence and server time): schema 3 on each round's own
+    subject, 4 on the decision log. Returns how many messages."""
+    from rolectl.sync_protocol import Recorded, State, reduce
+
+    names, state, count = conn.names, State.initial(), 0
+    for event in inputs:
+        ack = await conn.js.publish(names.event(event.member.role, event.member.id, event.KIND),
+                                    _as_recorded_by(schema, event))
+        stored = await conn.js.get_msg(names.event_stream, ack.seq)
+        time_ms = (stored.time - dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)) // dt.timedelta(milliseconds=1)
+        state, decisions = reduce(state, Recorded(seq=ack.seq, time_ms=time_ms, event=event))
+        for d in decisions:
+            await conn.js.publish(names.decision(d.round) if schema == 3 else names.decision_log,
+                                  _as_recorded_by(schema, d))
+        count += 1 + len(decisions)
+    return count
+
+
+@pytest.mark.parametrize("schema", [3, 4])
+def test_a_rendezvous_job_recorded_by_an_older_build_decodes_and_replays(nats_url, job_name, schema, capsys):
+    """Decisions listed every participant until schema 5: such a stream, recorded on a real server
+    where its build put it (schema 3: each round's own subject; 4: the decision log), still reads,
+    and `replay --check` recomputes every decision, the rendezvous ones included, as equal."""
+    from rolectl.bus.connection import connect
+    from rolectl.bus.streams import ensure_event_stream
+    from rolectl.sync_protocol import RendezvousReady
+
+    async def record() -> int:
+        async with connect(nats_url, job=job_name, role="observer", member="old-build") as conn:
+            await ensure_event_stream(conn.js, conn.names)
+            return await _record_as_an_old_build(conn, schema, _old_rendezvous_inputs(explorers=40))
+
+    published = asyncio.run(record())
+    records = asyncio.run(read_job(job_name, nats_url))
+    ready = [r.event for r in records if isinstance(r.event, RendezvousReady)]
+    assert len(ready) == 2 and all(d.is_bound and d.explorers == 40 for d in ready)
+    assert len(records) == published and check_decisions(records) == []
+    assert run_replay(job=job_name, nats=nats_url, file=None, until=None, check=True, as_json=True) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["check"]["ok"] is True and shown["outcome"]["status"] == "complete"

@@ -19,9 +19,7 @@ from rolectl.roles.synchronizer import Synchronizer
 from rolectl.sync_protocol import (
     MemberRef,
     MemberReleased,
-    RankAssignment,
     ReleaseReason,
-    RendezvousReady,
     Role,
     RoundClosed,
     RoundOpened,
@@ -108,22 +106,22 @@ async def test_decisions_of_several_rounds_decided_together_are_one_message_in_c
     assert sync.log_seq == records[-1].seq
 
 
-async def test_a_batch_over_the_servers_max_payload_goes_in_smaller_messages(nats_url, job_name):
-    """Rendezvous groups of many ranks: three decisions that together exceed the event stream's
-    max_msg_size are recorded, in order, in messages it takes; nothing is lost or doubled."""
-    cfg = parse_config({"job": job_name, "nats_url": nats_url, "synchronizer": {"sync_method": "nccl"}})
-    sync = Synchronizer(cfg, "sync-a")
-    def group(round_id: int, ranks: int) -> RendezvousReady:
-        members = tuple(RankAssignment(member=MemberRef(role=Role.EXPLORER, id=f"explorer-{i:05d}", incarnation=1),
-                                       rank_offset=1 + i, ranks=1) for i in range(ranks))
-        return RendezvousReady(round=round_id, cause_seq=round_id, method=SyncMethod.NCCL, version=round_id, epoch=1,
-                               master_addr="10.0.0.1", master_port=29500, world_size=ranks + 1, participants=members)
+def _released_at(round_id: int, location_bytes: int) -> MemberReleased:
+    """A release whose weights live at a long location: a decision of about that many bytes."""
+    return MemberReleased(round=round_id, cause_seq=round_id, released=EXPLORER, reason=ReleaseReason.NEW_VERSION,
+                          version=round_id, reload=True, location="w" * location_bytes, digest="sha256:00", nbytes=1)
 
+
+async def test_a_batch_over_the_servers_max_payload_goes_in_smaller_messages(nats_url, job_name):
+    """Decisions that together exceed the event stream's max_msg_size (no decision grows with the
+    fleet since schema 5; long locations still may) are recorded, in order, in messages it takes;
+    nothing is lost or doubled."""
+    cfg = parse_config({"job": job_name, "nats_url": nats_url, "synchronizer": {"sync_method": "memory"}})
+    sync = Synchronizer(cfg, "sync-a")
     async with connect(nats_url, job=job_name, role="synchronizer", member="sync-a") as conn:
         await ensure_event_stream(conn.js, conn.names)
         limit = (await conn.js.stream_info(conn.names.event_stream)).config.max_msg_size
-        ranks = int(0.4 * limit / 70)  # ~70 bytes a participant: 0.4 of the limit a decision
-        decisions = [group(r, ranks) for r in (1, 2, 3)]
+        decisions = [_released_at(r, int(0.4 * limit)) for r in (1, 2, 3)]  # 0.4 of the limit each
         assert len(encode_decisions(decisions)) > limit
         await _make_active(sync, conn)
         for d in decisions:
@@ -144,10 +142,7 @@ async def test_one_decision_over_the_streams_limit_is_a_clear_error(nats_url, jo
     async with connect(nats_url, job=job_name, role="synchronizer", member="sync-a") as conn:
         await ensure_event_stream(conn.js, conn.names)
         limit = (await conn.js.stream_info(conn.names.event_stream)).config.max_msg_size
-        members = tuple(RankAssignment(member=MemberRef(role=Role.EXPLORER, id=f"explorer-{i:05d}", incarnation=1),
-                                       rank_offset=1 + i, ranks=1) for i in range(limit // 50))
-        huge = RendezvousReady(round=1, cause_seq=1, method=SyncMethod.NCCL, version=1, epoch=1, master_addr="h",
-                               master_port=1, world_size=len(members) + 1, participants=members)
+        huge = _released_at(1, limit)
         with pytest.raises(PayloadTooLarge, match="max_msg_size") as err:
             await DecisionPublisher(conn).publish(huge, expected_last_subject_seq=0)
     assert err.value.size > limit and "nats stream edit" in str(err.value)

@@ -125,9 +125,9 @@ async def _through(kind: str, sent: dict[str, torch.Tensor], version: int, engin
     """Move `sent` as `version` through transport `kind` into the engine, as the explorer does."""
     if kind == "torch_dist":
         me = MemberRef(role=Role.EXPLORER, id="explorer-0", incarnation=0)
-        ready = RendezvousReady(round=1, cause_seq=1, method=SyncMethod.NCCL, version=version, epoch=1,
-                                master_addr="127.0.0.1", master_port=free_port(), world_size=2,
-                                participants=(RankAssignment(member=me, rank_offset=1, ranks=1),))
+        ready = RendezvousReady.for_group(round=1, cause_seq=1, method=SyncMethod.NCCL, version=version, epoch=1,
+                                          master_addr="127.0.0.1", master_port=free_port(),
+                                          participants=(RankAssignment(member=me, rank_offset=1, ranks=1),))
         async with TorchDistTransport(timeout=30.0, connect_timeout=60.0) as trainer, \
                 TorchDistTransport(timeout=30.0, connect_timeout=60.0) as explorer:
             await asyncio.gather(trainer.send(ready, sent), explorer.receive(ready, me, engine.weight_buffers()))

@@ -23,7 +23,8 @@ if str(_ROOT) not in sys.path:  # when run as an explorer script
 from rolectl.bus.logging import setup_logging  # noqa: E402
 from rolectl.bus.weights import CorruptWeights, PeerLost, TransferError  # noqa: E402
 from rolectl.bus.weights.cuda_ipc import CudaIpcTransport, HandleRequest  # noqa: E402
-from rolectl.sync_protocol import MemberRef, RankAssignment, RendezvousReady, Role, SyncMethod, from_plain, to_plain  # noqa: E402
+from rolectl.sync_protocol import MemberRef, RankAssignment, RendezvousReady, Role, SyncMethod  # noqa: E402
+from tests.support.rendezvous import rendezvous_from_plain, rendezvous_to_plain  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -54,9 +55,9 @@ def _state_dict(version: int, device: str) -> dict[str, torch.Tensor]:
 
 
 def _ready(round_: int, version: int) -> RendezvousReady:
-    return RendezvousReady(
+    return RendezvousReady.for_group(
         round=round_, cause_seq=round_, method=SyncMethod.CUDA_IPC, version=version, epoch=1,
-        master_addr="127.0.0.1", master_port=1, world_size=2,
+        master_addr="127.0.0.1", master_port=1,
         participants=(RankAssignment(member=EXPLORER, rank_offset=1, ranks=1),),
     )
 
@@ -98,7 +99,7 @@ async def _explorer_main(spec: dict) -> None:
 
     async with CudaIpcTransport(recv_handles=recv_handles, timeout=30.0) as transport:
         for plain in spec["rounds"]:
-            ready = from_plain(plain)
+            ready = rendezvous_from_plain(plain)
             into = {name: torch.zeros(shape, dtype=dtype, device="cuda:0") for name, dtype, shape in _layout()}
             if spec.get("bad") and ready.round == 1:
                 into["norm"] = torch.zeros(513, device="cuda:0")
@@ -135,7 +136,7 @@ async def spawn():
     procs: list[asyncio.subprocess.Process] = []
 
     async def start(rounds: list[RendezvousReady], **extra) -> _Explorer:
-        spec = {"rounds": [to_plain(r) for r in rounds], **extra}
+        spec = {"rounds": [rendezvous_to_plain(r) for r in rounds], **extra}
         proc = await asyncio.create_subprocess_exec(
             sys.executable, __file__, json.dumps(spec), cwd=str(_ROOT),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,

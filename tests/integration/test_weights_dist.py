@@ -28,7 +28,8 @@ from rolectl.bus.server import free_port  # noqa: E402
 from rolectl.bus.weights import CorruptWeights, PeerLost, TransferError  # noqa: E402
 from rolectl.bus.weights.host_memory import PinnedStaging  # noqa: E402
 from rolectl.bus.weights.torch_dist import TorchDistTransport  # noqa: E402
-from rolectl.sync_protocol import MemberRef, RankAssignment, RendezvousReady, Role, SyncMethod, from_plain, to_plain  # noqa: E402
+from rolectl.sync_protocol import MemberRef, RankAssignment, RendezvousReady, Role, SyncMethod  # noqa: E402
+from tests.support.rendezvous import rendezvous_from_plain, rendezvous_to_plain  # noqa: E402
 
 KIB = 1024
 _RESULT = "RESULT "
@@ -123,7 +124,7 @@ async def _explorer_main(spec: dict) -> None:
     me = MemberRef(role=Role.EXPLORER, id=spec["member"], incarnation=0)
     async with TorchDistTransport(**spec["transport"]) as transport:
         for plain in spec["rounds"]:
-            ready = from_plain(plain)
+            ready = rendezvous_from_plain(plain)
             kind = spec.get("kind", "mixed")
             dests = [
                 _destination(kind, local_rank=j,
@@ -196,15 +197,15 @@ def _ready(round_: int, version: int, epoch: int, port: int, ranks: list[int]) -
     for i, n in enumerate(ranks):
         participants.append(RankAssignment(member=_explorer(i), rank_offset=offset, ranks=n))
         offset += n
-    return RendezvousReady(
+    return RendezvousReady.for_group(
         round=round_, cause_seq=round_, method=SyncMethod.NCCL, version=version, epoch=epoch,
-        master_addr="127.0.0.1", master_port=port, world_size=offset, participants=tuple(participants),
+        master_addr="127.0.0.1", master_port=port, participants=participants,
     )
 
 
 def _spec(i: int, rounds: list[RendezvousReady], ranks: int, **extra) -> dict:
     transport = {"timeout": 5.0, "connect_timeout": 60.0, **SMALL, **extra.pop("transport", {})}
-    return {"member": f"e{i}", "ranks": ranks, "rounds": [to_plain(r) for r in rounds],
+    return {"member": f"e{i}", "ranks": ranks, "rounds": [rendezvous_to_plain(r) for r in rounds],
             "transport": transport, **extra}
 
 
@@ -289,9 +290,9 @@ async def test_a_peer_killed_mid_broadcast_is_peer_lost_quickly_and_the_next_epo
     timeout = 5.0
     first = _ready(1, 1, 1, port1, [2, 1])
     # After explorer 0 dies, the synchronizer re-forms with the survivor alone (now at rank 1).
-    survivor_next = RendezvousReady(
+    survivor_next = RendezvousReady.for_group(
         round=2, cause_seq=2, method=SyncMethod.NCCL, version=2, epoch=2, master_addr="127.0.0.1",
-        master_port=port2, world_size=2,
+        master_port=port2,
         participants=(RankAssignment(member=_explorer(1), rank_offset=1, ranks=1),),
     )
     big = {"bucket_bytes": 1 << 20, "direct_min_bytes": 8 << 20}

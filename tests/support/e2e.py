@@ -30,6 +30,7 @@ from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream
 from rolectl.roles.config import JobConfig, load_config
 from rolectl.roles.observe.replay import check_decisions, load_export
 from rolectl.sync_protocol import Decision, Event, Recorded, Role
+from rolectl.sync_protocol.groups import GroupBinder, bind_groups
 from tests.support.wait import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -158,7 +159,8 @@ def run_up(config_path: Path, tmp_path: Path, *, timeout: float = 150.0, extra: 
     wall = time.monotonic() - started
     output = out_path.read_text(errors="replace")
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    records = load_export(summary["events_file"]) if summary.get("events_file") else []
+    # rendezvous decisions bound to the group they name, as a member's view reads them
+    records = bind_groups(load_export(summary["events_file"])) if summary.get("events_file") else []
     if rc == -1:
         raise AssertionError(f"rolectl up did not finish within {timeout} s\n{output[-4000:]}")
     return UpRun(rc=rc, wall_s=wall, summary=summary, records=records, output=output)
@@ -318,15 +320,17 @@ class LiveJob:
         await asyncio.to_thread(self.server.stop)
 
     async def _follow(self) -> None:
+        bind = GroupBinder()  # rendezvous decisions bound to their group, as a member's view does
         async with read_events(self.conn, from_seq=1, include_decisions=True) as reader:
             async for rec in reader:
                 async with self._changed:
-                    self.records.append(rec)
+                    self.records.append(bind(rec))
                     self._changed.notify_all()
 
     # -- processes ---------------------------------------------------------------------------------
-    def start(self, role: str, member_id: str) -> subprocess.Popen:
-        """`python -m rolectl start ROLE --config ... --nats URL --id MEMBER_ID` as a new process."""
+    def start(self, role: str, member_id: str, *, runner: tuple[str, ...] = ("-m", "rolectl")) -> subprocess.Popen:
+        """`python -m rolectl start ROLE --config ... --nats URL --id MEMBER_ID` as a new process
+        (`runner` in place of `-m rolectl`: e.g. `tests.support.barrier_start`'s)."""
         n = len(self.procs.get(member_id, []))
         log_path = self.logs / f"{member_id}.{n}.log"
         env = dict(os.environ, PYTHONUNBUFFERED="1", ROLECTL_ADVERTISE_HOST="127.0.0.1")
@@ -334,7 +338,7 @@ class LiveJob:
             env.update(self.auth.security(member_id).as_env())
         with open(log_path, "ab") as out:
             popen = subprocess.Popen(
-                [sys.executable, "-m", "rolectl", "start", role, "--config", str(self.config_path),
+                [sys.executable, *runner, "start", role, "--config", str(self.config_path),
                  "--nats", self.url, "--id", member_id],
                 cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
             )

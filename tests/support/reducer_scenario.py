@@ -209,6 +209,9 @@ class Job:
         for d in decisions:
             assert d.cause_seq == rec.seq, d
             assert decode(encode(d)) == d, d  # built without validation: the codec validates it
+            if isinstance(d, RendezvousReady):
+                # its group is not on the wire: a reader that folded the same records binds it
+                assert self.state.group.bind(decode(encode(d))).participants == d.participants, d
             if isinstance(d, RoundOpened):
                 assert d.opened_at_ms == rec.time_ms
                 assert d.method is self.state.config.sync_method

@@ -34,10 +34,12 @@ from rolectl.sync_protocol import (
     RunningStatus,
     StatusChanged,
     StepFinished,
+    StepsRolledBack,
     SyncConfig,
     SyncFailed,
     SyncMethod,
     SyncStyle,
+    UnboundRendezvous,
     VersionPublished,
     WeightsBroadcast,
     WeightsLoaded,
@@ -46,9 +48,11 @@ from rolectl.sync_protocol import (
     encode,
     encode_decisions,
     from_plain,
+    membership_digest,
     to_plain,
 )
 from rolectl.sync_protocol.codec import BATCH_KIND, MAX_BATCH
+from rolectl.sync_protocol.state import GroupState
 
 T = MemberRef(role=Role.TRAINER, id="trainer-0", incarnation=3)
 E = MemberRef(role=Role.EXPLORER, id="explorer-7", incarnation=1)
@@ -72,17 +76,18 @@ SAMPLES: list = [
     RoundTimedOut(member=S, round=17),
     RoundOpened(round=17, cause_seq=100, method=SyncMethod.NCCL, opened_by=E, version=8,
                 opened_at_ms=1_700_000_000_123),
-    RendezvousReady(round=17, cause_seq=101, method=SyncMethod.NCCL, version=9, epoch=2,
-                    master_addr="10.1.2.3", master_port=29500, world_size=6,
-                    participants=(RankAssignment(member=E, rank_offset=1, ranks=4),
-                                  RankAssignment(member=MemberRef(role=Role.EXPLORER, id="x", incarnation=0),
-                                                 rank_offset=5, ranks=1))),
+    RendezvousReady.for_group(round=17, cause_seq=101, method=SyncMethod.NCCL, version=9, epoch=2,
+                              master_addr="10.1.2.3", master_port=29500,
+                              participants=(RankAssignment(member=E, rank_offset=1, ranks=4),
+                                            RankAssignment(member=MemberRef(role=Role.EXPLORER, id="x", incarnation=0),
+                                                           rank_offset=5, ranks=1))),
     MemberReleased(round=17, cause_seq=102, released=E, reason=ReleaseReason.NEW_VERSION, version=9,
                    reload=True, location="obj/v9", digest="sha256:abcd", nbytes=99),
     RoundClosed(round=17, cause_seq=103, outcome=RoundOutcome.ABANDONED),
     # added after the batch samples above, whose indices the batch test names
     EvalFinished(member=E, version=9, step=13, rewards={"positional_match": 0.5, "exact_match": 0.25},
                  tasks=64, responses=64, seconds=0.75),
+    StepsRolledBack(member=T, from_step=36, to_step=30),
 ]
 
 
@@ -226,8 +231,12 @@ def _random_map(rng: random.Random, *, batches: bool = True) -> dict:
         for name in names:
             if rng.random() < 0.85:
                 data[name] = _random_value(rng)
-    # mostly the right schema, so that the fields themselves get exercised
-    data["schema"] = 1 if rng.random() < 0.8 else rng.choice([0, 2, -1, "1", None, True, 1.0])
+    # mostly a right schema, so that the fields themselves get exercised (a RendezvousReady has
+    # other fields before schema 5)
+    if rng.random() < 0.8:
+        data["schema"] = rng.choice([1, SCHEMA_VERSION])
+    else:
+        data["schema"] = rng.choice([0, 2, -1, "1", None, True, 1.0])
     if rng.random() < 0.05:
         del data["schema"]
     if rng.random() < 0.1:
@@ -472,6 +481,11 @@ _RECORDED = {
         "6172647382b0706f736974696f6e616c5f6d61746368cb3fe0000000000000ab65786163745f6d61746368cb"
         "3fd0000000000000a57461736b7340a9726573706f6e73657340a77365636f6e6473cb3fe8000000000000"
     ),
+    "steps_rolled_back": (
+        "85a6736368656d6104a46b696e64b173746570735f726f6c6c65645f6261636ba66d656d62657283a4726f6c"
+        "65a7747261696e6572a26964a9747261696e65722d30a3696e6303a966726f6d5f7374657024a7746f5f7374"
+        "65701e"
+    ),
 }
 _RECORDED_BATCH = (
     "83a6736368656d6104a46b696e64a96465636973696f6e73a96465636973696f6e739388a6736368656d6104"
@@ -487,17 +501,47 @@ _RECORDED_BATCH = (
 )
 
 
+# Schema 5 changed one kind: a RendezvousReady names its group (count and digest) instead of
+# listing it. This is what it writes for the sample; the digest's definition is part of it (a
+# recorded one must be recomputed the same forever).
+_RECORDED_5_RENDEZVOUS = (
+    "8ca6736368656d6105a46b696e64b072656e64657a766f75735f7265616479a5726f756e6411a96361757365"
+    "5f73657165a66d6574686f64a46e63636ca776657273696f6e09a565706f636802ab6d61737465725f616464"
+    "72a831302e312e322e33ab6d61737465725f706f7274cd733caa776f726c645f73697a6506a96578706c6f72"
+    "65727302aa6d656d62657273686970d9477368613235363a3638666532343032626333306130373763623631"
+    "3134633734393137363466346261366330306331363633316235663539316339636264313164653130343166"
+)
+
+
+def _as_schema_5(recorded_hex: str) -> bytes:
+    """What this build writes for a record an earlier build wrote: the same bytes with `schema` 5
+    (every map of the message starts with it: `a6 "schema" 04`)."""
+    return bytes.fromhex(recorded_hex.replace("a6736368656d6104", "a6736368656d6105"))
+
+
 @pytest.mark.parametrize("event", SAMPLES, ids=lambda e: e.KIND)
-def test_the_wire_format_is_what_earlier_builds_wrote(event):
-    recorded = bytes.fromhex(_RECORDED[event.KIND])
-    assert encode(event) == recorded
-    assert decode(recorded) == event
+def test_what_earlier_builds_wrote_decodes_to_the_same_event(event):
+    assert decode(bytes.fromhex(_RECORDED[event.KIND])) == event
 
 
-def test_a_batch_is_what_earlier_builds_wrote():
+@pytest.mark.parametrize("event", [s for s in SAMPLES if not isinstance(s, RendezvousReady)], ids=lambda e: e.KIND)
+def test_the_wire_format_is_what_earlier_builds_wrote_but_the_schema(event):
+    assert encode(event) == _as_schema_5(_RECORDED[event.KIND])
+
+
+def test_a_rendezvous_names_its_group_on_the_wire_instead_of_listing_it():
+    ready = next(s for s in SAMPLES if isinstance(s, RendezvousReady))
+    payload = encode(ready)
+    assert payload == bytes.fromhex(_RECORDED_5_RENDEZVOUS)
+    assert b"participants" not in payload and b"explorer-7" not in payload
+    assert msgpack.unpackb(payload)["membership"] == membership_digest(ready.participants)
+    assert decode(payload) == ready
+
+
+def test_a_batch_is_what_earlier_builds_wrote_but_the_schema():
     recorded = bytes.fromhex(_RECORDED_BATCH)
     batch = [SAMPLES[11], SAMPLES[13], SAMPLES[14]]  # opened, released, closed
-    assert encode_decisions(batch) == recorded
+    assert encode_decisions(batch) == _as_schema_5(_RECORDED_BATCH)
     assert decode_all(recorded) == tuple(batch)
 def test_a_rendezvous_finds_each_participant_by_member_and_sends_only_its_fields():
     ready = next(s for s in SAMPLES if isinstance(s, RendezvousReady))
@@ -507,19 +551,81 @@ def test_a_rendezvous_finds_each_participant_by_member_and_sends_only_its_fields
     # another incarnation of a participant is not in the group; nor is a stranger
     assert ready.assignment_of(MemberRef(role=Role.EXPLORER, id="x", incarnation=1)) is None
     assert ready.assignment_of(MemberRef(role=Role.TRAINER, id="x", incarnation=0)) is None
-    # the index is derived, not sent: the wire holds the declared fields only, and a decoded copy
-    # (which builds its own index) finds the same assignments
-    assert "_assignments" not in to_plain(ready)
+    # neither the index nor the list is sent: a decoded copy names the group, and finds the same
+    # assignments once bound to the group its reader folded
+    assert {"_assignments", "participants"}.isdisjoint(to_plain(ready))
     copy = decode(encode(ready))
-    assert copy == ready and copy.assignment_of(E) == ready.assignment_of(E)
+    assert copy == ready and not copy.is_bound
+    group = GroupState(epoch=2, members=(RankAssignment(member=T, rank_offset=0, ranks=1), *ready.participants))
+    bound = group.bind(copy)
+    assert bound == ready and bound.assignment_of(E) == ready.assignment_of(E)
+
+
+def test_an_unbound_rendezvous_says_it_needs_its_group_and_binds_only_to_the_one_it_names():
+    ready = decode(encode(next(s for s in SAMPLES if isinstance(s, RendezvousReady))))
+    with pytest.raises(UnboundRendezvous, match="names group epoch 2 .2 explorers, sha256:.*GroupState.bind"):
+        ready.assignment_of(E)
+    trainer = RankAssignment(member=T, rank_offset=0, ranks=1)
+    listed = (RankAssignment(member=E, rank_offset=1, ranks=4),
+              RankAssignment(member=MemberRef(role=Role.EXPLORER, id="x", incarnation=0), rank_offset=5, ranks=1))
+    other_incarnation = (listed[0], RankAssignment(member=MemberRef(role=Role.EXPLORER, id="x", incarnation=1),
+                                                   rank_offset=5, ranks=1))
+    for group in (GroupState(epoch=3, members=(trainer, *listed)),  # another epoch
+                  GroupState(epoch=2, members=(trainer, *other_incarnation)),  # same shape, not the same
+                  GroupState(epoch=2, members=(trainer, listed[0]))):  # fewer
+        assert not group.bind(ready).is_bound
+    with pytest.raises(UnboundRendezvous, match="is not the one decided"):
+        ready.bound(other_incarnation)
+    with pytest.raises(UnboundRendezvous, match="has 1 explorers and 5 ranks, the decision names 2 and 6"):
+        ready.bound(listed[:1])
+    assert GroupState(epoch=2, members=(trainer, *listed)).bind(ready).is_bound
 
 
 def test_a_member_listed_twice_is_found_at_its_first_place_as_a_scan_would():
-    twice = RendezvousReady(round=1, cause_seq=2, method=SyncMethod.NCCL, version=1, epoch=1,
-                            master_addr="h", master_port=1, world_size=4,
-                            participants=(RankAssignment(member=E, rank_offset=1, ranks=1),
-                                          RankAssignment(member=E, rank_offset=2, ranks=2)))
+    twice = RendezvousReady.for_group(round=1, cause_seq=2, method=SyncMethod.NCCL, version=1, epoch=1,
+                                      master_addr="h", master_port=1,
+                                      participants=(RankAssignment(member=E, rank_offset=1, ranks=1),
+                                                    RankAssignment(member=E, rank_offset=2, ranks=2)))
+    assert twice.world_size == 4 and twice.explorers == 2
     assert twice.assignment_of(E).rank_offset == 1
+
+
+# -- schema 4 and earlier listed a rendezvous's group: such records decode, bound to their list ----
+
+def _listed(ready: RendezvousReady, schema: int) -> dict:
+    """`ready` as a build of `schema` (4 or earlier) wrote it: every participant listed."""
+    plain = {k: v for k, v in to_plain(ready).items() if k not in ("explorers", "membership")}
+    return {**plain, "schema": schema, "participants": [msgspec.to_builtins(p) for p in ready.participants]}
+
+
+@pytest.mark.parametrize("schema", [3, 4])
+def test_a_rendezvous_recorded_with_its_list_decodes_to_the_decision_that_names_it(schema):
+    ready = next(s for s in SAMPLES if isinstance(s, RendezvousReady))
+    old = decode(msgpack.packb(_listed(ready, schema), use_bin_type=True))
+    assert old == ready and old.is_bound and old.participants == ready.participants
+    # in an old batch too, beside other decisions
+    batch = msgpack.packb({"schema": schema, "kind": BATCH_KIND,
+                           "decisions": [_listed(ready, schema), {**to_plain(CLOSED), "schema": schema}]},
+                          use_bin_type=True)
+    assert decode_all(batch) == (ready, CLOSED)
+
+
+@pytest.mark.parametrize("change, complaint", [
+    ({"world_size": 7}, r"world_size 7, but its participants hold 6 ranks \(trainer included\)"),
+    ({"participants": [{"member": {"role": "explorer", "id": "e", "inc": 0}, "rank_offset": 1}]},
+     r"in 'participants': .*missing required field `ranks`"),
+    ({"participants": None}, r"in 'participants': .*Expected `array`, got `null`"),
+])
+def test_an_old_rendezvous_whose_list_does_not_hold_says_what_is_wrong(change, complaint):
+    ready = next(s for s in SAMPLES if isinstance(s, RendezvousReady))
+    with pytest.raises(DecodeError, match="rendezvous_ready: " + complaint):
+        decode(msgpack.packb({**_listed(ready, 4), **change}, use_bin_type=True))
+    bare = {k: v for k, v in _listed(ready, 4).items() if k != "participants"}
+    with pytest.raises(DecodeError, match="rendezvous_ready: field 'participants'"):
+        decode(msgpack.packb(bare, use_bin_type=True))
+    # and a schema-5 record may not list it
+    with pytest.raises(DecodeError, match="unknown field"):
+        decode(msgpack.packb({**to_plain(ready), "participants": []}, use_bin_type=True))
 
 
 def test_a_stopped_members_totals_travel_and_an_empty_set_is_not_written():

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -163,3 +166,120 @@ def test_ray_cluster_example_passes_rays_schema():
     with pytest.raises(jsonschema.ValidationError):  # the check can fail
         jsonschema.validate(config, schema)
     assert any("rolectl[ray]" in c for c in config["setup_commands"])
+
+
+# -- Prometheus alerts and the Grafana dashboard -------------------------------------------------
+
+PROMETHEUS = DEPLOY / "prometheus"
+
+# nats-server's own metrics as prometheus-nats-exporter names them (`-varz`, `-jsz=all`; its
+# README and v0.8.0 release notes), the ones the shipped rules and dashboard use
+NATS_EXPORTER_METRICS = {
+    "gnatsd_varz_connections", "gnatsd_varz_slow_consumers", "gnatsd_varz_in_msgs", "gnatsd_varz_out_msgs",
+    "gnatsd_varz_cpu", "gnatsd_varz_mem", "jetstream_stream_total_bytes", "jetstream_stream_total_messages",
+    "jetstream_server_total_message_bytes", "jetstream_server_max_storage",
+}
+# PromQL's own words: functions, aggregations, keywords
+_PROMQL_WORDS = {
+    "sum", "min", "max", "avg", "count", "quantile", "topk", "bottomk", "by", "without", "and", "or", "unless",
+    "rate", "increase", "changes", "quantile_over_time", "offset", "on", "ignoring", "group_left", "bool",
+}
+
+
+def _promtool(*args: str) -> subprocess.CompletedProcess:
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool is not installed: `apt-get install prometheus` (.ci/run does)"
+    return subprocess.run([promtool, *args], capture_output=True, text=True, timeout=60, cwd=PROMETHEUS)
+
+
+def test_promtool_accepts_the_alert_rules_and_the_scrape_config():
+    for args in (("check", "rules", "rolectl-alerts.yml"), ("check", "config", "prometheus.yml")):
+        result = _promtool(*args)
+        assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_each_alert_fires_when_it_should_and_not_before():
+    result = _promtool("test", "rules", "rolectl-alerts.test.yml")  # the cases are in that file
+    assert result.returncode == 0 and "SUCCESS" in result.stdout, result.stdout + result.stderr
+    cases = yaml.safe_load((PROMETHEUS / "rolectl-alerts.test.yml").read_text())["tests"]
+    tested = {case["alertname"] for test in cases for case in test["alert_rule_test"]}
+    assert {"RolectlTrainerStalled", "RolectlMemberExpired", "RolectlSyncSlowerThanItsP99"} <= tested
+
+
+def _rolectl_metrics() -> set[str]:
+    """Every sample name the dashboard's /metrics gives for a job that trained, synced, refused an
+    input and whose nats-server answered (a job folded from records, no server needed)."""
+    from prometheus_client import CollectorRegistry
+
+    from rolectl.roles.observe.dashboard import Dashboard, _Collector
+    from rolectl.roles.observe.observer import JobObserver
+    from rolectl.sync_protocol import Recorded, StepFinished, SyncConfig, SyncMethod
+    from tests.support.reducer_scenario import E1, Job, T, configured, join, loaded, publish, req
+
+    job, records = Job(), []
+    for event in (configured(SyncConfig(sync_method=SyncMethod.MEMORY)), join(T), join(E1), req(E1, 0, -1),
+                  loaded(E1, 0, round=1), req(E1, 1, 0),
+                  StepFinished(member=T, step=1, version=0, metrics={"reward_mean": 0.5, "mean_staleness": 0.2,
+                                                                      "dropped_stale_total": 1.0}),
+                  publish(1), loaded(E1, 1, round=2)):
+        decisions = job.feed(event)
+        records.append(job.history[-1])
+        for d in decisions:  # recorded right after their cause, as the synchronizer does
+            job.seq += 1
+            records.append(Recorded(seq=job.seq, time_ms=job.time_ms, event=d))
+    records.append(job.record(publish(1)))  # not newer than the latest: the reducer refuses it
+    dashboard = Dashboard(job="demo", nats_url="nats://127.0.0.1:4222", monitor_url=None)
+    dashboard.observer = JobObserver().extend(records)
+    dashboard.nats = {"ok": True, "server": {k: 1 for k in ("connections", "slow_consumers", "in_msgs", "out_msgs",
+                                                             "in_bytes", "out_bytes")},
+                      "streams": [{"name": "RFT_DEMO_EVENTS", "messages": 1, "bytes": 1}], "jetstream": {"storage": 1}}
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector(dashboard))
+    return {sample.name for family in registry.collect() for sample in family.samples}
+
+
+def _metric_names(expr: str) -> set[str]:
+    """The metric names a PromQL expression reads: its words, less label matchers, strings,
+    durations and PromQL's own words."""
+    bare = re.sub(r'"[^"]*"', "", expr)
+    bare = re.sub(r"\{[^}]*\}", "", bare)  # label matchers and `by (...)` lists are labels, not metrics
+    bare = re.sub(r"\b(by|without|on|ignoring)\s*\([^)]*\)", "", bare)
+    bare = re.sub(r"\[[^\]]*\]", "", bare)
+    bare = re.sub(r"\boffset\s+\w+", "", bare)
+    bare = re.sub(r"(?<![\w.])\d[\d.]*(e[+-]?\d+)?", "", bare)  # numbers: 0.99, 1e9
+    return {w for w in re.findall(r"[A-Za-z_:][A-Za-z0-9_:]*", bare) if w not in _PROMQL_WORDS}
+
+
+def _exprs() -> dict[str, str]:
+    """Every PromQL expression shipped: the alert rules' and the Grafana dashboard's panels'."""
+    out = {}
+    for group in yaml.safe_load((PROMETHEUS / "rolectl-alerts.yml").read_text())["groups"]:
+        for rule in group["rules"]:
+            out[f"alert {rule['alert']}"] = rule["expr"]
+    dashboard = json.loads((DEPLOY / "grafana" / "rolectl.json").read_text())
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            out[f"panel {panel['title']!r} {target['refId']}"] = target["expr"]
+    return out
+
+
+def test_every_shipped_expression_reads_metrics_that_rolectl_or_nats_server_export():
+    exported = _rolectl_metrics() | NATS_EXPORTER_METRICS
+    assert {"rolectl_member_status", "rolectl_sync_round_last_duration_seconds",
+            "rolectl_sync_rounds_closed_total", "rolectl_illegal_events_total"} <= exported  # the check can fail
+    exprs = _exprs()
+    assert len(exprs) > 20
+    unknown = {where: sorted(_metric_names(expr) - exported) for where, expr in exprs.items()
+               if _metric_names(expr) - exported}
+    assert unknown == {}
+
+
+def test_the_grafana_dashboard_is_one_job_at_a_time_and_says_where_its_figures_come_from():
+    dashboard = json.loads((DEPLOY / "grafana" / "rolectl.json").read_text())
+    assert dashboard["uid"] == "rolectl-job"
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["job"]["query"]["query"] == "label_values(rolectl_latest_version, job)"
+    rolectl_exprs = [e for where, e in _exprs().items() if where.startswith("panel") and "rolectl_" in e]
+    assert all('job="$job"' in e for e in rolectl_exprs)  # one job's figures, never several mixed
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
