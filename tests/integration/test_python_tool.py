@@ -8,7 +8,6 @@ import socket
 import time
 import uuid
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -19,6 +18,7 @@ from rolectl.roles.engines.agent.python_tool import (
     network_isolation,
 )
 from rolectl.roles.engines.agent.tools import ToolEnvironment
+from rolectl.roles.engines.base import Task
 
 # generous walls: the machine running the tests may be busy, and CPU seconds take longer than wall ones then
 LIMITS = PythonLimits(cpu_s=1, memory_mb=256, wall_s=60, max_output_chars=300, max_file_mb=1)
@@ -112,7 +112,7 @@ def test_the_network_is_out_of_reach_or_the_tool_refuses_to_start():
 def test_the_tool_environment_counts_each_way_the_code_ends():
     env = ToolEnvironment(tools=["python"], tool_timeout_s=30,
                           tool_options={"python": {"cpu_s": 1, "memory_mb": 256}})
-    env.reset(SimpleNamespace(id="row0", text="compute"))
+    env.reset(Task(id="row0", prompt=(1,), prompt_text="compute"))
 
     def call(code: str):
         return env.step(f"<tool_call>{json.dumps({'name': 'python', 'arguments': {'code': code}})}</tool_call>")

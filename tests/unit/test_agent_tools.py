@@ -5,18 +5,19 @@ from __future__ import annotations
 
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 
 from rolectl.roles.engines.agent import Environment
 from rolectl.roles.engines.agent.calculator import MAX_BITS, CalculatorError, calculator, evaluate
+from rolectl.roles.engines.agent.config import AgentSection
 from rolectl.roles.engines.agent.tool_calls import ToolTimeout, compact_calls, hermes_calls, resolve_parser
 from rolectl.roles.engines.agent.tools import ToolEnvironment, resolve_tools, tool_from_function
+from rolectl.roles.engines.base import Task
 
 
-def task(text: str = "what is 37 + 45 ?") -> SimpleNamespace:
-    return SimpleNamespace(id="row0", prompt=(1, 2), answer="82", text=text)
+def task(text: str = "what is 37 + 45 ?") -> Task:
+    return Task(id="row0", prompt=(1, 2), answer="82", prompt_text=text)
 
 
 @pytest.mark.parametrize("expression, value", [
@@ -266,8 +267,8 @@ def test_a_long_result_is_cut_for_the_model():
 
 
 def test_the_agent_section_builds_environments_with_its_tools_resolved_once():
-    section = SimpleNamespace(tools=("calculator",), tool_timeout_s=3.0,
-                              args={"parser": "compact", "call_reward": 0.5})
+    section = AgentSection(environment="tools", tools=("calculator",), tool_timeout_s=3.0,
+                           args={"parser": "compact", "call_reward": 0.5})
     make = ToolEnvironment.for_agent(section)
     first, second = make(), make()
     assert first is not second and first.by_name == second.by_name
@@ -275,4 +276,6 @@ def test_the_agent_section_builds_environments_with_its_tools_resolved_once():
     first.reset(task())
     assert first.step("<tool_call> calculator 2 + 3").observation[0].content == "5"
     with pytest.raises(ValueError, match="unknown tool 'abacus'"):
-        ToolEnvironment.for_agent(SimpleNamespace(tools=("abacus",), tool_timeout_s=1.0, args={}))
+        ToolEnvironment.for_agent(AgentSection(environment="tools", tools=("abacus",)))
+    with pytest.raises(ValueError, match="agent.tools: the tool environment needs at least one tool"):
+        ToolEnvironment.for_agent(AgentSection(environment="tools"))

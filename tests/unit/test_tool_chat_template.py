@@ -4,12 +4,12 @@ syntax reads back as the same call; and the built model's template in words its 
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 
 from rolectl.roles.engines.agent.tool_calls import compact_calls, hermes_calls
 from rolectl.roles.engines.agent.tools import ToolEnvironment, resolve_tools
+from rolectl.roles.engines.base import Task
 from rolectl.roles.engines.hf_model import HFModelConfig, ensure_model, load_tokenizer
 from tests.support.tiny_llm import ROOT
 
@@ -85,7 +85,7 @@ def test_a_built_model_s_call_runs_and_its_result_renders_back(built):
     """What the model would sample, decoded, is a compact call; the environment's answer renders as
     the tokens the model sees next."""
     env = ToolEnvironment(tools=["calculator"], parser="compact")
-    env.reset(SimpleNamespace(id="row0", text="what is 37 + 45 ?"))
+    env.reset(Task(id="row0", prompt=(1,), prompt_text="what is 37 + 45 ?"))
     sampled = built.convert_tokens_to_ids(["<tool_call>", "calculator", "37", "+", "45", "<eos>"])
     text = built.decode(sampled, skip_special_tokens=True)
     assert [(c.name, c.text) for c in compact_calls(text)] == [("calculator", "37 + 45")]
@@ -125,3 +125,43 @@ def test_a_build_without_a_template_is_as_before_and_an_older_build_still_matche
     with pytest.raises(ValueError, match="holds a model built with"):
         ensure_model(HFModelConfig.model_validate({"path": str(path), "build": {**BUILD, "chat_template": True}}),
                      data_path=str(ADD_NUMBERS))
+
+
+def test_the_agent_loop_plays_the_tool_environment_through_the_built_template(built):
+    """The policy the tool example wants, as a rule: copy the sum into a calculator call, then the
+    result into the answer. Through the loop and the chat template it earns the call's credit and the
+    answer's, and the trajectory is exactly the whole conversation rendered by the template."""
+    from rolectl.roles.engines.agent.config import AgentSection
+    from rolectl.roles.engines.agent.loop import AgentLoop
+    from rolectl.roles.engines.agent.render import ChatTemplateRenderer
+    from rolectl.roles.engines.rewards import parse_reward_specs
+    from tests.support.scripted_turns import ScriptedTurns
+
+    ids = built.convert_tokens_to_ids
+    call, tool, eos = ids("<tool_call>"), ids("<tool>"), built.eos_token_id
+
+    def uses_the_calculator(sequence: list[int]) -> list[int]:
+        if tool not in sequence:
+            plus = sequence.index(ids("+"))
+            return [call, ids("calculator"), *sequence[plus - 1:plus + 2], eos]
+        return [sequence[sequence.index(tool) + 1], eos]
+
+    section = AgentSection(environment="tools", tools=("calculator",), max_tokens=16, max_tokens_per_turn=6,
+                           args={"parser": "compact", "call_reward": 0.5})
+    generator = ScriptedTurns(uses_the_calculator)
+    loop = AgentLoop(section, generator=generator, renderer=ChatTemplateRenderer(built), group_size=2,
+                     member="explorer-0", seed=0, budget=16, turn_tokens=6, version=lambda: 3,
+                     rewards=parse_reward_specs("math"))
+    tasks = [Task(id="row0", prompt=(), answer="82", prompt_text="what is 37 + 45 ?"),
+             Task(id="row1", prompt=(), answer="30", prompt_text="what is 11 + 19 ?")]
+    experiences = loop.rollout(tasks, explore_step=0)
+    assert [e.reward for e in experiences] == [1.5] * 4 and all(e.turns == 2 for e in experiences)
+    assert loop.metrics["agent/tool_calls/calculator/ok"] == 4.0 and loop.metrics["agent/turns_mean"] == 2.0
+    first = experiences[0]
+    conversation = [{"role": "user", "content": "what is 37 + 45 ?"}, call_message("calculator", {"e": "37 + 45"}),
+                    {"role": "tool", "content": "82"}, {"role": "assistant", "content": "82"}]
+    whole = built.apply_chat_template(conversation, tools=loop.new_environment().tools, tokenize=True,
+                                      return_dict=False)
+    assert [*first.prompt, *first.response] == whole
+    assert built.convert_ids_to_tokens([t for t, m in zip(first.response, first.loss_mask) if not m]) == \
+        ["<tool>", "82", "<assistant>"]

@@ -206,6 +206,9 @@ class ToolEnvironment:
     def for_agent(cls, section: Any) -> Callable[[], ToolEnvironment]:
         """How the agent loop builds this environment for a job's `agent:` section: its `tools` and
         `tool_timeout_s` with its `args`; the tools resolved (and a bad one refused) once, not per episode."""
+        if not section.tools:
+            raise ValueError("agent.tools: the tool environment needs at least one tool (built-ins: "
+                             f"{', '.join(BUILTIN_TOOLS)}, or your own as module:function)")
         args = dict(section.args)
         tools = resolve_tools(section.tools, options=args.pop("tool_options", None),
                               tool_timeout_s=section.tool_timeout_s)
@@ -261,12 +264,11 @@ class ToolEnvironment:
 
 
 def task_text(task: Task) -> str:
-    """The task's prompt as text (what the user asks)."""
-    text = getattr(task, "text", None) or getattr(task, "prompt_text", None)
-    if not text:
+    """The task's prompt as the data row gives it (what the user asks)."""
+    if not task.prompt_text:
         raise ValueError(f"task {task.id!r} has no prompt text: the tool environment asks the task's prompt as "
-                         "the user's message (tasks from data.path carry it)")
-    return str(text)
+                         "the user's message (tasks read from data.path carry it)")
+    return task.prompt_text
 
 
 def _cut(text: str, limit: int) -> str:
