@@ -210,6 +210,21 @@ def test_call_reward_is_given_for_the_first_ok_call_of_an_episode_only():
     assert env.step("<tool_call> calculator 2 + 2").reward == 0.25
 
 
+def test_call_reward_by_outcome_pays_an_episode_its_best_call_once():
+    env = ToolEnvironment(tools=["calculator"], parser="compact",
+                          call_reward={"ok": 0.3, "error": 0.2, "malformed": 0.1, "unknown_tool": 0.1})
+    env.reset(task())
+    assert env.step("<tool_call> abacus 1").reward == pytest.approx(0.1)
+    assert env.step("<tool_call> calculator 1 +").reward == pytest.approx(0.1)  # 0.2 in all
+    assert env.step("<tool_call>").reward == 0.0
+    assert env.step("<tool_call> calculator 1 + 1").reward == pytest.approx(0.1)  # 0.3 in all
+    assert env.step("<tool_call> calculator 3").reward == 0.0
+    with pytest.raises(ValueError, match="call_reward names outcomes \\['fine'\\]"):
+        ToolEnvironment(tools=["calculator"], call_reward={"fine": 1.0})
+    with pytest.raises(ValueError, match="call_reward ok: must be a finite number"):
+        ToolEnvironment(tools=["calculator"], call_reward={"ok": float("nan")})
+
+
 def test_calls_past_the_turn_limit_are_not_run_and_counted_malformed():
     env = ToolEnvironment(tools=["calculator"], max_calls_per_turn=2)
     env.reset(task())

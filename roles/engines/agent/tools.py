@@ -20,14 +20,17 @@ Every call is answered with a `tool` message the model sees and counted in `Step
 | `timeout` | the call ran past `tool_timeout_s` (abandoned), or the tool said so (`ToolTimeout`) | that it timed out |
 
 The episode ends when a turn holds no call (the job's `data.rewards` then score that text), or at the
-agent's `max_turns`. `call_reward` (default 0) is a step reward for the episode's first `ok` call:
-partial credit that teaches a model to call before it can answer.
+agent's `max_turns`. `call_reward` (default 0) is partial credit for calling, which teaches a model
+to call before it can answer: a number is credit for an `ok` call; a mapping by outcome (`{ok: 0.3,
+error: 0.2, malformed: 0.1}`) also credits calls that did not work, while a model learns the syntax.
+An episode earns the best credit among its calls, once (as step rewards: what a call adds to it).
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import math
 import threading
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -185,7 +188,8 @@ class ToolEnvironment:
     `args` (the keyword arguments below)."""
 
     def __init__(self, *, tools: Sequence[str | Callable[..., Any]] = ("calculator",), tool_timeout_s: float = 10.0,
-                 parser: str = "hermes", system_prompt: str | None = None, call_reward: float = 0.0,
+                 parser: str = "hermes", system_prompt: str | None = None,
+                 call_reward: float | Mapping[str, float] = 0.0,
                  max_calls_per_turn: int = 4, max_result_chars: int = 2000,
                  tool_options: Mapping[str, Mapping[str, Any]] | None = None,
                  resolved: Mapping[str, Tool] | None = None) -> None:
@@ -197,10 +201,10 @@ class ToolEnvironment:
         self.parse = resolve_parser(parser)
         self.tool_timeout_s = tool_timeout_s
         self.system_prompt = system_prompt
-        self.call_reward = call_reward
+        self.call_reward = _call_credit(call_reward)
         self.max_calls_per_turn = max_calls_per_turn
         self.max_result_chars = max_result_chars
-        self.rewarded_call = False
+        self.credited = 0.0  # the best call credit this episode has earned
 
     @classmethod
     def for_agent(cls, section: Any) -> Callable[[], ToolEnvironment]:
@@ -215,7 +219,7 @@ class ToolEnvironment:
         return lambda: cls(resolved=tools, tool_timeout_s=section.tool_timeout_s, **args)
 
     def reset(self, task: Task) -> list[Message]:
-        self.rewarded_call = False
+        self.credited = 0.0
         first = [Message(role="system", content=self.system_prompt)] if self.system_prompt else []
         return [*first, Message(role="user", content=task_text(task))]
 
@@ -232,8 +236,9 @@ class ToolEnvironment:
                 name, outcome, text = self._answer(call)
             key = f"tool_calls/{name}/{outcome}"
             info[key] = info.get(key, 0.0) + 1.0
-            if outcome == "ok" and not self.rewarded_call:
-                self.rewarded_call, reward = True, self.call_reward
+            credit = self.call_reward.get(outcome, 0.0)
+            if credit > self.credited:
+                reward, self.credited = reward + credit - self.credited, credit
             answers.append(Message(role="tool", content=_cut(text, self.max_result_chars),
                                    name=name if name in self.by_name else None))
         return StepResult(observation=answers, reward=reward, info=info)
@@ -261,6 +266,18 @@ class ToolEnvironment:
             return tool.name, "error", f"error: {exc}"
         except Exception as exc:
             return tool.name, "error", f"error: {type(exc).__name__}: {exc}".rstrip(": ")
+
+
+def _call_credit(value: float | Mapping[str, float]) -> dict[str, float]:
+    """`call_reward` by outcome; ValueError names what is wrong."""
+    credit = dict(value) if isinstance(value, Mapping) else {"ok": value}
+    unknown = sorted(set(credit) - set(OUTCOMES))
+    if unknown:
+        raise ValueError(f"call_reward names outcomes {unknown}; the outcomes are {', '.join(OUTCOMES)}")
+    for outcome, amount in credit.items():
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not math.isfinite(amount):
+            raise ValueError(f"call_reward {outcome}: must be a finite number, got {amount!r}")
+    return {outcome: float(amount) for outcome, amount in credit.items()}
 
 
 def task_text(task: Task) -> str:
