@@ -678,8 +678,8 @@ def track(config_path, nats, run_name, once) -> None:
 @click.option("--run-dir", default=None,
               help="The run directory `rolectl up` printed (default: the config's run_dir, or the newest "
                    "`up` run of the job under it).")
-@click.option("--eval", "eval_file", default=None, type=click.Path(exists=True, dir_okay=False),
-              help="Eval task file; overrides the config's eval.path.")
+@click.option("--eval", "eval_file", default=None, type=click.Path(exists=True),
+              help="Eval task file, or a directory saved with save_to_disk; overrides the config's eval source.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def bench(config_path, versions, run_dir, eval_file, as_json) -> None:
     """Evaluate a job's saved versions on its eval set: one row per version, each reward's mean."""
@@ -690,7 +690,7 @@ def bench(config_path, versions, run_dir, eval_file, as_json) -> None:
     setup_logging("warning")
     cfg = _load(config_path, None)
     if eval_file:
-        cfg = cfg.with_overrides(eval=cfg.eval.replace(path=eval_file))
+        cfg = cfg.with_overrides(eval=cfg.eval.replace(path=eval_file, dataset=None, config=None))
         problems = eval_config_problems(cfg)
         if problems:
             raise InputError("; ".join(f"{path}: {why}" for path, why in problems))

@@ -29,12 +29,13 @@ from .algorithms import AlgorithmConfig, VerlAlgorithm
 from .base import Task, WeightsMismatch
 from .hf_model import HFModelConfig, flat_weights, load_model, load_tokenizer, parameter_count
 from .lora import adapter_tensors, save_adapter, save_merged, wrap_with_lora
-from .losses import TrainBatch, experience_batch
+from .losses import TokenScores, TrainBatch, experience_batch, token_entropy
 from .rewards import WeightedReward, score_all
 from .step import Forward, TrainStep, step_metrics
 from .streaming import DEFAULT_BUCKET_BYTES, NamedTensors, buckets_of
 
-__all__ = ["HFTrainEngine", "HFRolloutEngine", "AdapterDisabled", "response_logprobs", "model_forward", "task_seed",
+__all__ = ["HFTrainEngine", "HFRolloutEngine", "AdapterDisabled", "response_logprobs", "response_scores",
+           "model_forward", "task_seed",
            "score_texts", "check_weights"]
 
 _MODEL_FILE = "model.safetensors"
@@ -54,6 +55,15 @@ def response_logprobs(model, prompts: Sequence[Sequence[int]], responses: Sequen
     Sequences are right-padded (positions stay those of an unpadded sequence); response token `j`
     of row `b` is predicted by the logits at `len(prompt_b) - 1 + j`.
     """
+    scores, mask = response_scores(model, prompts, responses, pad_id=pad_id, device=device,
+                                   temperature=temperature)
+    return scores.logprobs, mask
+
+
+def response_scores(model, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *,
+                    pad_id: int, device: str, temperature: float = 1.0, entropy: bool = False
+                    ) -> tuple[TokenScores, Tensor]:
+    """`response_logprobs`, with the entropy of each response token's distribution when asked."""
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
     width, max_response = max(lengths), max(1, max(len(r) for r in responses))
     input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
@@ -69,17 +79,19 @@ def response_logprobs(model, prompts: Sequence[Sequence[int]], responses: Sequen
     logits = model(input_ids=input_ids, attention_mask=attention).logits.float()
     picked = logits.gather(1, index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))  # (b, r, vocab)
     targets = input_ids.gather(1, (index + 1).clamp(max=width - 1))
-    logprobs = torch.log_softmax(picked / temperature, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return logprobs * mask, mask
+    distributions = torch.log_softmax(picked / temperature, dim=-1)
+    logprobs = distributions.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropies = token_entropy(distributions) * mask if entropy else None
+    return TokenScores(logprobs=logprobs * mask, entropy=entropies), mask
 
 
 def model_forward(pad_id: int, device: str, temperature: float) -> Forward:
-    """The one training step's `Forward` for a causal LM: `response_logprobs` of the batch's rows."""
-    def forward(model, batch: TrainBatch, rows: Sequence[int]) -> Tensor:
-        logprobs, _ = response_logprobs(model, [batch.prompts[row] for row in rows],
-                                        [batch.responses[row] for row in rows], pad_id=pad_id, device=device,
-                                        temperature=temperature)
-        return logprobs
+    """The one training step's `Forward` for a causal LM: `response_scores` of the batch's rows."""
+    def forward(model, batch: TrainBatch, rows: Sequence[int], *, entropy: bool) -> TokenScores:
+        scores, _ = response_scores(model, [batch.prompts[row] for row in rows],
+                                    [batch.responses[row] for row in rows], pad_id=pad_id, device=device,
+                                    temperature=temperature, entropy=entropy)
+        return scores
     return forward
 
 

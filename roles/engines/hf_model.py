@@ -2,9 +2,9 @@
 
 A model is a local Hugging Face directory (`model.path`: config, safetensors weights, tokenizer). For
 tests and the examples, `model.build` describes a small random-init model instead: the first process
-that needs it builds it (weights from `build.seed`, a word-level tokenizer from the words of
-`data.path`) and saves it to `model.path` atomically, so trainer and explorers, started together,
-all load the same version-0 weights. Nothing is downloaded, ever (`local_files_only`).
+that needs it builds it (weights from `build.seed`, a word-level tokenizer from the words of the
+`data:` rows' prompts and answers) and saves it to `model.path` atomically, so trainer and
+explorers, started together, all load the same version-0 weights. Nothing is downloaded, ever (`local_files_only`).
 
 Weights travel as `flat_weights(model)`: the model's state dict by its Hugging Face names, tied
 weights included under both names (`lm_head.weight` too: vLLM keeps stale logits without it).
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .sections import HFBuildSection, HFModelSection
+from .sections import DataSection, HFBuildSection, HFModelSection
 
 __all__ = [
     "HFModelConfig",
@@ -66,28 +66,28 @@ CHAT_TEMPLATE = (
 TEMPLATE_WORDS = ("<tools>", "</tools>", "<system>", "<user>", "<assistant>", "<tool>", "<tool_call>", "</tool_call>")
 
 
-def _word_vocab(data_path: str | None, *, chat_template: bool) -> list[str]:
-    if not data_path:
-        raise ValueError("model.build makes a word-level tokenizer from the words of data.path; give data.path")
+def _word_vocab(data: DataSection | None, *, chat_template: bool) -> list[str]:
+    if data is None:
+        raise ValueError("model.build makes a word-level tokenizer from the words of the data rows; give `data:`")
     from .agent.tools import BUILTIN_TOOLS
-    from .data import DataConfig, load_rows
+    from .data import load_rows
 
     words: set[str] = set()
-    for prompt, answer in load_rows(DataConfig(path=data_path)):
-        words.update(prompt.split())
-        words.update(answer.split())
+    for row in load_rows(data):
+        words.update(row.prompt.split())
+        words.update(row.answer.split())
     if chat_template:
         words.update((*TEMPLATE_WORDS, *BUILTIN_TOOLS))
     return [*SPECIAL_TOKENS, *sorted(words - set(SPECIAL_TOKENS))]
 
 
-def _build(config: HFModelConfig, data_path: str | None, out: Path) -> None:
+def _build(config: HFModelConfig, data: DataSection | None, out: Path) -> None:
     """Save a random-init model and its word-level tokenizer under `out`."""
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     spec = config.build.model_dump() if config.build is not None else _BUILD_DEFAULTS
-    vocab = _word_vocab(data_path, chat_template=spec["chat_template"])
+    vocab = _word_vocab(data, chat_template=spec["chat_template"])
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
@@ -116,8 +116,9 @@ def _build(config: HFModelConfig, data_path: str | None, out: Path) -> None:
     (out / _BUILD_MARKER).write_text(json.dumps({"build": spec, "vocab": len(vocab)}, indent=1))
 
 
-def ensure_model(config: HFModelConfig, *, data_path: str | None = None) -> Path:
-    """`model.path`, built first when it is missing and `model.build` says how.
+def ensure_model(config: HFModelConfig, *, data: DataSection | None = None, data_path: str | None = None) -> Path:
+    """`model.path`, built first when it is missing and `model.build` says how (its vocabulary from
+    the rows of `data`, or of the file `data_path` with the default columns).
 
     Built in a temporary directory beside it and renamed into place: concurrent builders (a trainer
     and explorers started at once) each build the same bytes from the seed; the first rename wins.
@@ -137,7 +138,9 @@ def ensure_model(config: HFModelConfig, *, data_path: str | None = None) -> Path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
     try:
-        _build(config, data_path, tmp)
+        if data is None and data_path is not None:
+            data = DataSection(path=data_path)
+        _build(config, data, tmp)
         try:
             os.rename(tmp, path)
         except OSError:

@@ -6,7 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["TinyPolicy", "build_base_policy", "response_logprobs", "sample_responses"]
+from .losses import token_entropy
+
+__all__ = ["TinyPolicy", "build_base_policy", "response_logprobs", "scored_tokens", "sample_responses"]
 
 
 class _Block(nn.Module):
@@ -110,9 +112,34 @@ def response_logprobs(
     for the positions before it, and the caller masks the padded positions).
     """
     tokens = torch.cat([prompts, responses], dim=1)
-    logits = policy(tokens[:, :-1])[:, prompts.shape[1] - 1 :]
-    logprobs = _masked_log_softmax(logits, allowed_tokens, temperature)
-    return logprobs.gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+    starts = torch.full((len(tokens),), prompts.shape[1])
+    logprobs, _ = scored_tokens(policy, tokens, starts, width=responses.shape[1], allowed_tokens=allowed_tokens,
+                                temperature=temperature)
+    return logprobs
+
+
+def scored_tokens(
+    policy: TinyPolicy,
+    tokens: Tensor,
+    starts: Tensor,
+    *,
+    width: int,
+    allowed_tokens: Tensor,
+    temperature: float,
+    entropy: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Logprobs `(batch, width)` of the `width` tokens of each row from `starts[row]` on (each row
+    a prompt then its response, right-padded to `tokens`' width, at least `starts + width`), under
+    the sampler's token mask and temperature; with `entropy`, the entropy of each of those
+    distributions too (no gradient). A token outside `allowed_tokens` has logprob -inf.
+    """
+    logits = policy(tokens[:, :-1])
+    offsets = starts.unsqueeze(1) - 1 + torch.arange(width).unsqueeze(0)  # (batch, width): the predicting position
+    picked = logits.gather(1, offsets.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+    logprobs = _masked_log_softmax(picked, allowed_tokens, temperature)
+    targets = tokens.gather(1, offsets + 1)
+    chosen = logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return chosen, token_entropy(logprobs) if entropy else None
 
 
 @torch.no_grad()

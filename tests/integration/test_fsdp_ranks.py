@@ -1,9 +1,10 @@
 """The `fsdp` engine on CPU, its ranks real processes started by the trainer's own rank launcher: 2 ranks
 (gloo) train as one `hf` process, stream their weights, checkpoint 2 -> 1 with DCP and export a Hugging
-Face model, with and without a LoRA adapter."""
+Face model, with and without a LoRA adapter; on multi-turn episodes, they give one process's loss."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from rolectl.roles.engines.hf import HFTrainEngine
 from rolectl.roles.engines.hf_model import HFModelConfig
 from tests.support import fsdp_ranks
 from tests.support.tiny_llm import built_model, model_section
+from tests.support.trajectories import multi_turn_episodes
 
 # fp32 sums in another order (two ranks' shards, micro-batches of 1 against 4) round gradients
 # differently, and AdamW divides by sqrt(v): where a gradient is near zero its rounding is not small
@@ -214,3 +216,45 @@ def test_the_lora_export_is_a_peft_adapter_and_a_merged_model(workdir, lora_rank
     assert float((with_adapter - expected).abs().max()) <= 1e-5
     assert float((merged_logits - expected).abs().max()) <= 1e-4
     assert not any("lora_" in n for n in merged.state_dict())
+
+
+# -- multi-turn episodes: the loss over the tokens the policy sampled ---------------------------------
+
+@pytest.fixture(scope="module")
+def masked_ranks(workdir) -> list[dict]:
+    vocab_size = json.loads((workdir / "model" / "config.json").read_text())["vocab_size"]
+    words = range(4, vocab_size)
+    batches = [multi_turn_episodes(sampled=words, observed=words, groups=3, group_size=3, seed=seed,
+                                   id_prefix=f"m{seed}") for seed in (0, 1)]
+    (workdir / "masked.json").write_text(json.dumps([[dataclasses.asdict(e) for e in b] for b in batches]))
+    return fsdp_ranks.run_ranks("masked", workdir, 2)
+
+
+def _hf_masked_run(workdir, algorithm: dict, **model) -> list[dict]:
+    settings = {**model_section(workdir / "model"), "group_size": 3, "minibatches": 2, "micro_batch_size": 4, **model}
+    settings.pop("engine")
+    engine = HFTrainEngine(HFModelConfig.model_validate(settings), AlgorithmConfig(**algorithm),
+                           model_path=workdir / "model")
+    return [engine.train_step(batch, current_version=step)
+            for step, batch in enumerate(fsdp_ranks.load_batches(workdir, "masked.json"))]
+
+
+@pytest.mark.parametrize("run", ["full", "lora"])
+def test_two_fsdp_ranks_and_one_hf_process_give_the_same_loss_on_multi_turn_episodes(workdir, masked_ranks, run):
+    """Losses over the masked tokens only, summed over ranks (seq-mean-token-mean counts sequences
+    across them): the same as one process's up to fp32 reduction order. The second step's loss is
+    taken after the first update, so it checks the update too, without comparing weights that
+    Adam's first steps move by ±lr wherever a gradient rounds to another sign."""
+    expected = _hf_masked_run(workdir, fsdp_ranks.MASKED_ALGORITHM if run == "full" else fsdp_ranks.ALGORITHM,
+                              **({"lora": fsdp_ranks.LORA} if run == "lora" else {}))
+    batches = fsdp_ranks.load_batches(workdir, "masked.json")
+    for rank in masked_ranks:
+        assert rank["world_size"] == 2
+        got = rank[run]
+        assert [m["loss"] for m in got] == pytest.approx([m["loss"] for m in expected], rel=1e-4, abs=1e-6)
+        assert [m["grad_norm"] for m in got] == pytest.approx([m["grad_norm"] for m in expected], rel=1e-4)
+        for metrics, batch in zip(got, batches):
+            assert metrics["trained_tokens"] == sum(sum(e.mask()) for e in batch)
+            assert metrics["masked_tokens"] == sum(e.mask().count(0) for e in batch) > 0
+            assert metrics["updates_skipped_nonfinite"] == 0 and metrics["entropy"] > 0 and metrics["kl_loss"] >= 0
+        assert got[1]["kl_loss"] > 0  # the update moved the policy off its anchor
