@@ -287,7 +287,7 @@ def test_the_agent_section_builds_environments_with_its_tools_resolved_once():
     make = ToolEnvironment.for_agent(section)
     first, second = make(), make()
     assert first is not second and first.by_name == second.by_name
-    assert first.tool_timeout_s == 3.0 and first.call_reward == 0.5
+    assert first.tool_timeout_s == 3.0 and first.call_reward == {"ok": 0.5}
     first.reset(task())
     assert first.step("<tool_call> calculator 2 + 3").observation[0].content == "5"
     with pytest.raises(ValueError, match="unknown tool 'abacus'"):
