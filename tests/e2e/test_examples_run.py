@@ -196,6 +196,8 @@ def test_the_tool_example_plays_episodes_and_counts_its_calls(tmp_path):
     config = shortened("agent_tools.yaml", tmp_path)
     data = yaml.safe_load(config.read_text())
     data["model"]["path"] = str(tmp_path / "model")  # built by the roles on first use, as the example does
+    data["buffer"]["batch_size"] = data["trainer"]["train_batch_tasks"] = 4  # 4 tasks x 4 episodes a step:
+    data["model"]["group_size"] = 4  # the roles' work is the same, on an eighth of the episodes
     config.write_text(yaml.safe_dump(data, sort_keys=False))
     run = run_up(config, tmp_path, timeout=400, extra=("--run-dir", str(tmp_path / "runs")))
     s = run.summary
