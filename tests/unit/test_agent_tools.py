@@ -102,6 +102,18 @@ def test_compact_calls_are_one_name_then_the_argument_text(text, call):
     assert compact_calls("82") == []
 
 
+def test_tools_and_parsers_resolve_from_a_file_as_rewards_do(tmp_path):
+    code = tmp_path / "my_tools.py"
+    code.write_text('def double(x: int) -> int:\n    """Twice x.\n\n    Args:\n        x: A number.\n    """\n'
+                    '    return 2 * x\n\n\nLIMIT = 3\n\n\ndef no_calls(text):\n    return []\n')
+    assert list(resolve_tools([f"{code}:double"])) == ["double"]
+    assert resolve_parser(f"{code}:no_calls")("<tool_call> double 2") == []
+    with pytest.raises(ValueError, match=f"tool '{code}:LIMIT': int 3 is not a function"):
+        resolve_tools([f"{code}:LIMIT"])
+    with pytest.raises(ValueError, match="tool-call parser .*: no such file"):
+        resolve_parser(f"{tmp_path / 'missing.py'}:no_calls")
+
+
 def test_a_parser_is_named_or_imported_and_a_bad_name_says_what_exists():
     assert resolve_parser("hermes") is hermes_calls
     assert resolve_parser("rolectl.roles.engines.agent.tool_calls:compact_calls") is compact_calls

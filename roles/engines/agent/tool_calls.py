@@ -18,12 +18,13 @@ call: the environment answers it with what is wrong, and counts it as malformed.
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from ..user_code import resolve_object
 
 __all__ = ["ToolError", "ToolTimeout", "ToolCall", "ToolCallParser", "hermes_calls", "compact_calls",
            "resolve_parser", "PARSERS", "CALL_OPEN", "CALL_CLOSE"]
@@ -107,17 +108,9 @@ PARSERS: dict[str, ToolCallParser] = {"hermes": hermes_calls, "compact": compact
 
 
 def resolve_parser(name: str) -> ToolCallParser:
-    """A built-in parser by name, or `module:function`; ValueError says what is wrong."""
-    if name in PARSERS:
-        return PARSERS[name]
-    module_name, sep, attr = name.partition(":")
-    if not sep:
-        raise ValueError(f"unknown tool-call parser {name!r}; built-ins: {sorted(PARSERS)}, or your own as "
-                         "'module:function'")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr, None)
-    except ImportError as exc:
-        raise ValueError(f"tool-call parser {name!r}: cannot import {module_name!r} ({exc})") from None
+    """A built-in parser by name, `module:function` or `path/to/file.py:function`; ValueError says
+    what is wrong."""
+    fn = resolve_object(name, what="tool-call parser", builtins=PARSERS)
     if not callable(fn):
-        raise ValueError(f"tool-call parser {name!r}: {module_name!r} has no function {attr!r}")
+        raise ValueError(f"tool-call parser {name!r}: {type(fn).__name__} {fn!r} is not a function")
     return fn

@@ -28,7 +28,6 @@ An episode earns the best credit among its calls, once (as step rewards: what a 
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import threading
@@ -39,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import pydantic
 
+from ..user_code import resolve_object
 from .calculator import calculator
 from .environment import Message, StepResult
 from .tool_calls import ToolCall, ToolError, ToolTimeout, resolve_parser
@@ -128,17 +128,9 @@ def _resolve(spec: str | Callable[..., Any], options: Mapping[str, Any], tool_ti
         return tool_from_function(spec)
     if spec in BUILTIN_TOOLS:
         return tool_from_function(BUILTIN_TOOLS[spec](options, tool_timeout_s), name=spec)
-    module_name, sep, attr = spec.partition(":")
-    if not sep:
-        raise ValueError(f"unknown tool {spec!r}; built-ins: {sorted(BUILTIN_TOOLS)}, or your own function as "
-                         "'module:function'")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr, None)
-    except ImportError as exc:
-        raise ValueError(f"tool {spec!r}: cannot import module {module_name!r} ({exc}); is it on the "
-                         "PYTHONPATH of every explorer?") from None
+    fn = resolve_object(spec, what="tool", builtins=BUILTIN_TOOLS)
     if not callable(fn):
-        raise ValueError(f"tool {spec!r}: module {module_name!r} has no function {attr!r}")
+        raise ValueError(f"tool {spec!r}: {type(fn).__name__} {fn!r} is not a function")
     return tool_from_function(fn)
 
 
