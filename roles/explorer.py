@@ -123,7 +123,7 @@ class Explorer:
         explore that nothing will ever train."""
         if not view.all_finished(Role.TRAINER):
             return False
-        trainer = view.state.trainer_state
+        trainer = view.trainer
         left = self.cfg.explorers.total_steps - self.explore_step
         if self.cfg.explorers.stop_with_trainer or left <= 0:
             self.finished = True
@@ -250,8 +250,8 @@ class Explorer:
     def _who_is_missing(self) -> str:
         """For a long sync wait: is there a trainer, a synchronizer, and where is the trainer."""
         view = self.s.view
-        trainer = view.state.trainer_state
-        syncs = [m for m in view.state.members.values() if m.ref.role is Role.SYNCHRONIZER and m.alive]
+        trainer = view.trainer
+        syncs = view.synchronizers_alive()
         if trainer is None:
             said = "no trainer has joined the job yet (is `rolectl start trainer` running?)"
         elif not trainer.alive:
@@ -262,7 +262,7 @@ class Explorer:
         return said + ("" if syncs else "; no synchronizer is running (`rolectl start sync`)")
 
     def _trainer_waiting(self) -> bool:
-        return any(r.opened_by.role is Role.TRAINER for r in self.s.view.state.rounds.values())
+        return self.s.view.trainer_waiting()
 
     def _trainer_gone_for_good(self, view) -> str | None:
         """Why we stop waiting for the trainer, once it has been away (not finished) longer than
@@ -296,7 +296,8 @@ class Explorer:
         def about_me(d):
             if isinstance(d, MemberReleased) and d.released == me:
                 return d
-            if isinstance(d, RendezvousReady) and d.assignment_of(me) is not None:
+            # one this view could not bind to its group is ours too: its sync fails, saying why
+            if isinstance(d, RendezvousReady) and (not d.is_bound or d.assignment_of(me) is not None):
                 return d
             return None
 
@@ -362,6 +363,12 @@ class Explorer:
 
     async def _receive_rendezvous(self, ready: RendezvousReady) -> None:
         started = time.monotonic()
+        if not ready.is_bound:  # its group's record could not be read (see roles.member_view)
+            reason = (f"the rank assignments of group {ready.epoch} could not be read (no group record "
+                      "from the synchronizer)")
+            self.log.warning("receive_failed", round=ready.round, epoch=ready.epoch, error=reason)
+            await self.s.publish(SyncFailed(member=self.s.me, version=self.version, reason=reason, round=ready.round))
+            return
         try:
             nbytes = await self.transport.receive(
                 ready, self.s.me, self.engine.weight_buffers(),
@@ -382,7 +389,7 @@ class Explorer:
         fetched = self.version
         while True:
             latest = await self.s.view.wait_for(
-                lambda v, fetched=fetched: v.state.latest if v.state.latest.version > fetched else None,
+                lambda v, fetched=fetched: v.latest if v.latest.version > fetched else None,
                 timeout=None, what="a newer version",
             )
             ref = WeightsRef(version=latest.version, location=latest.location, nbytes=latest.nbytes,

@@ -43,7 +43,7 @@ from rolectl.roles.provision import provision_job
 from rolectl.roles.runner import EXIT_ERROR, EXIT_INCOMPLETE, EXIT_INTERRUPTED
 from rolectl.roles.stopping import stop_task
 
-__all__ = ["run_up", "supervise", "summarize", "write_config", "LocalLauncher", "RoleProcess"]
+__all__ = ["run_up", "supervise", "summarize", "write_config", "auth_mismatch", "LocalLauncher", "RoleProcess"]
 
 console = Console(stderr=True)
 
@@ -142,7 +142,7 @@ def run_up(cfg: JobConfig, *, explorers: int | None = None, summary_path: str | 
         if note:
             console.print(f"[yellow]--explorers {explorers}:[/] {note}", highlight=False)
     if auth is not None:
-        problem = _auth_mismatch(cfg, auth)
+        problem = auth_mismatch(cfg, auth)
         if problem:
             console.print(f"[red]rolectl up --auth-dir {auth.path}:[/] {problem}", highlight=False)
             return ExitCode.USAGE
@@ -487,7 +487,7 @@ def why_it_stopped(log_tail: str) -> str | None:
     return None
 
 
-def _auth_mismatch(cfg: JobConfig, auth: AuthDir) -> str | None:
+def auth_mismatch(cfg: JobConfig, auth: AuthDir) -> str | None:
     """Why the identities in `auth` cannot run `cfg`, or None."""
     if cfg.job != auth.job:
         return (f"its identities are for job {auth.job!r} but the config's job is {cfg.job!r}: "
