@@ -117,6 +117,8 @@ class EngineSections:
     """`transport.wire_dtype`: the dtype rollout engines hold and serve (they receive it)."""
     agent: AgentSection | None = None
     """`agent:`: explorers play multi-turn episodes; trainers take trajectories of its token budget."""
+    serve_trajectory_tokens: int | None = None
+    """Serve mode's `serve.max_trajectory_tokens` (0: the model's context length); None: not serving."""
 
     @classmethod
     def of(cls, job: Any) -> EngineSections:
@@ -128,9 +130,11 @@ class EngineSections:
         data, algorithm = job.data, job.algorithm
         if model.engine in READS_DATA:
             data, algorithm = _typed(DataSection, data, "data"), _typed(AlgorithmSection, algorithm, "algorithm")
+        serve = job.serve
         return cls(model=model, data=data, algorithm=algorithm, explorer_count=job.explorers.count,
                    tensor_parallel_size=job.explorers.tensor_parallel_size, wire_dtype=job.transport.wire_dtype,
-                   agent=job.agent)
+                   agent=job.agent,
+                   serve_trajectory_tokens=(serve.max_trajectory_tokens or 0) if serve.enabled else None)
 
 
 def _model_section(value: Any) -> AnyModelSection:
@@ -408,7 +412,22 @@ def _built(job: Any, role: str) -> tuple[EngineSections, EngineSpec]:
 def make_train_engine(job: Any) -> TrainEngine:
     """The trainer's engine for a `JobConfig` (or a `model:` section alone)."""
     sections, spec = _built(job, "trainer")
-    return spec.train(sections)
+    return _sized_for_serving(spec.train(sections), sections)
+
+
+def _sized_for_serving(engine: TrainEngine, sections: EngineSections) -> TrainEngine:
+    """A serving job's sessions are trajectories up to `serve.max_trajectory_tokens` (by default the
+    model's context length): its trainer takes responses that long."""
+    if sections.serve_trajectory_tokens is None:
+        return engine
+    from .hf_model import context_length
+
+    config = getattr(getattr(engine, "model", None), "config", None)
+    budget = sections.serve_trajectory_tokens or (context_length(config) if config is not None else 0)
+    limits = engine.experience_limits
+    if budget > limits.max_response_length:
+        engine.experience_limits = dataclasses.replace(limits, max_response_length=budget)
+    return engine
 
 
 def make_rollout_engine(job: Any, member: str) -> RolloutEngine:

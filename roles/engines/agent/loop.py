@@ -180,6 +180,11 @@ class AgentLoop:
                  rewards: Sequence[WeightedReward] = ()) -> None:
         self.section = section
         self.environment = resolve_environment(section.environment)
+        # a class may say how it is built from the whole section (the tool environment: its tools,
+        # resolved once); else one instance per episode from `args`
+        for_agent = getattr(self.environment, "for_agent", None)
+        self.new_environment: Callable[[], Any] = for_agent(section) if callable(for_agent) else \
+            (lambda: self.environment(**section.args))
         self.generator = generator
         self.renderer = renderer
         self.group_size = group_size
@@ -219,7 +224,7 @@ class AgentLoop:
 
     def _reset(self, episodes: list[_Episode]) -> None:
         def start(episode: _Episode) -> tuple[Any, Any]:
-            env = self.environment(**self.section.args)
+            env = self.new_environment()
             return env, env.reset(episode.task)
 
         outcomes = self._calls.run([lambda e=e: start(e) for e in episodes], self.section.step_timeout_s)
