@@ -5,8 +5,13 @@ the model to reverse a task from examples/data/reverse_digits.jsonl ("reverse 6 
 if the answer is not exact it
 asks once more (the conversation so far, then the task again), and it reports the mean of its
 answers' scores (the fraction of digits in place) as the session's reward to `POST /v1/rewards`. The served
-explorer turns rewarded sessions into experiences, the trainer learns from them, and the explorer
-serves the newer weights: the agent's reward rises while it runs.
+explorer turns each rewarded session into one trajectory (the answers trained on, the user's messages
+between them not), the trainer learns from them, and the explorer serves the newer weights: the
+agent's reward rises while it runs.
+
+The multi-turn variant, `--min-turns 2 --turn-rewards`: every session has at least two calls (the
+model answers, is asked again with its answer in the conversation, and answers again), and each
+answer's score is sent as its turn's reward (`done: false`, the last one `done: true`).
 
 It uses only the official `openai` client. It runs until the endpoint stops serving (the job's
 trainer finished: 503, or the server is gone), or for `--episodes`. Run by the explorer from
@@ -42,22 +47,33 @@ def score(response: str, answer: str) -> float:
     return sum(g == w for g, w in zip(got, want)) / max(len(got), len(want), 1)
 
 
-async def episode(client: openai.AsyncOpenAI, model: str, task: dict, turns: int) -> tuple[float, int]:
-    """One session: ask, retry while wrong (up to `turns` calls), reward the last answer."""
+async def episode(client: openai.AsyncOpenAI, model: str, task: dict, turns: int, *, min_turns: int = 1,
+                  turn_rewards: bool = False) -> tuple[float, int]:
+    """One session: ask, ask again (the conversation so far, then the task again) while wrong or
+    fewer than `min_turns` calls were made, up to `turns` calls; reward the session.
+
+    The served explorer trains the session as one trajectory: the first prompt, then each answer
+    (trained on) and the user's next message (context). Its reward: the mean of the answers' scores,
+    or with `turn_rewards` each answer's score sent as that turn's reward (`done: false`) and the
+    session's reward their sum (or discounted sum, as the job's `serve.reward` says)."""
     session = uuid.uuid4().hex
     messages = [{"role": "user", "content": task["prompt"]}]
     scores: list[float] = []
-    for _ in range(turns):
+    for turn in range(turns):
         reply = await client.chat.completions.create(model=model, messages=messages,
                                                      extra_body={"session_id": session})
         text = reply.choices[0].message.content or ""
         scores.append(score(text, task["answer"]))
-        if scores[-1] == 1.0:
+        last = turn + 1 == turns or (scores[-1] == 1.0 and turn + 1 >= min_turns)
+        if turn_rewards:
+            await client.post("/rewards", body={"id": reply.id, "reward": scores[-1], "done": last}, cast_to=object)
+        if last:
             break
         messages += [{"role": "assistant", "content": text}, {"role": "user", "content": task["prompt"]}]
     # credit for every attempt: a first answer that is partly right is worth more than one that is not
     reward = statistics.fmean(scores)
-    await client.post("/rewards", body={"session": session, "reward": reward}, cast_to=object)
+    if not turn_rewards:
+        await client.post("/rewards", body={"session": session, "reward": reward}, cast_to=object)
     return reward, len(scores)
 
 
@@ -67,6 +83,11 @@ async def main() -> int:
                         help="the served model id (default: $ROLECTL_SERVE_MODEL, which the explorer sets)")
     parser.add_argument("--data", default=str(DATA), help="tasks, one JSON object per line (prompt, answer)")
     parser.add_argument("--turns", type=int, default=2, help="calls per session at most")
+    parser.add_argument("--min-turns", type=int, default=1,
+                        help="calls per session at least, right answer or not (the multi-turn variant: 2)")
+    parser.add_argument("--turn-rewards", action="store_true",
+                        help="send each answer's score as its turn's reward; the session's reward is their sum "
+                             "(or discounted sum: serve.reward) instead of their mean")
     parser.add_argument("--attempts", type=int, default=4,
                         help="sessions per task, run side by side (the served explorer groups the turns of "
                              "sessions that began with the same prompt: set it to model.group_size)")
@@ -91,7 +112,8 @@ async def main() -> int:
             started += args.attempts
             task = rng.choice(tasks)
             try:
-                done = await asyncio.gather(*(episode(client, args.model, task, args.turns)
+                done = await asyncio.gather(*(episode(client, args.model, task, args.turns,
+                                                      min_turns=args.min_turns, turn_rewards=args.turn_rewards)
                                               for _ in range(args.attempts)))
             except openai.APIStatusError as exc:
                 if exc.status_code == 503:

@@ -228,6 +228,16 @@ class ServeConfig(Section):
     reward_timeout_s: Seconds = 300.0
     """How long a completion waits for its reward; after that it expires, is counted and is never
     trained on."""
+    max_trajectory_tokens: PositiveInt | None = None
+    """A session's trajectory (its calls as one token sequence, docs/serve.md): tokens after the first
+    call's prompt at most; a call that would pass it starts a new trajectory of the session (counted
+    `trajectory_splits_budget`). The trainer takes responses this long. Default: the model's context
+    length, which bounds a session anyway (each call's prompt and response fit it)."""
+    reward: Literal["sum", "discounted"] = "sum"
+    """A session's reward from per-turn rewards (`POST /v1/rewards` with `done: false`) and the final
+    one: their sum, or their sum discounted by `discount` per turn."""
+    discount: Annotated[float, Strict(), Field(gt=0, le=1, allow_inf_nan=False)] = 1.0
+    """`reward: discounted`: turn t's reward counts `discount ** t` (t = 0 for the session's first call)."""
     agent: tuple[Annotated[str, Strict()], ...] | None = None
     """A command explorer-0 runs once it listens (an agent application), with `OPENAI_BASE_URL`,
     `OPENAI_API_KEY` and `ROLECTL_SERVE_MODEL` set; its output goes to the explorer's log. The

@@ -117,6 +117,8 @@ class EngineSections:
     """`transport.wire_dtype`: the dtype rollout engines hold and serve (they receive it)."""
     agent: AgentSection | None = None
     """`agent:`: explorers play multi-turn episodes; trainers take trajectories of its token budget."""
+    serve_trajectory_tokens: int | None = None
+    """Serve mode's `serve.max_trajectory_tokens` (0: the model's context length); None: not serving."""
 
     @classmethod
     def of(cls, job: Any) -> EngineSections:
@@ -128,9 +130,11 @@ class EngineSections:
         data, algorithm = job.data, job.algorithm
         if model.engine in READS_DATA:
             data, algorithm = _typed(DataSection, data, "data"), _typed(AlgorithmSection, algorithm, "algorithm")
+        serve = job.serve
         return cls(model=model, data=data, algorithm=algorithm, explorer_count=job.explorers.count,
                    tensor_parallel_size=job.explorers.tensor_parallel_size, wire_dtype=job.transport.wire_dtype,
-                   agent=job.agent)
+                   agent=job.agent,
+                   serve_trajectory_tokens=(serve.max_trajectory_tokens or 0) if serve.enabled else None)
 
 
 def _model_section(value: Any) -> AnyModelSection:
@@ -180,7 +184,7 @@ def _tiny_problems(sections: EngineSections) -> list[tuple[str, str]]:
 def _tiny_train(sections: EngineSections) -> TinyTrainEngine:
     from .tiny import TinyTrainEngine
 
-    return TinyTrainEngine(sections.model)
+    return TinyTrainEngine(sections.model, agent=sections.agent)
 
 
 def _tiny_rollout(sections: EngineSections, member: str) -> TinyRolloutEngine:
@@ -189,7 +193,8 @@ def _tiny_rollout(sections: EngineSections, member: str) -> TinyRolloutEngine:
     from .tiny import TinyRolloutEngine
 
     config = sections.model
-    engine = TinyRolloutEngine(config, member=member, sampling_seed=zlib.crc32(f"{config.seed}/{member}".encode()))
+    engine = TinyRolloutEngine(config, member=member, sampling_seed=zlib.crc32(f"{config.seed}/{member}".encode()),
+                               agent=sections.agent)
     if sections.wire_dtype is not None:  # it receives and samples with the wire dtype
         import torch
 
@@ -263,7 +268,8 @@ def _hf_train(sections: EngineSections) -> TrainEngine:
     from .hf import HFTrainEngine
 
     model, _, path = _hf_parts(sections)
-    return HFTrainEngine(model, sections.algorithm or AlgorithmSection(), model_path=path)
+    return _sized_for_trajectories(HFTrainEngine(model, sections.algorithm or AlgorithmSection(), model_path=path),
+                                   sections)
 
 
 def _fsdp_train(sections: EngineSections) -> TrainEngine:
@@ -271,7 +277,17 @@ def _fsdp_train(sections: EngineSections) -> TrainEngine:
 
     model, _, path = _hf_parts(sections)
     assert isinstance(model, FSDPModelSection)
-    return FSDPTrainEngine(model, sections.algorithm or AlgorithmSection(), model_path=path)
+    return _sized_for_trajectories(FSDPTrainEngine(model, sections.algorithm or AlgorithmSection(), model_path=path),
+                                   sections)
+
+
+def _sized_for_trajectories(engine: TrainEngine, sections: EngineSections) -> TrainEngine:
+    """An agent's trajectories hold up to its token budget (by default one response's): the trainer
+    takes responses that long."""
+    if sections.agent is not None:
+        budget, _ = sections.agent.budget(sections.model.max_new_tokens)
+        engine.experience_limits = dataclasses.replace(engine.experience_limits, max_response_length=budget)
+    return engine
 
 
 def _rollout_sections(sections: EngineSections) -> EngineSections:
@@ -396,13 +412,34 @@ def _built(job: Any, role: str) -> tuple[EngineSections, EngineSpec]:
 def make_train_engine(job: Any) -> TrainEngine:
     """The trainer's engine for a `JobConfig` (or a `model:` section alone)."""
     sections, spec = _built(job, "trainer")
-    return spec.train(sections)
+    return _sized_for_serving(spec.train(sections), sections)
+
+
+def _sized_for_serving(engine: TrainEngine, sections: EngineSections) -> TrainEngine:
+    """A serving job's sessions are trajectories up to `serve.max_trajectory_tokens` (by default the
+    model's context length): its trainer takes responses that long."""
+    if sections.serve_trajectory_tokens is None:
+        return engine
+    from .hf_model import context_length
+
+    config = getattr(getattr(engine, "model", None), "config", None)
+    budget = sections.serve_trajectory_tokens or (context_length(config) if config is not None else 0)
+    limits = engine.experience_limits
+    if budget > limits.max_response_length:
+        engine.experience_limits = dataclasses.replace(limits, max_response_length=budget)
+    return engine
 
 
 def make_rollout_engine(job: Any, member: str) -> RolloutEngine:
-    """Explorer `member`'s engine for a `JobConfig` (or a `model:` section alone)."""
+    """Explorer `member`'s engine for a `JobConfig` (or a `model:` section alone); with an `agent:`
+    section its rollouts are the agent's episodes (`agent.rollout.AgentRollout`)."""
     sections, spec = _built(job, "explorer")
-    return spec.rollout(sections, member)
+    engine = spec.rollout(sections, member)
+    if sections.agent is None:
+        return engine
+    from .agent.rollout import AgentRollout
+
+    return AgentRollout(engine, sections.agent)
 
 
 def make_taskset(job: Any, *, seed: int, total_batches: int | None = None, batch_size: int | None = None) -> TaskSet:

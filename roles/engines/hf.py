@@ -25,6 +25,8 @@ from torch import Tensor
 from rolectl.bus.files import atomic_directory, atomic_path
 from rolectl.sync_protocol.experience import Experience, ExperienceLimits, version_runs
 
+from .agent.environment import TurnOutput
+from .agent.render import ChatTemplateRenderer
 from .algorithms import AlgorithmConfig, VerlAlgorithm
 from .base import PausePoint, Task, WeightsMismatch
 from .hf_model import HFModelConfig, flat_weights, load_model, load_tokenizer, parameter_count
@@ -292,6 +294,8 @@ class HFRolloutEngine:
         self.group_size = config.group_size
         self.num_parameters = parameter_count(self.model)
         self.rollout_metrics: dict[str, float] = {}
+        self.response_bound = config.max_new_tokens  # an agent's default token budget
+        self.sampling_seed = config.seed
         self.version = 0
 
     def weight_buffers(self) -> dict[str, Tensor]:
@@ -367,6 +371,45 @@ class HFRolloutEngine:
         scores = torch.stack([torch.log_softmax(s.float(), dim=-1) for s in out.scores], dim=1)
         picked = scores.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
         return new_tokens.tolist(), picked.tolist()
+
+    @torch.no_grad()
+    def generate_turns(self, sequences: Sequence[Sequence[int]], *, max_tokens: Sequence[int],
+                       seeds: Sequence[int]) -> list[TurnOutput]:
+        """One model turn per sequence (the agent loop's `TurnGenerator`): one `generate` over the batch,
+        left-padded, sampling from a seed drawn from all of `seeds` (a replayed batch samples the
+        same turns); each row cut at its own limit or its end-of-turn token."""
+        if not sequences:
+            return []
+        device = self.config.device
+        width = max(len(s) for s in sequences)
+        input_ids = torch.full((len(sequences), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(sequences), width), dtype=torch.long)
+        for row, sequence in enumerate(sequences):
+            input_ids[row, width - len(sequence):] = torch.tensor(list(sequence), dtype=torch.long)
+            attention[row, width - len(sequence):] = 1
+        devices = [torch.device(device)] if device.startswith("cuda") else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(zlib.crc32(",".join(map(str, seeds)).encode()))
+            out = self.model.generate(
+                input_ids=input_ids.to(device), attention_mask=attention.to(device), do_sample=True,
+                temperature=self.config.temperature, top_k=0, top_p=1.0, max_new_tokens=max(max_tokens),
+                pad_token_id=self.pad_id, eos_token_id=self.eos_id, output_scores=True, return_dict_in_generate=True)
+        new_tokens = out.sequences[:, width:]
+        # the processed scores are what was sampled from (temperature applied), as in `_sample`
+        logprobs = torch.stack([torch.log_softmax(s.float(), dim=-1) for s in out.scores], dim=1)
+        picked = logprobs.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        turns = []
+        for row, limit in enumerate(max_tokens):
+            ids = new_tokens[row, :limit].tolist()
+            finished = self.eos_id in ids
+            n = ids.index(self.eos_id) + 1 if finished else len(ids)
+            turns.append(TurnOutput(tokens=tuple(ids[:n]), logprobs=tuple(picked[row, :n].tolist()),
+                                    version=self.version, finished=finished))
+        return turns
+
+    def agent_renderer(self) -> ChatTemplateRenderer:
+        """An agent's episodes rendered with the model's chat template."""
+        return ChatTemplateRenderer(self.tokenizer)
 
     def rollout(self, tasks: Sequence[Task], *, explore_step: int,
                 pause_point: PausePoint | None = None) -> list[Experience]:

@@ -31,6 +31,8 @@ __all__ = [
     "flat_weights",
     "parameter_count",
     "SPECIAL_TOKENS",
+    "CHAT_TEMPLATE",
+    "context_length",
 ]
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>")
@@ -40,16 +42,43 @@ HFModelConfig = HFModelSection  # the `model:` section of the hf engines, as the
 _BUILD_DEFAULTS = HFBuildSection().model_dump()
 
 
-def _word_vocab(data: DataSection | None) -> list[str]:
+# `model.build.chat_template`: every word a token of the word-level vocabulary, the assistant's turn
+# ended by <eos> (where generation stops), a tool call in the compact syntax (`tool_calls.compact_calls`):
+# few tokens for a small random-init model to learn. `tools` are shown by name only (a schema's words
+# would be <unk>).
+CHAT_TEMPLATE = (
+    "{%- if tools %}<tools> {% for tool in tools %}"
+    "{{ tool.function.name if tool.function is defined else tool.name }} {% endfor %}</tools> {% endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' %}<assistant> "
+    "{%- if message.content %} {{ message.content }}{% endif %}"
+    "{%- for call in message.tool_calls or [] %}{% set call = call.function if call.function is defined else call %}"
+    " <tool_call> {{ call.name }} "
+    "{%- set arguments = call.arguments %}"
+    "{%- if arguments is string %} {{ arguments }}"
+    "{%- elif arguments | length == 1 %} {{ arguments.values() | first }}"
+    "{%- elif arguments %} {{ arguments | tojson }}{% endif %}"
+    "{%- endfor %} {{ eos_token }} "
+    "{%- else %}<{{ message.role }}> {{ message.content }} {% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<assistant> {% endif %}"
+)
+TEMPLATE_WORDS = ("<tools>", "</tools>", "<system>", "<user>", "<assistant>", "<tool>", "<tool_call>", "</tool_call>")
+
+
+def _word_vocab(data: DataSection | None, *, chat_template: bool) -> list[str]:
     if data is None:
         raise ValueError("model.build makes a word-level tokenizer from the words of the data rows; give `data:`")
+    from .agent.tools import BUILTIN_TOOLS
     from .data import load_rows
 
     words: set[str] = set()
     for row in load_rows(data):
         words.update(row.prompt.split())
         words.update(row.answer.split())
-    return [*SPECIAL_TOKENS, *sorted(words)]
+    if chat_template:
+        words.update((*TEMPLATE_WORDS, *BUILTIN_TOOLS))
+    return [*SPECIAL_TOKENS, *sorted(words - set(SPECIAL_TOKENS))]
 
 
 def _build(config: HFModelConfig, data: DataSection | None, out: Path) -> None:
@@ -58,12 +87,14 @@ def _build(config: HFModelConfig, data: DataSection | None, out: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     spec = config.build.model_dump() if config.build is not None else _BUILD_DEFAULTS
-    vocab = _word_vocab(data)
+    vocab = _word_vocab(data, chat_template=spec["chat_template"])
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
     tokenizer = transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<unk>")
+    if spec["chat_template"]:
+        tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(out)
     ids = dict(vocab_size=len(vocab), tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=2)
     if spec["family"] == "gpt2":
@@ -95,7 +126,7 @@ def ensure_model(config: HFModelConfig, *, data: DataSection | None = None, data
     path = Path(config.path)
     marker = path / _BUILD_MARKER
     if config.build is not None and marker.is_file():
-        built = json.loads(marker.read_text())["build"]
+        built = {**_BUILD_DEFAULTS, **json.loads(marker.read_text())["build"]}  # a field added since: its default
         if built != config.build.model_dump():
             raise ValueError(f"model.path {path} holds a model built with {built}, not model.build "
                              f"{config.build.model_dump(exclude_defaults=True)}; delete {path} "
@@ -139,6 +170,15 @@ def load_model(config: HFModelConfig, path: Path):
     model = transformers.AutoModelForCausalLM.from_pretrained(
         path, local_files_only=True, dtype=config.torch_dtype)
     return model.to(config.device)
+
+
+def context_length(hf_config) -> int:
+    """The longest sequence a Hugging Face model takes (its positions; GPT-2 calls them `n_positions`)."""
+    for name in ("max_position_embeddings", "n_positions"):
+        value = getattr(hf_config, name, None)
+        if value:
+            return int(value)
+    return 1 << 30
 
 
 def flat_weights(model: torch.nn.Module, *, keep_vars: bool = False) -> dict[str, Tensor]:

@@ -150,6 +150,11 @@ class HFBuildSection(Section):
     """Seed of the random weights."""
     max_position_embeddings: PositiveInt = 128
     """Longest sequence."""
+    chat_template: StrictBool = False
+    """Give the tokenizer a small chat template (system, user, assistant and tool messages, the tools
+    list, and tool calls in the `compact` syntax: `<tool_call> calculator 37 + 45`), its words and the
+    built-in tools' names in the vocabulary: what a multi-turn or tool-calling job on a built model
+    needs (docs/tools.md). Off: no template, prompts are the data's text as it stands."""
 
     @model_validator(mode="after")
     def _gpt2_heads_fill_width(self) -> HFBuildSection:

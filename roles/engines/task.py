@@ -4,7 +4,8 @@ Token layout (vocabulary of 14): digits 0-9 are their own ids, then BOS, SEP, EO
 A prompt is `BOS d1 .. dL SEP`; the expected response is `dL .. d1 EOS`.
 
 A job with an `agent:` section plays multi-turn episodes over a vocabulary of 15: the same and
-QUERY, a token the model may sample to ask its environment (`roles.engines.agent.render.TinyRenderer`).
+QUERY, a token the model may sample to ask its environment, which ends its turn as EOS does (the
+environment answers; `roles.engines.agent.render.TinyRenderer`).
 """
 
 from __future__ import annotations

@@ -1,15 +1,18 @@
 """The pure-PyTorch reference engines: a tiny transformer that learns to reverse digits with GRPO on CPU.
 
 `TinyTrainEngine` and `TinyRolloutEngine` build the same version-0 policy from `TinyConfig.seed`, so a
-trainer and its explorers agree on the base weights without transferring them.
+trainer and its explorers agree on the base weights without transferring them. A job with an `agent:`
+section plays multi-turn episodes (`TinyRolloutEngine.generate_turns`) over the agent vocabulary, and
+both sides size the policy for its trajectories (`tiny_layout`).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -18,33 +21,75 @@ from torch import Tensor
 from rolectl.bus.files import atomic_path
 from rolectl.sync_protocol.experience import Experience, ExperienceLimits, version_runs
 
+from .agent.environment import TurnOutput
 from .base import PausePoint, Task, WeightsMismatch
 from .grpo import ClippedPolicyLoss, token_group_advantages
 from .losses import LossFunction, TokenScores, TrainBatch, experience_batch
-from .model import TinyPolicy, build_base_policy, sample_responses, scored_tokens
+from .model import TinyPolicy, build_base_policy, sample_responses, sample_turns, scored_tokens
 from .sections import TinyModelSection
 from .step import TrainStep, step_metrics
 from .streaming import DEFAULT_BUCKET_BYTES, NamedTensors, buckets_of
-from .task import EOS, RESPONSE_TOKENS, VOCAB_SIZE, ReverseDigitsTaskSet, score_response
+from .task import (
+    AGENT_RESPONSE_TOKENS,
+    AGENT_VOCAB_SIZE,
+    EOS,
+    PAD,
+    QUERY,
+    RESPONSE_TOKENS,
+    VOCAB_SIZE,
+    ReverseDigitsTaskSet,
+    score_response,
+)
+
+if TYPE_CHECKING:
+    from .agent.config import AgentSection
+    from .agent.render import TinyRenderer
 
 __all__ = [
     "TinyConfig",
+    "TinyLayout",
     "TinyTrainEngine",
     "TinyRolloutEngine",
     "build_policy",
     "build_task_set",
+    "tiny_layout",
 ]
 
 
 TinyConfig = TinyModelSection  # the `model:` section of `engine: tiny`, as the engines use it
 
 
-def build_policy(config: TinyConfig) -> TinyPolicy:
+@dataclass(frozen=True, slots=True)
+class TinyLayout:
+    """What the policy is sized for: its vocabulary, the tokens it may sample, the longest response
+    (for an agent: the trajectory's token budget) and the longest turn. An agent's prompts are what
+    its environment says first, rendered (any length up to the task's `prompt_length`)."""
+
+    vocab_size: int
+    response_tokens: tuple[int, ...]
+    max_response_length: int
+    turn_tokens: int
+    stop_tokens: tuple[int, ...] = (EOS,)
+    """Tokens that end a model turn (kept in it): EOS, and in an agent's episodes the query (the
+    model asks, and its environment answers)."""
+
+
+def tiny_layout(config: TinyConfig, agent: AgentSection | None = None) -> TinyLayout:
+    """The single-turn task's layout, or with `agent` the agent vocabulary (its query token) and the
+    section's token budgets (by default one response's)."""
+    if agent is None:
+        return TinyLayout(VOCAB_SIZE, RESPONSE_TOKENS, config.max_response_length, config.max_response_length)
+    budget, turn = agent.budget(config.max_response_length)
+    return TinyLayout(AGENT_VOCAB_SIZE, AGENT_RESPONSE_TOKENS, budget, turn, stop_tokens=(EOS, QUERY))
+
+
+def build_policy(config: TinyConfig, layout: TinyLayout | None = None) -> TinyPolicy:
     """The version-0 policy `config` describes (its seed makes trainer and explorers agree on it)."""
+    layout = layout or tiny_layout(config)
     return build_base_policy(
         seed=config.seed,
-        vocab_size=VOCAB_SIZE,
-        max_seq_len=config.prompt_length + config.max_response_length,
+        vocab_size=layout.vocab_size,
+        max_seq_len=config.prompt_length + layout.max_response_length,
         d_model=config.d_model,
         n_layers=config.n_layers,
         n_heads=config.n_heads,
@@ -59,7 +104,6 @@ def build_task_set(config: TinyConfig, *, seed: int, num_batches: int | None = N
     )
 
 
-_ALLOWED_RESPONSE_TOKENS = torch.tensor(RESPONSE_TOKENS)
 _MODEL_FILE = "model.safetensors"
 _STATE_TENSORS_FILE = "engine_state.safetensors"
 _STATE_JSON_FILE = "engine_state.json"
@@ -70,9 +114,11 @@ class TinyTrainEngine:
     slice of the batch's groups (the one training step, `roles.engines.step`); the weights after it
     are version `step`."""
 
-    def __init__(self, config: TinyConfig) -> None:
+    def __init__(self, config: TinyConfig, agent: AgentSection | None = None) -> None:
         self.config = config
-        self.policy = build_policy(config)
+        self.layout = tiny_layout(config, agent)
+        self.allowed_tokens = torch.tensor(self.layout.response_tokens)
+        self.policy = build_policy(config, self.layout)
         self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=config.lr)
         # Each minibatch in one pass: its whole-minibatch token mean is the clipped loss's own.
         self.update = TrainStep(model=self.policy, optimizer=self.optimizer, forward=self._logprobs,
@@ -81,11 +127,11 @@ class TinyTrainEngine:
         self.loss_fn: LossFunction = ClippedPolicyLoss(clip_eps=config.clip_eps, loss_agg_mode=config.loss_agg_mode)
         self.group_size = config.group_size
         self.experience_limits = ExperienceLimits(
-            vocab_size=VOCAB_SIZE,
-            prompt_length=config.prompt_length,
-            max_response_length=config.max_response_length,
+            vocab_size=self.layout.vocab_size,
+            prompt_length=config.prompt_length if agent is None else None,
+            max_response_length=self.layout.max_response_length,
             group_size=config.group_size,
-            response_tokens=frozenset(RESPONSE_TOKENS),
+            response_tokens=frozenset(self.layout.response_tokens),
         )
         self.step = 0
 
@@ -110,7 +156,7 @@ class TinyTrainEngine:
             sequence = (*batch.prompts[row], *batch.responses[row])
             tokens[index, :len(sequence)] = torch.tensor(sequence, dtype=torch.long)
         logprobs, entropies = scored_tokens(policy, tokens, torch.tensor(starts), width=width,
-                                            allowed_tokens=_ALLOWED_RESPONSE_TOKENS,
+                                            allowed_tokens=self.allowed_tokens,
                                             temperature=self.config.temperature, entropy=entropy)
         return TokenScores(logprobs=logprobs, entropy=entropies)
 
@@ -181,11 +227,15 @@ class TinyRolloutEngine:
     step with the same weights yields the same experiences. Give explorers distinct `sampling_seed`s.
     """
 
-    def __init__(self, config: TinyConfig, *, member: str, sampling_seed: int | None = None) -> None:
+    def __init__(self, config: TinyConfig, *, member: str, sampling_seed: int | None = None,
+                 agent: AgentSection | None = None) -> None:
         self.config = config
         self.member = member
         self.sampling_seed = config.seed if sampling_seed is None else sampling_seed
-        self.policy = build_policy(config).eval().requires_grad_(False)
+        self.layout = tiny_layout(config, agent)
+        self.allowed_tokens = torch.tensor(self.layout.response_tokens)
+        self.response_bound = config.max_response_length  # one response's tokens (an agent's default budget)
+        self.policy = build_policy(config, self.layout).eval().requires_grad_(False)
         self.group_size = config.group_size
         self.rollout_metrics: dict[str, float] = {}  # the task's one reward is the experiences' reward
         self.version = 0
@@ -233,7 +283,7 @@ class TinyRolloutEngine:
             self.policy,
             prompts,
             max_new_tokens=self.config.max_response_length,
-            allowed_tokens=_ALLOWED_RESPONSE_TOKENS,
+            allowed_tokens=self.allowed_tokens,
             eos_token=EOS,
             temperature=self.config.temperature,
             generator=generator,
@@ -259,6 +309,23 @@ class TinyRolloutEngine:
                 )
         return experiences
 
+    def generate_turns(self, sequences: Sequence[Sequence[int]], *, max_tokens: Sequence[int],
+                       seeds: Sequence[int]) -> list[TurnOutput]:
+        """One model turn per sequence (the agent loop's `TurnGenerator`), each sampled from its own seed."""
+        if not sequences:
+            return []
+        turns = sample_turns(self.policy, sequences, max_tokens=max_tokens, seeds=seeds,
+                             allowed_tokens=self.allowed_tokens, stop_tokens=self.layout.stop_tokens, pad_token=PAD,
+                             temperature=self.config.temperature)
+        return [TurnOutput(tokens=tuple(tokens), logprobs=tuple(logprobs), version=self.version, finished=finished)
+                for tokens, logprobs, finished in turns]
+
+    def agent_renderer(self) -> TinyRenderer:
+        """How an agent's episodes are rendered in the tiny vocabulary."""
+        from .agent.render import TinyRenderer
+
+        return TinyRenderer()
+
     def generate(self, tasks: Sequence[Task], *, temperature: float, samples: int, seed: int) -> list[list[str]]:
         """`samples` responses per task as text (digits separated by spaces, up to EOS), for
         evaluation: greedy at temperature 0; nothing is recorded."""
@@ -267,7 +334,7 @@ class TinyRolloutEngine:
         prompts = torch.tensor([task.prompt for task in tasks]).repeat_interleave(samples, dim=0)
         responses, _ = sample_responses(
             self.policy, prompts, max_new_tokens=self.config.max_response_length,
-            allowed_tokens=_ALLOWED_RESPONSE_TOKENS, eos_token=EOS, temperature=temperature,
+            allowed_tokens=self.allowed_tokens, eos_token=EOS, temperature=temperature,
             generator=torch.Generator().manual_seed(seed % 2**63))
         texts = [" ".join(str(t) for t in response if t != EOS) for response in responses]
         return [texts[i * samples:(i + 1) * samples] for i in range(len(tasks))]

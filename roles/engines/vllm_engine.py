@@ -43,6 +43,8 @@ from torch import Tensor
 
 from rolectl.sync_protocol.experience import Experience, version_runs
 
+from .agent.environment import TurnOutput
+from .agent.render import ChatTemplateRenderer
 from .base import PausePoint, Task
 from .hf import check_weights, score_texts, task_seed
 from .hf_model import HFModelConfig, load_model, load_tokenizer, parameter_count
@@ -177,6 +179,8 @@ class VLLMRolloutEngine:
         self.llm = self._thread.submit(LLM, **kwargs).result()
         self.group_size = config.group_size
         self.rollout_metrics: dict[str, float] = {}
+        self.response_bound = config.max_new_tokens  # an agent's default token budget
+        self.sampling_seed = config.seed
         self.version = 0
         self._served: set[str] = set()  # ids of served requests vLLM still runs
 
@@ -288,6 +292,36 @@ class VLLMRolloutEngine:
         return [Experience(id=f"{group}-{k}", group=group, prompt=tuple(prompt), response=tuple(ids),
                            logprobs=tuple(lp), reward=reward, model_version=self.version)
                 for (group, k, prompt, ids, lp), reward in zip(rows, totals)]
+
+    def generate_turns(self, sequences: Sequence[Sequence[int]], *, max_tokens: Sequence[int],
+                       seeds: Sequence[int]) -> list[TurnOutput]:
+        """One model turn per sequence (the agent loop's `TurnGenerator`): one request each, with its own
+        seed and limit, `logprobs=0` (the sampled token's logprob)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if not sequences:
+            return []
+        prompts = [TokensPrompt(prompt_token_ids=list(sequence)) for sequence in sequences]
+        stop = [self.eos_id] if self.eos_id is not None else None
+        params = [SamplingParams(n=1, temperature=self.config.temperature, top_p=1.0, top_k=0, max_tokens=limit,
+                                 logprobs=0, seed=seed, stop_token_ids=stop)
+                  for limit, seed in zip(max_tokens, seeds)]
+        outputs = self._thread.submit(self.llm.generate, prompts, params, use_tqdm=False,
+                                      lora_request=self._lora_request).result()
+        turns = []
+        for output in outputs:
+            completion = output.outputs[0]
+            ids = tuple(completion.token_ids)
+            logprobs = tuple(step[token].logprob for step, token in zip(completion.logprobs or (), ids))
+            # ended by the model's own end-of-turn token (kept in the turn: it was sampled)
+            finished = bool(ids) and ids[-1] == self.eos_id
+            turns.append(TurnOutput(tokens=ids, logprobs=logprobs, version=self.version, finished=finished))
+        return turns
+
+    def agent_renderer(self) -> ChatTemplateRenderer:
+        """An agent's episodes rendered with the model's chat template."""
+        return ChatTemplateRenderer(self.tokenizer)
 
     def _pausable_rollout(self, tasks: Sequence[Task], explore_step: int,
                           pause_point: PausePoint) -> list[Experience]:

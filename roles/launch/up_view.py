@@ -99,13 +99,12 @@ SUMMARY_SHOWN = ("job", "complete", "end_reason", "engines", "trainer_world_size
                  "trainer_steps", "explorer_steps",
                  "syncs", "rounds", "weight_loads", "final_version", "reward_first", "reward_last",
                  "experiences_produced", "experiences_trained", "experiences_dropped_stale",
-                 "experiences_left_untrained", "explorer_pauses", "mismatch_alarms",
-                 "weights_bytes_moved", "weights_bytes_per_sync",
-                 "sync_wait_ms", "wall_s", "run_dir")
+                 "experiences_left_untrained", "explorer_pauses", "mismatch_alarms", "agent",
+                 "weights_bytes_moved", "weights_bytes_per_sync", "sync_wait_ms", "wall_s", "run_dir")
 
 
-# a trainer of ranks; an engine that exports; a LoRA adapter
-_SHOWN_WHEN_SET = ("trainer_world_size", "hf_model_dir", "trainable_parameters")
+# a trainer of ranks; an engine that exports; a LoRA adapter; an agent job
+_SHOWN_WHEN_SET = ("trainer_world_size", "hf_model_dir", "trainable_parameters", "agent")
 # what only a job that paces its explorers (synchronizer.max_ahead) or measures the rollout/trainer
 # gap (algorithm.rollout_correction) counts
 _SHOWN_WHEN_NONZERO = ("explorer_pauses", "mismatch_alarms")

@@ -328,6 +328,7 @@ class Dashboard:
                            # every load with bytes since the start, as the summary's weight_loads
                            "transfers": obs.weight_loads},
             "served": obs.served_view(),  # serve mode's traffic (None when no explorer serves)
+            "agent": obs.agent.summary(),  # an agent job's episodes, turns, tool calls, errors (else None)
             "staleness": {"mean": stale[1] if stale else None, "dropped_total": stale[2] if stale else None,
                           "series": _thin([[s, m, d] for s, m, d in obs.staleness])},
             "pace": pace_view(obs),  # explorers paused for running ahead of the trainer (max_ahead)
@@ -370,6 +371,7 @@ class _Collector:
         yield from _member_metrics(obs, job, _now_ms())
         yield from _sync_metrics(obs, job)
         yield from _trainer_metrics(obs, job)
+        yield from _agent_metrics(obs, job)
         yield from _stream_metrics(obs, job)
         yield from _nats_metrics(self.d.nats, job)
 
@@ -484,6 +486,34 @@ def _mismatch_metrics(obs: JobObserver, job: str):
     alarms = _counter("trainer_mismatch_alarms", "Trainer steps that passed the rollout/trainer gap alarm")
     alarms.add_metric((job,), view["alarms"])
     yield from (alarm, alarms)
+
+
+def _agent_metrics(obs: JobObserver, job: str):
+    """An agent job's episodes, turns, tool calls, environment errors and trained tokens (none else)."""
+    agent = obs.agent.summary()
+    if agent is None:
+        return
+    for name, doc in (("episodes", "Episodes the explorers played"), ("truncated", "Episodes cut at max_turns or "
+                      "the token budget")):
+        c = _counter(f"agent_{name}", doc)
+        c.add_metric((job,), agent[name])
+        yield c
+    turns = _gauge("agent_turns_mean", "Model turns per episode, over the whole job")
+    turns.add_metric((job,), agent["turns_mean"])
+    yield turns
+    calls = _counter("agent_tool_calls", "Tool calls, by tool and outcome", ("tool", "outcome"))
+    for tool, outcomes in agent["tool_calls"].items():
+        for outcome, n in outcomes.items():
+            calls.add_metric((job, tool, outcome), n)
+    yield calls
+    errors = _counter("agent_env_errors", "Episodes an environment cost, by reason", ("reason",))
+    for reason, n in agent["env_errors"].items():
+        errors.add_metric((job, reason), n)
+    yield errors
+    if agent["trained_tokens"] is not None:
+        trained = _counter("trainer_trained_tokens", "Sampled tokens the trainer trained on")
+        trained.add_metric((job,), agent["trained_tokens"])
+        yield trained
 
 
 def _stream_metrics(obs: JobObserver, job: str):

@@ -59,7 +59,7 @@ from rolectl.sync_protocol import (
 from rolectl.sync_protocol.describe import in_words
 from rolectl.sync_protocol.reducer import reduce_lenient
 
-__all__ = ["JobObserver", "StepCounts", "pace_view", "mismatch_view", "MISMATCH_ALARM"]
+__all__ = ["JobObserver", "StepCounts", "AgentCounts", "pace_view", "mismatch_view", "MISMATCH_ALARM"]
 
 
 class StepCounts:
@@ -95,6 +95,56 @@ class StepCounts:
     def size(self) -> int:
         """How many step figures are remembered (for the bound's test)."""
         return sum(len(r) for r in self._recent.values())
+
+
+class AgentCounts:
+    """An agent job's figures, totalled like `StepCounts` (a step reported twice counts once): the
+    explorers' `agent/*` step metrics (episodes, turns, truncated, `tool_calls/<tool>/<outcome>`,
+    `env_errors/<reason>`, and any other count an environment reports) and the trainer's
+    `trained_tokens` / `masked_tokens`. Bounded: one total per metric name, names set by the job."""
+
+    _TRAINER = ("trained_tokens", "masked_tokens")
+
+    def __init__(self) -> None:
+        self.totals: dict[str, StepCounts] = {}
+
+    def add(self, event: StepFinished) -> None:
+        if event.member.role is Role.EXPLORER:
+            keys = [k for k in event.metrics if k.startswith("agent/") and k != "agent/turns_mean"]
+        elif event.member.role is Role.TRAINER:
+            keys = [k for k in self._TRAINER if k in event.metrics]
+        else:
+            return
+        for key in keys:
+            self.totals.setdefault(key, StepCounts()).add(event.member.id, event.step, round(event.metrics[key]))
+
+    def total(self, key: str) -> int | None:
+        return self.totals[key].total if key in self.totals else None
+
+    def summary(self) -> dict[str, Any] | None:
+        """The `agent` block of the run summary (None for a job that played no episode)."""
+        episodes = self.total("agent/episodes")
+        if not episodes:
+            return None
+        tool_calls: dict[str, dict[str, int]] = {}
+        env_errors: dict[str, int] = {}
+        counts: dict[str, int] = {}
+        for key in sorted(self.totals):
+            name = key.removeprefix("agent/")
+            parts = name.split("/")
+            if parts[0] == "tool_calls" and len(parts) == 3:
+                tool_calls.setdefault(parts[1], {})[parts[2]] = self.totals[key].total
+            elif parts[0] == "env_errors" and len(parts) == 2:
+                env_errors[parts[1]] = self.totals[key].total
+            elif key.startswith("agent/") and name not in ("episodes", "turns", "truncated"):
+                counts[name] = self.totals[key].total
+        return {"episodes": episodes, "turns_mean": round((self.total("agent/turns") or 0) / episodes, 4),
+                "truncated": self.total("agent/truncated") or 0, "tool_calls": tool_calls, "env_errors": env_errors,
+                "trained_tokens": self.total("trained_tokens"), "masked_tokens": self.total("masked_tokens"),
+                **({"counts": counts} if counts else {})}
+
+    def size(self) -> int:
+        return sum(c.size() for c in self.totals.values())
 
 
 # the serve-mode figures of `summary()` (see views.SUMMARY_MEANINGS)
@@ -161,6 +211,7 @@ class JobObserver:
         self.dropped_stale = 0
         self.mismatch_alarms = StepCounts()  # trainer steps that raised the rollout/trainer mismatch alarm
         self.tasks_cut = StepCounts()  # tasks over-rollout cut, a step reported twice counts once
+        self.agent = AgentCounts()  # an agent job's episodes, turns, tool calls, errors, trained tokens
         self._asked_at: dict[str, int] = {}  # explorer key -> time it went require_sync
         # the decisions taken from the message at last_seq: a decision batch gives several records
         # that share its sequence, a reader that restarted gives none of them twice
@@ -383,7 +434,7 @@ class JobObserver:
                 + self.experiences_produced.size() + self.experiences_trained.size() + len(self._asked_at)
                 + self.mismatch_alarms.size()
                 + len(self._round_info) + len(self._tracking) + len(self._times) + len(self._at_last_seq)
-                + len(self.state.members) + len(self.state.rounds))
+                + len(self.state.members) + len(self.state.rounds) + self.agent.size())
 
     # -- views -----------------------------------------------------------------------------------
 
@@ -411,6 +462,7 @@ class JobObserver:
 
     def _count_step(self, event: StepFinished) -> None:
         m = event.metrics
+        self.agent.add(event)
         if event.member.role is Role.TRAINER:
             self.trainer_steps = max(self.trainer_steps, event.step)
             if "reward_mean" in m and len(self.rewards_first) < 5:
@@ -511,6 +563,7 @@ class JobObserver:
                       "rewards": {k: round(v, 4) for k, v in e["rewards"].items()}, "tasks": e["tasks"]}
                      for e in self.evals],
             **({key: self.served_total(key) for key in _SERVED} if self.served else {}),
+            **({"agent": self.agent.summary()} if self.agent.summary() else {}),
             "events": self.records,
         }
 

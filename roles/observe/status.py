@@ -32,7 +32,7 @@ from rolectl.roles.observe.views import (
 )
 from rolectl.sync_protocol import Role
 
-__all__ = ["collect_status", "print_status"]
+__all__ = ["collect_status", "print_status", "format_agent"]
 
 
 async def collect_status(job: str, nats: str, *, heartbeat_wait_s: float | None = None,
@@ -143,7 +143,7 @@ async def print_status(job: str, nats: str, *, as_json: bool = False, connect_ti
         json.dump({"job": job, "latest": latest, "counts": counts, "members": shown, "members_left_out": left_out,
                    "last_seq": observer.state.last_seq, "open_rounds": sorted(observer.state.rounds),
                    "illegal_events": observer.illegal_total, "eval": observer.eval_curve(), "pace": pace,
-                   "mismatch": mismatch},
+                   "mismatch": mismatch, "agent": observer.agent.summary()},
                   sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
@@ -175,6 +175,9 @@ async def print_status(job: str, nats: str, *, as_json: bool = False, connect_ti
         rewards = ", ".join(f"{name} {mean:.4f}" for name, mean in last["rewards"].items())
         out.print(f"last eval: v{last['version']} at step {last['step']}: {rewards} ({len(curve)} evals)",
                   highlight=False, markup=False)
+    agent = observer.agent.summary()
+    if agent:
+        out.print(format_agent(agent), highlight=False, markup=False)
     return 0
 
 
@@ -199,4 +202,14 @@ def _some(items: list, shown: int = 10) -> str:
     """The first `shown` items, and how many more."""
     head = ", ".join(map(str, items[:shown]))
     return head + (f" … (+{len(items) - shown})" if len(items) > shown else "")
+
+
+def format_agent(agent: dict) -> str:
+    """An agent job's figures in a line: episodes, turns, tool calls by outcome, errors, truncations."""
+    calls = "; ".join(f"{tool} " + ", ".join(f"{outcome} {n}" for outcome, n in outcomes.items())
+                      for tool, outcomes in agent["tool_calls"].items()) or "none"
+    errors = ", ".join(f"{reason} {n}" for reason, n in agent["env_errors"].items()) or "none"
+    trained = f", trained tokens {agent['trained_tokens']}" if agent.get("trained_tokens") is not None else ""
+    return (f"agent: {agent['episodes']} episodes, {agent['turns_mean']:.2f} turns each, "
+            f"{agent['truncated']} truncated; tool calls: {calls}; env errors: {errors}{trained}")
 

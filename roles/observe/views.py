@@ -176,6 +176,7 @@ SUMMARY_MEANINGS: dict[str, str] = {
     "served_requests": "completions served (serve mode)",
     "rewarded": "served trajectories rewarded (trained on)",
     "expired": "served trajectories never rewarded",
+    "agent": "episodes, turns, tools, tokens",
 }
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError
 
 __all__ = ["ChatRequest", "CompletionRequest", "RewardRequest", "ApiError", "error_response", "parse"]
 
@@ -30,7 +30,8 @@ class _Request(BaseModel):
     seed: int | None = None
     user: StrictStr | None = None
     session_id: Annotated[str, Field(min_length=1, max_length=200)] | None = None
-    """Calls sharing it are one trajectory (pass it in the client's `extra_body`)."""
+    """Calls sharing it are one trajectory (pass it in the client's `extra_body`, or as the header
+    `X-Session-Id`)."""
 
 
 class _TextPart(BaseModel):
@@ -78,6 +79,9 @@ class RewardRequest(BaseModel):
     """A completion id; with a session, the whole session is rewarded."""
     session: StrictStr | None = None
     reward: Annotated[float, Field(allow_inf_nan=False)]
+    done: StrictBool = True
+    """False: a per-turn reward (for the completion `id` names, or the session's latest turn); the
+    session goes on and its reward is the sum (or discounted sum) of its turns' rewards."""
 
 
 class ApiError(Exception):

@@ -30,9 +30,10 @@ from .api import ApiError, ChatRequest, CompletionRequest, RewardRequest, error_
 from .generate import Generated, make_runner, model_config, prompt_limit
 from .ledger import BadReward, RewardLedger, Turn, UnknownCompletion
 
-__all__ = ["ServeEndpoint", "VERSION_HEADER"]
+__all__ = ["ServeEndpoint", "VERSION_HEADER", "SESSION_HEADER"]
 
 VERSION_HEADER = "X-Rolectl-Model-Version"
+SESSION_HEADER = "X-Session-Id"  # the session id for clients that cannot add a body field
 
 
 class ServeEndpoint:
@@ -170,7 +171,19 @@ class ServeEndpoint:
 
     def _record(self, completion_id: str, prompt: list[int], out: Generated, session: str | None) -> None:
         self.ledger.record(Turn(completion_id=completion_id, prompt=tuple(prompt), response=out.tokens,
-                                logprobs=out.logprobs, version=out.version), session=session, now_s=self.clock())
+                                logprobs=out.logprobs, version=out.version, stopped=out.finish_reason == "stop"),
+                           session=session, now_s=self.clock())
+
+    @staticmethod
+    def _session(request: web.Request, req: ChatRequest | CompletionRequest) -> str | None:
+        """The call's session id: the body's `session_id` or the `X-Session-Id` header (not two)."""
+        header = request.headers.get(SESSION_HEADER)
+        if header is not None and not 1 <= len(header) <= 200:
+            raise ApiError(400, f"the {SESSION_HEADER} header must be 1 to 200 characters", param=SESSION_HEADER)
+        if header is not None and req.session_id is not None and header != req.session_id:
+            raise ApiError(400, f"session_id {req.session_id!r} and the {SESSION_HEADER} header {header!r} differ: "
+                                "send one of them", param="session_id")
+        return req.session_id if req.session_id is not None else header
 
     @staticmethod
     def _headers(version: int) -> dict[str, str]:
@@ -186,42 +199,44 @@ class ServeEndpoint:
         req = await parse(request, ChatRequest)
         self._check_model(req.model)
         self._check_sampling(req)
+        session = self._session(request, req)
         prompt = self._chat_prompt(req)
         self._check_prompt(prompt)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
-            return await self._stream(request, req, cid, prompt, chat=True)
+            return await self._stream(request, req, cid, prompt, chat=True, session=session)
         out = await self._run(prompt, self._max_tokens(req.max_new), req.seed, None)
-        self._record(cid, prompt, out, req.session_id)
+        self._record(cid, prompt, out, session)
         body = ChatCompletion(
             id=cid, object="chat.completion", created=int(time.time()), model=self.model_name,
             system_fingerprint=f"rolectl-v{out.version}",
             choices=[ChatChoice(index=0, finish_reason=out.finish_reason,  # type: ignore[arg-type]
                                 message=ChatCompletionMessage(role="assistant", content=self._text(out.tokens)))],
-            usage=_usage(prompt, out), model_version=out.version, session_id=req.session_id)
+            usage=_usage(prompt, out), model_version=out.version, session_id=session)
         return web.json_response(body.model_dump(mode="json", exclude_none=True), headers=self._headers(out.version))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = await parse(request, CompletionRequest)
         self._check_model(req.model)
         self._check_sampling(req)
+        session = self._session(request, req)
         prompt = self._completion_prompt(req)
         self._check_prompt(prompt)
         cid = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
-            return await self._stream(request, req, cid, prompt, chat=False)
+            return await self._stream(request, req, cid, prompt, chat=False, session=session)
         out = await self._run(prompt, self._max_tokens(req.max_new), req.seed, None)
-        self._record(cid, prompt, out, req.session_id)
+        self._record(cid, prompt, out, session)
         body = Completion(
             id=cid, object="text_completion", created=int(time.time()), model=self.model_name,
             system_fingerprint=f"rolectl-v{out.version}",
             choices=[CompletionChoice(index=0, text=self._text(out.tokens),
                                       finish_reason=out.finish_reason)],  # type: ignore[arg-type]
-            usage=_usage(prompt, out), model_version=out.version, session_id=req.session_id)
+            usage=_usage(prompt, out), model_version=out.version, session_id=session)
         return web.json_response(body.model_dump(mode="json", exclude_none=True), headers=self._headers(out.version))
 
     async def _stream(self, request: web.Request, req: ChatRequest | CompletionRequest, cid: str,
-                      prompt: list[int], *, chat: bool) -> web.StreamResponse:
+                      prompt: list[int], *, chat: bool, session: str | None) -> web.StreamResponse:
         """Server-sent events: one chunk per new token, then the finish reason, then `[DONE]`."""
         loop = asyncio.get_running_loop()
         tokens: asyncio.Queue[int] = asyncio.Queue()
@@ -275,7 +290,7 @@ class ServeEndpoint:
             rest = self._text(out.tokens)[len(sent):]  # what a cut multi-byte character held back
             if rest:
                 await response.write(chunk(rest, None))
-            self._record(cid, prompt, out, req.session_id)
+            self._record(cid, prompt, out, session)
             await response.write(chunk(None if chat else "", out.finish_reason))
             await response.write(b"data: [DONE]\n\n")
         except (ConnectionResetError, asyncio.CancelledError) as exc:
@@ -292,14 +307,16 @@ class ServeEndpoint:
         if (req.id is None) == (req.session is None):
             raise ApiError(400, "a reward names exactly one of `id` (a completion) and `session`", param="id")
         try:
-            turns = self.ledger.reward(req.reward, completion_id=req.id, session=req.session, now_s=self.clock())
+            turns = self.ledger.reward(req.reward, completion_id=req.id, session=req.session, now_s=self.clock(),
+                                       done=req.done)
         except BadReward as exc:
             raise ApiError(400, str(exc), param="reward") from None
         except UnknownCompletion as exc:
             raise ApiError(404, str(exc), param="id" if req.id else "session", code="not_found") from None
-        self.on_reward()
+        if req.done:
+            self.on_reward()
         return web.json_response({"object": "reward", "id": req.id, "session": req.session, "turns": turns,
-                                  "reward": req.reward})
+                                  "reward": req.reward, "done": req.done})
 
 
 def _usage(prompt: list[int], out: Generated) -> CompletionUsage:

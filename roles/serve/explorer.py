@@ -30,7 +30,7 @@ from rolectl.sync_protocol import ConfigError, SyncStyle
 from rolectl.sync_protocol.experience import ExperienceLimits
 
 from .endpoint import ServeEndpoint
-from .generate import model_config
+from .generate import model_config, trajectory_budget
 from .ledger import RewardLedger
 
 __all__ = ["ServeLoop", "serving_explorer", "serve_problems"]
@@ -77,15 +77,17 @@ class ServeLoop:
         engine, member_id = explorer.engine, explorer.member_id
         self.serve = explorer.cfg.serve
         self.index = int(member_id.rsplit("-", 1)[-1]) if member_id.rsplit("-", 1)[-1].isdigit() else 0
+        budget = trajectory_budget(self.serve, model_config(engine))
         self.ledger = RewardLedger(prefix=f"{member_id}-serve-{uuid.uuid4().hex[:8]}",
-                                   group_size=engine.group_size, timeout_s=self.serve.reward_timeout_s)
+                                   group_size=engine.group_size, timeout_s=self.serve.reward_timeout_s,
+                                   max_response_tokens=budget,
+                                   discount=self.serve.discount if self.serve.reward == "discounted" else 1.0)
         self.url_file = explorer.cfg.job_dir / member_id / "serve_url"
         self._wake = asyncio.Event()
         self._last_batch_size = 0
         self._reported: dict[str, float] = {}
         self.limits = ExperienceLimits(vocab_size=int(model_config(engine).vocab_size), prompt_length=None,
-                                       max_response_length=int(engine.config.max_new_tokens),
-                                       group_size=engine.group_size)
+                                       max_response_length=budget, group_size=engine.group_size)
 
     async def run(self) -> None:
         x = self.explorer

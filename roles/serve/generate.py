@@ -13,8 +13,10 @@ from typing import Any
 
 import torch
 
+from rolectl.roles.engines.hf_model import context_length
+
 __all__ = ["Generated", "Gate", "OneAtATime", "ContinuousBatcher", "make_runner", "generate", "model_config",
-           "prompt_limit"]
+           "prompt_limit", "trajectory_budget"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,10 +226,15 @@ def model_config(engine: Any) -> Any:
     return engine.hf_config if hasattr(engine, "hf_config") else engine.model.config
 
 
+def trajectory_budget(serve: Any, hf_config: Any) -> int:
+    """A served session's trajectory budget (tokens after its first prompt): `serve.max_trajectory_tokens`,
+    else the model's context length. The trainer of a serving job takes responses this long."""
+    return int(serve.max_trajectory_tokens or context_length(hf_config))
+
+
 def prompt_limit(engine: Any) -> int:
     """The longest prompt the model takes with room left for a full response."""
-    positions = getattr(model_config(engine), "max_position_embeddings", None) or 1 << 30
-    return int(positions) - int(engine.config.max_new_tokens)
+    return context_length(model_config(engine)) - int(engine.config.max_new_tokens)
 
 
 @torch.no_grad()

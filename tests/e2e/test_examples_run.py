@@ -6,7 +6,6 @@ and it must exit 0 with `complete: true`. A new example without a run here fails
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -16,34 +15,21 @@ import pytest
 import yaml
 
 from rolectl.bus.server import NatsCluster
-from tests.support.e2e import ROOT, job_config, run_up
+from tests.support.e2e import ROOT, job_config, run_up, shortened
 
 pytestmark = pytest.mark.e2e
 
 EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.yaml"))
-STEPS = 6  # trainer steps of a shortened run
+STEPS = 6  # trainer steps of a shortened run (`shortened`'s default)
 # The LLM examples (hf/vLLM, a model to build; own_model.yaml too) run shortened in test_llm_quickstart.py, the 2-rank
 # fsdp one in test_trainer_ranks.py, the served one (its agent beside it) below, the LoRA one with a
-# kill -9 of its trainer in test_lora_quickstart.py.
+# kill -9 of its trainer in test_lora_quickstart.py, the multi-turn agent one in test_agent_example.py, the tool
+# example (its calls counted) below.
 RUN_ELSEWHERE = {"llm_quickstart.yaml": "test_llm_quickstart.py", "llm_quickstart_hf.yaml": "test_llm_quickstart.py",
                  "llm_quickstart_fsdp.yaml": "test_trainer_ranks.py", "serve_quickstart.yaml": "test_examples_run.py",
-                 "lora_quickstart.yaml": "test_lora_quickstart.py", "own_model.yaml": "test_llm_quickstart.py"}
+                 "lora_quickstart.yaml": "test_lora_quickstart.py", "own_model.yaml": "test_llm_quickstart.py",
+                 "agent_multiturn.yaml": "test_agent_example.py", "agent_tools.yaml": "test_examples_run.py"}
 ON_A_CLUSTER = {"cluster.yaml"}
-
-
-def shortened(example: str, tmp_path: Path, steps: int = STEPS) -> Path:
-    """The example with `steps` trainer steps and as many more explorer steps, in proportion, as
-    it ships with (an offset, a margin for stale drops), its run dir under `tmp_path`."""
-    data = yaml.safe_load((ROOT / "examples" / example).read_text())
-    trainer, explorers = data["trainer"], data["explorers"]
-    ratio = explorers["total_steps"] / trainer["total_steps"]
-    trainer["total_steps"] = steps
-    trainer["save_interval"] = min(trainer.get("save_interval", 1), steps)
-    explorers["total_steps"] = math.ceil(steps * ratio)
-    data["run_dir"] = str(tmp_path / "runs")
-    path = tmp_path / example
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
 
 
 def test_every_example_is_run_somewhere():
@@ -183,3 +169,33 @@ def test_serve_quickstart_runs_its_agent_and_counts_the_traffic(tmp_path, engine
     assert s["expired"] >= 0 and s["served_requests"] >= s["rewarded"] + s["expired"], s
     for key in ("served_requests", "rewarded", "expired"):  # the summary table shows them
         assert key in said, run.output[-3000:]
+
+
+def test_the_tool_example_plays_episodes_and_counts_its_calls(tmp_path):
+    """examples/agent_tools.yaml shortened: the built model's chat template, the calculator tool and
+    the hf engine's episodes run as real processes; the job completes and every explorer step counts
+    the episodes and their calls by tool and outcome (a short run cannot show the learning: its
+    figures are in docs/tools.md)."""
+    from rolectl.sync_protocol import Role, StepFinished
+
+    config = shortened("agent_tools.yaml", tmp_path)
+    data = yaml.safe_load(config.read_text())
+    data["model"]["path"] = str(tmp_path / "model")  # built by the roles on first use, as the example does
+    data["buffer"]["batch_size"] = data["trainer"]["train_batch_tasks"] = 4  # 4 tasks x 4 episodes a step:
+    data["model"]["group_size"] = 4  # the roles' work is the same, on an eighth of the episodes
+    config.write_text(yaml.safe_dump(data, sort_keys=False))
+    run = run_up(config, tmp_path, timeout=400, extra=("--run-dir", str(tmp_path / "runs")))
+    s = run.summary
+    assert run.rc == 0, f"exit {run.rc}: {s.get('exit_codes')}\n{run.output[-2000:]}\n{run.role_logs()}"
+    assert s["complete"] is True and s["trainer_steps"] == STEPS, s
+    steps = [r.event.metrics for r in run.records
+             if isinstance(r.event, StepFinished) and r.event.member.role is Role.EXPLORER]
+    assert len(steps) >= STEPS
+    episodes = data["buffer"]["batch_size"] * data["model"]["group_size"]
+    assert all(m["agent/episodes"] == episodes and 1 <= m["agent/turns_mean"] <= 2 for m in steps), steps
+    calls = {key: sum(m.get(key, 0) for m in steps) for m in steps for key in m if key.startswith("agent/tool_calls/")}
+    assert sum(calls.values()) > 0, steps  # a random-init model writes <tool_call> now and then
+    for key in calls:
+        _, _, tool, outcome = key.split("/")
+        assert tool in ("calculator", "_unknown") and outcome in ("ok", "malformed", "error", "timeout",
+                                                                 "unknown_tool"), key

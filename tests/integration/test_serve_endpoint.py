@@ -124,36 +124,72 @@ async def _reward(url: str, body, *, key: str = "none") -> httpx.Response:
                                headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
 
 
-async def test_a_rewarded_session_becomes_experiences_of_its_generated_tokens(serving, engine):
+async def _clean_seed(client, tokenizer, messages) -> int:
+    """A seed whose reply reads back as the tokens sampled (a random-init model may sample a special
+    token, which the reply's text leaves out): a client sending the reply back extends the session."""
+    for seed in range(64):
+        reply = await client.chat.completions.create(model=MODEL, messages=messages, seed=seed)
+        text, choice = reply.choices[0].message.content, reply.choices[0]
+        stop = 1 if choice.finish_reason == "stop" else 0
+        if text and len(tokenizer(text)["input_ids"]) + stop == reply.usage.completion_tokens:
+            return seed
+    raise AssertionError("no seed in 64 gives a reply without special tokens")
+
+
+async def test_a_rewarded_session_becomes_one_trajectory_of_its_turns(serving, engine):
     endpoint, client, url = await serving()
+    tokenizer = engine.tokenizer
     history = [{"role": "user", "content": "reverse 3 1 4 ="}]
-    first = await client.chat.completions.create(model=MODEL, messages=history, extra_body={"session_id": "s1"})
+    seed = await _clean_seed(client, tokenizer, history)
+    first = await client.chat.completions.create(model=MODEL, messages=history, seed=seed,
+                                                 extra_body={"session_id": "s1"})
     history += [{"role": "assistant", "content": first.choices[0].message.content},
                 {"role": "user", "content": "reverse 3 1 4 ="}]
-    second = await client.chat.completions.create(model=MODEL, messages=history, extra_body={"session_id": "s1"})
-    # two single completions make the group of four with the session's two turns
-    singles = [await client.chat.completions.create(model=MODEL, messages=history[:1]) for _ in range(2)]
+    # the session id as a header works as well as the body field
+    second = await client.chat.completions.create(model=MODEL, messages=history, extra_headers={"X-Session-Id": "s1"})
+    # three single completions of the first prompt make the group of four with the session
+    singles = [await client.chat.completions.create(model=MODEL, messages=history[:1]) for _ in range(3)]
     assert (await _reward(url, {"session": "s1", "reward": 0.75})).json()["turns"] == 2
     for i, single in enumerate(singles):
         assert (await _reward(url, {"id": single.id, "reward": float(i)})).status_code == 200
-    # three first turns of one prompt and one second turn: no same-prompt group of four yet
-    assert endpoint.ledger.take_groups(0.0) == []
-    experiences = endpoint.ledger.take_groups(10.0)  # then they are grouped in arrival order
-    assert len(experiences) == engine.group_size == 4
-    assert len({e.group for e in experiences}) == 1
-    by_id = {e.id: e for e in experiences}
-    turn1, turn2 = by_id[first.id], by_id[second.id]
-    assert turn1.reward == turn2.reward == 0.75
-    tokenizer = engine.tokenizer
-    # the second turn's prompt holds the first turn's answer and the new user message; only the
-    # tokens the model generated are responses (trained on)
-    assert tokenizer.decode(turn2.prompt, skip_special_tokens=True).startswith("reverse 3 1 4 =")
-    assert len(turn2.prompt) > len(turn1.prompt)
-    for turn, reply in ((turn1, first), (turn2, second)):
-        assert tokenizer.decode(turn.response, skip_special_tokens=True) == reply.choices[0].message.content
-        assert len(turn.logprobs) == len(turn.response) and all(lp <= 0 for lp in turn.logprobs)
-        assert turn.model_version == engine.version
-    assert endpoint.ledger.rewarded == 3
+    experiences = endpoint.ledger.take_groups(0.0)  # one prompt: a group at once
+    assert len(experiences) == engine.group_size == 4 and len({e.group for e in experiences}) == 1
+    session = {e.id: e for e in experiences}[first.id]
+    assert session.reward == 0.75 and session.turns == 2
+    assert tokenizer.decode(session.prompt, skip_special_tokens=True) == "reverse 3 1 4 ="
+    # the response: the first reply, the client's turn (never trained on), the second reply
+    sampled = [t for t, m in zip(session.response, session.loss_mask) if m]
+    added = [t for t, m in zip(session.response, session.loss_mask) if not m]
+    assert tokenizer.decode(added, skip_special_tokens=True) == "reverse 3 1 4 ="
+    assert tokenizer.decode(sampled, skip_special_tokens=True) == \
+        f"{first.choices[0].message.content} {second.choices[0].message.content}".strip()
+    assert len(sampled) == first.usage.completion_tokens - (first.choices[0].finish_reason == "stop") + \
+        second.usage.completion_tokens  # the first reply's end-of-turn token was not sent back: dropped
+    assert all(lp <= 0 for lp in session.logprobs) and session.model_version == engine.version
+    assert endpoint.ledger.rewarded == 4 and endpoint.ledger.counts()["trajectory_splits_history"] == 0
+
+
+async def test_a_rewritten_history_splits_the_session_and_turn_rewards_add_up(serving):
+    endpoint, client, url = await serving()
+    first = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "reverse 1 2 3 ="}],
+                                                 extra_body={"session_id": "s2"})
+    rewritten = [{"role": "user", "content": "reverse 4 5 6 ="}]  # not the conversation so far
+    second = await client.chat.completions.create(model=MODEL, messages=rewritten, extra_body={"session_id": "s2"})
+    turn = await _reward(url, {"id": first.id, "reward": 0.25, "done": False})
+    assert turn.json() == {"object": "reward", "id": first.id, "session": None, "turns": 2, "reward": 0.25,
+                           "done": False}
+    assert endpoint.ledger.waiting == 1  # a per-turn reward leaves the session open
+    assert (await _reward(url, {"session": "s2", "reward": 0.5})).json()["done"] is True
+    for _ in range(2):  # two more make a group of four
+        single = await client.completions.create(model=MODEL, prompt="reverse 7 8 9 =")
+        await _reward(url, {"id": single.id, "reward": 0.0})
+    by_id = {e.id: e for e in endpoint.ledger.take_groups(10.0)}
+    assert len(by_id) == 4 and by_id[first.id].reward == by_id[second.id].reward == 0.75
+    assert endpoint.ledger.counts()["trajectory_splits_history"] == 1
+    async with httpx.AsyncClient() as http:
+        clash = await http.post(f"{url}/chat/completions", headers={"X-Session-Id": "a"},
+                                json={"model": MODEL, "messages": rewritten, "session_id": "b"})
+    assert clash.status_code == 400 and "differ" in clash.json()["error"]["message"]
 
 
 async def test_reward_errors_unknown_twice_expired_and_not_finite(serving):
@@ -285,3 +321,52 @@ async def test_a_weight_load_waits_for_the_requests_running_then_holds_new_ones(
     done = await asyncio.gather(*running)
     assert all(r.model_extra["model_version"] == before for r in done)
     assert (await late).model_extra["model_version"] == before + 1  # it waited for the load
+
+
+@pytest.mark.parametrize("budget, expected", [(None, 128), (40, 40)])
+def test_a_serving_job_s_trainer_takes_trajectories_of_the_session_budget(tmp_path, budget, expected):
+    """Explorer and trainer agree: the served sessions' budget (by default the model's context) is
+    what the trainer's validation takes."""
+    from rolectl.roles.engines import make_train_engine
+    from rolectl.roles.serve.generate import model_config, trajectory_budget
+
+    model_dir = built_model(tmp_path)
+    serve = {"enabled": True, **({"max_trajectory_tokens": budget} if budget else {})}
+    cfg = parse_config({"job": MODEL, "model": model_section(model_dir, rollout_engine="hf"), "data": data_section(),
+                        "serve": serve})
+    trainer = make_train_engine(cfg)
+    assert trainer.experience_limits.max_response_length == expected
+    assert trajectory_budget(cfg.serve, model_config(trainer)) == expected
+    single = parse_config({"job": MODEL, "model": model_section(model_dir), "data": data_section()})
+    assert make_train_engine(single).experience_limits.max_response_length == 5  # not serving: as before
+
+
+async def test_the_multi_turn_agent_variant_makes_sessions_of_two_turns(serving, engine):
+    """examples/agent_digits.py --min-turns 2 --turn-rewards, against the endpoint: every session has
+    two calls, each rewarded as a turn, and becomes a trajectory (or, where the client's text could not
+    carry a special token the model sampled, two: a split, counted)."""
+    import os
+    import sys
+
+    from tests.support.tiny_llm import ROOT
+
+    endpoint, _, url = await serving()
+    agent = await asyncio.create_subprocess_exec(
+        sys.executable, str(ROOT / "examples" / "agent_digits.py"), "--model", MODEL, "--attempts", "4",
+        "--episodes", "4", "--turns", "2", "--min-turns", "2", "--turn-rewards",
+        env={**os.environ, "OPENAI_BASE_URL": url, "OPENAI_API_KEY": "none"},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    output, _ = await asyncio.wait_for(agent.communicate(), 300)
+    assert agent.returncode == 0, output.decode()
+    assert '"episodes": 4' in output.decode()
+    counts = endpoint.ledger.counts()
+    assert counts["served_requests"] == 8 and counts["rewarded"] == 4 and counts["awaiting_reward"] == 0
+    experiences = endpoint.ledger.take_groups(10.0)
+    splits = int(counts["trajectory_splits_history"])
+    assert len(experiences) + endpoint.ledger.ungrouped == 4 + splits
+    for e in experiences:
+        if e.loss_mask is not None:  # the session's two calls as one trajectory
+            assert e.turns == 2 or (e.turns == 1 and e.loss_mask[0] == 0)  # a first answer of only <eos>: dropped
+            context = [t for t, m in zip(e.response, e.loss_mask) if not m]
+            assert engine.tokenizer.decode(context, skip_special_tokens=True) == \
+                engine.tokenizer.decode(e.prompt, skip_special_tokens=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import signal
 import subprocess
@@ -49,6 +50,7 @@ __all__ = [
     "trainer_steps",
     "last_trainer_step",
     "stream_experiences",
+    "shortened",
 ]
 
 
@@ -428,3 +430,18 @@ class LiveJob:
         end = await last_sequence(self.conn)
         await self.wait_for(lambda recs: recs and recs[-1].seq >= end, timeout=timeout,
                             what=f"the stream up to seq {end}")
+
+
+def shortened(example: str, tmp_path: Path, steps: int = 6) -> Path:
+    """`examples/<example>` with `steps` trainer steps and as many more explorer steps, in proportion, as
+    it ships with (an offset, a margin for stale drops), its run dir under `tmp_path`."""
+    data = yaml.safe_load((ROOT / "examples" / example).read_text())
+    trainer, explorers = data["trainer"], data["explorers"]
+    ratio = explorers["total_steps"] / trainer["total_steps"]
+    trainer["total_steps"] = steps
+    trainer["save_interval"] = min(trainer.get("save_interval", 1), steps)
+    explorers["total_steps"] = math.ceil(steps * ratio)
+    data["run_dir"] = str(tmp_path / "runs")
+    path = tmp_path / example
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path

@@ -61,10 +61,12 @@ def test_the_section_is_typed_with_its_defaults():
 
 @pytest.mark.parametrize(("environment", "says"), [
     ("no_such_module_here:Env", "cannot import module 'no_such_module_here'"),
-    (f"{HERE}:Missing", f"module {HERE!r} has no class 'Missing'"),
+    (f"{HERE}:Missing", f"{HERE} ({__file__}) has no class 'Missing'"),
     (f"{HERE}:not_an_environment", "is not a class"),
     (f"{HERE}:NoStep", "has no step method"),
-    ("nonsense", "unknown environment 'nonsense'; built-ins: ['hidden_reverse', 'tools']"),
+    ("nonsense", "unknown environment 'nonsense'; built-ins: ['hidden_reverse', 'tools'], or give your own as "
+                 "'module:class'"),
+    ("no_such_dir/envs.py:Env", "environment 'no_such_dir/envs.py:Env': no such file no_such_dir/envs.py"),
 ])
 def test_an_environment_that_does_not_resolve_is_named_with_what_to_do(environment, says):
     [(path, why)] = _problems({"environment": environment})
@@ -97,6 +99,14 @@ def test_a_built_in_environment_resolves_by_name():
 
     assert resolve_environment("hidden_reverse") is HiddenReverse
     assert resolve_environment("rolectl.roles.engines.agent.examples:HiddenReverse") is HiddenReverse
+
+
+def test_an_environment_in_a_file_resolves_by_its_path(tmp_path, monkeypatch):
+    (tmp_path / "my_envs.py").write_text("class Env:\n    def reset(self, task):\n        return ''\n"
+                                         "    def step(self, model_text):\n        return None\n")
+    monkeypatch.chdir(tmp_path)  # a job's paths are from the working directory
+    assert resolve_environment("my_envs.py:Env").__name__ == "Env"
+    assert _job({"environment": "my_envs.py:Env"}).agent.environment == "my_envs.py:Env"
 
 
 def test_the_budget_defaults_to_the_engines_bounds():

@@ -21,10 +21,11 @@ HERE = __name__
 
 
 def asks_then_reverses(sequence: list[int]) -> list[int]:
-    """The policy HiddenReverse rewards: ask first, then the revealed digits reversed."""
+    """The policy HiddenReverse rewards: ask first (a query ends the turn), then the revealed digits
+    reversed."""
     if QUERY not in sequence:
-        return [QUERY, EOS]
-    revealed = sequence[sequence.index(QUERY) + 2:-1]  # after `QUERY EOS`, before the SEP
+        return [QUERY]
+    revealed = sequence[sequence.index(QUERY) + 1:-1]  # after the query, before the SEP
     return [*reversed(revealed), EOS]
 
 
@@ -48,11 +49,11 @@ def test_an_episode_that_asks_then_answers_is_one_trajectory_masked_on_the_envir
     loop, generator = _loop(asks_then_reverses)
     experiences = loop.rollout(TASKS, explore_step=4)
     first = experiences[0]
-    assert first.prompt == (BOS, PAD, PAD, PAD, PAD, SEP)  # the digits are hidden
-    assert first.response == (QUERY, EOS, 3, 1, 4, 1, SEP, 1, 4, 1, 3, EOS)
-    assert first.loss_mask == (1, 1, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1)
-    assert first.logprobs == (-0.5, -0.5, 0.0, 0.0, 0.0, 0.0, 0.0, -0.5, -0.5, -0.5, -0.5, -0.5)
-    assert (first.reward, first.turns, first.trained_tokens, first.model_version) == (1.0, 2, 7, 3)
+    assert first.prompt == (BOS, SEP)  # the digits are hidden: the prompt says nothing
+    assert first.response == (QUERY, 3, 1, 4, 1, SEP, 1, 4, 1, 3, EOS)
+    assert first.loss_mask == (1, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1)
+    assert first.logprobs == (-0.5, 0.0, 0.0, 0.0, 0.0, 0.0, -0.5, -0.5, -0.5, -0.5, -0.5)
+    assert (first.reward, first.turns, first.trained_tokens, first.model_version) == (1.0, 2, 6, 3)
     assert first.token_versions is None  # one version sampled it all
     # ids and groups as a single-turn rollout gives them: the trainer deduplicates on them
     assert [e.id for e in experiences] == ["explorer-0-4-0-0", "explorer-0-4-0-1", "explorer-0-4-1-0",
@@ -63,26 +64,41 @@ def test_an_episode_that_asks_then_answers_is_one_trajectory_masked_on_the_envir
     assert len(generator.calls) == 2  # the episodes advanced together: one batched call per turn
 
 
-def test_a_policy_that_never_asks_is_answered_with_blanks_until_max_turns():
+def test_a_policy_that_never_asks_is_answered_with_blanks_and_scores_nothing():
     loop, generator = _loop(never_asks, max_turns=3)
     [first, *_] = loop.rollout(TASKS, explore_step=1)
     assert first.response == (1, 2, EOS, PAD, SEP, 1, 2, EOS, PAD, SEP, 1, 2, EOS)
-    assert (first.reward, first.turns) == (0.0, 3)
-    assert loop.metrics["agent/truncated"] == 4.0 and loop.metrics["agent/turns_mean"] == 3.0
+    assert (first.reward, first.turns) == (0.0, 3) and loop.metrics["agent/truncated"] == 4.0
+
+
+def test_with_blanks_a_policy_that_never_asks_has_its_guess_scored():
+    loop, generator = _loop(never_asks, max_turns=3, args={"blanks": 2})
+    [first, *_] = loop.rollout(TASKS, explore_step=1)
+    assert first.response == (1, 2, EOS, PAD, SEP, 1, 2, EOS, PAD, SEP, 1, 2, EOS)
+    assert (first.reward, first.turns) == (0.25, 3)  # "1 2" against "1 4 1 3"
+    assert loop.metrics["agent/truncated"] == 0.0 and loop.metrics["agent/turns_mean"] == 3.0
     assert "agent/tool_calls/reveal/ok" not in loop.metrics
 
 
+def test_an_episode_still_going_at_max_turns_is_truncated():
+    loop, generator = _loop(never_asks, max_turns=2)
+    [first, *_] = loop.rollout(TASKS, explore_step=1)
+    assert first.response == (1, 2, EOS, PAD, SEP, 1, 2, EOS)  # the second blank is not rendered
+    assert (first.reward, first.turns) == (0.0, 2)
+    assert loop.metrics["agent/truncated"] == 4.0
+
+
 def test_a_turn_samples_at_most_the_budget_left_and_an_observation_that_would_fill_it_ends_the_episode():
-    # 5 + 3 tokens: after `QUERY EOS` and the digits (7 tokens) one is left for the answer's 5
+    # after the query and the digits (6 tokens) two are left for the answer's 5
     loop, generator = _loop(asks_then_reverses, max_tokens=8)
     [first, *_] = loop.rollout(TASKS, explore_step=1)
-    assert [limits for _, limits, _ in generator.calls] == [[5, 5, 5, 5], [1, 1, 1, 1]]
-    assert first.response == (QUERY, EOS, 3, 1, 4, 1, SEP, 1)  # the cut answer
-    assert first.reward == 0.25 and loop.metrics["agent/truncated"] == 0.0
+    assert [limits for _, limits, _ in generator.calls] == [[5, 5, 5, 5], [2, 2, 2, 2]]
+    assert first.response == (QUERY, 3, 1, 4, 1, SEP, 1, 4)  # the cut answer
+    assert first.reward == 0.5 and loop.metrics["agent/truncated"] == 0.0
     # an observation that would leave nothing to answer with is not appended
-    loop, generator = _loop(asks_then_reverses, max_tokens=7)
+    loop, generator = _loop(asks_then_reverses, max_tokens=6)
     [first, *_] = loop.rollout(TASKS, explore_step=1)
-    assert first.response == (QUERY, EOS) and first.reward == 0.0
+    assert first.response == (QUERY,) and first.reward == 0.0
     assert loop.metrics["agent/truncated"] == 4.0 and len(generator.calls) == 1
 
 
@@ -124,8 +140,8 @@ class FailsAt:
 
 
 @pytest.mark.parametrize(("how", "reason", "response"), [
-    ("raise", "exception", (QUERY, EOS, 3, 1, 4, 1, SEP, 1, 4, 1, 3, EOS)),
-    ("hang", "timeout", (QUERY, EOS, 3, 1, 4, 1, SEP, 1, 4, 1, 3, EOS)),
+    ("raise", "exception", (QUERY, 3, 1, 4, 1, SEP, 1, 4, 1, 3, EOS)),
+    ("hang", "timeout", (QUERY, 3, 1, 4, 1, SEP, 1, 4, 1, 3, EOS)),
     ("reset", "reset_failed", ()),
 ])
 def test_an_environment_that_fails_costs_its_episode_only_counted_and_logged(how, reason, response):
@@ -138,7 +154,7 @@ def test_an_environment_that_fails_costs_its_episode_only_counted_and_logged(how
         FailsAt.release.set()
     failed, *others = [e for e in experiences if e.group.endswith("-0")]
     assert (failed.response, failed.reward) == (response, 0.0)
-    assert failed.loss_mask == (1, 1, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1)[:len(response)]
+    assert failed.loss_mask == (1, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1)[:len(response)]
     assert len(experiences) == 4 and {e.reward for e in experiences[2:]} == {1.0}  # the groups stay whole
     assert loop.metrics[f"agent/env_errors/{reason}"] == 2.0
     [logged, _] = [entry for entry in logs if entry["event"] == "agent_env_error"]
@@ -180,6 +196,20 @@ def test_the_jobs_reward_functions_score_the_final_turn_and_are_added():
     assert loop.metrics["reward/positional_match"] == 1.0
 
 
+def row_reward(response: str, answer: str, *, prompt: str, row: dict) -> float:
+    """A data reward that reads the task's prompt text and its whole row."""
+    return 1.0 if (prompt, row["level"]) == ("reverse the hidden digits", "easy") else 0.0
+
+
+def test_a_data_reward_that_takes_the_prompt_and_the_row_gets_the_tasks():
+    rewards = parse_reward_specs([f"{HERE}:row_reward"])
+    text_task = Task(id="q", prompt=(BOS, SEP), answer="1 4 1 3", target=(1, 4, 1, 3),
+                     prompt_text="reverse the hidden digits", row={"level": "easy"})
+    loop, _ = _loop(asks_then_reverses, rewards=rewards)
+    [first, *_] = loop.rollout([text_task], explore_step=1)
+    assert first.reward == 1.0 + 1.0 and loop.metrics[f"reward/{HERE}:row_reward"] == 1.0
+
+
 class Versioned(ScriptedTurns):
     """Weights that change between turns (a partial rollout): each call one version newer."""
 
@@ -192,7 +222,7 @@ def test_each_token_carries_the_version_that_sampled_its_turn_and_the_oldest_is_
     loop, _ = _loop(asks_then_reverses, generator=Versioned(asks_then_reverses, version=4))
     [first, *_] = loop.rollout(TASKS, explore_step=1)
     assert first.model_version == 5
-    assert first.token_versions == ((7, 5), (5, 6))  # the digits carry the version of the turn they answer
+    assert first.token_versions == ((6, 5), (5, 6))  # the digits carry the version of the turn they answer
     assert [s.version for s in first.segments()] == [5, 5, 6]
 
 
@@ -209,3 +239,28 @@ def test_env_calls_bound_each_call_from_its_own_start_and_replace_a_hung_worker(
         assert all(t.daemon for t in threading.enumerate() if t.name.startswith("agent-env-"))
     finally:
         hang.set()
+
+
+class NewWeightsBeforeTurn:
+    """A `PausePoint` whose newer version waits before the second model turn (partial rollouts)."""
+
+    def __init__(self, generator: ScriptedTurns) -> None:
+        self.generator = generator
+        self.asked = 0
+        self.loads = 0
+
+    def pending(self) -> bool:
+        self.asked += 1
+        return self.asked == 2
+
+    def load(self) -> None:
+        self.loads += 1
+        self.generator.version += 1
+
+
+def test_a_partial_rollout_loads_a_waiting_version_between_two_turns():
+    loop, generator = _loop(asks_then_reverses)
+    pause = NewWeightsBeforeTurn(generator)
+    [first, *_] = loop.rollout(TASKS, explore_step=1, pause_point=pause)
+    assert (pause.asked, pause.loads) == (2, 1)  # asked before each turn, loaded once
+    assert first.model_version == 3 and first.token_versions == ((6, 3), (5, 4))

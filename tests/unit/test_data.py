@@ -127,6 +127,15 @@ def test_the_shipped_quickstart_data_is_what_its_script_writes():
     assert (ROOT / "examples/data/reverse_digits_eval.jsonl").read_text() == module.render_eval()
 
 
+def test_the_shipped_tool_example_data_is_what_its_script_writes():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_add", ROOT / "examples/data/make_add_numbers.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert (ROOT / "examples/data/add_numbers.jsonl").read_text() == module.render()
+
+
 # -- sources: save_to_disk directories, globs, lists of files, splits, cached Hub datasets ------------
 
 def _save(tmp_path: Path, splits: dict[str, list[dict]] | None) -> Path:

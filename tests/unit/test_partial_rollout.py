@@ -11,7 +11,6 @@ from rolectl.bus.experiences import decode_batch, encode_batch, validate_batch
 from rolectl.roles.config import parse_config
 from rolectl.roles.engines import make_rollout_engine, make_taskset, make_train_engine
 from rolectl.roles.engines.base import PausePoint
-from rolectl.roles.engines.tiny import _ALLOWED_RESPONSE_TOKENS
 from rolectl.sync_protocol import ConfigError
 from rolectl.sync_protocol.experience import ExperienceBatch, Segment
 from tests.support.pause import PauseAfter, changed_weights
@@ -70,7 +69,7 @@ def _logprobs_are_the_samplers(cfg, new_weights, resumed) -> None:
     for e in resumed:
         tokens = torch.tensor([[*e.prompt, *e.response]])
         logprobs, _ = scored_tokens(scorer.policy, tokens, torch.tensor([len(e.prompt)]), width=len(e.response),
-                                    allowed_tokens=_ALLOWED_RESPONSE_TOKENS, temperature=cfg.model.temperature,
+                                    allowed_tokens=scorer.allowed_tokens, temperature=cfg.model.temperature,
                                     entropy=False)
         assert logprobs[0, PAUSE_AT:].tolist() == pytest.approx(e.logprobs[PAUSE_AT:], abs=1e-4)
 

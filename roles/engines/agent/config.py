@@ -1,5 +1,5 @@
 """The job's `agent:` section (multi-turn episodes against an environment) and how its environment is
-found: a built-in name, or `module:Class` imported from the Python path, as reward functions are.
+found: a built-in name, `module:Class` or `path/to/file.py:Class`, as reward functions are.
 
 Pydantic alone at import: a synchronizer loads the job config without torch. What the section names
 outside itself (the environment's class, its `args`) is checked when the job is loaded with its
@@ -8,13 +8,14 @@ engines (`config_base.checking`), once.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, Strict, ValidationInfo, field_validator, model_validator
 
 from rolectl.roles.config_base import Name, PositiveInt, Seconds, Section, checking, invalid
+
+from ..user_code import resolve_object
 
 __all__ = ["AgentSection", "BUILTIN_ENVIRONMENTS", "resolve_environment", "environment_problems"]
 
@@ -26,27 +27,18 @@ BUILTIN_ENVIRONMENTS: dict[str, str] = {
 
 
 def resolve_environment(name: str) -> type:
-    """The environment class `name` names (a built-in, or `package.module:Class`).
+    """The environment class `name` names: a built-in, `package.module:Class` or `path/to/file.py:Class`,
+    found as reward functions are (`roles.engines.user_code`).
 
     Raises ValueError saying what is missing and what to do."""
+    # a built-in's module is imported only when named (the tool environment's tools are heavier)
     spec = BUILTIN_ENVIRONMENTS.get(name, name)
-    if ":" not in spec:
-        raise ValueError(f"unknown environment {name!r}; built-ins: {sorted(BUILTIN_ENVIRONMENTS)}, or give "
-                         "your own as 'module:Class'")
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"environment {name!r}: cannot import module {module_name!r} ({exc}); is it on "
-                         "PYTHONPATH of every explorer?") from None
-    found = getattr(module, attr, None)
-    if found is None:
-        raise ValueError(f"environment {name!r}: module {module_name!r} has no class {attr!r}")
+    found = resolve_object(spec, what="environment", kind="class", builtins=BUILTIN_ENVIRONMENTS)
     missing = [method for method in ("reset", "step") if not callable(getattr(found, method, None))]
     if not isinstance(found, type) or missing:
         what = f"has no {' or '.join(missing)} method" if isinstance(found, type) else "is not a class"
-        raise ValueError(f"environment {name!r}: {module_name}.{attr} {what}; an environment is a class with "
-                         "reset(task) and step(model_text) (rolectl.roles.engines.agent.Environment)")
+        raise ValueError(f"environment {name!r}: {spec} {what}; an environment is a class with reset(task) and "
+                         "step(model_text) (rolectl.roles.engines.agent.Environment)")
     return found
 
 
@@ -79,8 +71,9 @@ class AgentSection(Section):
     (docs/agents.md)."""
 
     environment: Name
-    """The environment: a built-in (`tools`, `hidden_reverse`) or your own class as `module:Class`,
-    imported from the Python path of every explorer."""
+    """The environment: a built-in (`tools`, `hidden_reverse`) or your own class as `module:Class`
+    (imported from the working directory or the Python path) or `path/to/file.py:Class`; every
+    explorer imports it."""
     args: Annotated[dict[str, Any], Strict()] = {}
     """Keyword arguments the environment's class is built with, one instance per episode."""
     max_turns: PositiveInt = 4

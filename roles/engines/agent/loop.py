@@ -36,7 +36,7 @@ import structlog
 
 from rolectl.sync_protocol.experience import Experience, version_runs
 
-from ..base import Task
+from ..base import PausePoint, Task
 from ..rewards import WeightedReward, score_all
 from .config import AgentSection, resolve_environment
 from .environment import StepResult, TurnGenerator, TurnOutput
@@ -180,6 +180,11 @@ class AgentLoop:
                  rewards: Sequence[WeightedReward] = ()) -> None:
         self.section = section
         self.environment = resolve_environment(section.environment)
+        # a class may say how it is built from the whole section (the tool environment: its tools,
+        # resolved once); else one instance per episode from `args`
+        for_agent = getattr(self.environment, "for_agent", None)
+        self.new_environment: Callable[[], Any] = for_agent(section) if callable(for_agent) else \
+            (lambda: self.environment(**section.args))
         self.generator = generator
         self.renderer = renderer
         self.group_size = group_size
@@ -194,8 +199,11 @@ class AgentLoop:
         self._calls = EnvCalls()
         self.log = structlog.get_logger("rolectl.agent").bind(member=member)
 
-    def rollout(self, tasks: Sequence[Task], *, explore_step: int) -> list[Experience]:
-        """`group_size` episodes per task; ids and groups as a single-turn rollout gives them."""
+    def rollout(self, tasks: Sequence[Task], *, explore_step: int,
+                pause_point: PausePoint | None = None) -> list[Experience]:
+        """`group_size` episodes per task; ids and groups as a single-turn rollout gives them. With
+        `pause_point` (partial rollouts) a newer version waiting is loaded between two model turns:
+        each turn's tokens carry the version that sampled them."""
         self._counts = Counter()
         episodes = [_Episode(task_idx=i, k=k, task=task) for i, task in enumerate(tasks)
                     for k in range(self.group_size)]
@@ -204,6 +212,8 @@ class AgentLoop:
             live = [e for e in episodes if e.live]
             if not live:
                 break
+            if pause_point is not None and pause_point.pending():
+                pause_point.load()
             self._model_turn(live, explore_step=explore_step, turn=turn)
             self._environment_turn([e for e in live if e.live], turn=turn)
         experiences = [self._experience(e, explore_step) for e in episodes]
@@ -214,7 +224,7 @@ class AgentLoop:
 
     def _reset(self, episodes: list[_Episode]) -> None:
         def start(episode: _Episode) -> tuple[Any, Any]:
-            env = self.environment(**self.section.args)
+            env = self.new_environment()
             return env, env.reset(episode.task)
 
         outcomes = self._calls.run([lambda e=e: start(e) for e in episodes], self.section.step_timeout_s)
@@ -298,7 +308,7 @@ class AgentLoop:
         total = sum(reward * discount ** t for t, reward in enumerate(episode.rewards))
         if not self.rewards or episode.last_text is None:
             return total, {}
-        scored, scores = score_all(self.rewards, episode.last_text, episode.task.answer)
+        scored, scores = score_all(self.rewards, episode.last_text, episode.task)
         return total + scored, scores
 
     def _experience(self, episode: _Episode, explore_step: int) -> Experience:

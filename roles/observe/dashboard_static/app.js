@@ -210,6 +210,17 @@ function renderKpis(s) {
   const st = s.staleness;
   $("staleness").textContent = st.mean != null ? st.mean.toFixed(2) : "–";
   $("staleness-sub").textContent = st.mean != null ? `versions behind · ${fmtNum(st.dropped_total, 0)} dropped` : "no trainer step yet";
+  const ag = s.agent;  // agent jobs only
+  $("agent-kpi").hidden = !ag;
+  if (ag) {
+    $("agent-turns").textContent = fmtNum(ag.turns_mean, 2);
+    const calls = Object.values(ag.tool_calls).flatMap((o) => Object.entries(o));
+    const ok = calls.filter(([k]) => k === "ok").reduce((a, [, v]) => a + v, 0);
+    const all = calls.reduce((a, [, v]) => a + v, 0);
+    const errors = Object.values(ag.env_errors).reduce((a, v) => a + v, 0);
+    $("agent-sub").textContent = `${fmtNum(ag.episodes, 0)} episodes · tool calls ${fmtNum(ok, 0)} ok of ${fmtNum(all, 0)}` +
+      ` · ${fmtNum(errors, 0)} env errors · ${fmtNum(ag.truncated, 0)} truncated`;
+  }
   const sv = s.served;  // serve mode only
   $("served-kpi").hidden = !sv;
   if (sv) {
