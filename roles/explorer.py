@@ -241,14 +241,16 @@ class Explorer:
         view, told = self.s.view, self._told_seq
         await view.wait_for(lambda v: v.last_seq >= told, timeout=120.0, what=f"our report (seq {told}) folded")
         if self._alone_past_the_bound(view):  # the synchronizer's verdict on our report is sure to come
-            await self.s.wait_decision(lambda d: d if isinstance(d, (ExplorerPaused, ExplorersResumed)) else None,
-                                       # addressed to us: a pause of ours, or a resume of all
-                                       after=told, what="the synchronizer to pace us (synchronizer.max_ahead)",
-                                       give_up=self._trainer_gone_for_good, detail=self._who_is_missing)
+            # caused by our report or later (a resume the synchronizer records after our report may
+            # answer an earlier one): a pause addressed to us, or a resume of all
+            await self.s.wait_decision(
+                lambda d: d if isinstance(d, (ExplorerPaused, ExplorersResumed)) and d.cause_seq >= told else None,
+                after=told, what="the synchronizer to pace us (synchronizer.max_ahead)",
+                give_up=self._trainer_gone_for_good, detail=self._who_is_missing)
         pause = view.pause_of(self.s.key)
         if pause is None:
             return
-        at, started = view.last_seq, time.monotonic()
+        at, started = pause.cause_seq, time.monotonic()  # any resume after our pause is caused later
         self.log.info("explorer_paused", step=self.explore_step, produced=pause.produced, consumed=pause.consumed,
                       limit=pause.limit)
         resumed = await self.s.wait_decision(
@@ -262,11 +264,12 @@ class Explorer:
         """Whether our tasks alone reach the bound past the trainer's: our report then pauses us
         (unless the trainer finished); otherwise only the pace decisions say (our view does not fold
         the other explorers' tasks: we may start one step before a pause reaches us)."""
-        trainer = view.trainer
-        if trainer is None or trainer.finished:
+        trainer = view.trainer  # none yet: it took nothing
+        if trainer is not None and trainer.finished:
             return False
         unit = self.cfg.trainer.train_batch_tasks or self.cfg.buffer.batch_size
-        return self.tasks_produced - trainer.tasks >= (self.sync.max_ahead + 1) * unit
+        taken = trainer.tasks if trainer is not None else 0
+        return self.tasks_produced - taken >= (self.sync.max_ahead + 1) * unit
 
     @property
     def replaced(self) -> bool:
