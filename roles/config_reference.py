@@ -35,10 +35,12 @@ from .config_base import _BOUNDS, _options, _unwrap
 from .engines.sections import (
     AlgorithmSection,
     DataSection,
+    ExpertDataSection,
     FSDPModelSection,
     FSDPSection,
     HFBuildSection,
     HFModelSection,
+    SFTSection,
     TinyModelSection,
 )
 
@@ -63,6 +65,7 @@ synchronizer reads the engine's sections as written and leaves them to those rol
 # Sections in file order: (heading, model, what the heading's path is)
 _SECTIONS: tuple[tuple[str, type[BaseModel], str], ...] = (
     ("trainer", TrainerConfig, ""),
+    ("trainer.expert_data", ExpertDataSection, ""),
     ("explorers", ExplorerConfig, ""),
     ("buffer", BufferConfig, ""),
     ("transport", TransportConfig, ""),
@@ -82,8 +85,9 @@ _SECTIONS: tuple[tuple[str, type[BaseModel], str], ...] = (
                           "and refuses it). "),
     ("algorithm", AlgorithmSection, "Optional for `engine: hf` and `engine: fsdp` (these defaults); the tiny "
                                     "engine has its own loss and refuses it. "),
+    ("sft", SFTSection, "Required by `stage: sft` (`engine: hf` or `fsdp`); docs/stages.md. "),
 )
-_TOP_LEVEL = ("job", "nats_url", "run_dir", "archive_dir", "log_level")
+_TOP_LEVEL = ("job", "nats_url", "run_dir", "archive_dir", "log_level", "stage")
 _KINDS = {int: "integer", float: "number", bool: "boolean", str: "string", dict: "mapping"}
 
 

@@ -1,0 +1,93 @@
+"""The rules across a job's sections (`JobConfig`'s last validator): each a function of the whole
+job, returning its problems as (dotted path, what to write instead). Apart from `roles.config` so
+that file stays the sections themselves; this module reads a job's attributes and imports no model."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .engines.sections import READS_DATA
+
+__all__ = ["cross_section_problems"]
+
+
+def cross_section_problems(cfg: Any, *, check_engines: bool) -> list[tuple[str, str]]:
+    """Every rule's problems; with `check_engines`, also what the engines need and the eval file."""
+    problems = [*_over_rollout_problems(cfg), *_wire_dtype_problems(cfg), *_world_size_problems(cfg),
+                *_stage_problems(cfg)]
+    if check_engines:
+        problems += [*_engine_problems(cfg), *_eval_problems(cfg)]
+    return problems
+
+
+def _engine_problems(cfg: Any) -> list[tuple[str, str]]:
+    # Each engine says what it needs beyond its typed sections (libraries, the sections it reads).
+    from rolectl.roles.engines import EngineSections, engine_config_problems
+
+    return engine_config_problems(EngineSections.of(cfg))
+
+
+def _over_rollout_problems(cfg: Any) -> list[tuple[str, str]]:
+    # A train step that needs more tasks than a round of cut steps brings would stall every round
+    # (explorers wait for a version the trainer cannot train) until the sync timeout.
+    ratio = cfg.explorers.over_rollout_ratio
+    if not ratio:
+        return []
+    per_step = math.ceil(cfg.buffer.batch_size * (1 - ratio))
+    per_round = cfg.explorers.count * per_step
+    needed = cfg.trainer.train_batch_tasks or cfg.buffer.batch_size
+    if needed <= per_round:
+        return []
+    return [("explorers.over_rollout_ratio",
+             f"{ratio:g} keeps {per_step} of each step's {cfg.buffer.batch_size} tasks, {per_round} per round of "
+             f"{cfg.explorers.count} explorers, fewer than the {needed} a train step takes; set "
+             f"trainer.train_batch_tasks: {per_round} (or lower the ratio)")]
+
+
+def _wire_dtype_problems(cfg: Any) -> list[tuple[str, str]]:
+    method = cfg.synchronizer.sync_method
+    if cfg.transport.wire_dtype is None or not method.is_rendezvous:
+        return []
+    return [("transport.wire_dtype", f"applies to the pull methods (memory, checkpoint), not to {method.value}: "
+                                     "remove it, or set model.dtype for what the explorers load")]
+
+
+def _world_size_problems(cfg: Any) -> list[tuple[str, str]]:
+    if cfg.trainer.world_size == 1 or cfg.model.engine == "fsdp":
+        return []
+    return [("trainer.world_size", f"{cfg.trainer.world_size} ranks need a sharded engine: set "
+                                   "`model.engine: fsdp`, or world_size: 1")]
+
+
+def _stage_problems(cfg: Any) -> list[tuple[str, str]]:
+    """A stage's section is there when (and only when) the job is that stage, on an engine that
+    trains stages; what only RL reads is not set on a stage, and the other way round."""
+    problems = []
+    stage, engine = cfg.stage, cfg.model.engine
+    if stage == "sft" and cfg.sft is None:
+        problems.append(("sft", "required by `stage: sft`: `sft: {path: FILE, epochs, batch_size, ...}` "
+                                "(docs/stages.md)"))
+    if stage != "sft" and cfg.sft is not None:
+        problems.append(("sft", f"read only by `stage: sft` (this job is `stage: {stage}`): set stage: sft, "
+                                "or remove the section"))
+    if stage != "rl" and engine not in READS_DATA:
+        problems.append(("stage", f"{stage} runs on the hf or fsdp engine (model.engine), not {engine}"))
+    if stage != "rl" and cfg.trainer.expert_data is not None:
+        problems.append(("trainer.expert_data", f"mixes demonstrations into RL train steps; a `stage: {stage}` "
+                                                "job trains on its own section's file: remove it"))
+    if cfg.trainer.expert_data is not None and engine not in READS_DATA:
+        problems.append(("trainer.expert_data", f"needs the hf or fsdp trainer, not {engine}"))
+    if stage == "rl" and getattr(cfg.model, "init_from", None):
+        problems.append(("model.init_from", "starts a trainer-only stage from a checkpoint; an RL job starts "
+                                            "from a stage's Hugging Face export: name it as model.path"))
+    return problems
+
+
+def _eval_problems(cfg: Any) -> list[tuple[str, str]]:
+    # The eval file is read like a task file, by the engines (it needs `datasets`).
+    if cfg.eval.path is None:
+        return []
+    from rolectl.roles.engines.evaluation import eval_config_problems
+
+    return eval_config_problems(cfg)
