@@ -34,6 +34,7 @@ from .sections import (
     HFModelSection,
     ModelSection,
     OpenModelSection,
+    SFTSection,
     TinyModelSection,
 )
 from .task import ReverseDigitsTaskSet, score_response
@@ -113,6 +114,12 @@ class EngineSections:
     tensor_parallel_size: int = 1
     wire_dtype: str | None = None
     """`transport.wire_dtype`: the dtype rollout engines hold and serve (they receive it)."""
+    stage: str = "rl"
+    """`stage`: `rl`, or a trainer-only stage (`sft`) whose section is `stage_section`."""
+    stage_section: Any = None
+    """The stage's section (`sft:`), whose files a built model's vocabulary covers; None for RL."""
+    expert_data: Any = None
+    """`trainer.expert_data`: demonstrations the trainer mixes into RL steps; None without."""
 
     @classmethod
     def of(cls, job: Any) -> EngineSections:
@@ -124,8 +131,12 @@ class EngineSections:
         data, algorithm = job.data, job.algorithm
         if model.engine in READS_DATA:
             data, algorithm = _typed(DataSection, data, "data"), _typed(AlgorithmSection, algorithm, "algorithm")
+        stage_section = getattr(job, job.stage, None) if job.stage != "rl" else None
+        if model.engine in READS_DATA and job.stage == "sft":
+            stage_section = _typed(SFTSection, stage_section, "sft")
         return cls(model=model, data=data, algorithm=algorithm, explorer_count=job.explorers.count,
-                   tensor_parallel_size=job.explorers.tensor_parallel_size, wire_dtype=job.transport.wire_dtype)
+                   tensor_parallel_size=job.explorers.tensor_parallel_size, wire_dtype=job.transport.wire_dtype,
+                   stage=job.stage, stage_section=stage_section, expert_data=job.trainer.expert_data)
 
 
 def _model_section(value: Any) -> AnyModelSection:
@@ -208,7 +219,7 @@ def _hf_problems(sections: EngineSections) -> list[tuple[str, str]]:
     except ImportError as exc:
         problems.append(("model.engine", f"the hf engine needs transformers and datasets ({exc}); "
                                          "pip install -e '.[hf]' (docs/engines.md)"))
-    if sections.data is None:
+    if sections.data is None and sections.stage == "rl":
         problems.append(("data", _DATA_REQUIRED))
     from .algorithms import verl_import_problem
 
@@ -231,21 +242,35 @@ def _hf_problems(sections: EngineSections) -> list[tuple[str, str]]:
 
 
 def _hf_parts(sections: EngineSections):
-    """The hf engines' model section (an `fsdp` trainer's is an hf model too), data section, and model
-    directory (built first when `model.build` says how)."""
+    """The hf engines' model section (an `fsdp` trainer's is an hf model too), data section (None for
+    a trainer-only stage without one), and model directory (built first when `model.build` says
+    how: its vocabulary from `data.path` and the stage's files)."""
     from .hf_model import ensure_model
 
     model, data = sections.model, sections.data
-    if not isinstance(data, DataSection):
+    if not isinstance(data, DataSection) and sections.stage == "rl":
         raise _invalid([("data", _DATA_REQUIRED)])
-    return model, data, ensure_model(model, data_path=data.path)
+    data = data if isinstance(data, DataSection) else None
+    return model, data, ensure_model(model, data_path=data.path if data else None, words=lambda: _stage_words(sections))
+
+
+def _stage_words(sections: EngineSections) -> set[str]:
+    """The words of a stage's files (training and eval), for a built model's vocabulary."""
+    section = sections.stage_section
+    if section is None:
+        return set()
+    from .sft import words_of
+
+    name = sections.stage
+    return set().union(*(words_of(path, section, name=name) for path in (section.path, section.eval_path) if path))
 
 
 def _hf_train(sections: EngineSections) -> TrainEngine:
     from .hf import HFTrainEngine
 
     model, _, path = _hf_parts(sections)
-    return HFTrainEngine(model, sections.algorithm or AlgorithmSection(), model_path=path)
+    return HFTrainEngine(model, sections.algorithm or AlgorithmSection(), model_path=path,
+                         expert=sections.expert_data)
 
 
 def _fsdp_train(sections: EngineSections) -> TrainEngine:
@@ -253,7 +278,8 @@ def _fsdp_train(sections: EngineSections) -> TrainEngine:
 
     model, _, path = _hf_parts(sections)
     assert isinstance(model, FSDPModelSection)
-    return FSDPTrainEngine(model, sections.algorithm or AlgorithmSection(), model_path=path)
+    return FSDPTrainEngine(model, sections.algorithm or AlgorithmSection(), model_path=path,
+                           expert=sections.expert_data)
 
 
 def _rollout_sections(sections: EngineSections) -> EngineSections:
@@ -268,7 +294,8 @@ def _hf_rollout(sections: EngineSections, member: str) -> RolloutEngine:
     from .rewards import parse_reward_specs
 
     model, data, path = _hf_parts(_rollout_sections(sections))
-    return HFRolloutEngine(model, parse_reward_specs(data.rewards), member=member, model_path=path)
+    rewards = parse_reward_specs(data.rewards) if data is not None else ()  # a stage's evaluator scores itself
+    return HFRolloutEngine(model, rewards, member=member, model_path=path)
 
 
 def _vllm_rollout(sections: EngineSections, member: str) -> RolloutEngine:

@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -40,25 +41,27 @@ HFModelConfig = HFModelSection  # the `model:` section of the hf engines, as the
 _BUILD_DEFAULTS = HFBuildSection().model_dump()
 
 
-def _word_vocab(data_path: str | None) -> list[str]:
-    if not data_path:
-        raise ValueError("model.build makes a word-level tokenizer from the words of data.path; give data.path")
-    from .data import DataConfig, load_rows
+def _word_vocab(data_path: str | None, more: set[str]) -> list[str]:
+    if not data_path and not more:
+        raise ValueError("model.build makes a word-level tokenizer from the words of data.path (and of a stage's "
+                         "files); give data.path")
+    words = set(more)
+    if data_path:
+        from .data import DataConfig, load_rows
 
-    words: set[str] = set()
-    for prompt, answer in load_rows(DataConfig(path=data_path)):
-        words.update(prompt.split())
-        words.update(answer.split())
-    return [*SPECIAL_TOKENS, *sorted(words)]
+        for prompt, answer in load_rows(DataConfig(path=data_path)):
+            words.update(prompt.split())
+            words.update(answer.split())
+    return [*SPECIAL_TOKENS, *sorted(words - set(SPECIAL_TOKENS))]
 
 
-def _build(config: HFModelConfig, data_path: str | None, out: Path) -> None:
+def _build(config: HFModelConfig, data_path: str | None, more: set[str], out: Path) -> None:
     """Save a random-init model and its word-level tokenizer under `out`."""
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     spec = config.build.model_dump() if config.build is not None else _BUILD_DEFAULTS
-    vocab = _word_vocab(data_path)
+    vocab = _word_vocab(data_path, more)
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
@@ -85,8 +88,10 @@ def _build(config: HFModelConfig, data_path: str | None, out: Path) -> None:
     (out / _BUILD_MARKER).write_text(json.dumps({"build": spec, "vocab": len(vocab)}, indent=1))
 
 
-def ensure_model(config: HFModelConfig, *, data_path: str | None = None) -> Path:
-    """`model.path`, built first when it is missing and `model.build` says how.
+def ensure_model(config: HFModelConfig, *, data_path: str | None = None,
+                 words: Callable[[], set[str]] | None = None) -> Path:
+    """`model.path`, built first when it is missing and `model.build` says how (its vocabulary: the
+    words of `data_path`, and `words()`: a stage's files).
 
     Built in a temporary directory beside it and renamed into place: concurrent builders (a trainer
     and explorers started at once) each build the same bytes from the seed; the first rename wins.
@@ -106,7 +111,7 @@ def ensure_model(config: HFModelConfig, *, data_path: str | None = None) -> Path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
     try:
-        _build(config, data_path, tmp)
+        _build(config, data_path, words() if words is not None else set(), tmp)
         try:
             os.rename(tmp, path)
         except OSError:

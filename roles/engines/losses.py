@@ -48,6 +48,9 @@ class TrainBatch:
     """float: per-token advantages (read where `loss_mask` is set)."""
     rewards: Tensor
     """float `(rows,)`: one scalar reward per sequence."""
+    demonstration: Tensor | None = None
+    """bool `(rows,)`: the row is a demonstration (SFT's rows, or those `trainer.expert_data` mixes
+    into an RL step, trained with the SFT loss); None: no row is (`roles.engines.sft`)."""
 
     def __len__(self) -> int:
         return len(self.groups)
@@ -89,6 +92,9 @@ class MicroBatch:
     """`loss_mask` tokens of the whole minibatch, every rank's rows: a token-mean's denominator."""
     num_sequences: int
     """Sequences of the whole minibatch, every rank's rows: a sequence-mean's denominator."""
+    minibatch: Sequence[int] = ()
+    """The whole minibatch's rows, every rank's: a loss over some of them (`sft.OnRows`) counts its
+    own `num_tokens` and `num_sequences` there."""
 
     def take(self, tensor: Tensor) -> Tensor:
         """This micro-batch's rows of a batch tensor `(rows, ...)`, cut to `width` when it has a token axis."""
