@@ -30,7 +30,7 @@ from rolectl.bus.logging import setup_logging
 from rolectl.bus.security import redact
 from rolectl.bus.server import NatsServer, NatsServerError
 from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream
-from rolectl.roles.config import EnvSettings, JobConfig
+from rolectl.roles.config import ENGINE_SECTIONS, EnvSettings, JobConfig
 from rolectl.roles.exit_codes import ExitCode
 from rolectl.roles.launch.base import Launcher, RoleHandle
 from rolectl.roles.observe.dashboard import start_dashboard
@@ -142,9 +142,10 @@ def write_config(cfg: JobConfig, path: Path) -> None:
         "eval": cfg.eval.model_dump(mode="json"),
         "monitor": cfg.monitor.model_dump(mode="json"),
         "serve": cfg.serve.model_dump(mode="json"),
-        # the engine's sections as the file wrote them (what it left out stays a default)
+        "stage": cfg.stage,
+        # the engine's sections (and the stages') as the file wrote them (what it left out stays a default)
         **{name: section if section is None else section.model_dump(mode="json", exclude_unset=True)
-           for name, section in (("model", cfg.model), ("data", cfg.data), ("algorithm", cfg.algorithm))},
+           for name, section in ((name, getattr(cfg, name)) for name in ENGINE_SECTIONS)},
     }
     path.write_text(yaml.safe_dump(data, sort_keys=False))
 
@@ -248,7 +249,7 @@ class _Supervision:
         self.auth = auth
         self.observer = auth.security("observer") if auth is not None else None
         self.started = time.monotonic()
-        self.everyone: list[RoleHandle] = []  # the synchronizer, the trainer, the explorers
+        self.everyone: list[RoleHandle] = []  # the synchronizer, the trainer, the explorers (a stage: its trainer)
         self.stop = asyncio.Event()  # the first Ctrl-C / SIGTERM: stop the roles in order
         self.hurry = asyncio.Event()  # the second: kill them now
         self.progress = _Progress(cfg.trainer.total_steps)
@@ -256,7 +257,7 @@ class _Supervision:
     @property
     def workers(self) -> list[RoleHandle]:
         """The trainer and the explorers: the job is done when each of them exited 0."""
-        return self.everyone[1:]
+        return [handle for handle in self.everyone if handle.role != "sync"]
 
     # -- start -------------------------------------------------------------------------------------
     async def provision(self) -> bool:
@@ -272,8 +273,10 @@ class _Supervision:
         return True
 
     def start(self) -> None:
-        """Every role in `ROLE_ORDER`, then Ctrl-C / SIGTERM caught: once to stop, twice to kill."""
-        self.everyone = [self.launcher.start("sync", "sync-0"), self.launcher.start("trainer", "trainer"),
+        """Every role in `ROLE_ORDER` (a trainer-only stage: its trainer alone, nothing to sync), then
+        Ctrl-C / SIGTERM caught: once to stop, twice to kill."""
+        sync = [] if self.cfg.trainer_only else [self.launcher.start("sync", "sync-0")]
+        self.everyone = [*sync, self.launcher.start("trainer", "trainer"),
                          *(self.launcher.start("explorer", e) for e in self.cfg.explorer_ids())]
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -297,6 +300,9 @@ class _Supervision:
         with Live(_progress_view(cfg, view, everyone, self.progress), console=console, refresh_per_second=2,
                   transient=not console.is_terminal) as live:
             while True:
+                trainer = view.state.trainer_state
+                if trainer is not None and trainer.metrics.get("total_steps"):  # a stage counts its own
+                    self.progress.total = int(trainer.metrics["total_steps"])
                 self.progress.update(view.trainer_steps, time.monotonic())
                 if cfg.serve.enabled:
                     _print_serve_urls(cfg, served, everyone)
@@ -366,8 +372,8 @@ class _Supervision:
                            monitor_dir=str(cfg.monitor_dir))
         summary.update(extra_summary or {})
         summary.update(engine_summary(cfg.model, records))
-        if (cfg.hf_export_dir / "final").is_dir():
-            summary["hf_model_dir"] = str(cfg.hf_export_dir / "final")
+        if cfg.final_export_dir.is_dir():
+            summary["hf_model_dir"] = str(cfg.final_export_dir.resolve())
         self._write_summary(summary, summary_path, events_file)
         return exit_code
 
