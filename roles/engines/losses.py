@@ -51,6 +51,9 @@ class TrainBatch:
     demonstration: Tensor | None = None
     """bool `(rows,)`: the row is a demonstration (SFT's rows, or those `trainer.expert_data` mixes
     into an RL step, trained with the SFT loss); None: no row is (`roles.engines.sft`)."""
+    chosen: Tensor | None = None
+    """bool `(rows,)` of preference pairs (each group two rows, `prompt` + two responses): the
+    preferred row of its pair; None for any other batch (`roles.engines.dpo`)."""
 
     def __len__(self) -> int:
         return len(self.groups)
