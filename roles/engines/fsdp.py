@@ -85,7 +85,7 @@ class FSDPTrainEngine(StageTraining):
     """Trainer side of the `fsdp` engine; one instance per rank."""
 
     def __init__(self, config: FSDPModelSection, algorithm: AlgorithmConfig, *, model_path: Path,
-                 expert: Any = None) -> None:
+                 expert: Any = None, keep_reference: bool = False) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
         self.config = config
@@ -105,8 +105,11 @@ class FSDPTrainEngine(StageTraining):
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.lora = config.lora
         self.model = self._sharded_model(trainable=True)
+        # The frozen reference of the KL anchor (`algorithm.kl_coef`) or of a stage (DPO:
+        # `keep_reference`): the base under a fresh adapter (no copy), else the starting weights
+        # sharded as the model is, without gradients or optimizer state (1/N of the weights per rank).
         self.reference: Any = None
-        if algorithm.kl_coef > 0:  # the KL anchor: the base under the adapter, or version 0 frozen
+        if algorithm.kl_coef > 0 or keep_reference:
             self.reference = (AdapterDisabled(self.model) if self.lora is not None
                               else self._sharded_model(trainable=False))
         trained = [p for p in self.model.parameters() if p.requires_grad]

@@ -145,7 +145,7 @@ class HFTrainEngine(StageTraining):
     """Trainer side of the `hf` engine."""
 
     def __init__(self, config: HFModelConfig, algorithm: AlgorithmConfig, *, model_path: Path,
-                 expert: Any = None) -> None:
+                 expert: Any = None, keep_reference: bool = False) -> None:
         self.config = config
         self.algorithm_config = algorithm
         torch.manual_seed(config.seed)
@@ -155,11 +155,8 @@ class HFTrainEngine(StageTraining):
             self.model.gradient_checkpointing_enable()
         self.model.train()
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self.reference = None
-        if algorithm.kl_coef > 0 and config.lora is not None:  # the KL anchor: the frozen base model
-            self.reference = AdapterDisabled(self.model)
-        elif algorithm.kl_coef > 0:  # the KL anchor: version 0, frozen
-            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+        # the KL anchor (`algorithm.kl_coef`) or a stage's reference (DPO: `keep_reference`)
+        self.reference = self._frozen_reference() if algorithm.kl_coef > 0 or keep_reference else None
         trained = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trained, lr=config.lr, weight_decay=config.weight_decay)
         self.algorithm = VerlAlgorithm(algorithm, group_size=config.group_size)
@@ -185,6 +182,14 @@ class HFTrainEngine(StageTraining):
         self.step = 0
         if config.init_from:
             self.load_weights_from(Path(config.init_from))
+
+    def _frozen_reference(self) -> Any:
+        """The frozen model a loss that `needs_reference` compares with: the weights the engine starts
+        from. Under `model.lora` the base with the adapter disabled (a fresh adapter adds nothing, so
+        that is the start, and costs no copy); else a frozen copy (the weights' memory once more)."""
+        if self.config.lora is not None:
+            return AdapterDisabled(self.model)
+        return copy.deepcopy(self.model).eval().requires_grad_(False)
 
     def train_step(self, experiences: Sequence[Experience], *, current_version: int) -> dict[str, float]:
         batch, trained, loss_fn = self._rl_batch(experiences, self.algorithm.advantages, self.loss_fn)

@@ -124,7 +124,7 @@ class TrainStep:
         if loss_fn.needs_reference and self.reference is None:
             name = str(loss_fn) if isinstance(loss_fn, LossSum) else type(loss_fn).__name__
             raise ValueError(f"the loss {name} needs a frozen reference model and this engine has none "
-                             "(it keeps one when algorithm.kl_coef > 0)")
+                             "(it keeps one when algorithm.kl_coef > 0, and for `stage: dpo`)")
         group_order = list(dict.fromkeys(batch.groups))
         count = min(self.minibatches, len(group_order))
         losses, grad_norms, skipped = [], [], 0

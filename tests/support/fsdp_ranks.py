@@ -10,6 +10,8 @@ each scenario writes what the test asserts on under WORKDIR/<scenario>/.
 - `resume`: load `train`'s checkpoint, then the same 4th step (with gradient checkpointing).
 - `lora-train`, `lora-resume`: the same under `model.lora` (checkpoint `lora-ckpt`, export `lora-hf`,
   merged too).
+- `dpo-train`: 3 DPO steps on the preference pairs of `pairs.json` (the frozen reference kept as a
+  `stage: dpo` keeps it), a checkpoint `dpo-ckpt`, then a 4th; `dpo-resume`: load it, the same 4th.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from safetensors.torch import save_file
 
 from rolectl.roles.config import parse_config
 from rolectl.roles.engines import make_train_engine
+from rolectl.roles.engines.dpo import DPOLoss, TokenPair, preference_batch
 from rolectl.roles.engines.fsdp import FSDPTrainEngine
+from rolectl.roles.engines.losses import TrainBatch
 from rolectl.roles.launch.ranks import RankLayout, supervise_ranks
 from rolectl.sync_protocol.experience import Experience
 from tests.support.tiny_llm import data_section, model_section
@@ -38,6 +42,7 @@ BUCKET_BYTES = 16 << 10
 PROBE = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 4, 5, 6]]
 FSDP_SETTINGS = {"engine": "fsdp", "group_size": 3, "minibatches": 2, "micro_batch_size": 1}
 ALGORITHM = {"kl_coef": 0.05}  # exercises the sharded frozen reference model too
+DPO_BETA = 0.5
 LORA = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"], "merge_on_save": True}
 
 
@@ -65,6 +70,45 @@ def load_batches(workdir: Path) -> list[list[Experience]]:
             for batch in json.loads((workdir / "experiences.json").read_text())]
 
 
+def load_pair_batches(workdir: Path) -> list[TrainBatch]:
+    return [preference_batch([TokenPair(id=p["id"], prompt=tuple(p["prompt"]), chosen=tuple(p["chosen"]),
+                                        rejected=tuple(p["rejected"])) for p in batch])
+            for batch in json.loads((workdir / "pairs.json").read_text())]
+
+
+def dpo_step(engine, batch: TrainBatch) -> dict:
+    """One DPO train step: the one training step with the DPO loss; its loss and the loss's metrics."""
+    result = engine.update.train_batch(batch, DPOLoss(beta=DPO_BETA))
+    engine.step += 1
+    return {"loss": result.loss, "grad_norm": result.grad_norm, **result.metrics}
+
+
+def _dpo(scenario: str, workdir: Path, out: Path) -> None:
+    """The `dpo-` scenarios: an fsdp engine that keeps the frozen reference, DPO steps, a checkpoint."""
+    from rolectl.roles.engines.algorithms import AlgorithmConfig
+    from rolectl.roles.engines.sections import FSDPModelSection
+
+    section = FSDPModelSection.model_validate(model_section(workdir / "model", **FSDP_SETTINGS))
+    engine = FSDPTrainEngine(section, AlgorithmConfig(), model_path=workdir / "model", keep_reference=True)
+    rank, batches = engine.rank, load_pair_batches(workdir)
+    report: dict = {"rank": rank, "world_size": engine.world_size}
+    if scenario == "dpo-train":
+        report["metrics"] = [dpo_step(engine, batch) for batch in batches[:3]]
+        weights = engine.weights()
+        if rank == 0:
+            save_file(weights, str(out / "weights-3.safetensors"))
+        engine.save_checkpoint(workdir / "dpo-ckpt")
+    else:
+        engine.load_checkpoint(workdir / "dpo-ckpt")
+        report["step_after_load"] = engine.step
+    report["metrics_4"] = dpo_step(engine, batches[3])
+    weights = engine.weights()
+    if rank == 0:
+        save_file(weights, str(out / "weights-4.safetensors"))
+    (out / f"report-{rank}.json").write_text(json.dumps(report))
+    engine.close()
+
+
 def probe_logits(engine: FSDPTrainEngine) -> torch.Tensor:
     with torch.no_grad():
         return engine.model(input_ids=torch.tensor(PROBE)).logits.float()
@@ -74,6 +118,9 @@ def main(scenario: str, workdir: Path) -> None:
     faulthandler.dump_traceback_later(RANK_TIMEOUT_S, exit=True)
     out = workdir / scenario
     out.mkdir(exist_ok=True)
+    if scenario.startswith("dpo-"):
+        _dpo(scenario, workdir, out)
+        return
     lora = scenario.startswith("lora-")
     prefix = "lora-" if lora else ""
     # Resuming recomputes activations in backward: the same step, by another path.
