@@ -58,6 +58,7 @@ from .engines.sections import (
     STAGES,
     AlgorithmField,
     DataField,
+    DPOField,
     ExpertDataSection,
     ModelSection,
     OpenModelSection,
@@ -424,9 +425,13 @@ class JobConfig(Section):
     stage: Literal[STAGES] = "rl"  # type: ignore[valid-type]
     """What the job trains: `rl` (explorers sample, a synchronizer syncs, the trainer learns from
     rewards), or a trainer-only stage over a data file that `rolectl up` runs alone: `sft`
-    (demonstrations, the `sft:` section). docs/stages.md: the pipeline from one stage to the next."""
+    (demonstrations, the `sft:` section) or `dpo` (preference pairs, the `dpo:` section).
+    docs/stages.md: the pipeline from one stage to the next."""
     sft: SFTField | None = None
     """Supervised fine-tuning's data, schedule and eval (`stage: sft`; `hf` / `fsdp` engines)."""
+    dpo: DPOField | None = None
+    """Direct preference optimisation's pairs, beta, loss, schedule and eval (`stage: dpo`; `hf` /
+    `fsdp` engines)."""
     source: str | None = Field(default=None, exclude=True)
     """The file it was loaded from (set by `load_config`, not written in a file)."""
 

@@ -35,6 +35,7 @@ from .config_base import _BOUNDS, _options, _unwrap
 from .engines.sections import (
     AlgorithmSection,
     DataSection,
+    DPOSection,
     ExpertDataSection,
     FSDPModelSection,
     FSDPSection,
@@ -86,6 +87,7 @@ _SECTIONS: tuple[tuple[str, type[BaseModel], str], ...] = (
     ("algorithm", AlgorithmSection, "Optional for `engine: hf` and `engine: fsdp` (these defaults); the tiny "
                                     "engine has its own loss and refuses it. "),
     ("sft", SFTSection, "Required by `stage: sft` (`engine: hf` or `fsdp`); docs/stages.md. "),
+    ("dpo", DPOSection, "Required by `stage: dpo` (`engine: hf` or `fsdp`); docs/stages.md. "),
 )
 _TOP_LEVEL = ("job", "nats_url", "run_dir", "archive_dir", "log_level", "stage")
 _KINDS = {int: "integer", float: "number", bool: "boolean", str: "string", dict: "mapping"}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .engines.sections import READS_DATA
+from .engines.sections import READS_DATA, STAGES
 
 __all__ = ["cross_section_problems"]
 
@@ -65,12 +65,13 @@ def _stage_problems(cfg: Any) -> list[tuple[str, str]]:
     trains stages; what only RL reads is not set on a stage, and the other way round."""
     problems = []
     stage, engine = cfg.stage, cfg.model.engine
-    if stage == "sft" and cfg.sft is None:
-        problems.append(("sft", "required by `stage: sft`: `sft: {path: FILE, epochs, batch_size, ...}` "
-                                "(docs/stages.md)"))
-    if stage != "sft" and cfg.sft is not None:
-        problems.append(("sft", f"read only by `stage: sft` (this job is `stage: {stage}`): set stage: sft, "
-                                "or remove the section"))
+    for name in STAGES[1:]:  # each trainer-only stage's section: `sft:`, `dpo:`
+        if stage == name and getattr(cfg, name) is None:
+            problems.append((name, f"required by `stage: {name}`: `{name}: {{path: FILE, epochs, batch_size, ...}}` "
+                                   "(docs/stages.md)"))
+        if stage != name and getattr(cfg, name) is not None:
+            problems.append((name, f"read only by `stage: {name}` (this job is `stage: {stage}`): set stage: "
+                                   f"{name}, or remove the section"))
     if stage != "rl" and engine not in READS_DATA:
         problems.append(("stage", f"{stage} runs on the hf or fsdp engine (model.engine), not {engine}"))
     if stage != "rl" and cfg.trainer.expert_data is not None:

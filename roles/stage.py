@@ -69,8 +69,21 @@ def _sft_loss(cfg: JobConfig) -> Any:
     return SFTLoss(cfg.sft.loss_agg_mode)
 
 
+def _dpo_data(cfg: JobConfig, tokenizer: Any) -> StageData:
+    from rolectl.roles.engines.dpo import DPOData
+
+    return DPOData(cfg.dpo, tokenizer)
+
+
+def _dpo_loss(cfg: JobConfig) -> Any:
+    from rolectl.roles.engines.dpo import DPOLoss
+
+    return DPOLoss(beta=cfg.dpo.beta, loss=cfg.dpo.loss)
+
+
 STAGE_DATA: dict[str, tuple[Callable[[JobConfig, Any], StageData], Callable[[JobConfig], Any]]] = {
     "sft": (_sft_data, _sft_loss),
+    "dpo": (_dpo_data, _dpo_loss),
 }
 """Per stage name: (its data from the job and the engine's tokenizer, its loss from the job alone:
 what every rank of a sharded trainer builds)."""
@@ -231,7 +244,8 @@ class StageRunner:
             self.save_interval > 0 and self.engine.step % self.save_interval == 0)
 
     async def _evaluate(self) -> dict[str, float]:
-        """The held-out file's loss, and each eval reward's mean over greedy generations."""
+        """The held-out file's loss (and the loss's own figures, `dpo/eval_accuracy` ...), and each
+        eval reward's mean over greedy generations."""
         started = time.monotonic()
         stage = self.cfg.stage
         figures: dict[str, float] = {}
@@ -240,6 +254,9 @@ class StageRunner:
             losses = [await asyncio.to_thread(self.engine.evaluate_batch, b, self.data.loss) for b in batches]
             sizes = [len(b) for b in batches]
             figures[f"{stage}/eval_loss"] = sum(r["loss"] * n for r, n in zip(losses, sizes)) / sum(sizes)
+            own = {key for key in losses[0] if key.startswith(f"{stage}/") and key != f"{stage}/loss"}
+            figures.update({f"{stage}/eval_{key.split('/', 1)[1]}": sum(r[key] * n for r, n in zip(losses, sizes))
+                            / sum(sizes) for key in sorted(own)})
         tasks = self.data.eval_tasks()
         if tasks:
             self.evaluator = self.evaluator or Evaluator(self.cfg)

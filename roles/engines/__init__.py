@@ -30,6 +30,7 @@ from .sections import (
     READS_DATA,
     AlgorithmSection,
     DataSection,
+    DPOSection,
     FSDPModelSection,
     HFModelSection,
     ModelSection,
@@ -38,6 +39,9 @@ from .sections import (
     TinyModelSection,
 )
 from .task import ReverseDigitsTaskSet, score_response
+
+_STAGE_SECTIONS = {"sft": SFTSection, "dpo": DPOSection}
+"""Each trainer-only stage's typed section, by stage name."""
 
 if TYPE_CHECKING:
     from .tiny import TinyConfig, TinyRolloutEngine, TinyTrainEngine
@@ -115,9 +119,9 @@ class EngineSections:
     wire_dtype: str | None = None
     """`transport.wire_dtype`: the dtype rollout engines hold and serve (they receive it)."""
     stage: str = "rl"
-    """`stage`: `rl`, or a trainer-only stage (`sft`) whose section is `stage_section`."""
+    """`stage`: `rl`, or a trainer-only stage (`sft`, `dpo`) whose section is `stage_section`."""
     stage_section: Any = None
-    """The stage's section (`sft:`), whose files a built model's vocabulary covers; None for RL."""
+    """The stage's section (`sft:`, `dpo:`), whose files a built model's vocabulary covers; None for RL."""
     expert_data: Any = None
     """`trainer.expert_data`: demonstrations the trainer mixes into RL steps; None without."""
 
@@ -132,8 +136,8 @@ class EngineSections:
         if model.engine in READS_DATA:
             data, algorithm = _typed(DataSection, data, "data"), _typed(AlgorithmSection, algorithm, "algorithm")
         stage_section = getattr(job, job.stage, None) if job.stage != "rl" else None
-        if model.engine in READS_DATA and job.stage == "sft":
-            stage_section = _typed(SFTSection, stage_section, "sft")
+        if model.engine in READS_DATA and job.stage in _STAGE_SECTIONS:
+            stage_section = _typed(_STAGE_SECTIONS[job.stage], stage_section, job.stage)
         return cls(model=model, data=data, algorithm=algorithm, explorer_count=job.explorers.count,
                    tensor_parallel_size=job.explorers.tensor_parallel_size, wire_dtype=job.transport.wire_dtype,
                    stage=job.stage, stage_section=stage_section, expert_data=job.trainer.expert_data)
@@ -259,7 +263,10 @@ def _stage_words(sections: EngineSections) -> set[str]:
     section = sections.stage_section
     if section is None:
         return set()
-    from .sft import words_of
+    if sections.stage == "dpo":
+        from .dpo import pair_words as words_of
+    else:
+        from .sft import words_of
 
     name = sections.stage
     return set().union(*(words_of(path, section, name=name) for path in (section.path, section.eval_path) if path))
@@ -270,7 +277,7 @@ def _hf_train(sections: EngineSections) -> TrainEngine:
 
     model, _, path = _hf_parts(sections)
     return HFTrainEngine(model, sections.algorithm or AlgorithmSection(), model_path=path,
-                         expert=sections.expert_data)
+                         expert=sections.expert_data, keep_reference=sections.stage == "dpo")
 
 
 def _fsdp_train(sections: EngineSections) -> TrainEngine:
@@ -279,7 +286,7 @@ def _fsdp_train(sections: EngineSections) -> TrainEngine:
     model, _, path = _hf_parts(sections)
     assert isinstance(model, FSDPModelSection)
     return FSDPTrainEngine(model, sections.algorithm or AlgorithmSection(), model_path=path,
-                           expert=sections.expert_data)
+                           expert=sections.expert_data, keep_reference=sections.stage == "dpo")
 
 
 def _rollout_sections(sections: EngineSections) -> EngineSections:

@@ -105,20 +105,13 @@ class FSDPTrainEngine(StageTraining):
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.lora = config.lora
         self.model = self._sharded_model(trainable=True)
-        # The frozen reference of the KL anchor (`algorithm.kl_coef`) or of a stage (DPO:
-        # `keep_reference`): the base under a fresh adapter (no copy), else the starting weights
-        # sharded as the model is, without gradients or optimizer state (1/N of the weights per rank).
-        self.reference: Any = None
-        if algorithm.kl_coef > 0 or keep_reference:
-            self.reference = (AdapterDisabled(self.model) if self.lora is not None
-                              else self._sharded_model(trainable=False))
         trained = [p for p in self.model.parameters() if p.requires_grad]
         self.trainable_parameters = sum(p.numel() for p in trained)  # DTensors count their global size
         self.optimizer = torch.optim.AdamW(trained, lr=config.lr, weight_decay=config.weight_decay)
         self.algorithm = VerlAlgorithm(algorithm, group_size=config.group_size)
         # Each rank trains on its rows of each minibatch; gradients are summed across ranks (see
         # `_sharded_model`), so the step is the one-process step.
-        self.update = TrainStep(model=self.model, optimizer=self.optimizer, reference=self.reference,
+        self.update = TrainStep(model=self.model, optimizer=self.optimizer,
                                 forward=model_forward(self.pad_id, str(self.device), config.temperature),
                                 max_grad_norm=config.max_grad_norm, minibatches=config.minibatches,
                                 micro_batch_size=config.micro_batch_size, rank=self.rank,
@@ -155,8 +148,32 @@ class FSDPTrainEngine(StageTraining):
                                     for n, t in state.items() if "lora_" not in n)
         if config.init_from:
             self.load_weights_from(Path(config.init_from))
+        # the KL anchor (`algorithm.kl_coef`) or a stage's reference (DPO: `keep_reference`)
+        self.reference: Any = None
+        if algorithm.kl_coef > 0 or keep_reference:
+            self.reference = self.update.reference = self._frozen_reference()
 
-    def _sharded_model(self, *, trainable: bool):
+    def _frozen_reference(self) -> Any:
+        """The frozen model a loss that `needs_reference` compares with: the weights the engine starts
+        from (after `model.init_from`). Under `model.lora` with a fresh adapter, the same sharded
+        model with its adapter disabled (no copy); else a second sharded model, frozen: 1/N of the
+        weights per rank, with no gradients or optimizer state."""
+        from torch.distributed.tensor import DTensor
+
+        if self.lora is not None and not self.config.init_from:
+            return AdapterDisabled(self.model)
+        reference = self._sharded_model(trainable=False, adapter=self.lora is not None)
+        if self.config.init_from:  # the start is the checkpoint's weights: each rank copies its shards
+            live = self.model.state_dict()
+            with torch.no_grad():
+                for name, tensor in reference.state_dict().items():
+                    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+                    local.copy_(live[name].to_local() if isinstance(live[name], DTensor) else live[name])
+        return reference
+
+    def _sharded_model(self, *, trainable: bool, adapter: bool | None = None):
+        """The model at `model_path` sharded over the mesh: to train (gradients summed across ranks)
+        or frozen; wrapped with `model.lora`'s adapter when `adapter` (default: when `trainable`)."""
         import transformers
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -172,9 +189,9 @@ class FSDPTrainEngine(StageTraining):
             model.generation_config = transformers.GenerationConfig.from_pretrained(path, local_files_only=True)
         if trainable and self.config.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        lora = self.config.lora if trainable else None
+        lora = self.config.lora if (trainable if adapter is None else adapter) else None
         if lora is not None:
-            if self.config.gradient_checkpointing:
+            if trainable and self.config.gradient_checkpointing:
                 model.enable_input_require_grads()  # the frozen embeddings' output must carry grad
             model = wrap_with_lora(model, lora, seed=self.config.seed)  # on meta: values from rank 0
         policy = MixedPrecisionPolicy(param_dtype=self.config.compute_dtype, reduce_dtype=torch.float32)

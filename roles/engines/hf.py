@@ -155,12 +155,10 @@ class HFTrainEngine(StageTraining):
             self.model.gradient_checkpointing_enable()
         self.model.train()
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        # the KL anchor (`algorithm.kl_coef`) or a stage's reference (DPO: `keep_reference`)
-        self.reference = self._frozen_reference() if algorithm.kl_coef > 0 or keep_reference else None
         trained = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trained, lr=config.lr, weight_decay=config.weight_decay)
         self.algorithm = VerlAlgorithm(algorithm, group_size=config.group_size)
-        self.update = TrainStep(model=self.model, optimizer=self.optimizer, reference=self.reference,
+        self.update = TrainStep(model=self.model, optimizer=self.optimizer,
                                 forward=model_forward(self.pad_id, config.device, config.temperature),
                                 max_grad_norm=config.max_grad_norm, minibatches=config.minibatches,
                                 micro_batch_size=config.micro_batch_size)
@@ -182,12 +180,16 @@ class HFTrainEngine(StageTraining):
         self.step = 0
         if config.init_from:
             self.load_weights_from(Path(config.init_from))
+        # the KL anchor (`algorithm.kl_coef`) or a stage's reference (DPO: `keep_reference`)
+        self.reference = self.update.reference = (self._frozen_reference() if algorithm.kl_coef > 0 or keep_reference
+                                                  else None)
 
     def _frozen_reference(self) -> Any:
         """The frozen model a loss that `needs_reference` compares with: the weights the engine starts
-        from. Under `model.lora` the base with the adapter disabled (a fresh adapter adds nothing, so
-        that is the start, and costs no copy); else a frozen copy (the weights' memory once more)."""
-        if self.config.lora is not None:
+        from (after `model.init_from`). Under `model.lora` with a fresh adapter, the base with the
+        adapter disabled (the adapter adds nothing yet, so that is the start, and costs no copy);
+        else a frozen copy (the model's weights in memory once more)."""
+        if self.config.lora is not None and not self.config.init_from:
             return AdapterDisabled(self.model)
         return copy.deepcopy(self.model).eval().requires_grad_(False)
 

@@ -68,6 +68,10 @@ __all__ = [
     "SFTSection",
     "ExpertDataSection",
     "SFTField",
+    "DPO_LOSSES",
+    "DPO_FORMATS",
+    "DPOSection",
+    "DPOField",
 ]
 
 
@@ -433,12 +437,13 @@ AlgorithmField = Annotated[Annotated[AlgorithmSection, Tag("typed")] | Annotated
 """A job's `algorithm:`: typed for the engines that read it (`READS_DATA`), else as written."""
 
 
-# -- trainer-only stages: `stage: sft` (and `dpo`), the sections they read ---------------------------
+# -- trainer-only stages: `stage: sft` and `dpo`, the sections they read --------------------------------
 
-STAGES = ("rl", "sft")
+STAGES = ("rl", "sft", "dpo")
 """What a job trains: `rl` (explorers, a synchronizer, `algorithm:`), or a trainer-only stage over a
-data file: `sft` (demonstrations, the `sft:` section). A new stage adds its name here and its
-section beside `sft:` (a `StageSection`), and registers with the stage runner (`roles.stage`)."""
+data file: `sft` (demonstrations, the `sft:` section) or `dpo` (preference pairs, the `dpo:`
+section). A new stage adds its name here and its section beside `sft:` (a `StageSection`), and
+registers with the stage runner (`roles.stage`)."""
 LR_SCHEDULES = ("constant", "linear", "cosine")
 
 
@@ -562,3 +567,45 @@ class ExpertDataSection(Section):
 SFTField = Annotated[Annotated[SFTSection, Tag("typed")] | Annotated[OpenSection, Tag("open")],
                      Discriminator(_typed_unless_open)]
 """A job's `sft:`: typed for the engines that train stages (`READS_DATA`), else as written."""
+
+
+DPO_LOSSES = ("sigmoid", "ipo")
+DPO_FORMATS = ("auto", "text", "messages")
+
+
+class DPOSection(StageSection):
+    """`dpo:` for `stage: dpo`: direct preference optimisation on pairs (a prompt, the preferred
+    `chosen` response and the `rejected` one) against a frozen reference, the weights the stage
+    starts from (`model.path`, or `model.init_from`'s; under `model.lora` the base with the adapter
+    disabled). A pair is text (the prompt rendered as an RL task's, through the chat template when
+    it applies; each response followed by the end of sequence) or TRL's conversational form
+    (`prompt` a list of `{role, content}`, `chosen` / `rejected` the assistant's messages after
+    it). `batch_size` counts pairs; `micro_batch_size` rows (a pair is two, never split)."""
+
+    beta: PositiveNumber = 0.1
+    """How far from the reference the policy may move: the loss is on `beta` x the difference of the
+    two responses' log-ratios to the reference (TRL's `beta`; IPO's 1 / (2 tau))."""
+    loss: Literal[DPO_LOSSES] = "sigmoid"  # type: ignore[valid-type]
+    """`sigmoid` (DPO: -log sigmoid(beta x h)) or `ipo` ((h - 1/(2 beta))^2 on mean token
+    logprobs), as TRL's `loss_type`."""
+    format: Literal[DPO_FORMATS] = "auto"  # type: ignore[valid-type]
+    """`text`, `messages`, or `auto`: messages when the chosen column holds lists."""
+    prompt_key: Name = "prompt"
+    """Column holding the prompt."""
+    chosen_key: Name = "chosen"
+    """Column holding the preferred response."""
+    rejected_key: Name = "rejected"
+    """Column holding the other response."""
+    answer_key: Name = "answer"
+    """Column of the eval file holding the answer greedy generations are scored against (rows
+    without it, or null, are scored on the pairs' loss only)."""
+    eval_rewards: tuple[Name, ...] | None = None
+    """Reward names (built-ins or `module:function`) of the eval by generation; default those of
+    `data.rewards` when the job has `data:`, else `exact_match`."""
+    chat_template: Literal["auto", True, False] = "auto"
+    """Render text prompts with the tokenizer's chat template: auto (when it has one), true or false."""
+
+
+DPOField = Annotated[Annotated[DPOSection, Tag("typed")] | Annotated[OpenSection, Tag("open")],
+                     Discriminator(_typed_unless_open)]
+"""A job's `dpo:`: typed for the engines that train stages (`READS_DATA`), else as written."""

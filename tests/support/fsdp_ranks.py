@@ -77,10 +77,8 @@ def load_pair_batches(workdir: Path) -> list[TrainBatch]:
 
 
 def dpo_step(engine, batch: TrainBatch) -> dict:
-    """One DPO train step: the one training step with the DPO loss; its loss and the loss's metrics."""
-    result = engine.update.train_batch(batch, DPOLoss(beta=DPO_BETA))
-    engine.step += 1
-    return {"loss": result.loss, "grad_norm": result.grad_norm, **result.metrics}
+    """One DPO train step of a stage (`engine.train_batch`, the one training step with the DPO loss)."""
+    return engine.train_batch(batch, DPOLoss(beta=DPO_BETA))
 
 
 def _dpo(scenario: str, workdir: Path, out: Path) -> None:
