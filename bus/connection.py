@@ -67,16 +67,20 @@ def parse_server_urls(url: str) -> list[str]:
                 f"NATS URL list {url!r}: entry {i + 1} is empty; write servers as "
                 "nats://host1:4222,nats://host2:4222 (comma-separated, no empty entries)"
             )
+        written = entry
         if "://" not in entry:
             entry = f"nats://{entry}"
         parsed = urllib.parse.urlparse(entry)
         try:
             parsed.port  # noqa: B018 - raises ValueError for a port that is not a number
         except ValueError:
-            raise ValueError(f"NATS URL list {url!r}: entry {entry!r} has a port that is not a number") from None
-        if parsed.scheme not in ("nats", "tls", "ws", "wss") or not parsed.hostname:
+            raise ValueError(f"NATS URL list {url!r}: entry {written!r} is not a NATS server URL: it has a port "
+                             "that is not a number") from None
+        # a path only behind a websocket proxy; `nats//host:4222` (a lost colon) reads as host "nats"
+        stray = parsed.query or parsed.fragment or (parsed.path not in ("", "/") and parsed.scheme in ("nats", "tls"))
+        if parsed.scheme not in ("nats", "tls", "ws", "wss") or not parsed.hostname or stray:
             raise ValueError(
-                f"NATS URL list {url!r}: entry {entry!r} is not a NATS server URL "
+                f"NATS URL list {url!r}: entry {written!r} is not a NATS server URL "
                 "(expected nats://host:port, tls://host:port or ws(s)://host:port)"
             )
         servers.append(entry)

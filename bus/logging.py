@@ -8,6 +8,7 @@ defaults apply, so importing `bus` never reconfigures a host application's loggi
 
 from __future__ import annotations
 
+import enum
 import logging as _stdlib_logging
 import sys
 import time
@@ -50,6 +51,7 @@ def setup_logging(level: str | int = "info", *, json: bool = True, stream: TextI
             structlog.processors.StackInfoRenderer(),
             structlog.processors.format_exc_info,
             _redact_urls,
+            _plain_enums,
             *([] if json else [_lead_with_progress]),
             renderer,
         ],
@@ -85,6 +87,14 @@ def _ignore_tls_eof(record: _stdlib_logging.LogRecord) -> bool:
 def _redact_urls(_logger: Any, _method: str, event: MutableMapping[str, Any]) -> dict[str, Any]:
     """Mask URL passwords in every string of the event (messages, bound URLs, tracebacks)."""
     return {k: (redact(v) if isinstance(v, str) and "@" in v else v) for k, v in event.items()}
+
+
+def _plain_enums(_logger: Any, _method: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """An enum field as its plain value (`exit_code=2`, not `<ExitCode.USAGE: 2>` on a console)."""
+    for key, value in event.items():
+        if isinstance(value, enum.Enum):
+            event[key] = int(value) if isinstance(value, int) else value.value
+    return event
 
 
 def get_logger(name: str = "rolectl", **context: Any) -> Any:

@@ -95,6 +95,10 @@ class NatsServer:
     # is stored: MEMORY_STORAGE_GOGC suits it. File storage allocates a block buffer per direct get,
     # and there a looser GC fetches faster: FILE_STORAGE_GOGC (docs/weights-at-size.md, Finding 5).
     go_gc: int | None = None
+    # Its own session, away from the terminal's process group: a Ctrl-C there reaches the owner
+    # (`rolectl up`, `rolectl server`), which stops the server last, after the clients that need it
+    # to record their last words. A server whose owner does not stop it on a signal leaves this off.
+    own_session: bool = False
 
     _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
     _terminating: bool = field(default=False, init=False, repr=False)  # SIGTERM sent, not waited for yet
@@ -163,7 +167,8 @@ class NatsServer:
         env = dict(os.environ)
         if self.go_gc is not None:
             env.setdefault("GOGC", str(self.go_gc))
-        self._proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
+        self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                      start_new_session=self.own_session)
         if wait:
             self.wait_ready()
 
@@ -266,6 +271,7 @@ class NatsCluster:
     log_dir: str | None = None
     ready_timeout: float = 30.0
     debug_logs: bool = False  # nodes log at debug level (raft elections, catchups) into log_dir
+    own_session: bool = False  # every node away from the terminal's Ctrl-C (see `NatsServer.own_session`)
 
     nodes: list[NatsServer] = field(default_factory=list, init=False)
     _tmp_store: tempfile.TemporaryDirectory[str] | None = field(default=None, init=False, repr=False)
@@ -336,6 +342,7 @@ class NatsCluster:
                 ready_timeout=self.ready_timeout,
                 server_name=node_name,
                 extra_args=["-D"] if self.debug_logs else [],
+                own_session=self.own_session,
                 # Routes list every node, itself included (nats-server skips its own), as in
                 # deploy/nats/cluster/node*.conf.
                 extra_config=(

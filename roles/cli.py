@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
@@ -32,26 +33,17 @@ def _port_taken(host: str, port: int) -> bool:
     return False
 
 
-_NATS_SCHEMES = ("nats", "tls", "ws", "wss")
-
-
 def _check_nats_url(_ctx, param, value: str | None) -> str | None:
-    """--nats: one or more comma-separated server URLs; a malformed one is a usage error (exit 2)."""
+    """--nats: one or more comma-separated server URLs; a malformed one is a usage error (exit 2),
+    said before anything starts."""
     if value is None:
         return None
-    from urllib.parse import urlsplit
+    from rolectl.bus.connection import parse_server_urls
 
-    for url in value.split(","):
-        url = url.strip()
-        parts = urlsplit(url if "://" in url else f"nats://{url}")
-        try:
-            port = parts.port
-        except ValueError:
-            port = -1
-        if parts.scheme not in _NATS_SCHEMES or not parts.hostname or port == -1:
-            raise click.BadParameter(
-                f"{url!r} is not a NATS server URL: write nats://HOST:PORT (or tls://, ws://, wss://), "
-                "several separated by commas", param=param)
+    try:
+        parse_server_urls(value)
+    except ValueError as exc:
+        raise click.BadParameter(f"{exc}; several servers are separated by commas", param=param) from None
     return value
 
 
@@ -125,7 +117,22 @@ def _exit_codes_epilog() -> str:
     return "\b\nExit codes (every command):\n" + exit_code_table()
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=_exit_codes_epilog())
+class _Commands(click.Group):
+    """rolectl's commands. Output whose reader went away (`rolectl status | head`) ends quietly with
+    0: the reader had what it wanted (click would say nothing and exit 1). `replay --check` keeps
+    its verdict (roles.observe.replay)."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except BrokenPipeError:
+            from rolectl.roles.observe.render import quiet_closed_stdout
+
+            quiet_closed_stdout()
+            ctx.exit(0)
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]}, epilog=_exit_codes_epilog())
 @click.version_option(package_name="rolectl")
 def main() -> None:
     """rolectl: RL fine-tuning roles coordinated over NATS.
@@ -259,8 +266,13 @@ def _check_explorer_id(member_id: str, cfg) -> None:
                                  f"in {cfg.source}); raise explorers.count to run more", param_hint="--id")
 
 
-@main.command()
-@click.option("--config", "config_path", required=True, type=click.Path(exists=True, dir_okay=False))
+@main.command(epilog=_exit_codes_epilog())
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Job YAML (see examples/); required unless --resume.")
+@click.option("--resume", "resume_dir", type=click.Path(exists=True, file_okay=False), default=None,
+              help="Continue the run in this run directory (what `up` printed as its run dir) after Ctrl-C or a "
+                   "crash: the same job, server store, checkpoints and directory, with the config it was "
+                   "recorded with (a --config must agree with it). A run that finished is said so (exit 0).")
 @click.option("--explorers", type=click.IntRange(min=1), default=None,
               help="Number of explorers (overrides the config). A train_batch_tasks of one round "
                    "(count x buffer.batch_size) is scaled with it; otherwise it is kept, with a note.")
@@ -281,12 +293,18 @@ def _check_explorer_id(member_id: str, cfg) -> None:
                    "nats-server started as an actor on the head node.")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=3, show_default=True,
               help="With --launcher ray: how often Ray restarts a role that crashed before the job fails.")
-def up(config_path, explorers, summary, dashboard, dashboard_port, run_dir, auth_dir, launcher, ray_address,
-       nats, max_restarts) -> None:
+def up(config_path, resume_dir, explorers, summary, dashboard, dashboard_port, run_dir, auth_dir, launcher,
+       ray_address, nats, max_restarts) -> None:
     """Run a whole job: a nats-server and every role as its own process, on this machine
     (--launcher local) or as actors on a Ray cluster (--launcher ray). Prints a summary at the end;
-    exits 0 when the job completed, 3 when it ended short of its last step, 1 when a role failed."""
-    cfg = _load(config_path, None)
+    exits 0 when the job completed, 3 when it ended short of its last step, 1 when a role failed,
+    130 when interrupted (Ctrl-C, SIGTERM); then `rolectl up --resume RUN_DIR` continues it."""
+    if config_path is None and resume_dir is None:
+        raise click.UsageError("give --config FILE (a new run) or --resume RUN_DIR (continue one)")
+    cfg = _load(config_path, None) if config_path is not None else None
+    resume = None
+    if resume_dir is not None:
+        resume, cfg = _open_run_for_resume(resume_dir, cfg, explorers=explorers, run_dir=run_dir, launcher=launcher)
     if launcher == "ray":
         given = [flag for flag, value in (("--auth-dir", auth_dir),) if value]
         if given:
@@ -316,8 +334,23 @@ def up(config_path, explorers, summary, dashboard, dashboard_port, run_dir, auth
             raise click.ClickException(str(exc)) from None
     sys.exit(
         run_up(cfg, explorers=explorers, summary_path=summary, dashboard=dashboard,
-               dashboard_port=dashboard_port, run_dir=run_dir, auth=auth)
+               dashboard_port=dashboard_port, run_dir=run_dir, auth=auth, resume=resume)
     )
+
+
+def _open_run_for_resume(resume_dir: str, given, **changes):
+    """`up --resume`: the run directory and its recorded config (a bad one is a usage error, exit 2)."""
+    from rolectl.roles.launch.run_dir import ResumeError, open_for_resume
+    from rolectl.sync_protocol import ConfigError
+
+    flags = [f"--{k.replace('_', '-')}" for k, v in changes.items() if v not in (None, "local")]
+    if flags:
+        raise click.UsageError(f"{' and '.join(flags)} cannot change a run being resumed: --resume continues "
+                               "the run in its directory with the config it was recorded with")
+    try:
+        return open_for_resume(resume_dir, given)
+    except (ResumeError, ConfigError) as exc:
+        raise InputError(f"--resume {resume_dir}: {exc}") from None
 
 
 @main.command()
@@ -421,13 +454,13 @@ def server(port: int, http_port: int, store_dir: str | None, host: str, cluster_
         if given:
             raise click.UsageError(f"{' and '.join(given)} apply to a single server; --cluster picks free ports "
                                    "for every node (see cluster.json)")
-        srv = NatsCluster(size=cluster_size, host=host, store_dir=store_dir)
+        srv = NatsCluster(size=cluster_size, host=host, store_dir=store_dir, own_session=True)
     else:
         for flag, value in (("--port", port), ("--http-port", http_port)):
             if _port_taken(host, value):
                 raise InputError(f"{flag} {value}: {host}:{value} is already in use (another nats-server? "
                                  f"`rolectl server` twice?); pass a free {flag}, or stop what listens there")
-        srv = NatsServer(host=host, port=port, http_port=http_port, store_dir=store_dir)
+        srv = NatsServer(host=host, port=port, http_port=http_port, store_dir=store_dir, own_session=True)
     stop = threading.Event()
     # Both set explicitly: a SIGINT ignored by the parent (a non-interactive shell's `&`, some
     # libraries in a test process) is inherited, and Python then raises no KeyboardInterrupt, so
@@ -458,30 +491,60 @@ def server(port: int, http_port: int, store_dir: str | None, host: str, cluster_
         srv.stop()
 
 
+run_option = click.option(
+    "--run", "run_dir", type=click.Path(exists=True, file_okay=False), default=None,
+    help="A run directory of `rolectl up` (runs/JOB-TIME-PID): its job, record and archive, read with no server to "
+         "start (a private one opens the run's store), instead of --job/--nats/--archive.")
+
+
+@contextmanager
+def _job_source(job: str | None, nats: str | None, archive: str | None, run_dir: str | None,
+                others: tuple[str, ...] = ()):
+    """(job, NATS URL, archive dir, monitoring URL or None) to read, from --job/--nats/--archive or --run."""
+    from click.core import ParameterSource
+
+    from rolectl.roles.observe.run_store import RunError, job_source
+
+    ctx = click.get_current_context()
+    given = [f"--{name.replace('_', '-')}" for name in ("job", "nats", "archive", *others) if run_dir
+             and ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)]
+    if given:
+        raise click.UsageError(f"--run reads the job, its record and archive from the run: drop {' and '.join(given)}")
+    try:
+        with job_source(job, nats, archive, run_dir) as source:
+            yield source
+    except RunError as exc:  # raised on opening: the commands' own errors are not RunErrors
+        raise InputError(str(exc)) from None
+
+
 @main.command()
-@click.option("--job", required=True)
+@click.option("--job", default=None, help="The job to read (or --run).")
 @nats_option("nats://127.0.0.1:4222", "NATS URL(s), comma-separated.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option("--archive", "archive", type=click.Path(file_okay=False), default=None,
               help="The job's archived history (default place: RUN_DIR/JOB/archive), read before the stream.")
+@run_option
 @client_options
-def status(job: str, nats: str, as_json: bool, archive: str | None, **security) -> None:
+def status(job: str | None, nats: str, as_json: bool, archive: str | None, run_dir: str | None, **security) -> None:
     """Members of a job (role, id, status, step, version, last seen), read from its stream."""
     from rolectl.roles.observe.status import print_status
 
-    sys.exit(asyncio.run(print_status(job, nats, as_json=as_json, security=_security(**security),
-                                      archive_dir=Path(archive) if archive else None)))
+    client = _security(**security)
+    with _job_source(job, nats, archive, run_dir) as (job, nats, archive_dir, _):
+        code = asyncio.run(print_status(job, nats, as_json=as_json, security=client, archive_dir=archive_dir))
+    sys.exit(code)
 
 
 @main.command()
-@click.option("--job", required=True)
+@click.option("--job", default=None, help="The job to read (or --run).")
 @nats_option("nats://127.0.0.1:4222", "NATS URL(s), comma-separated.")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
               help="File to write (.jsonl for JSON lines, .msgpack for msgpack).")
 @click.option("--archive", "archive", type=click.Path(file_okay=False), default=None,
               help="The job's archived history (default place: RUN_DIR/JOB/archive), read before the stream.")
+@run_option
 @client_options
-def export(job: str, nats: str, output: str, archive: str | None, **security) -> None:
+def export(job: str | None, nats: str, output: str, archive: str | None, run_dir: str | None, **security) -> None:
     """Write a job's recorded events and decisions, with sequences and server timestamps."""
     from rolectl.bus.archive import ArchiveError
     from rolectl.bus.errors import BusError
@@ -489,9 +552,10 @@ def export(job: str, nats: str, output: str, archive: str | None, **security) ->
     from rolectl.roles.observe.replay import ExportError, export_job
 
     setup_logging("warning")
+    client = _security(**security)
     try:
-        n = asyncio.run(export_job(job, nats, Path(output), security=_security(**security),
-                                   archive_dir=Path(archive) if archive else None))
+        with _job_source(job, nats, archive, run_dir) as (job, nats, archive_dir, _):
+            n = asyncio.run(export_job(job, nats, Path(output), security=client, archive_dir=archive_dir))
     except ArchiveError as exc:  # a damaged segment: named, nothing written
         raise InputError(str(exc)) from None
     except BusError as exc:  # NATS away, no such job: exit 1 as every command
@@ -511,15 +575,22 @@ def export(job: str, nats: str, output: str, archive: str | None, **security) ->
 @click.option("--json", "as_json", is_flag=True, help="Print the timeline as JSON.")
 @click.option("--archive", "archive", type=click.Path(file_okay=False), default=None,
               help="The job's archived history (default place: RUN_DIR/JOB/archive), read before the stream.")
+@run_option
 @client_options
-def replay(job, nats, file_, until, check, as_json, archive, **security) -> None:
+def replay(job, nats, file_, until, check, as_json, archive, run_dir, **security) -> None:
     """Fold a job's events into a readable timeline; with --check, verify every decision."""
     from rolectl.roles.observe.replay import run_replay
 
-    if (job is None) == (file_ is None):
-        raise click.UsageError("give exactly one of --job or --file")
-    sys.exit(run_replay(job=job, nats=nats, file=file_, until=until, check=check, as_json=as_json,
-                        security=_security(**security), archive=archive))
+    if sum(given is not None for given in (job, file_, run_dir)) != 1:
+        raise click.UsageError("give exactly one of --job, --file or --run")
+    client = _security(**security)
+    if file_ is not None:
+        sys.exit(run_replay(job=None, nats=nats, file=file_, until=until, check=check, as_json=as_json,
+                            security=client, archive=archive))
+    with _job_source(job, nats, archive, run_dir) as (job, nats, archive_dir, _):
+        code = run_replay(job=job, nats=nats, file=None, until=until, check=check, as_json=as_json,
+                          security=client, archive=archive_dir)
+    sys.exit(code)
 
 
 @main.command()
@@ -532,12 +603,19 @@ def replay(job, nats, file_, until, check, as_json, archive, **security) -> None
 @click.option("--port", type=int, default=8080, show_default=True)
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--monitor-url", default=None, help="nats-server monitoring URL (default: same host, port 8222).")
+@run_option
 @client_options
-def dashboard(job, nats, config_path, archive, port, host, monitor_url, **security) -> None:
+def dashboard(job, nats, config_path, archive, port, host, monitor_url, run_dir, **security) -> None:
     """Serve the live dashboard of a job (members, versions, rounds, NATS health, /metrics): its archived
     history, then its stream live, as one history."""
     from rolectl.roles.observe.dashboard import serve_dashboard
 
+    if run_dir is not None:
+        with _job_source(job, nats, archive, run_dir, others=("config_path", "monitor_url")) as (
+                job, nats, archive_dir, monitor_url):
+            code = serve_dashboard(job=job, nats=nats, host=host, port=port, monitor_url=monitor_url,
+                                   security=_security(**security), archive_dir=archive_dir)
+        sys.exit(code)
     if config_path is not None:
         cfg = _load(config_path, nats, security, check_engines=False)
         if job is not None and job != cfg.job:

@@ -4,9 +4,10 @@ One pydantic model per section, each field's constraint on its annotation; unkno
 refused. Field names follow the reference where it has them (`synchronizer.sync_method`,
 `sync_style`, `sync_interval`, `sync_offset`, `sync_timeout`; `trainer.total_steps`,
 `save_interval`; `buffer.batch_size`). The engine's sections (`model:`, `data:`, `algorithm:`)
-are typed in `rolectl.roles.engines.sections`. Rules across fields are model validators; what a
-section names outside itself (a file, an installed library) is checked once, when the job is loaded
-with its engines (`config_base.CHECK_ENGINES`). See `examples/*.yaml` for complete files and
+are typed in `rolectl.roles.engines.sections`, `agent:` in `rolectl.roles.engines.agent.config`.
+Rules across fields are model validators; what a section names outside itself (a file, an
+installed library) is checked once, when the job is loaded with its engines
+(`config_base.CHECK_ENGINES`). See `examples/*.yaml` for complete files and
 `docs/configuration.md`, generated from these models by `python -m rolectl.roles.config_reference`.
 """
 
@@ -53,6 +54,7 @@ from .config_base import (
     yaml_kind,
 )
 from .config_rules import cross_section_problems
+from .engines.agent.config import AgentSection
 from .engines.sections import (
     READS_DATA,
     STAGES,
@@ -432,6 +434,8 @@ class JobConfig(Section):
     dpo: DPOField | None = None
     """Direct preference optimisation's pairs, beta, loss, schedule and eval (`stage: dpo`; `hf` /
     `fsdp` engines)."""
+    agent: AgentSection | None = None
+    """Multi-turn episodes against an environment (see the `agent` section); unset: single-turn."""
     source: str | None = Field(default=None, exclude=True)
     """The file it was loaded from (set by `load_config`, not written in a file)."""
 

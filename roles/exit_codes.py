@@ -30,7 +30,8 @@ _MEANINGS = {
                     "saved state of another run, a member that is already running",
     ExitCode.INCOMPLETE: "ended short: the job stopped before its last step (a peer never came back, "
                          "experiences ran out)",
-    ExitCode.INTERRUPTED: "interrupted: Ctrl-C / SIGTERM before the work was done (a restart resumes)",
+    ExitCode.INTERRUPTED: "interrupted: Ctrl-C / SIGTERM before the work was done (`rolectl up --resume RUN_DIR`, "
+                          "or a start of the same role, resumes it)",
 }
 
 

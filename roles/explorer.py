@@ -135,6 +135,17 @@ class Explorer:
             f"and {left} of its {self.cfg.explorers.total_steps} steps are left: nothing will train them "
             "(explorers.stop_with_trainer is false); start a new job to explore more")
 
+    def _own_work_done(self, view) -> bool:
+        """The record says this explorer finished its work (a late start of the same id): that is
+        not an error, it ends at once with 0. `--resume` rejoins anyway; `--fresh` is refused."""
+        recorded = view.member(Role.EXPLORER, self.member_id)
+        if recorded is None or not recorded.finished or self.start_mode is not StartMode.AUTO:
+            return False
+        self.finished = True
+        self.log.info("explorer_already_finished", step=recorded.step,
+                      hint="the record says its work is done: nothing to resume")
+        return True
+
     def _resume_or_start_fresh(self, view) -> None:
         """Resume from the saved step if this is a restart (see roles.resume), else start at 0."""
         state = json.loads(self.state_file.read_text()) if self.state_file.exists() else None
@@ -161,6 +172,8 @@ class Explorer:
             self.log = session.log
             await session.view.start()
             await session.refuse_if_live()  # before anything that touches its saved state
+            if self._own_work_done(session.view):
+                return  # a late start of a finished member: nothing to resume, nothing to join
             self._resume_or_start_fresh(session.view)
             if self._trainer_finished_before_join(session.view):
                 return  # nothing joined, nothing published: the job is over
@@ -436,6 +449,7 @@ class TaskSetLoop:
         try:
             while True:
                 await x.apply_background_weights()
+                position = x.taskset.state_dict()  # where a stop before this step is recorded resumes
                 tasks = x.taskset.next_batch()
                 if tasks is None:
                     x.log.info("taskset_exhausted", step=x.explore_step)
@@ -448,9 +462,15 @@ class TaskSetLoop:
                 x.raise_if_trainer_gone()
                 started = time.monotonic()
                 step = x.explore_step + 1
-                experiences = await asyncio.to_thread(self._rollout, tasks, step)
-                if self.step_delay_s:
-                    await asyncio.sleep(self.step_delay_s)  # simulated slower rollout engine (config)
+                try:
+                    experiences = await asyncio.to_thread(self._rollout, tasks, step)
+                    if self.step_delay_s:
+                        await asyncio.sleep(self.step_delay_s)  # simulated slower rollout engine (config)
+                except BaseException:
+                    # stopped (or failed) before the step was recorded: its tasks are the restart's,
+                    # or the state saved on the way out would skip them and the job end short
+                    x.taskset.load_state_dict(position)
+                    raise
                 # A stop (Ctrl-C) waits for the batch's step to be reported and saved: a batch in the
                 # stream that no step reports would be counted nowhere
                 await finish_before_stopping(self._record_step(step, experiences, started), log=x.log,

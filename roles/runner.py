@@ -9,6 +9,7 @@ import sys
 
 import structlog
 
+from rolectl.bus.connection import connect
 from rolectl.bus.errors import BusError, describe
 from rolectl.bus.logging import setup_logging
 from rolectl.roles.config import JobConfig, env_settings
@@ -62,14 +63,19 @@ def run_role(role: str, cfg: JobConfig, member_id: str | None = None, *, start_m
     `engine` is built from `cfg` unless given (rank 0 of a trainer of several ranks). `make_runner`
     builds the explorer instead (the serving one, from a layer above this one)."""
     setup_logging(cfg.log_level, json=log_json)
+    member_id = member_id or default_member_id(role)
+    log = structlog.get_logger().bind(job=cfg.job, role=role, member=member_id)
+    try:  # before the engine is built: a server that is not there costs its wait, not a model load too
+        asyncio.run(_server_answers(role, cfg, member_id))
+    except BusError as exc:
+        log.error("bus_error", error=describe(exc), exit_code=EXIT_ERROR)
+        return EXIT_ERROR
     if role != "sync":  # a synchronizer runs no engine: it (re)starts without importing torch
         # Each role process gets a share of a machine that also runs its peers: one intra-op
         # thread avoids oversubscription (the torch default is one thread per core, per process).
         import torch
 
         torch.set_num_threads(env_settings().torch_threads)
-    member_id = member_id or default_member_id(role)
-    log = structlog.get_logger().bind(job=cfg.job, role=role, member=member_id)
     runner = _make_runner(role, cfg, member_id, start_mode=start_mode, keep_running=keep_running, engine=engine,
                           make_runner=make_runner)
     try:
@@ -104,6 +110,13 @@ def run_role(role: str, cfg: JobConfig, member_id: str | None = None, *, start_m
         return EXIT_ERROR
     log.info("role_exited")
     return EXIT_OK
+
+
+async def _server_answers(role: str, cfg: JobConfig, member_id: str) -> None:
+    """Connect to the job's server as the role will, and close: `BusError` when none answers."""
+    async with connect(cfg.nats_url, job=cfg.job, role="synchronizer" if role == "sync" else role,
+                       member=member_id, security=cfg.nats.security):
+        pass
 
 
 def _make_runner(role: str, cfg: JobConfig, member_id: str, *, start_mode: StartMode, keep_running: bool,

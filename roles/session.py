@@ -461,11 +461,12 @@ class MemberSession:
             return result
 
     async def set_status(self, status: RunningStatus, *, rendezvous: str | None = None,
-                         final: bool = False, metrics: dict[str, float] | None = None) -> int:
+                         final: bool = False, metrics: dict[str, float] | None = None,
+                         interrupted: bool = False) -> int:
         self.status = status
         return await self.publish(
             StatusChanged(member=self.me, status=status, step=self.step, version=self.version,
-                          rendezvous=rendezvous, final=final, metrics=metrics or {})
+                          rendezvous=rendezvous, final=final, metrics=metrics or {}, interrupted=interrupted)
         )
 
     async def _heartbeat(self) -> None:

@@ -53,6 +53,7 @@ from rolectl.sync_protocol import (
     Role,
     RunningStatus,
     StepFinished,
+    StepsRolledBack,
     SyncFailed,
     SyncStyle,
     VersionPublished,
@@ -85,6 +86,7 @@ class Trainer:
         self.last_metrics: dict | None = None  # the saved step's StepFinished metrics
         self.answered_rounds: set[int] = set()
         self.end_reason = ""
+        self.interrupted = False  # stopped by a stop signal (Ctrl-C, SIGTERM): its STOPPED says so
         self._why_no_more = ""
         # Versions the stream announced (ours, and the latest at start): prune keeps the newest of
         # these and nothing else, so junk with a high version number never pushes them out.
@@ -167,6 +169,12 @@ class Trainer:
         async with MemberSession(self.cfg, Role.TRAINER, self.member_id) as session:
             reported_step = await self._setup(session)
             try:
+                if self.engine.step < reported_step:
+                    # killed between two checkpoints: the steps after the last one are trained again,
+                    # and the record says so before their StepFinished come a second time
+                    await session.publish(StepsRolledBack(member=session.me, from_step=reported_step,
+                                                          to_step=self.engine.step))
+                    self.log.warning("steps_rolled_back", from_step=reported_step, to_step=self.engine.step)
                 if self.engine.step > reported_step and self.last_metrics is not None:
                     # We died between our checkpoint and its StepFinished: report the step now,
                     # once (steps are reported after they are saved, so never twice).
@@ -175,6 +183,9 @@ class Trainer:
                         and self.sync.sync_style is not SyncStyle.EXPLORER_DRIVEN and await self.need_sync()):
                     await self.sync_weight()  # ... and before syncing it: sync it now
                 await self.train()
+            except asyncio.CancelledError:
+                self.interrupted = session.replaced_by is None  # a stop signal, not our own fence
+                raise
             finally:
                 await self._cleanup()
             if self.engine.step < self.total_steps:
@@ -435,7 +446,7 @@ class Trainer:
                 self.log.error("hf_export_failed", error=describe(exc))
         try:
             # final: the job is done, explorers may stop; otherwise a restart is expected
-            await self.session.set_status(RunningStatus.STOPPED, final=finished,
+            await self.session.set_status(RunningStatus.STOPPED, final=finished, interrupted=self.interrupted,
                                           metrics={"dropped_stale_total": float(self.dropped_stale)})
         except Exception as exc:
             self.log.error("stopped_not_published", error=describe(exc))

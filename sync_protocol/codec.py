@@ -76,7 +76,7 @@ _DECODER = msgspec.msgpack.Decoder()
 
 # Fields added to a kind after its schema was fixed: left out while at their default, so such a
 # record is byte-identical to what earlier builds wrote (and read by them).
-_ADDED_LATER: dict[str, tuple[str, ...]] = {"status_changed": ("metrics",)}
+_ADDED_LATER: dict[str, tuple[str, ...]] = {"status_changed": ("metrics", "interrupted")}
 
 
 def to_plain(event: Event | Decision) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from .events import (
     RoundTimedOut,
     StatusChanged,
     StepFinished,
+    StepsRolledBack,
     SyncFailed,
     VersionPublished,
     WeightsBroadcast,
@@ -115,7 +116,8 @@ in_words = Phrasebook({
     MemberJoined: lambda e: f"joined on {e.host} (pid {e.pid}) at step {e.step}, version {e.version}",
     JobConfigured: lambda e: (f"config {e.config.sync_method.value}/{e.config.sync_style.value} "
                               f"interval {e.config.sync_interval}"),
-    StatusChanged: lambda e: f"{e.status.value} at step {e.step}, version {e.version}",
+    StatusChanged: lambda e: (f"{e.status.value} at step {e.step}, version {e.version}"
+                              + (" (interrupted)" if e.interrupted else "")),
     VersionPublished: lambda e: (f"published v{e.version} (step {e.step}, {_size(e.nbytes)} "
                                  f"via {e.method.value})"),
     NoNewVersion: lambda e: f"no version newer than v{e.version}",
@@ -124,6 +126,8 @@ in_words = Phrasebook({
                                  f"in {e.seconds:.3f} s"),
     SyncFailed: lambda e: f"sync failed (v{e.version}, round {e.round}): {e.reason}",
     StepFinished: _step_finished,
+    StepsRolledBack: lambda e: (f"rolled back to step {e.to_step}: steps {e.to_step + 1}..{e.from_step} "
+                                f"are trained again"),
     EvalFinished: _eval_finished,
     MemberExpired: lambda e: f"{e.expired} expired (silent {e.silent_for:.1f} s)",
     RoundTimedOut: lambda e: f"round {e.round} timed out",

@@ -46,6 +46,7 @@ __all__ = [
     "WeightsBroadcast",
     "SyncFailed",
     "StepFinished",
+    "StepsRolledBack",
     "EvalFinished",
     "MemberExpired",
     "RoundTimedOut",
@@ -163,6 +164,9 @@ class StatusChanged(Event, frozen=True, kw_only=True, tag="status_changed"):
 
     `metrics` on a STOPPED are the member's totals at its end (a trainer's experiences dropped as
     stale after its last StepFinished are counted only here).
+
+    `interrupted` marks a STOPPED asked for by a stop signal (Ctrl-C, SIGTERM), not by the member's
+    own end or failure: what the job's summary calls "interrupted".
     """
 
     status: RunningStatus
@@ -171,6 +175,7 @@ class StatusChanged(Event, frozen=True, kw_only=True, tag="status_changed"):
     rendezvous: str | None = None
     final: bool = False
     metrics: Mapping[str, float] = msgspec.field(default_factory=dict)
+    interrupted: bool = False
 
 
 class VersionPublished(Event, frozen=True, kw_only=True, tag="version_published"):
@@ -225,6 +230,16 @@ class StepFinished(Event, frozen=True, kw_only=True, tag="step_finished"):
     step: int
     version: int
     metrics: Mapping[str, float] = msgspec.field(default_factory=dict)
+
+
+class StepsRolledBack(Event, frozen=True, kw_only=True, tag="steps_rolled_back"):
+    """The trainer resumed from a checkpoint of step `to_step` after reporting steps up to
+    `from_step`: steps `to_step + 1 .. from_step` are trained again, and each one's new
+    StepFinished replaces the one recorded before (a kill -9 between two checkpoints). A record
+    for those who count steps: the reducer decides nothing on it."""
+
+    from_step: int
+    to_step: int
 
 
 class EvalFinished(Event, frozen=True, kw_only=True, tag="eval_finished"):
@@ -385,6 +400,7 @@ INPUT_KINDS: dict[str, type[Event]] = {
         WeightsBroadcast,
         SyncFailed,
         StepFinished,
+        StepsRolledBack,
         EvalFinished,
         MemberExpired,
         RoundTimedOut,

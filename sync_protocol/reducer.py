@@ -62,6 +62,7 @@ from .events import (
     RoundTimedOut,
     StatusChanged,
     StepFinished,
+    StepsRolledBack,
     SyncFailed,
     VersionPublished,
     WeightsBroadcast,
@@ -173,6 +174,7 @@ SENDERS: Mapping[type[Event], tuple[Role, ...]] = MappingProxyType({
     StatusChanged: _ANYONE,  # a synchronizer's status is recorded, never part of a round
     StepFinished: _ANYONE,
     EvalFinished: (_EXPLORER,),
+    StepsRolledBack: (_TRAINER,),
     VersionPublished: (_TRAINER,),
     NoNewVersion: (_TRAINER,),
     WeightsBroadcast: (_TRAINER,),
@@ -849,6 +851,10 @@ def _on_eval_finished(tx: _Tx, event: EvalFinished, member: MemberState) -> None
     pass  # a record for the eval curve (observers fold it); no sync decision depends on it
 
 
+def _on_steps_rolled_back(tx: _Tx, event: StepsRolledBack, member: MemberState) -> None:
+    pass  # a record for step counts (observers fold it); the join already said where the trainer resumed
+
+
 def _on_member_expired(tx: _Tx, event: MemberExpired, _: None) -> None:
     target = event.expired
     member = tx.members.get(target.key)
@@ -877,6 +883,7 @@ _HANDLERS: dict[type[Event], _Handler] = {
     SyncFailed: _on_sync_failed,
     StepFinished: _on_step_finished,
     EvalFinished: _on_eval_finished,
+    StepsRolledBack: _on_steps_rolled_back,
     MemberExpired: _on_member_expired,
     RoundTimedOut: _on_round_timed_out,
 }

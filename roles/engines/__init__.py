@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from rolectl.roles.config_base import CHECK_ENGINES, OpenSection, validate_section
 
+from .agent.config import AgentSection
 from .base import RolloutEngine, Task, TaskSet, TrainEngine, WeightsMismatch
 from .sections import (
     BUILTIN_TRAINERS,
@@ -124,6 +125,8 @@ class EngineSections:
     """The stage's section (`sft:`, `dpo:`), whose files a built model's vocabulary covers; None for RL."""
     expert_data: Any = None
     """`trainer.expert_data`: demonstrations the trainer mixes into RL steps; None without."""
+    agent: AgentSection | None = None
+    """`agent:`: explorers play multi-turn episodes; trainers take trajectories of its token budget."""
 
     @classmethod
     def of(cls, job: Any) -> EngineSections:
@@ -140,7 +143,8 @@ class EngineSections:
             stage_section = _typed(_STAGE_SECTIONS[job.stage], stage_section, job.stage)
         return cls(model=model, data=data, algorithm=algorithm, explorer_count=job.explorers.count,
                    tensor_parallel_size=job.explorers.tensor_parallel_size, wire_dtype=job.transport.wire_dtype,
-                   stage=job.stage, stage_section=stage_section, expert_data=job.trainer.expert_data)
+                   stage=job.stage, stage_section=stage_section, expert_data=job.trainer.expert_data,
+                   agent=job.agent)
 
 
 def _model_section(value: Any) -> AnyModelSection:

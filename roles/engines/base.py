@@ -42,13 +42,19 @@ class Task:
     """One prompt to answer, with what the verifier needs to score a response.
 
     Token-level tasks (the tiny engine) score against `target` ids; text tasks (data files) against
-    the `answer` text, decoded responses being scored by reward functions (`roles.engines.rewards`).
+    the `answer` text, decoded responses being scored by reward functions (`roles.engines.rewards`),
+    which may also take the prompt's text and the task's whole data row.
     """
 
     id: str
     prompt: tuple[int, ...]
     target: tuple[int, ...] = ()
     answer: str = ""
+    prompt_text: str = ""
+    """The prompt as the data row gives it, before tokenizing or any chat template."""
+    row: Mapping[str, Any] | None = None
+    """The task's data row, every column by name, as `datasets` reads it (JSON values: text,
+    numbers, lists, mappings, null); None for a task made by an engine rather than read from data."""
 
 
 @runtime_checkable

@@ -121,13 +121,13 @@ def eval_config_problems(job: Any) -> list[tuple[str, str]]:
 
 def evaluate(engine: Any, tasks: Sequence[Task], job: Any, *, seed: int = 0, batch: int = 64) -> EvalResult:
     """Run every task `eval.samples` times with the engine's current weights; each reward's mean."""
-    from .rewards import resolve_reward
+    from .rewards import parse_reward_specs, score_all
 
     if not isinstance(engine, Generates):
         raise TypeError(f"the rollout engine {type(engine).__name__} cannot evaluate (it has no `generate`)")
     section = job.eval
     names = eval_reward_names(job)
-    fns = {name: resolve_reward(name) for name in names}
+    rewards = parse_reward_specs(list(names))
     started = time.monotonic()
     totals = dict.fromkeys(names, 0.0)
     responses = 0
@@ -137,7 +137,7 @@ def evaluate(engine: Any, tasks: Sequence[Task], job: Any, *, seed: int = 0, bat
         for task, answers in zip(chunk, texts):
             for text in answers:
                 responses += 1
-                for name, fn in fns.items():
-                    totals[name] += float(fn(text, task.answer))
+                for name, score in score_all(rewards, text, task)[1].items():
+                    totals[name] += score
     means = {name: total / max(responses, 1) for name, total in totals.items()}
     return EvalResult(rewards=means, tasks=len(tasks), responses=responses, seconds=time.monotonic() - started)

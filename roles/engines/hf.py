@@ -84,12 +84,13 @@ def model_forward(pad_id: int, device: str, temperature: float) -> Forward:
     return forward
 
 
-def score_texts(rewards: Sequence[WeightedReward], texts: Sequence[str], answers: Sequence[str]
+def score_texts(rewards: Sequence[WeightedReward], texts: Sequence[str], tasks: Sequence[Task | str]
                 ) -> tuple[list[float], dict[str, float]]:
-    """Totals per response, and each reward's mean as a metric `reward/<name>`."""
+    """Totals per response (each to its task: `tasks[i]` is the task `texts[i]` answers), and each
+    reward's mean as a metric `reward/<name>`."""
     totals, sums = [], {r.name: 0.0 for r in rewards}
-    for text, answer in zip(texts, answers):
-        total, scores = score_all(rewards, text, answer)
+    for text, task in zip(texts, tasks):
+        total, scores = score_all(rewards, text, task)
         totals.append(total)
         for name, value in scores.items():
             sums[name] += value
@@ -367,16 +368,16 @@ class HFRolloutEngine:
         return responses, response_logprobs_
 
     def rollout(self, tasks: Sequence[Task], *, explore_step: int) -> list[Experience]:
-        experiences, texts, answers = [], [], []
+        experiences, texts, scored = [], [], []
         for task_idx, task in enumerate(tasks):
             seed = task_seed(self.config.seed, self.member, explore_step, task_idx)
             responses, logprobs = self._sample(task.prompt, seed)
             group = f"{self.member}-{explore_step}-{task_idx}"
             for k, (response, lp) in enumerate(zip(responses, logprobs)):
                 texts.append(self.tokenizer.decode(response, skip_special_tokens=True))
-                answers.append(task.answer)
+                scored.append(task)
                 experiences.append((group, k, task.prompt, response, lp))
-        totals, self.rollout_metrics = score_texts(self.rewards, texts, answers)
+        totals, self.rollout_metrics = score_texts(self.rewards, texts, scored)
         return [Experience(id=f"{group}-{k}", group=group, prompt=tuple(prompt), response=tuple(response),
                            logprobs=tuple(lp), reward=reward, model_version=self.version)
                 for (group, k, prompt, response, lp), reward in zip(experiences, totals)]

@@ -1,8 +1,13 @@
 """Reward functions scored on decoded text: built-ins by name, or the user's own as `module:function`.
 
-A reward function is `fn(response: str, answer: str) -> float`. A job names one or several in
-`data.rewards` (each with a weight); the rollout engine scores every response with each of them,
-reports each one's mean as a metric (`reward/<name>`), and trains on the weighted sum.
+A reward function is `fn(response: str, answer: str) -> float`, or, to see more of its task,
+`fn(response, answer, *, prompt, row)`: `prompt` is the prompt's text (before any chat template),
+`row` the task's data row as a plain dict of every column (a tolerance, unit tests, a rubric).
+A function declares what it takes (either keyword, both, or `**kwargs` for both); the form is read
+once, when the reward is resolved, and a signature rolectl cannot call is refused then (with the
+job's config). A job names one or several in `data.rewards` (each with a weight); the rollout
+engine scores every response with each of them (`score_all`), reports each one's mean as a metric
+(`reward/<name>`), and trains on the weighted sum.
 
 Built-ins:
 
@@ -19,7 +24,7 @@ Built-ins:
 
 from __future__ import annotations
 
-import importlib
+import inspect
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -27,8 +32,13 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
+from .base import Task
+from .user_code import resolve_object
+
 __all__ = [
     "RewardFn",
+    "REWARD_FORMS",
+    "ROW_KEYWORDS",
     "WeightedReward",
     "BUILTIN_REWARDS",
     "exact_match",
@@ -36,12 +46,17 @@ __all__ = [
     "math_answer",
     "format_reward",
     "resolve_reward",
+    "reward_keywords",
     "reward_spec_problems",
     "parse_reward_specs",
     "score_all",
 ]
 
-RewardFn = Callable[[str, str], float]
+RewardFn = Callable[..., float]
+"""`fn(response, answer)`, or with the keywords of `ROW_KEYWORDS` it declares (`REWARD_FORMS`)."""
+ROW_KEYWORDS = ("prompt", "row")
+REWARD_FORMS = ("fn(response, answer) or fn(response, answer, *, prompt, row) (either keyword alone, or "
+                "**kwargs for both; prompt: the prompt text, row: the data row as a dict of every column)")
 
 
 def _normalise(text: str) -> str:
@@ -135,26 +150,47 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
 
 
 def resolve_reward(name: str) -> RewardFn:
-    """A built-in by name, or `package.module:function` imported from the Python path.
+    """A built-in by name, or the user's own as `module:function` / `path/to/file.py:function`
+    (`roles.engines.user_code`), checked to take one of the accepted forms (`REWARD_FORMS`).
 
     Raises ValueError saying what is missing and what to do.
     """
-    if name in BUILTIN_REWARDS:
-        return BUILTIN_REWARDS[name]
-    if ":" not in name:
-        raise ValueError(
-            f"unknown reward {name!r}; built-ins: {sorted(BUILTIN_REWARDS)}, or give your own as 'module:function'"
-        )
-    module_name, _, attr = name.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"reward {name!r}: cannot import module {module_name!r} ({exc}); "
-                         "is it on PYTHONPATH of every explorer?") from None
-    fn = getattr(module, attr, None)
+    fn = resolve_object(name, what="reward", builtins=BUILTIN_REWARDS)
     if not callable(fn):
-        raise ValueError(f"reward {name!r}: module {module_name!r} has no function {attr!r}")
+        raise ValueError(f"reward {name!r}: {type(fn).__name__} {fn!r} is not a function")
+    reward_keywords(fn, name)
     return fn
+
+
+def reward_keywords(fn: Callable[..., Any], name: str) -> frozenset[str]:
+    """Which of `ROW_KEYWORDS` `fn` takes, read from its signature; ValueError naming the accepted
+    forms when it cannot be called as a reward. A callable whose signature Python cannot read (a
+    C function) is called the two-argument way."""
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return frozenset()
+    kinds = inspect.Parameter
+    positional = [p for p in parameters if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)]
+    problems = []
+    if len(positional) < 2 and not any(p.kind is kinds.VAR_POSITIONAL for p in parameters):
+        problems.append(f"it takes {len(positional)} positional argument(s), not response and answer")
+    keywords = set()
+    for p in positional[2:] + [p for p in parameters if p.kind is kinds.KEYWORD_ONLY]:
+        if p.name in ROW_KEYWORDS and p.kind is not kinds.POSITIONAL_ONLY:
+            keywords.add(p.name)
+        elif p.default is p.empty:
+            problems.append(f"rolectl passes no {p.name!r}")
+    if any(p.kind is kinds.VAR_KEYWORD for p in parameters):
+        keywords.update(ROW_KEYWORDS)
+    if problems:
+        raise ValueError(f"reward {name!r}: cannot be called as {_qualname(fn)}{inspect.signature(fn)}: "
+                         f"{'; '.join(problems)}; write it as {REWARD_FORMS}")
+    return frozenset(keywords)
+
+
+def _qualname(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__qualname__", type(fn).__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +198,8 @@ class WeightedReward:
     name: str
     weight: float
     fn: RewardFn
+    keywords: frozenset[str] = frozenset()
+    """What `fn` takes beyond (response, answer): a subset of `ROW_KEYWORDS` (`reward_keywords`)."""
 
 
 def reward_spec_problems(specs: Any, where: str = "data.rewards") -> list[tuple[str, str]]:
@@ -181,7 +219,11 @@ def parse_reward_specs(specs: Any) -> tuple[WeightedReward, ...]:
     problems = reward_spec_problems(specs)
     if problems:
         raise ValueError("; ".join(f"{path}: {why}" for path, why in problems))
-    return tuple(WeightedReward(name, float(w), resolve_reward(name)) for name, w in _spec_items(specs, "", []))
+    rewards = []
+    for name, weight in _spec_items(specs, "", []):
+        fn = resolve_reward(name)
+        rewards.append(WeightedReward(name, float(weight), fn, reward_keywords(fn, name)))
+    return tuple(rewards)
 
 
 def _spec_items(specs: Any, where: str, problems: list) -> list[tuple[Any, Any]]:
@@ -201,7 +243,19 @@ def _spec_items(specs: Any, where: str, problems: list) -> list[tuple[Any, Any]]
     return items
 
 
-def score_all(rewards: Sequence[WeightedReward], response: str, answer: str) -> tuple[float, dict[str, float]]:
-    """The weighted total and each reward's own score for one response."""
-    scores = {r.name: float(r.fn(response, answer)) for r in rewards}
+def score_all(rewards: Sequence[WeightedReward], response: str, task: Task | str) -> tuple[float, dict[str, float]]:
+    """The weighted total and each reward's own score for one response to `task`.
+
+    Every caller scores through here (the rollout engines, the eval, the agent loop's last turn).
+    A bare answer string is the old form: rewards that take `prompt` or `row` get "" and {}.
+    """
+    answer, prompt, row = (task, "", None) if isinstance(task, str) else (task.answer, task.prompt_text, task.row)
+    scores = {}
+    for reward in rewards:
+        extra: dict[str, Any] = {}
+        if "prompt" in reward.keywords:
+            extra["prompt"] = prompt
+        if "row" in reward.keywords:
+            extra["row"] = dict(row or {})  # a copy each: one reward cannot change what the next sees
+        scores[reward.name] = float(reward.fn(response, answer, **extra))
     return sum(r.weight * scores[r.name] for r in rewards), scores

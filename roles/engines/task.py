@@ -2,6 +2,9 @@
 
 Token layout (vocabulary of 14): digits 0-9 are their own ids, then BOS, SEP, EOS, PAD.
 A prompt is `BOS d1 .. dL SEP`; the expected response is `dL .. d1 EOS`.
+
+A job with an `agent:` section plays multi-turn episodes over a vocabulary of 15: the same and
+QUERY, a token the model may sample to ask its environment (`roles.engines.agent.render.TinyRenderer`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ __all__ = [
     "PAD",
     "VOCAB_SIZE",
     "RESPONSE_TOKENS",
+    "QUERY",
+    "AGENT_VOCAB_SIZE",
+    "AGENT_RESPONSE_TOKENS",
     "ReverseDigitsTaskSet",
     "make_reverse_task",
     "score_response",
@@ -28,6 +34,10 @@ BOS, SEP, EOS, PAD = 10, 11, 12, 13
 VOCAB_SIZE = 14
 # A response may only contain digits and EOS; samplers and the trainer mask the rest the same way.
 RESPONSE_TOKENS = tuple(range(10)) + (EOS,)
+# An agent's episodes add one token the model may sample: the query (its environment answers it).
+QUERY = 14
+AGENT_VOCAB_SIZE = 15
+AGENT_RESPONSE_TOKENS = RESPONSE_TOKENS + (QUERY,)
 
 
 def make_reverse_task(task_id: str, digits: Sequence[int]) -> Task:

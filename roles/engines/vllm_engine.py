@@ -253,7 +253,7 @@ class VLLMRolloutEngine:
                   for i in range(len(tasks))]
         outputs = self._thread.submit(self.llm.generate, prompts, params, use_tqdm=False,
                                       lora_request=self._lora_request).result()
-        rows, texts, answers = [], [], []
+        rows, texts, scored = [], [], []
         for task_idx, (task, output) in enumerate(zip(tasks, outputs)):
             group = f"{self.member}-{explore_step}-{task_idx}"
             for k, completion in enumerate(output.outputs):
@@ -261,8 +261,8 @@ class VLLMRolloutEngine:
                 logprobs = [step[token].logprob for step, token in zip(completion.logprobs, ids)]
                 rows.append((group, k, task.prompt, ids, logprobs))
                 texts.append(self.tokenizer.decode(ids, skip_special_tokens=True))
-                answers.append(task.answer)
-        totals, self.rollout_metrics = score_texts(self.rewards, texts, answers)
+                scored.append(task)
+        totals, self.rollout_metrics = score_texts(self.rewards, texts, scored)
         return [Experience(id=f"{group}-{k}", group=group, prompt=tuple(prompt), response=tuple(ids),
                            logprobs=tuple(lp), reward=reward, model_version=self.version)
                 for (group, k, prompt, ids, lp), reward in zip(rows, totals)]

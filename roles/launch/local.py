@@ -16,10 +16,8 @@ from collections import deque
 from pathlib import Path
 
 import nats.errors
-import yaml
 from rich.console import Console
 from rich.live import Live
-from rich.table import Table
 
 from rolectl.bus.archive import ArchiveError
 from rolectl.bus.auth import AuthDir
@@ -30,19 +28,20 @@ from rolectl.bus.logging import setup_logging
 from rolectl.bus.security import redact
 from rolectl.bus.server import NatsServer, NatsServerError
 from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream
-from rolectl.roles.config import ENGINE_SECTIONS, EnvSettings, JobConfig
+from rolectl.roles.config import EnvSettings, JobConfig
 from rolectl.roles.exit_codes import ExitCode
 from rolectl.roles.launch.base import Launcher, RoleHandle
+from rolectl.roles.launch.run_dir import RUN_CONFIG, new_run_path, resume_command, write_config
+from rolectl.roles.launch.up_view import PIPE_LINE_S, ConsoleLog, Progress, progress_view, summary_table
 from rolectl.roles.observe.dashboard import start_dashboard
 from rolectl.roles.observe.export import read_history
 from rolectl.roles.observe.observer import JobObserver
 from rolectl.roles.observe.replay import summarize, write_export
+from rolectl.roles.observe.run_store import server_running, server_stopped
 from rolectl.roles.observe.trackers import Trackers
-from rolectl.roles.observe.views import SUMMARY_MEANINGS, member_status
 from rolectl.roles.provision import provision_job
 from rolectl.roles.runner import EXIT_ERROR, EXIT_INCOMPLETE, EXIT_INTERRUPTED
 from rolectl.roles.stopping import stop_task
-from rolectl.sync_protocol import Role
 
 __all__ = ["run_up", "supervise", "summarize", "write_config", "LocalLauncher", "RoleProcess"]
 
@@ -57,6 +56,7 @@ class RoleProcess:
     member_id: str
     log_path: Path
     proc: subprocess.Popen
+    told: bool = False  # sent its stop signal: never a second one, which would cut its cleanup short
 
     @property
     def name(self) -> str:
@@ -104,17 +104,19 @@ class LocalLauncher:
         proc = subprocess.Popen(
             [sys.executable, "-m", "rolectl.roles.cli", "start", role, "--config", str(self.config_path),
              "--nats", self.nats_url, "--id", member_id, "--log-format", "json"],
-            stdout=out, stderr=subprocess.STDOUT, env=env,
+            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
             start_new_session=True,  # Ctrl-C in the terminal reaches `up`, which stops children in order
         )
         out.close()
         return RoleProcess(role=role, member_id=member_id, log_path=log_path, proc=proc)
 
     async def stop_all(self, handles: list[RoleProcess], grace_s: float = 15.0) -> None:
-        """SIGINT (roles publish STOPPED), then SIGKILL after a grace period."""
+        """SIGINT each running role once (it records its STOPPED), then SIGKILL what is left after
+        `grace_s`. A role told already is not told again: a second stop request cancels its cleanup."""
         for p in handles:
-            if p.proc.poll() is None:
+            if p.proc.poll() is None and not p.told:
                 p.proc.send_signal(signal.SIGINT)
+                p.told = True
         deadline = time.monotonic() + grace_s
         for p in handles:
             while p.proc.poll() is None and time.monotonic() < deadline:
@@ -124,41 +126,17 @@ class LocalLauncher:
                 p.proc.wait()
 
 
-def write_config(cfg: JobConfig, path: Path) -> None:
-    """The effective config every role of this run reads (nats URL and run dir filled in)."""
-    data = {
-        "job": cfg.job,
-        "nats_url": cfg.nats_url,
-        "run_dir": cfg.run_dir,
-        "archive_dir": str(cfg.event_archive_dir),  # where `up` reads the history back at the end
-        "log_level": cfg.log_level,
-        "synchronizer": cfg.synchronizer.to_mapping(),
-        "trainer": cfg.trainer.model_dump(mode="json"),
-        "explorers": cfg.explorers.model_dump(mode="json"),
-        "buffer": cfg.buffer.model_dump(mode="json"),
-        "transport": cfg.transport.model_dump(mode="json"),
-        # stream replicas; credentials reach each role through its environment, never this file
-        "nats": {"replicas": cfg.nats.replicas},
-        "eval": cfg.eval.model_dump(mode="json"),
-        "monitor": cfg.monitor.model_dump(mode="json"),
-        "serve": cfg.serve.model_dump(mode="json"),
-        "stage": cfg.stage,
-        # the engine's sections (and the stages') as the file wrote them (what it left out stays a default)
-        **{name: section if section is None else section.model_dump(mode="json", exclude_unset=True)
-           for name, section in ((name, getattr(cfg, name)) for name in ENGINE_SECTIONS)},
-    }
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-
-
 def run_up(cfg: JobConfig, *, explorers: int | None = None, summary_path: str | None = None,
            dashboard: bool = True, dashboard_port: int = 0, run_dir: str | None = None,
-           timeout_s: float | None = None, auth: AuthDir | None = None) -> int:
+           timeout_s: float | None = None, auth: AuthDir | None = None, resume: Path | None = None) -> int:
     """Run the job to its end; the exit code follows `roles.runner`: 0 the job completed, 3 it ended
     short of its last step (every process may have exited 0), 1 a role failed, 130 interrupted.
 
     With `auth` (what `rolectl auth init` wrote) the server runs from its nats-server.conf (TLS, one
-    identity per member), admin provisions the streams and each role connects as itself."""
-    setup_logging("warning")
+    identity per member), admin provisions the streams and each role connects as itself. With
+    `resume` (a run directory, `cfg` its recorded config) the run goes on there: the same store,
+    checkpoints and directory; a run that already finished is said so, and that is all (exit 0)."""
+    setup_logging("warning", json=False, stream=ConsoleLog(console))  # above the live table, for people
     if explorers is not None:
         cfg, note = cfg.with_explorer_count(explorers)
         if note:
@@ -168,40 +146,68 @@ def run_up(cfg: JobConfig, *, explorers: int | None = None, summary_path: str | 
         if problem:
             console.print(f"[red]rolectl up --auth-dir {auth.path}:[/] {problem}", highlight=False)
             return ExitCode.USAGE
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    base = Path(run_dir or cfg.run_dir).resolve()
-    run_path = base / f"{cfg.job}-{stamp}-{os.getpid()}"
-    (run_path / "logs").mkdir(parents=True, exist_ok=True)
-    if auth is None:
-        server = NatsServer(store_dir=str(run_path / "nats"), log_file=str(run_path / "logs" / "nats-server.log"),
-                            go_gc=cfg.server_go_gc)
-    else:  # the store stays per run, so a second run of the same job starts from an empty stream
-        conf = run_path / "nats-server.conf"
-        conf.write_text(auth.server_conf_with_store(run_path / "nats"))
-        server = NatsServer(config_file=str(conf), host="127.0.0.1", port=auth.port,
-                            http_port=auth.http_port, log_file=str(run_path / "logs" / "nats-server.log"),
-                            go_gc=cfg.server_go_gc)
+    run_path = resume if resume is not None else new_run_path(cfg, run_dir)
+    server = _embedded_server(cfg, run_path, auth)
     try:
         server.start()
     except NatsServerError as exc:
         console.print(f"[red]cannot start the embedded nats-server:[/] {exc}")
         return ExitCode.ERROR
     url = server.url if auth is None else auth.url
+    server_running(run_path, server, url)  # `--run` readers use it, and never open the store beside it
     cfg = cfg.with_overrides(nats_url=url, run_dir=str(run_path))
-    config_path = run_path / "job.yaml"
+    config_path = run_path / RUN_CONFIG
     write_config(cfg, config_path)
     secured = "" if auth is None else f" (TLS, identities from {auth.path})"
-    console.print(f"[bold]rolectl up[/] job [cyan]{cfg.job}[/]: nats {url}{secured} (monitoring {server.monitor_url}), "
-                  f"run dir {run_path}")
+    console.print(f"[bold]rolectl up[/] job [cyan]{cfg.job}[/]{' resumed' if resume else ''}: nats {url}{secured} "
+                  f"(monitoring {server.monitor_url}), run dir {run_path}")
+    code: int = EXIT_INTERRUPTED
     try:
+        if resume is not None and asyncio.run(_finished_already(cfg, run_path, auth)):
+            code = ExitCode.OK
+            return code
         launcher = LocalLauncher(config_path=config_path, nats_url=url, logs=run_path / "logs", auth=auth)
-        return asyncio.run(supervise(cfg, launcher, run_path, monitor_url=server.monitor_url,
+        code = asyncio.run(supervise(cfg, launcher, run_path, monitor_url=server.monitor_url,
                                      summary_path=summary_path, dashboard=dashboard,
                                      dashboard_port=dashboard_port, timeout_s=timeout_s, auth=auth))
+        return code
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     finally:
         server.stop()
+        server_stopped(run_path)
+        if code in (EXIT_ERROR, EXIT_INCOMPLETE, EXIT_INTERRUPTED):  # ended short: how to go on
+            console.print(f"resume:  {resume_command(run_path)}", highlight=False, soft_wrap=True)
+
+
+def _embedded_server(cfg: JobConfig, run_path: Path, auth: AuthDir | None) -> NatsServer:
+    """The job's own nats-server, its store in the run directory; out of the terminal's process
+    group (`up` stops it last, after the roles and the export)."""
+    log_file = str(run_path / "logs" / "nats-server.log")
+    if auth is None:
+        return NatsServer(store_dir=str(run_path / "nats"), log_file=log_file, go_gc=cfg.server_go_gc,
+                          own_session=True)
+    # the store stays per run, so a second run of the same job starts from an empty stream
+    conf = run_path / "nats-server.conf"
+    conf.write_text(auth.server_conf_with_store(run_path / "nats"))
+    return NatsServer(config_file=str(conf), host="127.0.0.1", port=auth.port, http_port=auth.http_port,
+                      log_file=log_file, go_gc=cfg.server_go_gc, own_session=True)
+
+
+async def _finished_already(cfg: JobConfig, run_path: Path, auth: AuthDir | None) -> bool:
+    """True (and said) when the record in the run's store shows the job finished: nothing to resume."""
+    security = auth.security("observer") if auth is not None else None
+    try:
+        async with connect(cfg.nats_url, job=cfg.job, role="observer", member="up", security=security) as conn:
+            records = await asyncio.wait_for(read_history(conn, cfg.event_archive_dir), timeout=30.0)
+    except (asyncio.TimeoutError, BusError, ArchiveError, nats.errors.Error):
+        return False  # no record to read (the run stopped before its streams were made): the roles make it
+    outcome = JobObserver().extend(records).outcome()
+    if outcome.complete:
+        console.print(f"job {cfg.job} in {run_path} already finished ({outcome.reason}): nothing to resume. "
+                      f"Its summary: {run_path / 'summary.json'}; to train again, start a new run with --config",
+                      highlight=False, soft_wrap=True)
+    return outcome.complete
 
 
 async def supervise(cfg: JobConfig, launcher: Launcher, run_path: Path, *, monitor_url: str | None,
@@ -252,7 +258,7 @@ class _Supervision:
         self.everyone: list[RoleHandle] = []  # the synchronizer, the trainer, the explorers (a stage: its trainer)
         self.stop = asyncio.Event()  # the first Ctrl-C / SIGTERM: stop the roles in order
         self.hurry = asyncio.Event()  # the second: kill them now
-        self.progress = _Progress(cfg.trainer.total_steps)
+        self.progress = Progress(cfg.trainer.total_steps)
 
     @property
     def workers(self) -> list[RoleHandle]:
@@ -285,9 +291,11 @@ class _Supervision:
     def _on_signal(self, sig: signal.Signals) -> None:
         if self.stop.is_set():
             self.hurry.set()
-            console.print("[yellow]stopping now: killing the roles[/]")
+            console.print(f"[yellow]stopping faster: roles still running in {_HURRY_GRACE_S:.0f} s are killed; "
+                          "the job's record is still exported[/]")
         else:
-            console.print(f"[yellow]interrupted ({sig.name}): stopping the roles (Ctrl-C again to kill them now)[/]")
+            console.print(f"[yellow]interrupted ({sig.name}): stopping the roles, then the server "
+                          "(Ctrl-C again to stop faster)[/]")
         self.stop.set()
 
     # -- watch -------------------------------------------------------------------------------------
@@ -296,8 +304,8 @@ class _Supervision:
         "timeout", or None when every worker exited 0."""
         cfg, everyone = self.cfg, self.everyone
         served: set[str] = set()
-        next_line = time.monotonic() + _PIPE_LINE_S
-        with Live(_progress_view(cfg, view, everyone, self.progress), console=console, refresh_per_second=2,
+        next_line = time.monotonic() + PIPE_LINE_S
+        with Live(progress_view(cfg, view, everyone, self.progress), console=console, refresh_per_second=2,
                   transient=not console.is_terminal) as live:
             while True:
                 trainer = view.state.trainer_state
@@ -306,11 +314,11 @@ class _Supervision:
                 self.progress.update(view.trainer_steps, time.monotonic())
                 if cfg.serve.enabled:
                     _print_serve_urls(cfg, served, everyone)
-                live.update(_progress_view(cfg, view, everyone, self.progress))
+                live.update(progress_view(cfg, view, everyone, self.progress))
                 if not console.is_terminal and time.monotonic() >= next_line:
                     # in a pipe the live table shows nothing until the end: a plain line now and then
                     console.print(self.progress.line(), highlight=False)
-                    next_line = time.monotonic() + _PIPE_LINE_S
+                    next_line = time.monotonic() + PIPE_LINE_S
                 failed = next((p for p in everyone if p.poll() not in (None, 0)), None)
                 if failed or all(p.poll() == 0 for p in self.workers):
                     return failed
@@ -382,11 +390,15 @@ class _Supervision:
         (self.run_path / "summary.json").write_text(text)
         if summary_path:
             Path(summary_path).write_text(text)
-        console.print(_summary_table(summary))
+        console.print(summary_table(summary))
         # where to look now that the server and the dashboard are gone with the job
         written = [str(self.run_path / "summary.json"), *([str(summary_path)] if summary_path else [])]
+        own_store = self.launcher.name == "local"  # the run directory holds the server's store
+        replay = (f"rolectl replay --file {events_file}" if summary.get("events") or not own_store else
+                  f"rolectl replay --run {self.run_path}")  # no export: the run's own store
+        later = f"\nlater:   rolectl status|replay|dashboard|export --run {self.run_path}" if own_store else ""
         console.print(f"summary: {' and '.join(written)}\nevents:  {events_file}\n"
-                      f"replay:  rolectl replay --file {events_file}   (add --check to verify every decision)",
+                      f"replay:  {replay}   (add --check to verify every decision){later}",
                       highlight=False, soft_wrap=True)
 
 
@@ -440,16 +452,30 @@ async def _read_history(conn: BusConnection, cfg: JobConfig) -> list:
         return []
 
 
+_HURRY_GRACE_S = 5.0
+"""After a second Ctrl-C, how long the roles still running get to record their STOPPED before they
+are killed (the first Ctrl-C gives each wave of roles the launcher's full grace)."""
+
+
 async def _stop_roles(launcher: Launcher, handles: list[RoleHandle], hurry: asyncio.Event) -> None:
-    """Stop every role in order (SIGINT, then SIGKILL after a grace), or at once when `hurry` is
-    set meanwhile (a second Ctrl-C)."""
-    stopping = asyncio.create_task(launcher.stop_all(handles), name="stop-roles")
+    """Stop the roles in order: the trainer and the explorers first, each told once and given
+    time to record its STOPPED, then the synchronizer, which records the decisions their stops
+    cause. When `hurry` is set (a second Ctrl-C) whatever still runs gets `_HURRY_GRACE_S`, all at
+    once, then is killed; the record stays whole either way (the server outlives the roles)."""
+    workers = [h for h in handles if h.role != "sync"]
+    synchronizers = [h for h in handles if h.role == "sync"]
+
+    async def in_order() -> None:
+        await launcher.stop_all(workers)
+        await launcher.stop_all(synchronizers)
+
+    stopping = asyncio.create_task(in_order(), name="stop-roles")
     hurried = asyncio.create_task(hurry.wait(), name="hurry")
     await asyncio.wait({stopping, hurried}, return_when=asyncio.FIRST_COMPLETED)
     hurried.cancel()
     if not stopping.done():
         await stop_task(stopping)
-        await launcher.stop_all(handles, grace_s=0.0)
+        await launcher.stop_all(handles, grace_s=_HURRY_GRACE_S)
 
 
 def why_it_stopped(log_tail: str) -> str | None:
@@ -510,91 +536,3 @@ def _print_serve_urls(cfg: JobConfig, printed: set[str], handles: list) -> None:
         printed.add(member)
         console.print(f"serving: {member} [link={url}]{url}[/link] (OpenAI-compatible; "
                       f"rewards: POST {url}/rewards)", highlight=False)
-
-
-_PIPE_LINE_S = 10.0  # how often `up` in a pipe prints a progress line
-
-
-class _Progress:
-    """Trainer steps against the total, the rate since the first step, and the time left."""
-
-    def __init__(self, total: int):
-        self.total = total
-        self.steps = 0
-        self._first: tuple[int, float] | None = None  # (steps, monotonic time) when steps were first seen
-        self.rate: float | None = None  # steps per second
-
-    def update(self, steps: int, now: float) -> None:
-        self.steps = steps
-        if steps and self._first is None:
-            self._first = (steps, now)
-        elif self._first is not None and steps > self._first[0] and now > self._first[1]:
-            self.rate = (steps - self._first[0]) / (now - self._first[1])
-
-    @property
-    def left_s(self) -> float | None:
-        return (self.total - self.steps) / self.rate if self.rate else None
-
-    def line(self) -> str:
-        pct = f"{self.steps / self.total:.0%}" if self.total else "?"
-        rate = f"{self.rate:.2f} steps/s" if self.rate else "rate: waiting for steps"
-        left = f"~{_duration(self.left_s)} left" if self.left_s is not None else "time left: unknown yet"
-        return f"trainer step {self.steps}/{self.total} ({pct}) · {rate} · {left}"
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(round(seconds))
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else (
-        f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s")
-
-
-def _progress_view(cfg: JobConfig, view: JobObserver, processes: list[RoleHandle], progress: _Progress):
-    from rich.console import Group
-    from rich.progress_bar import ProgressBar
-
-    bar = Table.grid(padding=(0, 1))
-    bar.add_row(ProgressBar(total=progress.total, completed=progress.steps, width=40), progress.line())
-    return Group(bar, _progress_table(cfg, view, processes))
-
-
-def _progress_table(cfg: JobConfig, view: JobObserver, processes: list[RoleHandle]) -> Table:
-    table = Table(title=f"job {cfg.job} · latest version {view.latest()['version']}", expand=False)
-    for col in ("member", "status", "step", "version", "reward", "process"):
-        table.add_column(col)
-    procs = {p.member_id: p for p in processes}
-    for member in sorted(view.state.members.values(), key=lambda m: (m.ref.role.value, m.ref.id)):
-        proc = procs.get(member.ref.id) or procs.get("sync-0" if member.ref.role is Role.SYNCHRONIZER else "")
-        reward = member.metrics.get("reward_mean") if member.metrics else None
-        total = int(member.metrics.get("total_steps", 0)) if member.metrics else 0
-        table.add_row(member.ref.key, member_status(member), f"{member.step}/{total}" if total else str(member.step),
-                      str(member.version),
-                      f"{reward:.3f}" if reward is not None else "",
-                      "running" if proc and proc.poll() is None else (f"exit {proc.returncode}" if proc else ""))
-    return table
-
-
-SUMMARY_SHOWN = ("job", "complete", "end_reason", "engines", "trainer_world_size", "hf_model_dir", "model_parameters",
-                 "trainable_parameters",
-                 "trainer_steps", "explorer_steps",
-                 "syncs", "rounds", "weight_loads", "final_version", "reward_first", "reward_last",
-                 "experiences_produced", "experiences_trained", "experiences_dropped_stale",
-                 "experiences_left_untrained", "weights_bytes_moved", "weights_bytes_per_sync",
-                 "sync_wait_ms", "wall_s", "run_dir")
-
-
-# a trainer of ranks; an engine that exports; a LoRA adapter
-_SHOWN_WHEN_SET = ("trainer_world_size", "hf_model_dir", "trainable_parameters")
-
-
-def _summary_table(summary: dict) -> Table:
-    """The summary's figures, each beside what it counts (a sync, a load and a wait are not one thing)."""
-    table = Table(title="run summary", show_header=False)
-    table.add_column("figure", no_wrap=True)
-    table.add_column("value", overflow="fold", ratio=1)
-    table.add_column("what it counts", style="dim", no_wrap=True)
-    served = ("served_requests", "rewarded", "expired") if "served_requests" in summary else ()
-    for key in (*SUMMARY_SHOWN, *served):
-        if key in _SHOWN_WHEN_SET and key not in summary:
-            continue
-        table.add_row(key, json.dumps(summary.get(key)), SUMMARY_MEANINGS.get(key, ""))
-    return table

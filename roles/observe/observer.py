@@ -50,6 +50,7 @@ from rolectl.sync_protocol import (
     State,
     StatusChanged,
     StepFinished,
+    StepsRolledBack,
     VersionPublished,
     WeightsBroadcast,
     WeightsLoaded,
@@ -83,6 +84,13 @@ class StepCounts:
         recent[step] = n
         while len(recent) > self._window:
             recent.popitem(last=False)
+
+    def roll_back(self, member: str, to_step: int) -> None:
+        """`member` went back to `to_step`: what its later steps counted no longer counts (a step
+        trained again is counted by its new figure)."""
+        recent = self._recent.get(member, OrderedDict())
+        for step in [s for s in recent if s > to_step]:
+            self.total -= recent.pop(step)
 
     def size(self) -> int:
         """How many step figures are remembered (for the bound's test)."""
@@ -138,7 +146,8 @@ class JobObserver:
         self.final_version = 0
         self.trainer_steps = 0
         self.explorer_steps: dict[str, int] = {}
-        self.rewards_first: list[float] = []  # the first five trainer rewards (the last are in `reward`)
+        self.rewards_first: list[tuple[int, float]] = []  # the first five trainer (step, reward)s (the last: `reward`)
+        self.trainer_interrupted = False  # the trainer's last STOPPED came from a stop signal
         self.experiences_produced = StepCounts()  # a step reported twice counts once
         self.experiences_trained = StepCounts()
         # serve mode: each serving explorer incarnation's latest traffic counts (they only grow)
@@ -312,6 +321,10 @@ class JobObserver:
                 self._asked_at[event.member.key] = rec.time_ms
             else:
                 self._asked_at.pop(event.member.key, None)  # withdrew its ask (gave up, stopped)
+        if isinstance(event, StatusChanged) and event.member.role is Role.TRAINER:
+            self.trainer_interrupted = event.status is RunningStatus.STOPPED and event.interrupted
+        if isinstance(event, StepsRolledBack):
+            self._roll_back(event)
         if isinstance(event, StepFinished):
             self._count_step(event)
             if "served_requests" in event.metrics:
@@ -368,7 +381,14 @@ class JobObserver:
     # -- views -----------------------------------------------------------------------------------
 
     def members(self, now_ms: int | None = None) -> list[dict[str, Any]]:
-        return member_rows(self.state, self.heartbeats, now_ms)
+        """`views.member_rows`; a synchronizer's row also says what the job's synchronizers decided
+        (`decisions` recorded, the `last_round`): it has no step nor version of its own."""
+        rows = member_rows(self.state, self.heartbeats, now_ms)
+        last_round = max(self.rounds) if self.rounds else None
+        for row in rows:
+            if row["role"] == Role.SYNCHRONIZER.value:
+                row.update(decisions=self.decisions_recorded, last_round=last_round)
+        return rows
 
     def latest(self) -> dict[str, Any]:
         """The newest weights: the last published version, or for rendezvous methods (which move
@@ -387,7 +407,7 @@ class JobObserver:
         if event.member.role is Role.TRAINER:
             self.trainer_steps = max(self.trainer_steps, event.step)
             if "reward_mean" in m and len(self.rewards_first) < 5:
-                self.rewards_first.append(m["reward_mean"])
+                self.rewards_first.append((event.step, m["reward_mean"]))
             self.experiences_trained.add(event.member.id, event.step, int(m.get("num_experiences", 0)))
             self.dropped_stale = max(self.dropped_stale, int(m.get("dropped_stale_total", 0)))
         elif event.member.role is Role.EXPLORER:
@@ -397,6 +417,16 @@ class JobObserver:
                 self.tasks_cut.add(event.member.id, event.step, int(m["over_rollout_tasks_cut"]))
             if "served_requests" in m:
                 self.served[(event.member.id, event.member.incarnation)] = {k: m.get(k, 0.0) for k in _SERVED}
+
+    def _roll_back(self, event: StepsRolledBack) -> None:
+        """The trainer trains `to_step + 1 ..` again: their first figures stop counting, so each
+        step is counted once, by the figures of its training that stands."""
+        after = event.to_step
+        self.trainer_steps = min(self.trainer_steps, after)
+        self.rewards_first = [(step, r) for step, r in self.rewards_first if step <= after]
+        self.reward = deque((p for p in self.reward if p[0] <= after), maxlen=self.reward.maxlen)
+        self.staleness = deque((p for p in self.staleness if p[0] <= after), maxlen=self.staleness.maxlen)
+        self.experiences_trained.roll_back(event.member.id, after)
 
     def eval_curve(self) -> list[dict[str, Any]]:
         """The evals as recorded: version, explore step, each reward's mean, tasks, responses."""
@@ -425,6 +455,9 @@ class JobObserver:
             return JobOutcome("complete", f"the trainer finished its last step ({trainer.step})")
         if trainer.alive:
             return JobOutcome("running", f"the trainer is running (step {trainer.step})")
+        if trainer.status is RunningStatus.STOPPED and self.trainer_interrupted:
+            return JobOutcome("incomplete", f"interrupted: the trainer was stopped (Ctrl-C or SIGTERM) after step "
+                                            f"{trainer.step}; a restart resumes it")
         how = ("stopped before its last step (see its log for why)" if trainer.status is RunningStatus.STOPPED
                else "was expired (killed, or cut off) and did not come back")
         return JobOutcome("incomplete", f"the trainer {how}, after step {trainer.step}")
@@ -444,7 +477,8 @@ class JobObserver:
             "rounds": dict(sorted(self.round_outcomes.items())),
             "weight_loads": self.weight_loads,
             "final_version": self.final_version,
-            "reward_first": round(statistics.fmean(self.rewards_first), 4) if self.rewards_first else None,
+            "reward_first": (round(statistics.fmean(r for _, r in self.rewards_first), 4)
+                             if self.rewards_first else None),
             "reward_last": round(statistics.fmean(last), 4) if last else None,
             "weights_bytes_moved": self.bytes_loaded_total,
             "weights_bytes_per_sync": (round(self.bytes_sent_total / self.versions_sent)

@@ -4,14 +4,42 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 from rich.console import Console
 
 from rolectl.roles.observe.check import Mismatch
+from rolectl.roles.observe.views import progress_text, version_text
 from rolectl.sync_protocol import Decision, Recorded
 
-__all__ = ["print_check", "print_timeline"]
+__all__ = ["print_check", "print_timeline", "stdout_console", "quiet_closed_stdout"]
+
+_WHOLE_LINES = 4096
+"""The width `stdout_console` gives a file or a pipe: no line of a timeline or a table is cut."""
+
+
+def quiet_closed_stdout() -> None:
+    """The reader of stdout went away (`rolectl replay | head`): what is left goes nowhere, quietly
+    (the Python docs' BrokenPipeError recipe: the interpreter's last flush would raise again)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+
+
+class _Stdout(Console):
+    """rich's console, but a reader that went away is the command's to handle (rich would exit 1)."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError
+
+
+def stdout_console() -> Console:
+    """Where `replay` and `status` print: the terminal's width, or whole lines in a file or a pipe
+    (rich would cut them at 80 columns). A closed pipe raises BrokenPipeError."""
+    console = _Stdout()
+    return console if console.is_terminal else _Stdout(width=_WHOLE_LINES)
 
 
 _OUTCOME_STYLE = {"completed": "green", "no_new_version": "cyan", "timed_out": "red", "failed": "red",
@@ -19,8 +47,8 @@ _OUTCOME_STYLE = {"completed": "green", "no_new_version": "cyan", "timed_out": "
 
 
 def _line(out, text: str, style: str | None = None) -> None:
-    """One line, cut to the terminal's width (80 columns without a terminal): a row never folds
-    into a column of words, and the full record is in `--json`."""
+    """One line, cut to the terminal's width (whole in a file or a pipe): a row never folds into a
+    column of words, and the full record is in `--json`."""
     out.print(text, style=style, markup=False, highlight=False, no_wrap=True, overflow="ellipsis")
 
 
@@ -38,7 +66,7 @@ def _round_line(r: dict[str, Any], show_method: bool) -> tuple[str, str]:
 
 
 def print_timeline(t: dict[str, Any]) -> None:
-    out = Console()
+    out = stdout_console()
     cfg = t["config"] or {}
     _line(out, f"replay {t['source']}: {t['records']} records, seq {t['first_seq']}..{t['last_seq']}", "bold")
     _line(out, f"  from {t['first_time']} to {t['last_time']}")
@@ -73,7 +101,10 @@ def print_timeline(t: dict[str, Any]) -> None:
     _line(out, f"  {'role':<12} {'id':<14} {'status':<12} {'step':>6} {'version':>7}  last seen (UTC, before end)",
           "dim")
     for m in t["members"]:
-        _line(out, f"  {m['role']:<12} {m['id']:<14.14} {m['status']:<12} {m['step']:>6} {m['version']:>7}  {_seen(m)}")
+        synchronizer = m["role"] == "synchronizer"  # no steps nor weights: what was decided instead
+        step, decided = ("—", f"  ({progress_text(m)})") if synchronizer else (m["step"], "")
+        _line(out, f"  {m['role']:<12} {m['id']:<14.14} {m['status']:<12} {step:>6} {version_text(m):>7}  "
+                   f"{_seen(m)}{decided}")
     evals = t.get("eval") or []
     if evals:
         names = list(evals[0]["rewards"])
@@ -102,7 +133,7 @@ def _seen(member: dict[str, Any]) -> str:
 
 
 def print_check(records: list[Recorded], mismatches: list[Mismatch]) -> None:
-    out = Console()
+    out = stdout_console()
     decisions = sum(isinstance(r.event, Decision) for r in records)
     errors = [m for m in mismatches if not m.warning]
     for m in mismatches:

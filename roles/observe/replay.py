@@ -29,7 +29,7 @@ from rolectl.roles.observe.export import (
     read_job_from_snapshot,
     write_export,
 )
-from rolectl.roles.observe.render import print_check, print_timeline
+from rolectl.roles.observe.render import print_check, print_timeline, quiet_closed_stdout
 from rolectl.roles.observe.timeline import (
     build_timeline,
     cut,
@@ -105,6 +105,14 @@ def run_replay(*, job: str | None, nats: str, file: str | Path | None, until: st
     outcome = job_outcome(records, start)
     # a job that ended short of its last step is a failed job, even when every decision matches
     failed = bool(errors) or (check and moment is None and outcome.status == "incomplete")
+    try:
+        _print(timeline, records, mismatches, outcome, failed, check=check, as_json=as_json, err=err)
+    except BrokenPipeError:  # `| head` had what it wanted; the verdict stands all the same
+        quiet_closed_stdout()
+    return 1 if failed else 0
+
+
+def _print(timeline, records, mismatches, outcome, failed: bool, *, check: bool, as_json: bool, err) -> None:
     if as_json:
         timeline["outcome"] = {"status": outcome.status, "reason": outcome.reason}
         if check:
@@ -121,4 +129,3 @@ def run_replay(*, job: str | None, nats: str, file: str | Path | None, until: st
             print_check(records, mismatches)
         style = {"complete": "green", "running": "yellow"}.get(outcome.status, "bold red")
         err.print(f"job {outcome.status}: {outcome.reason}", style=style, highlight=False, markup=False)
-    return 1 if failed else 0

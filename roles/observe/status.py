@@ -21,7 +21,8 @@ from rolectl.bus.logging import setup_logging
 from rolectl.bus.snapshots import SnapshotStore
 from rolectl.roles.exit_codes import ExitCode
 from rolectl.roles.observe.observer import JobObserver
-from rolectl.roles.observe.views import format_ago
+from rolectl.roles.observe.render import stdout_console
+from rolectl.roles.observe.views import format_ago, progress_text, version_text
 from rolectl.sync_protocol import Role
 
 __all__ = ["collect_status", "print_status"]
@@ -107,14 +108,14 @@ async def print_status(job: str, nats: str, *, as_json: bool = False, connect_ti
                   sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
-    out = Console()
+    out = stdout_console()
     table = Table(title=f"job {job} · latest version {latest['version']} · stream seq {observer.state.last_seq}")
     for col in ("role", "id", "status", "step", "version", "last seen", "host"):
         table.add_column(col, justify="right" if col in ("step", "version") else "left")
     colour = {"running": "green", "require_sync": "yellow", "finished": "blue", "stopped": "dim", "expired": "red"}
     for row in rows:
         status = f"[{colour.get(row['status'], 'white')}]{row['status']}[/]"
-        table.add_row(row["role"], row["id"], status, format_progress(row), str(row["version"]),
+        table.add_row(row["role"], row["id"], status, progress_text(row), version_text(row),
                       format_ago(row["last_seen_ago_ms"]), row["host"])
     if not rows:
         table.caption = "no member has joined yet"
@@ -128,10 +129,3 @@ async def print_status(job: str, nats: str, *, as_json: bool = False, connect_ti
         out.print(f"last eval: v{last['version']} at step {last['step']}: {rewards} ({len(curve)} evals)",
                   highlight=False, markup=False)
     return 0
-
-
-def format_progress(row: dict) -> str:
-    """`17/50 (34%)` when the member reported its total, else the step alone."""
-    if row.get("total_steps"):
-        return f"{row['step']}/{row['total_steps']} ({row['fraction']:.0%})"
-    return str(row["step"])

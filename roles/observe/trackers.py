@@ -2,7 +2,9 @@
 
 One fold of the records, like every other view: the trainer's `StepFinished` metrics are logged by
 train step (`trainer/<name>`), each explorer's by explore step (`explorer/<id>/<name>`), evals by
-explore step (`eval/<reward>`, `eval/version`), sync rounds by round id (`sync/duration_s` when a
+explore step (`eval/<reward>`, `eval/version`), a trainer's rollback to a checkpoint
+(`trainer/rolled_back_from_step` at the step it resumed from: the steps after it are logged again,
+and trackers keep every point they are given), sync rounds by round id (`sync/duration_s` when a
 round closes, `sync/bytes` and `sync/load_s` when its weights are loaded), and the job's config as
 hyper-parameters. `rolectl up` runs it beside its progress view, so the roles need none of these
 packages. A tracker that raises is logged once, counted (`failures`), and the job goes on.
@@ -18,7 +20,15 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from rolectl.roles.config import TRACKERS, JobConfig
-from rolectl.sync_protocol import EvalFinished, Recorded, Role, RoundClosed, StepFinished, WeightsLoaded
+from rolectl.sync_protocol import (
+    EvalFinished,
+    Recorded,
+    Role,
+    RoundClosed,
+    StepFinished,
+    StepsRolledBack,
+    WeightsLoaded,
+)
 
 __all__ = ["Tracker", "Trackers", "make_tracker", "flat_params", "mlflow_local_uri"]
 
@@ -206,10 +216,13 @@ class Trackers:
                 self._closed_rounds.add(event.round)
                 self._log({f"sync/outcome_{event.outcome.value}": 1.0}, step=event.round, axis="sync/round")
             return
-        if not isinstance(event, (StepFinished, EvalFinished, WeightsLoaded)) or rec.seq <= self._last_input_seq:
+        if (not isinstance(event, (StepFinished, EvalFinished, WeightsLoaded, StepsRolledBack))
+                or rec.seq <= self._last_input_seq):
             return
         self._last_input_seq = rec.seq
-        if isinstance(event, StepFinished):
+        if isinstance(event, StepsRolledBack):
+            self._log({"trainer/rolled_back_from_step": event.from_step}, step=event.to_step, axis="trainer/step")
+        elif isinstance(event, StepFinished):
             if event.member.role is Role.TRAINER:
                 self._log({f"trainer/{k}": v for k, v in event.metrics.items()} | {"trainer/version": event.version},
                           step=event.step, axis="trainer/step")

@@ -18,6 +18,8 @@ __all__ = [
     "SUMMARY_MEANINGS",
     "member_status",
     "member_rows",
+    "progress_text",
+    "version_text",
     "format_ago",
     "percentile",
 ]
@@ -181,6 +183,24 @@ def format_ago(ms: int | None) -> str:
     if seconds < 3600:
         return f"{seconds / 60:.1f} min ago"
     return f"{seconds / 3600:.1f} h ago"
+
+
+def progress_text(row: dict[str, Any]) -> str:
+    """A member row's progress for people: `17/50 (34%)` when the member reported its total, else
+    its step; for a synchronizer, which has no steps, what was decided (`12 decisions, round 5`)."""
+    if row["role"] == Role.SYNCHRONIZER.value:
+        if not row.get("decisions"):
+            return "—"
+        last = row.get("last_round")
+        return f"{row['decisions']} decisions" + (f", round {last}" if last is not None else "")
+    if row.get("total_steps"):
+        return f"{row['step']}/{row['total_steps']} ({row['fraction']:.0%})"
+    return str(row["step"])
+
+
+def version_text(row: dict[str, Any]) -> str:
+    """A member row's weights version; "—" for a synchronizer, which holds none."""
+    return "—" if row["role"] == Role.SYNCHRONIZER.value else str(row["version"])
 
 
 def member_rows(state: State, heartbeats: dict[str, int] | None = None, now_ms: int | None = None

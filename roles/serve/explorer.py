@@ -179,7 +179,8 @@ class ServeLoop:
         env = {**os.environ, "PATH": path, "OPENAI_BASE_URL": url, "OPENAI_API_KEY": api_key or "none",
                EnvSettings.variable("serve_model"): self.endpoint.model_name}
         command = list(self.serve.agent or ())
-        proc = await asyncio.create_subprocess_exec(*command, env=env, cwd=str(Path.cwd()),
+        # its own session: a terminal's Ctrl-C reaches the explorer, which ends the agent (_stop_agent)
+        proc = await asyncio.create_subprocess_exec(*command, env=env, cwd=str(Path.cwd()), start_new_session=True,
                                                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
         self.explorer.log.info("agent_started", command=command, pid=proc.pid)
         self._agent_log = asyncio.create_task(self._follow_agent(proc), name="agent-log")

@@ -22,7 +22,7 @@ from playwright.sync_api import sync_playwright
 
 from rolectl.bus.archive import archived_upto
 from rolectl.bus.connection import connect
-from rolectl.bus.server import free_port
+from rolectl.bus.server import NatsServer, free_port
 from rolectl.roles.observe.export import read_history
 from rolectl.sync_protocol import Role, StepFinished
 from tests.support.scripted_job import run_scripted_job
@@ -50,12 +50,19 @@ def _api_state(url: str) -> dict:
         return json.load(resp)
 
 
-@pytest.fixture(params=["--archive", "--config"])
+@pytest.fixture(params=["--archive", "--config", "--run"])
 def dashboard_of_trimmed_job(request, nats_url, job_name, tmp_path):
-    """`rolectl dashboard` told where the archive is by `--archive DIR`, or by the job's config."""
+    """`rolectl dashboard` told where the archive is by `--archive DIR`, or by the job's config; or
+    a finished run opened offline (`--run RUN_DIR`: its own store, no server to start)."""
     import asyncio
 
-    history, first = asyncio.run(_trimmed_job(nats_url, job_name, tmp_path))
+    run = tmp_path / "run"
+    if request.param == "--run":  # a run directory as `rolectl up` leaves it: its server is gone
+        with NatsServer(store_dir=str(run / "nats")) as server:
+            history, first = asyncio.run(_trimmed_job(server.url, job_name, tmp_path))
+        (run / "job.yaml").write_text(f"job: {job_name}\nrun_dir: {tmp_path}\nmodel: {{engine: tiny}}\n")
+    else:
+        history, first = asyncio.run(_trimmed_job(nats_url, job_name, tmp_path))
     archive = tmp_path / job_name / "archive"
     trainer_steps = [r for r in history if isinstance(r.event, StepFinished) and r.event.member.role is Role.TRAINER]
     assert len(trainer_steps) == STEPS
@@ -71,10 +78,13 @@ def dashboard_of_trimmed_job(request, nats_url, job_name, tmp_path):
         config.write_text(f"job: {job_name}\nnats_url: {nats_url}\nrun_dir: {tmp_path}\n"
                           "model: {engine: tiny}\n")
         where = ["--config", str(config)]
+    if request.param == "--run":
+        where = ["--run", str(run)]  # the private server's monitoring URL too
+    else:
+        where.extend(["--monitor-url", "http://127.0.0.1:1"])
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "rolectl", "dashboard", *where,
-             "--port", str(port), "--monitor-url", "http://127.0.0.1:1"],
+            [sys.executable, "-m", "rolectl", "dashboard", *where, "--port", str(port)],
             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}/"
 

@@ -70,6 +70,13 @@ async def test_explorer_started_after_the_job_ended_exits_at_once(tmp_path):
         assert rc == ExitCode.OK, f"exit {rc} after {wall:.0f} s\n{log[-3000:]}"
         assert "trainer_already_finished" in log, log[-3000:]
 
+        # an explorer whose own id finished, started again: its work is done, not an error
+        job.start("explorer", "explorer-0")
+        rc = await job.wait_exit("explorer-0", LATE_EXIT_BOUND_S)
+        log = job.log_tail("explorer-0", 200)
+        assert rc == ExitCode.OK, f"exit {rc}\n{log[-3000:]}"
+        assert "explorer_already_finished" in log, log[-3000:]
+
         # the same late start, but with steps of its own left and explorers that do not stop with
         # the trainer: its work is incomplete, and it says why
         data["explorers"]["stop_with_trainer"] = False

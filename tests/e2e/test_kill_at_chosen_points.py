@@ -8,6 +8,7 @@ import signal
 
 import pytest
 
+from rolectl.roles.observe.observer import JobObserver
 from rolectl.roles.observe.replay import check_decisions
 from rolectl.sync_protocol import (
     Decision,
@@ -20,6 +21,7 @@ from rolectl.sync_protocol import (
     RunningStatus,
     StatusChanged,
     StepFinished,
+    StepsRolledBack,
     SyncFailed,
     VersionPublished,
     WeightsBroadcast,
@@ -205,6 +207,43 @@ async def test_trainer_kill9_and_restart(tmp_path, method):
         await _replay_clean(job)
 
 
+
+
+async def test_trainer_kill9_between_checkpoints_records_the_rollback(tmp_path):
+    """kill -9 the trainer after it reported steps it never saved: the restart trains them again
+    and records StepsRolledBack first, so every fold counts each step once, by its new training."""
+    total = 8
+    config = job_config(
+        tmp_path, job="e2e-trainer-rollback",
+        synchronizer={"sync_method": "memory", "sync_style": "fixed", "sync_timeout": 300, "heartbeat_expiry": 15},
+        trainer={"total_steps": total, "save_interval": 0, "train_batch_tasks": 4},  # no checkpoint mid-job
+        explorers={"total_steps": 2 * total, "step_delay_s": [0.2, 0.2]},
+        buffer={"ack_wait_s": 3},
+    )
+    async with LiveJob(tmp_path, config) as job:
+        job.start_all()
+        await job.wait_for(lambda recs: last_trainer_step(recs) >= 2, timeout=90, what="trainer step 2")
+        job.kill9("trainer")
+        await job.stream_caught_up()
+        reported = last_trainer_step(job.records)
+        job.start("trainer", "trainer")
+        await job.all_exit_zero(["trainer", *EXPLORERS], timeout=150)
+        await job.stream_caught_up()
+        records = job.records
+        rolled = of_kind(records, StepsRolledBack)
+        assert [(r.event.from_step, r.event.to_step) for r in rolled] == [(reported, 0)], rolled
+        again = of_kind(records, MemberJoined, role=Role.TRAINER)[-1]
+        first_retrained = next(r for r in of_kind(records, StepFinished, role=Role.TRAINER)
+                               if r.event.member == again.event.member)
+        assert again.seq < rolled[0].seq < first_retrained.seq  # said before the steps come again
+        assert trainer_steps(records) == [*range(1, reported + 1), *range(1, total + 1)]
+        view = JobObserver().extend(records)
+        assert [step for step, _, _ in view.reward] == list(range(1, total + 1))  # each step once
+        trained = sum(int(r.event.metrics["num_experiences"]) for r in of_kind(records, StepFinished, role=Role.TRAINER)
+                      if r.event.member == again.event.member)
+        summary = view.summary(job=job.cfg.job)
+        assert summary["trainer_steps"] == total and summary["experiences_trained"] == trained, summary
+        await _replay_clean(job)
 
 
 # -- a peer dies mid-broadcast ---------------------------------------------------------------------

@@ -50,8 +50,9 @@ def test_export_to_a_path_that_cannot_be_written_is_exit_2(nats_url, job_name, t
 QUICKSTART = str(Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml")
 
 
-def test_the_help_prints_the_one_table():
-    result = CliRunner().invoke(main, ["--help"])
+@pytest.mark.parametrize("command", [[], ["up"]])
+def test_the_help_prints_the_one_table(command):
+    result = CliRunner().invoke(main, [*command, "--help"])
     assert result.exit_code == ExitCode.OK
     shown = [" ".join(line.split()) for line in result.output.splitlines()]  # help indents it
     for line in exit_code_table().splitlines():
@@ -65,7 +66,8 @@ def test_the_help_prints_the_one_table():
     ["start", "trainer", "--config", QUICKSTART], ["up", "--config", QUICKSTART, "--launcher", "ray"],
     ["track", "--config", QUICKSTART],
 ])
-@pytest.mark.parametrize("url", ["nats://127.0.0.1:notaport", "http://127.0.0.1:4222", "nats://:4222"])
+@pytest.mark.parametrize("url", ["nats://127.0.0.1:notaport", "http://127.0.0.1:4222", "nats://:4222",
+                                 "nats//localhost:4222", "nats://localhost:4222/path"])
 def test_a_malformed_nats_url_is_a_usage_error_in_every_command(command, url, tmp_path):
     args = [a.format(tmp=tmp_path) for a in command]
     result = CliRunner().invoke(main, [*args, "--nats", url])
@@ -141,3 +143,20 @@ def test_start_runs_the_config_as_another_job_with_job(nats_url, job_name, tmp_p
         proc.kill()  # by PID: the process this test started
         proc.wait()
     assert event.member.id == "trainer"  # it joined the job named by --job, not the file's
+
+
+def test_a_role_whose_server_does_not_answer_fails_before_it_builds_anything(tmp_path, capsys):
+    """The server is asked first: a missing one costs its wait (said in the message), not a model
+    load before it, and the role is never built."""
+    from rolectl.bus.server import free_port
+    from rolectl.roles.config import load_config
+    from rolectl.roles.runner import run_role
+
+    cfg = load_config(QUICKSTART).with_overrides(nats_url=f"nats://127.0.0.1:{free_port()}", run_dir=str(tmp_path))
+
+    def never(*_args, **_kwargs):
+        raise AssertionError("the explorer was built before its server answered")
+
+    assert run_role("explorer", cfg, "explorer-0", make_runner=never) == ExitCode.ERROR
+    said = capsys.readouterr().err
+    assert "cannot reach a NATS server" in said and "within 5 s" in said and '"exit_code": 1' in said, said

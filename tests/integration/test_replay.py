@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 from rich.console import Console
 
 from rolectl.bus.errors import BusError
-from rolectl.roles.launch.local import _summary_table
+from rolectl.roles.launch.up_view import summary_table
 from rolectl.roles.observe.dashboard import Dashboard, _Collector
 from rolectl.roles.observe.observer import JobObserver
 from rolectl.roles.observe.replay import (
@@ -242,8 +242,10 @@ def test_timeline_rounds_say_who_waited_for_what_and_how_long(recorded, nats_url
     assert {m["status"] for m in timeline["members"] if m["role"] != "synchronizer"} == {"finished"}
 
 
-def test_replay_text_is_one_line_a_round_within_80_columns_without_a_terminal(recorded, nats_url, tmp_path):
-    path = tmp_path / "job.jsonl"
+def test_replay_text_is_one_whole_line_a_round_without_a_terminal(recorded, nats_url, tmp_path):
+    # a pipe or a file gets every line whole (rich alone would cut them at 80 columns)
+    path = tmp_path / ("a-directory-name-long-enough-to-pass-80-columns" * 2) / "job.jsonl"
+    path.parent.mkdir()
     records = _export(recorded, nats_url, path)
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
     shown = subprocess.run([sys.executable, "-m", "rolectl", "replay", "--file", str(path), "--check"],
@@ -251,8 +253,7 @@ def test_replay_text_is_one_line_a_round_within_80_columns_without_a_terminal(re
                            timeout=300)
     assert shown.returncode == 0, shown.stderr
     lines = shown.stdout.splitlines()
-    too_wide = [line for line in lines if len(line) > 80]
-    assert too_wide == []
+    assert str(path) in lines[0] and "…" not in shown.stdout, shown.stdout
     timeline = build_timeline(records)
     round_ids = [int(line.split()[0]) for line in lines if re.match(r"\s*\d+ \d\d:\d\d:\d\d", line)]
     assert round_ids == [r["id"] for r in timeline["rounds"]]
@@ -260,6 +261,24 @@ def test_replay_text_is_one_line_a_round_within_80_columns_without_a_terminal(re
     assert len(members) == len(timeline["members"])
     assert len(lines) <= len(round_ids) + len(members) + 12, shown.stdout  # a few header lines, no more
     assert "check OK" in shown.stdout
+
+
+@pytest.mark.parametrize("check", [False, True])
+def test_replay_into_a_pipe_nobody_reads_ends_quietly(recorded, nats_url, tmp_path, check):
+    """`rolectl replay | head`: the reader went away; nothing is said about it, the exit is 0 (the
+    job completed, so --check's verdict is 0 too)."""
+    path = tmp_path / "job.jsonl"
+    _export(recorded, nats_url, path)
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # nobody reads: every write the command makes to its stdout fails (EPIPE)
+    try:
+        shown = subprocess.run([sys.executable, "-m", "rolectl", "replay", "--file", str(path),
+                                *(["--check"] if check else [])], stdout=write_end, stderr=subprocess.PIPE,
+                               text=True, cwd=Path(__file__).resolve().parents[2], timeout=300)
+    finally:
+        os.close(write_end)
+    assert shown.returncode == 0, shown.stderr
+    assert "Traceback" not in shown.stderr and "pipe" not in shown.stderr.lower(), shown.stderr
 
 
 def test_summary_counts_a_sync_as_the_reducer_does_and_names_every_other_count(recorded, nats_url, tmp_path):
@@ -278,7 +297,7 @@ def test_summary_counts_a_sync_as_the_reducer_does_and_names_every_other_count(r
     assert summary["complete"] and summary["trainer_steps"] == 3
     # `rolectl up` prints each count beside what it counts, within 80 columns
     console = Console(width=80, file=io.StringIO(), record=True)
-    console.print(_summary_table(summary))
+    console.print(summary_table(summary))
     lines = console.export_text().splitlines()
     assert all(len(line) <= 80 for line in lines)
     for key in ("syncs", "rounds", "weight_loads", "sync_wait_ms"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import pytest
 
@@ -39,6 +40,19 @@ async def test_status_table_lists_every_member(running_job, nats_url, capsys, mo
     for text in ("trainer", "explorer-0", "explorer-1", "sync-0", "host-explorer-1", "running",
                  f"job {running_job}", "latest version 2", "2/4 (50%)"):
         assert text in out, text
+
+
+async def test_status_in_a_pipe_prints_whole_rows_and_what_the_synchronizer_decided(running_job, nats_url, capsys,
+                                                                                    monkeypatch):
+    monkeypatch.delenv("COLUMNS", raising=False)  # not a terminal: no width to fit to, rows are whole
+    assert await print_status(running_job, nats_url) == 0
+    lines = capsys.readouterr().out.splitlines()
+    trainer = next(line for line in lines if "host-trainer" in line)
+    explorer = next(line for line in lines if "explorer-1" in line)
+    assert "2/4 (50%)" in trainer and "host-explorer-1" in explorer, "\n".join(lines)
+    # a synchronizer has no step nor version: the row says what the job's synchronizers decided
+    sync = next(line for line in lines if "sync-0" in line)
+    assert re.search(r"\d+ decisions, round \d+", sync) and "—" in sync, sync
 
 
 async def test_status_json_has_role_status_step_version_host(running_job, nats_url, capsys):

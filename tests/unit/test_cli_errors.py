@@ -204,7 +204,7 @@ def test_a_role_started_by_the_cli_keeps_the_configured_stream_replicas(tmp_path
     assert (cfg.nats.replicas, cfg.nats.tls_ca) == (3, str(ca))
 
 
-def test_a_synchronizer_starts_without_importing_an_engine(tmp_path):
+def test_a_synchronizer_starts_without_importing_an_engine(tmp_path, nats_url):
     """Its restart time is the job's stall: loading the config for `start sync` leaves the engine's
     sections to the roles that run one (importing them costs seconds of torch), and still checks
     the rest; a trainer's load checks the engine's sections."""
@@ -212,8 +212,8 @@ def test_a_synchronizer_starts_without_importing_an_engine(tmp_path):
     import sys
 
     path = tmp_path / "job.yaml"
-    path.write_text("job: j\nmodel:\n  engine: tiny\n  no_such_field: 1\n")
-    # the whole start but the synchronizer's loop (which needs a server): config, runner, class
+    path.write_text(f"job: j\nnats_url: {nats_url}\nmodel:\n  engine: tiny\n  no_such_field: 1\n")
+    # the whole start but the synchronizer's loop: config, the server asked, runner, class
     probe = ("import sys; from rolectl.roles.cli import _load\n"
              "import rolectl.roles.runner, rolectl.roles.synchronizer\n"
              "async def run(self): pass\n"

@@ -34,6 +34,7 @@ from rolectl.sync_protocol import (
     RunningStatus,
     StatusChanged,
     StepFinished,
+    StepsRolledBack,
     SyncConfig,
     SyncFailed,
     SyncMethod,
@@ -86,6 +87,7 @@ SAMPLES: list = [
     # added after the batch samples above, whose indices the batch test names
     EvalFinished(member=E, version=9, step=13, rewards={"positional_match": 0.5, "exact_match": 0.25},
                  tasks=64, responses=64, seconds=0.75),
+    StepsRolledBack(member=T, from_step=36, to_step=30),
 ]
 
 
@@ -478,6 +480,11 @@ _RECORDED = {
         "706c6f726572a26964aa6578706c6f7265722d37a3696e6301a776657273696f6e09a4737465700da7726577"
         "6172647382b0706f736974696f6e616c5f6d61746368cb3fe0000000000000ab65786163745f6d61746368cb"
         "3fd0000000000000a57461736b7340a9726573706f6e73657340a77365636f6e6473cb3fe8000000000000"
+    ),
+    "steps_rolled_back": (
+        "85a6736368656d6104a46b696e64b173746570735f726f6c6c65645f6261636ba66d656d62657283a4726f6c"
+        "65a7747261696e6572a26964a9747261696e65722d30a3696e6303a966726f6d5f7374657024a7746f5f7374"
+        "65701e"
     ),
 }
 _RECORDED_BATCH = (

@@ -220,6 +220,15 @@ function renderKpis(s) {
   }
 }
 
+// a member's progress: its step against its total; a synchronizer has no steps: what was decided
+function progressText(m) {
+  if (m.role === "synchronizer") {
+    if (!m.decisions) return "–";
+    return `${m.decisions} decisions` + (m.last_round != null ? `, round ${m.last_round}` : "");
+  }
+  return m.total_steps ? `${m.step} / ${m.total_steps} (${Math.round(m.fraction * 100)}%)` : m.step;
+}
+
 function renderMembers(s) {
   const body = $("members").querySelector("tbody");
   if (!s.members.length) { body.innerHTML = `<tr><td colspan="7" class="empty">no member has joined yet</td></tr>`; return; }
@@ -231,7 +240,7 @@ function renderMembers(s) {
       `<td><span class="role role-${esc(m.role)}">${esc(m.role)}</span></td>` +
       `<td class="mono">${esc(m.id)}</td>` +
       `<td><span class="status s-${esc(m.status)}"><span class="dot"></span>${esc(m.status.replace("_", " "))}</span></td>` +
-      `<td class="num">${m.total_steps ? `${m.step} / ${m.total_steps} (${Math.round(m.fraction * 100)}%)` : m.step}</td>` +
+      `<td class="num">${progressText(m)}</td>` +
       `<td class="num version">${m.role === "synchronizer" ? "–" : m.version}${latest}</td>` +
       `<td>${esc(fmtAgo(m.last_seen_ago_ms))}</td>` +
       `<td class="mono">${esc(m.host)}</td></tr>`;
