@@ -27,6 +27,9 @@ from pathlib import Path
 
 TASKS = Path(__file__).resolve().parent / "reverse_digits.jsonl"
 REWARD = "positional_match"
+MODEL = Path("runs/bases/digits-sft")  # examples/sft_base.yaml's trainer.export_dir
+OUT = Path("runs/data/digits-dpo")  # examples/dpo_quickstart.yaml's dpo.path and eval_path are here
+MAX_NEW_TOKENS = 5  # as the base's eval and the DPO stage's eval generate (model.max_new_tokens)
 
 
 def _tasks(rows: list[tuple[str, str]], tokenizer, *, path: Path) -> list:
@@ -65,7 +68,7 @@ def _greedy_reward(engine, tasks: list) -> float:
 
 
 def make_pairs(model: Path, out: Path, *, tasks_file: Path = TASKS, prompts: int = 512, eval_prompts: int = 64,
-               samples: int = 8, max_new_tokens: int = 4, temperature: float = 1.0, seed: int = 0) -> dict:
+               samples: int = 8, max_new_tokens: int = MAX_NEW_TOKENS, temperature: float = 1.0, seed: int = 0) -> dict:
     """Write `pairs.jsonl` and `eval.jsonl` under `out`; what it wrote and the base's greedy reward."""
     from rolectl.roles.engines.data import DataConfig, load_rows
     from rolectl.roles.engines.hf import HFRolloutEngine
@@ -99,13 +102,13 @@ def make_pairs(model: Path, out: Path, *, tasks_file: Path = TASKS, prompts: int
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", type=Path, default=Path("runs/bases/digits-sft"), help="the base model directory")
-    parser.add_argument("--out", type=Path, default=Path("runs/data/digits-dpo"), help="where the files go")
+    parser.add_argument("--model", type=Path, default=MODEL, help="the base model directory")
+    parser.add_argument("--out", type=Path, default=OUT, help="where the files go")
     parser.add_argument("--tasks", type=Path, default=TASKS, help="the RL task file (prompt, answer)")
     parser.add_argument("--prompts", type=int, default=512, help="training prompts (the file's first rows)")
     parser.add_argument("--eval-prompts", type=int, default=64, help="held-out prompts (from the file's end)")
     parser.add_argument("--samples", type=int, default=8, help="responses sampled per prompt")
-    parser.add_argument("--max-new-tokens", type=int, default=4, help="longest response in tokens")
+    parser.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS, help="longest response in tokens")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     args = parser.parse_args()

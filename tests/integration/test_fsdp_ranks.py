@@ -5,6 +5,7 @@ Face model, with and without a LoRA adapter; and DPO (a frozen sharded reference
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -280,3 +281,15 @@ def test_a_dpo_checkpoint_resumes_against_the_starting_reference(workdir, dpo_ra
         assert report["metrics_4"][name] == pytest.approx(dpo_ranks[0]["metrics_4"][name], rel=1e-4, abs=1e-6)
     _assert_close(load_file(workdir / "dpo-resume" / "weights-4.safetensors"),
                   load_file(workdir / "dpo-train" / "weights-4.safetensors"), atol=ROUNDING)
+
+
+def test_a_dpo_stage_from_another_jobs_checkpoint_takes_its_weights_as_the_sharded_reference(workdir, dpo_ranks):
+    """`model.init_from`: every rank copies its shards of the loaded weights into the reference."""
+    ranks = fsdp_ranks.run_ranks("dpo-from-ckpt", workdir, 2)
+    _assert_close(load_file(workdir / "dpo-from-ckpt" / "weights-start.safetensors"),
+                  load_file(workdir / "dpo-train" / "weights-3.safetensors"), atol=0.0)
+    for rank in ranks:  # the policy starts as the reference: no margin, the loss is log 2
+        first = rank["metrics_4"]
+        assert first["dpo/reward_margin"] == pytest.approx(0.0, abs=1e-6)
+        assert first["loss"] == pytest.approx(math.log(2), rel=1e-6)
+    assert dpo_ranks[0]["metrics_4"]["dpo/reward_margin"] != pytest.approx(0.0, abs=1e-3)  # vs the model.path start

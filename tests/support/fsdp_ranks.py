@@ -11,7 +11,8 @@ each scenario writes what the test asserts on under WORKDIR/<scenario>/.
 - `lora-train`, `lora-resume`: the same under `model.lora` (checkpoint `lora-ckpt`, export `lora-hf`,
   merged too).
 - `dpo-train`: 3 DPO steps on the preference pairs of `pairs.json` (the frozen reference kept as a
-  `stage: dpo` keeps it), a checkpoint `dpo-ckpt`, then a 4th; `dpo-resume`: load it, the same 4th.
+  `stage: dpo` keeps it), a checkpoint `dpo-ckpt`, then a 4th; `dpo-resume`: load it, the same 4th;
+  `dpo-from-ckpt`: a new stage from `dpo-ckpt`'s weights (`model.init_from`), then the 4th batch.
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ def _dpo(scenario: str, workdir: Path, out: Path) -> None:
     from rolectl.roles.engines.algorithms import AlgorithmConfig
     from rolectl.roles.engines.sections import FSDPModelSection
 
-    section = FSDPModelSection.model_validate(model_section(workdir / "model", **FSDP_SETTINGS))
+    start = {"init_from": str(workdir / "dpo-ckpt")} if scenario == "dpo-from-ckpt" else {}
+    section = FSDPModelSection.model_validate(model_section(workdir / "model", **FSDP_SETTINGS, **start))
     engine = FSDPTrainEngine(section, AlgorithmConfig(), model_path=workdir / "model", keep_reference=True)
     rank, batches = engine.rank, load_pair_batches(workdir)
     report: dict = {"rank": rank, "world_size": engine.world_size}
@@ -96,9 +98,13 @@ def _dpo(scenario: str, workdir: Path, out: Path) -> None:
         if rank == 0:
             save_file(weights, str(out / "weights-3.safetensors"))
         engine.save_checkpoint(workdir / "dpo-ckpt")
-    else:
+    elif scenario == "dpo-resume":
         engine.load_checkpoint(workdir / "dpo-ckpt")
         report["step_after_load"] = engine.step
+    else:  # dpo-from-ckpt: a new stage that starts from dpo-train's weights (its own step 0)
+        weights = engine.weights()
+        if rank == 0:
+            save_file(weights, str(out / "weights-start.safetensors"))
     report["metrics_4"] = dpo_step(engine, batches[3])
     weights = engine.weights()
     if rank == 0:

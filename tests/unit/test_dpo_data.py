@@ -110,7 +110,7 @@ def test_held_out_rows_give_pairs_where_they_have_them_and_tasks_where_they_have
     ({"prompt": "", "chosen": "1", "rejected": "2"}, "row 0: 'prompt' must be non-empty text"),
     ({"prompt": "reverse 1 =", "chosen": 1, "rejected": "2"}, r"row 0 \(chosen\): a response must be text"),
     ({"prompt": "reverse 1 2 3 4 5 6 =", "chosen": "6 5 4 3 2 1", "rejected": "1"},
-     "row 0: 16 tokens .*more than dpo.max_length = 12"),
+     "row 0: 15 tokens .*more than dpo.max_length = 12"),
 ])
 def test_a_bad_pair_is_named_by_file_and_row(tmp_path, tokenizer, row, words):
     path = _jsonl(tmp_path / "bad.jsonl", [row])

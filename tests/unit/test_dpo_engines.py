@@ -65,6 +65,36 @@ def test_the_dpo_reference_is_the_starting_weights_and_stays_them(model_dir, lor
     assert ((policy - base)[chosen] - (policy - base)[~chosen]).mean() > 0  # toward the chosen responses
 
 
+@pytest.mark.parametrize("lora", [None, LORA], ids=["full", "lora"])
+def test_a_dpo_stage_resumed_from_its_checkpoint_takes_the_same_next_step(model_dir, tmp_path, lora):
+    """The reference is rebuilt from the starting weights, the policy and optimizer from the checkpoint."""
+    straight = _engine(model_dir, lora=lora)
+    batches = [preference_batch(_pairs(straight.vocab_size, 4)[i:i + 2]) for i in (0, 2)]
+    straight.train_batch(batches[0], DPOLoss(beta=0.5))
+    straight.save_checkpoint(tmp_path / "step-1")
+    expected = straight.train_batch(batches[1], DPOLoss(beta=0.5))
+    resumed = _engine(model_dir, lora=lora)
+    resumed.load_checkpoint(tmp_path / "step-1")
+    got = resumed.train_batch(batches[1], DPOLoss(beta=0.5))
+    assert got == expected  # every figure, bit for bit
+    assert all(torch.equal(t, resumed.weights()[n]) for n, t in straight.weights().items())
+
+
+@pytest.mark.parametrize("lora", [None, LORA], ids=["full", "lora"])
+def test_a_stage_started_from_another_jobs_checkpoint_takes_its_weights_as_the_reference(model_dir, tmp_path, lora):
+    earlier = _engine(model_dir, lora=lora)
+    batch = preference_batch(_pairs(earlier.vocab_size))
+    for _ in range(3):
+        earlier.train_batch(batch, DPOLoss(beta=0.5))
+    earlier.save_checkpoint(tmp_path / "step-3")
+    started = _engine(model_dir, lora=lora, init_from=str(tmp_path / "step-3"))
+    assert not isinstance(started.reference, AdapterDisabled)  # a trained adapter is part of the start
+    reference, start, base = (_logprobs(m, batch) for m in (started.reference, earlier.model, started.model))
+    assert torch.allclose(reference, start, atol=1e-6) and torch.allclose(base, start, atol=1e-6)
+    first = started.train_batch(batch, DPOLoss(beta=0.5))
+    assert first["dpo/reward_margin"] == pytest.approx(0.0, abs=1e-5)  # DPO starts at the checkpoint
+
+
 def test_an_engine_keeps_no_reference_unless_a_loss_needs_one(model_dir):
     settings = {**model_section(model_dir)}
     settings.pop("engine")
