@@ -9,6 +9,10 @@ import pytest
 from rolectl.roles.config import JobConfig, load_config
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
+# A later stage of a pipeline starts from what earlier commands make under runs/ (its header says
+# which): the engines' check would look for those files, so it loads without it here, and a test
+# below checks that it names what those commands write.
+LATER_STAGES = {"lora_quickstart.yaml"}
 
 
 def test_there_are_examples():
@@ -18,7 +22,18 @@ def test_there_are_examples():
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_example_loads(path):
-    cfg = load_config(path)
+    cfg = load_config(path, check_engines=path.name not in LATER_STAGES)
     assert isinstance(cfg, JobConfig)
     assert cfg.source == str(path)
     assert cfg.job and cfg.trainer.total_steps > 0 and cfg.explorers.count > 0
+
+
+def test_the_lora_quickstart_starts_from_the_export_of_the_sft_example():
+    import yaml
+
+    examples = EXAMPLES[0].parent
+    base = load_config(examples / "sft_base.yaml", check_engines=False)
+    lora = yaml.safe_load((examples / "lora_quickstart.yaml").read_text())
+    assert base.stage == "sft" and base.trainer.export_dir
+    assert Path(lora["model"]["path"]) == Path(base.trainer.export_dir)
+    assert "build" not in lora["model"] and lora["model"]["lora"]["rank"] > 0  # the base as exported, an adapter
