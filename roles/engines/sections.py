@@ -489,10 +489,9 @@ class StageSection(Section):
     """Where `linear` and `cosine` end, as a share of `model.lr`."""
     eval_path: Name | None = None
     """A held-out file in the training file's format: its loss (and, where its rows have answers,
-    the reward of greedy generations) is reported at step 0, every `eval_interval` steps and at the
-    end."""
+    the reward of greedy generations) is reported every `eval_interval` steps and after the last."""
     eval_interval: NonNegativeInt = 0
-    """Train steps between evaluations on `eval_path` (0: only before the first step and after the last)."""
+    """Train steps between evaluations on `eval_path` (0: only after the last step)."""
     eval_max_rows: PositiveInt | None = None
     """Evaluate on the eval file's first rows only (default all)."""
 

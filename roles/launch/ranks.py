@@ -101,7 +101,7 @@ class RankLeader:
 
     def iter_weight_buckets(self, bucket_bytes: int | None = None) -> Iterator[Any]:
         """The weight stream (rank 0 gets the tensors); every rank gathers with us to the end."""
-        size = bucket_bytes or self._engine.config.weight_bucket_bytes
+        size = bucket_bytes or self._engine.config.fsdp.weight_bucket_bytes
         self._commands.send("weights", bucket_bytes=size)
         yield from self._engine.iter_weight_buckets(size)
 
@@ -110,7 +110,7 @@ class RankLeader:
 
     def save_hf_model(self, path: Path) -> None:
         self._commands.send("export", path=str(path))
-        self._engine.save_hf_model(path, bucket_bytes=self._engine.config.weight_bucket_bytes)
+        self._engine.save_hf_model(path, bucket_bytes=self._engine.config.fsdp.weight_bucket_bytes)
 
     # a trainer-only stage (roles.stage): every rank builds the stage's loss from the job itself
     def set_lr_schedule(self, schedule: str, **settings: Any) -> None:
@@ -151,7 +151,7 @@ def follow(engine: Any, log: Any, *, stage_loss: Any = None) -> None:
             for _ in engine.iter_weight_buckets(command["bucket_bytes"]):
                 pass
         elif op == "export":
-            engine.save_hf_model(Path(command["path"]), bucket_bytes=engine.config.weight_bucket_bytes)
+            engine.save_hf_model(Path(command["path"]), bucket_bytes=engine.config.fsdp.weight_bucket_bytes)
         elif op == "stop":
             log.info("rank_stopped", step=engine.step)
             return

@@ -97,6 +97,45 @@ class StepCounts:
         return sum(len(r) for r in self._recent.values())
 
 
+class StageFigures:
+    """A trainer-only stage's figures from its trainer's steps (`<stage>/epoch`, `/tokens`, `/rows`,
+    `/eval_loss`, `/eval/<reward>` beside `loss` and `lr`): its name, the loss at the start and the
+    end, how much was trained, and the evals. Bounded like the observer's other series."""
+
+    def __init__(self, max_points: int) -> None:
+        self.name: str | None = None
+        self.loss: deque[tuple[int, float]] = deque(maxlen=max_points)  # (step, loss)
+        self.loss_first: list[float] = []
+        self.evals: deque[dict[str, Any]] = deque(maxlen=max_points)
+        self.last: dict[str, float] = {}
+
+    @staticmethod
+    def stage_of(metrics: Any) -> str | None:
+        """The stage a trainer's step figures are of (the `<stage>/epoch` it reports), else None."""
+        return next((key[:-len("/epoch")] for key in metrics if key.endswith("/epoch")), None)
+
+    def add(self, name: str, step: int, metrics: Any) -> None:
+        self.name, self.last = name, dict(metrics)
+        self.loss.append((step, float(metrics.get("loss", 0.0))))
+        if len(self.loss_first) < 5:
+            self.loss_first.append(float(metrics.get("loss", 0.0)))
+        prefix = f"{name}/eval"
+        figures = {k[len(prefix) + 1:]: v for k, v in metrics.items() if k.startswith(prefix + "/")}
+        if f"{prefix}_loss" in metrics or figures:
+            self.evals.append({"step": step, "loss": metrics.get(f"{prefix}_loss"), "rewards": figures})
+
+    def summary(self) -> dict[str, Any]:
+        last = [loss for _, loss in list(self.loss)[-5:]]
+        name = self.name
+        return {"name": name, "epochs": round(self.last.get(f"{name}/epoch", 0.0), 4),
+                "rows_trained": int(self.last.get(f"{name}/rows", 0)),
+                "tokens_trained": int(self.last.get(f"{name}/tokens", 0)),
+                "loss_first": round(statistics.fmean(self.loss_first), 4) if self.loss_first else None,
+                "loss_last": round(statistics.fmean(last), 4) if last else None,
+                "eval": [{"step": e["step"], "loss": None if e["loss"] is None else round(e["loss"], 4),
+                          "rewards": {k: round(v, 4) for k, v in e["rewards"].items()}} for e in self.evals]}
+
+
 # the serve-mode figures of `summary()` (see views.SUMMARY_MEANINGS)
 _SERVED = ("served_requests", "rewarded", "expired")
 
@@ -150,6 +189,8 @@ class JobObserver:
         self.trainer_interrupted = False  # the trainer's last STOPPED came from a stop signal
         self.experiences_produced = StepCounts()  # a step reported twice counts once
         self.experiences_trained = StepCounts()
+        self.expert_rows_trained = StepCounts()  # demonstrations mixed into RL steps (trainer.expert_data)
+        self.stage = StageFigures(max_points)  # a trainer-only stage's (no name: an RL job)
         # serve mode: each serving explorer incarnation's latest traffic counts (they only grow)
         self.served: dict[tuple[str, int], dict[str, float]] = {}
         self.served_times: deque[tuple[int, int]] = deque(maxlen=64)  # (time, served so far), for a rate
@@ -375,6 +416,7 @@ class JobObserver:
                 + len(self.staleness) + len(self.background_transfers) + len(self.heartbeats)
                 + len(self.sync_waits) + len(self.sync_wait_answers) + len(self.explorer_steps)
                 + self.experiences_produced.size() + self.experiences_trained.size() + len(self._asked_at)
+                + self.expert_rows_trained.size() + len(self.stage.loss) + len(self.stage.evals)
                 + len(self._round_info) + len(self._tracking) + len(self._times) + len(self._at_last_seq)
                 + len(self.state.members) + len(self.state.rounds))
 
@@ -409,6 +451,11 @@ class JobObserver:
             if "reward_mean" in m and len(self.rewards_first) < 5:
                 self.rewards_first.append((event.step, m["reward_mean"]))
             self.experiences_trained.add(event.member.id, event.step, int(m.get("num_experiences", 0)))
+            if "expert_rows" in m:
+                self.expert_rows_trained.add(event.member.id, event.step, int(m["expert_rows"]))
+            stage = StageFigures.stage_of(m)
+            if stage is not None:
+                self.stage.add(stage, event.step, m)
             self.dropped_stale = max(self.dropped_stale, int(m.get("dropped_stale_total", 0)))
         elif event.member.role is Role.EXPLORER:
             self.explorer_steps[event.member.id] = max(self.explorer_steps.get(event.member.id, 0), event.step)
@@ -500,5 +547,7 @@ class JobObserver:
                       "rewards": {k: round(v, 4) for k, v in e["rewards"].items()}, "tasks": e["tasks"]}
                      for e in self.evals],
             **({key: self.served_total(key) for key in _SERVED} if self.served else {}),
+            **({"expert_rows_trained": self.expert_rows_trained.total} if self.expert_rows_trained.total else {}),
+            **({"stage": self.stage.summary()} if self.stage.name else {}),
             "events": self.records,
         }

@@ -171,6 +171,8 @@ SUMMARY_MEANINGS: dict[str, str] = {
     "served_requests": "completions served (serve mode)",
     "rewarded": "served trajectories rewarded (trained on)",
     "expired": "served trajectories never rewarded",
+    "stage": "a trainer-only stage: loss, rows, evals",
+    "expert_rows_trained": "demonstrations trained beside RL",
 }
 
 

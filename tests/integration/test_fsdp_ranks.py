@@ -16,18 +16,10 @@ from rolectl.roles.engines.algorithms import AlgorithmConfig
 from rolectl.roles.engines.hf import HFTrainEngine
 from rolectl.roles.engines.hf_model import HFModelConfig
 from tests.support import fsdp_ranks
+from tests.support.fsdp_ranks import ROUNDING
+from tests.support.fsdp_ranks import assert_close as _assert_close
+from tests.support.fsdp_ranks import assert_same_training as _assert_same_training
 from tests.support.tiny_llm import built_model, model_section
-
-# fp32 sums in another order (two ranks' shards, micro-batches of 1 against 4) round gradients
-# differently, and AdamW divides by sqrt(v): where a gradient is near zero its rounding is not small
-# beside it, so single elements may differ by a sizeable part of one lr step (3e-3). What must agree is
-# the training itself: each tensor's change, to within RTOL of its length; and no element may stray
-# further than ATOL (a tenth of one lr step).
-RTOL = 1e-3
-ATOL = 3e-4
-# Where no element's gradient sits at its rounding (a LoRA adapter's few parameters, one step after a
-# resume), the weights agree to about fp32 rounding.
-ROUNDING = 2e-5
 
 
 def _experiences(vocab_size: int, *, batches: int = 4, groups: int = 3, group_size: int = 3) -> list[list[dict]]:
@@ -106,23 +98,6 @@ def hf_lora_run(workdir) -> dict:
     metrics = [engine.train_step(batch, current_version=step)
                for step, batch in enumerate(fsdp_ranks.load_batches(workdir)[:3])]
     return {"initial": initial, "metrics": metrics, "weights_3": engine.weights()}
-
-
-def _assert_close(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], *, atol: float) -> None:
-    assert sorted(got) == sorted(expected)
-    worst = max((float((got[n] - expected[n]).abs().max()), n) for n in expected)
-    assert worst[0] <= atol, f"largest difference {worst[0]:.3g} at {worst[1]}"
-
-
-def _assert_same_training(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
-                          initial: dict[str, torch.Tensor]) -> None:
-    """`got` moved from `initial` as `expected` did: per tensor, the two differ by at most RTOL of the
-    change training made (and by at most ATOL anywhere)."""
-    _assert_close(got, expected, atol=ATOL)
-    for name, want in expected.items():
-        moved = float((want - initial[name]).norm())
-        apart = float((got[name] - want).norm())
-        assert apart <= RTOL * moved + 1e-7, f"{name}: {apart:.3g} apart after a change of {moved:.3g}"
 
 
 def test_two_fsdp_ranks_train_as_one_hf_process(workdir, two_ranks, hf_run):

@@ -125,3 +125,16 @@ def test_the_shipped_quickstart_data_is_what_its_script_writes():
     spec.loader.exec_module(module)
     assert (ROOT / "examples/data/reverse_digits.jsonl").read_text() == module.render()
     assert (ROOT / "examples/data/reverse_digits_eval.jsonl").read_text() == module.render_eval()
+
+
+def test_the_shipped_sft_demonstrations_are_what_their_script_writes_and_never_the_rl_task():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_sft", ROOT / "examples/data/make_digits_sft.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert (ROOT / "examples/data/digits_sft.jsonl").read_text() == module.render()
+    assert (ROOT / "examples/data/digits_sft_eval.jsonl").read_text() == module.render_eval()
+    # the RL task reverses 3 digits: no demonstration does (the base must not know its answers)
+    reversed_lengths = {len(r["prompt"].split()) - 2 for r in module.rows() if r["prompt"].startswith("reverse")}
+    assert reversed_lengths and 3 not in reversed_lengths, reversed_lengths

@@ -12,7 +12,7 @@ EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yam
 # A later stage of a pipeline starts from what earlier commands make under runs/ (its header says
 # which): the engines' check would look for those files, so it loads without it here, and a test
 # below checks that it names what those commands write.
-LATER_STAGES = {"dpo_quickstart.yaml"}
+LATER_STAGES = {"lora_quickstart.yaml", "dpo_quickstart.yaml"}
 
 
 def test_there_are_examples():
@@ -51,3 +51,14 @@ def test_the_dpo_quickstart_starts_from_what_the_base_and_the_pair_script_make()
     assert (Path(dpo.dpo.path), Path(dpo.dpo.eval_path)) == (pairs.OUT / "pairs.jsonl", pairs.OUT / "eval.jsonl")
     assert dpo.model.max_new_tokens == base.model.max_new_tokens == pairs.MAX_NEW_TOKENS  # one greedy eval
     assert pairs.REWARD in dpo.dpo.eval_rewards
+
+
+def test_the_lora_quickstart_starts_from_the_export_of_the_sft_example():
+    import yaml
+
+    examples = EXAMPLES[0].parent
+    base = load_config(examples / "sft_base.yaml", check_engines=False)
+    lora = yaml.safe_load((examples / "lora_quickstart.yaml").read_text())
+    assert base.stage == "sft" and base.trainer.export_dir
+    assert Path(lora["model"]["path"]) == Path(base.trainer.export_dir)
+    assert "build" not in lora["model"] and lora["model"]["lora"]["rank"] > 0  # the base as exported, an adapter

@@ -207,7 +207,8 @@ def test_mixed_batches_train_each_part_with_its_loss_over_its_own_tokens():
     demos = [Demonstration(id=f"row{i}", prompt=(4,), response=(5,) * (i + 1), mask=(True,) * (i + 1))
              for i in range(5)]
     mixed = MixedBatches(demos, ratio=0.5, weight=2.0, shuffle_seed=0, rl_loss=_Sum())
-    assert mixed.count(2) == 2 and MixedBatches(demos, ratio=0.2, weight=1, shuffle_seed=0, rl_loss=_Sum()).count(2) == 1
+    assert mixed.count(2) == 2
+    assert MixedBatches(demos, ratio=0.2, weight=1, shuffle_seed=0, rl_loss=_Sum()).count(2) == 1
     assert [d.id for d in mixed.rows(1, 2)] == [d.id for d in mixed.rows(1, 2)]  # a function of the step
     walked = [d.id for s in range(5) for d in mixed.rows(s, 2)]
     assert sorted(walked[:5]) == [f"row{i}" for i in range(5)]  # each pass is a permutation of the file
@@ -261,3 +262,37 @@ def test_stage_config_rules_are_each_reported(tmp_path):
     cfg = parse_config({"job": "j", "stage": "sft", "model": model, "sft": {"path": str(data)}})
     assert cfg.trainer_only and cfg.explorer_ids() == [] and cfg.data is None
     assert ExpertDataSection(path=str(data)).ratio == 0.25
+
+
+def test_an_rl_step_with_expert_data_trains_its_demonstrations_and_counts_them(tmp_path):
+    from rolectl.roles.engines import make_train_engine
+    from rolectl.roles.observe.replay import summarize
+    from rolectl.roles.observe.timeline import observe
+    from rolectl.sync_protocol import MemberJoined, MemberRef, Recorded, Role, StepFinished
+    from rolectl.sync_protocol.experience import Experience
+    from tests.support.tiny_llm import DATA, built_model, data_section, model_section
+
+    model = built_model(tmp_path)
+    cfg = parse_config({"job": "mixed", "model": model_section(model, minibatches=1),
+                        "data": data_section(),
+                        "trainer": {"expert_data": {"path": str(DATA), "prompt_key": "prompt",
+                                                    "response_key": "answer", "ratio": 0.2, "weight": 1.0}}})
+    engine = make_train_engine(cfg)
+    experiences = [Experience(id=f"e{k}", group="g", prompt=(15, 5, 6, 14), response=(7, 1), logprobs=(-2.0, -2.0),
+                              reward=float(k % 2), model_version=0) for k in range(8)]
+    demo = engine.expert.rows(0, 2)[0]
+    before = engine.evaluate_batch(demonstration_batch([demo]), SFTLoss())["loss"]
+    trainer = MemberRef(role=Role.TRAINER, id="trainer", incarnation=1)
+    records = [Recorded(seq=1, time_ms=0, subject=None, event=MemberJoined(member=trainer, host="h", pid=1, step=0,
+                                                                          version=0))]
+    for step in range(3):
+        metrics = engine.train_step(experiences, current_version=step)
+        assert metrics["expert_rows"] == 2.0 and metrics["num_experiences"] == 8.0  # 0.2 of the mixed batch
+        assert metrics["reward_mean"] == 0.5  # the experiences' figures, not the demonstrations'
+        records.append(Recorded(seq=step + 2, time_ms=step, subject=None, event=StepFinished(
+            member=trainer, step=step + 1, version=step + 1, metrics=metrics)))
+    assert engine.evaluate_batch(demonstration_batch([demo]), SFTLoss())["loss"] < before  # learnt by SFT
+    # a restart's repeat of a step counts once
+    records.append(Recorded(seq=9, time_ms=9, subject=None, event=records[-1].event))
+    assert not observe(records).illegal
+    assert summarize(records, job="mixed")["expert_rows_trained"] == 6
