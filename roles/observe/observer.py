@@ -99,8 +99,12 @@ class StepCounts:
 
 class StageFigures:
     """A trainer-only stage's figures from its trainer's steps (`<stage>/epoch`, `/tokens`, `/rows`,
-    `/eval_loss`, `/eval/<reward>` beside `loss` and `lr`): its name, the loss at the start and the
-    end, how much was trained, and the evals. Bounded like the observer's other series."""
+    `/eval_loss`, `/eval/<reward>` beside `loss` and `lr`, and the stage's own: DPO's
+    `dpo/reward_margin`, `dpo/accuracy`, ... and their `dpo/eval_<figure>`): its name, the loss at
+    the start and the end, how much was trained, its own figures at the last step, and the evals.
+    Bounded like the observer's other series."""
+
+    _COUNTS = ("epoch", "tokens", "rows", "loss")  # reported apart from the stage's own figures
 
     def __init__(self, max_points: int) -> None:
         self.name: str | None = None
@@ -121,8 +125,18 @@ class StageFigures:
             self.loss_first.append(float(metrics.get("loss", 0.0)))
         prefix = f"{name}/eval"
         figures = {k[len(prefix) + 1:]: v for k, v in metrics.items() if k.startswith(prefix + "/")}
+        own = {k[len(prefix) + 1:]: v for k, v in metrics.items()
+               if k.startswith(prefix + "_") and k != f"{prefix}_loss"}  # dpo/eval_accuracy -> accuracy
         if f"{prefix}_loss" in metrics or figures:
-            self.evals.append({"step": step, "loss": metrics.get(f"{prefix}_loss"), "rewards": figures})
+            self.evals.append({"step": step, "loss": metrics.get(f"{prefix}_loss"), "rewards": figures,
+                               "figures": own})
+
+    def own_figures(self) -> dict[str, float]:
+        """The stage's own figures at its last step (`dpo/reward_margin` -> `reward_margin`)."""
+        prefix = f"{self.name}/"
+        return {k[len(prefix):]: round(v, 4) for k, v in sorted(self.last.items())
+                if k.startswith(prefix) and "/" not in k[len(prefix):] and not k[len(prefix):].startswith("eval")
+                and k[len(prefix):] not in self._COUNTS}
 
     def summary(self) -> dict[str, Any]:
         last = [loss for _, loss in list(self.loss)[-5:]]
@@ -132,8 +146,11 @@ class StageFigures:
                 "tokens_trained": int(self.last.get(f"{name}/tokens", 0)),
                 "loss_first": round(statistics.fmean(self.loss_first), 4) if self.loss_first else None,
                 "loss_last": round(statistics.fmean(last), 4) if last else None,
+                **({"last": self.own_figures()} if self.own_figures() else {}),
                 "eval": [{"step": e["step"], "loss": None if e["loss"] is None else round(e["loss"], 4),
-                          "rewards": {k: round(v, 4) for k, v in e["rewards"].items()}} for e in self.evals]}
+                          "rewards": {k: round(v, 4) for k, v in e["rewards"].items()},
+                          **({"figures": {k: round(v, 4) for k, v in e["figures"].items()}}
+                             if e["figures"] else {})} for e in self.evals]}
 
 
 # the serve-mode figures of `summary()` (see views.SUMMARY_MEANINGS)
