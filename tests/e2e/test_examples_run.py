@@ -27,7 +27,8 @@ STEPS = 6  # trainer steps of a shortened run
 # kill -9 of its trainer in test_lora_quickstart.py, from the base the SFT stage example makes there.
 RUN_ELSEWHERE = {"llm_quickstart.yaml": "test_llm_quickstart.py", "llm_quickstart_hf.yaml": "test_llm_quickstart.py",
                  "llm_quickstart_fsdp.yaml": "test_trainer_ranks.py", "serve_quickstart.yaml": "test_examples_run.py",
-                 "lora_quickstart.yaml": "test_lora_quickstart.py", "sft_base.yaml": "test_lora_quickstart.py"}
+                 "lora_quickstart.yaml": "test_lora_quickstart.py", "sft_base.yaml": "test_lora_quickstart.py",
+                 "dpo_quickstart.yaml": "test_dpo_quickstart.py"}
 ON_A_CLUSTER = {"cluster.yaml"}
 
 

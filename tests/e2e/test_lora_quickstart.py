@@ -16,29 +16,13 @@ import yaml
 
 from rolectl.roles.observe.replay import summarize
 from rolectl.sync_protocol import MemberJoined, Role, StepFinished, VersionPublished, WeightsLoaded
-from tests.support.e2e import ROOT, LiveJob, assert_decisions_replay, last_trainer_step, of_kind, run_up
+from tests.support.e2e import ROOT, LiveJob, assert_decisions_replay, last_trainer_step, of_kind, sft_example_base
 
 pytestmark = pytest.mark.e2e
 
 EXPLORERS = ["explorer-0", "explorer-1"]
 STEPS = 6
 BASE_STEPS = 4  # of the SFT example: the base only has to exist and load, not to know the skill yet
-
-
-def base_made_by_the_sft_example(tmp_path: Path) -> Path:
-    """The SFT example, shortened, exported where its `trainer.export_dir` says (under tmp_path)."""
-    data = yaml.safe_load((ROOT / "examples" / "sft_base.yaml").read_text())
-    export = tmp_path / "bases" / "digits-sft"
-    data["run_dir"] = str(tmp_path / "sft-runs")
-    data["trainer"].update(export_dir=str(export), save_interval=2)
-    data["model"]["path"] = str(tmp_path / "models" / "sft-base-gpt2")  # built on first use, as shipped
-    data["sft"].update(max_steps=BASE_STEPS, eval_interval=0, eval_path=None)
-    path = tmp_path / "sft_base.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    run = run_up(path, tmp_path, timeout=300, extra=("--run-dir", str(tmp_path / "sft-runs")))
-    assert run.rc == 0 and run.summary["complete"], f"exit {run.rc}\n{run.output[-2000:]}\n{run.role_logs()}"
-    assert run.summary["trainer_steps"] == BASE_STEPS and run.summary["stage"]["name"] == "sft", run.summary
-    return export
 
 
 def shortened(tmp_path: Path, base: Path) -> Path:
@@ -56,7 +40,7 @@ def shortened(tmp_path: Path, base: Path) -> Path:
 
 @pytest.mark.timeout(900)
 async def test_a_lora_job_survives_kill9_of_its_trainer_and_moves_only_the_adapter(tmp_path):
-    base = base_made_by_the_sft_example(tmp_path)
+    base = sft_example_base(tmp_path, steps=BASE_STEPS)
     config = shortened(tmp_path, base)
     async with LiveJob(tmp_path, config) as job:
         job.start_all()
