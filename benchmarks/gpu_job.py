@@ -74,7 +74,7 @@ def job_config(work: Path, *, sync_method: str = "cuda_ipc", steps: int = 40, ex
 def _run_up(config: Path, summary: Path, log: Path, timeout_s: float) -> tuple[int | str, float]:
     """`rolectl up` as its own process group; past `timeout_s` it is interrupted (Ctrl-C: it stops
     the roles and still writes its summary), then killed 20 s later."""
-    argv = [sys.executable, "-m", "rolectl.roles.cli", "up", "--config", str(config), "--summary", str(summary),
+    argv = [sys.executable, "-m", "rolectl", "up", "--config", str(config), "--summary", str(summary),
             "--no-dashboard"]
     started = time.monotonic()
     with open(log, "wb") as out:

@@ -7,13 +7,15 @@
 What is real: a nats-server (or, with `--cluster`, a local 3-node cluster, every stream R3), the
 synchronizer as its own process (`rolectl start sync --keep-running`, see `benchmarks.sync_latency`,
 whose helpers this reuses), and members built from the real `MemberSession` code (`join`,
-`set_status`, `publish`, `wait_decision` on a `JobView`, heartbeats and the rejoin watch included).
+`set_status`, `publish`, `wait_decision`, heartbeats and the rejoin watch included).
 What is simulated: the explorers run many to a process — P worker processes (`--procs`, 1 to 4 by
-default, printed and recorded), each with one connection and one `JobView` that its members share,
-as `benchmarks.sync_latency` does in one process; they run at `--nice` 10, standing in for a fleet
+default, printed and recorded), each with one connection and one `MemberView` that its members
+share: the scope of those explorers (their own records, the trainer's, the synchronizer's and the
+decisions), as each explorer's own view reads it; they run at `--nice` 10, standing in for a fleet
 of machines of its own that does not take the synchronizer's CPU — and their engines do nothing.
-The trainer is a `MemberSession` of this (the controller) process. Clocks: `time.monotonic()` is the machine's
-CLOCK_MONOTONIC, the same in every process, so a member's latency can start in another process.
+The trainer is a `MemberSession` of this (the controller) process, with the trainer's `JobView` of
+the whole job. Clocks: `time.monotonic()` is the machine's CLOCK_MONOTONIC, the same in every
+process, so a member's latency can start in another process.
 
 Per N and method, after 2 warm-up rounds:
 - `member_ms` p50/p99: from the moment the member whose input caused a decision began publishing
@@ -74,7 +76,7 @@ from rolectl.bus.logging import setup_logging
 from rolectl.bus.server import NatsCluster, NatsServer
 from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream
 from rolectl.roles.config import load_config
-from rolectl.roles.session import JobView, MemberSession, stop_task
+from rolectl.roles.session import JobView, MemberSession, MemberView, stop_task
 from rolectl.sync_protocol import (
     MemberReleased,
     RendezvousReady,
@@ -92,6 +94,7 @@ ROUND_TIMEOUT_S = float(os.environ.get("SCALE_ROUND_TIMEOUT_S", "300"))  # a bou
 EXPERIENCES_PER_BATCH = 8
 TOKENS = 128  # prompt and response tokens of one experience (64 each)
 IDLE_WINDOWS = 5
+TRAINER_KEY = "trainer/trainer"  # the controller's trainer member
 
 
 def _control(job: str, what: str) -> str:
@@ -112,7 +115,7 @@ def _rss_mb(pid: int) -> tuple[float, float]:
     return round(out["VmRSS"], 1), round(out["VmHWM"], 1)
 
 
-def _session(cfg, conn, view: JobView, role: Role, member_id: str, version: int) -> MemberSession:
+def _session(cfg, conn, view: JobView | MemberView, role: Role, member_id: str, version: int) -> MemberSession:
     s = MemberSession(cfg, role, member_id)
     s.conn, s.view, s.log = conn, view, structlog.get_logger().bind(member=member_id)
     s.publisher = EventPublisher(conn, s.me)
@@ -129,8 +132,8 @@ async def _explorer_rounds(s: MemberSession, stamps: _Timestamps, method: str, e
     for r in range(1, rounds + 1):
         if method == "memory":
             if not early:  # ask once the round's version exists: answered at once
-                await s.view.wait_for(lambda v, r=r: v.state.latest.version >= r, timeout=ROUND_TIMEOUT_S,
-                                      what=f"version {r}", announce=False)
+                await s.view.wait_for(lambda v, r=r: v.latest.version >= r, timeout=ROUND_TIMEOUT_S,
+                                      what=f"version {r}", announce=False, wake_on=TRAINER_KEY)
             seq = await stamps.timed(s.set_status(RunningStatus.REQUIRE_SYNC))
             d = await stamps.wait(s, seq, lambda d: isinstance(d, MemberReleased) and d.released == me)
         else:
@@ -156,7 +159,9 @@ async def _worker(spec: dict) -> dict:
     cfg = load_config(spec["config"])
     job, method, rounds = cfg.job, spec["method"], spec["rounds"]
     async with connect(cfg.nats_url, job=job, role="explorer", member=f"bench-worker-{spec['index']}") as conn:
-        view = JobView(conn)
+        # one view for this process's explorers: their scope (their own records, the trainer's, the
+        # synchronizer's, every decision), as each explorer's own MemberView reads it
+        view = MemberView(conn, spec["members"])
         await view.start()
         stamps = _Timestamps(clock=time.monotonic)
         sessions = [_session(cfg, conn, view, Role.EXPLORER, m, 0) for m in spec["members"]]
@@ -573,7 +578,7 @@ def record_run(out: dict, path: Path, command: str) -> None:
 
 
 def _default_procs(explorers: int) -> int:
-    # each process folds the whole stream once for its members: few, but enough for their waits
+    # each reads its explorers' scope and every decision once for them: few, enough for their waits
     return max(1, min(4, explorers // 128))
 
 

@@ -113,7 +113,7 @@ class Soak:
     def start(self, member: str) -> None:
         log = open(self.root / "logs" / f"{member}.log", "ab")
         self.procs[member] = subprocess.Popen(
-            [sys.executable, "-m", "rolectl.roles.cli", "start", self.roles[member], "--config", str(self.config),
+            [sys.executable, "-m", "rolectl", "start", self.roles[member], "--config", str(self.config),
              "--nats", self.url, "--id", member],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             env=dict(os.environ, PYTHONUNBUFFERED="1", ROLECTL_ADVERTISE_HOST="127.0.0.1"))

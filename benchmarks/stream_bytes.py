@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
             for role, member in members:
                 log = open(Path(tmp) / f"{member}.log", "wb")
                 procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "rolectl.roles.cli", "start", role, "--config", str(config),
+                    [sys.executable, "-m", "rolectl", "start", role, "--config", str(config),
                      "--nats", server.url, "--id", member],
                     cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1")))
             started = time.monotonic()

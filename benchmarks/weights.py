@@ -537,7 +537,7 @@ class BesideJob:
     def start(self) -> None:
         with open(self.out, "wb") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "rolectl.roles.cli", "up", "--config", str(self.config), "--no-dashboard"],
+                [sys.executable, "-m", "rolectl", "up", "--config", str(self.config), "--no-dashboard"],
                 cwd=str(_ROOT), stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
             )
 

@@ -42,6 +42,7 @@ __all__ = [
     "init_auth_dir",
     "read_auth_dir",
     "parse_nkeys",
+    "with_tls_files",
 ]
 
 OBSERVER_IDENTITY = "observer"
@@ -191,6 +192,21 @@ def parse_header(conf_text: str) -> tuple[str, int, int]:
     if m is None:
         raise ValueError("not a config written by `rolectl auth init` (no '# rolectl-auth:' header)")
     return m["job"], int(m["e"]), int(m["s"])
+
+
+def with_tls_files(conf_text: str, *, cert_file: str | Path, key_file: str | Path) -> str:
+    """A config `render_server_conf` wrote, its server certificate and key moved to these files
+    (a server started on another node, from copies written there)."""
+    for key, path in (("cert_file", cert_file), ("key_file", key_file)):
+        quoted = json.dumps(str(path))
+
+        def keep_key(match: re.Match[str], quoted: str = quoted) -> str:  # a function: the path is not a template
+            return match.group(1) + quoted
+
+        conf_text, n = re.subn(rf"(?m)^(\s*{key}: ).*$", keep_key, conf_text)
+        if n != 1:
+            raise ValueError(f"not a nats-server.conf `rolectl auth init` wrote: no `{key}:` line")
+    return conf_text
 
 
 # -- files ------------------------------------------------------------------------------------------

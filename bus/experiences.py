@@ -18,6 +18,14 @@ terminates anything else (`msg.term()`: never redelivered), counts it and names 
 Delivery: at least once. A batch is stored once per (explorer, explore step) thanks to its msg id
 `exp/<member>/<explore_step>`; the trainer's durable consumer redelivers anything not acked within
 `ack_wait_s` (a trainer that died mid-step gets those batches again after it restarts).
+
+Size: a batch travels as one message while it fits the stream's `max_msg_size` (and the server's
+`max_payload`). One over it travels one message per group instead, `exp/<member>/<explore_step>/<g>`
+for its `g`-th group: a group is what the trainer needs whole, and a replayed step stores each of
+its groups once whatever its episodes' lengths came out as (a replay that lands on the other side
+of the limit, whole once and by group once, is stored twice: batches belong well inside it). A
+group over the limit is refused before anything of the batch is sent (`PayloadTooLarge`, naming
+the settings that size it).
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ from rolectl.sync_protocol.experience import Experience, ExperienceBatch, Experi
 
 from .aio import raise_if_cancelling
 from .connection import BusConnection
-from .errors import AckFailed, BusClosed, BusError, MalformedExperience, PublishRejected, describe
+from .errors import AckFailed, BusClosed, BusError, MalformedExperience, PayloadTooLarge, PublishRejected, describe
 from .logging import LogBudget
 from .streams import explain_refusal
 
@@ -53,6 +61,7 @@ __all__ = [
     "encode_batch",
     "decode_batch",
     "experience_msg_id",
+    "split_by_group",
     "ExperiencePublisher",
     "ExperienceReader",
     "ReceivedBatch",
@@ -60,7 +69,15 @@ __all__ = [
 
 
 def _finite(values: tuple[float, ...]) -> bool:
-    return all(math.isfinite(v) for v in values)
+    # the sum (in C) is finite unless a value is not, or the sum overflows: then look at each
+    return math.isfinite(sum(values)) or all(math.isfinite(v) for v in values)
+
+
+def _outside(tokens: tuple[int, ...], vocab_size: int) -> int | None:
+    """The first token id outside [0, vocab_size), or None."""
+    if not tokens or (min(tokens) >= 0 and max(tokens) < vocab_size):
+        return None
+    return next(t for t in tokens if not 0 <= t < vocab_size)
 
 
 def validate_batch(batch: ExperienceBatch, limits: ExperienceLimits) -> None:
@@ -91,10 +108,9 @@ def validate_batch(batch: ExperienceBatch, limits: ExperienceLimits) -> None:
         if len(exp.logprobs) != len(exp.response):
             raise MalformedExperience(f"{w}: {len(exp.logprobs)} logprobs for {len(exp.response)} response tokens")
         for part in ("prompt", "response"):
-            tokens = getattr(exp, part)
-            bad = [t for t in tokens if not 0 <= t < limits.vocab_size]
-            if bad:
-                raise MalformedExperience(f"{w}: {part} token {bad[0]} outside the vocabulary "
+            outside = _outside(getattr(exp, part), limits.vocab_size)
+            if outside is not None:
+                raise MalformedExperience(f"{w}: {part} token {outside} outside the vocabulary "
                                           f"[0, {limits.vocab_size})")
         _check_trajectory(exp, batch.model_version, w)
         if limits.response_tokens is not None:
@@ -120,7 +136,7 @@ def _check_trajectory(exp: Experience, batch_version: int, where: str) -> None:
         if len(exp.loss_mask) != len(exp.response):
             raise MalformedExperience(f"{where}: loss_mask has {len(exp.loss_mask)} entries for "
                                       f"{len(exp.response)} response tokens")
-        if any(m not in (0, 1) for m in exp.loss_mask):
+        if not set(exp.loss_mask) <= {0, 1}:
             raise MalformedExperience(f"{where}: loss_mask holds a value other than 0 and 1")
     if exp.token_versions is None:
         return
@@ -260,9 +276,23 @@ def decode_batch(payload: bytes) -> ExperienceBatch:
     return ExperienceBatch(member=member, explore_step=step, model_version=version, experiences=tuple(out))
 
 
-def experience_msg_id(member: str, explore_step: int) -> str:
-    """`exp/<member>/<explore_step>`: a restarted explorer re-publishing a step is stored once."""
-    return f"exp/{member}/{explore_step}"
+def experience_msg_id(member: str, explore_step: int, group: int | None = None) -> str:
+    """`exp/<member>/<explore_step>`, or `.../<group>` for the `group`-th group of a batch sent a group
+    a message: a restarted explorer re-publishing a step is stored once."""
+    return f"exp/{member}/{explore_step}" + ("" if group is None else f"/{group}")
+
+
+def split_by_group(batch: ExperienceBatch) -> list[ExperienceBatch]:
+    """`batch` as one batch per group, in the order the groups first appear."""
+    groups: dict[str, list[Experience]] = {}
+    for exp in batch.experiences:
+        groups.setdefault(exp.group, []).append(exp)
+    return [ExperienceBatch(member=batch.member, explore_step=batch.explore_step, model_version=batch.model_version,
+                            experiences=tuple(members)) for members in groups.values()]
+
+
+_HEADERS_ALLOWANCE = 256
+"""Bytes kept free of a message's limit for its headers (the msg id)."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -285,13 +315,30 @@ class ExperiencePublisher:
         self.subject = conn.names.experiences(self.member)
         self.ack_timeout = ack_timeout
         self.retry_for = retry_for
+        self._limit: int | None = None
 
     async def publish(self, batch: ExperienceBatch) -> int:
-        """Store `batch`; return its stream sequence (the original one if this step was stored before)."""
+        """Store `batch`: one message, or one per group when it is over the stream's message limit;
+        return the stream sequence of its (first) message, the original one if stored before.
+        `PayloadTooLarge` when one group alone is over the limit (nothing of the batch is sent)."""
         if batch.member != self.member:
             raise ValueError(f"batch of member {batch.member!r} given to the publisher of {self.member!r}")
-        msg_id = experience_msg_id(self.member, batch.explore_step)
         payload = encode_batch(batch)
+        limit = await self._message_limit()
+        if limit is None or len(payload) <= limit:
+            return await self._store(payload, experience_msg_id(self.member, batch.explore_step))
+        groups = split_by_group(batch)
+        parts = [encode_batch(group) for group in groups]
+        for group, part in zip(groups, parts):
+            if len(part) > limit:
+                raise self._group_too_large(batch, group, len(part), limit)
+        self.conn.log.info("bus.experience_batch_split", subject=self.subject, explore_step=batch.explore_step,
+                           bytes=len(payload), limit=limit, messages=len(parts))
+        seqs = [await self._store(part, experience_msg_id(self.member, batch.explore_step, index))
+                for index, part in enumerate(parts)]
+        return seqs[0]
+
+    async def _store(self, payload: bytes, msg_id: str) -> int:
         try:
             ack = await self.conn.publish_acked(
                 self.subject, payload, msg_id=msg_id, ack_timeout=self.ack_timeout, retry_for=self.retry_for
@@ -301,6 +348,34 @@ class ExperiencePublisher:
         if ack.duplicate:
             self.conn.log.info("bus.experience_duplicate", subject=self.subject, msg_id=msg_id, seq=ack.seq)
         return ack.seq
+
+    async def _message_limit(self) -> int | None:
+        """The largest batch payload one message carries: the stream's `max_msg_size` or the server's
+        `max_payload`, whichever is smaller, less room for headers; read once. None when the stream
+        cannot be asked (the server then refuses what is over, `StreamFull`)."""
+        if self._limit is None:
+            try:
+                info = await self.conn.js.stream_info(self.conn.names.experience_stream)
+            except (asyncio.TimeoutError, nats.errors.Error) as exc:
+                self.conn.log.info("bus.experience_limit_unread", error=describe(exc))
+                return None  # asked again at the next batch
+            limits = [size for size in (info.config.max_msg_size, self.conn.nc.max_payload) if size and size > 0]
+            self._limit = min(limits) - _HEADERS_ALLOWANCE if limits else 0
+        return self._limit or None
+
+    def _group_too_large(self, batch: ExperienceBatch, group: ExperienceBatch, size: int,
+                         limit: int) -> PayloadTooLarge:
+        stream = self.conn.names.experience_stream
+        tokens = max(len(e.prompt) + len(e.response) for e in group.experiences)
+        return PayloadTooLarge(
+            f"experience batch {batch.member}/{batch.explore_step}: group {group.experiences[0].group!r} "
+            f"({len(group.experiences)} episodes, up to {tokens} tokens each) is {size} bytes, over the "
+            f"{limit} bytes one message of stream {stream} carries (its max_msg_size, or the server's "
+            "max_payload), and a group travels whole: lower agent.max_tokens (or model.max_new_tokens) or "
+            f"model.group_size, or raise the limit (`nats stream edit {stream} --max-msg-size <bytes>`). "
+            "A smaller buffer.batch_size does not help: a batch over the limit already goes a group a message",
+            subject=self.subject, msg_id=experience_msg_id(self.member, batch.explore_step), size=size,
+            limit=limit)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -6,6 +6,13 @@ members' job views and `rolectl replay` start from the newest one and fold the s
 bytes are `sync_protocol.snapshot.encode_state` (msgpack with a schema version; no pickle). A
 snapshot that does not decode is ignored with a warning: the fold then starts from the stream's
 first record, as it would with no snapshot at all.
+
+The same bucket holds the rank assignments of each rendezvous group formed (key `group.<epoch>`,
+`sync_protocol.snapshot.encode_group`): an explorer's view folds only its own scope, so it reads
+the group a `RendezvousReady` names here instead of folding every explorer's joins. The active
+synchronizer stores a group before it records the first decision naming it, and deletes the
+record of the group `GROUPS_KEPT` epochs older; a reader checks what it reads against the
+decision's digest (`RendezvousReady.bound`).
 """
 
 from __future__ import annotations
@@ -18,16 +25,23 @@ import nats.js.errors
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 
-from rolectl.sync_protocol import DecodeError
-from rolectl.sync_protocol.snapshot import decode_state, encode_state
+from rolectl.sync_protocol import DecodeError, RankAssignment
+from rolectl.sync_protocol.snapshot import decode_group, decode_state, encode_group, encode_state
 from rolectl.sync_protocol.state import State
 
 from .connection import BusConnection
 from .errors import describe
 
-__all__ = ["Snapshot", "SnapshotStore"]
+__all__ = ["Snapshot", "SnapshotStore", "GROUPS_KEPT"]
 
 _KEY = "latest"
+GROUPS_KEPT = 4
+"""Group records kept: a member binding a decision reads the group of the round it is in, which
+is the newest or (while a slower member still receives) the one before."""
+
+
+def _group_key(epoch: int) -> str:
+    return f"group.{int(epoch)}"
 
 
 @dataclass(frozen=True)
@@ -126,3 +140,32 @@ class SnapshotStore:
             self.conn.log.warning("bus.snapshot_ignored", bucket=self.bucket, reason=str(exc))
             return None
         return Snapshot(state=state, decision_log_seq=log_seq)
+
+    async def save_group(self, epoch: int, participants: tuple[RankAssignment, ...]) -> None:
+        """Store group `epoch`'s rank assignments (before a decision names it); delete the record
+        `GROUPS_KEPT` epochs older. Raises what the server raised: a group not stored is a decision
+        its members cannot bind, so it is not recorded yet (the caller tries again)."""
+        payload = encode_group(epoch, participants)
+        kv = await self._bucket(create=True)
+        await kv.put(_group_key(epoch), payload)
+        if epoch > GROUPS_KEPT:
+            try:
+                await kv.delete(_group_key(epoch - GROUPS_KEPT))
+            except (asyncio.TimeoutError, nats.errors.Error) as exc:  # left behind: harmless, small
+                self.conn.log.debug("bus.group_not_deleted", epoch=epoch - GROUPS_KEPT, error=describe(exc))
+
+    async def group(self, epoch: int) -> tuple[RankAssignment, ...] | None:
+        """Group `epoch`'s rank assignments, or None when no such record is stored (or it does not
+        decode: logged). Server errors are raised (the caller waits for the server)."""
+        try:
+            kv = await self._bucket(create=False)
+            entry = await kv.get(_group_key(epoch))
+        except (nats.js.errors.BucketNotFoundError, nats.js.errors.KeyNotFoundError,
+                nats.js.errors.KeyDeletedError):
+            return None
+        try:
+            stored, participants = decode_group(entry.value or b"")
+        except DecodeError as exc:
+            self.conn.log.warning("bus.group_unreadable", bucket=self.bucket, epoch=epoch, reason=str(exc))
+            return None
+        return participants if stored == epoch else None

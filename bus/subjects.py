@@ -10,6 +10,7 @@ __all__ = [
     "check_name",
     "identity_problem",
     "JobNames",
+    "subject_matches",
 ]
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -74,6 +75,16 @@ class JobNames:
     def all_decisions(self) -> str:
         return f"{self.prefix}.sync.>"
 
+    def member_events(self, role: Role | str, member: str = "*") -> str:
+        """Every event subject of one member (or, by default, of every member of `role`)."""
+        return f"{self.prefix}.evt.{Role.parse(role).value}.{member}.>"
+
+    def recorded_subject(self, event: Event | Decision) -> str:
+        """The subject a record of `event` belongs on (an archived row of an older build has none)."""
+        if isinstance(event, Decision):
+            return self.decision_log
+        return self.event(event.member.role, event.member.id, event.KIND)
+
     @property
     def event_stream_subjects(self) -> list[str]:
         return [self.all_events, self.all_decisions]
@@ -124,6 +135,17 @@ class JobNames:
     @property
     def all_weights(self) -> str:
         return f"{self.prefix}.w.>"
+
+
+def subject_matches(pattern: str, subject: str) -> bool:
+    """Whether NATS subject `subject` matches `pattern` (`*` one token, a final `>` one or more)."""
+    wanted, tokens = pattern.split("."), subject.split(".")
+    for i, token in enumerate(wanted):
+        if token == ">":
+            return len(tokens) > i
+        if i >= len(tokens) or (token != "*" and token != tokens[i]):
+            return False
+    return len(tokens) == len(wanted)
 
 
 def identity_problem(subject: str, event: Event | Decision) -> str | None:

@@ -65,6 +65,7 @@ from .engines.sections import (
     ModelSection,
     OpenModelSection,
     SFTField,
+    TableSection,
     TinyModelSection,
 )
 
@@ -165,6 +166,12 @@ class ExplorerConfig(Section):
     so a straggler does not hold the step. Tasks are then rolled out one by one per engine (rank),
     which is slower on the batched tiny engine; 0 (the default) rolls the batch out at once. Counted
     in the summary (`over_rollout_tasks_cut`)."""
+    partial_rollout: StrictBool = False
+    """Partial rollouts (`sync_style: fully_async` with a pull method; engines tiny, hf, vllm): a version
+    that arrives while generations are in flight pauses them between two tokens, loads, and each
+    goes on from the tokens it already has instead of finishing on the old weights. Each token keeps
+    the version that sampled it (the experience's `token_versions`; its `model_version` is the
+    oldest); counted per step (`partial_rollout_pauses`)."""
     num_cpus: PositiveInt = 1
     """CPUs of each explorer's bundle under `rolectl up --launcher ray`."""
     use_gpus: StrictBool = False
@@ -268,31 +275,26 @@ class NatsConfig(Section):
         return ClientSecurity(creds=self.creds, tls_ca=self.tls_ca, tls_cert=self.tls_cert, tls_key=self.tls_key)
 
 
-class EvalConfig(Section):
+class EvalConfig(TableSection):
     """Evaluation on a held-out task set: the explorer runs the whole set with the weights it holds,
     after explore step `eval_interval`, `2 x eval_interval`, ... (then syncs) and, with
     `eval_on_startup`, before its first step; each eval is recorded as an `EvalFinished` event (the
     eval curve in `replay`, `status`, the summary and the dashboard) and trains nothing. Only the
     first explorer (`explorer-0`) evaluates: every explorer holds the same version at a boundary.
-    `rolectl bench` evaluates saved versions on the same set."""
+    `rolectl bench` evaluates saved versions on the same set. The set is read like `data:` (`path`
+    or `dataset`, `split`, the keys); for the tiny engine each prompt's digits are the string to
+    reverse (`{"prompt": "reverse 3 1 4 0 =", "answer": "0 4 1 3"}`)."""
 
-    path: PathStr | None = None
-    """The eval task file: .jsonl, .json, .parquet or .csv, read with `datasets` like `data.path`
-    (relative paths are from the working directory). For the tiny engine each prompt's digits are the
-    string to reverse (`{"prompt": "reverse 3 1 4 0 =", "answer": "0 4 1 3"}`)."""
-    prompt_key: Annotated[str, Strict(), Field(min_length=1)] = "prompt"
-    """Column holding the prompt."""
-    answer_key: Annotated[str, Strict(), Field(min_length=1)] = "answer"
-    """Column holding the answer the rewards compare with."""
     rewards: tuple[Annotated[str, Strict(), Field(min_length=1)], ...] | None = None
-    """Reward names (built-ins or `module:function`) whose means are reported; default the names in
-    `data.rewards`, or `positional_match` and `exact_match` for the tiny engine."""
+    """Reward names (built-ins, `module:function` or `path/to/file.py:function`, as in `data.rewards`)
+    whose means are reported; default the names in `data.rewards`, or `positional_match` and
+    `exact_match` for the tiny engine."""
     temperature: Annotated[float, Strict(), Field(ge=0, allow_inf_nan=False)] = 0.0
     """Sampling temperature; 0 is greedy (the default)."""
     samples: PositiveInt = 1
     """Responses per eval task."""
     max_tasks: PositiveInt | None = None
-    """Evaluate only the file's first `max_tasks` rows (default all)."""
+    """Evaluate only the set's first `max_tasks` rows (default all)."""
     eval_interval: NonNegativeInt = 0
     """Evaluate after every `eval_interval`-th explore step (0 = never during the run)."""
     eval_on_startup: StrictBool = False
@@ -300,13 +302,13 @@ class EvalConfig(Section):
 
     @property
     def enabled(self) -> bool:
-        return self.path is not None and (self.eval_interval > 0 or self.eval_on_startup)
+        return self.has_source and (self.eval_interval > 0 or self.eval_on_startup)
 
     @model_validator(mode="after")
-    def _path_when_evaluating(self) -> EvalConfig:
-        if self.path is None and (self.eval_interval or self.eval_on_startup):
+    def _source_when_evaluating(self) -> EvalConfig:
+        if not self.has_source and (self.eval_interval or self.eval_on_startup):
             raise invalid([("path", "required when eval.eval_interval or eval.eval_on_startup is set: "
-                                    "the held-out task file to evaluate on")])
+                                    "the held-out task file(s) to evaluate on (or `dataset:`, a cached dataset id)")])
         return self
 
 

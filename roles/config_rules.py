@@ -7,15 +7,17 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from rolectl.sync_protocol import SyncStyle
+
 from .engines.sections import READS_DATA, STAGES
 
-__all__ = ["cross_section_problems"]
+__all__ = ["PARTIAL_ROLLOUT_ENGINES", "cross_section_problems"]
 
 
 def cross_section_problems(cfg: Any, *, check_engines: bool) -> list[tuple[str, str]]:
     """Every rule's problems; with `check_engines`, also what the engines need and the eval file."""
-    problems = [*_over_rollout_problems(cfg), *_wire_dtype_problems(cfg), *_world_size_problems(cfg),
-                *_stage_problems(cfg)]
+    problems = [*_over_rollout_problems(cfg), *_partial_rollout_problems(cfg), *_wire_dtype_problems(cfg),
+                *_world_size_problems(cfg), *_stage_problems(cfg)]
     if check_engines:
         problems += [*_engine_problems(cfg), *_eval_problems(cfg)]
     return problems
@@ -43,6 +45,43 @@ def _over_rollout_problems(cfg: Any) -> list[tuple[str, str]]:
              f"{ratio:g} keeps {per_step} of each step's {cfg.buffer.batch_size} tasks, {per_round} per round of "
              f"{cfg.explorers.count} explorers, fewer than the {needed} a train step takes; set "
              f"trainer.train_batch_tasks: {per_round} (or lower the ratio)")]
+
+
+PARTIAL_ROLLOUT_ENGINES = ("tiny", "hf", "vllm")
+"""The rollout engines that pause between two tokens (`RolloutEngine.rollout(..., pause_point=)`)."""
+
+
+def _rollout_engine(cfg: Any) -> str:
+    """The explorers' engine: `model.rollout_engine`, else the trainer's own (fsdp's explorers run hf)."""
+    named = getattr(cfg.model, "rollout_engine", None)
+    return named or ("hf" if cfg.model.engine == "fsdp" else cfg.model.engine)
+
+
+def _partial_rollout_problems(cfg: Any) -> list[tuple[str, str]]:
+    # Versions arrive while generations are in flight only where explorers never wait for them:
+    # every other style syncs between two steps, when nothing is in flight to pause.
+    if not cfg.explorers.partial_rollout:
+        return []
+    sync, problems = cfg.synchronizer, []
+    if sync.sync_style is not SyncStyle.FULLY_ASYNC or sync.sync_method.is_rendezvous:
+        problems.append(("explorers.partial_rollout",
+                         f"needs synchronizer.sync_style: fully_async with a pull sync_method (memory, checkpoint), "
+                         f"got {sync.sync_style.value} with {sync.sync_method.value}: other styles sync between "
+                         "steps, when no generation is in flight; set both, or remove partial_rollout"))
+    engine = _rollout_engine(cfg)
+    if engine not in PARTIAL_ROLLOUT_ENGINES:
+        problems.append(("explorers.partial_rollout",
+                         f"the {engine!r} rollout engine cannot pause a generation for new weights (engines that "
+                         f"can: {', '.join(PARTIAL_ROLLOUT_ENGINES)}); remove partial_rollout"))
+    if cfg.agent is not None:
+        problems.append(("explorers.partial_rollout",
+                         "applies to single-turn rollouts; an agent's episodes take the version each turn "
+                         "starts with (remove partial_rollout, or the agent: section)"))
+    if cfg.explorers.over_rollout_ratio:
+        problems.append(("explorers.partial_rollout",
+                         "does not combine with explorers.over_rollout_ratio (its engines run tasks on threads of "
+                         "their own, and a pause loads every engine of the explorer): set one of them"))
+    return problems
 
 
 def _wire_dtype_problems(cfg: Any) -> list[tuple[str, str]]:
@@ -86,8 +125,8 @@ def _stage_problems(cfg: Any) -> list[tuple[str, str]]:
 
 
 def _eval_problems(cfg: Any) -> list[tuple[str, str]]:
-    # The eval file is read like a task file, by the engines (it needs `datasets`).
-    if cfg.eval.path is None:
+    # The eval set is read like the task set, by the engines (it needs `datasets`).
+    if not cfg.eval.has_source:
         return []
     from rolectl.roles.engines.evaluation import eval_config_problems
 

@@ -7,7 +7,9 @@ Reads top to bottom like the reference explore loop:
 - after explore step `s` it syncs when `s > sync_offset and (s - sync_offset) % sync_interval == 0`
   (trainer_driven / fully_async with a rendezvous method: only if the trainer is waiting);
 - fully_async with a pull method never blocks: new versions are fetched in the background and
-  swapped in between steps;
+  swapped in between steps; with `explorers.partial_rollout` also inside a step, between two tokens:
+  the generations in flight pause, the version loads, and each goes on from the tokens it has, every
+  token keeping the version that sampled it (`PauseForWeights`);
 - with an `eval:` section, the first explorer evaluates the weights it holds on the eval set before
   its first step (`eval_on_startup`) and after every `eval_interval`-th step, before that step's
   sync (explore steps, then eval, then sync, as the reference does); an eval trains nothing and is
@@ -29,6 +31,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import threading
 import time
 import zlib
 from collections.abc import Callable
@@ -64,7 +67,7 @@ from rolectl.sync_protocol import (
 )
 from rolectl.sync_protocol.boundaries import explorer_needs_sync, needs_reload
 
-__all__ = ["Explorer", "ExploreLoop", "TaskSetLoop", "over_rollout"]
+__all__ = ["Explorer", "ExploreLoop", "PauseForWeights", "TaskSetLoop", "over_rollout"]
 
 
 class ExploreLoop(Protocol):
@@ -108,6 +111,8 @@ class Explorer:
         self._background: asyncio.Task | None = None
         # (version, tensors, nbytes, fetch seconds) fetched in the background, applied between steps
         self._pending_weights: tuple[int, dict, int, float] | None = None
+        self._pending_lock = threading.Lock()  # partial rollouts take it on the rollout's thread
+        self.pause_point = PauseForWeights(self) if cfg.explorers.partial_rollout else None
         self.start_mode = start_mode  # resumed or not in run(), once the stream says whether this is a restart
         self.loop = (loop or TaskSetLoop)(self)
 
@@ -123,7 +128,7 @@ class Explorer:
         explore that nothing will ever train."""
         if not view.all_finished(Role.TRAINER):
             return False
-        trainer = view.state.trainer_state
+        trainer = view.trainer
         left = self.cfg.explorers.total_steps - self.explore_step
         if self.cfg.explorers.stop_with_trainer or left <= 0:
             self.finished = True
@@ -250,8 +255,8 @@ class Explorer:
     def _who_is_missing(self) -> str:
         """For a long sync wait: is there a trainer, a synchronizer, and where is the trainer."""
         view = self.s.view
-        trainer = view.state.trainer_state
-        syncs = [m for m in view.state.members.values() if m.ref.role is Role.SYNCHRONIZER and m.alive]
+        trainer = view.trainer
+        syncs = view.synchronizers_alive()
         if trainer is None:
             said = "no trainer has joined the job yet (is `rolectl start trainer` running?)"
         elif not trainer.alive:
@@ -262,7 +267,7 @@ class Explorer:
         return said + ("" if syncs else "; no synchronizer is running (`rolectl start sync`)")
 
     def _trainer_waiting(self) -> bool:
-        return any(r.opened_by.role is Role.TRAINER for r in self.s.view.state.rounds.values())
+        return self.s.view.trainer_waiting()
 
     def _trainer_gone_for_good(self, view) -> str | None:
         """Why we stop waiting for the trainer, once it has been away (not finished) longer than
@@ -296,7 +301,8 @@ class Explorer:
         def about_me(d):
             if isinstance(d, MemberReleased) and d.released == me:
                 return d
-            if isinstance(d, RendezvousReady) and d.assignment_of(me) is not None:
+            # one this view could not bind to its group is ours too: its sync fails, saying why
+            if isinstance(d, RendezvousReady) and (not d.is_bound or d.assignment_of(me) is not None):
                 return d
             return None
 
@@ -362,6 +368,12 @@ class Explorer:
 
     async def _receive_rendezvous(self, ready: RendezvousReady) -> None:
         started = time.monotonic()
+        if not ready.is_bound:  # its group's record could not be read (see roles.member_view)
+            reason = (f"the rank assignments of group {ready.epoch} could not be read (no group record "
+                      "from the synchronizer)")
+            self.log.warning("receive_failed", round=ready.round, epoch=ready.epoch, error=reason)
+            await self.s.publish(SyncFailed(member=self.s.me, version=self.version, reason=reason, round=ready.round))
+            return
         try:
             nbytes = await self.transport.receive(
                 ready, self.s.me, self.engine.weight_buffers(),
@@ -382,7 +394,7 @@ class Explorer:
         fetched = self.version
         while True:
             latest = await self.s.view.wait_for(
-                lambda v, fetched=fetched: v.state.latest if v.state.latest.version > fetched else None,
+                lambda v, fetched=fetched: v.latest if v.latest.version > fetched else None,
                 timeout=None, what="a newer version",
             )
             ref = WeightsRef(version=latest.version, location=latest.location, nbytes=latest.nbytes,
@@ -396,14 +408,21 @@ class Explorer:
                 fetched = ref.version  # skip it; the next version will come
                 continue
             fetched = ref.version
-            self._pending_weights = (ref.version, tensors, ref.nbytes, time.monotonic() - started)
+            with self._pending_lock:
+                self._pending_weights = (ref.version, tensors, ref.nbytes, time.monotonic() - started)
+
+    def take_pending_weights(self) -> tuple[int, dict, int, float] | None:
+        """The version the background fetch got and nobody loaded yet, taken (at most once)."""
+        with self._pending_lock:
+            pending, self._pending_weights = self._pending_weights, None
+        return pending
 
     async def apply_background_weights(self) -> None:
         """Swap in the version the background fetch got (fully_async), between two steps."""
-        if self._pending_weights is None:
+        pending = self.take_pending_weights()
+        if pending is None:
             return
-        version, tensors, nbytes, seconds = self._pending_weights
-        self._pending_weights = None
+        version, tensors, nbytes, seconds = pending
         if needs_reload(self.version, version):
             for engine in self.engines:
                 engine.load_weights(tensors, version)
@@ -412,6 +431,19 @@ class Explorer:
             self.s.version = version
             await self.s.publish(WeightsLoaded(member=self.s.me, version=version, round=None,
                                                nbytes=nbytes, seconds=seconds))
+
+    async def record_loads_in_flight(self) -> int:
+        """Record the versions partial rollouts loaded during the last rollout (`WeightsLoaded`, in
+        order, before the step's batch is published); how many there were."""
+        if self.pause_point is None:
+            return 0
+        loaded = self.pause_point.take_loaded()
+        for version, nbytes, seconds in loaded:
+            self.s.version = version
+            await self.s.publish(WeightsLoaded(member=self.s.me, version=version, round=None,
+                                               nbytes=nbytes, seconds=seconds))
+            self.log.info("rollout_paused_for_weights", version=version, step=self.explore_step + 1)
+        return len(loaded)
 
     async def _cleanup(self) -> None:
         if self._background is not None:
@@ -432,6 +464,36 @@ class Explorer:
                       sync_wait_max_s=round(max(self.sync_wait_s), 3) if self.sync_wait_s else None)
 
 
+class PauseForWeights:
+    """The explorer's `PausePoint` (`explorers.partial_rollout`): called by its engines on the
+    rollout's thread, between two tokens; loads the version the background fetch got into every
+    engine of the explorer (they run one after the other on that thread) and keeps what it loaded,
+    for the records the explorer publishes once the rollout is back (`record_loads_in_flight`)."""
+
+    def __init__(self, explorer: Explorer):
+        self.explorer = explorer
+        self._loaded: list[tuple[int, int, float]] = []  # (version, nbytes, fetch seconds)
+
+    def pending(self) -> bool:
+        return self.explorer._pending_weights is not None
+
+    def load(self) -> None:
+        x = self.explorer
+        pending = x.take_pending_weights()
+        if pending is None or not needs_reload(x.version, pending[0]):
+            return
+        version, tensors, nbytes, seconds = pending
+        for engine in x.engines:
+            engine.load_weights(tensors, version)
+        # not recycled: the background fetch may be writing its next version on the event loop
+        x.version = version
+        self._loaded.append((version, nbytes, seconds))
+
+    def take_loaded(self) -> list[tuple[int, int, float]]:
+        loaded, self._loaded = self._loaded, []
+        return loaded
+
+
 class TaskSetLoop:
     """The explore loop: the explorer's task set, a batch a step, rolled out across its engines
     (over-rollout cuts the slowest tasks), each step published, reported and saved, then an eval
@@ -442,6 +504,7 @@ class TaskSetLoop:
         delays = explorer.cfg.explorers.step_delay_s
         self.step_delay_s = delays[explorer.index % len(delays)]
         self.tasks_cut = 0  # tasks of the last step cancelled or dropped by over-rollout
+        self.pauses = 0  # weight loads inside the last step's rollout (partial rollouts)
         self._pools: list[ThreadPoolExecutor] | None = None  # one per engine, for over-rollout
 
     async def run(self) -> None:
@@ -464,6 +527,7 @@ class TaskSetLoop:
                 step = x.explore_step + 1
                 try:
                     experiences = await asyncio.to_thread(self._rollout, tasks, step)
+                    self.pauses = await x.record_loads_in_flight()
                     if self.step_delay_s:
                         await asyncio.sleep(self.step_delay_s)  # simulated slower rollout engine (config)
                 except BaseException:
@@ -497,6 +561,8 @@ class TaskSetLoop:
                              "seconds": time.monotonic() - started,
                              **({"over_rollout_tasks_cut": float(self.tasks_cut)}
                                 if x.cfg.explorers.over_rollout_ratio else {}),
+                             **(_partial_rollout_metrics(self.pauses, experiences)
+                                if x.pause_point is not None else {}),
                              **x.engine.rollout_metrics})
         x.save_state()
         x.log.info("explore_step", step=step, version=x.engine.version, reward=round(reward, 4))
@@ -518,7 +584,8 @@ class TaskSetLoop:
         for i, engine in enumerate(engines):
             chunk = tasks[i * per:(i + 1) * per]
             if chunk:
-                experiences.extend(engine.rollout(chunk, explore_step=step))
+                paused = {} if self.explorer.pause_point is None else {"pause_point": self.explorer.pause_point}
+                experiences.extend(engine.rollout(chunk, explore_step=step, **paused))
         return experiences
 
 
@@ -549,6 +616,16 @@ def over_rollout(engines, pools, tasks, *, step: int, member: str, wait_for: int
                            for e in done_tasks[i])
     kept = len({e.group for e in experiences})
     return experiences, len(tasks) - kept
+
+
+def _partial_rollout_metrics(pauses: int, experiences: list) -> dict[str, float]:
+    """A step's partial-rollout figures: weight loads inside its rollout, experiences that more
+    than one version sampled, and their tokens sampled by an older version than their last one."""
+    resumed = [e for e in experiences if e.token_versions is not None]
+    older = sum(count for e in resumed for count, version in e.token_versions
+                if version < e.token_versions[-1][1])
+    return {"partial_rollout_pauses": float(pauses), "partial_rollout_experiences": float(len(resumed)),
+            "partial_rollout_older_tokens": float(older)}
 
 
 def _explorer_index(member_id: str) -> int:

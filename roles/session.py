@@ -2,7 +2,8 @@
 after an expiry, fenced once a newer incarnation took over), event publishing, heartbeats, and a
 live view of the job.
 
-The view (`roles.job_view.JobView`) and the stopping helpers (`roles.stopping`) live in modules of
+The views (`roles.job_view.JobView`, the trainer's; `roles.member_view.MemberView`, an explorer's)
+and the stopping helpers (`roles.stopping`) live in modules of
 their own; they are imported from here too, as the role loops always have."""
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream
 from rolectl.roles.config import JobConfig
 from rolectl.roles.identity import Claim, live_member_refusal, pid_running, read_claim
 from rolectl.roles.job_view import DECISIONS_KEPT, JobView
+from rolectl.roles.member_view import MemberView
 from rolectl.roles.resume import StartRefused
 from rolectl.roles.stopping import finish_before_stopping, install_stop_signals, stop_task
+from rolectl.roles.stream_view import StreamView
 from rolectl.roles.waiting import WaitNotice
 from rolectl.sync_protocol import (
     Decision,
@@ -49,7 +52,7 @@ from rolectl.sync_protocol import (
 )
 
 __all__ = [
-    "write_json_atomic", "JobView", "DECISIONS_KEPT", "MemberSession", "install_stop_signals",
+    "write_json_atomic", "JobView", "MemberView", "DECISIONS_KEPT", "MemberSession", "install_stop_signals",
     "finish_before_stopping",
     "RoleStopped", "MemberRejoined", "MemberReplaced", "JobIncomplete", "stop_task", "freeze_heap"]
 
@@ -104,7 +107,7 @@ class MemberSession:
 
     conn: BusConnection | None = None
     publisher: EventPublisher | None = None
-    view: JobView | None = None
+    view: JobView | MemberView | None = None
     log: structlog.typing.FilteringBoundLogger | None = None
     rejoins: int = 0  # times this process found itself expired and joined again
     _stack: AsyncExitStack | None = None
@@ -154,7 +157,11 @@ class MemberSession:
             raise
         self.publisher = EventPublisher(self.conn, self.me)
         archive = self.cfg.event_archive_dir
-        self.view = JobView(self.conn, log=self.log, backfill=lambda first, last: read_range(archive, first, last))
+        backfill = lambda first, last: read_range(archive, first, last)  # noqa: E731
+        # an explorer reads only its own scope (its cost per round does not grow with the fleet);
+        # the trainer waits for every explorer and reads the whole job
+        self.view = (MemberView(self.conn, [self.member_id], log=self.log, backfill=backfill)
+                     if self.role is Role.EXPLORER else JobView(self.conn, log=self.log, backfill=backfill))
         self.view.on_refused = self._note_refused
         return self
 
@@ -202,16 +209,16 @@ class MemberSession:
         """The incarnation this start (or rejoin) claims: read the member's join subject, then fold
         the record at least that far, so the claim's guard and the fold (who is alive) agree."""
         claim = await read_claim(self.conn, self.role, self.member_id)
-        await self.view.wait_for(lambda v: v.last_seq >= claim.guard, timeout=self.cfg.synchronizer.sync_timeout,
-                                 what=f"the job's record up to this member's last join (seq {claim.guard})")
-        member = self.view.state.members.get(self.key)
+        await self.view.read_to(claim.guard, timeout=self.cfg.synchronizer.sync_timeout,
+                                what=f"the job's record up to this member's last join (seq {claim.guard})")
+        member = self.view.member_state(self.key)
         return claim.after(member.ref.incarnation if member else None, *self._ours)
 
     async def _refuse_raced(self, claim: Claim) -> None:
         """Our join lost its compare-and-set: raise `StartRefused` naming the start that joined
         first; return (try again) when what moved the subject holds no newer incarnation (junk)."""
         await self._read_to_end("after another start joined first")
-        member = self.view.state.members.get(self.key)
+        member = self.view.member_state(self.key)
         if member is None or member.ref.incarnation < claim.incarnation:
             self.log.warning("join_subject_moved", incarnation=claim.incarnation, guard=claim.guard)
             return
@@ -224,10 +231,10 @@ class MemberSession:
                            f"first (incarnation {member.ref.incarnation}) and has left since; start again to "
                            "resume after it")
 
-    def expired(self, view: JobView) -> bool:
+    def expired(self, view: StreamView) -> bool:
         """True when the job's record says our current incarnation left, and we did not stop:
         the synchronizer expired us (it could not hear us for `heartbeat_expiry`)."""
-        member = view.state.members.get(self.key)
+        member = view.member_state(self.key)
         return (member is not None and member.ref.incarnation == self.incarnation and not member.alive
                 and self.status is not RunningStatus.STOPPED)
 
@@ -238,7 +245,7 @@ class MemberSession:
         process is gone although not yet expired. A start that passes here and is overtaken by
         another one's join before its own is refused by `join` (the claim's guard)."""
         claim = await self._read_claim()
-        member = self.view.state.members.get(self.key)
+        member = self.view.member_state(self.key)
         if member is not None and member.alive:
             joined = await self.view.joined_event(self.key)
             if joined is None or joined.host != socket.gethostname() or pid_running(joined.pid):
@@ -249,18 +256,18 @@ class MemberSession:
         self.incarnation = claim.incarnation
         self.publisher = EventPublisher(self.conn, self.me)
 
-    def replaced(self, view: JobView) -> bool:
+    def replaced(self, view: StreamView) -> bool:
         """True when the record's current incarnation of this member is newer than ours, and not
         the join this very process made for its rejoin (see `_our_pending_join`)."""
-        member = view.state.members.get(self.key)
+        member = view.member_state(self.key)
         return member is not None and member.ref.incarnation > self.incarnation \
             and not self._our_pending_join(view)
 
-    def _our_pending_join(self, view: JobView) -> bool:
+    def _our_pending_join(self, view: StreamView) -> bool:
         """The record's current incarnation is the one a rejoin of ours is still trying (its join
         stored, its ack lost), joined from this host and pid: not an identity another process has."""
         joined = view.joins.get(self.key)
-        member = view.state.members.get(self.key)
+        member = view.member_state(self.key)
         return (self._rejoining is not None and joined is not None and member is not None
                 and joined.member == self._rejoining == member.ref
                 and joined.host == socket.gethostname() and joined.pid == os.getpid())
@@ -290,12 +297,11 @@ class MemberSession:
         patience = self.cfg.synchronizer.sync_timeout
         end = await self.conn.retry(lambda: last_sequence(self.conn), what="the job's last sequence",
                                     retry_for=patience)
-        await self.view.wait_for(lambda v: v.last_seq >= end, timeout=patience,
-                                 what=f"the job's record up to seq {end} ({why})")
+        await self.view.read_to(end, timeout=patience, what=f"the job's record up to seq {end} ({why})")
 
     def _note_replaced(self) -> None:
         if self.replaced_by is None:
-            self.replaced_by = self.view.state.members[self.key].ref
+            self.replaced_by = self.view.member_state(self.key).ref
             self.log.error("replaced_by_newer_incarnation", incarnation=self.incarnation,
                            new_incarnation=self.replaced_by.incarnation, hint=self._replaced_message())
 
@@ -316,7 +322,7 @@ class MemberSession:
         period = self.cfg.synchronizer.heartbeat_period
         while True:
             await self.view.wait_for(lambda v: self.expired(v) or self.replaced(v) or self._rejoining is not None,
-                                     timeout=None, what="our own expiry or replacement", membership_only=True)
+                                     timeout=None, what="our own expiry or replacement", wake_on=self.key)
             try:
                 if await self._rejoin_or_stop():
                     return
@@ -402,7 +408,7 @@ class MemberSession:
 
     async def _republish(self, events: list[Event]) -> None:
         for event in events:
-            if isinstance(event, VersionPublished) and event.version <= self.view.state.latest.version:
+            if isinstance(event, VersionPublished) and event.version <= self.view.latest.version:
                 continue  # published again meanwhile (the trainer's next sync does)
             try:
                 seq = await self.publish(replace(event, member=self.me))
@@ -412,11 +418,12 @@ class MemberSession:
             self.log.info("republished_after_rejoin", kind=event.KIND, seq=seq, incarnation=self.incarnation)
 
     async def wait_decision(self, match: Callable[[Decision], object], *, after: int, what: str,
-                            give_up: Callable[[JobView], str | None] | None = None,
+                            give_up: Callable[[StreamView], str | None] | None = None,
                             detail: Callable[[], str | None] | None = None):
         """Wait for the synchronizer's decision about our request: the first decision recorded
         after stream sequence `after` (our request) for which `match(decision)` is truthy, and
-        return that value; None if none ever comes.
+        return that value; None if none ever comes. `match` is shown the decisions that name this
+        member and those that name no one member (a `RendezvousReady` names its group).
 
         The synchronizer answers by `sync_timeout` at the latest (a timed-out round releases us).
         Silence beyond that (plus a grace period) means no synchronizer is running: withdraw the
@@ -428,9 +435,9 @@ class MemberSession:
         """
         incarnation = self.incarnation
         rejoined = object()
-        outcome = self.view.first_decision(after, match)
+        outcome = self.view.first_decision(after, match, about=self.key)
 
-        def decided(view: JobView):
+        def decided(view: StreamView):
             if self.incarnation != incarnation:
                 return rejoined
             return outcome(view)
@@ -448,7 +455,8 @@ class MemberSession:
                 await self.set_status(RunningStatus.RUNNING)
                 return None
             try:
-                result = await self.view.wait_for(decided, timeout=min(remaining, 2.0), what=what, announce=False)
+                result = await self.view.wait_for(decided, timeout=min(remaining, 2.0), what=what, announce=False,
+                                                  wake_on=self.key)
             except TimeoutError:
                 reason = give_up(self.view) if give_up is not None else None
                 if reason:

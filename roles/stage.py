@@ -303,19 +303,21 @@ class Evaluator:
 
     def __init__(self, cfg: JobConfig) -> None:
         from rolectl.roles.engines import make_rollout_engine
-        from rolectl.roles.engines.rewards import resolve_reward
+        from rolectl.roles.engines.rewards import parse_reward_specs
 
         self.engine = make_rollout_engine(cfg.with_overrides(model=cfg.model.replace(rollout_engine="hf",
                                                                                      init_from=None)), "trainer-eval")
-        self.rewards = {name: resolve_reward(name) for name in eval_reward_names(cfg)}
+        self.rewards = parse_reward_specs(list(eval_reward_names(cfg)))
 
     def rewards_of(self, trainer: Any, tasks: Sequence[Any]) -> dict[str, float]:
+        from rolectl.roles.engines.rewards import score_all
+
         self.engine.load_weights(trainer.weights(), trainer.step)
         texts = self.engine.generate(tasks, temperature=0.0, samples=1, seed=0)
-        totals = dict.fromkeys(self.rewards, 0.0)
-        for task, (text,) in zip(tasks, texts):
-            for name, fn in self.rewards.items():
-                totals[name] += float(fn(text, task.answer))
+        totals = dict.fromkeys((reward.name for reward in self.rewards), 0.0)
+        for task, (text,) in zip(tasks, texts):  # scored as every caller scores (a reward may read the row)
+            for name, score in score_all(self.rewards, text, task)[1].items():
+                totals[name] += score
         return {name: total / len(tasks) for name, total in totals.items()}
 
 

@@ -84,6 +84,7 @@ from rolectl.sync_protocol import (
     MemberReleased,
     ProtocolError,
     Recorded,
+    RendezvousReady,
     Role,
     RoundTimedOut,
     RunningStatus,
@@ -144,6 +145,7 @@ class Synchronizer:
         self._failure: asyncio.Future | None = None  # a publish that failed for good ends the role
         self._stopping = False  # on the way out: nothing new is sent
         self._someone_finished = True  # a member stopped for good since we last asked whether the job is done
+        self._groups_stored: set[int] = set()  # rendezvous groups whose record is stored (_store_groups)
 
     # -- setup -------------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -327,6 +329,7 @@ class Synchronizer:
                     self.active = False
                     self.log.warning("stepped_down", reason="lease not renewed in time", pending=len(self.pending))
                 return  # they stay pending: whoever holds the lease records them
+            await self._store_groups(decisions)
             expected = self.log_seq
             try:
                 seq = await self.decisions.publish(decisions, expected_last_subject_seq=expected)
@@ -365,6 +368,20 @@ class Synchronizer:
                 self._in_flight = None
             if not cancelled:
                 self._send_ready()  # whatever was decided while this batch was in flight
+
+    async def _store_groups(self, decisions: list[Decision]) -> None:
+        """Store the rank assignments of each group a batch's RendezvousReady names, before it is
+        recorded: an explorer's view does not fold the other explorers and binds the decision with
+        this record (see bus.snapshots). Once per group epoch (again after a restart: same bytes)."""
+        for decision in decisions:
+            if not isinstance(decision, RendezvousReady) or not decision.is_bound:
+                continue
+            if decision.epoch not in self._groups_stored:
+                group = decision.participants
+                await self.conn.retry(lambda d=decision, g=group: self.snapshots.save_group(d.epoch, g),
+                                      what=f"store rendezvous group {decision.epoch}",
+                                      retry_for=self.decisions.retry_for)
+                self._groups_stored = {e for e in self._groups_stored if e > decision.epoch - 4} | {decision.epoch}
 
     def _log_decisions(self, decisions: list[Decision], seq: int | None) -> None:
         """One line per round of a recorded batch (a request answered at once is one line, not three)."""

@@ -82,6 +82,7 @@ _ENUMS: dict[str, type[SyncMethod] | type[SyncStyle]] = {"sync_method": SyncMeth
 
 
 _HINTS: dict[str, Any] = {}
+_DEFAULTS: dict[str, Any] = {}
 
 
 def _annotations() -> dict[str, Any]:
@@ -89,6 +90,14 @@ def _annotations() -> dict[str, Any]:
     if not _HINTS:
         _HINTS.update(get_type_hints(SyncConfig, include_extras=True))
     return _HINTS
+
+
+def _defaults() -> dict[str, Any]:
+    """Each field's default, read once: `msgspec.structs.fields` resolves the annotations again at
+    every call (about 10 ms), and every member's JobConfigured is checked when it is decoded."""
+    if not _DEFAULTS:
+        _DEFAULTS.update({field.name: field.default for field in msgspec.structs.fields(SyncConfig)})
+    return _DEFAULTS
 
 
 _KINDS = {msgspec.inspect.IntType: "an integer", msgspec.inspect.FloatType: "a finite number"}
@@ -130,7 +139,7 @@ def _problems(values: Mapping[str, Any]) -> list[tuple[str, str]]:
         if name in values and not _fits(values[name], annotation):
             why = f"one of {_ENUMS[name].choices()}" if name in _ENUMS else _expected(annotation)
             problems.append((name, f"must be {why}, got {values[name]!r}"))
-    defaults = {field.name: field.default for field in msgspec.structs.fields(SyncConfig)}
+    defaults = _defaults()
     period = values.get("heartbeat_period", defaults["heartbeat_period"])
     expiry = values.get("heartbeat_expiry", defaults["heartbeat_expiry"])
     if not any(name.startswith("heartbeat") for name, _ in problems) and expiry <= period:

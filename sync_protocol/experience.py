@@ -12,10 +12,19 @@ default to None, which is a single-turn record: every response token sampled, by
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import groupby
 
-__all__ = ["Experience", "ExperienceBatch", "ExperienceLimits", "Segment"]
+__all__ = ["Experience", "ExperienceBatch", "ExperienceLimits", "Segment", "version_runs"]
+
+
+def version_runs(versions: Sequence[int]) -> tuple[tuple[int, int], ...] | None:
+    """`Experience.token_versions` for tokens sampled by `versions` (one per token): run-length
+    `(count, version)` pairs, or None when one version sampled them all (the single-version record)."""
+    if len(set(versions)) <= 1:
+        return None
+    return tuple((sum(1 for _ in run), version) for version, run in groupby(versions))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

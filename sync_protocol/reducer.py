@@ -69,7 +69,7 @@ from .events import (
     WeightsLoaded,
 )
 from .members import MemberMap
-from .state import GroupState, LatestVersion, MemberState, RoundPhase, RoundState, State
+from .state import GroupState, LatestVersion, MemberKeys, MemberState, RoundPhase, RoundState, State, member_keys
 
 __all__ = [
     "reduce",
@@ -428,7 +428,9 @@ class _Tx:
 
     def _writable_rounds(self) -> dict[int, RoundState]:
         if self._own_rounds is None:
-            self.rounds = self._own_rounds = dict(self._old_rounds)
+            # the C copy of the dict under the proxy (`dict(proxy)` goes item by item): a pull
+            # round of 1,024 explorers holds about 500 open rounds, copied when one opens or closes
+            self.rounds = self._own_rounds = self._old_rounds.copy()
         return self._own_rounds
 
     def add_round(self, rnd: RoundState) -> None:
@@ -483,14 +485,14 @@ def _member_released(tx: _Tx, round_id: int, member: MemberState, reason: Releas
 # Round machinery: open, gather, and apply a row of ROUND_TRANSITIONS
 
 
-def _open_round(tx: _Tx, opener: MemberState, participants: tuple[str, ...]) -> RoundState:
+def _open_round(tx: _Tx, opener: MemberState, participants: MemberKeys) -> RoundState:
     rnd = RoundState(
         id=tx.next_round,
         method=tx.require_config().sync_method,
         opened_by=opener.ref,
         opened_at_ms=tx.time_ms,
         opened_seq=tx.seq,
-        waiting=(opener.ref.key,),
+        waiting=member_keys((opener.ref.key,)),
         participants=participants,
         phase=_WAITING,
         version=opener.version,
@@ -593,7 +595,7 @@ def _request_sync(tx: _Tx, member: MemberState) -> None:
 
 def _request_pull(tx: _Tx, member: MemberState) -> None:
     # every request gets a round, even one answered at once, so each request is visible in the log
-    rnd = _open_round(tx, member, (member.ref.key,))
+    rnd = _open_round(tx, member, member_keys((member.ref.key,)))
     if tx.latest.version > member.version or member.version == -1:
         _apply(tx, rnd, Trigger.NEW_VERSION)
     elif tx.trainer_finished():
@@ -610,7 +612,7 @@ def _request_rendezvous(tx: _Tx, member: MemberState) -> None:
     if rnd is None:
         trainer_key = tx.trainer
         trainer = tx.live_trainer()
-        participants = tuple(
+        participants = member_keys(
             k for k, m in tx.members.items()
             if m.alive and (m.ref.role is _EXPLORER or k == trainer_key)
         )
@@ -621,8 +623,8 @@ def _request_rendezvous(tx: _Tx, member: MemberState) -> None:
                 return
             # a trainer away (restarting) is waited for: its next incarnation joins this round
     elif key not in rnd.waiting:
-        participants = rnd.participants if key in rnd.participants else rnd.participants + (key,)
-        rnd = tx.update_round(rnd.id, waiting=rnd.waiting + (key,), participants=participants)
+        participants = rnd.participants if key in rnd.participants else _with(rnd.participants, key)
+        rnd = tx.update_round(rnd.id, waiting=_with(rnd.waiting, key), participants=participants)
     _settle_rendezvous(tx, rnd)
 
 
@@ -653,14 +655,21 @@ def _leave(tx: _Tx, member: MemberState) -> None:
                 _apply(tx, rnd, Trigger.NOBODY_WAITING)
 
 
-def _without(keys: tuple[str, ...], key: str) -> tuple[str, ...]:
-    """`keys` less `key`, in order. A round lists a key once at most, so this is two slices copied
-    in C, not a Python loop: a rendezvous of 1,024 explorers takes them off one by one."""
-    try:
-        i = keys.index(key)
-    except ValueError:
+def _with(keys: MemberKeys, key: str) -> MemberKeys:
+    """`keys` and `key` (last), as a new read-only mapping: one dict copy in C (`copy` of the
+    mapping under the proxy), however long."""
+    more = keys.copy()
+    more[key] = None
+    return MappingProxyType(more)
+
+
+def _without(keys: MemberKeys, key: str) -> MemberKeys:
+    """`keys` less `key`, in order (one dict copy; `keys` itself when it is not there)."""
+    if key not in keys:
         return keys
-    return keys[:i] + keys[i + 1:]
+    rest = keys.copy()
+    del rest[key]
+    return MappingProxyType(rest)
 
 
 def _in_round(tx: _Tx, key: str) -> bool:
@@ -692,8 +701,7 @@ def _report_done(tx: _Tx, event: WeightsLoaded | WeightsBroadcast, member: Membe
         raise _illegal(event, f"round {rnd.id} transfers version {rnd.version}", member)
     if key in rnd.reported:
         return  # a repeated report changes nothing
-    rnd = tx.update_round(rnd.id, reported=rnd.reported + (key,),
-                          waiting=_without(rnd.waiting, key))
+    rnd = tx.update_round(rnd.id, reported=_with(rnd.reported, key), waiting=_without(rnd.waiting, key))
     # Its part is done: it is running again, so its next REQUIRE_SYNC is a new request (for the
     # next round) even while slower peers are still receiving this one.
     tx.update_member(key, status=_RUNNING)
@@ -753,7 +761,7 @@ def _on_member_joined(tx: _Tx, event: MemberJoined, _: None) -> None:
         # a late joiner becomes a participant of the rendezvous being gathered: it waits for it too
         rnd = _waiting_rendezvous_round(tx)
         if rnd is not None and key not in rnd.participants:
-            tx.update_round(rnd.id, participants=rnd.participants + (key,))
+            tx.update_round(rnd.id, participants=_with(rnd.participants, key))
 
 
 def _on_status_changed(tx: _Tx, event: StatusChanged, member: MemberState) -> None:

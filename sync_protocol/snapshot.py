@@ -1,4 +1,5 @@
-"""Reducer snapshots: a `State` as msgpack bytes and back, so a fold can start from one.
+"""Reducer snapshots: a `State` as msgpack bytes and back, so a fold can start from one; and a
+rendezvous group's rank assignments, for members that do not fold every explorer.
 
 A snapshot at `state.last_seq = S` plus the stream's records after S folds to exactly the state a
 fold from the first record reaches (a test checks it on generated streams). Restarted
@@ -21,11 +22,12 @@ from .enums import RunningStatus, SyncMethod
 from .errors import ConfigError, DecodeError
 from .events import MemberRef, RankAssignment
 from .members import MemberMap
-from .state import GroupState, LatestVersion, MemberState, RoundPhase, RoundState, State
+from .state import GroupState, LatestVersion, MemberState, RoundPhase, RoundState, State, member_keys
 
-__all__ = ["SNAPSHOT_SCHEMA", "encode_state", "decode_state"]
+__all__ = ["SNAPSHOT_SCHEMA", "GROUP_SCHEMA", "encode_state", "decode_state", "encode_group", "decode_group"]
 
 SNAPSHOT_SCHEMA = 1
+GROUP_SCHEMA = 1
 
 
 def _ref(ref: MemberRef) -> list[Any]:
@@ -98,9 +100,9 @@ def _build(data: dict[str, Any]) -> State:
     for (rid, method, opened_by, opened_at_ms, opened_seq, waiting, participants, phase, version, epoch,
          reported) in data["rounds"]:
         rounds[rid] = RoundState(id=rid, method=SyncMethod(method), opened_by=_unref(opened_by),
-                                 opened_at_ms=opened_at_ms, opened_seq=opened_seq, waiting=tuple(waiting),
-                                 participants=tuple(participants), phase=RoundPhase(phase), version=version,
-                                 epoch=epoch, reported=tuple(reported))
+                                 opened_at_ms=opened_at_ms, opened_seq=opened_seq, waiting=member_keys(waiting),
+                                 participants=member_keys(participants), phase=RoundPhase(phase), version=version,
+                                 epoch=epoch, reported=member_keys(reported))
     version, step, method, location, digest, nbytes = data["latest"]
     epoch, group_members, broken = data["group"]
     rounds_closed, syncs_completed, versions_published = data["counts"]
@@ -121,3 +123,23 @@ def _build(data: dict[str, Any]) -> State:
         syncs_completed=syncs_completed,
         versions_published=versions_published,
     )
+
+
+def encode_group(epoch: int, participants: tuple[RankAssignment, ...]) -> bytes:
+    """The explorers' rank assignments of group `epoch` (a `RendezvousReady`'s `participants`)."""
+    return msgspec.msgpack.encode({"schema": GROUP_SCHEMA, "epoch": epoch,
+                                   "members": [[_ref(a.member), a.rank_offset, a.ranks] for a in participants]})
+
+
+def decode_group(payload: bytes) -> tuple[int, tuple[RankAssignment, ...]]:
+    """`(epoch, participants)` from `encode_group` bytes, or `DecodeError` saying what is wrong."""
+    try:
+        data = msgspec.msgpack.decode(payload)
+        if not isinstance(data, dict) or data.get("schema") != GROUP_SCHEMA:
+            raise DecodeError(f"a group record must be a map of schema {GROUP_SCHEMA}")
+        return data["epoch"], tuple(RankAssignment(member=_unref(ref), rank_offset=offset, ranks=ranks)
+                                    for ref, offset, ranks in data["members"])
+    except DecodeError:
+        raise
+    except Exception as exc:  # not msgpack, or rows of the wrong shape
+        raise DecodeError(f"group record is malformed ({type(exc).__name__}: {exc})") from None

@@ -28,7 +28,7 @@ from ..connection import BusConnection
 from ..errors import BusClosed, BusError, HistoryGap, describe
 from ..logging import LogBudget
 from ..retry import backoff_delay
-from ..subjects import identity_problem
+from ..subjects import identity_problem, subject_matches
 
 __all__ = [
     "EventReader",
@@ -100,11 +100,15 @@ class EventReader:
         poll_s: float = 5.0,
         known: Callable[[int], bool] | None = None,
         backfill: Callable[[int, int], list[Recorded]] | None = None,
+        subjects: Sequence[str] | None = None,
     ):
         if from_seq is not None and from_time is not None:
             raise ValueError("give from_seq or from_time, not both")
         if backfill is not None and not include_decisions:
             raise ValueError("backfill needs include_decisions=True: a filtered reader skips sequences by design")
+        if subjects is not None and (not subjects or not include_decisions):
+            raise ValueError("subjects names the subjects to read (decisions too, if wanted): give at least one, "
+                             "and leave include_decisions at True")
         self.conn = conn
         self.from_seq = from_seq
         self.from_time = _start_time(from_time) if from_time is not None else None
@@ -120,6 +124,11 @@ class EventReader:
         # behind it (bus.archive.read_range); without it such a stretch is skipped unseen
         self.backfill = backfill
         self.backfilled = 0
+        # only these subjects (a member's scope): sequences are skipped by design, so a trim that
+        # passed the reader is found by asking where the stream starts (see _trimmed_in_scope)
+        self.subjects = tuple(subjects) if subjects is not None else None
+        self._first_seq_unchecked = True  # a new consumer: where the stream starts is asked once
+        self._first_seq_checked_at = 0.0
         self.malformed = 0
         self.rejected = 0
         self._malformed_log = LogBudget(conn.log, "bus.event_malformed")
@@ -159,6 +168,7 @@ class EventReader:
             # Nobody deletes the consumer of a reader that was abandoned: the server does, later.
             inactive_threshold=max(30.0, 4 * self.poll_s),
             filter_subject=None if self.include_decisions else self.conn.names.all_events,
+            filter_subjects=list(self.subjects) if self.subjects is not None else None,
         )
         if self.last_seq:
             config.deliver_policy = DeliverPolicy.BY_START_SEQUENCE
@@ -207,6 +217,7 @@ class EventReader:
         self._dseq = 0
         self._credit = 0
         self._consumer_lost = False
+        self._first_seq_unchecked = True
         if self.end_seq is not None and not info.num_pending:
             self._done = True  # nothing (left) to read up to the end as it was
 
@@ -361,8 +372,10 @@ class EventReader:
             return []
         # the sequence due next (unknown for a reader started at a time, until its first record)
         expected = self.last_seq + 1 if self.last_seq else None if self.from_time else (self.from_seq or 1)
-        trimmed = (self._backfill(expected, d.stream_seq - 1)
-                   if self.backfill and expected is not None and d.stream_seq > expected else [])
+        trimmed: list[Recorded] = []
+        if self.backfill and expected is not None and d.stream_seq > expected:
+            trimmed = (await self._trimmed_in_scope(expected, d) if self.subjects is not None
+                       else self._backfill(expected, d.stream_seq - 1))
         self.last_seq = d.stream_seq
         if self.end_seq is not None and (d.stream_seq >= self.end_seq or d.pending == 0):
             self._done = True
@@ -391,9 +404,10 @@ class EventReader:
                     return False
         return True
 
-    def _backfill(self, first: int, last: int) -> list[Recorded]:
-        """Records `first`..`last`, trimmed from the stream while we lagged, read back from the
-        archive and passed through the same checks as live ones; `HistoryGap` when it lacks them."""
+    def _backfill(self, first: int, last: int, keep: Callable[[Recorded], bool] | None = None) -> list[Recorded]:
+        """Records `first`..`last` (those `keep` keeps: a filtered reader's subjects), trimmed from the
+        stream while we lagged, read back from the archive and passed through the same checks as
+        live ones; `HistoryGap` when it lacks them."""
         assert self.backfill is not None
         try:
             found = self.backfill(first, last)
@@ -404,7 +418,8 @@ class EventReader:
         out: list[Recorded] = []
         by_seq: dict[int, list[Recorded]] = {}
         for rec in found:
-            by_seq.setdefault(rec.seq, []).append(rec)
+            if keep is None or keep(rec):
+                by_seq.setdefault(rec.seq, []).append(rec)
         for seq, held in by_seq.items():
             if self.known is not None and self.known(seq):
                 continue
@@ -412,6 +427,49 @@ class EventReader:
                 out.extend(held)
         self.backfilled += len(out)
         return out
+
+    async def _trimmed_in_scope(self, expected: int, d: _Delivery) -> list[Recorded]:
+        """A filtered reader skips sequences by design, so a jump says nothing by itself. Records of
+        its subjects that a trim purged before they were delivered are found by asking where the
+        stream starts now: before the first delivery of each consumer (a reader that was away) and,
+        while it lags (the delivery says more wait for it), at most once every `poll_s`. A reader
+        at the stream's tail is handed each record as it is stored, long before a trim (which
+        stops at the synchronizer's last snapshot) can reach it."""
+        now = asyncio.get_running_loop().time()
+        if not self._first_seq_unchecked and (d.pending == 0 or now - self._first_seq_checked_at < self.poll_s):
+            return []
+        self._first_seq_unchecked = False
+        self._first_seq_checked_at = now
+        try:
+            info = await asyncio.wait_for(self.conn.js.stream_info(self._stream), self.poll_s)
+        except Exception as exc:  # the server busy or away: asked again at the next chance
+            self._first_seq_unchecked = True
+            self.conn.log.debug("bus.reader_first_seq_unknown", stream=self._stream, error=describe(exc))
+            return []
+        first = info.state.first_seq
+        if first <= expected:
+            return []
+        names, subjects = self.conn.names, self.subjects or ()
+        return self._backfill(expected, min(first, d.stream_seq) - 1, keep=lambda rec: any(
+            subject_matches(pattern, rec.subject or names.recorded_subject(rec.event)) for pattern in subjects))
+
+    async def at_end(self) -> bool | None:
+        """Whether every record of this reader's subjects stored so far has been handed out (the
+        server's count for its consumer, and what is buffered here); None while it has no consumer
+        or the server cannot say. For a filtered reader, whose last record read says nothing of
+        where the stream ends."""
+        consumer = self._consumer
+        if consumer is None or self.conn.nc.is_closed:
+            return None
+        try:
+            info = await asyncio.wait_for(self.conn.js.consumer_info(self._stream, consumer), self.poll_s)
+        except Exception:
+            return None
+        if consumer != self._consumer:
+            return None  # re-created meanwhile
+        # delivered by the server but not read off the socket yet: not handed out
+        in_transit = info.delivered is not None and info.delivered.consumer_seq > self._dseq + len(self._buf)
+        return not info.num_pending and not in_transit and not self._buf and not self._ready
 
     async def record_ready(self) -> bool:
         """True when the next record comes without waiting on the server: a consumer can fold a
@@ -508,6 +566,7 @@ def read_events(
     verify_identity: bool = True,
     known: Callable[[int], bool] | None = None,
     backfill: Callable[[int, int], list[Recorded]] | None = None,
+    subjects: Sequence[str] | None = None,
 ) -> EventReader:
     """Read the job's event stream as `Recorded(seq, time_ms, event)`, in order.
 
@@ -522,14 +581,15 @@ def read_events(
     undecoded: the caller has it already (the synchronizer, the decisions it published).
     `backfill(first, last)` returns the records a trim purged while the reader lagged behind it
     (`bus.archive.read_range`): a reader that folds must see every record, and one that cannot
-    get them raises `HistoryGap` instead of folding past a hole.
+    get them raises `HistoryGap` instead of folding past a hole. `subjects` reads only those
+    subjects (NATS wildcards; a member's scope): a JetStream consumer with several filter subjects.
 
     Use as `async with read_events(conn, ...) as reader: async for rec in reader: ...` so the
     server-side consumer is deleted when you stop early.
     """
     return EventReader(conn, from_seq=from_seq, from_time=from_time, include_decisions=include_decisions,
                        stop_at_end=stop_at_end, verify_identity=verify_identity, known=known,
-                       backfill=backfill)
+                       backfill=backfill, subjects=subjects)
 
 
 async def last_sequence(conn: BusConnection) -> int:

@@ -32,14 +32,15 @@ OUT = Path("runs/data/digits-dpo")  # examples/dpo_quickstart.yaml's dpo.path an
 MAX_NEW_TOKENS = 5  # as the base's eval and the DPO stage's eval generate (model.max_new_tokens)
 
 
-def _tasks(rows: list[tuple[str, str]], tokenizer, *, path: Path) -> list:
+def _tasks(rows: list, tokenizer, *, path: Path) -> list:
+    """The rows (`TaskRow`s) as the RL task's `Task`s, rendered as its data: section renders them."""
     from rolectl.roles.engines.data import DataConfig, TextTaskSet
 
     tasks = TextTaskSet(DataConfig(path=str(path)), tokenizer, shard=0, num_shards=1, batch_size=1, rows=rows)
     return [tasks.tasks[i] for i in range(len(rows))]
 
 
-def _pairs(engine, tasks: list, rows: list[tuple[str, str]]) -> list[dict | None]:
+def _pairs(engine, tasks: list, rows: list) -> list[dict | None]:
     """Per task: its best and worst sample by reward (a dict), or None when all samples tie."""
     out: list[dict | None] = []
     batch = 32
@@ -48,14 +49,14 @@ def _pairs(engine, tasks: list, rows: list[tuple[str, str]]) -> list[dict | None
         by_group: dict[str, list] = {}
         for experience in experiences:
             by_group.setdefault(experience.group, []).append(experience)
-        for (prompt, answer), group in zip(rows[start:start + batch], by_group.values()):
+        for row, group in zip(rows[start:start + batch], by_group.values()):
             best = max(group, key=lambda e: e.reward)
             worst = min(group, key=lambda e: e.reward)
             if best.reward == worst.reward:
                 out.append(None)
                 continue
             text = [engine.tokenizer.decode(e.response, skip_special_tokens=True) for e in (best, worst)]
-            out.append({"prompt": prompt, "chosen": text[0], "rejected": text[1], "answer": answer,
+            out.append({"prompt": row.prompt, "chosen": text[0], "rejected": text[1], "answer": row.answer,
                         "chosen_reward": best.reward, "rejected_reward": worst.reward})
     return out
 
@@ -80,17 +81,17 @@ def make_pairs(model: Path, out: Path, *, tasks_file: Path = TASKS, prompts: int
                          "rolectl up --config examples/sft_base.yaml (see examples/dpo_quickstart.yaml)")
     rows = load_rows(DataConfig(path=str(tasks_file)))
     train_rows = rows[:prompts]
-    seen = {prompt for prompt, _ in train_rows}
-    held_out = [row for row in reversed(rows[prompts:]) if row[0] not in seen]
-    held_out = list(dict(held_out).items())[:eval_prompts]  # one row per prompt
+    seen = {row.prompt for row in train_rows}
+    by_prompt = {row.prompt: row for row in reversed(rows[prompts:]) if row.prompt not in seen}  # one per prompt
+    held_out = list(by_prompt.values())[:eval_prompts]
     config = HFModelConfig(path=str(model), group_size=samples, max_new_tokens=max_new_tokens,
                            temperature=temperature, seed=seed)
     engine = HFRolloutEngine(config, parse_reward_specs(REWARD), member="dpo-pairs", model_path=model)
     train_tasks, eval_tasks = (_tasks(r, engine.tokenizer, path=tasks_file) for r in (train_rows, held_out))
     pairs = [p for p in _pairs(engine, train_tasks, train_rows) if p is not None]
     eval_rows = []
-    for (prompt, answer), pair in zip(held_out, _pairs(engine, eval_tasks, held_out)):
-        eval_rows.append({"prompt": prompt, "answer": answer, "chosen": pair and pair["chosen"],
+    for row, pair in zip(held_out, _pairs(engine, eval_tasks, held_out)):
+        eval_rows.append({"prompt": row.prompt, "answer": row.answer, "chosen": pair and pair["chosen"],
                           "rejected": pair and pair["rejected"]})
     out.mkdir(parents=True, exist_ok=True)
     (out / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))

@@ -45,6 +45,7 @@ _STAGE_SECTIONS = {"sft": SFTSection, "dpo": DPOSection}
 """Each trainer-only stage's typed section, by stage name."""
 
 if TYPE_CHECKING:
+    from .data import TaskRow
     from .tiny import TinyConfig, TinyRolloutEngine, TinyTrainEngine
 
 # torch loads with the first engine built, not with this package: the job config (and with it a
@@ -165,17 +166,30 @@ class EngineSpec:
     train: Callable[[EngineSections], TrainEngine] | None = None
     rollout: Callable[[EngineSections, str], RolloutEngine] | None = None
     taskset: Callable[..., TaskSet] | None = None
-    eval_tasks: Callable[[EngineSections, Sequence[tuple[str, str]], str], list[Task]] | None = None
-    """Tasks from the eval file's (prompt, answer) rows (its path for messages); None: no eval."""
+    eval_tasks: Callable[[EngineSections, Sequence[TaskRow], str], list[Task]] | None = None
+    """Tasks from the eval set's rows (`data.TaskRow`: prompt, answer, every column), the source in
+    words for messages; None: no eval."""
 
 
 # -- tiny ------------------------------------------------------------------------------------------
 
+_TINY_READS_NO_DATA = (
+    "the tiny engine's vocabulary is ten digits and four special tokens: it reads no text, only its own "
+    "digit-reversal task. For your own data and rewards use `model: {engine: hf, path: DIR, build: {family: "
+    "gpt2}}` (a small GPT-2 built at DIR from your data's words: no download, runs on CPU; or DIR your own "
+    "Hugging Face model) with `pip install -e '.[verl]'` (the hf extra's transformers and datasets, and verl, "
+    "whose losses the hf trainer uses: `.[hf]` alone is not enough); examples/own_model.yaml shows it")
+
+
 def _tiny_problems(sections: EngineSections) -> list[tuple[str, str]]:
     # an empty section asks for nothing
-    return [(name, f"the tiny engine has its own task and loss; remove `{name}:` or use engine: hf")
-            for name in ("data", "algorithm") if getattr(sections, name) is not None
-            and getattr(sections, name).model_dump()]
+    problems = []
+    if sections.data is not None and sections.data.model_dump():
+        problems.append(("data", _TINY_READS_NO_DATA))
+    if sections.algorithm is not None and sections.algorithm.model_dump():
+        problems.append(("algorithm", "the tiny engine has its own task and loss; remove `algorithm:` or use "
+                                      "engine: hf"))
+    return problems
 
 
 def _tiny_train(sections: EngineSections) -> TinyTrainEngine:
@@ -208,7 +222,7 @@ def _tiny_taskset(sections: EngineSections, *, seed: int, total_batches: int | N
     return build_task_set(config, seed=config.seed * 1000 + seed, num_batches=total_batches)
 
 
-def _tiny_eval_tasks(sections: EngineSections, rows: Sequence[tuple[str, str]], path: str) -> list[Task]:
+def _tiny_eval_tasks(sections: EngineSections, rows: Sequence[TaskRow], path: str) -> list[Task]:
     from .evaluation import tiny_eval_tasks
 
     return tiny_eval_tasks(rows, task_length=sections.model.task_length, path=path)
@@ -259,7 +273,7 @@ def _hf_parts(sections: EngineSections):
     if not isinstance(data, DataSection) and sections.stage == "rl":
         raise _invalid([("data", _DATA_REQUIRED)])
     data = data if isinstance(data, DataSection) else None
-    return model, data, ensure_model(model, data_path=data.path if data else None, words=lambda: _stage_words(sections))
+    return model, data, ensure_model(model, data=data, words=lambda: _stage_words(sections))
 
 
 def _stage_words(sections: EngineSections) -> set[str]:
@@ -328,14 +342,14 @@ def _text_taskset(sections: EngineSections, *, seed: int, total_batches: int | N
                        batch_size=batch_size or 4, num_batches=total_batches)
 
 
-def _text_eval_tasks(sections: EngineSections, rows: Sequence[tuple[str, str]], path: str) -> list[Task]:
+def _text_eval_tasks(sections: EngineSections, rows: Sequence[TaskRow], source: str) -> list[Task]:
     """Tokenized as the training tasks are (the data section's chat template and prompt limit)."""
     from .data import TextTaskSet
     from .hf_model import load_tokenizer
 
     _, data, model_path = _hf_parts(sections)
-    tasks = TextTaskSet(data.replace(path=path), load_tokenizer(model_path), shard=0, num_shards=1,
-                        batch_size=1, rows=list(rows))
+    tasks = TextTaskSet(data, load_tokenizer(model_path), shard=0, num_shards=1, batch_size=1, rows=list(rows),
+                        source=source)
     return [tasks.tasks[i] for i in range(len(rows))]
 
 
@@ -433,13 +447,14 @@ def make_taskset(job: Any, *, seed: int, total_batches: int | None = None, batch
 
 
 def make_eval_tasks(job: Any) -> list[Task]:
-    """The eval set of a `JobConfig` (its `eval:` file) as the explorers' engine's tasks."""
+    """The eval set of a `JobConfig` (its `eval:` rows) as the explorers' engine's tasks."""
+    from .data import describe_source
     from .evaluation import load_eval_rows
 
     sections, spec = _built(job, "explorer")
     if spec.eval_tasks is None:
         raise ValueError(f"the {spec.name} engine cannot evaluate (its EngineSpec has no eval_tasks)")
-    return spec.eval_tasks(sections, load_eval_rows(job), str(job.eval.path))
+    return spec.eval_tasks(sections, load_eval_rows(job), describe_source(job.eval))
 
 
 def engine_summary(model: Any, records: Sequence[Any]) -> dict[str, Any]:

@@ -4,12 +4,15 @@ Users get verl's registries (`get_adv_estimator_fn`, `get_policy_loss_fn`, `agg_
 rather than a copy of them. Only the CPU-safe, driver-free part of verl is used: its FSDP engine and
 Ray workers assume verl's own trainer and CUDA/NPU devices.
 
-Outcome rewards: each experience has one scalar reward, placed on its last response token (as verl
-does), so every estimator that needs only rewards, a response mask and a group index works.
+Outcome rewards: each experience has one scalar reward, placed on its last trained response token
+(as verl does), so every estimator that needs only rewards, a response mask and a group index works.
+The response mask is the loss mask: a multi-turn episode's environment and tool tokens get no
+advantage and no loss.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -56,6 +59,10 @@ class VerlAlgorithm:
         self.config = config
         self.core_algos = core_algos
         self.advantage_fn = core_algos.get_adv_estimator_fn(config.advantage)
+        # verl's trainer hands GRPO this flag itself: its estimators do not read it from the config
+        takes = inspect.signature(self.advantage_fn).parameters
+        self._estimator_kwargs = ({"norm_adv_by_std_in_grpo": config.norm_adv_by_std_in_grpo}
+                                  if "norm_adv_by_std_in_grpo" in takes else {})
         self.policy_loss_fn = core_algos.get_policy_loss_fn(config.policy_loss)
         self.algo_config = AlgoConfig(adv_estimator=config.advantage,
                                       norm_adv_by_std_in_grpo=config.norm_adv_by_std_in_grpo,
@@ -71,14 +78,16 @@ class VerlAlgorithm:
         self._actor_config_cls = ActorConfig
 
     def advantages(self, rewards: Tensor, response_mask: Tensor, groups: Sequence[str]) -> Tensor:
-        """Per-token advantages `(batch, response_len)` from one scalar reward per response."""
+        """Per-token advantages `(batch, response_len)` from one scalar reward per response, placed on
+        its last trained token (a multi-turn episode's last sampled one, not a tool's after it)."""
         token_rewards = torch.zeros_like(response_mask, dtype=torch.float32)
-        last = (response_mask.sum(dim=-1) - 1).clamp(min=0).long()
+        positions = torch.arange(response_mask.shape[-1], device=response_mask.device)
+        last = torch.where(response_mask.bool(), positions, 0).amax(dim=-1)
         token_rewards[torch.arange(len(rewards)), last] = rewards.float()
         token_rewards = token_rewards * response_mask
         index = np.array(list(groups), dtype=object)
         advantages, _ = self.advantage_fn(token_level_rewards=token_rewards, response_mask=response_mask.float(),
-                                          index=index, config=self.algo_config)
+                                          index=index, config=self.algo_config, **self._estimator_kwargs)
         return advantages
 
     def policy_loss(self, old_logprobs: Tensor, logprobs: Tensor, advantages: Tensor, response_mask: Tensor, *,
@@ -110,7 +119,8 @@ class VerlAlgorithm:
 
 class VerlPolicyLoss:
     """verl's policy loss (`algorithm.policy_loss`, aggregated by `loss_agg_mode`) as a `LossFunction`;
-    its metrics without verl's `actor/` prefix (`pg_clipfrac`, `ppo_kl`, ...)."""
+    its metrics without verl's `actor/` prefix (`pg_clipfrac`, `ppo_kl`, ...), and `entropy`: the
+    policy's over the trained tokens, aggregated by `loss_agg_mode`."""
 
     needs_reference = False
     keeps_groups = False
@@ -122,8 +132,12 @@ class VerlPolicyLoss:
         loss, metrics = self.algorithm.policy_loss(
             micro.old_logprobs, micro.logprobs, micro.advantages, micro.loss_mask,
             batch_num_tokens=micro.num_tokens, global_batch_size=micro.num_sequences)
-        return loss, {key.replace("actor/", ""): float(value) for key, value in metrics.items()
-                      if isinstance(value, (int, float, Tensor))}
+        measured = {key.replace("actor/", ""): float(value) for key, value in metrics.items()
+                    if isinstance(value, (int, float, Tensor))}
+        if micro.entropy is not None:  # as verl's actor: this micro-batch's, by loss_agg_mode
+            measured["entropy"] = float(self.algorithm.core_algos.agg_loss(
+                micro.entropy, micro.loss_mask.float(), self.algorithm.config.loss_agg_mode))
+        return loss, measured
 
 
 class VerlKLPenalty:

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
     from .streaming import NamedTensors
 
-__all__ = ["Task", "TaskSet", "TrainEngine", "RolloutEngine", "WeightsMismatch"]
+__all__ = ["PausePoint", "Task", "TaskSet", "TrainEngine", "RolloutEngine", "WeightsMismatch"]
 
 
 class WeightsMismatch(ValueError):
@@ -113,6 +113,23 @@ class TrainEngine(Protocol):
 
 
 @runtime_checkable
+class PausePoint(Protocol):
+    """Where a rollout lets a weight update in (partial rollouts, `explorers.partial_rollout`).
+
+    An engine given one (`rollout(..., pause_point=...)`) asks `pending()` between two tokens; when
+    a newer version waits, it pauses its generations there, calls `load()` (which loads that version
+    into it through `load_weights`, on the rollout's own thread) and continues each generation from
+    the tokens it already has. Every token keeps the version that sampled it (`token_versions`).
+    """
+
+    def pending(self) -> bool:
+        """A newer version is waiting to be loaded."""
+
+    def load(self) -> None:
+        """Load the waiting version into the explorer's engines (nothing if it is no newer)."""
+
+
+@runtime_checkable
 class RolloutEngine(Protocol):
     """An explorer's model: samples groups of responses with the weights it was last sent."""
 
@@ -142,4 +159,8 @@ class RolloutEngine(Protocol):
         Every experience is tagged with `self.version`; ids are
         `f"{member}-{explore_step}-{task_idx}-{k}"` and `group` is `f"{member}-{explore_step}-{task_idx}"`,
         so a replayed explore step produces the same ids (the trainer deduplicates on them).
+
+        The engines that support partial rollouts (tiny, hf, vllm) take a keyword `pause_point`
+        (`PausePoint`); an experience whose tokens two versions sampled records them in
+        `token_versions`, and its `model_version` is the oldest.
         """

@@ -1,6 +1,7 @@
-"""Evaluation on a held-out task set: the `eval:` file as tasks, every response scored by reward name.
+"""Evaluation on a held-out task set: the `eval:` rows as tasks, every response scored by reward name.
 
-The file is read with the same loader as `data:` (`datasets`); each engine turns its rows into tasks
+The rows are read like `data:`'s (`data.open_table`: files, a saved directory, a cached dataset id,
+and a split); each engine turns its rows into tasks
 (the tiny engine reads each prompt's digits, the `hf` / `vllm` engines tokenize the prompt as they do
 their training tasks). An eval samples `eval.samples` responses per task with the weights the engine
 holds (greedy at temperature 0), scores each with every reward, and returns each reward's mean; it
@@ -14,12 +15,14 @@ import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from .base import Task
 from .sections import TASK_FILES
 from .task import BOS, SEP
+
+if TYPE_CHECKING:
+    from .data import TaskRow
 
 __all__ = [
     "EVAL_FORMATS",
@@ -65,32 +68,33 @@ def eval_reward_names(job: Any) -> tuple[str, ...]:
     return _TINY_REWARDS
 
 
-def load_eval_rows(job: Any) -> list[tuple[str, str]]:
-    """(prompt, answer) of the eval file's rows (the first `eval.max_tasks`); ValueError names the file."""
-    from .data import DataConfig, load_rows
+def load_eval_rows(job: Any) -> list[TaskRow]:
+    """The eval set's rows (the first `eval.max_tasks`); ValueError names the source."""
+    from .data import load_rows
 
     section = job.eval
-    rows = load_rows(DataConfig(path=section.path, prompt_key=section.prompt_key, answer_key=section.answer_key),
-                     section="eval")
+    rows = load_rows(section, section="eval")
     return rows[:section.max_tasks] if section.max_tasks else rows
 
 
-def tiny_eval_tasks(rows: Sequence[tuple[str, str]], *, task_length: int, path: str) -> list[Task]:
+def tiny_eval_tasks(rows: Sequence[TaskRow], *, task_length: int, path: str) -> list[Task]:
     """The tiny engine's tasks from text rows: the prompt's digits are the string to reverse."""
     tasks = []
-    for i, (prompt, answer) in enumerate(rows):
-        digits = [int(d) for d in re.findall(r"\d", prompt)]
+    for i, row in enumerate(rows):
+        digits = [int(d) for d in re.findall(r"\d", row.prompt)]
         if len(digits) != task_length:
             raise ValueError(f"{path} row {i}: the tiny engine reverses {task_length} digits (model.task_length), "
-                             f"this prompt has {len(digits)}: {prompt!r}")
-        target = tuple(int(d) for d in re.findall(r"\d", answer))
-        tasks.append(Task(id=f"eval-row{i}", prompt=(BOS, *digits, SEP), target=target, answer=answer))
+                             f"this prompt has {len(digits)}: {row.prompt!r}")
+        target = tuple(int(d) for d in re.findall(r"\d", row.answer))
+        tasks.append(Task(id=f"eval-row{i}", prompt=(BOS, *digits, SEP), target=target, answer=row.answer,
+                          prompt_text=row.prompt, row=row.columns))
     return tasks
 
 
 def eval_config_problems(job: Any) -> list[tuple[str, str]]:
-    """Every problem with `eval:` that needs the file system or the engines: the file (exists,
-    parses, has the columns), the reward names, and whether the explorers' engine can evaluate."""
+    """Every problem with `eval:` that needs the file system or the engines: the source (exists,
+    reads, has the split and the columns), the reward names, and whether the explorers' engine can
+    evaluate."""
     from .rewards import resolve_reward
 
     section = job.eval
@@ -100,22 +104,20 @@ def eval_config_problems(job: Any) -> list[tuple[str, str]]:
             resolve_reward(name)
         except ValueError as exc:
             problems.append((f"eval.rewards[{i}]", str(exc)))
-    path = Path(section.path)
-    if path.suffix.lower() not in EVAL_FORMATS:
-        return problems + [("eval.path", f"{path}: unknown file type; use one of {list(EVAL_FORMATS)}")]
-    if not path.is_file():
-        return problems + [("eval.path", f"{path}: no such file (relative paths are from the working "
-                                         f"directory {Path.cwd()})")]
     try:
         import datasets  # noqa: F401
     except ImportError as exc:
-        return problems + [("eval.path", f"eval files are read with `datasets` ({exc}); pip install -e '.[hf]'")]
+        return problems + [("eval.path", f"eval sets are read with `datasets` ({exc}); pip install -e '.[hf]'")]
+    from .data import SourceError, describe_source
+
     try:
         rows = load_eval_rows(job)
         if job.model.engine == "tiny":
-            tiny_eval_tasks(rows, task_length=job.model.task_length, path=str(path))
+            tiny_eval_tasks(rows, task_length=job.model.task_length, path=describe_source(section))
+    except SourceError as exc:
+        problems.append((f"eval.{exc.field}", exc.why))
     except ValueError as exc:
-        problems.append(("eval.path", str(exc)))
+        problems.append(("eval.dataset" if section.dataset is not None else "eval.path", str(exc)))
     return problems
 
 

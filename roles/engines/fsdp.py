@@ -81,6 +81,15 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers
 
 
+def _experience_of(fields: dict[str, Any]) -> Experience:
+    """An experience from its `dataclasses.asdict` as JSON gave it back (lists for tuples)."""
+    mask, versions = fields["loss_mask"], fields["token_versions"]
+    return Experience(**{**fields, "prompt": tuple(fields["prompt"]), "response": tuple(fields["response"]),
+                         "logprobs": tuple(fields["logprobs"]),
+                         "loss_mask": None if mask is None else tuple(mask),
+                         "token_versions": None if versions is None else tuple(map(tuple, versions))})
+
+
 class FSDPTrainEngine(StageTraining):
     """Trainer side of the `fsdp` engine; one instance per rank."""
 
@@ -243,9 +252,7 @@ class FSDPTrainEngine(StageTraining):
         payload = self._broadcast_bytes(payload)
         if self.rank == 0:
             return list(experiences or ())
-        return [Experience(**{**e, "prompt": tuple(e["prompt"]), "response": tuple(e["response"]),
-                              "logprobs": tuple(e["logprobs"])})
-                for e in json.loads(payload)]
+        return [_experience_of(e) for e in json.loads(payload)]
 
     def train_step(self, experiences: Sequence[Experience], *, current_version: int) -> dict[str, float]:
         """The one training step on this rank's share of each minibatch; every rank passes the same

@@ -8,7 +8,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .losses import MicroBatch
+from .losses import MicroBatch, aggregate
+from .sections import TINY_LOSS_AGG_MODES
 
 __all__ = ["group_advantages", "token_group_advantages", "clipped_policy_loss", "ClippedPolicyLoss"]
 
@@ -45,15 +46,20 @@ def clipped_policy_loss(
     *,
     clip_eps: float,
     loss_tokens: int | None = None,
+    loss_agg_mode: str = "token-mean",
+    loss_sequences: int | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Token-level PPO clipped objective, averaged over every valid token of the batch.
+    """Token-level PPO clipped objective over the tokens under `mask`, aggregated as verl's `agg_loss`
+    does by `loss_agg_mode` (`roles.engines.losses.aggregate`).
 
     `old_logprobs` are the explorer's sampling logprobs, so the ratio corrects for weights that are
-    a few versions stale; clipping bounds how far one step moves on such data. Averaging over all
-    tokens (not per sequence first) weights long and short responses by their tokens.
+    a few versions stale; clipping bounds how far one step moves on such data. `token-mean` (the
+    default) averages over all tokens (not per sequence first): long and short responses weigh by
+    their tokens; the `seq-mean-*` modes weigh each sequence alike.
     Shapes: logprobs and mask `(batch, response_len)`, advantages `(batch,)` or per token.
-    `loss_tokens`: the tokens the loss is averaged over when this batch is one micro-batch of a
-    larger one (its statistics stay this batch's own); by default this batch's.
+    `loss_tokens` / `loss_sequences`: the tokens / sequences the loss is averaged over when this
+    batch is one micro-batch of a larger one (its statistics stay this batch's own); by default
+    this batch's.
     """
     mask = mask.to(new_logprobs.dtype)
     log_ratio = (new_logprobs - old_logprobs) * mask
@@ -62,10 +68,8 @@ def clipped_policy_loss(
     unclipped = ratio * per_token_advantage
     clipped = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * per_token_advantage
     num_tokens = mask.sum().clamp(min=1.0)
-    denominator = num_tokens
-    if loss_tokens is not None:
-        denominator = torch.tensor(float(max(loss_tokens, 1)), dtype=mask.dtype, device=mask.device)
-    loss = -(torch.minimum(unclipped, clipped) * mask).sum() / denominator
+    loss = aggregate(-torch.minimum(unclipped, clipped), mask, loss_agg_mode,
+                     num_tokens=None if loss_tokens is None else max(loss_tokens, 1), num_sequences=loss_sequences)
     with torch.no_grad():
         was_clipped = ((ratio - 1.0).abs() > clip_eps).to(mask.dtype) * mask
         stats = {
@@ -78,14 +82,22 @@ def clipped_policy_loss(
 
 
 class ClippedPolicyLoss:
-    """`clipped_policy_loss` as a `LossFunction` for the one training step (the tiny engine's)."""
+    """`clipped_policy_loss` as a `LossFunction` for the one training step (the tiny engine's); its
+    metrics add `entropy`, the policy's over the trained tokens, aggregated by `loss_agg_mode`."""
 
     needs_reference = False
     keeps_groups = False
 
-    def __init__(self, *, clip_eps: float) -> None:
+    def __init__(self, *, clip_eps: float, loss_agg_mode: str = "token-mean") -> None:
+        if loss_agg_mode not in TINY_LOSS_AGG_MODES:
+            raise ValueError(f"loss_agg_mode must be one of {TINY_LOSS_AGG_MODES}, got {loss_agg_mode!r}")
         self.clip_eps = clip_eps
+        self.loss_agg_mode = loss_agg_mode
 
     def __call__(self, micro: MicroBatch) -> tuple[Tensor, dict[str, float]]:
-        return clipped_policy_loss(micro.logprobs, micro.old_logprobs, micro.advantages, micro.loss_mask,
-                                   clip_eps=self.clip_eps, loss_tokens=micro.num_tokens)
+        loss, stats = clipped_policy_loss(micro.logprobs, micro.old_logprobs, micro.advantages, micro.loss_mask,
+                                          clip_eps=self.clip_eps, loss_tokens=micro.num_tokens,
+                                          loss_agg_mode=self.loss_agg_mode, loss_sequences=micro.num_sequences)
+        if micro.entropy is not None:
+            stats["entropy"] = float(aggregate(micro.entropy, micro.loss_mask, self.loss_agg_mode))
+        return loss, stats

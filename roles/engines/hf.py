@@ -23,20 +23,20 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from rolectl.bus.files import atomic_directory, atomic_path
-from rolectl.sync_protocol.experience import Experience, ExperienceLimits
+from rolectl.sync_protocol.experience import Experience, ExperienceLimits, version_runs
 
 from .algorithms import AlgorithmConfig, VerlAlgorithm
-from .base import Task, WeightsMismatch
+from .base import PausePoint, Task, WeightsMismatch
 from .hf_model import HFModelConfig, flat_weights, load_model, load_tokenizer, parameter_count
 from .lora import adapter_tensors, save_adapter, save_merged, wrap_with_lora
-from .losses import TrainBatch
+from .losses import TokenScores, TrainBatch, token_entropy
 from .rewards import WeightedReward, score_all
 from .sft import mixed_batches
 from .step import Forward, StageTraining, TrainStep, step_metrics
 from .streaming import DEFAULT_BUCKET_BYTES, NamedTensors, buckets_of
 
-__all__ = ["HFTrainEngine", "HFRolloutEngine", "AdapterDisabled", "response_logprobs", "model_forward", "task_seed",
-           "score_texts", "check_weights", "checkpoint_step_dir"]
+__all__ = ["HFTrainEngine", "HFRolloutEngine", "AdapterDisabled", "response_logprobs", "response_scores",
+           "model_forward", "task_seed", "score_texts", "check_weights", "checkpoint_step_dir"]
 
 _MODEL_FILE = "model.safetensors"
 _STATE_TENSORS_FILE = "engine_state.safetensors"
@@ -55,6 +55,15 @@ def response_logprobs(model, prompts: Sequence[Sequence[int]], responses: Sequen
     Sequences are right-padded (positions stay those of an unpadded sequence); response token `j`
     of row `b` is predicted by the logits at `len(prompt_b) - 1 + j`.
     """
+    scores, mask = response_scores(model, prompts, responses, pad_id=pad_id, device=device,
+                                   temperature=temperature)
+    return scores.logprobs, mask
+
+
+def response_scores(model, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *,
+                    pad_id: int, device: str, temperature: float = 1.0, entropy: bool = False
+                    ) -> tuple[TokenScores, Tensor]:
+    """`response_logprobs`, with the entropy of each response token's distribution when asked."""
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
     width, max_response = max(lengths), max(1, max(len(r) for r in responses))
     input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
@@ -70,17 +79,19 @@ def response_logprobs(model, prompts: Sequence[Sequence[int]], responses: Sequen
     logits = model(input_ids=input_ids, attention_mask=attention).logits.float()
     picked = logits.gather(1, index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))  # (b, r, vocab)
     targets = input_ids.gather(1, (index + 1).clamp(max=width - 1))
-    logprobs = torch.log_softmax(picked / temperature, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return logprobs * mask, mask
+    distributions = torch.log_softmax(picked / temperature, dim=-1)
+    logprobs = distributions.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropies = token_entropy(distributions) * mask if entropy else None
+    return TokenScores(logprobs=logprobs * mask, entropy=entropies), mask
 
 
 def model_forward(pad_id: int, device: str, temperature: float) -> Forward:
-    """The one training step's `Forward` for a causal LM: `response_logprobs` of the batch's rows."""
-    def forward(model, batch: TrainBatch, rows: Sequence[int]) -> Tensor:
-        logprobs, _ = response_logprobs(model, [batch.prompts[row] for row in rows],
-                                        [batch.responses[row] for row in rows], pad_id=pad_id, device=device,
-                                        temperature=temperature)
-        return logprobs
+    """The one training step's `Forward` for a causal LM: `response_scores` of the batch's rows."""
+    def forward(model, batch: TrainBatch, rows: Sequence[int], *, entropy: bool) -> TokenScores:
+        scores, _ = response_scores(model, [batch.prompts[row] for row in rows],
+                                    [batch.responses[row] for row in rows], pad_id=pad_id, device=device,
+                                    temperature=temperature, entropy=entropy)
+        return scores
     return forward
 
 
@@ -344,43 +355,85 @@ class HFRolloutEngine:
         self.version = version
 
     @torch.no_grad()
-    def _sample(self, prompt: Sequence[int], seed: int) -> tuple[list[list[int]], list[list[float]]]:
+    def _sample(self, prompt: Sequence[int], seed: int,
+                pause_point: PausePoint | None = None) -> tuple[list[list[int]], list[list[float]], list[list[int]]]:
+        """The group's responses, their logprobs and the version that sampled each token.
+
+        Without a pause it is one `generate`. With `pause_point`, generation stops at the first token
+        boundary where a newer version waits; the version is loaded and the unfinished rows go on
+        from prompt + the tokens they have (re-encoded by the new weights), with what is left of
+        `max_new_tokens` and a seed of their own (`seed + segment`)."""
+        rows: list[list[int]] = [[] for _ in range(self.group_size)]
+        logprobs: list[list[float]] = [[] for _ in range(self.group_size)]
+        versions: list[list[int]] = [[] for _ in range(self.group_size)]
+        active, segment = list(range(self.group_size)), 0
+        while active:
+            left = self.config.max_new_tokens - len(rows[active[0]])  # unfinished rows are as long
+            if left <= 0:
+                break
+            new_tokens, picked = self._generate(
+                [[*prompt, *rows[r]] for r in active], left, (seed + segment) % 2**32,
+                stop_when=pause_point.pending if pause_point is not None else None)
+            still = []
+            for i, r in enumerate(active):
+                ids = new_tokens[i]
+                n = ids.index(self.eos_id) + 1 if self.eos_id in ids else len(ids)
+                rows[r] += ids[:n]
+                logprobs[r] += picked[i][:n]
+                versions[r] += [self.version] * n
+                if self.eos_id not in ids:
+                    still.append(r)
+            active, segment = still, segment + 1
+            if active and pause_point is not None and pause_point.pending():
+                pause_point.load()  # the pause: the unfinished rows go on with the new weights
+        return rows, logprobs, versions
+
+    def _generate(self, inputs: list[list[int]], max_new_tokens: int, seed: int,
+                  stop_when) -> tuple[list[list[int]], list[list[float]]]:
+        """One `generate` over equal-length rows: the new tokens and their (processed) logprobs;
+        `stop_when()` true at a token boundary stops every row there."""
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        class _Pause(StoppingCriteria):
+            def __call__(self, input_ids, scores, **kwargs):
+                return torch.full((input_ids.shape[0],), bool(stop_when()), dtype=torch.bool,
+                                  device=input_ids.device)
+
         device = self.config.device
-        input_ids = torch.tensor([list(prompt)] * self.group_size, dtype=torch.long, device=device)
+        input_ids = torch.tensor(inputs, dtype=torch.long, device=device)
         devices = [torch.device(device)] if device.startswith("cuda") else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)
             out = self.model.generate(
                 input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=True,
                 temperature=self.config.temperature, top_k=0, top_p=1.0,
-                max_new_tokens=self.config.max_new_tokens, pad_token_id=self.pad_id, eos_token_id=self.eos_id,
-                output_scores=True, return_dict_in_generate=True)
+                max_new_tokens=max_new_tokens, pad_token_id=self.pad_id, eos_token_id=self.eos_id,
+                output_scores=True, return_dict_in_generate=True,
+                stopping_criteria=StoppingCriteriaList([_Pause()] if stop_when is not None else []))
         new_tokens = out.sequences[:, input_ids.shape[1]:]
         # The processed scores are what was sampled from (temperature applied).
-        logprobs = torch.stack([torch.log_softmax(s.float(), dim=-1) for s in out.scores], dim=1)
-        picked = logprobs.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
-        responses, response_logprobs_ = [], []
-        for row in range(self.group_size):
-            ids = new_tokens[row].tolist()
-            n = ids.index(self.eos_id) + 1 if self.eos_id in ids else len(ids)
-            responses.append(ids[:n])
-            response_logprobs_.append(picked[row, :n].tolist())
-        return responses, response_logprobs_
+        scores = torch.stack([torch.log_softmax(s.float(), dim=-1) for s in out.scores], dim=1)
+        picked = scores.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        return new_tokens.tolist(), picked.tolist()
 
-    def rollout(self, tasks: Sequence[Task], *, explore_step: int) -> list[Experience]:
+    def rollout(self, tasks: Sequence[Task], *, explore_step: int,
+                pause_point: PausePoint | None = None) -> list[Experience]:
         experiences, texts, scored = [], [], []
         for task_idx, task in enumerate(tasks):
             seed = task_seed(self.config.seed, self.member, explore_step, task_idx)
-            responses, logprobs = self._sample(task.prompt, seed)
+            responses, logprobs, versions = self._sample(task.prompt, seed, pause_point)
             group = f"{self.member}-{explore_step}-{task_idx}"
-            for k, (response, lp) in enumerate(zip(responses, logprobs)):
+            for k, (response, lp, vs) in enumerate(zip(responses, logprobs, versions)):
                 texts.append(self.tokenizer.decode(response, skip_special_tokens=True))
                 scored.append(task)
-                experiences.append((group, k, task.prompt, response, lp))
+                experiences.append((group, k, task.prompt, response, lp, vs))
+            if pause_point is not None and pause_point.pending():
+                pause_point.load()  # between two tasks' groups: the next group starts with it
         totals, self.rollout_metrics = score_texts(self.rewards, texts, scored)
         return [Experience(id=f"{group}-{k}", group=group, prompt=tuple(prompt), response=tuple(response),
-                           logprobs=tuple(lp), reward=reward, model_version=self.version)
-                for (group, k, prompt, response, lp), reward in zip(experiences, totals)]
+                           logprobs=tuple(lp), reward=reward, model_version=min(vs, default=self.version),
+                           token_versions=version_runs(vs))
+                for (group, k, prompt, response, lp, vs), reward in zip(experiences, totals)]
 
 
     @torch.no_grad()

@@ -2,9 +2,9 @@
 
 A model is a local Hugging Face directory (`model.path`: config, safetensors weights, tokenizer). For
 tests and the examples, `model.build` describes a small random-init model instead: the first process
-that needs it builds it (weights from `build.seed`, a word-level tokenizer from the words of
-`data.path`) and saves it to `model.path` atomically, so trainer and explorers, started together,
-all load the same version-0 weights. Nothing is downloaded, ever (`local_files_only`).
+that needs it builds it (weights from `build.seed`, a word-level tokenizer from the words of the
+`data:` rows' prompts and answers) and saves it to `model.path` atomically, so trainer and
+explorers, started together, all load the same version-0 weights. Nothing is downloaded, ever (`local_files_only`).
 
 Weights travel as `flat_weights(model)`: the model's state dict by its Hugging Face names, tied
 weights included under both names (`lm_head.weight` too: vLLM keeps stale logits without it).
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .sections import HFBuildSection, HFModelSection
+from .sections import DataSection, HFBuildSection, HFModelSection
 
 __all__ = [
     "HFModelConfig",
@@ -41,27 +41,27 @@ HFModelConfig = HFModelSection  # the `model:` section of the hf engines, as the
 _BUILD_DEFAULTS = HFBuildSection().model_dump()
 
 
-def _word_vocab(data_path: str | None, more: set[str]) -> list[str]:
-    if not data_path and not more:
-        raise ValueError("model.build makes a word-level tokenizer from the words of data.path (and of a stage's "
-                         "files); give data.path")
-    words = set(more)
-    if data_path:
-        from .data import DataConfig, load_rows
+def _word_vocab(data: DataSection | None, more: set[str]) -> list[str]:
+    if data is None and not more:
+        raise ValueError("model.build makes a word-level tokenizer from the words of the data rows (and of a "
+                         "stage's files); give `data:`")
+    words: set[str] = set(more)
+    if data is not None:
+        from .data import load_rows
 
-        for prompt, answer in load_rows(DataConfig(path=data_path)):
-            words.update(prompt.split())
-            words.update(answer.split())
+        for row in load_rows(data):
+            words.update(row.prompt.split())
+            words.update(row.answer.split())
     return [*SPECIAL_TOKENS, *sorted(words - set(SPECIAL_TOKENS))]
 
 
-def _build(config: HFModelConfig, data_path: str | None, more: set[str], out: Path) -> None:
+def _build(config: HFModelConfig, data: DataSection | None, more: set[str], out: Path) -> None:
     """Save a random-init model and its word-level tokenizer under `out`."""
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     spec = config.build.model_dump() if config.build is not None else _BUILD_DEFAULTS
-    vocab = _word_vocab(data_path, more)
+    vocab = _word_vocab(data, more)
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
@@ -88,10 +88,11 @@ def _build(config: HFModelConfig, data_path: str | None, more: set[str], out: Pa
     (out / _BUILD_MARKER).write_text(json.dumps({"build": spec, "vocab": len(vocab)}, indent=1))
 
 
-def ensure_model(config: HFModelConfig, *, data_path: str | None = None,
+def ensure_model(config: HFModelConfig, *, data: DataSection | None = None, data_path: str | None = None,
                  words: Callable[[], set[str]] | None = None) -> Path:
-    """`model.path`, built first when it is missing and `model.build` says how (its vocabulary: the
-    words of `data_path`, and `words()`: a stage's files).
+    """`model.path`, built first when it is missing and `model.build` says how (its vocabulary from
+    the rows of `data`, or of the file `data_path` with the default columns, and `words()`: a
+    stage's files).
 
     Built in a temporary directory beside it and renamed into place: concurrent builders (a trainer
     and explorers started at once) each build the same bytes from the seed; the first rename wins.
@@ -111,7 +112,9 @@ def ensure_model(config: HFModelConfig, *, data_path: str | None = None,
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
     try:
-        _build(config, data_path, words() if words is not None else set(), tmp)
+        if data is None and data_path is not None:
+            data = DataSection(path=data_path)
+        _build(config, data, words() if words is not None else set(), tmp)
         try:
             os.rename(tmp, path)
         except OSError:

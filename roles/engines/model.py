@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["TinyPolicy", "build_base_policy", "response_logprobs", "sample_responses"]
+from .losses import token_entropy
+
+__all__ = ["TinyPolicy", "build_base_policy", "response_logprobs", "scored_tokens", "sample_responses"]
 
 
 class _Block(nn.Module):
@@ -110,9 +114,34 @@ def response_logprobs(
     for the positions before it, and the caller masks the padded positions).
     """
     tokens = torch.cat([prompts, responses], dim=1)
-    logits = policy(tokens[:, :-1])[:, prompts.shape[1] - 1 :]
-    logprobs = _masked_log_softmax(logits, allowed_tokens, temperature)
-    return logprobs.gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+    starts = torch.full((len(tokens),), prompts.shape[1])
+    logprobs, _ = scored_tokens(policy, tokens, starts, width=responses.shape[1], allowed_tokens=allowed_tokens,
+                                temperature=temperature)
+    return logprobs
+
+
+def scored_tokens(
+    policy: TinyPolicy,
+    tokens: Tensor,
+    starts: Tensor,
+    *,
+    width: int,
+    allowed_tokens: Tensor,
+    temperature: float,
+    entropy: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Logprobs `(batch, width)` of the `width` tokens of each row from `starts[row]` on (each row
+    a prompt then its response, right-padded to `tokens`' width, at least `starts + width`), under
+    the sampler's token mask and temperature; with `entropy`, the entropy of each of those
+    distributions too (no gradient). A token outside `allowed_tokens` has logprob -inf.
+    """
+    logits = policy(tokens[:, :-1])
+    offsets = starts.unsqueeze(1) - 1 + torch.arange(width).unsqueeze(0)  # (batch, width): the predicting position
+    picked = logits.gather(1, offsets.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+    logprobs = _masked_log_softmax(picked, allowed_tokens, temperature)
+    targets = tokens.gather(1, offsets + 1)
+    chosen = logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return chosen, token_entropy(logprobs) if entropy else None
 
 
 @torch.no_grad()
@@ -125,17 +154,22 @@ def sample_responses(
     eos_token: int,
     temperature: float,
     generator: torch.Generator,
+    before_token: Callable[[], None] | None = None,
 ) -> tuple[list[list[int]], list[list[float]]]:
     """Sample one response per prompt row (greedy at temperature 0), stopping each at EOS; returns
     tokens and their logprobs.
 
-    Recomputes the whole (short) sequence each step: no KV cache, fewer moving parts.
+    Recomputes the whole (short) sequence each step: no KV cache, fewer moving parts — and a pause
+    for new weights (`before_token`, called before each token is sampled; it may load weights into
+    `policy`) continues from the tokens so far with nothing computed by the old weights kept.
     """
     batch = prompts.shape[0]
     tokens = prompts
     finished = torch.zeros(batch, dtype=torch.bool)
     sampled, sampled_logprobs = [], []
     for _ in range(max_new_tokens):
+        if before_token is not None:
+            before_token()
         # temperature 0 is greedy: the most likely allowed token (its logprob at temperature 1)
         logprobs = _masked_log_softmax(policy(tokens)[:, -1], allowed_tokens, temperature or 1.0)
         if temperature == 0:

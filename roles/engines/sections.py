@@ -51,6 +51,7 @@ __all__ = [
     "OpenModelSection",
     "BUILTIN_TRAINERS",
     "READS_DATA",
+    "TableSection",
     "DataSection",
     "AlgorithmSection",
     "ModelSection",
@@ -59,6 +60,7 @@ __all__ = [
     "TASK_FILES",
     "OUTCOME_ESTIMATORS",
     "LOSS_AGG_MODES",
+    "TINY_LOSS_AGG_MODES",
     "KL_PENALTIES",
     "DTYPES",
     "STAGES",
@@ -73,6 +75,10 @@ __all__ = [
     "DPOSection",
     "DPOField",
 ]
+
+
+TINY_LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+"""verl's loss aggregation modes the tiny engine's own loss offers (the hf engines take all of verl's)."""
 
 
 class TinyModelSection(Section):
@@ -110,6 +116,9 @@ class TinyModelSection(Section):
     """Gradient-norm clip."""
     temperature: PositiveNumber = 1.0
     """Sampling temperature."""
+    loss_agg_mode: Literal[TINY_LOSS_AGG_MODES] = "token-mean"  # type: ignore[valid-type]
+    """How the loss adds up the trained tokens, as verl's `agg_loss`: token-mean weighs every token
+    alike (long responses more), seq-mean-token-sum / seq-mean-token-mean each sequence alike."""
 
     @field_validator("d_model")
     @classmethod
@@ -335,35 +344,76 @@ TASK_FILES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": 
 """Task files by suffix, and the `datasets` loader that reads each."""
 
 
-class DataSection(Section):
-    """`data:` for the `hf` / `vllm` engines: where tasks come from and how responses are scored."""
+class TableSection(Section):
+    """Where a section's rows come from, read with `datasets` (`roles.engines.data.open_table`): local
+    files, a directory saved with `save_to_disk`, or a Hugging Face dataset in the local cache.
+    `data:` and `eval:` read rows so."""
 
-    path: Name
-    """A local .jsonl, .json, .parquet or .csv file (relative paths are from the working directory)."""
+    path: Name | Annotated[list[Name], Field(min_length=1)] | None = None
+    """A local .jsonl, .json, .parquet or .csv file, a glob of them (`data/train-*.jsonl`), a list of
+    files or globs (one format), or a directory saved with `datasets`' `save_to_disk`; relative
+    paths are from the working directory. Give `path` or `dataset`."""
+    dataset: Name | None = None
+    """A Hugging Face dataset id (`openai/gsm8k`) read offline from the local datasets cache
+    (`HF_DATASETS_CACHE`): nothing is downloaded; load it once with `datasets.load_dataset` where
+    there is a network."""
+    config: Annotated[Name | None, Field(validate_default=True)] = None
+    """The `dataset`'s configuration (`main`); needed when the cache holds several."""
+    split: Annotated[Name, Field(validate_default=True)] = "train"
+    """The split to read: of a `dataset`, or of a directory saved from a DatasetDict. Files are one
+    split, `train`."""
     prompt_key: Name = "prompt"
     """Column holding the prompt."""
     answer_key: Name = "answer"
     """Column holding the answer the rewards compare with."""
+
+    # What the source names is checked field by field, so that every problem is reported at once.
+    @field_validator("path", "dataset", "config", "split")
+    @classmethod
+    def _source_exists(cls, value: Any, info: ValidationInfo) -> Any:
+        if checking(info):
+            from .data import source_field_problems
+
+            problems = source_field_problems(info.field_name, value, info.data)
+            if problems:
+                raise invalid(problems)
+        return value
+
+    @model_validator(mode="after")
+    def _one_source(self) -> TableSection:
+        if self.path is not None and self.dataset is not None:
+            raise invalid([("dataset", f"give path ({self.path!r}) or dataset ({self.dataset!r}), not both")])
+        if self.config is not None and self.dataset is None:
+            raise invalid([("config", "names a configuration of a Hugging Face `dataset`; files and saved "
+                                      "directories have none: remove it")])
+        return self
+
+    @property
+    def has_source(self) -> bool:
+        return self.path is not None or self.dataset is not None
+
+
+class DataSection(TableSection):
+    """`data:` for the `hf` / `vllm` engines: where tasks come from and how responses are scored."""
+
     shuffle_seed: NonNegativeInt = 0
     """Seed of each epoch's order."""
     chat_template: Literal["auto", True, False] = "auto"
     """Render prompts with the tokenizer's chat template: auto (when it has one), true or false."""
     rewards: Any = "exact_match"
-    """A reward name, `module:function`, or a list of them / of {name, weight} (see
-    `rolectl.roles.engines.rewards`)."""
+    """A reward name, `module:function` (from the working directory or the Python path),
+    `path/to/file.py:function`, or a list of them / of {name, weight}. A function takes
+    `(response, answer)`, or `(response, answer, *, prompt, row)` to see the prompt text and the
+    whole data row (see `rolectl.roles.engines.rewards`)."""
     max_prompt_tokens: PositiveInt = 512
     """Prompts are cut to this many tokens."""
 
-    @field_validator("path")
-    @classmethod
-    def _task_file_exists(cls, path: str, info: ValidationInfo) -> str:
-        if not checking(info):
-            return path
-        if Path(path).suffix.lower() not in TASK_FILES:
-            raise ValueError(f"{path}: unknown file type; use one of {sorted(TASK_FILES)}")
-        if not Path(path).is_file():
-            raise ValueError(f"{path}: no such file (relative paths are from the working directory {Path.cwd()})")
-        return path
+    @model_validator(mode="after")
+    def _source_given(self) -> DataSection:
+        if not self.has_source:
+            raise invalid([("path", "required: a file, a glob, a list of files or a directory saved with "
+                                    "save_to_disk; or give `dataset:`, a Hugging Face dataset id in the local cache")])
+        return self
 
     @field_validator("rewards")
     @classmethod

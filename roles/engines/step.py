@@ -22,17 +22,18 @@ from torch import Tensor
 
 from rolectl.sync_protocol.experience import Experience
 
-from .losses import LossFunction, LossSum, MicroBatch, TrainBatch
+from .losses import LossFunction, LossSum, MicroBatch, TokenScores, TrainBatch
 
 __all__ = ["Forward", "StepResult", "TrainStep", "micro_batches", "step_metrics", "stage_metrics", "lr_schedule"]
 
 
 class Forward(Protocol):
     """How an engine's model scores rows of a batch: `(len(rows), width)` logprobs of their response
-    tokens (finite past a response's end: losses read them through `loss_mask`), `width` at most the
-    batch's."""
+    tokens, and with `entropy` the entropy of the model's distribution at each (`width` at most the
+    batch's). Only the tokens under `loss_mask` count: elsewhere (padding, a tool's tokens) a value
+    may be anything, -inf included; the step sets it to 0 before a loss sees it."""
 
-    def __call__(self, model: Any, batch: TrainBatch, rows: Sequence[int]) -> Tensor: ...
+    def __call__(self, model: Any, batch: TrainBatch, rows: Sequence[int], *, entropy: bool) -> TokenScores: ...
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -97,6 +98,12 @@ def _borrowed(rows: list[int], groups: Sequence[str], *, keep_groups: bool) -> l
     return [row for row in rows if groups[row] == groups[rows[0]]] if keep_groups else rows[:1]
 
 
+def _trained_only(values: Tensor, trained: Tensor) -> Tensor:
+    """`values` where `trained`, else 0: a token the policy did not sample (a tool's, which the
+    policy may give probability 0) reaches no loss, not even as 0 x -inf, and gets no gradient."""
+    return torch.where(trained, values, torch.zeros((), dtype=values.dtype, device=values.device))
+
+
 class TrainStep:
     """The training step of one engine's model: built once, run on every batch with a loss function.
 
@@ -132,6 +139,8 @@ class TrainStep:
         for index in range(count):
             chosen = set(group_order[index::count])
             rows = [row for row, group in enumerate(batch.groups) if group in chosen]
+            if not batch.loss_mask[rows].any():
+                continue  # no token the policy sampled (every episode failed at once): nothing to learn
             self.optimizer.zero_grad(set_to_none=True)
             minibatch_loss = self._forward_backward(batch, rows, loss_fn, measured)
             grad_norm = self._clip_gradients()
@@ -186,13 +195,17 @@ class TrainStep:
 
     def _micro_batch(self, batch: TrainBatch, rows: list[int], loss_fn: LossFunction, *, tokens: int,
                      sequences: int, minibatch: list[int]) -> MicroBatch:
-        logprobs = self.forward(self.model, batch, rows)
+        scores = self.forward(self.model, batch, rows, entropy=True)
+        trained = batch.loss_mask[rows, :scores.logprobs.shape[1]].to(scores.logprobs.device)
         ref_logprobs = None
         if loss_fn.needs_reference:
             with torch.no_grad():
-                ref_logprobs = self.forward(self.reference, batch, rows)
-        return MicroBatch(batch=batch, rows=rows, logprobs=logprobs, ref_logprobs=ref_logprobs, num_tokens=tokens,
-                          num_sequences=sequences, minibatch=minibatch)
+                ref_logprobs = _trained_only(self.forward(self.reference, batch, rows, entropy=False).logprobs,
+                                             trained)
+        entropy = None if scores.entropy is None else _trained_only(scores.entropy, trained)
+        return MicroBatch(batch=batch, rows=rows, logprobs=_trained_only(scores.logprobs, trained),
+                          ref_logprobs=ref_logprobs, num_tokens=tokens, num_sequences=sequences, entropy=entropy,
+                          minibatch=minibatch)
 
     def _clip_gradients(self) -> float:
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
@@ -219,8 +232,11 @@ class TrainStep:
 def step_metrics(result: StepResult, batch: TrainBatch, experiences: Sequence[Experience], *,
                  current_version: int, updates_skipped: int) -> dict[str, float]:
     """A train step's figures: its loss and gradient, the batch's rewards, staleness, response
-    lengths and size, and the loss function's metrics. Engines add their model's figures."""
+    lengths and size, the response tokens it trained on (`trained_tokens`: those the policy
+    sampled) and those it did not (`masked_tokens`: an environment's, a tool's, the template's),
+    and the loss function's metrics. Engines add their model's figures."""
     staleness = [current_version - e.model_version for e in experiences]
+    trained = sum(e.trained_tokens for e in experiences)
     return {
         "loss": result.loss,
         "updates_skipped_nonfinite": float(updates_skipped),
@@ -231,6 +247,8 @@ def step_metrics(result: StepResult, batch: TrainBatch, experiences: Sequence[Ex
         "staleness_max": float(max(staleness)),
         "response_length_mean": float(torch.tensor([float(len(e.response)) for e in experiences]).mean()),
         "num_experiences": float(len(experiences)),
+        "trained_tokens": float(trained),
+        "masked_tokens": float(sum(len(e.response) for e in experiences) - trained),
         "grad_norm": result.grad_norm,
         **result.metrics,
     }

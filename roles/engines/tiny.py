@@ -16,12 +16,12 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from rolectl.bus.files import atomic_path
-from rolectl.sync_protocol.experience import Experience, ExperienceLimits
+from rolectl.sync_protocol.experience import Experience, ExperienceLimits, version_runs
 
-from .base import Task, WeightsMismatch
+from .base import PausePoint, Task, WeightsMismatch
 from .grpo import ClippedPolicyLoss, token_group_advantages
-from .losses import LossFunction, TrainBatch, experience_batch
-from .model import TinyPolicy, build_base_policy, response_logprobs, sample_responses
+from .losses import LossFunction, TokenScores, TrainBatch, experience_batch
+from .model import TinyPolicy, build_base_policy, sample_responses, scored_tokens
 from .sections import TinyModelSection
 from .step import TrainStep, step_metrics
 from .streaming import DEFAULT_BUCKET_BYTES, NamedTensors, buckets_of
@@ -78,7 +78,7 @@ class TinyTrainEngine:
         self.update = TrainStep(model=self.policy, optimizer=self.optimizer, forward=self._logprobs,
                                 max_grad_norm=config.max_grad_norm, minibatches=config.minibatches,
                                 micro_batch_size=None)
-        self.loss_fn: LossFunction = ClippedPolicyLoss(clip_eps=config.clip_eps)
+        self.loss_fn: LossFunction = ClippedPolicyLoss(clip_eps=config.clip_eps, loss_agg_mode=config.loss_agg_mode)
         self.group_size = config.group_size
         self.experience_limits = ExperienceLimits(
             vocab_size=VOCAB_SIZE,
@@ -90,9 +90,6 @@ class TinyTrainEngine:
         self.step = 0
 
     def train_step(self, experiences: Sequence[Experience], *, current_version: int) -> dict[str, float]:
-        prompt_lengths = {len(e.prompt) for e in experiences}
-        if len(prompt_lengths) > 1:
-            raise ValueError(f"all prompts of a batch must have one length, got {sorted(prompt_lengths)}")
         batch = experience_batch(experiences, token_group_advantages)
         self.policy.train()
         result = self.update.train_batch(batch, self.loss_fn)
@@ -102,15 +99,20 @@ class TinyTrainEngine:
                                updates_skipped=result.updates_skipped),
                 "model_parameters": float(sum(p.numel() for p in self.policy.parameters()))}
 
-    def _logprobs(self, policy: TinyPolicy, batch: TrainBatch, rows: Sequence[int]) -> Tensor:
-        """The `Forward` of the one training step: prompts of one length, responses padded with EOS
-        (an allowed token, so its logprob is finite; the loss mask drops it)."""
-        prompts = torch.tensor([batch.prompts[row] for row in rows])
-        responses = torch.full((len(rows), batch.loss_mask.shape[1]), EOS)
+    def _logprobs(self, policy: TinyPolicy, batch: TrainBatch, rows: Sequence[int], *, entropy: bool) -> TokenScores:
+        """The `Forward` of the one training step: each row its prompt then its response, right-padded
+        with EOS (prompts of any length; a single-turn batch's prompts share one, and its rows are
+        the prompts then the responses padded to the batch's width, as they always were)."""
+        width = batch.loss_mask.shape[1]
+        starts = [len(batch.prompts[row]) for row in rows]
+        tokens = torch.full((len(rows), max(starts) + width), EOS)
         for index, row in enumerate(rows):
-            responses[index, :len(batch.responses[row])] = torch.tensor(batch.responses[row], dtype=torch.long)
-        return response_logprobs(policy, prompts, responses, allowed_tokens=_ALLOWED_RESPONSE_TOKENS,
-                                 temperature=self.config.temperature)
+            sequence = (*batch.prompts[row], *batch.responses[row])
+            tokens[index, :len(sequence)] = torch.tensor(sequence, dtype=torch.long)
+        logprobs, entropies = scored_tokens(policy, tokens, torch.tensor(starts), width=width,
+                                            allowed_tokens=_ALLOWED_RESPONSE_TOKENS,
+                                            temperature=self.config.temperature, entropy=entropy)
+        return TokenScores(logprobs=logprobs, entropy=entropies)
 
     def weights(self) -> dict[str, Tensor]:
         # A copy, not a view: a transport may still be serialising while the next step runs.
@@ -213,12 +215,20 @@ class TinyRolloutEngine:
                     own.copy_(received)
         self.version = version
 
-    def rollout(self, tasks: Sequence[Task], *, explore_step: int) -> list[Experience]:
+    def rollout(self, tasks: Sequence[Task], *, explore_step: int,
+                pause_point: PausePoint | None = None) -> list[Experience]:
         group_size = self.config.group_size
         if not tasks:
             return []
         prompts = torch.tensor([task.prompt for task in tasks]).repeat_interleave(group_size, dim=0)
         generator = torch.Generator().manual_seed((self.sampling_seed * 1_000_003 + explore_step) % 2**63)
+        token_versions: list[int] = []  # the version that samples the batch's t-th token
+
+        def before_token() -> None:
+            if pause_point is not None and pause_point.pending():
+                pause_point.load()  # the pause: the next token is sampled with the new weights
+            token_versions.append(self.version)
+
         responses, logprobs = sample_responses(
             self.policy,
             prompts,
@@ -227,12 +237,14 @@ class TinyRolloutEngine:
             eos_token=EOS,
             temperature=self.config.temperature,
             generator=generator,
+            before_token=before_token,
         )
         experiences = []
         for task_idx, task in enumerate(tasks):
             group = f"{self.member}-{explore_step}-{task_idx}"
             for k in range(group_size):
                 row = task_idx * group_size + k
+                versions = token_versions[:len(responses[row])]
                 experiences.append(
                     Experience(
                         id=f"{group}-{k}",
@@ -241,11 +253,11 @@ class TinyRolloutEngine:
                         response=tuple(responses[row]),
                         logprobs=tuple(logprobs[row]),
                         reward=score_response(responses[row], task.target),
-                        model_version=self.version,
+                        model_version=min(versions, default=self.version),
+                        token_versions=version_runs(versions),
                     )
                 )
         return experiences
-
 
     def generate(self, tasks: Sequence[Task], *, temperature: float, samples: int, seed: int) -> list[list[str]]:
         """`samples` responses per task as text (digits separated by spaces, up to EOS), for

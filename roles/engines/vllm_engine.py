@@ -16,6 +16,9 @@
   from `VLLM_CPU_KVCACHE_SPACE` (GiB; 1 unless set); CPU attention needs `head_dim >= 32`. With K > 1
   each worker is bound to its share of this process's CPUs (`VLLM_CPU_OMP_THREADS_BIND`, unless set).
   GPU (`vllm`): `model.vllm` passes any other `LLM(...)` argument (e.g. `gpu_memory_utilization`).
+- Partial rollouts (`rollout(..., pause_point=)`): each response its own request, an engine step at
+  a time; a pause aborts the requests in flight, loads the version and admits each again from its
+  prompt and the tokens it has (the synchronous `LLM` has no pause of its own).
 - Serving: `serve_step` admits new requests and runs one engine step over every running request
   (continuous batching, vLLM's scheduler); `roles/serve/` drives it.
 - LoRA (`model.lora`): the buffers are the adapter's tensors only (peft's names). Each version is
@@ -32,15 +35,15 @@ import tempfile
 import weakref
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from rolectl.sync_protocol.experience import Experience
+from rolectl.sync_protocol.experience import Experience, version_runs
 
-from .base import Task
+from .base import PausePoint, Task
 from .hf import check_weights, score_texts, task_seed
 from .hf_model import HFModelConfig, load_model, load_tokenizer, parameter_count
 from .lora import adapter_tensors, save_adapter, wrap_with_lora
@@ -79,6 +82,22 @@ class ServeDelta:
     tokens: tuple[int, ...]
     logprobs: tuple[float, ...]
     finish_reason: str | None
+
+
+@dataclass(slots=True)
+class _Generation:
+    """One response of a pausable rollout: its task, seed, and what it has sampled so far."""
+
+    task: Task
+    seed: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    def extend(self, delta: ServeDelta, version: int) -> None:
+        self.tokens += delta.tokens
+        self.logprobs += delta.logprobs
+        self.versions += [version] * len(delta.tokens)
 
 
 _VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's `max_lora_rank` choices
@@ -241,7 +260,10 @@ class VLLMRolloutEngine:
             deltas.append(ServeDelta(id=output.request_id, tokens=ids, logprobs=logprobs, finish_reason=finish))
         return deltas
 
-    def rollout(self, tasks: Sequence[Task], *, explore_step: int) -> list[Experience]:
+    def rollout(self, tasks: Sequence[Task], *, explore_step: int,
+                pause_point: PausePoint | None = None) -> list[Experience]:
+        if pause_point is not None:
+            return self._pausable_rollout(tasks, explore_step, pause_point)
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -266,6 +288,49 @@ class VLLMRolloutEngine:
         return [Experience(id=f"{group}-{k}", group=group, prompt=tuple(prompt), response=tuple(ids),
                            logprobs=tuple(lp), reward=reward, model_version=self.version)
                 for (group, k, prompt, ids, lp), reward in zip(rows, totals)]
+
+    def _pausable_rollout(self, tasks: Sequence[Task], explore_step: int,
+                          pause_point: PausePoint) -> list[Experience]:
+        """`rollout` with partial rollouts: each response its own request (seed: the task's + k), run
+        an engine step at a time (`serve_step`). When a newer version waits, the requests in flight
+        are aborted (the synchronous `LLM` has no pause of its own; the async engine's
+        `pause_generation` is not what rolectl drives), the version is loaded, and each is admitted
+        again as prompt + the tokens it has, with what is left of `max_new_tokens`."""
+        generations: dict[str, _Generation] = {}
+        for i, task in enumerate(tasks):
+            seed = task_seed(self.config.seed, self.member, explore_step, i)
+            for k in range(self.group_size):
+                generations[f"{self.member}-{explore_step}-{i}-{k}"] = _Generation(task, seed + k)
+        request_of = {gid: gid for gid in generations}  # the live request of each generation
+        admit = [ServeRequest(gid, tuple(g.task.prompt), self.config.max_new_tokens, g.seed)
+                 for gid, g in generations.items()]
+        running, segment = set(generations), 0
+        while running:
+            deltas = self.serve_step(admit)
+            admit = []
+            generation_of = {rid: gid for gid, rid in request_of.items()}
+            for delta in deltas:
+                gid = generation_of[delta.id]
+                generations[gid].extend(delta, self.version)
+                if delta.finish_reason is not None:
+                    running.discard(gid)
+            if not deltas and running and not self._served:
+                raise RuntimeError(f"{self.member}: vLLM dropped {len(running)} rollout requests unfinished")
+            if running and pause_point.pending():
+                self.serve_step((), abort=[request_of[gid] for gid in sorted(running)])
+                pause_point.load()  # the pause: what is left is sampled with the new weights
+                segment += 1
+                for gid in sorted(running):
+                    g = generations[gid]
+                    request_of[gid] = f"{gid}#{segment}"
+                    admit.append(ServeRequest(request_of[gid], (*g.task.prompt, *g.tokens),
+                                              self.config.max_new_tokens - len(g.tokens), g.seed + segment))
+        texts = [self.tokenizer.decode(g.tokens, skip_special_tokens=True) for g in generations.values()]
+        totals, self.rollout_metrics = score_texts(self.rewards, texts, [g.task for g in generations.values()])
+        return [Experience(id=gid, group=gid.rsplit("-", 1)[0], prompt=tuple(g.task.prompt),
+                           response=tuple(g.tokens), logprobs=tuple(g.logprobs), reward=reward,
+                           model_version=min(g.versions, default=self.version), token_versions=version_runs(g.versions))
+                for (gid, g), reward in zip(generations.items(), totals)]
 
     def generate(self, tasks: Sequence[Task], *, temperature: float, samples: int, seed: int) -> list[list[str]]:
         """`samples` decoded responses per task, for evaluation: greedy at temperature 0."""

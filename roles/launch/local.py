@@ -43,7 +43,7 @@ from rolectl.roles.provision import provision_job
 from rolectl.roles.runner import EXIT_ERROR, EXIT_INCOMPLETE, EXIT_INTERRUPTED
 from rolectl.roles.stopping import stop_task
 
-__all__ = ["run_up", "supervise", "summarize", "write_config", "LocalLauncher", "RoleProcess"]
+__all__ = ["run_up", "supervise", "summarize", "write_config", "auth_mismatch", "LocalLauncher", "RoleProcess"]
 
 console = Console(stderr=True)
 
@@ -102,7 +102,7 @@ class LocalLauncher:
         if self.auth is not None:  # its own identity, by file path in the environment (never argv)
             env.update(self.auth.security(member_id).as_env())
         proc = subprocess.Popen(
-            [sys.executable, "-m", "rolectl.roles.cli", "start", role, "--config", str(self.config_path),
+            [sys.executable, "-m", "rolectl", "start", role, "--config", str(self.config_path),
              "--nats", self.nats_url, "--id", member_id, "--log-format", "json"],
             stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
             start_new_session=True,  # Ctrl-C in the terminal reaches `up`, which stops children in order
@@ -142,7 +142,7 @@ def run_up(cfg: JobConfig, *, explorers: int | None = None, summary_path: str | 
         if note:
             console.print(f"[yellow]--explorers {explorers}:[/] {note}", highlight=False)
     if auth is not None:
-        problem = _auth_mismatch(cfg, auth)
+        problem = auth_mismatch(cfg, auth)
         if problem:
             console.print(f"[red]rolectl up --auth-dir {auth.path}:[/] {problem}", highlight=False)
             return ExitCode.USAGE
@@ -492,7 +492,7 @@ def why_it_stopped(log_tail: str) -> str | None:
     return None
 
 
-def _auth_mismatch(cfg: JobConfig, auth: AuthDir) -> str | None:
+def auth_mismatch(cfg: JobConfig, auth: AuthDir) -> str | None:
     """Why the identities in `auth` cannot run `cfg`, or None."""
     if cfg.job != auth.job:
         return (f"its identities are for job {auth.job!r} but the config's job is {cfg.job!r}: "

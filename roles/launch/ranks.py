@@ -344,5 +344,5 @@ def run_trainer(cfg: JobConfig, member_id: str | None, *, start_mode: Any, log_j
     log = structlog.get_logger().bind(job=cfg.job, role="trainer", member=member_id or "trainer", agent=True)
     layout = RankLayout(cfg.trainer.world_size, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
                         master_port=master_port)
-    return supervise_ranks(layout, [sys.executable, "-m", "rolectl.roles.cli", *argv],
+    return supervise_ranks(layout, [sys.executable, "-m", "rolectl", *argv],
                            max_restarts=cfg.trainer.max_restarts, log=log)

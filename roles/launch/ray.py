@@ -10,6 +10,16 @@ A role that crashes (killed, or exits with an error) takes its actor down with i
 the actor (`max_restarts`) and the new incarnation starts the role again; the role's own resume
 logic (checkpoint, rejoin) does the rest. The NATS server is given (`--nats`) or run by the job's
 own actor on the head node, its store on that node's disk.
+
+Secured (`--auth-dir`, what `rolectl auth init` wrote on the driver's machine): the server runs
+from the auth dir's nats-server.conf (TLS, one nkey identity per member), the driver provisions the
+streams as admin and follows the job as observer, and each role actor is handed the files of its
+own identity only — its nkey seed and the CA certificate, as constructor arguments — which it
+writes with mode 0600 into a private 0700 directory on its node and names to its role process in
+the ROLECTL_NATS_* variables, as the local launcher does. No actor holds another member's seed,
+nothing is written to a shared disk, and no seed is in an environment or a command line Ray shows
+(a runtime_env's variables are listed by Ray's dashboard and state API; constructor arguments are
+not). The directory is removed when the role ends. See docs/security.md.
 """
 
 from __future__ import annotations
@@ -18,14 +28,18 @@ import asyncio
 import ctypes
 import dataclasses
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from rolectl.bus.auth import AuthDir, with_tls_files
+from rolectl.bus.security import ClientSecurity
 from rolectl.roles.config import EnvSettings, JobConfig
 from rolectl.roles.runner import EXIT_ERROR, EXIT_INCOMPLETE, EXIT_OK, EXIT_USAGE
 
@@ -82,6 +96,23 @@ except (OSError, AttributeError):  # not Linux
     _prctl = None
 
 
+def _write_private(directory: Path, files: dict[str, bytes]) -> dict[str, Path]:
+    """Write `files` (name -> content) into `directory` with mode 0600 from the start; their paths."""
+    paths = {}
+    for name, content in files.items():
+        path = directory / Path(name).name  # a name, never a path out of the directory
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as out:
+            out.write(content)
+        paths[name] = path
+    return paths
+
+
+def _private_dir(prefix: str) -> Path:
+    """A new directory only this user can enter (mkdtemp makes it 0700), on this node's own disk."""
+    return Path(tempfile.mkdtemp(prefix=prefix))
+
+
 def _prepare_role_process() -> None:
     """In the role process, between fork and exec: take no blocked signals along (a Ray worker
     thread blocks SIGINT, and a role that never sees it cannot publish STOPPED), and be SIGKILLed
@@ -98,10 +129,19 @@ class RoleActor:
     stopped through `stop` ends for good."""
 
     def __init__(self, role: str, member_id: str, config_text: str, config_path: str, nats_url: str,
-                 logs_dir: str) -> None:
+                 logs_dir: str, identity: dict[str, bytes] | None = None) -> None:
+        """`identity` (secured jobs): this member's credential and the CA, {file name: content}."""
         import ray
 
         self.role, self.member_id, self.nats_url = role, member_id, nats_url
+        self._identity_dir: Path | None = None
+        self._security_env: dict[str, str] = {}
+        if identity is not None:
+            self._identity_dir = _private_dir(f"rolectl-{member_id}-")
+            written = _write_private(self._identity_dir, identity)
+            ca = written.pop("ca.pem")
+            (creds,) = written.values()
+            self._security_env = ClientSecurity(creds=str(creds), tls_ca=str(ca)).as_env()
         self.config_path = Path(config_path)
         self.log_path = Path(logs_dir) / f"{member_id}.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -125,7 +165,8 @@ class RoleActor:
             raise self._spawn_error
 
     def _watch(self) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", EnvSettings.variable("advertise_host"): self.node_ip}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", EnvSettings.variable("advertise_host"): self.node_ip,
+               **self._security_env}  # its own identity, by file path (never argv)
         try:
             with open(self.log_path, "ab") as out:
                 out.write((f"--- rolectl up --launcher ray: {self.member_id} incarnation {self.incarnation} "
@@ -137,7 +178,7 @@ class RoleActor:
                 # refusing with "nothing to resume" until the restarts run out).
                 resume = ["--resume"] if self.incarnation > 0 and self.role != "sync" else []
                 self._proc = subprocess.Popen(
-                    [sys.executable, "-m", "rolectl.roles.cli", "start", self.role, "--config", str(self.config_path),
+                    [sys.executable, "-m", "rolectl", "start", self.role, "--config", str(self.config_path),
                      "--nats", self.nats_url, "--id", self.member_id, *resume],
                     stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_prepare_role_process)
         except BaseException as exc:
@@ -146,6 +187,7 @@ class RoleActor:
         finally:
             self._started.set()
         code = self._proc.wait()
+        self._forget_identity()  # the role is over either way; a restarted actor writes its own
         # done, ended short, or refused to start (bad config or flags: a restart cannot fix it)
         if code in (EXIT_OK, EXIT_INCOMPLETE, EXIT_USAGE) or self._stopping.is_set():
             self._code = code
@@ -156,6 +198,10 @@ class RoleActor:
         with open(self.log_path, "ab") as out:
             out.write(f"--- {self.member_id} exited with code {code}: its actor exits so Ray restarts it\n".encode())
         os._exit(1)
+
+    def _forget_identity(self) -> None:
+        if self._identity_dir is not None:
+            shutil.rmtree(self._identity_dir, ignore_errors=True)
 
     def read_serve_url(self, path: str) -> str | None:
         """The serving explorer's URL, read on this node (the driver may not share its disk)."""
@@ -199,6 +245,7 @@ class JobActor:
 
     def __init__(self) -> None:
         self.server = None
+        self._private: Path | None = None  # a secured server's certificate, key and config
 
     def start_nats(self, store_dir: str, log_file: str, go_gc: int | None = None) -> tuple[str, str]:
         import ray
@@ -211,10 +258,28 @@ class JobActor:
         ip = ray.util.get_node_ip_address()
         return f"nats://{ip}:{self.server.port}", f"http://{ip}:{self.server.http_port}"
 
+    def start_secured_nats(self, conf_text: str, files: dict[str, bytes], port: int, http_port: int,
+                           log_file: str, go_gc: int | None = None) -> None:
+        """The job's nats-server from the config `rolectl auth init` wrote (its store moved to this
+        run), with the server's certificate and key, written into a private directory on this node."""
+        from rolectl.bus.server import NatsServer
+
+        Path(log_file).parent.mkdir(parents=True, exist_ok=True)
+        self._private = _private_dir("rolectl-nats-")
+        written = _write_private(self._private, files)
+        conf_text = with_tls_files(conf_text, cert_file=written["server.pem"], key_file=written["server.key"])
+        conf = _write_private(self._private, {"nats-server.conf": conf_text.encode()})["nats-server.conf"]
+        self.server = NatsServer(config_file=str(conf), host="127.0.0.1", port=port, http_port=http_port,
+                                 log_file=log_file, go_gc=go_gc)
+        self.server.start()
+
     def stop_nats(self) -> None:
         if self.server is not None:
             self.server.stop()
             self.server = None
+        if self._private is not None:
+            shutil.rmtree(self._private, ignore_errors=True)
+            self._private = None
 
 
 # -- the driver side ---------------------------------------------------------------------------------
@@ -293,8 +358,16 @@ class RayLauncher:
     config_path: Path
     logs: Path
     max_restarts: int
+    auth: AuthDir | None = None
     name: str = "ray"
     started: list[RayRole] = dataclasses.field(default_factory=list)
+
+    def _identity(self, member_id: str) -> dict[str, bytes] | None:
+        """The files of `member_id`'s identity (its nkey seed, the CA): what its actor, and it alone, gets."""
+        if self.auth is None:
+            return None
+        security = self.auth.security(member_id)  # FileNotFoundError naming what auth init lacks
+        return {Path(security.creds).name: Path(security.creds).read_bytes(), "ca.pem": self.auth.ca.read_bytes()}
 
     def start(self, role: str, member_id: str) -> RayRole:
         import ray
@@ -309,7 +382,7 @@ class RayLauncher:
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=self.placement_group, placement_group_bundle_index=index),
         ).remote(role, member_id, self.config_path.read_text(), str(self.config_path), self.cfg.nats_url,
-                 str(self.logs))
+                 str(self.logs), self._identity(member_id))
         handle = RayRole(role=role, member_id=member_id, actor=actor, log_path=self.logs / f"{member_id}.log")
         handle._exit_ref = actor.wait_exit.remote()
         self.started.append(handle)
@@ -348,17 +421,20 @@ def _available_resources(ray) -> dict[str, float]:
 def run_up_ray(cfg: JobConfig, *, ray_address: str | None, nats: str | None = None,
                explorers: int | None = None, summary_path: str | None = None, dashboard: bool = True,
                dashboard_port: int = 0, run_dir: str | None = None, timeout_s: float | None = None,
-               max_restarts: int = 3, placement_timeout_s: float = 120.0) -> int:
+               max_restarts: int = 3, placement_timeout_s: float = 120.0, auth: AuthDir | None = None) -> int:
     """`rolectl up --launcher ray`: place the job on a Ray cluster, supervise it as local `up` does
     (same exit codes, same summary plus `launcher`), tear everything down at its end or on Ctrl-C.
-    Raises RayUnavailable (no Ray) or RayLaunchError (cannot place the job) before anything starts."""
+    With `auth` the job runs secured (see the module docstring). Raises RayUnavailable (no Ray) or
+    RayLaunchError (cannot place the job, or identities that do not fit it) before anything starts."""
     ray = import_ray()
     from rolectl.bus.logging import setup_logging
-    from rolectl.roles.launch.local import console, supervise, write_config
+    from rolectl.roles.launch.local import auth_mismatch, console, supervise, write_config
 
     setup_logging("warning")
     if explorers is not None:
         cfg = cfg.with_overrides(explorers=cfg.explorers.replace(count=explorers))
+    if auth is not None and (problem := auth_mismatch(cfg, auth)):
+        raise RayLaunchError(f"--auth-dir {auth.path}: {problem}")
     bundles = role_bundles(cfg)
     _init_ray(ray, ray_address, needed_cpus=sum(b["CPU"] for _, _, b in bundles))
     job_actor = pg = launcher = None
@@ -368,9 +444,7 @@ def run_up_ray(cfg: JobConfig, *, ray_address: str | None, nats: str | None = No
         stamp = time.strftime("%Y%m%d-%H%M%S")
         run_path = Path(run_dir or cfg.run_dir).resolve() / f"{cfg.job}-{stamp}-{os.getpid()}"
         (run_path / "logs").mkdir(parents=True, exist_ok=True)
-        url, monitor_url = (nats, None) if nats else ray.get(
-            job_actor.start_nats.remote(str(run_path / "nats"), str(run_path / "logs" / "nats-server.log"),
-                                        cfg.server_go_gc), timeout=120)
+        url, monitor_url = (nats, None) if nats else _start_nats(ray, job_actor, cfg, run_path, auth)
         cfg = cfg.with_overrides(nats_url=url, run_dir=str(run_path))
         config_path = run_path / "job.yaml"
         write_config(cfg, config_path)
@@ -378,15 +452,28 @@ def run_up_ray(cfg: JobConfig, *, ray_address: str | None, nats: str | None = No
                       f"{ray.get_runtime_context().gcs_address}, placement group of {len(bundles)} bundles, "
                       f"run dir {run_path}", highlight=False)
         launcher = RayLauncher(cfg=cfg, placement_group=pg, config_path=config_path, logs=run_path / "logs",
-                               max_restarts=max_restarts)
+                               max_restarts=max_restarts, auth=auth)
         try:
             return asyncio.run(supervise(cfg, launcher, run_path, monitor_url=monitor_url, summary_path=summary_path,
                                          dashboard=dashboard, dashboard_port=dashboard_port, timeout_s=timeout_s,
+                                         auth=auth,
                                          extra_summary={"ray_address": ray.get_runtime_context().gcs_address}))
         except KeyboardInterrupt:
             return 130
     finally:
         _tear_down(ray, launcher, job_actor, pg)
+
+
+def _start_nats(ray, job_actor, cfg: JobConfig, run_path: Path, auth: AuthDir | None) -> tuple[str, str]:
+    """The job's nats-server on the head node (its URL and monitoring URL): plain, or secured from
+    the auth dir's config, whose URL (its certificate's first host) every node dials."""
+    store, log = str(run_path / "nats"), str(run_path / "logs" / "nats-server.log")
+    if auth is None:
+        return ray.get(job_actor.start_nats.remote(store, log, cfg.server_go_gc), timeout=120)
+    files = {name: (auth.path / name).read_bytes() for name in ("server.pem", "server.key")}
+    ray.get(job_actor.start_secured_nats.remote(auth.server_conf_with_store(store), files, auth.port,
+                                                auth.http_port, log, cfg.server_go_gc), timeout=120)
+    return auth.url, auth.monitor_url
 
 
 def _init_ray(ray, address: str | None, *, needed_cpus: float) -> None:

@@ -65,8 +65,8 @@ def run_bench(cfg: JobConfig, *, run_dir: str | None = None, versions: list[int]
     from rolectl.roles.engines import make_eval_tasks, make_rollout_engine, make_train_engine
     from rolectl.roles.engines.evaluation import evaluate
 
-    if cfg.eval.path is None:
-        raise BenchError("the config has no eval set: set eval.path (or pass --eval FILE)")
+    if not cfg.eval.has_source:
+        raise BenchError("the config has no eval set: set eval.path or eval.dataset (or pass --eval PATH)")
     kept = saved_versions(find_job_dir(cfg, run_dir))
     if versions:
         missing = sorted(set(versions) - set(kept))

@@ -47,6 +47,7 @@ from rolectl.bus.snapshots import SnapshotStore
 from rolectl.bus.subjects import JobNames
 from rolectl.roles.exit_codes import ExitCode
 from rolectl.roles.observe.observer import JobObserver
+from rolectl.roles.observe.views import member_counts
 from rolectl.roles.stopping import stop_task
 from rolectl.sync_protocol import Role
 
@@ -316,7 +317,9 @@ class Dashboard:
             "trainer": {"step": trainer.step, "version": trainer.version, "status": trainer.status.value,
                         "total_steps": int(trainer.metrics.get("total_steps", 0)) or None,
                         "metrics": dict(trainer.metrics)} if trainer else None,
-            "members": obs.members(now),
+            # stragglers first within each role (the page lists them a page at a time), and the counts
+            "members": (members := obs.members(now)),
+            "member_counts": member_counts(members),
             "rounds": rounds,
             "rounds_summary": {"closed": sum(outcomes.values()), "open": len(state.rounds), "outcomes": outcomes,
                                "total": len(obs.rounds)},

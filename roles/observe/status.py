@@ -22,7 +22,14 @@ from rolectl.bus.snapshots import SnapshotStore
 from rolectl.roles.exit_codes import ExitCode
 from rolectl.roles.observe.observer import JobObserver
 from rolectl.roles.observe.render import stdout_console
-from rolectl.roles.observe.views import format_ago, progress_text, version_text
+from rolectl.roles.observe.views import (
+    MEMBER_STATUSES,
+    format_ago,
+    member_counts,
+    page_members,
+    progress_text,
+    version_text,
+)
 from rolectl.sync_protocol import Role
 
 __all__ = ["collect_status", "print_status"]
@@ -85,9 +92,19 @@ def _every_live_member_beat(observer: JobObserver) -> bool:
     return bool(live) and all(k in observer.heartbeats for k in live)
 
 
+DEFAULT_LIMIT = 40
+"""Explorers the table lists unless asked for more (`--limit`, `--all`): the stragglers first, after
+the counts of every role by status, so a fleet of a thousand stays one screen."""
+
+
 async def print_status(job: str, nats: str, *, as_json: bool = False, connect_timeout: float = 5.0,
-                       security=None, archive_dir: Path | None = None) -> int:
-    """Print a table (or JSON) of the job's members; 0 on success, 1 when NATS or the job is missing."""
+                       security=None, archive_dir: Path | None = None, limit: int | None = DEFAULT_LIMIT) -> int:
+    """Print a table (or JSON) of the job's members; 0 on success, 1 when NATS or the job is missing.
+
+    The counts of each role's members by status come first, then the members: the trainer, the
+    explorers (the stragglers first: gone without finishing, furthest behind in version and step,
+    silent longest), the synchronizers. `limit` explorers are listed (None: all; `rolectl status
+    --json` lists all unless given `--limit`)."""
     setup_logging("warning")  # stdout is for the table (and JSON); logs go to stderr
     err = Console(stderr=True)
     try:
@@ -100,27 +117,35 @@ async def print_status(job: str, nats: str, *, as_json: bool = False, connect_ti
         err.print(f"rolectl status: {exc}", style="red", highlight=False, markup=False, soft_wrap=True)
         return ExitCode.ERROR
     rows = observer.members(now_ms)
+    counts = member_counts(rows)
+    shown, left_out = page_members(rows, limit)
     latest = observer.latest()
     if as_json:
-        json.dump({"job": job, "latest": latest, "members": rows, "last_seq": observer.state.last_seq,
-                   "open_rounds": sorted(observer.state.rounds), "illegal_events": observer.illegal_total,
-                   "eval": observer.eval_curve()},
+        json.dump({"job": job, "latest": latest, "counts": counts, "members": shown, "members_left_out": left_out,
+                   "last_seq": observer.state.last_seq, "open_rounds": sorted(observer.state.rounds),
+                   "illegal_events": observer.illegal_total, "eval": observer.eval_curve()},
                   sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
     out = stdout_console()
+    if rows:
+        out.print(_counts_table(counts))
     table = Table(title=f"job {job} · latest version {latest['version']} · stream seq {observer.state.last_seq}")
     for col in ("role", "id", "status", "step", "version", "last seen", "host"):
         table.add_column(col, justify="right" if col in ("step", "version") else "left")
-    colour = {"running": "green", "require_sync": "yellow", "finished": "blue", "stopped": "dim", "expired": "red"}
-    for row in rows:
-        status = f"[{colour.get(row['status'], 'white')}]{row['status']}[/]"
+    for row in shown:
+        status = f"[{_COLOURS.get(row['status'], 'white')}]{row['status']}[/]"
         table.add_row(row["role"], row["id"], status, progress_text(row), version_text(row),
                       format_ago(row["last_seen_ago_ms"]), row["host"])
+    captions = []
     if not rows:
-        table.caption = "no member has joined yet"
-    elif observer.state.rounds:
-        table.caption = f"open sync rounds: {', '.join(map(str, sorted(observer.state.rounds)))}"
+        captions.append("no member has joined yet")
+    if left_out:
+        captions.append(f"{left_out} more explorers not listed (the {limit} furthest behind are); "
+                        "--limit N or --all to list more")
+    if observer.state.rounds:
+        captions.append(f"{len(observer.state.rounds)} open sync rounds: {_some(sorted(observer.state.rounds))}")
+    table.caption = "\n".join(captions) or None
     out.print(table)
     curve = observer.eval_curve()
     if curve:
@@ -129,3 +154,26 @@ async def print_status(job: str, nats: str, *, as_json: bool = False, connect_ti
         out.print(f"last eval: v{last['version']} at step {last['step']}: {rewards} ({len(curve)} evals)",
                   highlight=False, markup=False)
     return 0
+
+
+_COLOURS = {"running": "green", "require_sync": "yellow", "finished": "blue", "stopped": "dim", "expired": "red"}
+
+
+def _counts_table(counts: dict[str, dict[str, int]]) -> Table:
+    """Members of each role by status: the whole fleet at a glance, however many are listed."""
+    table = Table(title="members by status", title_justify="left")
+    table.add_column("role")
+    for status in MEMBER_STATUSES:
+        table.add_column(f"[{_COLOURS[status]}]{status}[/]", justify="right")
+    table.add_column("total", justify="right")
+    for role, by_status in counts.items():
+        table.add_row(role, *(str(by_status[s]) if by_status[s] else "·" for s in MEMBER_STATUSES),
+                      str(by_status["total"]))
+    return table
+
+
+def _some(items: list, shown: int = 10) -> str:
+    """The first `shown` items, and how many more."""
+    head = ", ".join(map(str, items[:shown]))
+    return head + (f" … (+{len(items) - shown})" if len(items) > shown else "")
+

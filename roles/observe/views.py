@@ -18,6 +18,9 @@ __all__ = [
     "SUMMARY_MEANINGS",
     "member_status",
     "member_rows",
+    "member_counts",
+    "page_members",
+    "MEMBER_STATUSES",
     "progress_text",
     "version_text",
     "format_ago",
@@ -187,6 +190,51 @@ def format_ago(ms: int | None) -> str:
     return f"{seconds / 3600:.1f} h ago"
 
 
+MEMBER_STATUSES = ("running", "require_sync", "finished", "stopped", "expired")
+"""Every status a member row can show (see `member_status`), in the order the counts are shown."""
+
+# Within a role the stragglers come first: gone without finishing (expired, then stopped), then the
+# furthest behind in version and step, the silent longest first; those done with their work last.
+_STRAGGLING = {"expired": 0, "stopped": 1, "require_sync": 2, "running": 2, "finished": 3}
+_ROLE_ORDER = {Role.TRAINER.value: 0, Role.EXPLORER.value: 1, Role.SYNCHRONIZER.value: 2}
+
+
+_SILENCE_BUCKET_MS = 5000  # silences are compared in these: members beating as they should keep their order
+
+
+def _straggler_key(row: dict[str, Any]) -> tuple:
+    ago = row["last_seen_ago_ms"]
+    silent_for = ago // _SILENCE_BUCKET_MS if ago is not None else float("inf")
+    return (_ROLE_ORDER.get(row["role"], 9), _STRAGGLING.get(row["status"], 2), row["version"], row["step"],
+            -silent_for, row["id"])
+
+
+def member_counts(rows: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """How many members of each role are in each status: `{"explorer": {"running": 1000, ...,
+    "total": 1024}}`, every status present (0 when none), roles in table order."""
+    counts: dict[str, dict[str, int]] = {}
+    for row in sorted(rows, key=lambda r: _ROLE_ORDER.get(r["role"], 9)):
+        role = counts.setdefault(row["role"], {**dict.fromkeys(MEMBER_STATUSES, 0), "total": 0})
+        role[row["status"]] = role.get(row["status"], 0) + 1
+        role["total"] += 1
+    return counts
+
+
+def page_members(rows: list[dict[str, Any]], limit: int | None) -> tuple[list[dict[str, Any]], int]:
+    """The rows to show and how many are left out: every trainer and synchronizer row, and the first
+    `limit` explorers (the stragglers, as `member_rows` orders them); all of them with no limit."""
+    if limit is None:
+        return rows, 0
+    shown, explorers = [], 0
+    for row in rows:
+        if row["role"] == Role.EXPLORER.value:
+            explorers += 1
+            if explorers > limit:
+                continue
+        shown.append(row)
+    return shown, len(rows) - len(shown)
+
+
 def progress_text(row: dict[str, Any]) -> str:
     """A member row's progress for people: `17/50 (34%)` when the member reported its total, else
     its step; for a synchronizer, which has no steps, what was decided (`12 decisions, round 5`)."""
@@ -207,7 +255,9 @@ def version_text(row: dict[str, Any]) -> str:
 
 def member_rows(state: State, heartbeats: dict[str, int] | None = None, now_ms: int | None = None
                 ) -> list[dict[str, Any]]:
-    """One row per member (trainer, explorers, synchronizers), sorted by role then id.
+    """One row per member: the trainer, the explorers, the synchronizers; within a role the
+    stragglers first (gone without finishing, then furthest behind in version and step, the silent
+    longest first), those that finished last, then by id.
 
     `heartbeats` maps member key -> server-independent receive time (ms) of its last heartbeat;
     `last_seen_ms` is the later of that and its last recorded event.
@@ -215,9 +265,8 @@ def member_rows(state: State, heartbeats: dict[str, int] | None = None, now_ms: 
     heartbeats = heartbeats or {}
     trainer = state.trainer_state
     latest = max(state.latest.version, trainer.version if trainer else 0)
-    order = {Role.TRAINER: 0, Role.EXPLORER: 1, Role.SYNCHRONIZER: 2}
     rows = []
-    for m in sorted(state.members.values(), key=lambda m: (order.get(m.ref.role, 9), m.ref.id)):
+    for m in state.members.values():
         last_seen = max(m.last_time_ms, heartbeats.get(m.key, 0)) or None
         total = int(m.metrics["total_steps"]) if m.metrics and m.metrics.get("total_steps") else None
         rows.append({
@@ -237,4 +286,5 @@ def member_rows(state: State, heartbeats: dict[str, int] | None = None, now_ms: 
             "has_latest": m.version >= latest and m.ref.role is not Role.SYNCHRONIZER,
             "metrics": dict(m.metrics),
         })
+    rows.sort(key=_straggler_key)
     return rows

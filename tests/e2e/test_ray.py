@@ -1,7 +1,8 @@
 """`rolectl up --launcher ray` on a real local Ray head (one per module, explicit CPUs, usage stats
 off): the quickstart submitted with `ray job submit` learns as it does locally; kill -9 of the
 trainer's role process mid-job makes Ray restart its actor and the job completes with every step
-trained once; `up` of a job that is already on the cluster is refused."""
+trained once; `up` of a job that is already on the cluster is refused; a job secured by `rolectl
+auth init` runs with each actor connected as its own identity, holding no other identity's seed."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from rolectl.bus.auth import init_auth_dir
 from rolectl.bus.server import free_port
 from rolectl.roles.observe.replay import load_export
 from rolectl.sync_protocol import MemberJoined
@@ -252,3 +254,33 @@ def test_a_two_rank_fsdp_trainer_runs_in_its_ray_bundle(ray_head, tmp_path):
     assert s["engines"]["trainer"] == "fsdp" and s["trainer_world_size"] == 2, s
     assert (Path(s["hf_model_dir"]) / "config.json").is_file(), s
     assert_decisions_replay(load_export(s["events_file"]))
+
+
+def test_a_secured_job_on_ray_runs_each_actor_as_its_own_identity(ray_head, tmp_path):
+    """`up --launcher ray --auth-dir`: the server runs TLS with one nkey identity per member (as an
+    actor on the head), the driver provisions as admin, and every role connects as itself from
+    the identity files its actor alone was handed; the job trains every step, nobody is refused
+    anything it needs, and each actor's copy of its seed is gone once the job is."""
+    job = "e2e-ray-secure"
+    auth = init_auth_dir(tmp_path / "auth", job=job, explorers=2, synchronizers=1, port=free_port(),
+                         http_port=free_port())
+    config = job_config(tmp_path, job=job, trainer={"total_steps": 4}, explorers={"total_steps": 4})
+    result = subprocess.run(_up_args(config, tmp_path, "--ray-address", ray_head.address, "--auth-dir", str(auth.path)),
+                            capture_output=True, text=True, env=RAY_ENV, timeout=480, cwd=ROOT)
+    summary_file = tmp_path / "summary.json"
+    assert summary_file.exists(), f"no summary (exit {result.returncode})\n{result.stderr[-5000:]}"
+    s = json.loads(summary_file.read_text())
+    assert result.returncode == 0 and s["launcher"] == "ray" and s["complete"], (s, result.stderr[-3000:])
+    assert s["secured"] is True and s["nats_url"].startswith("tls://"), s
+    assert s["trainer_steps"] == 4 and set(s["exit_codes"].values()) == {0}, s
+    assert_decisions_replay(load_export(s["events_file"]))
+    logs = Path(s["run_dir"]) / "logs"
+    for member in ("trainer", "explorer-0", "explorer-1", "sync-0"):
+        log = (logs / f"{member}.log").read_text(errors="replace")
+        # connected as its own identity, from a private copy of its seed (not the auth dir)
+        assert f"identity={member}" in log or f'"identity": "{member}"' in log, log[-2000:]
+        assert "permission_denied" not in log, log[-2000:]
+        assert str(auth.path) not in log, "a role read the driver's auth dir"
+    leftovers = [p for p in Path(tempfile.gettempdir()).glob("rolectl-*-*")
+                 if p.is_dir() and any(p.glob("*.nk"))]
+    assert not leftovers, f"identity copies left behind: {leftovers}"

@@ -84,3 +84,42 @@ async def test_a_redelivered_message_its_checkpoint_marked_trained_is_acked_not_
     [msg] = await reader.fetch(8, timeout=5)
     assert await ledger.receive(msg) == [] and ledger.held == {}
     assert await reader.ack_floor() == seq and ledger.acked_at_save == set()
+
+
+def _episodes(step: int, *, turns: int) -> ExperienceBatch:
+    """6 groups of two multi-turn episodes (~1.5 KiB a group): over a 4 KiB message limit together."""
+    response = (3,) * (12 * turns)
+    mask = tuple(1 if i % 12 < 6 else 0 for i in range(len(response)))
+    return ExperienceBatch(member="e0", explore_step=step, model_version=0, experiences=tuple(
+        Experience(id=f"e0-{step}-{g}-{k}", group=f"g{step}-{g}", prompt=(1, 2), response=response,
+                   logprobs=(-0.5,) * len(response), reward=float(k), model_version=0, loss_mask=mask)
+        for g in range(6) for k in range(2)))
+
+
+async def test_a_step_split_by_group_is_trained_exactly_once_across_restarts_of_both_sides(nats_url, job_name,
+                                                                                          tmp_path):
+    async with connect(nats_url, job=job_name, role="trainer", member="trainer") as conn:
+        await ensure_experience_stream(conn.js, conn.names, max_msg_size=4096)
+        await ExperiencePublisher(conn, "e0").publish(_episodes(1, turns=8))
+        held_file, log = tmp_path / "held_batches.json", structlog.get_logger()
+        reader = ExperienceReader(conn, ack_wait_s=600)
+        ledger = AckLedger(reader, held_file=held_file, log=log)
+        await _receive_all(ledger, reader, 12)
+        assert len(ledger.held) == 6  # one message a group
+        trained = [e.id for e in ledger.start_step(5)]  # two groups whole, one episode of the third
+        ledger.step_trained()
+        acks = ledger.at_checkpoint()
+        assert len(acks.done) == 2 and len(acks.state["partial"]) == 4
+        await ledger.ack_trained(acks)
+        await reader.aclose()
+
+        # The explorer restarts and publishes the step again, its episodes now of other lengths.
+        await ExperiencePublisher(conn, "e0").publish(_episodes(1, turns=7))
+        restarted = AckLedger(reader, held_file=held_file, log=log, saved=acks.state)
+        await restarted.give_back_predecessors()
+        await _receive_all(restarted, reader, 7)
+        trained += [e.id for e in restarted.start_step()]
+        restarted.step_trained()
+        await restarted.ack_trained(restarted.at_checkpoint())
+        assert await reader.fetch(8, timeout=0.5) == []
+    assert sorted(trained) == sorted(e.id for e in _episodes(1, turns=8).experiences)  # each once

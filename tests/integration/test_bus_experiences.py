@@ -1,4 +1,5 @@
-"""bus.experiences against a real nats-server: codec, publish/fetch/ack, dedup, redelivery, garbage."""
+"""bus.experiences against a real nats-server: codec, publish/fetch/ack, dedup, redelivery, garbage, and
+batches over the stream's message limit (split by group, or refused)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import msgpack
 import pytest
 
 from rolectl.bus.connection import connect
-from rolectl.bus.errors import MalformedExperience
+from rolectl.bus.errors import MalformedExperience, PayloadTooLarge
 from rolectl.bus.experiences import (
     Experience,
     ExperienceBatch,
@@ -16,6 +17,8 @@ from rolectl.bus.experiences import (
     ExperienceReader,
     decode_batch,
     encode_batch,
+    experience_msg_id,
+    split_by_group,
 )
 from rolectl.bus.streams import ensure_experience_stream
 
@@ -280,3 +283,80 @@ def dataclass_replace(obj, **changes):
     import dataclasses
 
     return dataclasses.replace(obj, **changes)
+
+
+def _episodes(step: int, *, groups: int, group_size: int = 2, turns: int = 8, member: str = "e0") -> ExperienceBatch:
+    """`groups` groups of multi-turn episodes: `turns` sampled turns of 6 tokens, each but the last
+    followed by a 10-token observation (mask 0)."""
+    turn, observation = (1, 2, 3, 4, 5, 6), (20,) * 10
+    response = tuple(t for k in range(turns) for t in (*turn, *(observation if k < turns - 1 else ())))
+    mask = tuple(m for k in range(turns) for m in ((1,) * 6 + ((0,) * 10 if k < turns - 1 else ())))
+    return ExperienceBatch(member=member, explore_step=step, model_version=1, experiences=tuple(
+        Experience(id=f"{member}-{step}-{g}-{k}", group=f"{member}-{step}-{g}", prompt=(9,) * (3 + g),
+                   response=response, logprobs=tuple(-0.5 * m for m in mask), reward=float(k), model_version=1,
+                   loss_mask=mask)
+        for g in range(groups) for k in range(group_size)))
+
+
+@pytest.fixture
+async def small_stream(nats_url, job_name):
+    """An experience stream whose messages carry at most 4 KiB: a batch of 6 groups of 8-turn episodes
+    (about 2 KiB a group) is over it."""
+    async with connect(nats_url, job=job_name, role="explorer", member="e0") as c:
+        await ensure_experience_stream(c.js, c.names, max_msg_size=4096)
+        yield c
+
+
+async def test_a_batch_over_the_message_limit_travels_one_group_a_message(small_stream):
+    from rolectl.bus.experiences import ExperienceLimits
+
+    conn, batch = small_stream, _episodes(3, groups=6)
+    assert 4096 < len(encode_batch(batch)) and all(len(encode_batch(ExperienceBatch(
+        member="e0", explore_step=3, model_version=1, experiences=batch.experiences[i:i + 2]))) < 3800
+        for i in range(0, 12, 2))
+    first = await ExperiencePublisher(conn, "e0").publish(batch)
+    limits = ExperienceLimits(vocab_size=32, prompt_length=None, max_response_length=200, group_size=2)
+    reader = ExperienceReader(conn, ack_wait_s=30, limits=limits)
+    got = await reader.fetch(20, timeout=5)
+    assert reader.rejected == 0 and [r.seq for r in got] == list(range(first, first + 6))
+    assert [r.batch.experiences for r in got] == [batch.experiences[i:i + 2] for i in range(0, 12, 2)]
+    assert all((r.batch.member, r.batch.explore_step, r.batch.model_version) == ("e0", 3, 1) for r in got)
+    ids = [(await conn.js.get_msg(conn.names.experience_stream, r.seq)).headers["Nats-Msg-Id"] for r in got]
+    assert ids == [f"exp/e0/3/{g}" for g in range(6)]
+    for r in got:
+        await r.ack()
+
+
+async def test_a_split_step_published_again_is_stored_once_even_after_a_partial_publish(small_stream):
+    """An explorer killed mid-way through a split step's messages publishes the step again when it
+    restarts (here with episodes of other lengths, as newer weights would sample): each group is
+    stored once, the first time."""
+    conn = small_stream
+    first = _episodes(4, groups=6)
+    for index, group in enumerate(split_by_group(first)[:2]):  # the dead explorer got two groups out
+        await conn.publish_acked(conn.names.experiences("e0"), encode_batch(group),
+                                 msg_id=experience_msg_id("e0", 4, index))
+    again = _episodes(4, groups=6, turns=7)
+    await ExperiencePublisher(conn, "e0").publish(again)
+    await ExperiencePublisher(conn, "e0").publish(again)  # and once more: nothing new
+    info = await conn.js.stream_info(conn.names.experience_stream)
+    assert info.state.messages == 6
+    got = await ExperienceReader(conn, ack_wait_s=30).fetch(20, timeout=5)
+    stored = [e for r in got for e in r.batch.experiences]
+    assert sorted(e.id for e in stored) == sorted(e.id for e in first.experiences)  # every group once
+    assert stored[:4] == list(first.experiences[:4]) and stored[4:] == list(again.experiences[4:])
+    for r in got:
+        await r.ack()
+
+
+async def test_a_group_over_the_message_limit_is_refused_naming_the_settings(small_stream):
+    conn = small_stream
+    big = _episodes(5, groups=3, group_size=4, turns=12)
+    with pytest.raises(PayloadTooLarge) as refused:
+        await ExperiencePublisher(conn, "e0").publish(big)
+    message = str(refused.value)
+    assert "group 'e0-5-0'" in message and "agent.max_tokens" in message and "max_msg_size" in message
+    assert "buffer.batch_size" in message and conn.names.experience_stream in message
+    assert refused.value.limit < 4096 < refused.value.size
+    info = await conn.js.stream_info(conn.names.experience_stream)
+    assert info.state.messages == 0  # nothing of the batch was sent

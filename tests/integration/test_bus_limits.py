@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rolectl.bus.connection import connect
+from rolectl.bus.errors import PayloadTooLarge
 from rolectl.bus.events import EventPublisher
 from rolectl.bus.experiences import Experience, ExperienceBatch, ExperiencePublisher
 from rolectl.bus.streams import (
@@ -47,10 +48,12 @@ async def test_a_full_event_stream_is_a_clear_error(nats_url, job_name):
 
 
 async def test_an_oversized_batch_is_a_clear_error(nats_url, job_name):
+    """One group over the stream's message limit: the publisher, which splits a batch by group, says
+    so before sending (a batch of several groups over it travels a group a message)."""
     async with connect(nats_url, job=job_name, role="explorer", member="e0") as conn:
         await ensure_experience_stream(conn.js, conn.names, max_msg_size=1024)
         big = ExperienceBatch(member="e0", explore_step=1, model_version=0, experiences=tuple(
             Experience(id=f"x{i}", group="g", prompt=(1,) * 50, response=(2,) * 50, logprobs=(-1.0,) * 50,
                        reward=0.0, model_version=0) for i in range(4)))
-        with pytest.raises(StreamFull, match="max_msg_size"):
+        with pytest.raises(PayloadTooLarge, match="max_msg_size"):
             await ExperiencePublisher(conn, "e0").publish(big)

@@ -1,6 +1,8 @@
 """A rendezvous of 1,024 explorers on a real nats-server with the event stream's default limits: the
 real `Synchronizer` records one small `RendezvousReady`, and every member's `JobView` finds its rank
-in the group its own fold holds (schema 5: the decision names the group instead of listing it)."""
+in the group its own fold holds (schema 5: the decision names the group instead of listing it). An
+explorer's `MemberView`, which reads only its own scope, binds it with the group record the
+synchronizer stored before deciding, having folded none of the other explorers' records."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from rolectl.bus.connection import connect
 from rolectl.bus.events import EventPublisher, read_events
 from rolectl.bus.streams import DEFAULT_EVENT_MAX_MSG_SIZE, ensure_event_stream
 from rolectl.roles.config import parse_config
-from rolectl.roles.session import JobView
+from rolectl.roles.session import JobView, MemberView
 from rolectl.roles.synchronizer import Synchronizer
 from rolectl.sync_protocol import (
     JobConfigured,
@@ -48,8 +50,11 @@ async def _rendezvous_of_a_fleet(nats_url: str, job: str) -> None:
         publishers = {m.key: EventPublisher(conn, m) for m in (TRAINER, *explorers)}
         sync_task = asyncio.create_task(Synchronizer(cfg, "sync-0").run(), name="synchronizer")
         view = JobView(conn)
+        mine = explorers[500]
+        scoped = MemberView(conn, [mine.id])  # what explorer-0500's own process reads
         try:
             await view.start()
+            await scoped.start()
             members = (TRAINER, *explorers)
             await _publish_all(publishers, [JobConfigured(member=m, config=cfg.synchronizer) for m in members])
             await _publish_all(publishers, [
@@ -65,7 +70,10 @@ async def _rendezvous_of_a_fleet(nats_url: str, job: str) -> None:
 
             decision = await view.wait_for(view.first_decision(asked - 1, ready), timeout=120,
                                            what="the rendezvous of 1,024 explorers")
+            seen_by_mine = await scoped.wait_for(scoped.first_decision(asked - 1, ready, about=mine.key),
+                                                 timeout=120, what="the rendezvous, in explorer-0500's view")
         finally:
+            await scoped.aclose()
             await view.aclose()
             await stop_task(sync_task)
         async with read_events(conn, from_seq=asked, stop_at_end=True) as reader:
@@ -73,6 +81,11 @@ async def _rendezvous_of_a_fleet(nats_url: str, job: str) -> None:
         message = await conn.js.get_msg(conn.names.event_stream, recorded[0].seq)
     assert decision.explorers == FLEET and decision.world_size == 1 + FLEET + len(explorers[::3])
     assert len(message.data) < 1024 < limit  # one small message, whatever the fleet
+    # the scoped view folded the trainer's, the synchronizer's and its own inputs only, and binds
+    # the same decision to the same group (read from the record, digest checked)
+    assert scoped.inputs_seen <= 8 < 3 * FLEET <= view.inputs_seen
+    assert seen_by_mine.is_bound and seen_by_mine.assignment_of(mine) == decision.assignment_of(mine)
+    assert seen_by_mine.participants == decision.participants
     # every explorer's view binds it to the group it folded and finds its own ranks, in id order
     offset = 1
     for e in explorers:

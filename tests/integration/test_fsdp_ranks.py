@@ -1,9 +1,11 @@
 """The `fsdp` engine on CPU, its ranks real processes started by the trainer's own rank launcher: 2 ranks
 (gloo) train as one `hf` process, stream their weights, checkpoint 2 -> 1 with DCP and export a Hugging
-Face model, with and without a LoRA adapter; and DPO (a frozen sharded reference) as one `hf` process."""
+Face model, with and without a LoRA adapter; on multi-turn episodes, they give one process's loss; and
+DPO (a frozen sharded reference) as one `hf` process."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -20,6 +22,7 @@ from tests.support.fsdp_ranks import ROUNDING
 from tests.support.fsdp_ranks import assert_close as _assert_close
 from tests.support.fsdp_ranks import assert_same_training as _assert_same_training
 from tests.support.tiny_llm import built_model, model_section
+from tests.support.trajectories import multi_turn_episodes
 
 
 def _experiences(vocab_size: int, *, batches: int = 4, groups: int = 3, group_size: int = 3) -> list[list[dict]]:
@@ -268,3 +271,45 @@ def test_a_dpo_stage_from_another_jobs_checkpoint_takes_its_weights_as_the_shard
         assert first["dpo/reward_margin"] == pytest.approx(0.0, abs=1e-6)
         assert first["loss"] == pytest.approx(math.log(2), rel=1e-6)
     assert dpo_ranks[0]["metrics_4"]["dpo/reward_margin"] != pytest.approx(0.0, abs=1e-3)  # vs the model.path start
+
+
+# -- multi-turn episodes: the loss over the tokens the policy sampled ---------------------------------
+
+@pytest.fixture(scope="module")
+def masked_ranks(workdir) -> list[dict]:
+    vocab_size = json.loads((workdir / "model" / "config.json").read_text())["vocab_size"]
+    words = range(4, vocab_size)
+    batches = [multi_turn_episodes(sampled=words, observed=words, groups=3, group_size=3, seed=seed,
+                                   id_prefix=f"m{seed}") for seed in (0, 1)]
+    (workdir / "masked.json").write_text(json.dumps([[dataclasses.asdict(e) for e in b] for b in batches]))
+    return fsdp_ranks.run_ranks("masked", workdir, 2)
+
+
+def _hf_masked_run(workdir, algorithm: dict, **model) -> list[dict]:
+    settings = {**model_section(workdir / "model"), "group_size": 3, "minibatches": 2, "micro_batch_size": 4, **model}
+    settings.pop("engine")
+    engine = HFTrainEngine(HFModelConfig.model_validate(settings), AlgorithmConfig(**algorithm),
+                           model_path=workdir / "model")
+    return [engine.train_step(batch, current_version=step)
+            for step, batch in enumerate(fsdp_ranks.load_batches(workdir, "masked.json"))]
+
+
+@pytest.mark.parametrize("run", ["full", "lora"])
+def test_two_fsdp_ranks_and_one_hf_process_give_the_same_loss_on_multi_turn_episodes(workdir, masked_ranks, run):
+    """Losses over the masked tokens only, summed over ranks (seq-mean-token-mean counts sequences
+    across them): the same as one process's up to fp32 reduction order. The second step's loss is
+    taken after the first update, so it checks the update too, without comparing weights that
+    Adam's first steps move by ±lr wherever a gradient rounds to another sign."""
+    expected = _hf_masked_run(workdir, fsdp_ranks.MASKED_ALGORITHM if run == "full" else fsdp_ranks.ALGORITHM,
+                              **({"lora": fsdp_ranks.LORA} if run == "lora" else {}))
+    batches = fsdp_ranks.load_batches(workdir, "masked.json")
+    for rank in masked_ranks:
+        assert rank["world_size"] == 2
+        got = rank[run]
+        assert [m["loss"] for m in got] == pytest.approx([m["loss"] for m in expected], rel=1e-4, abs=1e-6)
+        assert [m["grad_norm"] for m in got] == pytest.approx([m["grad_norm"] for m in expected], rel=1e-4)
+        for metrics, batch in zip(got, batches):
+            assert metrics["trained_tokens"] == sum(sum(e.mask()) for e in batch)
+            assert metrics["masked_tokens"] == sum(e.mask().count(0) for e in batch) > 0
+            assert metrics["updates_skipped_nonfinite"] == 0 and metrics["entropy"] > 0 and metrics["kl_loss"] >= 0
+        assert got[1]["kl_loss"] > 0  # the update moved the policy off its anchor

@@ -79,7 +79,7 @@ async def test_two_starts_with_the_same_clock_reading_give_one_member_and_one_re
         assert "another start of it joined first" in message
         joins = await _joins(winner.conn, role, member_id)
         assert [j.member for j in joins] == [winner.me]
-        member = winner.view.state.members[winner.key]
+        member = winner.view.member_state(winner.key)  # an explorer reads its MemberView
         assert member.alive and member.ref == winner.me
 
 

@@ -13,6 +13,7 @@ from rolectl.bus.events import publish_heartbeat
 from rolectl.bus.server import free_port
 from rolectl.roles.observe.status import collect_status, print_status
 from rolectl.sync_protocol import RunningStatus
+from tests.support.fleet import BEHIND, EXPIRED, STOPPED, explorer_id, record_fleet
 from tests.support.scripted_job import EXPLORERS, TRAINER, run_scripted_job, stop_task
 
 
@@ -100,3 +101,29 @@ async def test_a_member_that_finished_its_work_is_shown_finished(nats_url, job_n
     rows = {m["key"]: m for m in json.loads(capsys.readouterr().out)["members"]}
     assert rows["trainer/trainer"]["status"] == "finished"
     assert rows["explorer/explorer-0"]["status"] == "finished"
+
+
+async def test_a_thousand_members_are_counted_by_status_and_the_stragglers_listed_first(
+        nats_url, job_name, capsys, monkeypatch):
+    """At fleet size the table stays one screen: every role's members counted by status, then the
+    explorers furthest behind (expired, stopped, then the lowest versions), and how many are left out."""
+    await record_fleet(nats_url, job_name, explorers=1000)
+    monkeypatch.setenv("COLUMNS", "200")
+    assert await print_status(job_name, nats_url, limit=10) == 0
+    out = capsys.readouterr().out
+    listed = [int(i) for i in re.findall(r"│ explorer-(\d{4}) ", out)]  # the id column (hosts are host-...)
+    stragglers = [*EXPIRED, *STOPPED, *sorted(BEHIND, key=BEHIND.get)]
+    keeping_up = [i for i in range(1000) if i not in stragglers]
+    assert listed == stragglers + keeping_up[:10 - len(stragglers)]
+    assert "990 more explorers not listed" in out and "--all" in out
+    counts = next(line for line in out.splitlines() if line.strip("│ ").startswith("explorer"))
+    assert [c.strip() for c in counts.split("│")[1:-1]] == ["explorer", "997", "·", "·", "1", "2", "1000"], counts
+
+    assert await print_status(job_name, nats_url, as_json=True, limit=None) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["counts"]["explorer"] == {"running": 997, "require_sync": 0, "finished": 0, "stopped": 1,
+                                           "expired": 2, "total": 1000}
+    assert shown["counts"]["trainer"]["running"] == 1 and shown["members_left_out"] == 0
+    explorers = [m for m in shown["members"] if m["role"] == "explorer"]
+    assert len(explorers) == 1000 and [m["id"] for m in explorers[:len(stragglers)]] == [
+        explorer_id(i) for i in stragglers]

@@ -15,6 +15,7 @@ from rolectl.bus.errors import HistoryGap
 from rolectl.bus.events import EventPublisher, EventReader, read_events
 from rolectl.bus.snapshots import SnapshotStore
 from rolectl.bus.streams import ensure_event_stream
+from rolectl.bus.subjects import subject_matches
 from rolectl.roles.config import parse_config
 from rolectl.roles.observe.check import check_decisions
 from rolectl.roles.observe.export import read_history
@@ -49,6 +50,26 @@ async def test_a_reader_behind_a_trim_reads_the_trimmed_records_back_from_the_ar
             async with read_events(conn, from_seq=1, stop_at_end=True,
                                    backfill=lambda a, b: read_range(empty, a, b)) as reader:
                 [rec async for rec in reader]
+
+
+async def test_a_filtered_reader_behind_a_trim_reads_its_scope_back_from_the_archive(nats_url, job_name, tmp_path):
+    """An explorer's view reads only its scope (subjects): it skips sequences by design, so a trim is
+    found by asking where the stream starts; the scope's trimmed records come back, in order, and
+    nothing outside the scope."""
+    await run_scripted_job(nats_url, job_name, steps=6, snapshot_every=10, run_dir=str(tmp_path))
+    archive = tmp_path / job_name / "archive"
+    async with connect(nats_url, job=job_name, role="observer", member="trim-test") as conn:
+        first = (await conn.js.stream_info(conn.names.event_stream)).state.first_seq
+        assert first > 2 and segments(archive), "the job did not trim its stream"
+        scope = [conn.names.member_events(Role.TRAINER), conn.names.all_decisions]
+        history = [r for r in await read_history(conn, archive)
+                   if any(subject_matches(p, r.subject or conn.names.recorded_subject(r.event)) for p in scope)]
+        async with read_events(conn, from_seq=1, stop_at_end=True, subjects=scope,
+                               backfill=lambda a, b: read_range(archive, a, b)) as reader:
+            read = [rec async for rec in reader]
+    assert any(r.seq < first for r in history) and any(r.seq >= first for r in history)
+    assert [(r.seq, r.event) for r in read] == [(r.seq, r.event) for r in history]
+    assert reader.backfilled == sum(r.seq < first for r in history)
 
 
 async def test_a_reader_paused_while_the_stream_is_trimmed_under_it_misses_nothing(nats_url, job_name, tmp_path):

@@ -226,6 +226,23 @@ async def stream_experiences(job: LiveJob) -> int:
     return total
 
 
+async def accounted_summary(job: LiveJob) -> dict:
+    """The finished job's run summary, its experience books checked: every experience produced is
+    trained, dropped as stale or left untrained, and what is left is what the stream really holds."""
+    from benchmarks.soak import experiences_left_in_stream
+    from rolectl.roles.launch.local import summarize
+
+    await job.stream_caught_up()
+    summary = summarize(job.records, job=job.cfg.job)
+    state = json.loads((job.cfg.trainer_checkpoint_dir / "trainer_state.json").read_text())
+    left = await experiences_left_in_stream(job.conn, state)
+    produced, trained = summary["experiences_produced"], summary["experiences_trained"]
+    dropped, untrained = summary["experiences_dropped_stale"], summary["experiences_left_untrained"]
+    assert produced == trained + dropped + untrained, summary
+    assert untrained == left, f"the summary says {untrained} left untrained, the stream holds {left}: {summary}"
+    return summary
+
+
 # -- a job whose processes the test starts and kills -----------------------------------------------
 
 @dataclass

@@ -13,6 +13,8 @@ each scenario writes what the test asserts on under WORKDIR/<scenario>/.
 - `dpo-train`: 3 DPO steps on the preference pairs of `pairs.json` (the frozen reference kept as a
   `stage: dpo` keeps it), a checkpoint `dpo-ckpt`, then a 4th; `dpo-resume`: load it, the same 4th;
   `dpo-from-ckpt`: a new stage from `dpo-ckpt`'s weights (`model.init_from`), then the 4th batch.
+- `masked`: the multi-turn episodes of `masked.json` (loss masks with an environment's tokens), 2
+  steps each by the whole model (`MASKED_ALGORITHM`) and by a LoRA adapter (`ALGORITHM`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ FSDP_SETTINGS = {"engine": "fsdp", "group_size": 3, "minibatches": 2, "micro_bat
 ALGORITHM = {"kl_coef": 0.05}  # exercises the sharded frozen reference model too
 DPO_BETA = 0.5
 LORA = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"], "merge_on_save": True}
+MASKED_ALGORITHM = {"kl_coef": 0.05, "loss_agg_mode": "seq-mean-token-mean"}  # sequences counted across ranks
 
 
 def run_ranks(scenario: str, workdir: Path, world_size: int, *, module: str = "tests.support.fsdp_ranks") -> list[dict]:
@@ -93,10 +96,10 @@ def assert_same_training(got: dict[str, torch.Tensor], expected: dict[str, torch
         assert apart <= RTOL * moved + 1e-7, f"{name}: {apart:.3g} apart after a change of {moved:.3g}"
 
 
-def load_batches(workdir: Path) -> list[list[Experience]]:
-    return [[Experience(**{**e, "prompt": tuple(e["prompt"]), "response": tuple(e["response"]),
-                           "logprobs": tuple(e["logprobs"])}) for e in batch]
-            for batch in json.loads((workdir / "experiences.json").read_text())]
+def load_batches(workdir: Path, name: str = "experiences.json") -> list[list[Experience]]:
+    return [[Experience(**{**e, **{key: tuple(e[key]) for key in ("prompt", "response", "logprobs", "loss_mask")
+                                   if e.get(key) is not None}}) for e in batch]
+            for batch in json.loads((workdir / name).read_text())]
 
 
 def load_pair_batches(workdir: Path) -> list[TrainBatch]:
@@ -146,10 +149,33 @@ def probe_logits(engine: FSDPTrainEngine) -> torch.Tensor:
         return engine.model(input_ids=torch.tensor(PROBE)).logits.float()
 
 
+def masked(workdir: Path, out: Path) -> None:
+    """Both engines in one process group: the LoRA one joins the group the first made."""
+    batches = load_batches(workdir, "masked.json")
+    report: dict = {}
+    engines = []
+    for name, settings, algorithm in (("full", FSDP_SETTINGS, MASKED_ALGORITHM),
+                                      ("lora", {**FSDP_SETTINGS, "lora": LORA}, ALGORITHM)):
+        job = parse_config({"job": "fsdp-test", "model": model_section(workdir / "model", **settings),
+                            "data": data_section(), "algorithm": algorithm})
+        engine = make_train_engine(job)
+        assert isinstance(engine, FSDPTrainEngine)
+        engines.append(engine)
+        # rank 0 alone holds each batch; the others get it over the process group (masks included)
+        report[name] = [engine.train_step(engine.share_batch(batch if engine.rank == 0 else None),
+                                          current_version=step) for step, batch in enumerate(batches)]
+    report["rank"], report["world_size"] = engines[0].rank, engines[0].world_size
+    (out / f"report-{engines[0].rank}.json").write_text(json.dumps(report))
+    for engine in reversed(engines):
+        engine.close()
+
+
 def main(scenario: str, workdir: Path) -> None:
     faulthandler.dump_traceback_later(RANK_TIMEOUT_S, exit=True)
     out = workdir / scenario
     out.mkdir(exist_ok=True)
+    if scenario == "masked":
+        return masked(workdir, out)
     if scenario.startswith("dpo-"):
         _dpo(scenario, workdir, out)
         return

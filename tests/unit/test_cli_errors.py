@@ -192,15 +192,16 @@ def test_a_role_started_by_the_cli_keeps_the_configured_stream_replicas(tmp_path
     """`rolectl start` merges the credential flags into the nats section; it once rebuilt the section
     from them alone, so every role ran with `replicas: 1` and made the lease bucket and the weights
     stream with one copy: a cluster node loss took them with it (docs/fault-tolerance.md)."""
-    from rolectl.roles.cli import _load
+    from rolectl.roles.cli.options import load_job_config
 
     path = tmp_path / "job.yaml"
     path.write_text("job: replicated\nnats:\n  replicas: 3\n")
-    cfg = _load(str(path), "nats://127.0.0.1:4222", {"creds": None, "tls_ca": None, "tls_cert": None, "tls_key": None})
+    no_flags = {"creds": None, "tls_ca": None, "tls_cert": None, "tls_key": None}
+    cfg = load_job_config(str(path), "nats://127.0.0.1:4222", no_flags)
     assert cfg.nats.replicas == 3
     ca = tmp_path / "ca.pem"
     ca.write_text("not read here")
-    cfg = _load(str(path), None, {"creds": None, "tls_ca": str(ca), "tls_cert": None, "tls_key": None})
+    cfg = load_job_config(str(path), None, {"creds": None, "tls_ca": str(ca), "tls_cert": None, "tls_key": None})
     assert (cfg.nats.replicas, cfg.nats.tls_ca) == (3, str(ca))
 
 
@@ -214,11 +215,11 @@ def test_a_synchronizer_starts_without_importing_an_engine(tmp_path, nats_url):
     path = tmp_path / "job.yaml"
     path.write_text(f"job: j\nnats_url: {nats_url}\nmodel:\n  engine: tiny\n  no_such_field: 1\n")
     # the whole start but the synchronizer's loop: config, the server asked, runner, class
-    probe = ("import sys; from rolectl.roles.cli import _load\n"
+    probe = ("import sys; from rolectl.roles.cli.options import load_job_config\n"
              "import rolectl.roles.runner, rolectl.roles.synchronizer\n"
              "async def run(self): pass\n"
              "rolectl.roles.synchronizer.Synchronizer.run = run\n"
-             f"cfg = _load({str(path)!r}, None, check_engines=False)\n"
+             f"cfg = load_job_config({str(path)!r}, None, check_engines=False)\n"
              "assert rolectl.roles.runner.run_role('sync', cfg, log_json=True) == 0\n"
              "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from rolectl.roles.config_base import CHECK_ENGINES, validate_section
-from rolectl.roles.engines.data import DataConfig, TextTaskSet, load_rows
+from rolectl.roles.engines.data import DataConfig, TaskRow, TextTaskSet, load_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,7 +48,7 @@ def write(tmp_path: Path, kind: str) -> Path:
 @pytest.mark.parametrize("kind", ["jsonl", "csv", "parquet"])
 def test_every_format_loads_the_same_rows(tmp_path, kind):
     rows = load_rows(DataConfig(path=str(write(tmp_path, kind))))
-    assert rows == [(r["prompt"], r["answer"]) for r in ROWS]
+    assert rows == [TaskRow(prompt=r["prompt"], answer=r["answer"], columns=r) for r in ROWS]
 
 
 def taskset(path: Path, *, shard=0, shards=1, batch=5, seed=0, batches=None) -> TextTaskSet:
@@ -138,3 +138,189 @@ def test_the_shipped_sft_demonstrations_are_what_their_script_writes_and_never_t
     # the RL task reverses 3 digits: no demonstration does (the base must not know its answers)
     reversed_lengths = {len(r["prompt"].split()) - 2 for r in module.rows() if r["prompt"].startswith("reverse")}
     assert reversed_lengths and 3 not in reversed_lengths, reversed_lengths
+
+
+# -- sources: save_to_disk directories, globs, lists of files, splits, cached Hub datasets ------------
+
+def _save(tmp_path: Path, splits: dict[str, list[dict]] | None) -> Path:
+    import datasets
+
+    out = tmp_path / "saved"
+    if splits is None:
+        datasets.Dataset.from_list(ROWS).save_to_disk(str(out))
+    else:
+        datasets.DatasetDict({k: datasets.Dataset.from_list(v) for k, v in splits.items()}).save_to_disk(str(out))
+    return out
+
+
+def test_a_directory_saved_with_save_to_disk_is_read_with_its_split(tmp_path):
+    plain = _save(tmp_path / "plain", None)
+    assert [r.prompt for r in load_rows(DataConfig(path=str(plain)))] == [r["prompt"] for r in ROWS]
+    split = _save(tmp_path / "dict", {"train": ROWS[:3], "test": ROWS[3:5]})
+    assert [r.columns for r in load_rows(DataConfig(path=str(split), split="test"))] == ROWS[3:5]
+    assert data_config_problems({"path": str(split), "split": "test"}) == []
+    problems = dict(data_config_problems({"path": str(split), "split": "validation"}))
+    assert problems == {"data.split": f"{split} has no split 'validation'; its splits: ['train', 'test']"}
+    with pytest.raises(ValueError, match=r"data.split: .* has no split 'validation'; its splits: \['train', 'test'\]"):
+        load_rows(DataConfig(path=str(split), split="validation"))
+    assert "one Dataset, one split" in dict(data_config_problems({"path": str(plain), "split": "test"}))["data.split"]
+
+
+def test_a_directory_not_saved_by_datasets_says_what_to_point_at(tmp_path):
+    (tmp_path / "files").mkdir()
+    said = dict(data_config_problems({"path": str(tmp_path / "files")}))["data.path"]
+    assert "not one saved with `datasets`' save_to_disk" in said and f"{tmp_path / 'files'}/*.jsonl" in said
+
+
+def _shards(tmp_path: Path) -> Path:
+    (tmp_path / "data").mkdir()
+    for i, chunk in enumerate((ROWS[:10], ROWS[10:])):
+        (tmp_path / "data" / f"train-{i:02d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chunk))
+    return tmp_path / "data"
+
+
+def test_a_glob_reads_every_file_it_matches_in_name_order(tmp_path, monkeypatch):
+    _shards(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    assert [r.columns for r in load_rows(DataConfig(path="data/train-*.jsonl"))] == ROWS
+    assert data_config_problems({"path": "data/train-*.jsonl"}) == []
+    said = dict(data_config_problems({"path": "data/test-*.jsonl"}))["data.path"]
+    assert said == f"data/test-*.jsonl: no file matches (relative paths are from the working directory {tmp_path})"
+
+
+def test_a_list_of_files_and_globs_reads_them_in_order(tmp_path):
+    data = _shards(tmp_path)
+    rows = load_rows(DataConfig(path=[str(data / "train-01.jsonl"), str(data / "train-00.jsonl")]))
+    assert [r.columns for r in rows] == ROWS[10:] + ROWS[:10]
+    problems = dict(data_config_problems({"path": [str(data / "train-00.jsonl"), str(data / "nope.jsonl"),
+                                                   str(data / "x-*.jsonl")]}))
+    assert set(problems) == {"data.path[1]", "data.path[2]"}
+    assert "nope.jsonl: no such file or directory" in problems["data.path[1]"]
+    assert "x-*.jsonl: no file matches" in problems["data.path[2]"]
+    (data / "more.csv").write_text("prompt,answer\na,b\n")
+    mixed = dict(data_config_problems({"path": [str(data / "train-*.jsonl"), str(data / "more.csv")]}))
+    assert "files of several formats (.csv, .jsonl)" in mixed["data.path"]
+
+
+def test_files_are_one_split_named_train(tmp_path):
+    data = _shards(tmp_path)
+    said = dict(data_config_problems({"path": str(data / "train-00.jsonl"), "split": "test"}))["data.split"]
+    assert "files are one split, `train` (got 'test')" in said
+
+
+def test_the_source_is_path_or_dataset_and_config_goes_with_a_dataset(tmp_path):
+    def problems(values):  # the section alone, as a copy with changes is checked
+        return dict(validate_section(DataConfig, values, where="data")[1])
+
+    path = str(write(tmp_path, "jsonl"))
+    assert "give path" in problems({"path": path, "dataset": "a/b"})["data.dataset"]
+    assert "remove it" in problems({"path": path, "config": "main"})["data.config"]
+    assert "required" in problems({})["data.path"]
+
+
+class _Gsm8kLike:
+    """Writes a dataset to a `datasets` cache the way loading `openai/gsm8k` (config `main`) from the
+    Hub leaves it: the library's own builder, given the repo id, config and commit a Hub load gives it."""
+
+    ROWS = {"train": [{"question": f"what is {i} + 0.5?", "answer": f"{i + 0.5}", "tolerance": 0.1 * i}
+                      for i in range(4)],
+            "test": [{"question": "what is 2 + 2?", "answer": "4", "tolerance": 0.0}]}
+
+    @classmethod
+    def write(cls, cache: Path) -> None:
+        import datasets
+
+        rows = cls.ROWS
+
+        class Gsm8k(datasets.GeneratorBasedBuilder):
+            BUILDER_CONFIGS = [datasets.BuilderConfig(name="main"), datasets.BuilderConfig(name="socratic")]
+
+            def _info(self):
+                return datasets.DatasetInfo(features=datasets.Features(
+                    {"question": datasets.Value("string"), "answer": datasets.Value("string"),
+                     "tolerance": datasets.Value("float64")}))
+
+            def _split_generators(self, dl_manager):
+                return [datasets.SplitGenerator(name=split, gen_kwargs={"split": split}) for split in rows]
+
+            def _generate_examples(self, split):
+                yield from enumerate(rows[split])
+
+        for config in ("main", "socratic"):
+            Gsm8k(cache_dir=str(cache), dataset_name="gsm8k", repo_id="openai/gsm8k", config_name=config,
+                  hash="e53f048856ff4f594e959d75785d2c2d37b678ee").download_and_prepare()
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """A local datasets cache holding `openai/gsm8k`, and a Hub endpoint that counts the requests it
+    gets (none may come: a cached dataset is read offline)."""
+    import http.server
+    import threading
+
+    import datasets.config
+
+    requests = []
+
+    class Hub(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (the stdlib's name)
+            requests.append(self.path)
+            self.send_error(404)
+
+        do_HEAD = do_GET  # noqa: N815
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hub)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    cache = tmp_path / "hf-datasets"
+    _Gsm8kLike.write(cache)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+    monkeypatch.setattr(datasets.config, "HF_ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    yield cache, requests
+    server.shutdown()
+    thread.join(timeout=10)
+
+
+def test_a_dataset_id_in_the_local_cache_is_read_offline(hub_cache):
+    import datasets.config
+
+    cache, requests = hub_cache
+    section = {"dataset": "openai/gsm8k", "config": "main", "prompt_key": "question"}
+    rows = load_rows(DataConfig(**section))
+    assert [r.columns for r in rows] == _Gsm8kLike.ROWS["train"]
+    assert [r.columns for r in load_rows(DataConfig(**section, split="test"))] == _Gsm8kLike.ROWS["test"]
+    assert data_config_problems(section) == []
+    assert requests == [] and datasets.config.HF_HUB_OFFLINE is False  # offline for the read only
+
+
+def test_a_dataset_id_that_is_not_cached_says_where_it_looked(hub_cache):
+    cache, requests = hub_cache
+    said = dict(data_config_problems({"dataset": "openai/other"}))["data.dataset"]
+    assert f"openai/other is not in the local datasets cache ({cache / 'openai___other'} is missing" in said
+    assert "nothing is downloaded" in said and "cached datasets: ['openai/gsm8k']" in said
+    with pytest.raises(ValueError, match="data.dataset: openai/other is not in the local datasets cache"):
+        load_rows(DataConfig(dataset="openai/other"))
+    assert requests == []
+
+
+def test_a_cached_dataset_names_its_configurations_and_splits(hub_cache):
+    assert dict(data_config_problems({"dataset": "openai/gsm8k"}))["data.config"] == (
+        "openai/gsm8k has several configurations in the local cache: give one of ['main', 'socratic']")
+    said = dict(data_config_problems({"dataset": "openai/gsm8k", "config": "nope"}))["data.config"]
+    assert "no configuration 'nope'" in said and "cached: ['main', 'socratic']" in said
+    with pytest.raises(ValueError, match=r"data.split: openai/gsm8k has no split 'dev'; its splits: "
+                                         r"\['train', 'test'\]"):
+        load_rows(DataConfig(dataset="openai/gsm8k", config="main", split="dev", prompt_key="question"))
+    with pytest.raises(ValueError, match=r"no column 'prompt'; it has \['question', 'answer', 'tolerance'\]"):
+        load_rows(DataConfig(dataset="openai/gsm8k", config="main"))
+
+
+def test_tasks_carry_the_prompt_text_and_their_whole_row(tmp_path):
+    task = taskset(write(tmp_path, "jsonl"), batch=1).next_batch()[0]
+    row = next(r for r in ROWS if r["answer"] == task.answer)
+    assert task.prompt_text == row["prompt"] and task.row == row
+    json.dumps(task.row)  # a plain, JSON-able mapping

@@ -291,6 +291,36 @@ def test_model_config_problems_lists_every_problem():
     assert model_config_problems({"engine": "tiny", "lr": 0.001}) == []
 
 
+def test_the_tiny_engine_refuses_data_naming_the_lightest_engine_that_reads_it(tmp_path):
+    from rolectl.roles.config import parse_config
+    from rolectl.sync_protocol import ConfigError
+
+    (tmp_path / "tasks.jsonl").write_text('{"prompt": "2 + 2 =", "answer": "4"}\n')
+    with pytest.raises(ConfigError) as caught:
+        parse_config({"job": "j", "model": {"engine": "tiny"}, "data": {"path": str(tmp_path / "tasks.jsonl")}})
+    said = dict(caught.value.problems)["data"]
+    for fragment in ("reads no text", "engine: hf", "build: {family: gpt2}", "no download, runs on CPU",
+                     "pip install -e '.[verl]'", "`.[hf]` alone is not enough", "examples/own_model.yaml"):
+        assert fragment in said, said
+
+
+def test_the_hf_engine_without_verl_asks_for_it(tmp_path):
+    """What the tiny engine's refusal says: `.[hf]` alone (no verl) cannot train; the job says so."""
+    import subprocess
+    import sys
+
+    (tmp_path / "tasks.jsonl").write_text('{"prompt": "2 + 2 =", "answer": "4"}\n')
+    job = {"job": "j", "model": {"engine": "hf", "path": str(tmp_path / "m"), "build": {"family": "gpt2"}},
+           "data": {"path": str(tmp_path / "tasks.jsonl")}}
+    code = ("import sys; sys.modules['verl'] = None  # as if not installed\n"
+            "from rolectl.roles.config import parse_config\n"
+            "from rolectl.sync_protocol import ConfigError\n"
+            f"try:\n    parse_config({job!r})\n"
+            "except ConfigError as exc:\n    print(dict(exc.problems)['algorithm'])\n")
+    said = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300).stdout
+    assert "verl's core_algos do not import" in said and "pip install -e '.[verl]'" in said, said
+
+
 def test_factories_build_engines_from_the_model_section():
     model = {"engine": "tiny", "task_length": 3, "group_size": 4}
     assert make_train_engine(model).group_size == 4

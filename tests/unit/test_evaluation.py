@@ -54,6 +54,31 @@ def test_eval_problems_are_each_reported_by_path(tmp_path):
     assert "no column 'q'" in missing["eval.path"] and "eval.prompt_key" in missing["eval.path"]
 
 
+def test_an_eval_set_is_read_like_data_from_a_saved_directory_and_its_split(tmp_path):
+    import datasets
+
+    rows = [r for r in datasets.load_dataset("json", data_files=str(EVAL_FILE), split="train")]
+    saved = tmp_path / "saved"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:8]),
+                          "test": datasets.Dataset.from_list(rows[8:12])}).save_to_disk(str(saved))
+    tasks = make_eval_tasks(_tiny(path=str(saved), split="test"))
+    assert [t.answer for t in tasks] == [r["answer"] for r in rows[8:12]]
+    assert tasks[0].prompt_text == rows[8]["prompt"] and tasks[0].row == rows[8]
+    problems = _problems({"job": "j", "eval": {"path": str(saved), "split": "dev", "eval_interval": 1}})
+    assert problems == {"eval.split": f"{saved} has no split 'dev'; its splits: ['train', 'test']"}
+
+
+def test_eval_rewards_see_the_row(tmp_path):
+    (tmp_path / "row_reward.py").write_text(
+        "def first_digit(response, answer, *, prompt, row):\n"
+        "    return float(row['answer'] == answer and prompt == row['prompt']) + int(row['answer'][0]) / 10\n")
+    cfg = _tiny(rewards=[f"{tmp_path}/row_reward.py:first_digit"], max_tasks=4)
+    tasks = make_eval_tasks(cfg)
+    result = evaluate(make_rollout_engine(cfg, "explorer-0"), tasks, cfg)
+    expected = sum(1 + int(t.answer[0]) / 10 for t in tasks) / 4
+    assert result.rewards == {f"{tmp_path}/row_reward.py:first_digit": pytest.approx(expected)}
+
+
 def test_a_tiny_eval_is_greedy_deterministic_and_reports_each_reward():
     cfg = _tiny()
     tasks = make_eval_tasks(cfg)

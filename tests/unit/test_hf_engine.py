@@ -1,4 +1,5 @@
-"""The `hf` engines on the tests' tiny random-init Qwen2 (and a GPT-2 build): build, generate, train, resume, config."""
+"""The `hf` engines on the tests' tiny random-init Qwen2 (and a GPT-2 build): build, generate, train, resume,
+config; multi-turn episodes trained on the policy's own tokens only."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from rolectl.roles.engines.hf import response_logprobs
 from rolectl.roles.engines.hf_model import load_tokenizer
 from rolectl.sync_protocol import ConfigError
 from tests.support.tiny_llm import built_model, data_section, model_section
+from tests.support.trajectories import assert_hf_trains_on_sampled_tokens_only
 
 
 @pytest.fixture(scope="module")
@@ -184,3 +186,12 @@ def test_a_gpt2_build_whose_heads_do_not_fill_its_width_is_refused(tmp_path):
         parse_config({"job": "bad", "model": model_section(tmp_path / "m", build=build), "data": data_section()})
     assert any(path == "model.build" and "num_heads x head_dim" in why for path, why in info.value.problems), \
         info.value.problems
+
+
+# -- multi-turn episodes: trained on the tokens the policy sampled only -----------------------------
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_the_hf_trainer_trains_on_the_sampled_tokens_of_multi_turn_episodes(model_dir, mode):
+    cfg = parse_config({"job": "hf-test", "model": model_section(model_dir, minibatches=1), "data": data_section(),
+                        "algorithm": {"loss_agg_mode": mode, "kl_coef": 0.05}})
+    assert_hf_trains_on_sampled_tokens_only(make_train_engine(cfg))

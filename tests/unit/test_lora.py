@@ -1,5 +1,6 @@
 """`model.lora` on the hf engines (peft): the section's validation, only the adapter trained and sent,
-explorers holding the same adapter, resume, the peft-format export and the merged model."""
+explorers holding the same adapter, resume, the peft-format export and the merged model; multi-turn
+episodes trained on the policy's own tokens only."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from rolectl.roles.engines import WeightsMismatch, make_rollout_engine, make_tas
 from rolectl.roles.engines.hf import response_logprobs
 from rolectl.sync_protocol import ConfigError
 from tests.support.tiny_llm import built_model, data_section, model_section
+from tests.support.trajectories import assert_hf_trains_on_sampled_tokens_only
 
 LORA = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}
 
@@ -166,3 +168,7 @@ def test_without_lora_the_hf_export_is_the_whole_model(model_dir, tmp_path):
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "final", local_files_only=True)
     assert not (tmp_path / "final" / "adapter_config.json").exists()
     assert all(torch.equal(t, loaded.state_dict()[n]) for n, t in trainer.weights().items())
+
+
+def test_a_lora_trainer_trains_on_the_sampled_tokens_of_multi_turn_episodes(job):
+    assert_hf_trains_on_sampled_tokens_only(make_train_engine(job(minibatches=1, algorithm={"kl_coef": 0.05})))

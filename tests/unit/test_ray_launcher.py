@@ -1,18 +1,21 @@
 """`rolectl up --launcher ray` before any cluster: the bundles it asks for, the config fields they
-come from, the flags it refuses, and the message when Ray is not installed."""
+come from, the flags it refuses, the message when Ray is not installed, and, secured, what each
+actor is handed: its own identity's files only, written where only it can read them."""
 
 from __future__ import annotations
 
+import shutil
 import sys
 
 import pytest
 from click.testing import CliRunner
 
+from rolectl.bus.auth import init_auth_dir
 from rolectl.roles.cli import main
 from rolectl.roles.config import load_config, parse_config
 from rolectl.roles.launch.base import Launcher, RoleHandle
 from rolectl.roles.launch.local import LocalLauncher
-from rolectl.roles.launch.ray import INSTALL_HINT, actor_name, role_bundles
+from rolectl.roles.launch.ray import INSTALL_HINT, RayLauncher, _private_dir, _write_private, actor_name, role_bundles
 from rolectl.sync_protocol import ConfigError
 
 QUICKSTART = "examples/quickstart.yaml"
@@ -69,7 +72,6 @@ def test_missing_ray_names_the_extra_to_install(monkeypatch):
 @pytest.mark.parametrize("args, says", [
     (["--ray-address", "auto"], "--ray-address apply to --launcher ray only"),
     (["--nats", "nats://x:4222"], "--nats apply to --launcher ray only"),
-    (["--launcher", "ray", "--auth-dir", "."], "--auth-dir is not supported with --launcher ray"),
 ])
 def test_flags_that_do_not_fit_the_launcher_are_refused(args, says):
     result = CliRunner().invoke(main, ["up", "--config", QUICKSTART, *args])
@@ -91,3 +93,37 @@ def test_role_handle_protocol_is_what_the_supervisor_uses():
     source = inspect.getsource(local.supervise) + inspect.getsource(local._Supervision)
     assert ".proc" not in source  # the supervisor sees RoleHandles only, whatever the launcher
     assert {"poll", "returncode", "restarts", "tail", "name"} <= set(dir(RoleHandle))
+
+
+@pytest.fixture(scope="module")
+def auth(tmp_path_factory):
+    return init_auth_dir(tmp_path_factory.mktemp("auth") / "auth", job="j", explorers=2, synchronizers=1)
+
+
+def test_each_actor_is_handed_its_own_identity_and_the_ca_only(auth, tmp_path):
+    launcher = RayLauncher(cfg=_cfg(explorers={"count": 2}), placement_group=None, config_path=tmp_path / "job.yaml",
+                           logs=tmp_path, max_restarts=0, auth=auth)
+    for member in ("trainer", "explorer-0", "explorer-1", "sync-0"):
+        files = launcher._identity(member)
+        assert files == {f"{member}.nk": auth.credential(member).read_bytes(), "ca.pem": auth.ca.read_bytes()}
+    assert RayLauncher(cfg=_cfg(), placement_group=None, config_path=tmp_path, logs=tmp_path,
+                       max_restarts=0)._identity("trainer") is None  # not secured: nothing handed out
+
+
+def test_an_actor_writes_its_identity_where_only_its_user_can_read_it(auth):
+    private = _private_dir("rolectl-test-")
+    try:
+        written = _write_private(private, {"explorer-0.nk": b"SUSECRET", "ca.pem": b"CA", "../escape": b"x"})
+        assert (private.stat().st_mode & 0o777) == 0o700
+        assert all(path.parent == private and (path.stat().st_mode & 0o777) == 0o600 for path in written.values())
+        assert written["explorer-0.nk"].read_bytes() == b"SUSECRET"
+    finally:
+        shutil.rmtree(private)
+
+
+def test_identities_made_for_another_job_are_refused_before_anything_starts(tmp_path):
+    other = init_auth_dir(tmp_path / "other", job="another-job", explorers=2, synchronizers=1)
+    result = CliRunner().invoke(main, ["up", "--launcher", "ray", "--config", QUICKSTART, "--no-dashboard",
+                                       "--auth-dir", str(other.path)])
+    assert result.exit_code == 1, result.output
+    assert "its identities are for job 'another-job'" in result.output

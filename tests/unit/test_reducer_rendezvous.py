@@ -252,7 +252,7 @@ def test_explorers_wait_for_a_trainer_that_left_before_finishing(leave):
     job.feed(req(T, 1, 1))
     job.feed(req(E1, 1, -1))
     assert job.lines(stop(T, 1, 1) if leave == "stop" else expired(T)) == []
-    assert job.state.rounds[1].participants == ("explorer/e1", "explorer/e2")
+    assert tuple(job.state.rounds[1].participants) == ("explorer/e1", "explorer/e2")
     assert job.lines(req(E2, 1, -1)) == []  # everyone but the trainer: still gathering
     assert job.lines(join(T_AGAIN, version=1, step=1)) == []
     assert job.lines(req(T_AGAIN, 1, 1, "10.0.0.1:29500")) == [

@@ -280,7 +280,7 @@ def test_synchronizer_may_join_and_never_takes_part_in_rounds():
     job = _job(join(SYNC), config=SyncConfig())
     job.feed(req(SYNC, 0, 0))
     job.feed(req(T, 1, 1))
-    assert job.state.rounds[1].participants == ("trainer/t", "explorer/e1", "explorer/e2")
+    assert tuple(job.state.rounds[1].participants) == ("trainer/t", "explorer/e1", "explorer/e2")
 
 
 def test_state_read_helpers():

@@ -8,7 +8,14 @@ import subprocess
 
 import pytest
 
-from rolectl.bus.auth import identities, init_auth_dir, parse_header, parse_nkeys, server_permissions
+from rolectl.bus.auth import (
+    identities,
+    init_auth_dir,
+    parse_header,
+    parse_nkeys,
+    server_permissions,
+    with_tls_files,
+)
 from rolectl.bus.security import ClientSecurity, SecurityError, redact
 from rolectl.bus.server import find_nats_server
 
@@ -75,7 +82,7 @@ def test_settings_that_cannot_work_say_what_to_do(tmp_path, settings, words):
 
 
 def test_flags_win_over_environment_over_the_config_file(tmp_path, monkeypatch):
-    from rolectl.roles.cli import _security
+    from rolectl.roles.cli.options import client_security
 
     files = {n: tmp_path / n for n in ("flag.nk", "env.nk", "conf.nk", "env-ca.pem", "conf-ca.pem")}
     for f in files.values():
@@ -83,10 +90,10 @@ def test_flags_win_over_environment_over_the_config_file(tmp_path, monkeypatch):
     monkeypatch.setenv("ROLECTL_NATS_CREDS", str(files["env.nk"]))
     monkeypatch.setenv("ROLECTL_NATS_TLS_CA", str(files["env-ca.pem"]))
     config = ClientSecurity(creds=str(files["conf.nk"]), tls_ca=str(files["conf-ca.pem"]))
-    assert _security(creds=str(files["flag.nk"]), config=config) == ClientSecurity(
+    assert client_security(creds=str(files["flag.nk"]), config=config) == ClientSecurity(
         creds=str(files["flag.nk"]), tls_ca=str(files["env-ca.pem"]))
     monkeypatch.delenv("ROLECTL_NATS_CREDS")
-    assert _security(config=config).creds == str(files["conf.nk"])
+    assert client_security(config=config).creds == str(files["conf.nk"])
 
 
 def test_the_config_nats_section_takes_paths_relative_to_the_file(tmp_path):
@@ -122,6 +129,23 @@ def test_nats_server_accepts_the_config_auth_init_writes(auth_dir):
     result = subprocess.run([find_nats_server(), "-t", "-c", str(auth_dir.server_conf)],
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_config_moved_to_other_tls_files_names_them_and_still_loads(auth_dir, tmp_path):
+    # a Ray head writes the server's certificate and key where it can: the config must follow them
+    moved = tmp_path / "a dir\\with odd chars"
+    moved.mkdir()
+    cert, key = moved / "server.pem", moved / "server.key"
+    cert.write_bytes((auth_dir.path / "server.pem").read_bytes())
+    key.write_bytes((auth_dir.path / "server.key").read_bytes())
+    conf_text = with_tls_files(auth_dir.server_conf.read_text(), cert_file=cert, key_file=key)
+    assert str(auth_dir.path / "server.pem") not in conf_text and str(auth_dir.path / "server.key") not in conf_text
+    conf = tmp_path / "nats-server.conf"
+    conf.write_text(conf_text)
+    result = subprocess.run([find_nats_server(), "-t", "-c", str(conf)], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stdout + result.stderr
+    with pytest.raises(ValueError, match="cert_file"):
+        with_tls_files("port: 4222\n", cert_file=cert, key_file=key)
 
 
 def test_the_config_lists_one_nkey_per_identity_matching_its_seed(auth_dir):

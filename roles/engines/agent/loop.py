@@ -30,12 +30,11 @@ import zlib
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import groupby
 from typing import Any
 
 import structlog
 
-from rolectl.sync_protocol.experience import Experience
+from rolectl.sync_protocol.experience import Experience, version_runs
 
 from ..base import Task
 from ..rewards import WeightedReward, score_all
@@ -307,9 +306,7 @@ class AgentLoop:
         reward, episode.scores = self._reward(episode)
         versions = episode.versions
         oldest = min(versions, default=self.version())
-        runs = None
-        if any(v != oldest for v in versions):
-            runs = tuple((sum(1 for _ in run), v) for v, run in groupby(versions))
+        runs = version_runs(versions)
         return Experience(id=f"{group}-{episode.k}", group=group, prompt=tuple(episode.prompt),
                           response=tuple(episode.response), logprobs=tuple(episode.logprobs), reward=reward,
                           model_version=oldest, loss_mask=tuple(episode.mask), token_versions=runs)

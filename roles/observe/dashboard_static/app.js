@@ -229,10 +229,34 @@ function progressText(m) {
   return m.total_steps ? `${m.step} / ${m.total_steps} (${Math.round(m.fraction * 100)}%)` : m.step;
 }
 
+// A fleet of a thousand is shown a page at a time, the stragglers first (the server orders them),
+// under the counts of every role by status; the page shown stays put across updates.
+const MEMBERS_PER_PAGE = 50;
+const STATUSES = ["running", "require_sync", "finished", "stopped", "expired"];
+let membersPage = 0;
+
+function renderMemberCounts(s) {
+  $("member-counts").innerHTML = Object.entries(s.member_counts || {}).map(([role, c]) =>
+    `<span class="role-count" data-role="${esc(role)}"><span class="role role-${esc(role)}">${esc(role)}</span>` +
+    STATUSES.filter((st) => c[st]).map((st) =>
+      `<span class="status s-${st}" data-status="${st}"><span class="dot"></span><span class="n">${c[st]}</span> ` +
+      `${st.replace("_", " ")}</span>`).join("") +
+    `<span class="dim">of ${c.total}</span></span>`).join("");
+}
+
 function renderMembers(s) {
+  renderMemberCounts(s);
   const body = $("members").querySelector("tbody");
+  const pages = Math.max(1, Math.ceil(s.members.length / MEMBERS_PER_PAGE));
+  membersPage = Math.min(membersPage, pages - 1);
+  const first = membersPage * MEMBERS_PER_PAGE;
+  const shown = s.members.slice(first, first + MEMBERS_PER_PAGE);
+  $("members-pager").hidden = pages <= 1;
+  $("members-page").textContent = `${first + 1}–${first + shown.length} of ${s.members.length}`;
+  $("members-prev").disabled = membersPage === 0;
+  $("members-next").disabled = membersPage >= pages - 1;
   if (!s.members.length) { body.innerHTML = `<tr><td colspan="7" class="empty">no member has joined yet</td></tr>`; return; }
-  body.innerHTML = s.members.map((m) => {
+  body.innerHTML = shown.map((m) => {
     const latest = m.role === "synchronizer" ? "" : m.has_latest
       ? `<span class="latest-mark" title="holds the latest version">✓</span>`
       : `<span class="behind" title="behind the latest version">${s.latest.version - m.version} behind</span>`;
@@ -247,12 +271,20 @@ function renderMembers(s) {
   }).join("");
 }
 
+const CHIPS_SHOWN = 24;  // a fleet's chips would fill the page: those behind first, then a count
+
 function renderVersions(s) {
   const L = s.latest;
   const members = s.members.filter((m) => m.role !== "synchronizer");
-  const chips = members.map((m) => m.version >= L.version
+  const behind = members.filter((m) => m.version < L.version);
+  const holding = members.filter((m) => m.version >= L.version);
+  const listed = [...behind, ...holding].slice(0, CHIPS_SHOWN);
+  const chips = listed.map((m) => m.version >= L.version
     ? `<span class="chip has">${esc(m.id)} ✓</span>`
-    : `<span class="chip lacks">${esc(m.id)} v${m.version}</span>`).join("");
+    : `<span class="chip lacks">${esc(m.id)} v${m.version}</span>`).join("") +
+    (members.length > listed.length
+      ? `<span class="chip more">+${members.length - listed.length} more · ${holding.length}/${members.length} hold v${L.version}</span>`
+      : "");
   const rows = s.versions.slice(-8).reverse().map((v) =>
     `<tr><td class="num">v${v.version}</td><td class="num">${v.step}</td><td>${esc(v.method)}</td>` +
     `<td class="num">${fmtBytes(v.nbytes)}</td><td class="mono">${fmtTime(v.time_ms)}</td></tr>`).join("");
@@ -357,6 +389,13 @@ function connect() {
   }; // EventSource reconnects by itself
 }
 
+function turnMembersPage(by) {
+  membersPage = Math.max(0, membersPage + by);
+  if (last) renderMembers(last);
+}
+
+$("members-prev").addEventListener("click", () => turnMembersPage(-1));
+$("members-next").addEventListener("click", () => turnMembersPage(1));
 fetch("/api/state").then((r) => r.json()).then(render).catch(() => {});
 connect();
 setInterval(tick, 1000);

@@ -1,148 +1,25 @@
-"""`rolectl`: run a role, a whole job, a dev server; inspect, replay and watch a job."""
+"""The `rolectl` commands that run something: a role, a whole job, a dev server; provision and auth."""
 
 from __future__ import annotations
 
 import asyncio
 import sys
-from contextlib import contextmanager
-from pathlib import Path
 
 import click
 
-__all__ = ["main"]
+from .options import (
+    InputError,
+    client_options,
+    exit_codes_epilog,
+    load_job_config,
+    nats_option,
+    port_taken,
+)
 
 ROLE_NAMES = ("trainer", "explorer", "sync")
 
 
-class InputError(click.ClickException):
-    """The command did not start: a bad config, input file or port (exit 2, as click's usage errors)."""
-
-    exit_code = 2
-
-
-def _port_taken(host: str, port: int) -> bool:
-    """True when `port` on `host` cannot be bound now (another process listens there)."""
-    import socket
-
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return True
-    return False
-
-
-def _check_nats_url(_ctx, param, value: str | None) -> str | None:
-    """--nats: one or more comma-separated server URLs; a malformed one is a usage error (exit 2),
-    said before anything starts."""
-    if value is None:
-        return None
-    from rolectl.bus.connection import parse_server_urls
-
-    try:
-        parse_server_urls(value)
-    except ValueError as exc:
-        raise click.BadParameter(f"{exc}; several servers are separated by commas", param=param) from None
-    return value
-
-
-def nats_option(default: str | None, help: str):
-    return click.option("--nats", default=default, show_default=default is not None, callback=_check_nats_url,
-                        help=help)
-
-
-def client_options(command):
-    """--creds / --tls-ca / --tls-cert / --tls-key: files, never secrets on the command line; each read
-    from its ROLECTL_NATS_* variable when not given (click's `envvar`, shown in --help)."""
-    from rolectl.bus.security import ENV_VARS
-
-    file = click.Path(exists=True, dir_okay=False)
-    for field, text in reversed([
-        ("creds", "Credential file of this identity: nkey seed (.nk), NATS JWT creds (.creds) or client "
-                  "certificate (.crt, key in .key)."),
-        ("tls_ca", "CA file that signed the server's certificate."),
-        ("tls_cert", "Client certificate (mTLS), with --tls-key."),
-        ("tls_key", "Client certificate's key."),
-    ]):
-        command = click.option(f"--{field.replace('_', '-')}", type=file, default=None, envvar=ENV_VARS[field],
-                               show_envvar=True, help=text)(command)
-    return command
-
-
-def _security(creds=None, tls_ca=None, tls_cert=None, tls_key=None, *, config=None):
-    """Flags over ROLECTL_NATS_* variables over the config's `nats:` section; checked now. (Under
-    click the flags already hold the variables; a caller outside click gets them here.)"""
-    from rolectl.bus.security import ClientSecurity, SecurityError
-    from rolectl.roles.config import env_settings
-    from rolectl.sync_protocol import ConfigError
-
-    try:
-        environment = env_settings().nats_security
-    except ConfigError as exc:
-        raise InputError(str(exc)) from None
-    resolved = ClientSecurity(creds=creds, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key).over(
-        environment.over(config)
-    )
-    try:
-        resolved.check()
-    except SecurityError as exc:
-        raise InputError(str(exc)) from None
-    return resolved
-
-
-def _load(config_path: str, nats: str | None, security_flags: dict | None = None, *, check_engines: bool = True):
-    import dataclasses
-
-    from rolectl.roles.config import load_config
-    from rolectl.sync_protocol import ConfigError
-
-    try:
-        cfg = load_config(config_path, check_engines=check_engines)
-    except ConfigError as exc:
-        raise InputError(str(exc)) from None
-    if nats:
-        cfg = cfg.with_overrides(nats_url=nats)
-    if security_flags is not None:
-        security = _security(**security_flags, config=cfg.nats.security)
-        # only the credential paths: the rest of the nats section (replicas) stays as configured
-        cfg = cfg.with_overrides(nats=cfg.nats.replace(**dataclasses.asdict(security)))
-    return cfg
-
-
-def _exit_codes_epilog() -> str:
-    from rolectl.roles.exit_codes import exit_code_table
-
-    # \b keeps click from rewrapping the table
-    return "\b\nExit codes (every command):\n" + exit_code_table()
-
-
-class _Commands(click.Group):
-    """rolectl's commands. Output whose reader went away (`rolectl status | head`) ends quietly with
-    0: the reader had what it wanted (click would say nothing and exit 1). `replay --check` keeps
-    its verdict (roles.observe.replay)."""
-
-    def invoke(self, ctx: click.Context):
-        try:
-            return super().invoke(ctx)
-        except BrokenPipeError:
-            from rolectl.roles.observe.render import quiet_closed_stdout
-
-            quiet_closed_stdout()
-            ctx.exit(0)
-
-
-@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]}, epilog=_exit_codes_epilog())
-@click.version_option(package_name="rolectl")
-def main() -> None:
-    """rolectl: RL fine-tuning roles coordinated over NATS.
-
-    A trainer and explorers publish status and version events; a stateless synchronizer folds them
-    and decides when weights move; weights travel out of band.
-    """
-
-
-@main.command()
+@click.command()
 @click.argument("role", type=click.Choice(ROLE_NAMES))
 @click.option("--config", "config_path", required=True, type=click.Path(exists=True, dir_okay=False),
               help="Job YAML (see examples/).")
@@ -194,7 +71,7 @@ def start(role: str, config_path: str, member_id: str | None, job: str | None, n
     if start_mode and role == "sync":
         raise click.UsageError(f"--{start_mode} applies to a trainer or an explorer; a synchronizer saves no state")
     # a synchronizer runs no engine: it starts (and restarts) without importing one
-    cfg = _load(config_path, nats, security, check_engines=role != "sync")
+    cfg = load_job_config(config_path, nats, security, check_engines=role != "sync")
     if job is not None:
         try:
             check_name(job, "job name")
@@ -266,7 +143,7 @@ def _check_explorer_id(member_id: str, cfg) -> None:
                                  f"in {cfg.source}); raise explorers.count to run more", param_hint="--id")
 
 
-@main.command(epilog=_exit_codes_epilog())
+@click.command(epilog=exit_codes_epilog())
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Job YAML (see examples/); required unless --resume.")
 @click.option("--resume", "resume_dir", type=click.Path(exists=True, file_okay=False), default=None,
@@ -282,7 +159,8 @@ def _check_explorer_id(member_id: str, cfg) -> None:
 @click.option("--run-dir", default=None, help="Where role logs and checkpoints go (default: config run_dir).")
 @click.option("--auth-dir", default=None, type=click.Path(exists=True, file_okay=False),
               help="Run secured with what `rolectl auth init` wrote there: its nats-server.conf (TLS, "
-                   "identities), admin provisions the streams, each role connects as its own identity.")
+                   "identities), admin provisions the streams, each role connects as its own identity "
+                   "(with --launcher ray, each actor is handed its own identity's files only).")
 @click.option("--launcher", type=click.Choice(["local", "ray"]), default="local", show_default=True,
               help="local: every role a process on this machine. ray: every role a Ray actor in one "
                    "placement group (needs `pip install 'rolectl[ray]'`).")
@@ -301,29 +179,10 @@ def up(config_path, resume_dir, explorers, summary, dashboard, dashboard_port, r
     130 when interrupted (Ctrl-C, SIGTERM); then `rolectl up --resume RUN_DIR` continues it."""
     if config_path is None and resume_dir is None:
         raise click.UsageError("give --config FILE (a new run) or --resume RUN_DIR (continue one)")
-    cfg = _load(config_path, None) if config_path is not None else None
+    cfg = load_job_config(config_path, None) if config_path is not None else None
     resume = None
     if resume_dir is not None:
         resume, cfg = _open_run_for_resume(resume_dir, cfg, explorers=explorers, run_dir=run_dir, launcher=launcher)
-    if launcher == "ray":
-        given = [flag for flag, value in (("--auth-dir", auth_dir),) if value]
-        if given:
-            raise click.UsageError(f"{given[0]} is not supported with --launcher ray yet; run secured jobs "
-                                   "with the local launcher or start the roles yourself (docs/security.md)")
-        from rolectl.roles.launch.ray import RayLaunchError, RayUnavailable, run_up_ray
-
-        try:
-            code = run_up_ray(cfg, ray_address=ray_address, nats=nats, explorers=explorers, summary_path=summary,
-                              dashboard=dashboard, dashboard_port=dashboard_port, run_dir=run_dir,
-                              max_restarts=max_restarts)
-        except (RayUnavailable, RayLaunchError) as exc:
-            raise click.ClickException(str(exc)) from None
-        sys.exit(code)
-    given = [flag for flag, value in (("--ray-address", ray_address), ("--nats", nats)) if value]
-    if given:
-        raise click.UsageError(f"{' and '.join(given)} apply to --launcher ray only")
-    from rolectl.roles.launch.local import run_up
-
     auth = None
     if auth_dir:
         from rolectl.bus.auth import read_auth_dir
@@ -332,6 +191,21 @@ def up(config_path, resume_dir, explorers, summary, dashboard, dashboard_port, r
             auth = read_auth_dir(auth_dir)
         except ValueError as exc:
             raise click.ClickException(str(exc)) from None
+    if launcher == "ray":
+        from rolectl.roles.launch.ray import RayLaunchError, RayUnavailable, run_up_ray
+
+        try:
+            code = run_up_ray(cfg, ray_address=ray_address, nats=nats, explorers=explorers, summary_path=summary,
+                              dashboard=dashboard, dashboard_port=dashboard_port, run_dir=run_dir,
+                              max_restarts=max_restarts, auth=auth)
+        except (RayUnavailable, RayLaunchError) as exc:
+            raise click.ClickException(str(exc)) from None
+        sys.exit(code)
+    given = [flag for flag, value in (("--ray-address", ray_address), ("--nats", nats)) if value]
+    if given:
+        raise click.UsageError(f"{' and '.join(given)} apply to --launcher ray only")
+    from rolectl.roles.launch.local import run_up
+
     sys.exit(
         run_up(cfg, explorers=explorers, summary_path=summary, dashboard=dashboard,
                dashboard_port=dashboard_port, run_dir=run_dir, auth=auth, resume=resume)
@@ -353,7 +227,7 @@ def _open_run_for_resume(resume_dir: str, given, **changes):
         raise InputError(f"--resume {resume_dir}: {exc}") from None
 
 
-@main.command()
+@click.command()
 @click.option("--config", "config_path", required=True, type=click.Path(exists=True, dir_okay=False),
               help="Job YAML: the job's name, sync method and storage decide which streams to make.")
 @nats_option(None, "NATS URL(s), comma-separated; overrides the config's nats_url.")
@@ -365,7 +239,7 @@ def provision(config_path: str, nats: str | None, **security) -> None:
     from rolectl.roles.provision import provision_job
 
     setup_logging("warning")
-    cfg = _load(config_path, nats, security)
+    cfg = load_job_config(config_path, nats, security)
     try:
         streams = asyncio.run(provision_job(cfg))
     except BusError as exc:
@@ -373,7 +247,7 @@ def provision(config_path: str, nats: str | None, **security) -> None:
     click.echo(f"job {cfg.job}: streams ready: {', '.join(streams)}")
 
 
-@main.group()
+@click.group()
 def auth() -> None:
     """Secure deployments: TLS, one identity per member, least privilege."""
 
@@ -409,7 +283,7 @@ def auth_init(directory, job, explorers, synchronizers, hosts, port, http_port, 
                f"see {made.path / 'README'}")
 
 
-@main.command()
+@click.command()
 @click.option("--port", type=click.IntRange(1, 65535), default=4222, show_default=True,
               help="Client port (single server).")
 @click.option("--http-port", type=click.IntRange(1, 65535), default=8222, show_default=True,
@@ -457,7 +331,7 @@ def server(port: int, http_port: int, store_dir: str | None, host: str, cluster_
         srv = NatsCluster(size=cluster_size, host=host, store_dir=store_dir, own_session=True)
     else:
         for flag, value in (("--port", port), ("--http-port", http_port)):
-            if _port_taken(host, value):
+            if port_taken(host, value):
                 raise InputError(f"{flag} {value}: {host}:{value} is already in use (another nats-server? "
                                  f"`rolectl server` twice?); pass a free {flag}, or stop what listens there")
         srv = NatsServer(host=host, port=port, http_port=http_port, store_dir=store_dir, own_session=True)
@@ -489,221 +363,3 @@ def server(port: int, http_port: int, store_dir: str | None, host: str, cluster_
         pass
     finally:
         srv.stop()
-
-
-run_option = click.option(
-    "--run", "run_dir", type=click.Path(exists=True, file_okay=False), default=None,
-    help="A run directory of `rolectl up` (runs/JOB-TIME-PID): its job, record and archive, read with no server to "
-         "start (a private one opens the run's store), instead of --job/--nats/--archive.")
-
-
-@contextmanager
-def _job_source(job: str | None, nats: str | None, archive: str | None, run_dir: str | None,
-                others: tuple[str, ...] = ()):
-    """(job, NATS URL, archive dir, monitoring URL or None) to read, from --job/--nats/--archive or --run."""
-    from click.core import ParameterSource
-
-    from rolectl.roles.observe.run_store import RunError, job_source
-
-    ctx = click.get_current_context()
-    given = [f"--{name.replace('_', '-')}" for name in ("job", "nats", "archive", *others) if run_dir
-             and ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)]
-    if given:
-        raise click.UsageError(f"--run reads the job, its record and archive from the run: drop {' and '.join(given)}")
-    try:
-        with job_source(job, nats, archive, run_dir) as source:
-            yield source
-    except RunError as exc:  # raised on opening: the commands' own errors are not RunErrors
-        raise InputError(str(exc)) from None
-
-
-@main.command()
-@click.option("--job", default=None, help="The job to read (or --run).")
-@nats_option("nats://127.0.0.1:4222", "NATS URL(s), comma-separated.")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-@click.option("--archive", "archive", type=click.Path(file_okay=False), default=None,
-              help="The job's archived history (default place: RUN_DIR/JOB/archive), read before the stream.")
-@run_option
-@client_options
-def status(job: str | None, nats: str, as_json: bool, archive: str | None, run_dir: str | None, **security) -> None:
-    """Members of a job (role, id, status, step, version, last seen), read from its stream."""
-    from rolectl.roles.observe.status import print_status
-
-    client = _security(**security)
-    with _job_source(job, nats, archive, run_dir) as (job, nats, archive_dir, _):
-        code = asyncio.run(print_status(job, nats, as_json=as_json, security=client, archive_dir=archive_dir))
-    sys.exit(code)
-
-
-@main.command()
-@click.option("--job", default=None, help="The job to read (or --run).")
-@nats_option("nats://127.0.0.1:4222", "NATS URL(s), comma-separated.")
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
-              help="File to write (.jsonl for JSON lines, .msgpack for msgpack).")
-@click.option("--archive", "archive", type=click.Path(file_okay=False), default=None,
-              help="The job's archived history (default place: RUN_DIR/JOB/archive), read before the stream.")
-@run_option
-@client_options
-def export(job: str | None, nats: str, output: str, archive: str | None, run_dir: str | None, **security) -> None:
-    """Write a job's recorded events and decisions, with sequences and server timestamps."""
-    from rolectl.bus.archive import ArchiveError
-    from rolectl.bus.errors import BusError
-    from rolectl.bus.logging import setup_logging
-    from rolectl.roles.observe.replay import ExportError, export_job
-
-    setup_logging("warning")
-    client = _security(**security)
-    try:
-        with _job_source(job, nats, archive, run_dir) as (job, nats, archive_dir, _):
-            n = asyncio.run(export_job(job, nats, Path(output), security=client, archive_dir=archive_dir))
-    except ArchiveError as exc:  # a damaged segment: named, nothing written
-        raise InputError(str(exc)) from None
-    except BusError as exc:  # NATS away, no such job: exit 1 as every command
-        raise click.ClickException(str(exc)) from None
-    except (ExportError, ValueError) as exc:  # a bad output path or job name: exit 2
-        raise InputError(str(exc)) from None
-    click.echo(f"wrote {n} records to {output}")
-
-
-@main.command()
-@click.option("--job", default=None)
-@nats_option("nats://127.0.0.1:4222", "NATS URL(s), comma-separated.")
-@click.option("--file", "file_", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="An export written by `rolectl export` (or by `rolectl up`).")
-@click.option("--until", default=None, help="Stop at this stream sequence (int) or time (ISO 8601).")
-@click.option("--check", is_flag=True, help="Recompute every decision and compare with the recorded one.")
-@click.option("--json", "as_json", is_flag=True, help="Print the timeline as JSON.")
-@click.option("--archive", "archive", type=click.Path(file_okay=False), default=None,
-              help="The job's archived history (default place: RUN_DIR/JOB/archive), read before the stream.")
-@run_option
-@client_options
-def replay(job, nats, file_, until, check, as_json, archive, run_dir, **security) -> None:
-    """Fold a job's events into a readable timeline; with --check, verify every decision."""
-    from rolectl.roles.observe.replay import run_replay
-
-    if sum(given is not None for given in (job, file_, run_dir)) != 1:
-        raise click.UsageError("give exactly one of --job, --file or --run")
-    client = _security(**security)
-    if file_ is not None:
-        sys.exit(run_replay(job=None, nats=nats, file=file_, until=until, check=check, as_json=as_json,
-                            security=client, archive=archive))
-    with _job_source(job, nats, archive, run_dir) as (job, nats, archive_dir, _):
-        code = run_replay(job=job, nats=nats, file=None, until=until, check=check, as_json=as_json,
-                          security=client, archive=archive_dir)
-    sys.exit(code)
-
-
-@main.command()
-@click.option("--job", default=None, help="The job to watch (required without --config).")
-@nats_option(None, "NATS URL(s), comma-separated [default: the config's nats_url, else nats://127.0.0.1:4222].")
-@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="The job's config: its job name, NATS URL, credentials and archive directory.")
-@click.option("--archive", "archive", type=click.Path(file_okay=False), default=None,
-              help="The job's archived history (default with --config: RUN_DIR/JOB/archive), read before the stream.")
-@click.option("--port", type=int, default=8080, show_default=True)
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--monitor-url", default=None, help="nats-server monitoring URL (default: same host, port 8222).")
-@run_option
-@client_options
-def dashboard(job, nats, config_path, archive, port, host, monitor_url, run_dir, **security) -> None:
-    """Serve the live dashboard of a job (members, versions, rounds, NATS health, /metrics): its archived
-    history, then its stream live, as one history."""
-    from rolectl.roles.observe.dashboard import serve_dashboard
-
-    if run_dir is not None:
-        with _job_source(job, nats, archive, run_dir, others=("config_path", "monitor_url")) as (
-                job, nats, archive_dir, monitor_url):
-            code = serve_dashboard(job=job, nats=nats, host=host, port=port, monitor_url=monitor_url,
-                                   security=_security(**security), archive_dir=archive_dir)
-        sys.exit(code)
-    if config_path is not None:
-        cfg = _load(config_path, nats, security, check_engines=False)
-        if job is not None and job != cfg.job:
-            raise click.UsageError(f"--job {job} is not the job of {config_path} ({cfg.job}); give one of them")
-        job, nats, client = cfg.job, cfg.nats_url, cfg.nats.security
-        archive_dir = Path(archive) if archive else cfg.event_archive_dir
-    elif job is None:
-        raise click.UsageError("give --job (with --nats), or --config with the job's config file")
-    else:
-        nats = nats or "nats://127.0.0.1:4222"
-        client = _security(**security)
-        archive_dir = Path(archive) if archive else None
-    sys.exit(serve_dashboard(job=job, nats=nats, host=host, port=port, monitor_url=monitor_url,
-                             security=client, archive_dir=archive_dir))
-
-
-@main.command()
-@click.option("--config", "config_path", required=True, type=click.Path(exists=True, dir_okay=False),
-              help="The job's config: its trackers (monitor.backends), NATS URL, credentials and archive.")
-@nats_option(None, "NATS URL(s), comma-separated [default: the config's nats_url].")
-@click.option("--run", "run_name", default=None,
-              help="The trackers' run name [default: JOB-track-<UTC time>].")
-@click.option("--once", is_flag=True, help="Log the record as it is now and stop, instead of following the job "
-                                           "to its end.")
-def track(config_path, nats, run_name, once) -> None:
-    """Log a job to its experiment trackers (monitor.backends) from its record: for jobs whose roles
-    were started one by one (`rolectl up` feeds them itself). Follows the job to its end."""
-    from rolectl.bus.archive import ArchiveError
-    from rolectl.bus.errors import BusError
-    from rolectl.bus.logging import setup_logging
-    from rolectl.roles.config import tracker_problems
-    from rolectl.roles.exit_codes import ExitCode
-    from rolectl.roles.observe.track import default_run_name, track_job
-
-    cfg = _load(config_path, nats, check_engines=False)  # the engines run elsewhere: not checked here
-    if not cfg.monitor.backends:
-        raise InputError(f"{config_path}: monitor.backends is empty, so there is nothing to log to; "
-                         "name one or more of tensorboard, mlflow, wandb")
-    problems = tracker_problems(cfg.monitor.backends)
-    if problems:
-        raise InputError("; ".join(f"{config_path}: {path}: {why}" for path, why in problems))
-    setup_logging("warning")
-    run = run_name or default_run_name(cfg)
-    click.echo(f"logging job {cfg.job} to {', '.join(cfg.monitor.backends)} (run {run}) in {cfg.monitor_dir}")
-    try:
-        code = asyncio.run(track_job(cfg, run=run, once=once, say=click.echo))
-    except KeyboardInterrupt:
-        click.echo("interrupted: what was read so far is logged", err=True)
-        sys.exit(ExitCode.INTERRUPTED)
-    except (BusError, ArchiveError) as exc:  # NATS away, no such job, a damaged archive segment
-        raise click.ClickException(str(exc)) from None
-    sys.exit(code)
-
-
-@main.command()
-@click.option("--config", "config_path", required=True, type=click.Path(exists=True, dir_okay=False))
-@click.option("--versions", default=None,
-              help="Comma-separated versions to evaluate (default every kept one: 0, the base model, and the "
-                   "trainer's checkpoints).")
-@click.option("--run-dir", default=None,
-              help="The run directory `rolectl up` printed (default: the config's run_dir, or the newest "
-                   "`up` run of the job under it).")
-@click.option("--eval", "eval_file", default=None, type=click.Path(exists=True, dir_okay=False),
-              help="Eval task file; overrides the config's eval.path.")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def bench(config_path, versions, run_dir, eval_file, as_json) -> None:
-    """Evaluate a job's saved versions on its eval set: one row per version, each reward's mean."""
-    from rolectl.bus.logging import setup_logging
-    from rolectl.roles.engines.evaluation import eval_config_problems
-    from rolectl.roles.observe.bench import BenchError, print_bench, run_bench
-
-    setup_logging("warning")
-    cfg = _load(config_path, None)
-    if eval_file:
-        cfg = cfg.with_overrides(eval=cfg.eval.replace(path=eval_file))
-        problems = eval_config_problems(cfg)
-        if problems:
-            raise InputError("; ".join(f"{path}: {why}" for path, why in problems))
-    try:
-        wanted = [int(v) for v in versions.split(",")] if versions else None
-    except ValueError:
-        raise InputError(f"--versions: a comma-separated list of integers, got {versions!r}") from None
-    try:
-        rows = run_bench(cfg, run_dir=run_dir, versions=wanted)
-    except BenchError as exc:
-        raise InputError(str(exc)) from None
-    print_bench(rows, as_json=as_json)
-
-
-if __name__ == "__main__":
-    main()

