@@ -68,7 +68,7 @@ def _greedy_reward(engine, tasks: list) -> float:
     return sum(score_all(engine.rewards, text, task)[0] for (text,), task in zip(texts, tasks)) / len(tasks)
 
 
-def make_pairs(model: Path, out: Path, *, tasks_file: Path = TASKS, prompts: int = 512, eval_prompts: int = 64,
+def make_pairs(model: Path, out: Path, *, tasks_file: Path = TASKS, prompts: int = 256, eval_prompts: int = 64,
                samples: int = 8, max_new_tokens: int = MAX_NEW_TOKENS, temperature: float = 1.0, seed: int = 0) -> dict:
     """Write `pairs.jsonl` and `eval.jsonl` under `out`; what it wrote and the base's greedy reward."""
     from rolectl.roles.engines.data import DataConfig, load_rows
@@ -106,7 +106,7 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=MODEL, help="the base model directory")
     parser.add_argument("--out", type=Path, default=OUT, help="where the files go")
     parser.add_argument("--tasks", type=Path, default=TASKS, help="the RL task file (prompt, answer)")
-    parser.add_argument("--prompts", type=int, default=512, help="training prompts (the file's first rows)")
+    parser.add_argument("--prompts", type=int, default=256, help="training prompts (the file's first rows)")
     parser.add_argument("--eval-prompts", type=int, default=64, help="held-out prompts (from the file's end)")
     parser.add_argument("--samples", type=int, default=8, help="responses sampled per prompt")
     parser.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS, help="longest response in tokens")
