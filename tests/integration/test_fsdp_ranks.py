@@ -266,7 +266,8 @@ def test_a_dpo_stage_from_another_jobs_checkpoint_takes_its_weights_as_the_shard
     ranks = fsdp_ranks.run_ranks("dpo-from-ckpt", workdir, 2)
     _assert_close(load_file(workdir / "dpo-from-ckpt" / "weights-start.safetensors"),
                   load_file(workdir / "dpo-train" / "weights-3.safetensors"), atol=0.0)
-    for rank in ranks:  # the policy starts as the reference: no margin, the loss is log 2
+    for rank in ranks:  # the policy starts as the reference: no margin, the loss is log 2 (one minibatch:
+        # a second one would be taken after the first's update)
         first = rank["metrics_4"]
         assert first["dpo/reward_margin"] == pytest.approx(0.0, abs=1e-6)
         assert first["loss"] == pytest.approx(math.log(2), rel=1e-6)

@@ -118,8 +118,9 @@ def _dpo(scenario: str, workdir: Path, out: Path) -> None:
     from rolectl.roles.engines.algorithms import AlgorithmConfig
     from rolectl.roles.engines.sections import FSDPModelSection
 
-    start = {"init_from": str(workdir / "dpo-ckpt")} if scenario == "dpo-from-ckpt" else {}
-    section = FSDPModelSection.model_validate(model_section(workdir / "model", **FSDP_SETTINGS, **start))
+    # from a checkpoint: one minibatch, so the step's figures are all taken before its one update
+    start = {"init_from": str(workdir / "dpo-ckpt"), "minibatches": 1} if scenario == "dpo-from-ckpt" else {}
+    section = FSDPModelSection.model_validate(model_section(workdir / "model", **{**FSDP_SETTINGS, **start}))
     engine = FSDPTrainEngine(section, AlgorithmConfig(), model_path=workdir / "model", keep_reference=True)
     rank, batches = engine.rank, load_pair_batches(workdir)
     report: dict = {"rank": rank, "world_size": engine.world_size}
