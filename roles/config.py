@@ -13,7 +13,6 @@ installed library) is checked once, when the job is loaded with its engines
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -36,7 +35,7 @@ from rolectl.bus.connection import parse_server_urls
 from rolectl.bus.security import ENV_VARS, ClientSecurity
 from rolectl.bus.server import go_gc_for_weights
 from rolectl.bus.subjects import check_name
-from rolectl.sync_protocol import ConfigError, JobConfigured, MemberRef, SyncConfig, SyncMethod, SyncStyle
+from rolectl.sync_protocol import ConfigError, JobConfigured, MemberRef, SyncConfig, SyncMethod
 
 from .config_base import (
     CHECK_ENGINES,
@@ -54,18 +53,24 @@ from .config_base import (
     skipping,
     yaml_kind,
 )
+from .config_rules import cross_section_problems
 from .engines.agent.config import AgentSection
 from .engines.sections import (
     READS_DATA,
+    STAGES,
     AlgorithmField,
     DataField,
+    DPOField,
+    ExpertDataSection,
     ModelSection,
     OpenModelSection,
+    SFTField,
     TableSection,
     TinyModelSection,
 )
 
 __all__ = [
+    "ENGINE_SECTIONS",
     "JobConfig",
     "TrainerConfig",
     "ExplorerConfig",
@@ -83,11 +88,16 @@ __all__ = [
     "parse_config",
 ]
 
+ENGINE_SECTIONS = ("model", "data", "algorithm", *(stage for stage in STAGES if stage != "rl"))
+"""The sections the engines read (a stage's too): typed for the engines that read them, else as written."""
+
+
 class TrainerConfig(Section):
     """The train loop: how many steps, how often to save, where."""
 
     total_steps: PositiveInt = 40
-    """Train steps; the job ends after the last one."""
+    """Train steps; the job ends after the last one. A trainer-only stage counts its own (epochs x
+    batches of its file, capped by its `max_steps`) and does not read this."""
     save_interval: NonNegativeInt = 1
     """Train steps between checkpoints (0 = never)."""
     checkpoint_dir: PathStr | None = None
@@ -111,6 +121,13 @@ class TrainerConfig(Section):
     max_restarts: NonNegativeInt = 3
     """A trainer of several ranks: how many times its ranks are restarted together, from the last
     checkpoint, after one of them dies (one host only; across hosts the launcher restarts them)."""
+    export_dir: PathStr | None = None
+    """Where the final Hugging Face export goes instead of `<run_dir>/<job>/hf/final`: a fixed path
+    the next stage's `model.path` names (`rolectl up` gives each run a directory of its own). Built
+    beside and renamed into place; an export already there is replaced."""
+    expert_data: ExpertDataSection | None = None
+    """Demonstrations mixed into each RL train step, trained with the SFT loss beside the policy
+    loss (see the `trainer.expert_data` section); `hf` / `fsdp` trainers."""
     hf_save_interval: NonNegativeInt = 0
     """Train steps between Hugging Face `save_pretrained` exports in `<run_dir>/<job>/hf/step-N`
     (0: only the final one, `hf/final`); engines that can export (`hf`, `fsdp`). Under `model.lora`
@@ -419,6 +436,16 @@ class JobConfig(Section):
     """Task file and rewards (`hf` / `fsdp` / `vllm` engines)."""
     algorithm: AlgorithmField | None = None
     """verl advantage estimator and policy loss (`hf` / `fsdp` trainers)."""
+    stage: Literal[STAGES] = "rl"  # type: ignore[valid-type]
+    """What the job trains: `rl` (explorers sample, a synchronizer syncs, the trainer learns from
+    rewards), or a trainer-only stage over a data file that `rolectl up` runs alone: `sft`
+    (demonstrations, the `sft:` section) or `dpo` (preference pairs, the `dpo:` section).
+    docs/stages.md: the pipeline from one stage to the next."""
+    sft: SFTField | None = None
+    """Supervised fine-tuning's data, schedule and eval (`stage: sft`; `hf` / `fsdp` engines)."""
+    dpo: DPOField | None = None
+    """Direct preference optimisation's pairs, beta, loss, schedule and eval (`stage: dpo`; `hf` /
+    `fsdp` engines)."""
     agent: AgentSection | None = None
     """Multi-turn episodes against an environment (see the `agent` section); unset: single-turn."""
     source: str | None = Field(default=None, exclude=True)
@@ -442,7 +469,7 @@ class JobConfig(Section):
                 read["model"] = OpenModelSection.model_validate(model)
             except ValidationError:
                 pass  # not even that (no engine name): the field reports it
-        for key in ("data", "algorithm"):
+        for key in ENGINE_SECTIONS[1:]:
             if isinstance(values.get(key), Mapping):
                 read[key] = OpenSection.model_validate(values[key])
         return read
@@ -451,10 +478,7 @@ class JobConfig(Section):
     def _sections_agree(self, info: ValidationInfo) -> JobConfig:
         """The rules across sections, every problem at once by its path; with the engines checked
         (`CHECK_ENGINES`), also what the engines need and the eval file."""
-        problems = [*_over_rollout_problems(self), *_partial_rollout_problems(self), *_wire_dtype_problems(self),
-                    *_world_size_problems(self)]
-        if checking(info):
-            problems += [*_engine_problems(self), *_eval_problems(self)]
+        problems = cross_section_problems(self, check_engines=checking(info))
         if problems:
             raise invalid(problems)
         return self
@@ -467,6 +491,16 @@ class JobConfig(Section):
     def hf_export_dir(self) -> Path:
         """Where the trainer writes its Hugging Face exports (`final`, `step-N`)."""
         return self.job_dir / "hf"
+
+    @property
+    def final_export_dir(self) -> Path:
+        """The trainer's last Hugging Face export: `trainer.export_dir`, else `hf/final`."""
+        return Path(self.trainer.export_dir) if self.trainer.export_dir else self.hf_export_dir / "final"
+
+    @property
+    def trainer_only(self) -> bool:
+        """A stage that runs the trainer alone: no explorer, no synchronizer."""
+        return self.stage != "rl"
 
     @property
     def event_archive_dir(self) -> Path:
@@ -497,7 +531,8 @@ class JobConfig(Section):
         return Path(self.monitor.dir) if self.monitor.dir else self.job_dir / "monitor"
 
     def explorer_ids(self) -> list[str]:
-        return [f"explorer-{i}" for i in range(self.explorers.count)]
+        """The explorers the job runs: none for a trainer-only stage."""
+        return [] if self.trainer_only else [f"explorer-{i}" for i in range(self.explorers.count)]
 
     def job_configured(self, member: MemberRef) -> JobConfigured:
         """What a member of this job announces first: its sync config and, when explorers are paced
@@ -602,91 +637,6 @@ def env_settings(environ: Mapping[str, str] | None = None) -> EnvSettings:
 
 
 # -- loading ---------------------------------------------------------------------------------------
-
-def _engine_problems(cfg: JobConfig) -> list[tuple[str, str]]:
-    # Each engine says what it needs beyond its typed sections (libraries, the sections it reads).
-    from rolectl.roles.engines import EngineSections, engine_config_problems
-
-    return engine_config_problems(EngineSections.of(cfg))
-
-
-def _over_rollout_problems(cfg: JobConfig) -> list[tuple[str, str]]:
-    # A train step that needs more tasks than a round of cut steps brings would stall every round
-    # (explorers wait for a version the trainer cannot train) until the sync timeout.
-    ratio = cfg.explorers.over_rollout_ratio
-    if not ratio:
-        return []
-    per_step = math.ceil(cfg.buffer.batch_size * (1 - ratio))
-    per_round = cfg.explorers.count * per_step
-    needed = cfg.trainer.train_batch_tasks or cfg.buffer.batch_size
-    if needed <= per_round:
-        return []
-    return [("explorers.over_rollout_ratio",
-             f"{ratio:g} keeps {per_step} of each step's {cfg.buffer.batch_size} tasks, {per_round} per round of "
-             f"{cfg.explorers.count} explorers, fewer than the {needed} a train step takes; set "
-             f"trainer.train_batch_tasks: {per_round} (or lower the ratio)")]
-
-
-PARTIAL_ROLLOUT_ENGINES = ("tiny", "hf", "vllm")
-"""The rollout engines that pause between two tokens (`RolloutEngine.rollout(..., pause_point=)`)."""
-
-
-def _rollout_engine(cfg: JobConfig) -> str:
-    """The explorers' engine: `model.rollout_engine`, else the trainer's own (fsdp's explorers run hf)."""
-    named = getattr(cfg.model, "rollout_engine", None)
-    return named or ("hf" if cfg.model.engine == "fsdp" else cfg.model.engine)
-
-
-def _partial_rollout_problems(cfg: JobConfig) -> list[tuple[str, str]]:
-    # Versions arrive while generations are in flight only where explorers never wait for them:
-    # every other style syncs between two steps, when nothing is in flight to pause.
-    if not cfg.explorers.partial_rollout:
-        return []
-    sync, problems = cfg.synchronizer, []
-    if sync.sync_style is not SyncStyle.FULLY_ASYNC or sync.sync_method.is_rendezvous:
-        problems.append(("explorers.partial_rollout",
-                         f"needs synchronizer.sync_style: fully_async with a pull sync_method (memory, checkpoint), "
-                         f"got {sync.sync_style.value} with {sync.sync_method.value}: other styles sync between "
-                         "steps, when no generation is in flight; set both, or remove partial_rollout"))
-    engine = _rollout_engine(cfg)
-    if engine not in PARTIAL_ROLLOUT_ENGINES:
-        problems.append(("explorers.partial_rollout",
-                         f"the {engine!r} rollout engine cannot pause a generation for new weights (engines that "
-                         f"can: {', '.join(PARTIAL_ROLLOUT_ENGINES)}); remove partial_rollout"))
-    if cfg.agent is not None:
-        problems.append(("explorers.partial_rollout",
-                         "applies to single-turn rollouts; an agent's episodes take the version each turn "
-                         "starts with (remove partial_rollout, or the agent: section)"))
-    if cfg.explorers.over_rollout_ratio:
-        problems.append(("explorers.partial_rollout",
-                         "does not combine with explorers.over_rollout_ratio (its engines run tasks on threads of "
-                         "their own, and a pause loads every engine of the explorer): set one of them"))
-    return problems
-
-
-def _wire_dtype_problems(cfg: JobConfig) -> list[tuple[str, str]]:
-    method = cfg.synchronizer.sync_method
-    if cfg.transport.wire_dtype is None or not method.is_rendezvous:
-        return []
-    return [("transport.wire_dtype", f"applies to the pull methods (memory, checkpoint), not to {method.value}: "
-                                     "remove it, or set model.dtype for what the explorers load")]
-
-
-def _world_size_problems(cfg: JobConfig) -> list[tuple[str, str]]:
-    if cfg.trainer.world_size == 1 or cfg.model.engine == "fsdp":
-        return []
-    return [("trainer.world_size", f"{cfg.trainer.world_size} ranks need a sharded engine: set "
-                                   "`model.engine: fsdp`, or world_size: 1")]
-
-
-def _eval_problems(cfg: JobConfig) -> list[tuple[str, str]]:
-    # The eval set is read like the task set, by the engines (it needs `datasets`).
-    if not cfg.eval.has_source:
-        return []
-    from rolectl.roles.engines.evaluation import eval_config_problems
-
-    return eval_config_problems(cfg)
-
 
 def parse_config(data: Any, *, source: str | None = None, check_engines: bool = True) -> JobConfig:
     """Validate a mapping (parsed YAML) into a `JobConfig`; raise `ConfigError` listing every problem.

@@ -36,11 +36,14 @@ from .engines.agent.config import AgentSection
 from .engines.sections import (
     AlgorithmSection,
     DataSection,
+    DPOSection,
+    ExpertDataSection,
     FSDPModelSection,
     FSDPSection,
     HFBuildSection,
     HFModelSection,
     RolloutCorrectionSection,
+    SFTSection,
     TinyModelSection,
 )
 
@@ -65,6 +68,7 @@ synchronizer reads the engine's sections as written and leaves them to those rol
 # Sections in file order: (heading, model, what the heading's path is)
 _SECTIONS: tuple[tuple[str, type[BaseModel], str], ...] = (
     ("trainer", TrainerConfig, ""),
+    ("trainer.expert_data", ExpertDataSection, ""),
     ("explorers", ExplorerConfig, ""),
     ("buffer", BufferConfig, ""),
     ("transport", TransportConfig, ""),
@@ -85,9 +89,11 @@ _SECTIONS: tuple[tuple[str, type[BaseModel], str], ...] = (
     ("algorithm", AlgorithmSection, "Optional for `engine: hf` and `engine: fsdp` (these defaults); the tiny "
                                     "engine has its own loss and refuses it. "),
     ("algorithm.rollout_correction", RolloutCorrectionSection, ""),
+    ("sft", SFTSection, "Required by `stage: sft` (`engine: hf` or `fsdp`); docs/stages.md. "),
+    ("dpo", DPOSection, "Required by `stage: dpo` (`engine: hf` or `fsdp`); docs/stages.md. "),
     ("agent", AgentSection, ""),
 )
-_TOP_LEVEL = ("job", "nats_url", "run_dir", "archive_dir", "log_level")
+_TOP_LEVEL = ("job", "nats_url", "run_dir", "archive_dir", "log_level", "stage")
 _KINDS = {int: "integer", float: "number", bool: "boolean", str: "string", dict: "mapping"}
 
 

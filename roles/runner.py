@@ -121,7 +121,12 @@ async def _server_answers(role: str, cfg: JobConfig, member_id: str) -> None:
 
 def _make_runner(role: str, cfg: JobConfig, member_id: str, *, start_mode: StartMode, keep_running: bool,
                  engine: object | None, make_runner):
-    """The role's loop object: a Trainer, an Explorer (or what `make_runner` builds), a Synchronizer."""
+    """The role's loop object: a Trainer (a StageRunner for a trainer-only stage), an Explorer (or
+    what `make_runner` builds), a Synchronizer."""
+    if role == "trainer" and cfg.trainer_only:
+        from rolectl.roles.stage import StageRunner
+
+        return StageRunner(cfg, member_id, start_mode=start_mode, engine=engine)
     if role == "trainer":
         from rolectl.roles.trainer import Trainer
 

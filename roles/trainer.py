@@ -62,7 +62,7 @@ from rolectl.sync_protocol import (
 )
 from rolectl.sync_protocol.boundaries import is_stale, trainer_needs_sync
 
-__all__ = ["Trainer"]
+__all__ = ["Trainer", "saved_trainer_state", "write_trainer_state", "export_hf", "gpu_memory_metrics"]
 
 
 class Trainer:
@@ -107,20 +107,10 @@ class Trainer:
     def _resume_or_start_fresh(self, view) -> dict | None:
         """Resume from the saved checkpoint if this is a restart (see roles.resume), else start at 0;
         the trainer state resumed from, if any."""
-        state_file = self.ckpt_dir / "trainer_state.json"
-        state = json.loads(state_file.read_text()) if state_file.exists() else None
-        saved = SavedState(state_file, state["step"] if state else None)
-        recorded = view.member(Role.TRAINER, self.member_id)
-        if decide_resume(self.start_mode, saved, recorded, job=self.cfg.job, member=self.member_id,
-                         where=redact(self.cfg.nats_url)):
-            self.log.warning("resuming_from_checkpoint", path=str(state_file), step=saved.step,
-                             recorded_step=recorded.step if recorded else None, mode=self.start_mode.value)
-            self._resume(state)
-            return state
+        state = saved_trainer_state(self.cfg, self.member_id, view, self.start_mode, self.log)
         if state is not None:
-            shutil.rmtree(self.ckpt_dir)
-            self.log.warning("discarded_saved_state", path=str(self.ckpt_dir), step=saved.step)
-        return None
+            self._resume(state)
+        return state
 
     def _resume(self, state: dict) -> None:
         self.engine.load_checkpoint(self.ckpt_dir / state["checkpoint"])
@@ -446,27 +436,16 @@ class Trainer:
         name = f"step-{step}"
         await asyncio.to_thread(self.engine.save_checkpoint, self.ckpt_dir / name)
         acks = self.ledger.at_checkpoint()  # which experiences are trained on, which messages done
-        state = {"checkpoint": name, "step": step, "last_sync_step": self.last_sync_step,
-                 "version": self.version, "dropped_stale": self.dropped_stale,
-                 "experiences_taken": self.experiences_taken,
-                 "metrics": self.last_metrics, **acks.state}
         # If we die after this but before publishing the version, the restart publishes it.
-        write_json_atomic(self.ckpt_dir / "trainer_state.json", state)
-        _prune_checkpoints(self.ckpt_dir, keep=2)
+        write_trainer_state(self.ckpt_dir, {"checkpoint": name, "step": step, "last_sync_step": self.last_sync_step,
+                                            "version": self.version, "dropped_stale": self.dropped_stale,
+                                            "experiences_taken": self.experiences_taken,
+                                            "metrics": self.last_metrics, **acks.state})
         # Only now are the experiences of these steps safe: ack them.
         await self.ledger.ack_trained(acks)
 
     async def _export_hf(self, name: str) -> None:
-        """A Hugging Face `save_pretrained` directory of the current weights, by engines that can
-        write one (`fsdp`): `<run_dir>/<job>/hf/<name>`."""
-        export = getattr(self.engine, "save_hf_model", None)
-        if export is None:
-            return
-        path = self.cfg.hf_export_dir / name
-        started = time.monotonic()
-        await asyncio.to_thread(export, path)
-        self.log.info("hf_model_saved", path=str(path), step=self.engine.step,
-                      seconds=round(time.monotonic() - started, 3))
+        await export_hf(self.engine, self.cfg, name, self.log)
 
     async def _cleanup(self) -> None:
         """Final save, STOPPED, close transports. Runs on normal end, Ctrl-C and errors; a replaced
@@ -554,6 +533,45 @@ def _advertised_host() -> str:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
+
+
+def saved_trainer_state(cfg: JobConfig, member_id: str, view: Any, start_mode: StartMode, log: Any) -> dict | None:
+    """The trainer state to resume from (`<checkpoint_dir>/trainer_state.json`) when this start is a
+    restart (see roles.resume), else None, the saved state discarded. Shared by the RL trainer and
+    the trainer-only stages (`roles.stage`)."""
+    ckpt_dir = cfg.trainer_checkpoint_dir
+    state_file = ckpt_dir / "trainer_state.json"
+    state = json.loads(state_file.read_text()) if state_file.exists() else None
+    saved = SavedState(state_file, state["step"] if state else None)
+    recorded = view.member(Role.TRAINER, member_id)
+    if decide_resume(start_mode, saved, recorded, job=cfg.job, member=member_id, where=redact(cfg.nats_url)):
+        log.warning("resuming_from_checkpoint", path=str(state_file), step=saved.step,
+                    recorded_step=recorded.step if recorded else None, mode=start_mode.value)
+        return state
+    if state is not None:
+        shutil.rmtree(ckpt_dir)
+        log.warning("discarded_saved_state", path=str(ckpt_dir), step=saved.step)
+    return None
+
+
+def write_trainer_state(ckpt_dir: Path, state: dict) -> None:
+    """The trainer state that names the checkpoint just saved (written last: it marks the save
+    complete), and the checkpoints beyond the two newest pruned."""
+    write_json_atomic(ckpt_dir / "trainer_state.json", state)
+    _prune_checkpoints(ckpt_dir, keep=2)
+
+
+async def export_hf(engine: Any, cfg: JobConfig, name: str, log: Any) -> None:
+    """A Hugging Face `save_pretrained` directory of the current weights, by engines that can write
+    one (`hf`, `fsdp`): `<run_dir>/<job>/hf/<name>`; `final` goes to `trainer.export_dir` when the
+    job names one (the next stage's `model.path`)."""
+    export = getattr(engine, "save_hf_model", None)
+    if export is None:
+        return
+    path = cfg.final_export_dir if name == "final" else cfg.hf_export_dir / name
+    started = time.monotonic()
+    await asyncio.to_thread(export, path)
+    log.info("hf_model_saved", path=str(path), step=engine.step, seconds=round(time.monotonic() - started, 3))
 
 
 def _prune_checkpoints(root: Path, keep: int) -> None:

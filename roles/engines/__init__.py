@@ -31,13 +31,18 @@ from .sections import (
     READS_DATA,
     AlgorithmSection,
     DataSection,
+    DPOSection,
     FSDPModelSection,
     HFModelSection,
     ModelSection,
     OpenModelSection,
+    SFTSection,
     TinyModelSection,
 )
 from .task import ReverseDigitsTaskSet, score_response
+
+_STAGE_SECTIONS = {"sft": SFTSection, "dpo": DPOSection}
+"""Each trainer-only stage's typed section, by stage name."""
 
 if TYPE_CHECKING:
     from .data import TaskRow
@@ -115,6 +120,12 @@ class EngineSections:
     tensor_parallel_size: int = 1
     wire_dtype: str | None = None
     """`transport.wire_dtype`: the dtype rollout engines hold and serve (they receive it)."""
+    stage: str = "rl"
+    """`stage`: `rl`, or a trainer-only stage (`sft`, `dpo`) whose section is `stage_section`."""
+    stage_section: Any = None
+    """The stage's section (`sft:`, `dpo:`), whose files a built model's vocabulary covers; None for RL."""
+    expert_data: Any = None
+    """`trainer.expert_data`: demonstrations the trainer mixes into RL steps; None without."""
     agent: AgentSection | None = None
     """`agent:`: explorers play multi-turn episodes; trainers take trajectories of its token budget."""
     serve_trajectory_tokens: int | None = None
@@ -130,9 +141,13 @@ class EngineSections:
         data, algorithm = job.data, job.algorithm
         if model.engine in READS_DATA:
             data, algorithm = _typed(DataSection, data, "data"), _typed(AlgorithmSection, algorithm, "algorithm")
+        stage_section = getattr(job, job.stage, None) if job.stage != "rl" else None
+        if model.engine in READS_DATA and job.stage in _STAGE_SECTIONS:
+            stage_section = _typed(_STAGE_SECTIONS[job.stage], stage_section, job.stage)
         serve = job.serve
         return cls(model=model, data=data, algorithm=algorithm, explorer_count=job.explorers.count,
                    tensor_parallel_size=job.explorers.tensor_parallel_size, wire_dtype=job.transport.wire_dtype,
+                   stage=job.stage, stage_section=stage_section, expert_data=job.trainer.expert_data,
                    agent=job.agent,
                    serve_trajectory_tokens=(serve.max_trajectory_tokens or 0) if serve.enabled else None)
 
@@ -231,7 +246,7 @@ def _hf_problems(sections: EngineSections) -> list[tuple[str, str]]:
     except ImportError as exc:
         problems.append(("model.engine", f"the hf engine needs transformers and datasets ({exc}); "
                                          "pip install -e '.[hf]' (docs/engines.md)"))
-    if sections.data is None:
+    if sections.data is None and sections.stage == "rl":
         problems.append(("data", _DATA_REQUIRED))
     from .algorithms import verl_import_problem
 
@@ -254,21 +269,38 @@ def _hf_problems(sections: EngineSections) -> list[tuple[str, str]]:
 
 
 def _hf_parts(sections: EngineSections):
-    """The hf engines' model section (an `fsdp` trainer's is an hf model too), data section, and model
-    directory (built first when `model.build` says how)."""
+    """The hf engines' model section (an `fsdp` trainer's is an hf model too), data section (None for
+    a trainer-only stage without one), and model directory (built first when `model.build` says
+    how: its vocabulary from `data.path` and the stage's files)."""
     from .hf_model import ensure_model
 
     model, data = sections.model, sections.data
-    if not isinstance(data, DataSection):
+    if not isinstance(data, DataSection) and sections.stage == "rl":
         raise _invalid([("data", _DATA_REQUIRED)])
-    return model, data, ensure_model(model, data=data)
+    data = data if isinstance(data, DataSection) else None
+    return model, data, ensure_model(model, data=data, words=lambda: _stage_words(sections))
+
+
+def _stage_words(sections: EngineSections) -> set[str]:
+    """The words of a stage's files (training and eval), for a built model's vocabulary."""
+    section = sections.stage_section
+    if section is None:
+        return set()
+    if sections.stage == "dpo":
+        from .dpo import pair_words as words_of
+    else:
+        from .sft import words_of
+
+    name = sections.stage
+    return set().union(*(words_of(path, section, name=name) for path in (section.path, section.eval_path) if path))
 
 
 def _hf_train(sections: EngineSections) -> TrainEngine:
     from .hf import HFTrainEngine
 
     model, _, path = _hf_parts(sections)
-    return _sized_for_trajectories(HFTrainEngine(model, sections.algorithm or AlgorithmSection(), model_path=path),
+    return _sized_for_trajectories(HFTrainEngine(model, sections.algorithm or AlgorithmSection(), model_path=path,
+                                                 expert=sections.expert_data, keep_reference=sections.stage == "dpo"),
                                    sections)
 
 
@@ -277,7 +309,9 @@ def _fsdp_train(sections: EngineSections) -> TrainEngine:
 
     model, _, path = _hf_parts(sections)
     assert isinstance(model, FSDPModelSection)
-    return _sized_for_trajectories(FSDPTrainEngine(model, sections.algorithm or AlgorithmSection(), model_path=path),
+    return _sized_for_trajectories(FSDPTrainEngine(model, sections.algorithm or AlgorithmSection(), model_path=path,
+                                                   expert=sections.expert_data,
+                                                   keep_reference=sections.stage == "dpo"),
                                    sections)
 
 
@@ -302,7 +336,8 @@ def _hf_rollout(sections: EngineSections, member: str) -> RolloutEngine:
     from .rewards import parse_reward_specs
 
     model, data, path = _hf_parts(_rollout_sections(sections))
-    return HFRolloutEngine(model, parse_reward_specs(data.rewards), member=member, model_path=path)
+    rewards = parse_reward_specs(data.rewards) if data is not None else ()  # a stage's evaluator scores itself
+    return HFRolloutEngine(model, rewards, member=member, model_path=path)
 
 
 def _vllm_rollout(sections: EngineSections, member: str) -> RolloutEngine:

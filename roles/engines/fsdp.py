@@ -24,6 +24,7 @@ across ranks, so N ranks take the same optimizer step as the one-process `hf` en
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -40,12 +41,13 @@ from rolectl.bus.files import atomic_directory, atomic_path
 from rolectl.sync_protocol.experience import Experience, ExperienceLimits
 
 from .algorithms import AlgorithmConfig, VerlAlgorithm
-from .hf import AdapterDisabled, model_forward
+from .hf import AdapterDisabled, checkpoint_step_dir, model_forward
 from .hf_model import load_tokenizer
 from .lora import ADAPTER_NAME, save_adapter, wrap_with_lora
-from .losses import experience_batch
+from .losses import TrainBatch
 from .sections import FSDPModelSection, LoRASection
-from .step import TrainStep, step_metrics
+from .sft import mixed_batches
+from .step import StageTraining, TrainStep, step_metrics
 from .streaming import DEFAULT_BUCKET_BYTES, NamedTensors, buckets_of
 
 __all__ = ["FSDPTrainEngine"]
@@ -88,10 +90,11 @@ def _experience_of(fields: dict[str, Any]) -> Experience:
                          "token_versions": None if versions is None else tuple(map(tuple, versions))})
 
 
-class FSDPTrainEngine:
+class FSDPTrainEngine(StageTraining):
     """Trainer side of the `fsdp` engine; one instance per rank."""
 
-    def __init__(self, config: FSDPModelSection, algorithm: AlgorithmConfig, *, model_path: Path) -> None:
+    def __init__(self, config: FSDPModelSection, algorithm: AlgorithmConfig, *, model_path: Path,
+                 expert: Any = None, keep_reference: bool = False) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
         self.config = config
@@ -111,22 +114,19 @@ class FSDPTrainEngine:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.lora = config.lora
         self.model = self._sharded_model(trainable=True)
-        self.reference: Any = None
-        if algorithm.kl_coef > 0:  # the KL anchor: the base under the adapter, or version 0 frozen
-            self.reference = (AdapterDisabled(self.model) if self.lora is not None
-                              else self._sharded_model(trainable=False))
         trained = [p for p in self.model.parameters() if p.requires_grad]
         self.trainable_parameters = sum(p.numel() for p in trained)  # DTensors count their global size
         self.optimizer = torch.optim.AdamW(trained, lr=config.lr, weight_decay=config.weight_decay)
         self.algorithm = VerlAlgorithm(algorithm, group_size=config.group_size)
         # Each rank trains on its rows of each minibatch; gradients are summed across ranks (see
         # `_sharded_model`), so the step is the one-process step.
-        self.update = TrainStep(model=self.model, optimizer=self.optimizer, reference=self.reference,
+        self.update = TrainStep(model=self.model, optimizer=self.optimizer,
                                 forward=model_forward(self.pad_id, str(self.device), config.temperature),
                                 max_grad_norm=config.max_grad_norm, minibatches=config.minibatches,
                                 micro_batch_size=config.micro_batch_size, rank=self.rank,
                                 world_size=self.world_size, correction=self.algorithm.correction())
         self.loss_fn = self.algorithm.loss_function()
+        self.expert = mixed_batches(expert, self.tokenizer, rl_loss=self.loss_fn) if expert is not None else None
         self.group_size = config.group_size
         self.vocab_size = int(self.model.config.vocab_size)
         self.num_parameters = sum(p.numel() for p in self.model.parameters())  # DTensors count their global size
@@ -152,8 +152,37 @@ class FSDPTrainEngine:
             group_size=config.group_size)
         self.updates_skipped_nonfinite = 0
         self.step = 0
+        # what a sync of every weight moves at the streamed dtype (the tied head under both names)
+        self.full_model_bytes = sum(t.numel() * (itemsize if t.is_floating_point() else t.element_size())
+                                    for n, t in state.items() if "lora_" not in n)
+        if config.init_from:
+            self.load_weights_from(Path(config.init_from))
+        # the KL anchor (`algorithm.kl_coef`) or a stage's reference (DPO: `keep_reference`)
+        self.reference: Any = None
+        if algorithm.kl_coef > 0 or keep_reference:
+            self.reference = self.update.reference = self._frozen_reference()
 
-    def _sharded_model(self, *, trainable: bool):
+    def _frozen_reference(self) -> Any:
+        """The frozen model a loss that `needs_reference` compares with: the weights the engine starts
+        from (after `model.init_from`). Under `model.lora` with a fresh adapter, the same sharded
+        model with its adapter disabled (no copy); else a second sharded model, frozen: 1/N of the
+        weights per rank, with no gradients or optimizer state."""
+        from torch.distributed.tensor import DTensor
+
+        if self.lora is not None and not self.config.init_from:
+            return AdapterDisabled(self.model)
+        reference = self._sharded_model(trainable=False, adapter=self.lora is not None)
+        if self.config.init_from:  # the start is the checkpoint's weights: each rank copies its shards
+            live = self.model.state_dict()
+            with torch.no_grad():
+                for name, tensor in reference.state_dict().items():
+                    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+                    local.copy_(live[name].to_local() if isinstance(live[name], DTensor) else live[name])
+        return reference
+
+    def _sharded_model(self, *, trainable: bool, adapter: bool | None = None):
+        """The model at `model_path` sharded over the mesh: to train (gradients summed across ranks)
+        or frozen; wrapped with `model.lora`'s adapter when `adapter` (default: when `trainable`)."""
         import transformers
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -169,9 +198,9 @@ class FSDPTrainEngine:
             model.generation_config = transformers.GenerationConfig.from_pretrained(path, local_files_only=True)
         if trainable and self.config.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        lora = self.config.lora if trainable else None
+        lora = self.config.lora if (trainable if adapter is None else adapter) else None
         if lora is not None:
-            if self.config.gradient_checkpointing:
+            if trainable and self.config.gradient_checkpointing:
                 model.enable_input_require_grads()  # the frozen embeddings' output must carry grad
             model = wrap_with_lora(model, lora, seed=self.config.seed)  # on meta: values from rank 0
         policy = MixedPrecisionPolicy(param_dtype=self.config.compute_dtype, reduce_dtype=torch.float32)
@@ -220,27 +249,61 @@ class FSDPTrainEngine:
         payload = b""
         if self.rank == 0:
             payload = json.dumps([dataclasses.asdict(e) for e in experiences or ()]).encode()
-        size = torch.tensor([len(payload)], dtype=torch.int64)
-        dist.broadcast(size, src=0)
-        buffer = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if self.rank == 0
-                  else torch.empty(int(size), dtype=torch.uint8))
-        dist.broadcast(buffer, src=0)
+        payload = self._broadcast_bytes(payload)
         if self.rank == 0:
             return list(experiences or ())
-        return [_experience_of(e) for e in json.loads(buffer.numpy().tobytes())]
+        return [_experience_of(e) for e in json.loads(payload)]
 
     def train_step(self, experiences: Sequence[Experience], *, current_version: int) -> dict[str, float]:
         """The one training step on this rank's share of each minibatch; every rank passes the same
         `experiences` and gets the whole batch's metrics."""
-        batch = experience_batch(experiences, self.algorithm.advantages)
-        result = self.update.train_batch(batch, self.loss_fn)
+        batch, trained, loss_fn = self._rl_batch(experiences, self.algorithm.advantages, self.loss_fn)
+        result = self.update.train_batch(trained, loss_fn)
         self.step += 1
         self.updates_skipped_nonfinite += result.updates_skipped
         return {**step_metrics(result, batch, experiences, current_version=current_version,
                                updates_skipped=self.updates_skipped_nonfinite),
-                "model_parameters": float(self.num_parameters),
+                **({"expert_rows": float(len(trained) - len(batch))} if trained is not batch else {}),
+                **self.model_figures()}
+
+    def model_figures(self) -> dict[str, float]:
+        return {"model_parameters": float(self.num_parameters),
                 "trainable_parameters": float(self.trainable_parameters),
-                "world_size": float(self.world_size)}
+                "world_size": float(self.world_size), "full_model_bytes": float(self.full_model_bytes)}
+
+    def share_train_batch(self, batch: TrainBatch | None) -> TrainBatch:
+        """Rank 0's `batch` on every rank (a collective; the other ranks pass None): a stage's batch,
+        as `share_batch` shares experiences. Its token lists as JSON, its tensors as safetensors
+        bytes (no pickle)."""
+        from safetensors.torch import load as load_tensors
+        from safetensors.torch import save as save_tensors
+
+        if self.rank == 0 and batch is None:
+            raise ValueError("share_train_batch: rank 0 must pass the batch")
+        if self.world_size == 1:
+            assert batch is not None
+            return batch
+        header, tensors = b"", b""
+        if self.rank == 0:
+            fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(TrainBatch)}
+            header = json.dumps({k: v for k, v in fields.items() if isinstance(v, tuple)}).encode()
+            tensors = save_tensors({k: v.contiguous() for k, v in fields.items() if isinstance(v, Tensor)})
+        header, tensors = self._broadcast_bytes(header), self._broadcast_bytes(tensors)
+        if self.rank == 0:
+            return batch
+        lists = json.loads(header)
+        return TrainBatch(**{k: tuple(tuple(x) if isinstance(x, list) else x for x in v) for k, v in lists.items()},
+                          **load_tensors(tensors))
+
+    def _broadcast_bytes(self, payload: bytes) -> bytes:
+        """Rank 0's `payload` on every rank (the others pass anything)."""
+        size = torch.tensor([len(payload)], dtype=torch.int64)
+        dist.broadcast(size, src=0)
+        buffer = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if self.rank == 0 and payload
+                  else torch.empty(int(size), dtype=torch.uint8))
+        if int(size):
+            dist.broadcast(buffer, src=0)
+        return payload if self.rank == 0 else buffer.numpy().tobytes()
 
     # -- weights out -------------------------------------------------------------------------------
 
@@ -289,37 +352,41 @@ class FSDPTrainEngine:
         """A `save_pretrained` directory at `path` (rank 0 writes; every rank must call): one
         safetensors file per bucket and their index, the config and the tokenizer. Under
         `model.lora` the adapter in peft's format instead (see `_save_adapter`)."""
-        from safetensors.torch import save_file
-
         path = Path(path)
         if self.lora is not None:
             self._save_adapter(path, bucket_bytes, self.lora)
             return
+        with contextlib.ExitStack() as stack:
+            # rank 0 writes beside `path` and renames into place: never a half export, nor old files
+            written = stack.enter_context(atomic_directory(path)) if self.rank == 0 else None
+            self._save_full(written, bucket_bytes)
+        self._barrier()
+
+    def _save_full(self, path: Path | None, bucket_bytes: int) -> None:
+        """Every weight as `save_pretrained` writes it, into `path` (rank 0; the others gather, None)."""
+        from safetensors.torch import save_file
+
         index: dict[str, str] = {}
         total = 0
         for number, bucket in enumerate(self.iter_weight_buckets(bucket_bytes)):
-            if self.rank != 0:
+            if path is None:
                 continue
-            path.mkdir(parents=True, exist_ok=True)
             file = f"model-{number + 1:05d}.safetensors"
             # Tied weights are saved once, as save_pretrained does; loading ties them again.
             tensors = {n: t for n, t in bucket if n not in self._tied_names}
             if not tensors:
                 continue
-            with atomic_path(path / file) as tmp:
-                save_file(tensors, str(tmp), metadata={"format": "pt"})
+            save_file(tensors, str(path / file), metadata={"format": "pt"})
             index.update({n: file for n in tensors})
             total += sum(t.numel() * t.element_size() for t in tensors.values())
-        if self.rank == 0:
+        if path is not None:
             self.model.config.save_pretrained(path)
             generation = getattr(self.model, "generation_config", None)
             if generation is not None:
                 generation.save_pretrained(path)
             self.tokenizer.save_pretrained(path)
             index_json = {"metadata": {"total_size": total}, "weight_map": dict(sorted(index.items()))}
-            with atomic_path(path / "model.safetensors.index.json") as tmp:
-                Path(tmp).write_text(json.dumps(index_json, indent=1))
-        self._barrier()
+            (path / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=1))
 
     def _save_adapter(self, path: Path, bucket_bytes: int, lora: LoRASection) -> None:
         """The adapter as a peft directory at `path` (adapter_model.safetensors, adapter_config.json)
@@ -384,7 +451,7 @@ class FSDPTrainEngine:
         if self.rank == 0:
             state = {"step": self.step, "world_size": self.world_size, "updates_skipped_nonfinite":
                      self.updates_skipped_nonfinite, "model": self.config.model_dump(),
-                     "optimizer_scalars": scalars, "extra": dict(extra or {})}
+                     "optimizer_scalars": scalars, "scheduler": self.scheduler_state(), "extra": dict(extra or {})}
             with atomic_path(path / _STATE_JSON_FILE) as tmp:
                 Path(tmp).write_text(json.dumps(state, indent=1))
         self._barrier()
@@ -424,9 +491,27 @@ class FSDPTrainEngine:
         torch.set_rng_state(tensors[f"rng.{source}.cpu"])
         if cuda_rng:
             torch.cuda.set_rng_state(tensors[f"rng.{source}.cuda"], self.device)
+        self.load_scheduler_state(state.get("scheduler"))
         self.step = int(state["step"])
         self.updates_skipped_nonfinite = int(state["updates_skipped_nonfinite"])
         return dict(state["extra"])
+
+    def load_weights_from(self, path: Path) -> None:
+        """The trained weights of another job's `fsdp` checkpoint (`model.init_from`), every rank its
+        shards: weights only (the optimizer, schedule and step stay fresh)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        step_dir = checkpoint_step_dir(path)
+        if not (step_dir / _DCP_DIR).is_dir():
+            raise ValueError(f"model.init_from {path}: {step_dir} is not an fsdp engine checkpoint (no {_DCP_DIR}/); "
+                             "start from the hf engine's checkpoints with engine: hf, or from a Hugging Face export "
+                             "as model.path")
+        model_state, _ = self._state_dicts()
+        tensors = {f"model.{k}": v for k, v in model_state.items()}
+        dcp.load(tensors, checkpoint_id=str(step_dir / _DCP_DIR))
+        set_model_state_dict(self.model, {k[len("model."):]: v for k, v in tensors.items()},
+                             options=self._state_options())
 
     # -- lifecycle ---------------------------------------------------------------------------------
 

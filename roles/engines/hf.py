@@ -31,14 +31,14 @@ from .algorithms import AlgorithmConfig, VerlAlgorithm
 from .base import PausePoint, Task, WeightsMismatch
 from .hf_model import HFModelConfig, flat_weights, load_model, load_tokenizer, parameter_count
 from .lora import adapter_tensors, save_adapter, save_merged, wrap_with_lora
-from .losses import TokenScores, TrainBatch, experience_batch, token_entropy
+from .losses import TokenScores, TrainBatch, token_entropy
 from .rewards import WeightedReward, score_all
-from .step import Forward, TrainStep, step_metrics
+from .sft import mixed_batches
+from .step import Forward, StageTraining, TrainStep, step_metrics
 from .streaming import DEFAULT_BUCKET_BYTES, NamedTensors, buckets_of
 
 __all__ = ["HFTrainEngine", "HFRolloutEngine", "AdapterDisabled", "response_logprobs", "response_scores",
-           "model_forward", "task_seed",
-           "score_texts", "check_weights"]
+           "model_forward", "task_seed", "score_texts", "check_weights", "checkpoint_step_dir"]
 
 _MODEL_FILE = "model.safetensors"
 _STATE_TENSORS_FILE = "engine_state.safetensors"
@@ -155,10 +155,11 @@ class AdapterDisabled:
             return self.model(**inputs)
 
 
-class HFTrainEngine:
+class HFTrainEngine(StageTraining):
     """Trainer side of the `hf` engine."""
 
-    def __init__(self, config: HFModelConfig, algorithm: AlgorithmConfig, *, model_path: Path) -> None:
+    def __init__(self, config: HFModelConfig, algorithm: AlgorithmConfig, *, model_path: Path,
+                 expert: Any = None, keep_reference: bool = False) -> None:
         self.config = config
         self.algorithm_config = algorithm
         torch.manual_seed(config.seed)
@@ -168,23 +169,22 @@ class HFTrainEngine:
             self.model.gradient_checkpointing_enable()
         self.model.train()
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self.reference = None
-        if algorithm.kl_coef > 0 and config.lora is not None:  # the KL anchor: the frozen base model
-            self.reference = AdapterDisabled(self.model)
-        elif algorithm.kl_coef > 0:  # the KL anchor: version 0, frozen
-            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
         trained = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trained, lr=config.lr, weight_decay=config.weight_decay)
         self.algorithm = VerlAlgorithm(algorithm, group_size=config.group_size)
-        self.update = TrainStep(model=self.model, optimizer=self.optimizer, reference=self.reference,
+        self.update = TrainStep(model=self.model, optimizer=self.optimizer,
                                 forward=model_forward(self.pad_id, config.device, config.temperature),
                                 max_grad_norm=config.max_grad_norm, minibatches=config.minibatches,
                                 micro_batch_size=config.micro_batch_size, correction=self.algorithm.correction())
         self.loss_fn = self.algorithm.loss_function()
+        self.expert = mixed_batches(expert, self.tokenizer, rl_loss=self.loss_fn) if expert is not None else None
         self.group_size = config.group_size
         self.vocab_size = int(self.model.config.vocab_size)
         self.num_parameters = parameter_count(self.model)
         self.trainable_parameters = sum(p.numel() for p in trained)
+        # what a sync of every weight moves (the tied head under both names), beside what is sent
+        self.full_model_bytes = sum(t.numel() * t.element_size() for n, t in flat_weights(self.model).items()
+                                    if "lora_" not in n)
         # What a batch must fit before it reaches the model (bus.experiences.validate_batch): ids in
         # the vocabulary, responses no longer than the rollouts generate, whole groups.
         self.experience_limits = ExperienceLimits(
@@ -192,16 +192,49 @@ class HFTrainEngine:
             group_size=config.group_size)
         self.updates_skipped_nonfinite = 0
         self.step = 0
+        if config.init_from:
+            self.load_weights_from(Path(config.init_from))
+        # the KL anchor (`algorithm.kl_coef`) or a stage's reference (DPO: `keep_reference`)
+        self.reference = self.update.reference = (self._frozen_reference() if algorithm.kl_coef > 0 or keep_reference
+                                                  else None)
+
+    def _frozen_reference(self) -> Any:
+        """The frozen model a loss that `needs_reference` compares with: the weights the engine starts
+        from (after `model.init_from`). Under `model.lora` with a fresh adapter, the base with the
+        adapter disabled (the adapter adds nothing yet, so that is the start, and costs no copy);
+        else a frozen copy (the model's weights in memory once more)."""
+        if self.config.lora is not None and not self.config.init_from:
+            return AdapterDisabled(self.model)
+        return copy.deepcopy(self.model).eval().requires_grad_(False)
 
     def train_step(self, experiences: Sequence[Experience], *, current_version: int) -> dict[str, float]:
-        batch = experience_batch(experiences, self.algorithm.advantages)
-        result = self.update.train_batch(batch, self.loss_fn)
+        batch, trained, loss_fn = self._rl_batch(experiences, self.algorithm.advantages, self.loss_fn)
+        result = self.update.train_batch(trained, loss_fn)
         self.step += 1
         self.updates_skipped_nonfinite += result.updates_skipped
         return {**step_metrics(result, batch, experiences, current_version=current_version,
                                updates_skipped=self.updates_skipped_nonfinite),
-                "model_parameters": float(self.num_parameters),
-                "trainable_parameters": float(self.trainable_parameters)}
+                **({"expert_rows": float(len(trained) - len(batch))} if trained is not batch else {}),
+                **self.model_figures()}
+
+    def model_figures(self) -> dict[str, float]:
+        return {"model_parameters": float(self.num_parameters),
+                "trainable_parameters": float(self.trainable_parameters),
+                "full_model_bytes": float(self.full_model_bytes)}
+
+    def load_weights_from(self, path: Path) -> None:
+        """The trained weights of another job's `hf` checkpoint (`model.init_from`): weights only."""
+        step_dir = checkpoint_step_dir(path)
+        if not (step_dir / _MODEL_FILE).is_file():
+            raise ValueError(f"model.init_from {path}: {step_dir} is not an hf engine checkpoint (no {_MODEL_FILE}); "
+                             "start from the fsdp engine's checkpoints with engine: fsdp, or from a Hugging Face "
+                             "export as model.path")
+        saved = load_file(step_dir / _MODEL_FILE)
+        live = self._sent(keep_vars=True)
+        check_weights("trainer", live, saved, 0, self.step)
+        with torch.no_grad():
+            for name, tensor in saved.items():
+                live[name].copy_(tensor)
 
     def weights(self) -> dict[str, Tensor]:
         # Copies on CPU: a transport may still be serialising while the next step runs; tied weights
@@ -246,7 +279,8 @@ class HFTrainEngine:
                 else:
                     scalars.setdefault(str(index), {})[key] = value
         state_json = {"step": self.step, "model": self.config.model_dump(mode="json"),
-                      "optimizer_param_groups": optimizer_state["param_groups"], "optimizer_scalars": scalars}
+                      "optimizer_param_groups": optimizer_state["param_groups"], "optimizer_scalars": scalars,
+                      "scheduler": self.scheduler_state()}
         _atomic_write(path / _MODEL_FILE, lambda tmp: save_file(self.weights(), tmp))
         _atomic_write(path / _STATE_TENSORS_FILE, lambda tmp: save_file(state_tensors, tmp))
         _atomic_write(path / _STATE_JSON_FILE, lambda tmp: Path(tmp).write_text(json.dumps(state_json, indent=1)))
@@ -276,7 +310,21 @@ class HFTrainEngine:
         torch.set_rng_state(state_tensors["rng.torch_cpu"])
         if "rng.torch_cuda" in state_tensors and self.config.device.startswith("cuda"):
             torch.cuda.set_rng_state(state_tensors["rng.torch_cuda"], torch.device(self.config.device))
+        self.load_scheduler_state(state_json.get("scheduler"))
         self.step = int(state_json["step"])
+
+
+def checkpoint_step_dir(path: Path) -> Path:
+    """One checkpoint of a trainer: `path` itself (a `step-N` directory), or the last one a trainer's
+    checkpoint directory names (its `trainer_state.json`)."""
+    path = Path(path)
+    state = path / "trainer_state.json"
+    if state.is_file():
+        return path / json.loads(state.read_text())["checkpoint"]
+    if (path / _STATE_JSON_FILE).is_file():
+        return path
+    raise ValueError(f"model.init_from {path}: not a trainer checkpoint (neither trainer_state.json nor "
+                     f"{_STATE_JSON_FILE} there); name a job's `<run_dir>/<job>/trainer` or one `step-N` in it")
 
 
 class HFRolloutEngine:

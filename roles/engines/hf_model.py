@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -66,28 +67,33 @@ CHAT_TEMPLATE = (
 TEMPLATE_WORDS = ("<tools>", "</tools>", "<system>", "<user>", "<assistant>", "<tool>", "<tool_call>", "</tool_call>")
 
 
-def _word_vocab(data: DataSection | None, *, chat_template: bool) -> list[str]:
-    if data is None:
-        raise ValueError("model.build makes a word-level tokenizer from the words of the data rows; give `data:`")
-    from .agent.tools import BUILTIN_TOOLS
-    from .data import load_rows
+def _word_vocab(data: DataSection | None, more: set[str], *, chat_template: bool) -> list[str]:
+    """The build's word-level vocabulary: the data rows' words, a stage's files' words (`more`), and
+    the chat template's and built-in tools' words when the build has the template."""
+    if data is None and not more:
+        raise ValueError("model.build makes a word-level tokenizer from the words of the data rows (and of a "
+                         "stage's files); give `data:`")
+    words: set[str] = set(more)
+    if data is not None:
+        from .data import load_rows
 
-    words: set[str] = set()
-    for row in load_rows(data):
-        words.update(row.prompt.split())
-        words.update(row.answer.split())
+        for row in load_rows(data):
+            words.update(row.prompt.split())
+            words.update(row.answer.split())
     if chat_template:
+        from .agent.tools import BUILTIN_TOOLS
+
         words.update((*TEMPLATE_WORDS, *BUILTIN_TOOLS))
     return [*SPECIAL_TOKENS, *sorted(words - set(SPECIAL_TOKENS))]
 
 
-def _build(config: HFModelConfig, data: DataSection | None, out: Path) -> None:
+def _build(config: HFModelConfig, data: DataSection | None, more: set[str], out: Path) -> None:
     """Save a random-init model and its word-level tokenizer under `out`."""
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     spec = config.build.model_dump() if config.build is not None else _BUILD_DEFAULTS
-    vocab = _word_vocab(data, chat_template=spec["chat_template"])
+    vocab = _word_vocab(data, more, chat_template=spec["chat_template"])
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
@@ -116,9 +122,11 @@ def _build(config: HFModelConfig, data: DataSection | None, out: Path) -> None:
     (out / _BUILD_MARKER).write_text(json.dumps({"build": spec, "vocab": len(vocab)}, indent=1))
 
 
-def ensure_model(config: HFModelConfig, *, data: DataSection | None = None, data_path: str | None = None) -> Path:
+def ensure_model(config: HFModelConfig, *, data: DataSection | None = None, data_path: str | None = None,
+                 words: Callable[[], set[str]] | None = None) -> Path:
     """`model.path`, built first when it is missing and `model.build` says how (its vocabulary from
-    the rows of `data`, or of the file `data_path` with the default columns).
+    the rows of `data`, or of the file `data_path` with the default columns, and `words()`: a
+    stage's files).
 
     Built in a temporary directory beside it and renamed into place: concurrent builders (a trainer
     and explorers started at once) each build the same bytes from the seed; the first rename wins.
@@ -140,7 +148,7 @@ def ensure_model(config: HFModelConfig, *, data: DataSection | None = None, data
     try:
         if data is None and data_path is not None:
             data = DataSection(path=data_path)
-        _build(config, data, tmp)
+        _build(config, data, words() if words is not None else set(), tmp)
         try:
             os.rename(tmp, path)
         except OSError:

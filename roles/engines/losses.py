@@ -63,6 +63,12 @@ class TrainBatch:
     set by the step's off-policy correction; None: PPO's ratio is against `old_logprobs`."""
     is_weights: Tensor | None = None
     """float: the off-policy correction's truncated importance weight of each token; None: none."""
+    demonstration: Tensor | None = None
+    """bool `(rows,)`: the row is a demonstration (SFT's rows, or those `trainer.expert_data` mixes
+    into an RL step, trained with the SFT loss); None: no row is (`roles.engines.sft`)."""
+    chosen: Tensor | None = None
+    """bool `(rows,)` of preference pairs (each group two rows, `prompt` + two responses): the
+    preferred row of its pair; None for any other batch (`roles.engines.dpo`)."""
 
     def __len__(self) -> int:
         return len(self.groups)
@@ -150,6 +156,9 @@ class MicroBatch:
     """`loss_mask` tokens of the whole minibatch, every rank's rows: a token-mean's denominator."""
     num_sequences: int
     """Sequences of the whole minibatch, every rank's rows: a sequence-mean's denominator."""
+    minibatch: Sequence[int] = ()
+    """The whole minibatch's rows, every rank's: a loss over some of them (`sft.OnRows`) counts its
+    own `num_tokens` and `num_sequences` there."""
     entropy: Tensor | None = None
     """`(len(rows), width)`: the policy's entropy at each response token (no gradient; 0 where
     `loss_mask` is 0), for the `entropy` metric; None when the engine's forward gives none."""

@@ -17,6 +17,7 @@ tokens, and its metrics join the step's.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from rolectl.sync_protocol.experience import Experience
 
 from .losses import LossFunction, LossSum, MicroBatch, TokenScores, TrainBatch
 
-__all__ = ["Forward", "StepResult", "TrainStep", "micro_batches", "step_metrics"]
+__all__ = ["Forward", "StepResult", "TrainStep", "micro_batches", "step_metrics", "stage_metrics", "lr_schedule"]
 
 
 class Forward(Protocol):
@@ -137,13 +138,14 @@ class TrainStep:
         self.reference = reference
         self.rank, self.world_size = rank, world_size
         self.correction = correction
+        self.scheduler: Any = None  # a torch LR scheduler stepped after each optimizer step (`lr_schedule`)
 
     def train_batch(self, batch: TrainBatch, loss_fn: LossFunction) -> StepResult:
         """One optimizer step per minibatch of `batch`, on `loss_fn`; every rank passes the same batch."""
         if loss_fn.needs_reference and self.reference is None:
             name = str(loss_fn) if isinstance(loss_fn, LossSum) else type(loss_fn).__name__
             raise ValueError(f"the loss {name} needs a frozen reference model and this engine has none "
-                             "(it keeps one when algorithm.kl_coef > 0)")
+                             "(it keeps one when algorithm.kl_coef > 0, and for `stage: dpo`)")
         batch, corrected = self._corrected(batch)
         group_order = list(dict.fromkeys(batch.groups))
         count = min(self.minibatches, len(group_order))
@@ -164,6 +166,8 @@ class TrainStep:
                 continue
             grad_norms.append(grad_norm)
             self.optimizer.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
             losses.append(minibatch_loss)
         return StepResult(loss=sum(losses) / len(losses) if losses else 0.0, grad_norm=max(grad_norms, default=0.0),
                           updates_skipped=skipped, metrics={**self._averaged(measured), **corrected})
@@ -199,10 +203,23 @@ class TrainStep:
             dist.all_reduce(proximal, op=dist.ReduceOp.SUM)  # the rows are dealt once: a sum gathers them
         return proximal
 
+    def evaluate_batch(self, batch: TrainBatch, loss_fn: LossFunction) -> StepResult:
+        """`loss_fn` on the whole of `batch` as one minibatch, without gradients or an update (a
+        held-out file's loss); every rank passes the same batch and gets the same figures."""
+        measured = _MetricSums()
+        training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                loss = self._forward_backward(batch, list(range(len(batch))), loss_fn, measured, backward=False)
+        finally:
+            self.model.train(training)
+        return StepResult(loss=loss, grad_norm=0.0, updates_skipped=0, metrics=self._averaged(measured))
+
     def _forward_backward(self, batch: TrainBatch, rows: list[int], loss_fn: LossFunction,
-                          measured: _MetricSums) -> float:
-        """Accumulate this rank's gradients of one minibatch; its loss summed over ranks. Each real
-        micro-batch's metrics go to `measured`."""
+                          measured: _MetricSums, *, backward: bool = True) -> float:
+        """Accumulate this rank's gradients of one minibatch (`backward`); its loss summed over
+        ranks. Each real micro-batch's metrics go to `measured`."""
         mine, passes = micro_batches(rows, batch.groups, size=self.micro_batch_size, rank=self.rank,
                                      world_size=self.world_size, keep_groups=loss_fn.keeps_groups)
         tokens = int(batch.loss_mask[rows].sum())
@@ -211,17 +228,19 @@ class TrainStep:
             # A rank out of rows still makes the pass (a collective), on borrowed rows, its loss zeroed.
             real = index < len(mine)
             micro = mine[index] if real else _borrowed(rows, batch.groups, keep_groups=loss_fn.keeps_groups)
-            loss, metrics = loss_fn(self._micro_batch(batch, micro, loss_fn, tokens=tokens, sequences=len(rows)))
+            loss, metrics = loss_fn(self._micro_batch(batch, micro, loss_fn, tokens=tokens, sequences=len(rows),
+                                                      minibatch=rows))
             if not real:
                 loss = loss * 0.0
-            loss.backward()
+            if backward:
+                loss.backward()
             if real:
                 local_loss += float(loss.detach())
                 measured.add(metrics)
         return self._sum_over_ranks([local_loss])[0]
 
     def _micro_batch(self, batch: TrainBatch, rows: list[int], loss_fn: LossFunction, *, tokens: int,
-                     sequences: int) -> MicroBatch:
+                     sequences: int, minibatch: list[int]) -> MicroBatch:
         scores = self.forward(self.model, batch, rows, entropy=True)
         trained = batch.loss_mask[rows, :scores.logprobs.shape[1]].to(scores.logprobs.device)
         ref_logprobs = None
@@ -231,7 +250,8 @@ class TrainStep:
                                              trained)
         entropy = None if scores.entropy is None else _trained_only(scores.entropy, trained)
         return MicroBatch(batch=batch, rows=rows, logprobs=_trained_only(scores.logprobs, trained),
-                          ref_logprobs=ref_logprobs, num_tokens=tokens, num_sequences=sequences, entropy=entropy)
+                          ref_logprobs=ref_logprobs, num_tokens=tokens, num_sequences=sequences, entropy=entropy,
+                          minibatch=minibatch)
 
     def _clip_gradients(self) -> float:
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
@@ -278,3 +298,98 @@ def step_metrics(result: StepResult, batch: TrainBatch, experiences: Sequence[Ex
         "grad_norm": result.grad_norm,
         **result.metrics,
     }
+
+
+def stage_metrics(result: StepResult, batch: TrainBatch, *, lr: float, updates_skipped: int) -> dict[str, float]:
+    """A trainer-only stage's step figures: its loss and gradient, the learning rate it stepped with,
+    the rows and trained tokens of its batch, and the loss function's metrics."""
+    return {
+        "loss": result.loss,
+        "grad_norm": result.grad_norm,
+        "lr": lr,
+        "updates_skipped_nonfinite": float(updates_skipped),
+        "rows": float(len(batch)),
+        "tokens": float(batch.loss_mask.sum()),
+        **result.metrics,
+    }
+
+
+def _lr_factor(step: int, *, schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """The share of the base learning rate at optimizer step `step`: a linear warm-up from 0, then
+    constant, or a linear or cosine decay to `min_lr_ratio` at `total_steps`."""
+    if step < warmup_steps:
+        return step / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    decay = 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * decay
+
+
+def lr_schedule(optimizer: torch.optim.Optimizer, schedule: str, *, warmup_steps: int, total_steps: int,
+                min_lr_ratio: float) -> torch.optim.lr_scheduler.LambdaLR:
+    """torch's `LambdaLR` over `optimizer` with `_lr_factor`: its state (`state_dict`) is numbers only,
+    so a checkpoint keeps it as JSON and a resumed stage steps on from where it was."""
+    if schedule not in ("constant", "linear", "cosine"):
+        raise ValueError(f"unknown lr schedule {schedule!r}; use constant, linear or cosine")
+    factor = functools.partial(_lr_factor, schedule=schedule, warmup_steps=warmup_steps, total_steps=total_steps,
+                               min_lr_ratio=min_lr_ratio)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+class StageTraining:
+    """What a train engine offers a trainer-only stage (`roles.stage`) and mixed RL batches, on top
+    of its `TrainStep` (`self.update`), `optimizer`, `step` and counters: train or evaluate one
+    `TrainBatch` with a given loss, a learning-rate schedule kept in its checkpoints, and the
+    demonstrations `trainer.expert_data` mixes into RL steps (`self.expert`, or None)."""
+
+    update: TrainStep
+    optimizer: torch.optim.Optimizer
+    step: int
+    updates_skipped_nonfinite: int
+    expert: Any = None
+
+    def set_lr_schedule(self, schedule: str, *, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> None:
+        """From now on the learning rate follows `schedule` over `total_steps` optimizer steps (see
+        `lr_schedule`); every rank sets the same."""
+        self.update.scheduler = lr_schedule(self.optimizer, schedule, warmup_steps=warmup_steps,
+                                            total_steps=total_steps, min_lr_ratio=min_lr_ratio)
+
+    def train_batch(self, batch: TrainBatch, loss_fn: LossFunction) -> dict[str, float]:
+        """One train step of a stage: the one training step on `batch` with `loss_fn`; its figures
+        (`stage_metrics`) and the model's. Every rank passes the same batch."""
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        result = self.update.train_batch(batch, loss_fn)
+        self.step += 1
+        self.updates_skipped_nonfinite += result.updates_skipped
+        return {**stage_metrics(result, batch, lr=lr, updates_skipped=self.updates_skipped_nonfinite),
+                **self.model_figures()}
+
+    def evaluate_batch(self, batch: TrainBatch, loss_fn: LossFunction) -> dict[str, float]:
+        """`loss_fn`'s loss (and metrics) on `batch`, nothing trained."""
+        result = self.update.evaluate_batch(batch, loss_fn)
+        return {"loss": result.loss, **result.metrics}
+
+    def model_figures(self) -> dict[str, float]:
+        """The model's own figures beside a step's (parameters; ranks)."""
+        return {}
+
+    def _rl_batch(self, experiences: Sequence[Experience], advantages: Any, loss_fn: LossFunction
+                  ) -> tuple[TrainBatch, TrainBatch, LossFunction]:
+        """(the experiences' batch, what is trained: with `trainer.expert_data` the demonstrations of
+        this step beside them, and the loss for it)."""
+        from .losses import experience_batch
+
+        batch = experience_batch(experiences, advantages)
+        if self.expert is None:
+            return batch, batch, loss_fn
+        return batch, self.expert.batch(batch, self.step), self.expert.loss
+
+    def scheduler_state(self) -> dict[str, Any] | None:
+        """The learning-rate schedule's position, JSON-able (None: no schedule)."""
+        scheduler = self.update.scheduler
+        return None if scheduler is None else scheduler.state_dict()
+
+    def load_scheduler_state(self, state: dict[str, Any] | None) -> None:
+        if state is not None and self.update.scheduler is not None:
+            self.update.scheduler.load_state_dict(state)

@@ -255,7 +255,7 @@ class _Supervision:
         self.auth = auth
         self.observer = auth.security("observer") if auth is not None else None
         self.started = time.monotonic()
-        self.everyone: list[RoleHandle] = []  # the synchronizer, the trainer, the explorers
+        self.everyone: list[RoleHandle] = []  # the synchronizer, the trainer, the explorers (a stage: its trainer)
         self.stop = asyncio.Event()  # the first Ctrl-C / SIGTERM: stop the roles in order
         self.hurry = asyncio.Event()  # the second: kill them now
         self.progress = Progress(cfg.trainer.total_steps)
@@ -263,7 +263,7 @@ class _Supervision:
     @property
     def workers(self) -> list[RoleHandle]:
         """The trainer and the explorers: the job is done when each of them exited 0."""
-        return self.everyone[1:]
+        return [handle for handle in self.everyone if handle.role != "sync"]
 
     # -- start -------------------------------------------------------------------------------------
     async def provision(self) -> bool:
@@ -279,8 +279,10 @@ class _Supervision:
         return True
 
     def start(self) -> None:
-        """Every role in `ROLE_ORDER`, then Ctrl-C / SIGTERM caught: once to stop, twice to kill."""
-        self.everyone = [self.launcher.start("sync", "sync-0"), self.launcher.start("trainer", "trainer"),
+        """Every role in `ROLE_ORDER` (a trainer-only stage: its trainer alone, nothing to sync), then
+        Ctrl-C / SIGTERM caught: once to stop, twice to kill."""
+        sync = [] if self.cfg.trainer_only else [self.launcher.start("sync", "sync-0")]
+        self.everyone = [*sync, self.launcher.start("trainer", "trainer"),
                          *(self.launcher.start("explorer", e) for e in self.cfg.explorer_ids())]
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -306,6 +308,9 @@ class _Supervision:
         with Live(progress_view(cfg, view, everyone, self.progress), console=console, refresh_per_second=2,
                   transient=not console.is_terminal) as live:
             while True:
+                trainer = view.state.trainer_state
+                if trainer is not None and trainer.metrics.get("total_steps"):  # a stage counts its own
+                    self.progress.total = int(trainer.metrics["total_steps"])
                 self.progress.update(view.trainer_steps, time.monotonic())
                 if cfg.serve.enabled:
                     _print_serve_urls(cfg, served, everyone)
@@ -375,8 +380,8 @@ class _Supervision:
                            monitor_dir=str(cfg.monitor_dir))
         summary.update(extra_summary or {})
         summary.update(engine_summary(cfg.model, records))
-        if (cfg.hf_export_dir / "final").is_dir():
-            summary["hf_model_dir"] = str(cfg.hf_export_dir / "final")
+        if cfg.final_export_dir.is_dir():
+            summary["hf_model_dir"] = str(cfg.final_export_dir.resolve())
         self._write_summary(summary, summary_path, events_file)
         return exit_code
 

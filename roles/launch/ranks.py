@@ -112,6 +112,19 @@ class RankLeader:
         self._commands.send("export", path=str(path))
         self._engine.save_hf_model(path, bucket_bytes=self._engine.config.fsdp.weight_bucket_bytes)
 
+    # a trainer-only stage (roles.stage): every rank builds the stage's loss from the job itself
+    def set_lr_schedule(self, schedule: str, **settings: Any) -> None:
+        self._commands.send("schedule", schedule=schedule, **settings)
+        self._engine.set_lr_schedule(schedule, **settings)
+
+    def train_batch(self, batch: Any, loss_fn: Any) -> dict[str, float]:
+        self._commands.send("train_batch")
+        return self._engine.train_batch(self._engine.share_train_batch(batch), loss_fn)
+
+    def evaluate_batch(self, batch: Any, loss_fn: Any) -> dict[str, float]:
+        self._commands.send("evaluate_batch")
+        return self._engine.evaluate_batch(self._engine.share_train_batch(batch), loss_fn)
+
     def stop(self) -> None:
         """The other ranks leave their loop (safe twice)."""
         if not self._stopped:
@@ -119,13 +132,16 @@ class RankLeader:
             self._commands.send("stop")
 
 
-def follow(engine: Any, log: Any) -> None:
-    """A rank > 0: make rank 0's engine calls, in its order, until it says stop."""
+def follow(engine: Any, log: Any, *, stage_loss: Any = None) -> None:
+    """A rank > 0: make rank 0's engine calls, in its order, until it says stop. `stage_loss`: the
+    loss of a trainer-only stage's batches, as rank 0 built it from the job."""
     commands = _Commands()
     while True:
         command = commands.receive()
-        op = command["op"]
-        if op == "train":
+        op = command.pop("op")
+        if op in _STAGE_OPS:
+            _STAGE_OPS[op](engine, command, stage_loss)
+        elif op == "train":
             engine.train_step(engine.share_batch(None), current_version=command["current_version"])
         elif op == "save":
             engine.save_checkpoint(Path(command["path"]))
@@ -141,6 +157,13 @@ def follow(engine: Any, log: Any) -> None:
             return
         else:
             raise ValueError(f"rank 0 sent an unknown command {op!r}: ranks of different rolectl versions?")
+
+
+_STAGE_OPS = {
+    "schedule": lambda engine, args, _: engine.set_lr_schedule(args.pop("schedule"), **args),
+    "train_batch": lambda engine, _, loss: engine.train_batch(engine.share_train_batch(None), loss),
+    "evaluate_batch": lambda engine, _, loss: engine.evaluate_batch(engine.share_train_batch(None), loss),
+}
 
 
 # -- one rank ------------------------------------------------------------------------------------------
@@ -166,7 +189,7 @@ def _run_rank(cfg: JobConfig, member_id: str | None, *, start_mode: Any, log_jso
     log.info("rank_ready", world_size=engine.world_size, step=engine.step)
     if rank > 0:
         try:
-            follow(engine, log)
+            follow(engine, log, stage_loss=_stage_loss(cfg))
         except Exception as exc:
             log.error("rank_failed", error=describe(exc))
             return ExitCode.ERROR
@@ -181,6 +204,15 @@ def _run_rank(cfg: JobConfig, member_id: str | None, *, start_mode: Any, log_jso
             engine.close()
         except Exception as exc:  # a peer already gone: the agent ends them all anyway
             log.warning("ranks_not_stopped", error=describe(exc))
+
+
+def _stage_loss(cfg: JobConfig) -> Any:
+    """A trainer-only stage's loss (None for RL), built from the job on every rank."""
+    if not cfg.trainer_only:
+        return None
+    from rolectl.roles.stage import stage_loss
+
+    return stage_loss(cfg)
 
 
 # -- the agent -----------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from rolectl.roles.config import JobConfig, load_config
+from rolectl.roles.config import ENGINE_SECTIONS, JobConfig, load_config
 from rolectl.roles.observe.run_store import RUN_CONFIG  # the effective config of a run, in its directory
 
 __all__ = ["RUN_CONFIG", "ResumeError", "config_mapping", "write_config", "new_run_path", "open_for_resume",
@@ -52,10 +52,10 @@ def config_mapping(cfg: JobConfig) -> dict[str, Any]:
         "eval": cfg.eval.model_dump(mode="json"),
         "monitor": cfg.monitor.model_dump(mode="json"),
         "serve": cfg.serve.model_dump(mode="json"),
-        # the engine's sections as the file wrote them (what it left out stays a default)
+        "stage": cfg.stage,
+        # the engine's sections (and the stages') as the file wrote them (what it left out stays a default)
         **{name: section if section is None else section.model_dump(mode="json", exclude_unset=True)
-           for name, section in (("model", cfg.model), ("data", cfg.data), ("algorithm", cfg.algorithm),
-                                 ("agent", cfg.agent))},
+           for name, section in ((name, getattr(cfg, name)) for name in (*ENGINE_SECTIONS, "agent"))},
     }
 
 

@@ -147,6 +147,62 @@ class AgentCounts:
         return sum(c.size() for c in self.totals.values())
 
 
+class StageFigures:
+    """A trainer-only stage's figures from its trainer's steps (`<stage>/epoch`, `/tokens`, `/rows`,
+    `/eval_loss`, `/eval/<reward>` beside `loss` and `lr`, and the stage's own: DPO's
+    `dpo/reward_margin`, `dpo/accuracy`, ... and their `dpo/eval_<figure>`): its name, the loss at
+    the start and the end, how much was trained, its own figures at the last step, and the evals.
+    Bounded like the observer's other series."""
+
+    _COUNTS = ("epoch", "tokens", "rows", "loss")  # reported apart from the stage's own figures
+
+    def __init__(self, max_points: int) -> None:
+        self.name: str | None = None
+        self.loss: deque[tuple[int, float]] = deque(maxlen=max_points)  # (step, loss)
+        self.loss_first: list[float] = []
+        self.evals: deque[dict[str, Any]] = deque(maxlen=max_points)
+        self.last: dict[str, float] = {}
+
+    @staticmethod
+    def stage_of(metrics: Any) -> str | None:
+        """The stage a trainer's step figures are of (the `<stage>/epoch` it reports), else None."""
+        return next((key[:-len("/epoch")] for key in metrics if key.endswith("/epoch")), None)
+
+    def add(self, name: str, step: int, metrics: Any) -> None:
+        self.name, self.last = name, dict(metrics)
+        self.loss.append((step, float(metrics.get("loss", 0.0))))
+        if len(self.loss_first) < 5:
+            self.loss_first.append(float(metrics.get("loss", 0.0)))
+        prefix = f"{name}/eval"
+        figures = {k[len(prefix) + 1:]: v for k, v in metrics.items() if k.startswith(prefix + "/")}
+        own = {k[len(prefix) + 1:]: v for k, v in metrics.items()
+               if k.startswith(prefix + "_") and k != f"{prefix}_loss"}  # dpo/eval_accuracy -> accuracy
+        if f"{prefix}_loss" in metrics or figures:
+            self.evals.append({"step": step, "loss": metrics.get(f"{prefix}_loss"), "rewards": figures,
+                               "figures": own})
+
+    def own_figures(self) -> dict[str, float]:
+        """The stage's own figures at its last step (`dpo/reward_margin` -> `reward_margin`)."""
+        prefix = f"{self.name}/"
+        return {k[len(prefix):]: round(v, 4) for k, v in sorted(self.last.items())
+                if k.startswith(prefix) and "/" not in k[len(prefix):] and not k[len(prefix):].startswith("eval")
+                and k[len(prefix):] not in self._COUNTS}
+
+    def summary(self) -> dict[str, Any]:
+        last = [loss for _, loss in list(self.loss)[-5:]]
+        name = self.name
+        return {"name": name, "epochs": round(self.last.get(f"{name}/epoch", 0.0), 4),
+                "rows_trained": int(self.last.get(f"{name}/rows", 0)),
+                "tokens_trained": int(self.last.get(f"{name}/tokens", 0)),
+                "loss_first": round(statistics.fmean(self.loss_first), 4) if self.loss_first else None,
+                "loss_last": round(statistics.fmean(last), 4) if last else None,
+                **({"last": self.own_figures()} if self.own_figures() else {}),
+                "eval": [{"step": e["step"], "loss": None if e["loss"] is None else round(e["loss"], 4),
+                          "rewards": {k: round(v, 4) for k, v in e["rewards"].items()},
+                          **({"figures": {k: round(v, 4) for k, v in e["figures"].items()}}
+                             if e["figures"] else {})} for e in self.evals]}
+
+
 # the serve-mode figures of `summary()` (see views.SUMMARY_MEANINGS)
 _SERVED = ("served_requests", "rewarded", "expired")
 
@@ -205,6 +261,8 @@ class JobObserver:
         self.trainer_interrupted = False  # the trainer's last STOPPED came from a stop signal
         self.experiences_produced = StepCounts()  # a step reported twice counts once
         self.experiences_trained = StepCounts()
+        self.expert_rows_trained = StepCounts()  # demonstrations mixed into RL steps (trainer.expert_data)
+        self.stage = StageFigures(max_points)  # a trainer-only stage's (no name: an RL job)
         # serve mode: each serving explorer incarnation's latest traffic counts (they only grow)
         self.served: dict[tuple[str, int], dict[str, float]] = {}
         self.served_times: deque[tuple[int, int]] = deque(maxlen=64)  # (time, served so far), for a rate
@@ -433,6 +491,7 @@ class JobObserver:
                 + len(self.sync_waits) + len(self.sync_wait_answers) + len(self.explorer_steps)
                 + self.experiences_produced.size() + self.experiences_trained.size() + len(self._asked_at)
                 + self.mismatch_alarms.size()
+                + self.expert_rows_trained.size() + len(self.stage.loss) + len(self.stage.evals)
                 + len(self._round_info) + len(self._tracking) + len(self._times) + len(self._at_last_seq)
                 + len(self.state.members) + len(self.state.rounds) + self.agent.size())
 
@@ -468,6 +527,11 @@ class JobObserver:
             if "reward_mean" in m and len(self.rewards_first) < 5:
                 self.rewards_first.append((event.step, m["reward_mean"]))
             self.experiences_trained.add(event.member.id, event.step, int(m.get("num_experiences", 0)))
+            if "expert_rows" in m:
+                self.expert_rows_trained.add(event.member.id, event.step, int(m["expert_rows"]))
+            stage = StageFigures.stage_of(m)
+            if stage is not None:
+                self.stage.add(stage, event.step, m)
             self.dropped_stale = max(self.dropped_stale, int(m.get("dropped_stale_total", 0)))
             self.mismatch_alarms.add(event.member.id, event.step, 1 if m.get(MISMATCH_ALARM, 0.0) >= 1 else 0)
         elif event.member.role is Role.EXPLORER:
@@ -564,6 +628,8 @@ class JobObserver:
                      for e in self.evals],
             **({key: self.served_total(key) for key in _SERVED} if self.served else {}),
             **({"agent": self.agent.summary()} if self.agent.summary() else {}),
+            **({"expert_rows_trained": self.expert_rows_trained.total} if self.expert_rows_trained.total else {}),
+            **({"stage": self.stage.summary()} if self.stage.name else {}),
             "events": self.records,
         }
 

@@ -177,6 +177,8 @@ SUMMARY_MEANINGS: dict[str, str] = {
     "rewarded": "served trajectories rewarded (trained on)",
     "expired": "served trajectories never rewarded",
     "agent": "episodes, turns, tools, tokens",
+    "stage": "a trainer-only stage: loss, rows, evals",
+    "expert_rows_trained": "demonstrations trained beside RL",
 }
 
 

@@ -1,11 +1,13 @@
 """The `fsdp` engine on CPU, its ranks real processes started by the trainer's own rank launcher: 2 ranks
 (gloo) train as one `hf` process, stream their weights, checkpoint 2 -> 1 with DCP and export a Hugging
-Face model, with and without a LoRA adapter; on multi-turn episodes, they give one process's loss."""
+Face model, with and without a LoRA adapter; on multi-turn episodes, they give one process's loss; and
+DPO (a frozen sharded reference) as one `hf` process."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -16,19 +18,11 @@ from rolectl.roles.engines.algorithms import AlgorithmConfig
 from rolectl.roles.engines.hf import HFTrainEngine
 from rolectl.roles.engines.hf_model import HFModelConfig
 from tests.support import fsdp_ranks
+from tests.support.fsdp_ranks import ROUNDING
+from tests.support.fsdp_ranks import assert_close as _assert_close
+from tests.support.fsdp_ranks import assert_same_training as _assert_same_training
 from tests.support.tiny_llm import built_model, model_section
 from tests.support.trajectories import multi_turn_episodes
-
-# fp32 sums in another order (two ranks' shards, micro-batches of 1 against 4) round gradients
-# differently, and AdamW divides by sqrt(v): where a gradient is near zero its rounding is not small
-# beside it, so single elements may differ by a sizeable part of one lr step (3e-3). What must agree is
-# the training itself: each tensor's change, to within RTOL of its length; and no element may stray
-# further than ATOL (a tenth of one lr step).
-RTOL = 1e-3
-ATOL = 3e-4
-# Where no element's gradient sits at its rounding (a LoRA adapter's few parameters, one step after a
-# resume), the weights agree to about fp32 rounding.
-ROUNDING = 2e-5
 
 
 def _experiences(vocab_size: int, *, batches: int = 4, groups: int = 3, group_size: int = 3) -> list[list[dict]]:
@@ -48,12 +42,25 @@ def _experiences(vocab_size: int, *, batches: int = 4, groups: int = 3, group_si
     return out
 
 
+def _pairs(vocab_size: int, *, batches: int = 4, pairs: int = 8) -> list[list[dict]]:
+    """Preference pairs of random tokens: `pairs` per batch, an even number per minibatch of 2."""
+    generator = torch.Generator().manual_seed(2)
+
+    def tokens(low: int, high: int) -> list[int]:
+        length = int(torch.randint(low, high, (1,), generator=generator))
+        return torch.randint(4, vocab_size, (length,), generator=generator).tolist()
+
+    return [[{"id": f"p-{step}-{i}", "prompt": tokens(2, 6), "chosen": tokens(1, 6), "rejected": tokens(1, 6)}
+             for i in range(pairs)] for step in range(batches)]
+
+
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("fsdp")
     model = built_model(root)
     vocab_size = json.loads((model / "config.json").read_text())["vocab_size"]
     (root / "experiences.json").write_text(json.dumps(_experiences(vocab_size)))
+    (root / "pairs.json").write_text(json.dumps(_pairs(vocab_size)))
     return root
 
 
@@ -94,23 +101,6 @@ def hf_lora_run(workdir) -> dict:
     metrics = [engine.train_step(batch, current_version=step)
                for step, batch in enumerate(fsdp_ranks.load_batches(workdir)[:3])]
     return {"initial": initial, "metrics": metrics, "weights_3": engine.weights()}
-
-
-def _assert_close(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], *, atol: float) -> None:
-    assert sorted(got) == sorted(expected)
-    worst = max((float((got[n] - expected[n]).abs().max()), n) for n in expected)
-    assert worst[0] <= atol, f"largest difference {worst[0]:.3g} at {worst[1]}"
-
-
-def _assert_same_training(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
-                          initial: dict[str, torch.Tensor]) -> None:
-    """`got` moved from `initial` as `expected` did: per tensor, the two differ by at most RTOL of the
-    change training made (and by at most ATOL anywhere)."""
-    _assert_close(got, expected, atol=ATOL)
-    for name, want in expected.items():
-        moved = float((want - initial[name]).norm())
-        apart = float((got[name] - want).norm())
-        assert apart <= RTOL * moved + 1e-7, f"{name}: {apart:.3g} apart after a change of {moved:.3g}"
 
 
 def test_two_fsdp_ranks_train_as_one_hf_process(workdir, two_ranks, hf_run):
@@ -216,6 +206,72 @@ def test_the_lora_export_is_a_peft_adapter_and_a_merged_model(workdir, lora_rank
     assert float((with_adapter - expected).abs().max()) <= 1e-5
     assert float((merged_logits - expected).abs().max()) <= 1e-4
     assert not any("lora_" in n for n in merged.state_dict())
+
+
+@pytest.fixture(scope="module")
+def dpo_ranks(workdir) -> list[dict]:
+    return fsdp_ranks.run_ranks("dpo-train", workdir, 2)
+
+
+@pytest.fixture(scope="module")
+def hf_dpo_run(workdir) -> dict:
+    """The same 4 DPO steps by the one-process `hf` engine (micro-batches of 2 pairs, not 1)."""
+    settings = {**model_section(workdir / "model"), "group_size": 3, "minibatches": 2, "micro_batch_size": 4}
+    settings.pop("engine")
+    engine = HFTrainEngine(HFModelConfig.model_validate(settings), AlgorithmConfig(), model_path=workdir / "model",
+                           keep_reference=True)
+    batches = fsdp_ranks.load_pair_batches(workdir)
+    initial = engine.weights()
+    metrics = [fsdp_ranks.dpo_step(engine, batch) for batch in batches[:3]]
+    after_3 = engine.weights()
+    metrics.append(fsdp_ranks.dpo_step(engine, batches[3]))
+    return {"initial": initial, "metrics": metrics, "weights_3": after_3, "weights_4": engine.weights()}
+
+
+DPO_METRICS = ("dpo/loss", "dpo/reward_chosen", "dpo/reward_rejected", "dpo/reward_margin", "dpo/accuracy")
+
+
+def test_two_fsdp_ranks_train_dpo_as_one_hf_process(workdir, dpo_ranks, hf_dpo_run):
+    fsdp_weights = load_file(workdir / "dpo-train" / "weights-3.safetensors")
+    assert any(not torch.equal(fsdp_weights[n], t) for n, t in hf_dpo_run["initial"].items())  # DPO moved them
+    _assert_same_training(fsdp_weights, hf_dpo_run["weights_3"], hf_dpo_run["initial"])
+    expected = hf_dpo_run["metrics"]
+    assert expected[2]["dpo/reward_margin"] > 0  # the reference stayed at the start while the policy moved
+    for rank in dpo_ranks:
+        got = rank["metrics"]
+        assert [m["loss"] for m in got] == pytest.approx([m["loss"] for m in expected[:3]], rel=1e-5, abs=1e-7)
+        assert [m["grad_norm"] for m in got] == pytest.approx([m["grad_norm"] for m in expected[:3]], rel=1e-4)
+        # every micro-batch holds the same number of pairs in both (1 per rank's pass; 2 per hf pass),
+        # so the means over micro-batches are the means over pairs
+        for name in DPO_METRICS:
+            assert [m[name] for m in got] == pytest.approx([m[name] for m in expected[:3]], rel=1e-4, abs=1e-6), name
+    _assert_same_training(load_file(workdir / "dpo-train" / "weights-4.safetensors"), hf_dpo_run["weights_4"],
+                          hf_dpo_run["initial"])
+
+
+def test_a_dpo_checkpoint_resumes_against_the_starting_reference(workdir, dpo_ranks):
+    """The reference is rebuilt from the starting weights, not from the checkpoint: the resumed 4th
+    step is the 2-rank trainer's 4th step."""
+    (report,) = fsdp_ranks.run_ranks("dpo-resume", workdir, 1)
+    assert report["step_after_load"] == 3
+    assert report["metrics_4"]["loss"] == pytest.approx(dpo_ranks[0]["metrics_4"]["loss"], rel=1e-5, abs=1e-7)
+    for name in DPO_METRICS:
+        assert report["metrics_4"][name] == pytest.approx(dpo_ranks[0]["metrics_4"][name], rel=1e-4, abs=1e-6)
+    _assert_close(load_file(workdir / "dpo-resume" / "weights-4.safetensors"),
+                  load_file(workdir / "dpo-train" / "weights-4.safetensors"), atol=ROUNDING)
+
+
+def test_a_dpo_stage_from_another_jobs_checkpoint_takes_its_weights_as_the_sharded_reference(workdir, dpo_ranks):
+    """`model.init_from`: every rank copies its shards of the loaded weights into the reference."""
+    ranks = fsdp_ranks.run_ranks("dpo-from-ckpt", workdir, 2)
+    _assert_close(load_file(workdir / "dpo-from-ckpt" / "weights-start.safetensors"),
+                  load_file(workdir / "dpo-train" / "weights-3.safetensors"), atol=0.0)
+    for rank in ranks:  # the policy starts as the reference: no margin, the loss is log 2 (one minibatch:
+        # a second one would be taken after the first's update)
+        first = rank["metrics_4"]
+        assert first["dpo/reward_margin"] == pytest.approx(0.0, abs=1e-6)
+        assert first["loss"] == pytest.approx(math.log(2), rel=1e-6)
+    assert dpo_ranks[0]["metrics_4"]["dpo/reward_margin"] != pytest.approx(0.0, abs=1e-3)  # vs the model.path start
 
 
 # -- multi-turn episodes: the loss over the tokens the policy sampled ---------------------------------

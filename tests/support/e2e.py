@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "tests" / "e2e" / "configs"
 
 __all__ = [
+    "sft_example_base",
     "ROOT",
     "CONFIGS",
     "job_config",
@@ -445,3 +446,22 @@ def shortened(example: str, tmp_path: Path, steps: int = 6) -> Path:
     path = tmp_path / example
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
+
+
+def sft_example_base(tmp_path: Path, *, steps: int) -> Path:
+    """examples/sft_base.yaml, shortened to `steps` and without evals, run by `rolectl up` to its end:
+    the base a later stage's example starts from, exported where its `trainer.export_dir` says
+    (under `tmp_path`, as runs/bases/digits-sft is under the repository)."""
+    data = yaml.safe_load((ROOT / "examples" / "sft_base.yaml").read_text())
+    export = tmp_path / "bases" / "digits-sft"
+    data["run_dir"] = str(tmp_path / "sft-runs")
+    data["trainer"].update(export_dir=str(export), save_interval=2)
+    data["model"]["path"] = str(tmp_path / "models" / "sft-base-gpt2")  # built on first use, as shipped
+    data["sft"].update(max_steps=steps, eval_interval=0, eval_path=None)
+    path = tmp_path / "sft_base.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    (tmp_path / "sft").mkdir()  # its summary and output, apart from the next stage's
+    run = run_up(path, tmp_path / "sft", timeout=300, extra=("--run-dir", str(tmp_path / "sft-runs")))
+    assert run.rc == 0 and run.summary["complete"], f"exit {run.rc}\n{run.output[-2000:]}\n{run.role_logs()}"
+    assert run.summary["trainer_steps"] == steps and run.summary["stage"]["name"] == "sft", run.summary
+    return export

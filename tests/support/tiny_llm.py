@@ -29,3 +29,36 @@ def built_model(directory: Path) -> Path:
     section = model_section(directory / "model")
     section.pop("engine")
     return ensure_model(HFModelConfig.model_validate(section), data_path=str(DATA))
+
+
+# ChatML, as Qwen2's and many other chat models' templates render a conversation (without tools)
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CHAT_WORDS = ("system", "user", "assistant", "tool", "you", "reverse", "copy", "=", "ok", "no", "sure",
+              *(str(d) for d in range(10)))
+
+
+def chat_model(directory: Path) -> Path:
+    """A tiny random-init GPT-2 whose word-level tokenizer has a ChatML chat template (`<|im_start|>`,
+    `<|im_end|>` as its end of turn and of sequence), saved under `directory/chat-model` once."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    path = directory / "chat-model"
+    if (path / "config.json").is_file():
+        return path
+    vocab = ["<pad>", "<|im_end|>", "<|im_start|>", "<unk>", *CHAT_WORDS]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<|im_end|>",
+                                                     unk_token="<unk>", additional_special_tokens=["<|im_start|>"])
+    tokenizer.chat_template = CHATML
+    tokenizer.save_pretrained(path)
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=32, n_inner=64, n_layer=2, n_head=2, n_positions=64, vocab_size=len(vocab),
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=0, eos_token_id=1,
+                                     bos_token_id=2)
+    transformers.GPT2LMHeadModel(config).save_pretrained(path)
+    return path

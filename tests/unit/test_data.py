@@ -136,6 +136,19 @@ def test_the_shipped_tool_example_data_is_what_its_script_writes():
     assert (ROOT / "examples/data/add_numbers.jsonl").read_text() == module.render()
 
 
+def test_the_shipped_sft_demonstrations_are_what_their_script_writes_and_never_the_rl_task():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_sft", ROOT / "examples/data/make_digits_sft.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert (ROOT / "examples/data/digits_sft.jsonl").read_text() == module.render()
+    assert (ROOT / "examples/data/digits_sft_eval.jsonl").read_text() == module.render_eval()
+    # the RL task reverses 3 digits: no demonstration does (the base must not know its answers)
+    reversed_lengths = {len(r["prompt"].split()) - 2 for r in module.rows() if r["prompt"].startswith("reverse")}
+    assert reversed_lengths and 3 not in reversed_lengths, reversed_lengths
+
+
 # -- sources: save_to_disk directories, globs, lists of files, splits, cached Hub datasets ------------
 
 def _save(tmp_path: Path, splits: dict[str, list[dict]] | None) -> Path:
