@@ -57,17 +57,14 @@ from .config_rules import cross_section_problems
 from .engines.agent.config import AgentSection
 from .engines.sections import (
     READS_DATA,
-    STAGES,
     AlgorithmField,
     DataField,
-    DPOField,
-    ExpertDataSection,
     ModelSection,
     OpenModelSection,
-    SFTField,
     TableSection,
     TinyModelSection,
 )
+from .engines.stage_sections import STAGES, DPOField, ExpertDataSection, SFTField
 
 __all__ = [
     "ENGINE_SECTIONS",

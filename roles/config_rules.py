@@ -9,7 +9,8 @@ from typing import Any
 
 from rolectl.sync_protocol import SyncStyle
 
-from .engines.sections import READS_DATA, STAGES
+from .engines.sections import READS_DATA
+from .engines.stage_sections import STAGES
 
 __all__ = ["PARTIAL_ROLLOUT_ENGINES", "cross_section_problems"]
 

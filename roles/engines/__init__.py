@@ -31,14 +31,13 @@ from .sections import (
     READS_DATA,
     AlgorithmSection,
     DataSection,
-    DPOSection,
     FSDPModelSection,
     HFModelSection,
     ModelSection,
     OpenModelSection,
-    SFTSection,
     TinyModelSection,
 )
+from .stage_sections import DPOSection, SFTSection
 from .task import ReverseDigitsTaskSet, score_response
 
 _STAGE_SECTIONS = {"sft": SFTSection, "dpo": DPOSection}

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from .base import Task
 from .losses import MicroBatch, TrainBatch
-from .sections import DPO_LOSSES
+from .stage_sections import DPO_LOSSES
 
 __all__ = ["DPOLoss", "TokenPair", "preference_batch", "load_pairs", "pair_words", "DPOData"]
 

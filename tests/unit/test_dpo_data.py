@@ -14,7 +14,7 @@ from rolectl.roles.engines import make_train_engine
 from rolectl.roles.engines.dpo import DPOData, DPOLoss, load_pairs, pair_words
 from rolectl.roles.engines.hf import AdapterDisabled
 from rolectl.roles.engines.hf_model import load_tokenizer
-from rolectl.roles.engines.sections import DPOSection
+from rolectl.roles.engines.stage_sections import DPOSection
 from rolectl.sync_protocol import ConfigError
 from tests.support.tiny_llm import built_model, chat_model, data_section, model_section
 

@@ -15,7 +15,6 @@ from rolectl.roles.engines.algorithms import AlgorithmConfig
 from rolectl.roles.engines.hf import HFTrainEngine, response_logprobs
 from rolectl.roles.engines.hf_model import HFModelConfig, load_tokenizer
 from rolectl.roles.engines.losses import LossSum, MicroBatch
-from rolectl.roles.engines.sections import ExpertDataSection, SFTSection
 from rolectl.roles.engines.sft import (
     Demonstration,
     MixedBatches,
@@ -27,6 +26,7 @@ from rolectl.roles.engines.sft import (
     render_chat,
     render_pair,
 )
+from rolectl.roles.engines.stage_sections import ExpertDataSection, SFTSection
 from rolectl.roles.engines.step import lr_schedule
 from rolectl.roles.stage import StagePlan
 from rolectl.sync_protocol import ConfigError
