@@ -47,7 +47,7 @@ from .lora import ADAPTER_NAME, save_adapter, wrap_with_lora
 from .losses import TrainBatch
 from .sections import FSDPModelSection, LoRASection
 from .sft import mixed_batches
-from .step import StageTraining, TrainStep, step_metrics
+from .step import StageTraining, TrainStep
 from .streaming import DEFAULT_BUCKET_BYTES, NamedTensors, buckets_of
 
 __all__ = ["FSDPTrainEngine"]
@@ -253,18 +253,6 @@ class FSDPTrainEngine(StageTraining):
         if self.rank == 0:
             return list(experiences or ())
         return [_experience_of(e) for e in json.loads(payload)]
-
-    def train_step(self, experiences: Sequence[Experience], *, current_version: int) -> dict[str, float]:
-        """The one training step on this rank's share of each minibatch; every rank passes the same
-        `experiences` and gets the whole batch's metrics."""
-        batch, trained, loss_fn = self._rl_batch(experiences, self.algorithm.advantages, self.loss_fn)
-        result = self.update.train_batch(trained, loss_fn)
-        self.step += 1
-        self.updates_skipped_nonfinite += result.updates_skipped
-        return {**step_metrics(result, batch, experiences, current_version=current_version,
-                               updates_skipped=self.updates_skipped_nonfinite),
-                **({"expert_rows": float(len(trained) - len(batch))} if trained is not batch else {}),
-                **self.model_figures()}
 
     def model_figures(self) -> dict[str, float]:
         return {"model_parameters": float(self.num_parameters),

@@ -34,7 +34,7 @@ from .lora import adapter_tensors, save_adapter, save_merged, wrap_with_lora
 from .losses import TokenScores, TrainBatch, token_entropy
 from .rewards import WeightedReward, score_all
 from .sft import mixed_batches
-from .step import Forward, StageTraining, TrainStep, step_metrics
+from .step import Forward, StageTraining, TrainStep
 from .streaming import DEFAULT_BUCKET_BYTES, NamedTensors, buckets_of
 
 __all__ = ["HFTrainEngine", "HFRolloutEngine", "AdapterDisabled", "response_logprobs", "response_scores",
@@ -206,16 +206,6 @@ class HFTrainEngine(StageTraining):
         if self.config.lora is not None and not self.config.init_from:
             return AdapterDisabled(self.model)
         return copy.deepcopy(self.model).eval().requires_grad_(False)
-
-    def train_step(self, experiences: Sequence[Experience], *, current_version: int) -> dict[str, float]:
-        batch, trained, loss_fn = self._rl_batch(experiences, self.algorithm.advantages, self.loss_fn)
-        result = self.update.train_batch(trained, loss_fn)
-        self.step += 1
-        self.updates_skipped_nonfinite += result.updates_skipped
-        return {**step_metrics(result, batch, experiences, current_version=current_version,
-                               updates_skipped=self.updates_skipped_nonfinite),
-                **({"expert_rows": float(len(trained) - len(batch))} if trained is not batch else {}),
-                **self.model_figures()}
 
     def model_figures(self) -> dict[str, float]:
         return {"model_parameters": float(self.num_parameters),

@@ -338,16 +338,31 @@ def lr_schedule(optimizer: torch.optim.Optimizer, schedule: str, *, warmup_steps
 
 
 class StageTraining:
-    """What a train engine offers a trainer-only stage (`roles.stage`) and mixed RL batches, on top
-    of its `TrainStep` (`self.update`), `optimizer`, `step` and counters: train or evaluate one
-    `TrainBatch` with a given loss, a learning-rate schedule kept in its checkpoints, and the
-    demonstrations `trainer.expert_data` mixes into RL steps (`self.expert`, or None)."""
+    """The steps the `hf` and `fsdp` engines share on top of their `TrainStep` (`self.update`),
+    `optimizer`, `step` and counters: an RL step on experiences (with the demonstrations
+    `trainer.expert_data` mixes in: `self.expert`, or None), and for a trainer-only stage
+    (`roles.stage`) train or evaluate one `TrainBatch` with a given loss and a learning-rate
+    schedule kept in its checkpoints."""
 
     update: TrainStep
     optimizer: torch.optim.Optimizer
     step: int
     updates_skipped_nonfinite: int
+    algorithm: Any  # the `algorithm:` section: its advantage estimator
+    loss_fn: LossFunction  # the RL loss (policy loss, plus the KL penalty when asked)
     expert: Any = None
+
+    def train_step(self, experiences: Sequence[Experience], *, current_version: int) -> dict[str, float]:
+        """One RL step: the one training step on `experiences` (this rank's share of each minibatch;
+        every rank passes the same experiences and gets the whole batch's metrics)."""
+        batch, trained, loss_fn = self._rl_batch(experiences, self.algorithm.advantages, self.loss_fn)
+        result = self.update.train_batch(trained, loss_fn)
+        self.step += 1
+        self.updates_skipped_nonfinite += result.updates_skipped
+        return {**step_metrics(result, batch, experiences, current_version=current_version,
+                               updates_skipped=self.updates_skipped_nonfinite),
+                **({"expert_rows": float(len(trained) - len(batch))} if trained is not batch else {}),
+                **self.model_figures()}
 
     def set_lr_schedule(self, schedule: str, *, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> None:
         """From now on the learning rate follows `schedule` over `total_steps` optimizer steps (see
