@@ -79,6 +79,13 @@ class Experience:
         return sum(self.mask())
 
     @property
+    def newest_version(self) -> int:
+        """The newest version that sampled any of its tokens (`model_version` is the oldest)."""
+        if self.token_versions is None:
+            return self.model_version
+        return max(version for _, version in self.token_versions)
+
+    @property
     def turns(self) -> int:
         """The model's turns: maximal runs of sampled tokens (0 for an empty response)."""
         return sum(1 for sampled, _ in groupby(self.mask()) if sampled)
@@ -102,6 +109,13 @@ class ExperienceBatch:
     explore_step: int
     model_version: int
     experiences: tuple[Experience, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def of(cls, member: str, explore_step: int, experiences: tuple[Experience, ...]) -> ExperienceBatch:
+        """A batch of `experiences` at the newest version that sampled any of their tokens (a
+        multi-turn trajectory's later turns may be newer than its record's oldest `model_version`)."""
+        return cls(member=member, explore_step=explore_step, experiences=experiences,
+                   model_version=max((e.newest_version for e in experiences), default=0))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -150,9 +150,7 @@ class ServeLoop:
         experiences = self.ledger.take_groups(time.monotonic())
         if not experiences:
             return
-        batch = ExperienceBatch(member=x.member_id, explore_step=x.explore_step + 1,
-                                model_version=max(e.model_version for e in experiences),
-                                experiences=tuple(experiences))
+        batch = ExperienceBatch.of(x.member_id, x.explore_step + 1, tuple(experiences))
         validate_batch(batch, self.limits)  # what the trainer will check: refuse here, not there
         await x.publish_batch(batch)
         self._last_batch_size = len(experiences)

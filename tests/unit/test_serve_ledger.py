@@ -6,7 +6,9 @@ import math
 
 import pytest
 
+from rolectl.bus.experiences import MalformedExperience, validate_batch
 from rolectl.roles.serve.ledger import BadReward, RewardLedger, Turn, UnknownCompletion
+from rolectl.sync_protocol.experience import ExperienceBatch, ExperienceLimits
 
 
 def turn(cid: str, version: int = 0) -> Turn:
@@ -134,3 +136,21 @@ def test_a_reward_that_is_not_a_finite_number_is_refused_and_keeps_the_completio
     with pytest.raises(BadReward):
         ledger.reward(value, completion_id="a")
     assert ledger.reward(0.0, completion_id="a") == 1
+
+
+def test_a_session_sampled_by_two_versions_is_published_at_the_newer():
+    ledger = RewardLedger(prefix="p", group_size=1, timeout_s=10, straggler_s=5)
+    ledger.record(turn("a", version=3), session="s", now_s=0)
+    ledger.record(Turn(completion_id="b", prompt=(1, 2, 3, 4, 7), response=(5, 6), logprobs=(-0.1, -0.2), version=4),
+                  session="s", now_s=1)
+    ledger.reward(1.0, session="s", now_s=2)
+    [session] = ledger.take_groups(now_s=2)
+    assert (session.model_version, session.newest_version) == (3, 4)
+    limits = ExperienceLimits(vocab_size=16, prompt_length=None, max_response_length=16, group_size=1)
+    batch = ExperienceBatch.of("explorer-0", 1, (session,))
+    assert batch.model_version == 4
+    validate_batch(batch, limits)  # what the trainer checks
+    # at the record's oldest version, its newer turn would be a version the batch does not have
+    with pytest.raises(MalformedExperience, match="token version outside 3..3"):
+        validate_batch(ExperienceBatch(member="explorer-0", explore_step=1, model_version=3,
+                                       experiences=(session,)), limits)
