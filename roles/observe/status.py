@@ -75,7 +75,9 @@ async def collect_status(job: str, nats: str, *, heartbeat_wait_s: float | None 
                 all_beating.set()
             wait = heartbeat_wait_s
             if wait is None:
-                period = observer.state.config.heartbeat_period if observer.state.config else 1.0
+                config = observer.state.config
+                # the period members beat at: stretched for a large fleet (SyncConfig.beat_period)
+                period = config.beat_period(len(observer.state.members)) if config else 1.0
                 wait = 1.5 * period
             if any(m.alive for m in observer.state.members.values()):
                 try:
