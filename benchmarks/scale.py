@@ -28,6 +28,10 @@ Per N and method, after 2 warm-up rounds:
   is formed): the trainer and every explorer ask; the last arrival makes the `RendezvousReady`.
 - `stream_ms` p50/p99: the decision's server timestamp minus its cause's: the synchronizer's and
   the server's part, without the members' own CPU.
+- `member_path_ms` p50/p99: where a member's wait goes, per sample: from the cause's publish to
+  the cause recorded (the publishing member's process and the server), from there to the first
+  decision for it recorded (the synchronizer and the server), from there to the member's view
+  finding it (delivery and the member's own process).
 - the synchronizer's CPU (user + system, /proc) per round, per recorded decision (also net of its
   heartbeat handling, at the rate measured while every explorer waits) and per explorer answered,
   its RSS at the end and its peak (VmHWM); the server's CPU per round; event-stream bytes per
