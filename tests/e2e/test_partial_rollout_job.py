@@ -109,25 +109,11 @@ def _trained_ids(job: LiveJob) -> dict[int, list[str]]:
 
 async def _left_ids(job: LiveJob) -> list[str]:
     """The ids of the experiences the stream still holds untrained (read with the trainer's checkpoint,
-    as `experiences_left_in_stream` counts them)."""
-    from rolectl.bus.experiences import decode_batch
+    as `accounted_summary` counts them)."""
+    from benchmarks.soak import experience_ids_left_in_stream
 
     state = json.loads((job.cfg.trainer_checkpoint_dir / "trainer_state.json").read_text())
-    partial, acked = state.get("partial", {}), set(state.get("acked_seqs", ()))
-    js, name = job.conn.js, job.conn.names.experience_stream
-    info = await js.stream_info(name)
-    ids = []
-    for seq in range(info.state.first_seq, info.state.last_seq + 1):
-        if seq in acked:
-            continue
-        try:
-            msg = await js.get_msg(name, seq)
-        except Exception:  # acked (deleted)
-            continue
-        experiences = decode_batch(msg.data).experiences
-        untrained = partial.get(str(seq), range(len(experiences)))
-        ids += [experiences[i].id for i in untrained]
-    return ids
+    return await experience_ids_left_in_stream(job.conn, state)
 
 
 async def test_kill9_of_an_explorer_mid_pause_and_of_the_trainer_loses_nothing(tmp_path):
