@@ -6,15 +6,14 @@ named share of what explorers produced, in the summary, `status` and /metrics.""
 from __future__ import annotations
 
 import pytest
-from prometheus_client import CollectorRegistry
 
 from rolectl.roles.config import parse_config
 from rolectl.roles.engines import dynamic_sampling_of
-from rolectl.roles.observe.dashboard import Dashboard, _Collector
 from rolectl.roles.observe.observer import JobObserver
 from rolectl.roles.rollout_step import GEN_BATCH_STRIDE, GroupSampler, filter_groups
 from rolectl.sync_protocol import ConfigError, JobConfigured, Recorded, StepFinished, SyncConfig, SyncMethod
 from rolectl.sync_protocol.experience import Experience
+from tests.support.metrics import JOB, exported
 from tests.support.reducer_scenario import E1, Job, T, join
 
 
@@ -112,10 +111,6 @@ def test_filtered_groups_are_a_named_share_of_what_was_produced():
     assert s["experiences_left_untrained"] == 64 - 32 - 16
     assert s["experiences_produced"] == (s["experiences_trained"] + s["experiences_dropped_stale"]
                                          + s["experiences_filtered"] + s["experiences_left_untrained"])
-    dashboard = Dashboard(job="demo", nats_url="nats://127.0.0.1:4222", monitor_url=None)
-    dashboard.observer = observer
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(dashboard))
-    samples = {(x.name, tuple(sorted(x.labels.items()))): x.value for f in registry.collect() for x in f.samples}
-    assert samples[("rolectl_explorer_groups_filtered_total", (("job", "demo"),))] == 4
+    dashboard, samples = exported(observer)
+    assert samples[("rolectl_explorer_groups_filtered_total", JOB)] == 4
     assert dashboard.snapshot()["filtered"] == {"groups": 4, "experiences": 16}

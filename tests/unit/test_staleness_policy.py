@@ -5,14 +5,13 @@ config says what it needs, and the books count both."""
 from __future__ import annotations
 
 import pytest
-from prometheus_client import CollectorRegistry
 
 from rolectl.roles import config_rules
 from rolectl.roles.config import parse_config
-from rolectl.roles.observe.dashboard import Dashboard, _Collector
 from rolectl.roles.observe.observer import JobObserver
 from rolectl.sync_protocol import ConfigError, JobConfigured, StalenessPolicy, StepFinished, SyncConfig, SyncMethod
 from rolectl.sync_protocol.boundaries import Staleness, staleness_verdict
+from tests.support.metrics import JOB, exported
 from tests.support.reducer_scenario import Job, T, join
 
 
@@ -71,10 +70,6 @@ def test_stale_experiences_kept_are_counted_in_the_summary_and_metrics():
     observer = JobObserver().extend(list(job.history))
     s = observer.summary(job="j")
     assert (s["experiences_corrected_stale"], s["experiences_dropped_stale"], s["experiences_trained"]) == (5, 0, 16)
-    dashboard = Dashboard(job="demo", nats_url="nats://127.0.0.1:4222", monitor_url=None)
-    dashboard.observer = observer
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(dashboard))
-    samples = {(x.name, tuple(sorted(x.labels.items()))): x.value for f in registry.collect() for x in f.samples}
-    assert samples[("rolectl_trainer_corrected_stale_total", (("job", "demo"),))] == 5
+    dashboard, samples = exported(observer)
+    assert samples[("rolectl_trainer_corrected_stale_total", JOB)] == 5
     assert dashboard.snapshot()["staleness"]["corrected_total"] == 5
