@@ -17,7 +17,7 @@ from typing import Annotated, Any, get_type_hints
 import msgspec
 from msgspec import Meta
 
-from .enums import SyncMethod, SyncStyle
+from .enums import StalenessPolicy, SyncMethod, SyncStyle
 from .errors import ConfigError
 
 __all__ = ["SyncConfig", "HEARTBEATS_PER_S"]
@@ -35,7 +35,8 @@ class SyncConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     Heartbeat period/expiry are in seconds; a member silent for `heartbeat_expiry` is declared
     expired (by an event) and leaves every round, instead of peers waiting `sync_timeout`.
     `max_staleness` bounds how many versions older than the trainer's an experience may be
-    (None = unbounded; an older one is dropped and counted). `max_ahead` bounds the other way: explorers
+    (None = unbounded); an older one is dropped and counted, or with `staleness_policy: correct` trained
+    with the off-policy correction and counted as corrected. `max_ahead` bounds the other way: explorers
     pause once they have produced more than `max_ahead` train steps' worth of tasks beyond the one
     the trainer takes next (None = unbounded; the reducer decides it, see `ExplorerPaused`).
     `snapshot_every`: the active synchronizer records a reducer snapshot every
@@ -61,6 +62,10 @@ class SyncConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
                                                                "than heartbeat_period.")] = 5.0
     max_staleness: Annotated[int, Meta(ge=0, description="Versions an experience may lag the "
                                                          "trainer's; null = unbounded.")] | None = None
+    staleness_policy: Annotated[StalenessPolicy, Meta(
+        description="What becomes of an experience past max_staleness: drop (counted), or correct: "
+                    "trained with the off-policy correction (needs algorithm.rollout_correction).")
+    ] = StalenessPolicy.DROP
     snapshot_every: Annotated[int, Meta(ge=0, description="Stream records between reducer "
                                                           "snapshots (0 = never).")] = 10_000
     max_ahead: Annotated[int, Meta(ge=0, description="Train steps' worth of tasks explorers may "
@@ -106,9 +111,10 @@ class SyncConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
         return mapping
 
 
-_ADDED_LATER: dict[str, Any] = {"max_ahead": None}
+_ADDED_LATER: dict[str, Any] = {"max_ahead": None, "staleness_policy": StalenessPolicy.DROP.value}
 
-_ENUMS: dict[str, type[SyncMethod] | type[SyncStyle]] = {"sync_method": SyncMethod, "sync_style": SyncStyle}
+_ENUMS: dict[str, type[SyncMethod] | type[SyncStyle] | type[StalenessPolicy]] = {
+    "sync_method": SyncMethod, "sync_style": SyncStyle, "staleness_policy": StalenessPolicy}
 
 
 _HINTS: dict[str, Any] = {}
