@@ -25,6 +25,7 @@ import json
 import shutil
 import socket
 import time
+from collections import Counter
 from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,7 @@ from rolectl.sync_protocol import (
     RendezvousReady,
     Role,
     RunningStatus,
+    StalenessTally,
     StepFinished,
     StepsRolledBack,
     SyncFailed,
@@ -87,6 +89,10 @@ class Trainer:
         self.version = 0  # the base model
         self.dropped_stale = 0
         self.corrected_stale = 0  # past max_staleness, trained with the correction (staleness_policy: correct)
+        # the step being filled: how far behind each experience taken was, and the verdicts on them
+        # (its StepFinished records both, so `replay --check` recomputes the verdicts)
+        self.step_ages: Counter[int] = Counter()
+        self.step_verdicts: Counter[Staleness] = Counter()
         # experiences taken off the stream: trained, dropped or filtered (what paces explorers, max_ahead)
         self.experiences_taken = 0
         self.tasks_reported = 0  # the last count of tasks taken the core heard (StepFinished, TasksTaken)
@@ -229,8 +235,7 @@ class Trainer:
         self._guard_metrics(metrics)
         self.session.step = self.engine.step
         metrics["dropped_stale_total"] = float(self.dropped_stale)
-        corrected = sum(staleness_verdict(e.model_version, self.version, self.sync) is Staleness.CORRECTED
-                        for e in batch)
+        corrected = self.step_verdicts[Staleness.CORRECTED]
         self.corrected_stale += corrected
         metrics["corrected_stale"] = float(corrected)
         metrics["corrected_stale_total"] = float(self.corrected_stale)
@@ -264,9 +269,21 @@ class Trainer:
         tasks = self.experiences_taken // self.engine.group_size if self.sync.max_ahead is not None else None
         self.tasks_reported = tasks or 0
         await self.session.publish(StepFinished(member=self.session.me, step=self.engine.step,
-                                                version=self.version, metrics=metrics, tasks=tasks))
+                                                version=self.version, metrics=metrics, tasks=tasks,
+                                                staleness=self._staleness_tally()))
+        self.step_ages.clear()
+        self.step_verdicts.clear()
         self.log.info("train_step", step=self.engine.step, version=self.version,
                       reward=round(metrics.get("reward_mean", 0.0), 4), loss=round(metrics.get("loss", 0.0), 4))
+
+    def _staleness_tally(self) -> StalenessTally | None:
+        """The step's staleness verdicts and their ages, where staleness is bounded (else None; None
+        too for a step reported again after a restart, whose verdicts died with the process)."""
+        if self.sync.max_staleness is None or not self.step_ages:
+            return None
+        return StalenessTally(ages=tuple(sorted(self.step_ages.items())),
+                              dropped=self.step_verdicts[Staleness.DROPPED],
+                              corrected=self.step_verdicts[Staleness.CORRECTED])
 
     async def _sample(self):
         """Collect one step's experiences; while waiting, answer explorer-driven sync requests."""
@@ -290,7 +307,10 @@ class Trainer:
             received = await self.reader.fetch(max_batches=8, timeout=0.5)
             for msg in received:
                 for index, exp in await self.ledger.receive(msg):
-                    if staleness_verdict(exp.model_version, self.version, self.sync) is Staleness.DROPPED:
+                    verdict = staleness_verdict(exp.model_version, self.version, self.sync)
+                    self.step_ages[self.version - exp.model_version] += 1
+                    self.step_verdicts[verdict] += 1
+                    if verdict is Staleness.DROPPED:
                         self.dropped_stale += 1
                         self.experiences_taken += 1
                     else:

@@ -6,13 +6,14 @@ reducer can never disagree about where a sync boundary is or whether an offered 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from enum import Enum
 
 from .config import SyncConfig
 from .enums import StalenessPolicy, SyncStyle
 
 __all__ = ["explorer_needs_sync", "trainer_needs_sync", "needs_reload", "is_stale", "Staleness",
-           "staleness_verdict"]
+           "staleness_verdict", "verdict_of_age", "tally_verdicts"]
 
 _INTERVAL_DRIVEN = frozenset({SyncStyle.FIXED, SyncStyle.TRAINER_DRIVEN, SyncStyle.FULLY_ASYNC})
 
@@ -66,6 +67,20 @@ def staleness_verdict(experience_version: int, trainer_version: int, cfg: SyncCo
     """What the trainer at `trainer_version` does with an experience of `experience_version`
     (`max_staleness` and `staleness_policy`): a function of the experience's recorded version and
     the trainer's, so whoever holds both computes the same verdict."""
-    if not is_stale(experience_version, trainer_version, cfg.max_staleness):
+    return verdict_of_age(trainer_version - experience_version, cfg)
+
+
+def verdict_of_age(age: int, cfg: SyncConfig) -> Staleness:
+    """The verdict on an experience `age` versions behind the trainer that judges it: all a verdict
+    depends on, so a record of ages (`StalenessTally`) lets a replay recompute every verdict."""
+    if cfg.max_staleness is None or age <= cfg.max_staleness:
         return Staleness.FRESH
     return Staleness.CORRECTED if cfg.staleness_policy is StalenessPolicy.CORRECT else Staleness.DROPPED
+
+
+def tally_verdicts(ages: Iterable[tuple[int, int]], cfg: SyncConfig) -> dict[Staleness, int]:
+    """How many experiences each verdict takes, from `(age, experiences)` pairs."""
+    counts = dict.fromkeys(Staleness, 0)
+    for age, experiences in ages:
+        counts[verdict_of_age(age, cfg)] += experiences
+    return counts

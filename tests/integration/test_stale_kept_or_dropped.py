@@ -1,6 +1,7 @@
 """The trainer against a real nats-server, given a stale batch (three versions behind, past
 `max_staleness: 1`) and then a fresh one: with `staleness_policy: drop` it drops the stale batch
-and trains the fresh one; with `correct` it trains the stale batch itself and counts it corrected.
+and trains the fresh one; with `correct` it trains the stale batch itself and counts it corrected;
+either way the step's record lets `replay --check` recompute the verdict.
 
 The tiny engine stands in for the trainer here (it has no `algorithm.rollout_correction`, so the
 job is loaded without its engines' checks); what the correction does to a stale batch is
@@ -21,7 +22,10 @@ from rolectl.bus.experiences import ExperienceBatch, ExperiencePublisher
 from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream
 from rolectl.roles.config import load_config
 from rolectl.roles.engines import make_rollout_engine, make_taskset
+from rolectl.roles.observe.check import check_decisions
+from rolectl.roles.observe.export import read_job
 from rolectl.roles.trainer import Trainer
+from rolectl.sync_protocol import StepFinished
 
 SMALL = Path(__file__).resolve().parents[1] / "e2e" / "configs" / "small.yaml"
 TRAINER_VERSION = 3  # the trainer holds this version; the stale batch was sampled by version 0
@@ -73,3 +77,9 @@ async def test_a_stale_batch_is_dropped_or_trained_corrected(tmp_path, nats_url,
         assert (state["dropped_stale"], state["corrected_stale"]) == (dropped, corrected)  # a restart goes on counting
         info = await conn.js.stream_info(conn.names.experience_stream)
         assert info.state.messages == left
+    # the step's record carries the verdicts and the ages they follow from: replay recomputes them
+    records = await read_job(job_name, nats_url)
+    [tally] = [r.event.staleness for r in records if isinstance(r.event, StepFinished)]
+    assert (tally.dropped, tally.corrected) == (dropped, corrected)
+    assert dict(tally.ages)[TRAINER_VERSION] == 32  # the stale batch, three versions behind
+    assert check_decisions(records) == []

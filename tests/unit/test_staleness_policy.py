@@ -8,9 +8,22 @@ import pytest
 
 from rolectl.roles import config_rules
 from rolectl.roles.config import parse_config
+from rolectl.roles.observe.check import check_staleness
 from rolectl.roles.observe.observer import JobObserver
-from rolectl.sync_protocol import ConfigError, JobConfigured, StalenessPolicy, StepFinished, SyncConfig, SyncMethod
-from rolectl.sync_protocol.boundaries import Staleness, staleness_verdict
+from rolectl.sync_protocol import (
+    ConfigError,
+    JobConfigured,
+    Recorded,
+    StalenessPolicy,
+    StalenessTally,
+    StepFinished,
+    SyncConfig,
+    SyncMethod,
+    decode,
+    encode,
+    to_plain,
+)
+from rolectl.sync_protocol.boundaries import Staleness, staleness_verdict, tally_verdicts
 from tests.support.metrics import JOB, exported
 from tests.support.reducer_scenario import Job, T, join
 
@@ -73,3 +86,30 @@ def test_stale_experiences_kept_are_counted_in_the_summary_and_metrics():
     dashboard, samples = exported(observer)
     assert samples[("rolectl_trainer_corrected_stale_total", JOB)] == 5
     assert dashboard.snapshot()["staleness"]["corrected_total"] == 5
+
+
+def _trainer_step(seq: int, tally: StalenessTally) -> Recorded:
+    return Recorded(seq=seq, time_ms=seq, event=StepFinished(member=T, step=seq, version=5, staleness=tally))
+
+
+@pytest.mark.parametrize("policy", ["drop", "correct"])
+def test_replay_recomputes_each_steps_staleness_verdicts_from_the_ages_it_recorded(policy):
+    cfg = SyncConfig(max_staleness=1, staleness_policy=StalenessPolicy(policy))
+    ages = ((0, 5), (1, 2), (2, 3), (4, 1))  # 4 experiences past the bound of 1
+    counts = tally_verdicts(ages, cfg)
+    assert counts == {Staleness.FRESH: 7, Staleness.DROPPED: 4 if policy == "drop" else 0,
+                      Staleness.CORRECTED: 4 if policy == "correct" else 0}
+    honest = StalenessTally(ages=ages, dropped=counts[Staleness.DROPPED], corrected=counts[Staleness.CORRECTED])
+    lying = StalenessTally(ages=ages, dropped=0, corrected=0)  # a trainer that trained stale data silently
+    configured = Recorded(seq=1, time_ms=1, event=JobConfigured(member=T, config=cfg))
+    assert check_staleness([configured, _trainer_step(2, honest)]) == []
+    [mismatch] = check_staleness([configured, _trainer_step(2, honest), _trainer_step(3, lying)])
+    assert (mismatch.kind, mismatch.seq, mismatch.recorded, mismatch.recomputed) == ("verdict", 3, 0, 4)
+    assert "step 3 recorded 0 experiences" in mismatch.describe()
+
+
+def test_a_step_with_its_staleness_tally_round_trips_and_one_without_is_unchanged_on_the_wire():
+    tally = StalenessTally(ages=((0, 3), (2, 1)), dropped=1)
+    step = StepFinished(member=T, step=4, version=3, staleness=tally)
+    assert decode(encode(step)) == step
+    assert "staleness" not in to_plain(StepFinished(member=T, step=4, version=3))  # earlier builds read it
