@@ -35,6 +35,7 @@ from .sections import (
     HFModelSection,
     ModelSection,
     OpenModelSection,
+    RolloutCorrectionSection,
     TinyModelSection,
 )
 from .stage_sections import DPOSection, SFTSection
@@ -189,16 +190,33 @@ def _tiny_problems(sections: EngineSections) -> list[tuple[str, str]]:
     problems = []
     if sections.data is not None and sections.data.model_dump():
         problems.append(("data", _TINY_READS_NO_DATA))
-    if sections.algorithm is not None and sections.algorithm.model_dump():
-        problems.append(("algorithm", "the tiny engine has its own task and loss; remove `algorithm:` or use "
-                                      "engine: hf"))
+    written = {} if sections.algorithm is None else sections.algorithm.model_dump()
+    if set(written) - {"rollout_correction"}:
+        problems.append(("algorithm", "the tiny engine has its own task and loss: of `algorithm:` it reads only "
+                                      "rollout_correction; remove the rest or use engine: hf"))
+    elif written.get("rollout_correction") is not None:
+        from .algorithms import verl_import_problem
+
+        problems += validate_section(RolloutCorrectionSection, written["rollout_correction"],
+                                     where="algorithm.rollout_correction")[1]
+        missing = verl_import_problem()  # the correction is verl's
+        if missing:
+            problems.append(("algorithm.rollout_correction", missing))
     return problems
+
+
+def _tiny_correction(sections: EngineSections) -> RolloutCorrectionSection | None:
+    """The tiny trainer's `algorithm.rollout_correction` (its one `algorithm:` key), typed."""
+    written = {} if sections.algorithm is None else sections.algorithm.model_dump()
+    if written.get("rollout_correction") is None:
+        return None
+    return RolloutCorrectionSection.model_validate(written["rollout_correction"])
 
 
 def _tiny_train(sections: EngineSections) -> TinyTrainEngine:
     from .tiny import TinyTrainEngine
 
-    return TinyTrainEngine(sections.model, agent=sections.agent)
+    return TinyTrainEngine(sections.model, agent=sections.agent, rollout_correction=_tiny_correction(sections))
 
 
 def _tiny_rollout(sections: EngineSections, member: str) -> TinyRolloutEngine:
@@ -229,7 +247,8 @@ def _tiny_taskset(sections: EngineSections, *, seed: int, total_batches: int | N
 def _tiny_eval_tasks(sections: EngineSections, rows: Sequence[TaskRow], path: str) -> list[Task]:
     from .evaluation import tiny_eval_tasks
 
-    return tiny_eval_tasks(rows, task_length=sections.model.task_length, path=path)
+    model = sections.model
+    return tiny_eval_tasks(rows, task_length=model.task_length, path=path, prompt_length=model.prompt_length)
 
 
 # -- hf / fsdp / vllm (imported lazily: transformers and vllm are optional extras) --------------------
