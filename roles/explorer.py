@@ -542,11 +542,15 @@ class PauseForWeights:
         if pending is None or not needs_reload(x.version, pending[0]):
             return
         version, tensors, nbytes, seconds = pending
+        # said as it happens, not once the rollout is back (`record_loads_in_flight`): a process
+        # killed with its generations paused or resumed leaves in its log what it was doing
+        x.log.info("generations_paused", version=version, held=x.version, step=x.explore_step + 1)
         for engine in x.engines:
             engine.load_weights(tensors, version)
         # not recycled: the background fetch may be writing its next version on the event loop
         x.version = version
         self._loaded.append((version, nbytes, seconds))
+        x.log.info("generations_resumed", version=version, step=x.explore_step + 1)
 
     def take_loaded(self) -> list[tuple[int, int, float]]:
         loaded, self._loaded = self._loaded, []

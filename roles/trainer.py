@@ -235,6 +235,9 @@ class Trainer:
         # repeats one (a step saved but not reported is reported by the restart).
         if self.need_save():
             await self.save_checkpoint()
+        # which experiences the step trained (a step rolled back is trained again, and its ids
+        # logged again): what a test that kills the trainer checks "none trained twice" against
+        self.log.debug("step_experiences", step=self.engine.step, ids=[e.id for e in batch])
         interval = self.cfg.trainer.hf_save_interval
         if interval and self.engine.step % interval == 0:
             await self._export_hf(f"step-{self.engine.step}")

@@ -269,6 +269,8 @@ class JobObserver:
         self.dropped_stale = 0
         self.mismatch_alarms = StepCounts()  # trainer steps that raised the rollout/trainer mismatch alarm
         self.tasks_cut = StepCounts()  # tasks over-rollout cut, a step reported twice counts once
+        # partial rollouts: weight loads inside a rollout, and experiences two or more versions sampled
+        self.rollout_pauses, self.resumed_experiences = StepCounts(), StepCounts()
         self.agent = AgentCounts()  # an agent job's episodes, turns, tool calls, errors, trained tokens
         self._asked_at: dict[str, int] = {}  # explorer key -> time it went require_sync
         # the decisions taken from the message at last_seq: a decision batch gives several records
@@ -539,6 +541,9 @@ class JobObserver:
             self.experiences_produced.add(event.member.id, event.step, int(m.get("experiences", 0)))
             if "over_rollout_tasks_cut" in m:
                 self.tasks_cut.add(event.member.id, event.step, int(m["over_rollout_tasks_cut"]))
+            if "partial_rollout_pauses" in m:
+                self.rollout_pauses.add(event.member.id, event.step, int(m["partial_rollout_pauses"]))
+                self.resumed_experiences.add(event.member.id, event.step, int(m["partial_rollout_experiences"]))
             if "served_requests" in m:
                 self.served[(event.member.id, event.member.incarnation)] = {k: m.get(k, 0.0) for k in _SERVED}
 
@@ -619,6 +624,8 @@ class JobObserver:
             "explorer_pauses": self.state.explorer_pauses,
             "mismatch_alarms": self.mismatch_alarms.total,
             "over_rollout_tasks_cut": self.tasks_cut.total,
+            "partial_rollout_pauses": self.rollout_pauses.total,
+            "partial_rollout_experiences": self.resumed_experiences.total,
             # percentiles of the newest `max_points` waits; the counts are of every wait
             "sync_wait_ms": {"p50": percentile(waits, 0.5), "p99": percentile(waits, 0.99),
                              "count": sum(self.sync_wait_answers.values()),

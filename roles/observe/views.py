@@ -172,6 +172,8 @@ SUMMARY_MEANINGS: dict[str, str] = {
     "mismatch_alarms": "steps past the rollout/trainer gap alarm",
     "eval": "eval set's reward means, by version",
     "over_rollout_tasks_cut": "tasks a step did not wait for",
+    "partial_rollout_pauses": "weight loads inside a rollout",
+    "partial_rollout_experiences": "experiences two versions sampled",
     "experiences_left_untrained": "produced, never trained nor dropped",
     "served_requests": "completions served (serve mode)",
     "rewarded": "served trajectories rewarded (trained on)",
