@@ -31,6 +31,7 @@ from .sections import (
     READS_DATA,
     AlgorithmSection,
     DataSection,
+    DynamicSamplingFields,
     FSDPModelSection,
     HFModelSection,
     ModelSection,
@@ -83,6 +84,7 @@ __all__ = [
     "make_taskset",
     "make_eval_tasks",
     "engine_summary",
+    "dynamic_sampling_of",
 ]
 
 AnyModelSection = TinyModelSection | HFModelSection | OpenModelSection
@@ -190,11 +192,17 @@ def _tiny_problems(sections: EngineSections) -> list[tuple[str, str]]:
     problems = []
     if sections.data is not None and sections.data.model_dump():
         problems.append(("data", _TINY_READS_NO_DATA))
-    written = {} if sections.algorithm is None else sections.algorithm.model_dump()
-    if set(written) - {"rollout_correction"}:
-        problems.append(("algorithm", "the tiny engine has its own task and loss: of `algorithm:` it reads only "
-                                      "rollout_correction; remove the rest or use engine: hf"))
-    elif written.get("rollout_correction") is not None:
+    written = sections.algorithm.model_dump() if sections.algorithm is not None else {}
+    others = sorted(set(written) - set(DynamicSamplingFields.model_fields) - {"rollout_correction"})
+    if others:
+        problems.append(("algorithm", f"the tiny engine has its own task and loss ({', '.join(others)}): remove "
+                                      "them (its `algorithm:` may hold only rollout_correction and the explorers' "
+                                      f"{', '.join(DynamicSamplingFields.model_fields)}) or use engine: hf"))
+        return problems
+    sampling = {k: v for k, v in written.items() if k in DynamicSamplingFields.model_fields}
+    if sampling:
+        problems += validate_section(DynamicSamplingFields, sampling, where="algorithm")[1]
+    if written.get("rollout_correction") is not None:
         from .algorithms import verl_import_problem
 
         problems += validate_section(RolloutCorrectionSection, written["rollout_correction"],
@@ -206,11 +214,21 @@ def _tiny_problems(sections: EngineSections) -> list[tuple[str, str]]:
 
 
 def _tiny_correction(sections: EngineSections) -> RolloutCorrectionSection | None:
-    """The tiny trainer's `algorithm.rollout_correction` (its one `algorithm:` key), typed."""
+    """The tiny trainer's `algorithm.rollout_correction`, typed (its `algorithm:` is read as written)."""
     written = {} if sections.algorithm is None else sections.algorithm.model_dump()
     if written.get("rollout_correction") is None:
         return None
     return RolloutCorrectionSection.model_validate(written["rollout_correction"])
+
+
+def dynamic_sampling_of(algorithm: Any) -> DynamicSamplingFields:
+    """A job's `algorithm:` explorer-side fields (dynamic sampling), whether the section is typed (hf,
+    fsdp) or read as written (any other engine: checked by the engine's own problems)."""
+    if isinstance(algorithm, DynamicSamplingFields):
+        return algorithm
+    written = algorithm.model_dump() if algorithm is not None else {}
+    return DynamicSamplingFields.model_validate({k: v for k, v in written.items()
+                                                 if k in DynamicSamplingFields.model_fields})
 
 
 def _tiny_train(sections: EngineSections) -> TinyTrainEngine:

@@ -145,7 +145,7 @@ def test_the_tiny_trainer_takes_the_correction_of_its_algorithm_section():
     assert engine.train_step(stale, current_version=1)[MISMATCH_ALARM] == 1.0  # a 1.5-nat gap
     with pytest.raises(ConfigError) as caught:
         parse_config({"job": "j", "model": {"engine": "tiny"}, "algorithm": {"kl_coef": 0.1}})
-    assert "it reads only rollout_correction" in dict(caught.value.problems)["algorithm"]
+    assert "may hold only rollout_correction and the explorers'" in dict(caught.value.problems)["algorithm"]
     with pytest.raises(ConfigError) as caught:
         parse_config({"job": "j", "model": {"engine": "tiny"}, "algorithm": {"rollout_correction": {"rollout_is": 2}}})
     assert "algorithm.rollout_correction.rollout_is" in dict(caught.value.problems)
