@@ -36,6 +36,7 @@ from .sections import (
     HFModelSection,
     ModelSection,
     OpenModelSection,
+    RolloutCorrectionSection,
     TinyModelSection,
 )
 from .stage_sections import DPOSection, SFTSection
@@ -192,14 +193,32 @@ def _tiny_problems(sections: EngineSections) -> list[tuple[str, str]]:
     if sections.data is not None and sections.data.model_dump():
         problems.append(("data", _TINY_READS_NO_DATA))
     written = sections.algorithm.model_dump() if sections.algorithm is not None else {}
-    others = sorted(set(written) - set(DynamicSamplingFields.model_fields))
+    others = sorted(set(written) - set(DynamicSamplingFields.model_fields) - {"rollout_correction"})
     if others:
         problems.append(("algorithm", f"the tiny engine has its own task and loss ({', '.join(others)}): remove "
-                                      "them (its `algorithm:` may hold only the explorers' "
+                                      "them (its `algorithm:` may hold only rollout_correction and the explorers' "
                                       f"{', '.join(DynamicSamplingFields.model_fields)}) or use engine: hf"))
-    elif written:
-        problems += validate_section(DynamicSamplingFields, written, where="algorithm")[1]
+        return problems
+    sampling = {k: v for k, v in written.items() if k in DynamicSamplingFields.model_fields}
+    if sampling:
+        problems += validate_section(DynamicSamplingFields, sampling, where="algorithm")[1]
+    if written.get("rollout_correction") is not None:
+        from .algorithms import verl_import_problem
+
+        problems += validate_section(RolloutCorrectionSection, written["rollout_correction"],
+                                     where="algorithm.rollout_correction")[1]
+        missing = verl_import_problem()  # the correction is verl's
+        if missing:
+            problems.append(("algorithm.rollout_correction", missing))
     return problems
+
+
+def _tiny_correction(sections: EngineSections) -> RolloutCorrectionSection | None:
+    """The tiny trainer's `algorithm.rollout_correction`, typed (its `algorithm:` is read as written)."""
+    written = {} if sections.algorithm is None else sections.algorithm.model_dump()
+    if written.get("rollout_correction") is None:
+        return None
+    return RolloutCorrectionSection.model_validate(written["rollout_correction"])
 
 
 def dynamic_sampling_of(algorithm: Any) -> DynamicSamplingFields:
@@ -215,7 +234,7 @@ def dynamic_sampling_of(algorithm: Any) -> DynamicSamplingFields:
 def _tiny_train(sections: EngineSections) -> TinyTrainEngine:
     from .tiny import TinyTrainEngine
 
-    return TinyTrainEngine(sections.model, agent=sections.agent)
+    return TinyTrainEngine(sections.model, agent=sections.agent, rollout_correction=_tiny_correction(sections))
 
 
 def _tiny_rollout(sections: EngineSections, member: str) -> TinyRolloutEngine:
@@ -246,7 +265,8 @@ def _tiny_taskset(sections: EngineSections, *, seed: int, total_batches: int | N
 def _tiny_eval_tasks(sections: EngineSections, rows: Sequence[TaskRow], path: str) -> list[Task]:
     from .evaluation import tiny_eval_tasks
 
-    return tiny_eval_tasks(rows, task_length=sections.model.task_length, path=path)
+    model = sections.model
+    return tiny_eval_tasks(rows, task_length=model.task_length, path=path, prompt_length=model.prompt_length)
 
 
 # -- hf / fsdp / vllm (imported lazily: transformers and vllm are optional extras) --------------------

@@ -86,6 +86,11 @@ class TinyModelSection(Section):
     """Seed of the version-0 weights and of the task stream."""
     task_length: PositiveInt = 4
     """Digits per task."""
+    long_task_length: PositiveInt | None = None
+    """Digits of a long task, for long-tailed response lengths (most short, a few much longer, as a
+    reasoning model's are); more than `task_length`. Prompts are left-padded to the long tasks'."""
+    long_task_fraction: Annotated[float, Strict(), Field(ge=0, le=1, allow_inf_nan=False)] = 0.0
+    """The share of tasks that are `long_task_length` digits long (drawn per task)."""
     group_size: Annotated[int, Strict(), Field(ge=2)] = 16
     """Responses sampled per task (advantages are group-relative)."""
     tasks_per_step: PositiveInt = 64
@@ -120,13 +125,25 @@ class TinyModelSection(Section):
             raise ValueError(f"must be divisible by n_heads ({heads}), got {d_model}")
         return d_model
 
+    @model_validator(mode="after")
+    def _long_tasks_longer(self) -> TinyModelSection:
+        if self.long_task_fraction > 0 and (self.long_task_length or 0) <= self.task_length:
+            raise ValueError(f"long_task_fraction {self.long_task_fraction} needs long_task_length more than "
+                             f"task_length ({self.task_length}), got {self.long_task_length}")
+        return self
+
+    @property
+    def longest_task(self) -> int:
+        """Digits of the longest task (`long_task_length` when long tasks are drawn)."""
+        return self.long_task_length if self.long_task_fraction > 0 and self.long_task_length else self.task_length
+
     @property
     def prompt_length(self) -> int:
-        return self.task_length + 2  # BOS digits SEP
+        return self.longest_task + 2  # BOS digits SEP
 
     @property
     def max_response_length(self) -> int:
-        return self.task_length + 1  # digits EOS
+        return self.longest_task + 1  # digits EOS
 
 
 class HFBuildSection(Section):
