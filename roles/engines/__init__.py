@@ -31,6 +31,7 @@ from .sections import (
     READS_DATA,
     AlgorithmSection,
     DataSection,
+    DynamicSamplingFields,
     FSDPModelSection,
     HFModelSection,
     ModelSection,
@@ -82,6 +83,7 @@ __all__ = [
     "make_taskset",
     "make_eval_tasks",
     "engine_summary",
+    "dynamic_sampling_of",
 ]
 
 AnyModelSection = TinyModelSection | HFModelSection | OpenModelSection
@@ -189,10 +191,25 @@ def _tiny_problems(sections: EngineSections) -> list[tuple[str, str]]:
     problems = []
     if sections.data is not None and sections.data.model_dump():
         problems.append(("data", _TINY_READS_NO_DATA))
-    if sections.algorithm is not None and sections.algorithm.model_dump():
-        problems.append(("algorithm", "the tiny engine has its own task and loss; remove `algorithm:` or use "
-                                      "engine: hf"))
+    written = sections.algorithm.model_dump() if sections.algorithm is not None else {}
+    others = sorted(set(written) - set(DynamicSamplingFields.model_fields))
+    if others:
+        problems.append(("algorithm", f"the tiny engine has its own task and loss ({', '.join(others)}): remove "
+                                      "them (its `algorithm:` may hold only the explorers' "
+                                      f"{', '.join(DynamicSamplingFields.model_fields)}) or use engine: hf"))
+    elif written:
+        problems += validate_section(DynamicSamplingFields, written, where="algorithm")[1]
     return problems
+
+
+def dynamic_sampling_of(algorithm: Any) -> DynamicSamplingFields:
+    """A job's `algorithm:` explorer-side fields (dynamic sampling), whether the section is typed (hf,
+    fsdp) or read as written (any other engine: checked by the engine's own problems)."""
+    if isinstance(algorithm, DynamicSamplingFields):
+        return algorithm
+    written = algorithm.model_dump() if algorithm is not None else {}
+    return DynamicSamplingFields.model_validate({k: v for k, v in written.items()
+                                                 if k in DynamicSamplingFields.model_fields})
 
 
 def _tiny_train(sections: EngineSections) -> TinyTrainEngine:

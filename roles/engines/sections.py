@@ -54,6 +54,7 @@ __all__ = [
     "TableSection",
     "DataSection",
     "AlgorithmSection",
+    "DynamicSamplingFields",
     "RolloutCorrectionSection",
     "ModelSection",
     "DataField",
@@ -485,8 +486,24 @@ class RolloutCorrectionSection(Section):
         return self
 
 
-class AlgorithmSection(Section):
-    """`algorithm:` for the `hf` trainer: verl's advantage estimator and policy loss."""
+class DynamicSamplingFields(Section):
+    """`algorithm:`'s explorer-side fields, read for every engine (the tiny one's `algorithm:` may
+    hold these alone): DAPO's dynamic sampling, verl's `algorithm.filter_groups`."""
+
+    dynamic_sampling: StrictBool = False
+    """DAPO's dynamic sampling: an explorer does not publish a group whose rewards are all equal (no
+    group-relative signal: verl's `filter_groups` on the reward), counts it, and generates more of its
+    task set until its step has `buffer.batch_size` groups that differ."""
+    max_num_gen_batches: PositiveInt = 10
+    """With `dynamic_sampling`: the generation batches (of `buffer.batch_size` tasks) one explore step
+    may use to fill itself; past it the step publishes the groups it kept and the next step goes on
+    (verl's `filter_groups.max_num_gen_batches`, which may be unbounded; here a bound, so a policy
+    that gives every answer the same reward ends its task set instead of looping)."""
+
+
+class AlgorithmSection(DynamicSamplingFields):
+    """`algorithm:` for the `hf` trainer: verl's advantage estimator and policy loss, and the
+    explorers' dynamic sampling."""
 
     advantage: Literal[OUTCOME_ESTIMATORS] = "grpo"  # type: ignore[valid-type]
     """One of verl's outcome-reward advantage estimators."""
