@@ -12,7 +12,7 @@ from rolectl.roles.engines.agent import Environment
 from rolectl.roles.engines.agent.calculator import MAX_BITS, CalculatorError, calculator, evaluate
 from rolectl.roles.engines.agent.config import AgentSection
 from rolectl.roles.engines.agent.tool_calls import ToolTimeout, compact_calls, hermes_calls, resolve_parser
-from rolectl.roles.engines.agent.tools import ToolEnvironment, resolve_tools, tool_from_function
+from rolectl.roles.engines.agent.tools import ToolEnvironment, is_answer, resolve_tools, tool_from_function
 from rolectl.roles.engines.base import Task
 
 
@@ -201,7 +201,9 @@ def test_every_call_is_answered_to_the_model_and_counted_by_outcome(turn, outcom
     env.reset(task())
     result = env.step(f"Let me compute. {turn}")
     assert not result.done
-    assert result.info == {f"tool_calls/{outcome}": 1.0}
+    # 37 + 45: the prompt's numbers, and the task's answer
+    useful = {"useful_calls": 1.0, "uses_prompt_calls": 1.0} if reads == "82" else {}
+    assert result.info == {f"tool_calls/{outcome}": 1.0, **useful}
     [message] = result.observation
     assert message.role == "tool" and reads in message.content
 
@@ -231,10 +233,45 @@ def test_call_reward_by_outcome_pays_an_episode_its_best_call_once():
     assert env.step("<tool_call>").reward == 0.0
     assert env.step("<tool_call> calculator 1 + 1").reward == pytest.approx(0.1)  # 0.3 in all
     assert env.step("<tool_call> calculator 3").reward == 0.0
-    with pytest.raises(ValueError, match="call_reward names outcomes \\['fine'\\]"):
+    with pytest.raises(ValueError, match="call_reward names outcomes \\['fine'\\]; .* and useful"):
         ToolEnvironment(tools=["calculator"], call_reward={"fine": 1.0})
     with pytest.raises(ValueError, match="call_reward ok: must be a finite number"):
         ToolEnvironment(tools=["calculator"], call_reward={"ok": float("nan")})
+
+
+def test_call_reward_credits_calls_that_serve_the_task_and_counts_them():
+    env = ToolEnvironment(tools=["calculator"], parser="compact",
+                          call_reward={"useful": 0.6, "uses_prompt": 0.3, "ok": 0.1})
+    env.reset(task())  # what is 37 + 45 ? -> 82
+    result = env.step("<tool_call> calculator 55")  # works, but does not serve the task
+    assert result.reward == pytest.approx(0.1) and result.info == {"tool_calls/calculator/ok": 1.0}
+    result = env.step("<tool_call> calculator 37 * 45")  # the prompt's numbers, not its answer
+    assert result.reward == pytest.approx(0.2) and result.info["uses_prompt_calls"] == 1.0
+    assert env.step("<tool_call> calculator 37 + 1").reward == 0.0  # 1 is not the prompt's
+    result = env.step("<tool_call> calculator 45 + 37")
+    assert result.reward == pytest.approx(0.3)  # 0.6 in all, once
+    assert result.info == {"tool_calls/calculator/ok": 1.0, "useful_calls": 1.0, "uses_prompt_calls": 1.0}
+    assert env.step("<tool_call> calculator 37 + 45").reward == 0.0
+    assert env.step("<tool_call> calculator 37 +").info == {"tool_calls/calculator/error": 1.0}  # not ok
+    env.reset(task())
+    assert env.step("<tool_call> calculator 164 / 2").reward == pytest.approx(0.6)  # 82.0 is 82
+    env.reset(task())
+    assert env.step('<tool_call> calculator {"expression": "45"}').reward == pytest.approx(0.3)  # as JSON
+    # without a useful key such a call earns the ok credit, and is still counted
+    env = ToolEnvironment(tools=["calculator"], parser="compact", call_reward=0.25)
+    env.reset(task())
+    result = env.step("<tool_call> calculator 37 + 45")
+    assert result.reward == 0.25 and result.info["useful_calls"] == 1.0
+    with pytest.raises(ValueError, match="call_reward useful: must be a finite number"):
+        ToolEnvironment(tools=["calculator"], call_reward={"useful": "high"})
+
+
+@pytest.mark.parametrize("result, answer, useful", [
+    ("82", "82", True), ("82.0", " 82 ", True), ("0.30000000000000004", "0.3", True), ("81", "82", False),
+    ("Paris", "Paris", True), ("paris", "Paris", False), ("82", "", False), ("", "", False),
+])
+def test_a_result_is_the_answer_as_a_number_or_as_text(result, answer, useful):
+    assert is_answer(result, answer) is useful
 
 
 def test_calls_past_the_turn_limit_are_not_run_and_counted_malformed():

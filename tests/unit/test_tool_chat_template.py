@@ -90,7 +90,7 @@ def test_a_built_model_s_call_runs_and_its_result_renders_back(built):
     text = built.decode(sampled, skip_special_tokens=True)
     assert [(c.name, c.text) for c in compact_calls(text)] == [("calculator", "37 + 45")]
     result = env.step(text)
-    assert result.info == {"tool_calls/calculator/ok": 1.0}
+    assert result.info == {"tool_calls/calculator/ok": 1.0, "uses_prompt_calls": 1.0}  # the prompt's numbers
     rendered = built.apply_chat_template([m.as_chat() for m in result.observation], add_generation_prompt=True,
                                          tokenize=True, return_dict=False)
     assert built.convert_ids_to_tokens(rendered) == ["<tool>", "82", "<assistant>"]

@@ -22,14 +22,20 @@ Every call is answered with a `tool` message the model sees and counted in `Step
 The episode ends when a turn holds no call (the job's `data.rewards` then score that text), or at the
 agent's `max_turns`. `call_reward` (default 0) is partial credit for calling, which teaches a model
 to call before it can answer: a number is credit for an `ok` call; a mapping by outcome (`{ok: 0.3,
-error: 0.2, malformed: 0.1}`) also credits calls that did not work, while a model learns the syntax.
-An episode earns the best credit among its calls, once (as step rewards: what a call adds to it).
+error: 0.2, malformed: 0.1}`) also credits calls that did not work, while a model learns the syntax;
+two keys credit what a call does for the task rather than that it runs: `useful`, an `ok` call whose
+result is the task's answer (`Task.answer`: equal as numbers, or as text), and `uses_prompt`, an `ok`
+call whose arguments hold numbers, each one of the prompt's (`37 + 45` for "what is 37 + 45 ?"), a
+step on the way to a useful call. An episode earns the best credit among its calls, once (as step
+rewards: what a call adds to it). Such calls are counted as `useful_calls` and `uses_prompt_calls`
+(the job's metrics `agent/useful_calls`, `agent/uses_prompt_calls`).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import threading
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -47,9 +53,12 @@ if TYPE_CHECKING:
     from ..base import Task
 
 __all__ = ["Tool", "ToolError", "ToolTimeout", "ToolEnvironment", "tool_from_function", "resolve_tools",
-           "BUILTIN_TOOLS", "OUTCOMES", "UNKNOWN_TOOL"]
+           "BUILTIN_TOOLS", "OUTCOMES", "USEFUL", "USES_PROMPT", "UNKNOWN_TOOL"]
 
 OUTCOMES = ("ok", "malformed", "error", "timeout", "unknown_tool")
+USEFUL = "useful"  # a call_reward key beyond the outcomes: an ok call whose result is the task's answer
+USES_PROMPT = "uses_prompt"  # and one for an ok call whose arguments' numbers are all the prompt's
+_NUMBER = re.compile(r"\d+(?:\.\d+)?")
 UNKNOWN_TOOL = "_unknown"  # the metric name of a call to a tool that is not there (model text: unbounded)
 _GRACE_S = 2.0  # past tool_timeout_s, for a tool that enforces the limit itself (python) to end cleanly
 
@@ -197,6 +206,8 @@ class ToolEnvironment:
         self.max_calls_per_turn = max_calls_per_turn
         self.max_result_chars = max_result_chars
         self.credited = 0.0  # the best call credit this episode has earned
+        self.answer = ""  # the task's answer, which a useful call's result equals
+        self.prompt_numbers: set[str] = set()  # the numbers of the task's prompt
 
     @classmethod
     def for_agent(cls, section: Any) -> Callable[[], ToolEnvironment]:
@@ -211,7 +222,8 @@ class ToolEnvironment:
         return lambda: cls(resolved=tools, tool_timeout_s=section.tool_timeout_s, **args)
 
     def reset(self, task: Task) -> list[Message]:
-        self.credited = 0.0
+        self.credited, self.answer = 0.0, task.answer
+        self.prompt_numbers = set(_NUMBER.findall(task.prompt_text))
         first = [Message(role="system", content=self.system_prompt)] if self.system_prompt else []
         return [*first, Message(role="user", content=task_text(task))]
 
@@ -229,11 +241,24 @@ class ToolEnvironment:
             key = f"tool_calls/{name}/{outcome}"
             info[key] = info.get(key, 0.0) + 1.0
             credit = self.call_reward.get(outcome, 0.0)
+            for serves in self._serves(call, outcome, text):
+                info[f"{serves}_calls"] = info.get(f"{serves}_calls", 0.0) + 1.0
+                credit = max(credit, self.call_reward.get(serves, 0.0))
             if credit > self.credited:
                 reward, self.credited = reward + credit - self.credited, credit
             answers.append(Message(role="tool", content=_cut(text, self.max_result_chars),
                                    name=name if name in self.by_name else None))
         return StepResult(observation=answers, reward=reward, info=info)
+
+    def _serves(self, call: ToolCall, outcome: str, result: str) -> list[str]:
+        """How a call serves the task: `useful` (its result is the answer), `uses_prompt` (its
+        arguments' numbers are all the prompt's); none for a call that did not work."""
+        if outcome != "ok":
+            return []
+        arguments = call.text if call.arguments is None else json.dumps(call.arguments)
+        numbers = _NUMBER.findall(arguments or "")
+        return ([USEFUL] if is_answer(result, self.answer) else []) + \
+            ([USES_PROMPT] if numbers and set(numbers) <= self.prompt_numbers else [])
 
     def _metric_name(self, call: ToolCall) -> str:
         return call.name if call.name in self.by_name else UNKNOWN_TOOL
@@ -263,13 +288,27 @@ class ToolEnvironment:
 def _call_credit(value: float | Mapping[str, float]) -> dict[str, float]:
     """`call_reward` by outcome; ValueError names what is wrong."""
     credit = dict(value) if isinstance(value, Mapping) else {"ok": value}
-    unknown = sorted(set(credit) - set(OUTCOMES))
+    unknown = sorted(set(credit) - {*OUTCOMES, USEFUL, USES_PROMPT})
     if unknown:
-        raise ValueError(f"call_reward names outcomes {unknown}; the outcomes are {', '.join(OUTCOMES)}")
+        raise ValueError(f"call_reward names outcomes {unknown}; the outcomes are {', '.join(OUTCOMES)}, and "
+                         f"{USEFUL} (an ok call whose result is the task's answer) and {USES_PROMPT} (an ok "
+                         "call whose arguments' numbers are all the prompt's)")
     for outcome, amount in credit.items():
         if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not math.isfinite(amount):
             raise ValueError(f"call_reward {outcome}: must be a finite number, got {amount!r}")
     return {outcome: float(amount) for outcome, amount in credit.items()}
+
+
+def is_answer(result: str, answer: str) -> bool:
+    """Whether a tool's result is the task's answer: equal as numbers (`82.0` is `82`), else as text
+    with the spaces around it cut; never for a task without an answer."""
+    result, answer = result.strip(), answer.strip()
+    if not answer:
+        return False
+    try:
+        return math.isclose(float(result), float(answer), rel_tol=1e-9, abs_tol=1e-12)
+    except ValueError:
+        return result == answer
 
 
 def task_text(task: Task) -> str:
