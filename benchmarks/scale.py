@@ -28,6 +28,10 @@ Per N and method, after 2 warm-up rounds:
   is formed): the trainer and every explorer ask; the last arrival makes the `RendezvousReady`.
 - `stream_ms` p50/p99: the decision's server timestamp minus its cause's: the synchronizer's and
   the server's part, without the members' own CPU.
+- `member_path_ms` p50/p99: where a member's wait goes, per sample: from the cause's publish to
+  the cause recorded (the publishing member's process and the server), from there to the first
+  decision for it recorded (the synchronizer and the server), from there to the member's view
+  finding it (delivery and the member's own process).
 - the synchronizer's CPU (user + system, /proc) per round, per recorded decision (also net of its
   heartbeat handling, at the rate measured while every explorer waits) and per explorer answered,
   its RSS at the end and its peak (VmHWM); the server's CPU per round; event-stream bytes per
@@ -67,6 +71,7 @@ from benchmarks.sync_latency import (
     _start_synchronizer,
     _stop,
     _stream_latencies,
+    _TimedReader,
     _Timestamps,
 )
 from rolectl.bus.connection import connect
@@ -78,6 +83,7 @@ from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream
 from rolectl.roles.config import load_config
 from rolectl.roles.session import JobView, MemberSession, MemberView, stop_task
 from rolectl.sync_protocol import (
+    Decision,
     MemberReleased,
     RendezvousReady,
     Role,
@@ -397,6 +403,32 @@ async def _herd(server: _Server, trainer: MemberSession, stamps: _Timestamps, r:
             "expired": sum(not m.alive for m in view.state.explorers(alive_only=False))}
 
 
+async def _member_path(url: str, job: str, samples: list[tuple[int, float]], sent_at: dict[int, float],
+                       wall_minus_monotonic: float) -> dict:
+    """Where a member's wait goes, per sample (p50 / p99 ms): from its cause's publish to the cause
+    recorded (the publishing member's process and the server), from there to the first decision
+    for it recorded (the synchronizer and the server), and from there to the member's view finding
+    it (delivery and the member's process). Server times are the records' own; a member's monotonic
+    stamps are put on the same wall clock (one machine)."""
+    async with connect(url, job=job, role="observer", member="bench-path") as conn:
+        reader = _TimedReader(conn, from_seq=1, include_decisions=True, stop_at_end=True)
+        async with reader:
+            records = [rec async for rec in reader]
+    recorded_at = {seq: ns / 1e9 for seq, ns in reader.time_ns.items()}
+    decided_at: dict[int, float] = {}
+    for rec in records:
+        if isinstance(rec.event, Decision):
+            decided_at.setdefault(rec.event.cause_seq, recorded_at[rec.seq])
+    legs: dict[str, list[float]] = {"publish_to_recorded": [], "recorded_to_decided": [], "decided_to_member": []}
+    for cause, got in samples:
+        if cause not in recorded_at or cause not in decided_at:
+            continue
+        legs["publish_to_recorded"].append(1000 * (recorded_at[cause] - sent_at[cause] - wall_minus_monotonic))
+        legs["recorded_to_decided"].append(1000 * (decided_at[cause] - recorded_at[cause]))
+        legs["decided_to_member"].append(1000 * (got + wall_minus_monotonic - decided_at[cause]))
+    return {leg: {k: v for k, v in _pct(values).items() if k in ("p50", "p99")} for leg, values in legs.items()}
+
+
 async def measure(server: _Server, workdir: Path, *, method: str, explorers: int, rounds: int, procs: int,
                   herd: bool, nice: int = 0) -> dict:
     job = f"scale-{method}-{explorers}-{os.getpid()}-{time.time_ns() % 10**6}"
@@ -410,6 +442,7 @@ async def measure(server: _Server, workdir: Path, *, method: str, explorers: int
     sync = _start_synchronizer(config, server.url, workdir / f"{job}.sync.log")
     workers: list[subprocess.Popen] = []
     stamps = _Timestamps(clock=time.monotonic)  # the machine's CLOCK_MONOTONIC: the same in every process
+    wall_minus_monotonic = time.time() - time.monotonic()  # to put members' stamps beside the server's
     early = explorers // 2 if explorers > 1 else 1
     try:
         async with connect(server.url, job=job, role="trainer", member="bench-controller") as conn:
@@ -487,13 +520,15 @@ async def measure(server: _Server, workdir: Path, *, method: str, explorers: int
     for rep in reports:
         sent_at.update({int(k): v for k, v in rep["sent_at"].items()})
         samples += [tuple(s) for s in rep["samples"]]
-    member_ms = [(got - sent_at[cause]) * 1000 for cause, got in samples
-                 if cause in sent_at and counted_from <= sent_at[cause] <= counted_from + counted_s]
+    counted = [(cause, got) for cause, got in samples
+               if cause in sent_at and counted_from <= sent_at[cause] <= counted_from + counted_s]
+    member_ms = [(got - sent_at[cause]) * 1000 for cause, got in counted]
+    path = await _member_path(server.url, job, counted, sent_at, wall_minus_monotonic)
     pct, stream = _pct(member_ms), _pct(stream_ms)
     result = {
         "explorers": explorers, "method": method, "procs": procs, "worker_nice": nice, "rounds": rounds,
         "member_p50_ms": pct["p50"], "member_p99_ms": pct["p99"], "member_max_ms": pct["max"],
-        "samples": len(member_ms), "decisions": decisions,
+        "samples": len(member_ms), "decisions": decisions, "member_path_ms": path,
         "stream_p50_ms": stream["p50"], "stream_p99_ms": stream["p99"],
         "sync_ms_per_decision": round(1000 * sync_cpu / max(1, decisions), 3),
         # net of the heartbeats it handles anyway, at the rate measured while idle
@@ -522,6 +557,7 @@ def _print(res: dict) -> None:
             f"CPU/round | {res['bytes_per_step']} stream bytes/step | round {res['round_ms']} ms | load "
             f"{res['loadavg']}")
     print(line, flush=True)
+    print(f"{'':>14}member path p50 / p99 ms: {_path_text(res['member_path_ms'])}", flush=True)
     if "intake" in res:
         i = res["intake"]
         print(f"{'':>14}experience intake: {i['batches']} batches of {i['batch_bytes']} B in {i['seconds']} s: "
@@ -532,7 +568,12 @@ def _print(res: dict) -> None:
               f"explorer released and loaded after {h['all_explorers_s']} s ({h['expired']} expired)", flush=True)
 
 
+def _path_text(path: dict) -> str:
+    return " | ".join(f"{leg.replace('_', ' ')} {v['p50']:.0f} / {v['p99']:.0f}" for leg, v in path.items())
+
+
 _COLUMNS = ["N", "method", "worker processes", "member p50 / p99 ms", "stream p50 / p99 ms",
+            "member path p50 / p99 ms: publish to recorded, to decided, to the member's view",
             "sync ms per decision (net of heartbeats)", "sync ms per explorer answered", "sync CPU ms per round",
             "sync RSS MB (peak)", "server CPU ms per round", "stream bytes per step (per explorer)",
             "intake MB/s, experiences/s", "server restart: first decision / every explorer (s)", "load"]
@@ -544,6 +585,7 @@ def _row(res: dict) -> list[str]:
     return [str(res["explorers"]), res["method"], str(res["procs"]),
             f"{res['member_p50_ms']:.0f} / {res['member_p99_ms']:.0f}",
             f"{res['stream_p50_ms']:.1f} / {res['stream_p99_ms']:.1f}",
+            ", ".join(f"{v['p50']:.0f} / {v['p99']:.0f}" for v in res["member_path_ms"].values()),
             f"{res['sync_ms_per_decision']:.3f} ({res['sync_ms_per_decision_net']:.3f})",
             f"{res['sync_ms_per_member']:.3f}", f"{res['sync_ms_per_round']:.0f}",
             f"{res['sync_rss_mb']:.0f} ({res['sync_peak_rss_mb']:.0f})", f"{res['server_ms_per_round']:.0f}",

@@ -368,11 +368,16 @@ async def experiences_left_in_stream(conn, trainer_state: dict) -> int:
     """Experiences the experience stream still holds untrained, read with the trainer's checkpoint
     (`trainer_state.json`): less the trained part of batches it holds partly trained (`partial`),
     less batches it trained whose ack was not confirmed (`acked_seqs`: a trainer acks them untrained)."""
+    return len(await experience_ids_left_in_stream(conn, trainer_state))
+
+
+async def experience_ids_left_in_stream(conn, trainer_state: dict) -> list[str]:
+    """The ids of the experiences `experiences_left_in_stream` counts."""
     partial = trainer_state.get("partial", {})
     trained = set(trainer_state.get("acked_seqs", ()))
     js, name = conn.js, conn.names.experience_stream
     info = await js.stream_info(name)
-    left = 0
+    ids: list[str] = []
     for seq in range(info.state.first_seq, info.state.last_seq + 1):
         if seq in trained:
             continue
@@ -380,9 +385,9 @@ async def experiences_left_in_stream(conn, trainer_state: dict) -> int:
             msg = await js.get_msg(name, seq)
         except Exception:  # acked (deleted)
             continue
-        n = len(decode_batch(msg.data).experiences)
-        left += len(partial[str(seq)]) if str(seq) in partial else n
-    return left
+        experiences = decode_batch(msg.data).experiences
+        ids += [experiences[i].id for i in partial.get(str(seq), range(len(experiences)))]
+    return ids
 
 
 async def _left_in_stream(conn, cfg) -> int:

@@ -168,7 +168,8 @@ class ExplorerConfig(Section):
     that arrives while generations are in flight pauses them between two tokens, loads, and each
     goes on from the tokens it already has instead of finishing on the old weights. Each token keeps
     the version that sampled it (the experience's `token_versions`; its `model_version` is the
-    oldest); counted per step (`partial_rollout_pauses`)."""
+    oldest); counted per step and in the summary (`partial_rollout_pauses`,
+    `partial_rollout_experiences`)."""
     num_cpus: PositiveInt = 1
     """CPUs of each explorer's bundle under `rolectl up --launcher ray`."""
     use_gpus: StrictBool = False

@@ -17,7 +17,6 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from rolectl.sync_protocol import SyncConfig
-from rolectl.sync_protocol.enums import SyncMethod, SyncStyle
 
 from .config import (
     BufferConfig,
@@ -86,7 +85,8 @@ _SECTIONS: tuple[tuple[str, type[BaseModel], str], ...] = (
     ("data", DataSection, "Required by `engine: hf` and `engine: fsdp` (the tiny engine has its own task "
                           "and refuses it). "),
     ("algorithm", AlgorithmSection, "Optional for `engine: hf` and `engine: fsdp` (these defaults); the tiny "
-                                    "engine has its own loss and refuses it. "),
+                                    "engine has its own loss and takes only `dynamic_sampling` and "
+                                    "`max_num_gen_batches`, the explorers' fields. "),
     ("algorithm.rollout_correction", RolloutCorrectionSection, ""),
     ("sft", SFTSection, "Required by `stage: sft` (`engine: hf` or `fsdp`); docs/stages.md. "),
     ("dpo", DPOSection, "Required by `stage: dpo` (`engine: hf` or `fsdp`); docs/stages.md. "),
@@ -175,8 +175,7 @@ def _sync_table() -> str:
             if isinstance(option, msgspec.inspect.NoneType):
                 kinds.append("null")
             elif isinstance(option, msgspec.inspect.EnumType):
-                enum_cls = {SyncMethod: SyncMethod, SyncStyle: SyncStyle}[option.cls]
-                kinds.append("one of " + ", ".join(f"`{v}`" for v in enum_cls.choices()))
+                kinds.append("one of " + ", ".join(f"`{v}`" for v in option.cls.choices()))  # a _ConfigEnum
             else:
                 kinds.append({msgspec.inspect.IntType: "integer", msgspec.inspect.FloatType: "number"}.get(
                     type(option), type(option).__name__))
@@ -202,8 +201,9 @@ def _doc(model: type) -> str:
 def render() -> str:
     """The whole reference, as Markdown."""
     parts = [_HEADER, "## Top level\n", _doc(JobConfig) + "\n", _model_table(JobConfig, _TOP_LEVEL) + "\n",
-             "## synchronizer\n", _doc(SyncConfig) + " Values of `sync_method` and `sync_style` are read in any "
-             "case, and the reference's aliases are accepted.\n", _sync_table() + "\n"]
+             "## synchronizer\n", _doc(SyncConfig)
+             + " Values of `sync_method`, `sync_style` and `staleness_policy` are read in any case, and the "
+             "reference's aliases are accepted.\n", _sync_table() + "\n"]
     for heading, model, lead in _SECTIONS:
         parts += [f"## {heading}\n", " ".join(filter(None, [_doc(model), lead.strip()])) + "\n",
                   _model_table(model) + "\n"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from rolectl.sync_protocol import SyncStyle
+from rolectl.sync_protocol import StalenessPolicy, SyncStyle
 
 from .engines.sections import READS_DATA
 from .engines.stage_sections import STAGES
@@ -18,9 +18,10 @@ __all__ = ["PARTIAL_ROLLOUT_ENGINES", "cross_section_problems"]
 def cross_section_problems(cfg: Any, *, check_engines: bool) -> list[tuple[str, str]]:
     """Every rule's problems; with `check_engines`, also what the engines need and the eval file."""
     problems = [*_over_rollout_problems(cfg), *_partial_rollout_problems(cfg), *_wire_dtype_problems(cfg),
-                *_world_size_problems(cfg), *_stage_problems(cfg)]
+                *_world_size_problems(cfg), *_stage_problems(cfg), *_staleness_policy_problems(cfg),
+                *_dynamic_sampling_problems(cfg)]
     if check_engines:
-        problems += [*_engine_problems(cfg), *_eval_problems(cfg)]
+        problems += [*_engine_problems(cfg), *_eval_problems(cfg), *_correction_problems(cfg)]
     return problems
 
 
@@ -83,6 +84,38 @@ def _partial_rollout_problems(cfg: Any) -> list[tuple[str, str]]:
                          "does not combine with explorers.over_rollout_ratio (its engines run tasks on threads of "
                          "their own, and a pause loads every engine of the explorer): set one of them"))
     return problems
+
+
+def _staleness_policy_problems(cfg: Any) -> list[tuple[str, str]]:
+    sync = cfg.synchronizer
+    if sync.staleness_policy is not StalenessPolicy.CORRECT or sync.max_staleness is not None:
+        return []
+    return [("synchronizer.staleness_policy", "correct applies to experiences past synchronizer.max_staleness, "
+                                              "which is null (nothing is ever stale): set max_staleness, or "
+                                              "remove staleness_policy")]
+
+
+def _dynamic_sampling_problems(cfg: Any) -> list[tuple[str, str]]:
+    # The filter and the extra generation batches are the task set's loop's; a served request is one
+    # trajectory, rewarded when the application says so, with no group to compare it with.
+    written = cfg.algorithm.model_dump() if cfg.algorithm is not None else {}
+    if written.get("dynamic_sampling") is not True or not cfg.serve.enabled:
+        return []
+    return [("algorithm.dynamic_sampling", "filters the groups explorers roll out from their task set; serving "
+                                           "explorers (serve.enabled) have none: remove one of them")]
+
+
+def _correction_problems(cfg: Any) -> list[tuple[str, str]]:
+    # A stale experience kept is trained against what sampled it only with the correction on; the
+    # trainer's engine reads `algorithm:` (typed for hf and fsdp), so this is checked with the engines.
+    if cfg.synchronizer.staleness_policy is not StalenessPolicy.CORRECT:
+        return []
+    if getattr(cfg.algorithm, "rollout_correction", None) is not None:
+        return []
+    return [("synchronizer.staleness_policy",
+             "correct trains stale experiences with the off-policy correction, which is off: add "
+             "algorithm.rollout_correction (e.g. {rollout_is: token}; an hf or fsdp trainer), or set "
+             "staleness_policy: drop")]
 
 
 def _wire_dtype_problems(cfg: Any) -> list[tuple[str, str]]:

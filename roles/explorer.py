@@ -31,14 +31,13 @@ through the explorer (`publish_batch`, `report_step`, `save_state`) and asks it 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import math
 import threading
 import time
 import zlib
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from rolectl.bus.errors import describe
@@ -47,6 +46,7 @@ from rolectl.bus.security import redact
 from rolectl.bus.weights import TransferError, WeightsRef
 from rolectl.roles.config import JobConfig
 from rolectl.roles.resume import SavedState, StartMode, decide_resume
+from rolectl.roles.rollout_step import GroupSampler, over_rollout
 from rolectl.roles.session import (
     JobIncomplete,
     MemberRejoined,
@@ -90,7 +90,7 @@ class Explorer:
 
     def __init__(self, cfg: JobConfig, member_id: str, *, start_mode: StartMode = StartMode.AUTO,
                  loop: Callable[[Explorer], ExploreLoop] | None = None):
-        from rolectl.roles.engines import make_eval_tasks, make_rollout_engine, make_taskset
+        from rolectl.roles.engines import dynamic_sampling_of, make_eval_tasks, make_rollout_engine, make_taskset
 
         self.cfg = cfg
         self.sync = cfg.synchronizer
@@ -103,8 +103,11 @@ class Explorer:
         self.local_ranks = cfg.explorers.engine_num * (
             1 if getattr(self.engine, "tensor_parallel_size", 1) > 1 else cfg.explorers.tensor_parallel_size)
         self.extra_ranks = [make_rollout_engine(cfg, f"{member_id}-r{r}") for r in range(1, self.local_ranks)]
-        self.taskset = make_taskset(cfg, seed=index, total_batches=cfg.explorers.total_steps,
-                                    batch_size=cfg.buffer.batch_size)
+        sampling = dynamic_sampling_of(cfg.algorithm)  # dynamic sampling takes more batches a step
+        self.sampler = GroupSampler(batch_size=cfg.buffer.batch_size, max_gen_batches=sampling.max_num_gen_batches
+                                    ) if sampling.dynamic_sampling else None
+        self.taskset = make_taskset(cfg, seed=index, total_batches=cfg.explorers.total_steps * (
+            sampling.max_num_gen_batches if self.sampler else 1), batch_size=cfg.buffer.batch_size)
         # One explorer evaluates: at a boundary every explorer holds the same version.
         self.evaluates = cfg.eval.enabled and index == 0
         self.eval_tasks = make_eval_tasks(cfg) if self.evaluates else []
@@ -542,11 +545,15 @@ class PauseForWeights:
         if pending is None or not needs_reload(x.version, pending[0]):
             return
         version, tensors, nbytes, seconds = pending
+        # said as it happens, not once the rollout is back (`record_loads_in_flight`): a process
+        # killed with its generations paused or resumed leaves in its log what it was doing
+        x.log.info("generations_paused", version=version, held=x.version, step=x.explore_step + 1)
         for engine in x.engines:
             engine.load_weights(tensors, version)
         # not recycled: the background fetch may be writing its next version on the event loop
         x.version = version
         self._loaded.append((version, nbytes, seconds))
+        x.log.info("generations_resumed", version=version, step=x.explore_step + 1)
 
     def take_loaded(self) -> list[tuple[int, int, float]]:
         loaded, self._loaded = self._loaded, []
@@ -565,6 +572,7 @@ class TaskSetLoop:
         self.tasks_cut = 0  # tasks of the last step cancelled or dropped by over-rollout
         self.pauses = 0  # weight loads inside the last step's rollout (partial rollouts)
         self._pools: list[ThreadPoolExecutor] | None = None  # one per engine, for over-rollout
+        self.sampled = None  # the last step's dynamic sampling (algorithm.dynamic_sampling)
 
     async def run(self) -> None:
         x = self.explorer
@@ -573,7 +581,8 @@ class TaskSetLoop:
                 await x.wait_while_paused()
                 await x.apply_background_weights()  # fetched while it waited, too: the newest
                 position = x.taskset.state_dict()  # where a stop before this step is recorded resumes
-                tasks = x.taskset.next_batch()
+                done = x.sampler is not None and x.explore_step >= x.cfg.explorers.total_steps
+                tasks = None if done else x.taskset.next_batch()
                 if tasks is None:
                     x.log.info("taskset_exhausted", step=x.explore_step)
                     x.finished = True
@@ -586,7 +595,7 @@ class TaskSetLoop:
                 started = time.monotonic()
                 step = x.explore_step + 1
                 try:
-                    experiences = await asyncio.to_thread(self._rollout, tasks, step)
+                    experiences = await asyncio.to_thread(self._explore, tasks, step)
                     self.pauses = await x.record_loads_in_flight()
                     if self.step_delay_s:
                         await asyncio.sleep(self.step_delay_s)  # simulated slower rollout engine (config)
@@ -614,18 +623,32 @@ class TaskSetLoop:
         await x.publish_batch(ExperienceBatch(member=x.member_id, explore_step=step, model_version=x.engine.version,
                                               experiences=tuple(experiences)))
         reward = sum(e.reward for e in experiences) / max(len(experiences), 1)
+        sampled = self.sampled.metrics() if self.sampled is not None else {}
         # Reported before it is saved: a restart in between explores the step again (its
         # batch is deduplicated by msg id) and reports it again; counts are per (member, step).
-        await x.report_step({"reward_mean": reward, "experiences": float(len(experiences)),
+        await x.report_step({"reward_mean": reward, "experiences": float(len(experiences)
+                                                                          + sampled.get("experiences_filtered", 0)),
                              "total_steps": float(x.cfg.explorers.total_steps),
                              "seconds": time.monotonic() - started,
                              **({"over_rollout_tasks_cut": float(self.tasks_cut)}
                                 if x.cfg.explorers.over_rollout_ratio else {}),
                              **(_partial_rollout_metrics(self.pauses, experiences)
                                 if x.pause_point is not None else {}),
-                             **x.engine.rollout_metrics})
+                             **sampled, **x.engine.rollout_metrics})
         x.save_state()
         x.log.info("explore_step", step=step, version=x.engine.version, reward=round(reward, 4))
+
+    def _explore(self, tasks, step: int) -> list:
+        """The step's experiences: its tasks rolled out, or with dynamic sampling the groups whose
+        rewards differ, from more of the task set if need be (`rollout_step.GroupSampler`)."""
+        x = self.explorer
+        if x.sampler is None:
+            return self._rollout(tasks, step)
+        self.sampled = x.sampler.fill(tasks, step, rollout=self._rollout, more=x.taskset.next_batch)
+        if self.sampled.short:
+            x.log.warning("dynamic_sampling_short_step", step=step, gen_batches=self.sampled.gen_batches,
+                          groups_filtered=self.sampled.groups_filtered)
+        return self.sampled.experiences
 
     def _rollout(self, tasks, step: int) -> list:
         """Split the step's tasks across the explorer's engines (one per local rank)."""
@@ -647,35 +670,6 @@ class TaskSetLoop:
                 paused = {} if self.explorer.pause_point is None else {"pause_point": self.explorer.pause_point}
                 experiences.extend(engine.rollout(chunk, explore_step=step, **paused))
         return experiences
-
-
-def over_rollout(engines, pools, tasks, *, step: int, member: str, wait_for: int) -> tuple[list, int]:
-    """The experiences of the tasks done once at least `wait_for` are, and how many tasks were cut.
-
-    Tasks go round-robin to the engines, one at a time each (`pools`: one worker per engine); once
-    `wait_for` are done, those not started are cancelled and those still running are dropped when
-    they finish. Each task is its own rollout call: its sampling seed is drawn from (step, task) and
-    its experiences get the ids a whole-batch rollout would give it (`member-step-task-k`)."""
-    futures = {}
-    for i, task in enumerate(tasks):
-        engine = engines[i % len(engines)]
-        # a distinct explore_step per task: engines seed their sampling from it
-        futures[pools[i % len(pools)].submit(engine.rollout, [task], explore_step=step * 1_000_003 + i)] = i
-    done_tasks: dict[int, list] = {}
-    pending = set(futures)
-    while len(done_tasks) < wait_for and pending:
-        finished, pending = wait(pending, return_when=FIRST_COMPLETED)
-        for future in finished:
-            done_tasks[futures[future]] = future.result()  # an engine's error ends the step, as without
-    for future in pending:
-        future.cancel()  # not started: never runs; running: its result is ignored
-    experiences = []
-    for i in sorted(done_tasks):  # every task done by now is kept, in task order
-        group = f"{member}-{step}-{i}"
-        experiences.extend(dataclasses.replace(e, group=group, id=f"{group}-{e.id.rsplit('-', 1)[1]}")
-                           for e in done_tasks[i])
-    kept = len({e.group for e in experiences})
-    return experiences, len(tasks) - kept
 
 
 def _partial_rollout_metrics(pauses: int, experiences: list) -> dict[str, float]:

@@ -477,7 +477,8 @@ class MemberSession:
         )
 
     async def _heartbeat(self) -> None:
-        period = self.cfg.synchronizer.heartbeat_period
+        # a large fleet beats less often, so the synchronizer hears a bounded number a second
+        period = self.cfg.synchronizer.beat_period(self.cfg.explorers.count + 1)
         while True:
             started = time.monotonic()
             try:

@@ -3,7 +3,8 @@
 Reads top to bottom like the reference train loop (init → setup → train → cleanup):
 
 - a step consumes `train_batch_tasks` tasks' worth of experiences from the durable experience
-  consumer; experiences older than `max_staleness` versions are dropped and counted;
+  consumer; experiences older than `max_staleness` versions are dropped and counted, or with
+  `staleness_policy: correct` trained with the off-policy correction and counted as corrected;
 - `need_sync` follows the reference (fixed / trainer_driven / fully_async: every `sync_interval`
   steps; explorer_driven: when an explorer's round is open, answering "no new version" if nothing
   was trained since the last sync);
@@ -24,6 +25,7 @@ import json
 import shutil
 import socket
 import time
+from collections import Counter
 from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,7 @@ from rolectl.bus.weights.base import PullTransport, RendezvousTransport
 from rolectl.bus.weights.delta import cast_source
 from rolectl.roles.ack_ledger import AckLedger
 from rolectl.roles.config import JobConfig, env_settings
+from rolectl.roles.engines import dynamic_sampling_of
 from rolectl.roles.resume import SavedState, StartMode, decide_resume
 from rolectl.roles.session import (
     JobIncomplete,
@@ -52,6 +55,7 @@ from rolectl.sync_protocol import (
     RendezvousReady,
     Role,
     RunningStatus,
+    StalenessTally,
     StepFinished,
     StepsRolledBack,
     SyncFailed,
@@ -60,7 +64,7 @@ from rolectl.sync_protocol import (
     VersionPublished,
     WeightsBroadcast,
 )
-from rolectl.sync_protocol.boundaries import is_stale, trainer_needs_sync
+from rolectl.sync_protocol.boundaries import Staleness, staleness_verdict, trainer_needs_sync
 
 __all__ = ["Trainer", "saved_trainer_state", "write_trainer_state", "export_hf", "gpu_memory_metrics"]
 
@@ -84,6 +88,11 @@ class Trainer:
         self.last_sync_step = 0
         self.version = 0  # the base model
         self.dropped_stale = 0
+        self.corrected_stale = 0  # past max_staleness, trained with the correction (staleness_policy: correct)
+        # the step being filled: how far behind each experience taken was, and the verdicts on them
+        # (its StepFinished records both, so `replay --check` recomputes the verdicts)
+        self.step_ages: Counter[int] = Counter()
+        self.step_verdicts: Counter[Staleness] = Counter()
         # experiences taken off the stream: trained, dropped or filtered (what paces explorers, max_ahead)
         self.experiences_taken = 0
         self.tasks_reported = 0  # the last count of tasks taken the core heard (StepFinished, TasksTaken)
@@ -117,6 +126,7 @@ class Trainer:
         self.last_sync_step = state["last_sync_step"]
         self.version = state["version"]
         self.dropped_stale = state.get("dropped_stale", 0)
+        self.corrected_stale = state.get("corrected_stale", 0)
         self.experiences_taken = state.get("experiences_taken", 0)
         self.last_metrics = state.get("metrics")
 
@@ -225,6 +235,10 @@ class Trainer:
         self._guard_metrics(metrics)
         self.session.step = self.engine.step
         metrics["dropped_stale_total"] = float(self.dropped_stale)
+        corrected = self.step_verdicts[Staleness.CORRECTED]
+        self.corrected_stale += corrected
+        metrics["corrected_stale"] = float(corrected)
+        metrics["corrected_stale_total"] = float(self.corrected_stale)
         metrics["total_steps"] = float(self.total_steps)  # progress against it: status, dashboard
         metrics["mean_staleness"] = (
             sum(self.version - e.model_version for e in batch) / len(batch) if batch else 0.0
@@ -235,6 +249,9 @@ class Trainer:
         # repeats one (a step saved but not reported is reported by the restart).
         if self.need_save():
             await self.save_checkpoint()
+        # which experiences the step trained (a step rolled back is trained again, and its ids
+        # logged again): what a test that kills the trainer checks "none trained twice" against
+        self.log.debug("step_experiences", step=self.engine.step, ids=[e.id for e in batch])
         interval = self.cfg.trainer.hf_save_interval
         if interval and self.engine.step % interval == 0:
             await self._export_hf(f"step-{self.engine.step}")
@@ -252,9 +269,21 @@ class Trainer:
         tasks = self.experiences_taken // self.engine.group_size if self.sync.max_ahead is not None else None
         self.tasks_reported = tasks or 0
         await self.session.publish(StepFinished(member=self.session.me, step=self.engine.step,
-                                                version=self.version, metrics=metrics, tasks=tasks))
+                                                version=self.version, metrics=metrics, tasks=tasks,
+                                                staleness=self._staleness_tally()))
+        self.step_ages.clear()
+        self.step_verdicts.clear()
         self.log.info("train_step", step=self.engine.step, version=self.version,
                       reward=round(metrics.get("reward_mean", 0.0), 4), loss=round(metrics.get("loss", 0.0), 4))
+
+    def _staleness_tally(self) -> StalenessTally | None:
+        """The step's staleness verdicts and their ages, where staleness is bounded (else None; None
+        too for a step reported again after a restart, whose verdicts died with the process)."""
+        if self.sync.max_staleness is None or not self.step_ages:
+            return None
+        return StalenessTally(ages=tuple(sorted(self.step_ages.items())),
+                              dropped=self.step_verdicts[Staleness.DROPPED],
+                              corrected=self.step_verdicts[Staleness.CORRECTED])
 
     async def _sample(self):
         """Collect one step's experiences; while waiting, answer explorer-driven sync requests."""
@@ -278,7 +307,10 @@ class Trainer:
             received = await self.reader.fetch(max_batches=8, timeout=0.5)
             for msg in received:
                 for index, exp in await self.ledger.receive(msg):
-                    if is_stale(exp.model_version, self.version, self.sync.max_staleness):
+                    verdict = staleness_verdict(exp.model_version, self.version, self.sync)
+                    self.step_ages[self.version - exp.model_version] += 1
+                    self.step_verdicts[verdict] += 1
+                    if verdict is Staleness.DROPPED:
                         self.dropped_stale += 1
                         self.experiences_taken += 1
                     else:
@@ -325,6 +357,11 @@ class Trainer:
                     f"as stale (older than synchronizer.max_staleness = {self.sync.max_staleness} versions "
                     "when the trainer read them): raise max_staleness, or give the explorers more steps "
                     "(explorers.total_steps; they stop when the trainer finishes) so fresh ones keep coming")
+        if dynamic_sampling_of(self.cfg.algorithm).dynamic_sampling:
+            return ("every explorer finished its task set, and their dynamic sampling (algorithm.dynamic_sampling) "
+                    "left out the groups whose rewards were all equal: give the explorers more steps "
+                    "(explorers.total_steps) or generation batches (algorithm.max_num_gen_batches), or tasks the "
+                    "policy gets right only sometimes")
         if produced < needed:
             return (f"every explorer finished its task set: explorers.total_steps x count x buffer.batch_size "
                     f"= {produced} tasks are fewer than trainer.total_steps x train_batch_tasks = {needed}")
@@ -439,6 +476,7 @@ class Trainer:
         # If we die after this but before publishing the version, the restart publishes it.
         write_trainer_state(self.ckpt_dir, {"checkpoint": name, "step": step, "last_sync_step": self.last_sync_step,
                                             "version": self.version, "dropped_stale": self.dropped_stale,
+                                            "corrected_stale": self.corrected_stale,
                                             "experiences_taken": self.experiences_taken,
                                             "metrics": self.last_metrics, **acks.state})
         # Only now are the experiences of these steps safe: ack them.

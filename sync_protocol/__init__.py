@@ -19,6 +19,7 @@ from .enums import (
     Role,
     RoundOutcome,
     RunningStatus,
+    StalenessPolicy,
     SyncMethod,
     SyncStyle,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "RunningStatus",
     "SyncMethod",
     "SyncStyle",
+    "StalenessPolicy",
     "ConfigError",
     "DecodeError",
     "IllegalEvent",

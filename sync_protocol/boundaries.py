@@ -6,10 +6,14 @@ reducer can never disagree about where a sync boundary is or whether an offered 
 
 from __future__ import annotations
 
-from .config import SyncConfig
-from .enums import SyncStyle
+from collections.abc import Iterable
+from enum import Enum
 
-__all__ = ["explorer_needs_sync", "trainer_needs_sync", "needs_reload", "is_stale"]
+from .config import SyncConfig
+from .enums import StalenessPolicy, SyncStyle
+
+__all__ = ["explorer_needs_sync", "trainer_needs_sync", "needs_reload", "is_stale", "Staleness",
+           "staleness_verdict", "verdict_of_age", "tally_verdicts"]
 
 _INTERVAL_DRIVEN = frozenset({SyncStyle.FIXED, SyncStyle.TRAINER_DRIVEN, SyncStyle.FULLY_ASYNC})
 
@@ -49,3 +53,34 @@ def needs_reload(current_version: int, offered_version: int) -> bool:
 def is_stale(experience_version: int, trainer_version: int, max_staleness: int | None) -> bool:
     """Whether an experience generated with `experience_version` is too old to train on now."""
     return max_staleness is not None and trainer_version - experience_version > max_staleness
+
+
+class Staleness(str, Enum):
+    """The verdict on an experience the trainer takes: train it, drop it, or train it corrected."""
+
+    FRESH = "fresh"  # within the bound (or no bound): trained
+    DROPPED = "dropped"  # past the bound: acked untrained, counted
+    CORRECTED = "corrected"  # past the bound, kept: trained with the off-policy correction, counted
+
+
+def staleness_verdict(experience_version: int, trainer_version: int, cfg: SyncConfig) -> Staleness:
+    """What the trainer at `trainer_version` does with an experience of `experience_version`
+    (`max_staleness` and `staleness_policy`): a function of the experience's recorded version and
+    the trainer's, so whoever holds both computes the same verdict."""
+    return verdict_of_age(trainer_version - experience_version, cfg)
+
+
+def verdict_of_age(age: int, cfg: SyncConfig) -> Staleness:
+    """The verdict on an experience `age` versions behind the trainer that judges it: all a verdict
+    depends on, so a record of ages (`StalenessTally`) lets a replay recompute every verdict."""
+    if cfg.max_staleness is None or age <= cfg.max_staleness:
+        return Staleness.FRESH
+    return Staleness.CORRECTED if cfg.staleness_policy is StalenessPolicy.CORRECT else Staleness.DROPPED
+
+
+def tally_verdicts(ages: Iterable[tuple[int, int]], cfg: SyncConfig) -> dict[Staleness, int]:
+    """How many experiences each verdict takes, from `(age, experiences)` pairs."""
+    counts = dict.fromkeys(Staleness, 0)
+    for age, experiences in ages:
+        counts[verdict_of_age(age, cfg)] += experiences
+    return counts

@@ -78,7 +78,7 @@ _DECODER = msgspec.msgpack.Decoder()
 # record is byte-identical to what earlier builds wrote (and read by them).
 _ADDED_LATER: dict[str, tuple[str, ...]] = {"status_changed": ("metrics", "interrupted"),
                                             "job_configured": ("train_batch_tasks",),
-                                            "step_finished": ("tasks",)}
+                                            "step_finished": ("tasks", "staleness")}
 
 
 def to_plain(event: Event | Decision) -> dict[str, Any]:

@@ -17,6 +17,7 @@ __all__ = [
     "RunningStatus",
     "SyncMethod",
     "SyncStyle",
+    "StalenessPolicy",
     "ReleaseReason",
     "RoundOutcome",
     "ResumeReason",
@@ -113,6 +114,14 @@ class SyncStyle(_ConfigEnum):
     @classmethod
     def _aliases(cls) -> dict[str, str]:
         return {"dynamic_by_trainer": "trainer_driven", "dynamic_by_explorer": "explorer_driven"}
+
+
+class StalenessPolicy(_ConfigEnum):
+    """What becomes of an experience past `max_staleness`: dropped (counted), or trained with the
+    off-policy correction (`algorithm.rollout_correction`) and counted as corrected."""
+
+    DROP = "drop"
+    CORRECT = "correct"
 
 
 class ResumeReason(_ParsableEnum):

@@ -46,6 +46,7 @@ __all__ = [
     "WeightsBroadcast",
     "SyncFailed",
     "StepFinished",
+    "StalenessTally",
     "StepsRolledBack",
     "TasksTaken",
     "EvalFinished",
@@ -230,6 +231,20 @@ class SyncFailed(Event, frozen=True, kw_only=True, tag="sync_failed"):
     round: int | None = None
 
 
+class StalenessTally(msgspec.Struct, frozen=True, kw_only=True):
+    """The trainer's staleness verdicts while it filled one step, with the facts they follow from.
+
+    `ages` pairs how many versions behind the trainer an experience was when it was judged with how
+    many experiences were that far behind (every experience taken off the stream for the step:
+    trained, corrected or dropped); `dropped` and `corrected` are the verdicts the trainer acted on.
+    A verdict depends on the age and the job's config alone (`boundaries.verdict_of_age`), so
+    `replay --check` recomputes both counts from `ages`."""
+
+    ages: tuple[tuple[int, int], ...]
+    dropped: int = 0
+    corrected: int = 0
+
+
 class StepFinished(Event, frozen=True, kw_only=True, tag="step_finished"):
     """A member finished train/explore step `step` with weights `version`; `metrics` are its figures
     (reward, loss, experiences dropped as stale, ...). It never opens a round.
@@ -237,12 +252,16 @@ class StepFinished(Event, frozen=True, kw_only=True, tag="step_finished"):
     `tasks` is the member's running total of tasks (groups), given where the job bounds how far
     explorers run ahead (`SyncConfig.max_ahead`): an explorer's produced (published) so far, the
     trainer's taken off the experience stream (trained or dropped) so far. The reducer
-    paces explorers by the two (`ExplorerPaused`, `ExplorersResumed`)."""
+    paces explorers by the two (`ExplorerPaused`, `ExplorersResumed`).
+
+    `staleness` is the trainer's staleness verdicts for the step, where the job bounds staleness
+    (`SyncConfig.max_staleness`; None otherwise, and from an explorer)."""
 
     step: int
     version: int
     metrics: Mapping[str, float] = msgspec.field(default_factory=dict)
     tasks: int | None = None
+    staleness: StalenessTally | None = None
 
 
 class TasksTaken(Event, frozen=True, kw_only=True, tag="tasks_taken"):

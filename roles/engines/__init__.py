@@ -31,10 +31,12 @@ from .sections import (
     READS_DATA,
     AlgorithmSection,
     DataSection,
+    DynamicSamplingFields,
     FSDPModelSection,
     HFModelSection,
     ModelSection,
     OpenModelSection,
+    RolloutCorrectionSection,
     TinyModelSection,
 )
 from .stage_sections import DPOSection, SFTSection
@@ -82,6 +84,7 @@ __all__ = [
     "make_taskset",
     "make_eval_tasks",
     "engine_summary",
+    "dynamic_sampling_of",
 ]
 
 AnyModelSection = TinyModelSection | HFModelSection | OpenModelSection
@@ -189,16 +192,49 @@ def _tiny_problems(sections: EngineSections) -> list[tuple[str, str]]:
     problems = []
     if sections.data is not None and sections.data.model_dump():
         problems.append(("data", _TINY_READS_NO_DATA))
-    if sections.algorithm is not None and sections.algorithm.model_dump():
-        problems.append(("algorithm", "the tiny engine has its own task and loss; remove `algorithm:` or use "
-                                      "engine: hf"))
+    written = sections.algorithm.model_dump() if sections.algorithm is not None else {}
+    others = sorted(set(written) - set(DynamicSamplingFields.model_fields) - {"rollout_correction"})
+    if others:
+        problems.append(("algorithm", f"the tiny engine has its own task and loss ({', '.join(others)}): remove "
+                                      "them (its `algorithm:` may hold only rollout_correction and the explorers' "
+                                      f"{', '.join(DynamicSamplingFields.model_fields)}) or use engine: hf"))
+        return problems
+    sampling = {k: v for k, v in written.items() if k in DynamicSamplingFields.model_fields}
+    if sampling:
+        problems += validate_section(DynamicSamplingFields, sampling, where="algorithm")[1]
+    if written.get("rollout_correction") is not None:
+        from .algorithms import verl_import_problem
+
+        problems += validate_section(RolloutCorrectionSection, written["rollout_correction"],
+                                     where="algorithm.rollout_correction")[1]
+        missing = verl_import_problem()  # the correction is verl's
+        if missing:
+            problems.append(("algorithm.rollout_correction", missing))
     return problems
+
+
+def _tiny_correction(sections: EngineSections) -> RolloutCorrectionSection | None:
+    """The tiny trainer's `algorithm.rollout_correction`, typed (its `algorithm:` is read as written)."""
+    written = {} if sections.algorithm is None else sections.algorithm.model_dump()
+    if written.get("rollout_correction") is None:
+        return None
+    return RolloutCorrectionSection.model_validate(written["rollout_correction"])
+
+
+def dynamic_sampling_of(algorithm: Any) -> DynamicSamplingFields:
+    """A job's `algorithm:` explorer-side fields (dynamic sampling), whether the section is typed (hf,
+    fsdp) or read as written (any other engine: checked by the engine's own problems)."""
+    if isinstance(algorithm, DynamicSamplingFields):
+        return algorithm
+    written = algorithm.model_dump() if algorithm is not None else {}
+    return DynamicSamplingFields.model_validate({k: v for k, v in written.items()
+                                                 if k in DynamicSamplingFields.model_fields})
 
 
 def _tiny_train(sections: EngineSections) -> TinyTrainEngine:
     from .tiny import TinyTrainEngine
 
-    return TinyTrainEngine(sections.model, agent=sections.agent)
+    return TinyTrainEngine(sections.model, agent=sections.agent, rollout_correction=_tiny_correction(sections))
 
 
 def _tiny_rollout(sections: EngineSections, member: str) -> TinyRolloutEngine:
@@ -229,7 +265,8 @@ def _tiny_taskset(sections: EngineSections, *, seed: int, total_batches: int | N
 def _tiny_eval_tasks(sections: EngineSections, rows: Sequence[TaskRow], path: str) -> list[Task]:
     from .evaluation import tiny_eval_tasks
 
-    return tiny_eval_tasks(rows, task_length=sections.model.task_length, path=path)
+    model = sections.model
+    return tiny_eval_tasks(rows, task_length=model.task_length, path=path, prompt_length=model.prompt_length)
 
 
 # -- hf / fsdp / vllm (imported lazily: transformers and vllm are optional extras) --------------------

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from .base import Task
 from .sections import TASK_FILES
-from .task import BOS, SEP
+from .task import make_reverse_task
 
 if TYPE_CHECKING:
     from .data import TaskRow
@@ -77,8 +77,10 @@ def load_eval_rows(job: Any) -> list[TaskRow]:
     return rows[:section.max_tasks] if section.max_tasks else rows
 
 
-def tiny_eval_tasks(rows: Sequence[TaskRow], *, task_length: int, path: str) -> list[Task]:
-    """The tiny engine's tasks from text rows: the prompt's digits are the string to reverse."""
+def tiny_eval_tasks(rows: Sequence[TaskRow], *, task_length: int, path: str,
+                    prompt_length: int | None = None) -> list[Task]:
+    """The tiny engine's tasks from text rows: the prompt's digits are the string to reverse; with
+    `prompt_length`, left-padded to it as the trained prompts are (a job with long tasks)."""
     tasks = []
     for i, row in enumerate(rows):
         digits = [int(d) for d in re.findall(r"\d", row.prompt)]
@@ -86,7 +88,8 @@ def tiny_eval_tasks(rows: Sequence[TaskRow], *, task_length: int, path: str) -> 
             raise ValueError(f"{path} row {i}: the tiny engine reverses {task_length} digits (model.task_length), "
                              f"this prompt has {len(digits)}: {row.prompt!r}")
         target = tuple(int(d) for d in re.findall(r"\d", row.answer))
-        tasks.append(Task(id=f"eval-row{i}", prompt=(BOS, *digits, SEP), target=target, answer=row.answer,
+        prompt = make_reverse_task(f"eval-row{i}", digits, prompt_length=prompt_length).prompt
+        tasks.append(Task(id=f"eval-row{i}", prompt=prompt, target=target, answer=row.answer,
                           prompt_text=row.prompt, row=row.columns))
     return tasks
 

@@ -48,6 +48,7 @@ def clipped_policy_loss(
     loss_tokens: int | None = None,
     loss_agg_mode: str = "token-mean",
     loss_sequences: int | None = None,
+    is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Token-level PPO clipped objective over the tokens under `mask`, aggregated as verl's `agg_loss`
     does by `loss_agg_mode` (`roles.engines.losses.aggregate`).
@@ -68,7 +69,10 @@ def clipped_policy_loss(
     unclipped = ratio * per_token_advantage
     clipped = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * per_token_advantage
     num_tokens = mask.sum().clamp(min=1.0)
-    loss = aggregate(-torch.minimum(unclipped, clipped), mask, loss_agg_mode,
+    per_token_loss = -torch.minimum(unclipped, clipped)
+    if is_weights is not None:
+        per_token_loss = per_token_loss * is_weights
+    loss = aggregate(per_token_loss, mask, loss_agg_mode,
                      num_tokens=None if loss_tokens is None else max(loss_tokens, 1), num_sequences=loss_sequences)
     with torch.no_grad():
         was_clipped = ((ratio - 1.0).abs() > clip_eps).to(mask.dtype) * mask
@@ -95,9 +99,11 @@ class ClippedPolicyLoss:
         self.loss_agg_mode = loss_agg_mode
 
     def __call__(self, micro: MicroBatch) -> tuple[Tensor, dict[str, float]]:
-        loss, stats = clipped_policy_loss(micro.logprobs, micro.old_logprobs, micro.advantages, micro.loss_mask,
-                                          clip_eps=self.clip_eps, loss_tokens=micro.num_tokens,
-                                          loss_agg_mode=self.loss_agg_mode, loss_sequences=micro.num_sequences)
+        # the proximal policy's logprobs under an off-policy correction, else the sampler's
+        loss, stats = clipped_policy_loss(micro.logprobs, micro.proximal_logprobs, micro.advantages,
+                                          micro.loss_mask, clip_eps=self.clip_eps, loss_tokens=micro.num_tokens,
+                                          loss_agg_mode=self.loss_agg_mode, loss_sequences=micro.num_sequences,
+                                          is_weights=micro.is_weights)
         if micro.entropy is not None:
             stats["entropy"] = float(aggregate(micro.entropy, micro.loss_mask, self.loss_agg_mode))
         return loss, stats

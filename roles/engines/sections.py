@@ -54,6 +54,7 @@ __all__ = [
     "TableSection",
     "DataSection",
     "AlgorithmSection",
+    "DynamicSamplingFields",
     "RolloutCorrectionSection",
     "ModelSection",
     "DataField",
@@ -85,6 +86,11 @@ class TinyModelSection(Section):
     """Seed of the version-0 weights and of the task stream."""
     task_length: PositiveInt = 4
     """Digits per task."""
+    long_task_length: PositiveInt | None = None
+    """Digits of a long task, for long-tailed response lengths (most short, a few much longer, as a
+    reasoning model's are); more than `task_length`. Prompts are left-padded to the long tasks'."""
+    long_task_fraction: Annotated[float, Strict(), Field(ge=0, le=1, allow_inf_nan=False)] = 0.0
+    """The share of tasks that are `long_task_length` digits long (drawn per task)."""
     group_size: Annotated[int, Strict(), Field(ge=2)] = 16
     """Responses sampled per task (advantages are group-relative)."""
     tasks_per_step: PositiveInt = 64
@@ -119,13 +125,25 @@ class TinyModelSection(Section):
             raise ValueError(f"must be divisible by n_heads ({heads}), got {d_model}")
         return d_model
 
+    @model_validator(mode="after")
+    def _long_tasks_longer(self) -> TinyModelSection:
+        if self.long_task_fraction > 0 and (self.long_task_length or 0) <= self.task_length:
+            raise ValueError(f"long_task_fraction {self.long_task_fraction} needs long_task_length more than "
+                             f"task_length ({self.task_length}), got {self.long_task_length}")
+        return self
+
+    @property
+    def longest_task(self) -> int:
+        """Digits of the longest task (`long_task_length` when long tasks are drawn)."""
+        return self.long_task_length if self.long_task_fraction > 0 and self.long_task_length else self.task_length
+
     @property
     def prompt_length(self) -> int:
-        return self.task_length + 2  # BOS digits SEP
+        return self.longest_task + 2  # BOS digits SEP
 
     @property
     def max_response_length(self) -> int:
-        return self.task_length + 1  # digits EOS
+        return self.longest_task + 1  # digits EOS
 
 
 class HFBuildSection(Section):
@@ -485,8 +503,24 @@ class RolloutCorrectionSection(Section):
         return self
 
 
-class AlgorithmSection(Section):
-    """`algorithm:` for the `hf` trainer: verl's advantage estimator and policy loss."""
+class DynamicSamplingFields(Section):
+    """`algorithm:`'s explorer-side fields, read for every engine (the tiny one's `algorithm:` may
+    hold these alone): DAPO's dynamic sampling, verl's `algorithm.filter_groups`."""
+
+    dynamic_sampling: StrictBool = False
+    """DAPO's dynamic sampling: an explorer does not publish a group whose rewards are all equal (no
+    group-relative signal: verl's `filter_groups` on the reward), counts it, and generates more of its
+    task set until its step has `buffer.batch_size` groups that differ."""
+    max_num_gen_batches: PositiveInt = 10
+    """With `dynamic_sampling`: the generation batches (of `buffer.batch_size` tasks) one explore step
+    may use to fill itself; past it the step publishes the groups it kept and the next step goes on
+    (verl's `filter_groups.max_num_gen_batches`, which may be unbounded; here a bound, so a policy
+    that gives every answer the same reward ends its task set instead of looping)."""
+
+
+class AlgorithmSection(DynamicSamplingFields):
+    """`algorithm:` for the `hf` trainer: verl's advantage estimator and policy loss, and the
+    explorers' dynamic sampling."""
 
     advantage: Literal[OUTCOME_ESTIMATORS] = "grpo"  # type: ignore[valid-type]
     """One of verl's outcome-reward advantage estimators."""

@@ -41,8 +41,15 @@ AGENT_VOCAB_SIZE = 15
 AGENT_RESPONSE_TOKENS = RESPONSE_TOKENS + (QUERY,)
 
 
-def make_reverse_task(task_id: str, digits: Sequence[int]) -> Task:
-    return Task(id=task_id, prompt=(BOS, *digits, SEP), target=tuple(reversed(digits)))
+def make_reverse_task(task_id: str, digits: Sequence[int], *, prompt_length: int | None = None) -> Task:
+    """The task of reversing `digits`; with `prompt_length`, its prompt left-padded with PAD to that
+    many tokens (tasks of several lengths share one prompt length, as a batch's rows must)."""
+    prompt = (BOS, *digits, SEP)
+    if prompt_length is not None:
+        if len(prompt) > prompt_length:
+            raise ValueError(f"{len(digits)} digits do not fit a prompt of {prompt_length} tokens")
+        prompt = (PAD,) * (prompt_length - len(prompt)) + prompt
+    return Task(id=task_id, prompt=prompt, target=tuple(reversed(digits)))
 
 
 def score_response(response: Sequence[int], target: Sequence[int]) -> float:
@@ -65,30 +72,42 @@ class ReverseDigitsTaskSet:
 
     Because a batch is a function of its index, the whole position is one integer: an explorer that
     restarts from `state_dict()` sees exactly the batches it would have seen.
+
+    With `long_fraction` > 0 the lengths are long-tailed, as a reasoning model's responses are: each
+    task is `long_length` digits with that probability, else `length`; every prompt is then
+    left-padded to the long tasks' (`make_reverse_task`). Without, the stream is as it always was.
     """
 
     def __init__(
-        self, *, seed: int, tasks_per_batch: int, length: int, num_batches: int | None = None
+        self, *, seed: int, tasks_per_batch: int, length: int, num_batches: int | None = None,
+        long_length: int | None = None, long_fraction: float = 0.0,
     ) -> None:
         if tasks_per_batch < 1 or length < 1:
             raise ValueError(f"tasks_per_batch and length must be >= 1, got {tasks_per_batch}, {length}")
+        if not 0.0 <= long_fraction <= 1.0 or (long_fraction > 0 and (long_length or 0) <= length):
+            raise ValueError(f"long_fraction must be in [0, 1] and, when above 0, long_length more than length "
+                             f"({length}), got {long_fraction} and {long_length}")
         self.seed = seed
         self.tasks_per_batch = tasks_per_batch
         self.length = length
+        self.long_length = long_length if long_fraction > 0 else None
+        self.long_fraction = long_fraction
         self.num_batches = num_batches
         self.next_index = 0
+
+    def _task(self, rng: random.Random, task_id: str) -> Task:
+        if self.long_length is None:  # no draw for the length: the stream of a job without long tasks
+            return make_reverse_task(task_id, [rng.randrange(10) for _ in range(self.length)])
+        length = self.long_length if rng.random() < self.long_fraction else self.length
+        return make_reverse_task(task_id, [rng.randrange(10) for _ in range(length)],
+                                 prompt_length=self.long_length + 2)
 
     def next_batch(self) -> list[Task] | None:
         if self.num_batches is not None and self.next_index >= self.num_batches:
             return None
         index = self.next_index
         rng = random.Random(f"reverse-digits/{self.seed}/{index}")
-        batch = [
-            make_reverse_task(
-                f"s{self.seed}-b{index}-t{i}", [rng.randrange(10) for _ in range(self.length)]
-            )
-            for i in range(self.tasks_per_batch)
-        ]
+        batch = [self._task(rng, f"s{self.seed}-b{index}-t{i}") for i in range(self.tasks_per_batch)]
         self.next_index += 1
         return batch
 

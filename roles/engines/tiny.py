@@ -22,11 +22,12 @@ from rolectl.bus.files import atomic_path
 from rolectl.sync_protocol.experience import Experience, ExperienceLimits, version_runs
 
 from .agent.environment import TurnOutput
+from .algorithms import RolloutCorrection
 from .base import PausePoint, Task, WeightsMismatch
 from .grpo import ClippedPolicyLoss, token_group_advantages
 from .losses import LossFunction, TokenScores, TrainBatch, experience_batch
 from .model import TinyPolicy, build_base_policy, sample_responses, sample_turns, scored_tokens
-from .sections import TinyModelSection
+from .sections import RolloutCorrectionSection, TinyModelSection
 from .step import TrainStep, step_metrics
 from .streaming import DEFAULT_BUCKET_BYTES, NamedTensors, buckets_of
 from .task import (
@@ -100,7 +101,8 @@ def build_policy(config: TinyConfig, layout: TinyLayout | None = None) -> TinyPo
 def build_task_set(config: TinyConfig, *, seed: int, num_batches: int | None = None) -> ReverseDigitsTaskSet:
     """The task stream of one explorer; give each explorer its own `seed` so they explore different tasks."""
     return ReverseDigitsTaskSet(
-        seed=seed, tasks_per_batch=config.tasks_per_step, length=config.task_length, num_batches=num_batches
+        seed=seed, tasks_per_batch=config.tasks_per_step, length=config.task_length, num_batches=num_batches,
+        long_length=config.long_task_length, long_fraction=config.long_task_fraction,
     )
 
 
@@ -112,18 +114,21 @@ _STATE_JSON_FILE = "engine_state.json"
 class TinyTrainEngine:
     """Trainer side: a `train_step` takes `minibatches` Adam steps of the clipped GRPO loss, one per
     slice of the batch's groups (the one training step, `roles.engines.step`); the weights after it
-    are version `step`."""
+    are version `step`. With `rollout_correction` (`algorithm.rollout_correction`), decoupled PPO
+    and verl's rollout correction, as the hf trainer's (`RolloutCorrectionSection`)."""
 
-    def __init__(self, config: TinyConfig, agent: AgentSection | None = None) -> None:
+    def __init__(self, config: TinyConfig, agent: AgentSection | None = None, *,
+                 rollout_correction: RolloutCorrectionSection | None = None) -> None:
         self.config = config
         self.layout = tiny_layout(config, agent)
         self.allowed_tokens = torch.tensor(self.layout.response_tokens)
         self.policy = build_policy(config, self.layout)
         self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=config.lr)
         # Each minibatch in one pass: its whole-minibatch token mean is the clipped loss's own.
+        correction = None if rollout_correction is None else RolloutCorrection(rollout_correction)
         self.update = TrainStep(model=self.policy, optimizer=self.optimizer, forward=self._logprobs,
                                 max_grad_norm=config.max_grad_norm, minibatches=config.minibatches,
-                                micro_batch_size=None)
+                                micro_batch_size=None, correction=correction)
         self.loss_fn: LossFunction = ClippedPolicyLoss(clip_eps=config.clip_eps, loss_agg_mode=config.loss_agg_mode)
         self.group_size = config.group_size
         self.experience_limits = ExperienceLimits(
@@ -197,7 +202,7 @@ class TinyTrainEngine:
         path = Path(path)
         state_json = json.loads((path / _STATE_JSON_FILE).read_text())
         saved_config = TinyConfig(**state_json["config"])
-        model_fields = ("task_length", "d_model", "n_layers", "n_heads", "d_ff")
+        model_fields = ("task_length", "longest_task", "d_model", "n_layers", "n_heads", "d_ff")
         differing = [f for f in model_fields if getattr(saved_config, f) != getattr(self.config, f)]
         if differing:
             raise ValueError(f"checkpoint {path} was written with different {', '.join(differing)}")

@@ -99,6 +99,7 @@ SUMMARY_SHOWN = ("job", "complete", "end_reason", "engines", "trainer_world_size
                  "trainer_steps", "explorer_steps",
                  "syncs", "rounds", "weight_loads", "final_version", "reward_first", "reward_last",
                  "experiences_produced", "experiences_trained", "experiences_dropped_stale",
+                 "experiences_corrected_stale", "experiences_filtered", "groups_filtered",
                  "experiences_left_untrained", "explorer_pauses", "mismatch_alarms", "agent",
                  "weights_bytes_moved", "weights_bytes_per_sync", "sync_wait_ms", "wall_s", "run_dir")
 
@@ -106,8 +107,10 @@ SUMMARY_SHOWN = ("job", "complete", "end_reason", "engines", "trainer_world_size
 # a trainer of ranks; an engine that exports; a LoRA adapter; an agent job
 _SHOWN_WHEN_SET = ("trainer_world_size", "hf_model_dir", "trainable_parameters", "agent")
 # what only a job that paces its explorers (synchronizer.max_ahead) or measures the rollout/trainer
-# gap (algorithm.rollout_correction) counts
-_SHOWN_WHEN_NONZERO = ("explorer_pauses", "mismatch_alarms")
+# gap (algorithm.rollout_correction), keeps stale experiences (staleness_policy: correct) or filters
+# groups (algorithm.dynamic_sampling) counts
+_SHOWN_WHEN_NONZERO = ("explorer_pauses", "mismatch_alarms", "experiences_corrected_stale",
+                       "experiences_filtered", "groups_filtered")
 
 
 def summary_table(summary: dict) -> Table:

@@ -8,6 +8,10 @@ ones by identity (kind, round, cause_seq, released member) and reports every dif
 whose subject does not vouch for its payload (`bus.subjects.identity_problem`: a member speaking for
 another, a decision outside `.sync.`) is a failure too, named by its sequence; it is left out of the
 fold, as the live reader leaves it out.
+
+The trainer's staleness verdicts are checked the same way: each `StepFinished.staleness` records
+how far behind every experience it took was, and the verdicts it acted on; `check_staleness`
+recomputes the verdicts from those ages and the job's config (`boundaries.tally_verdicts`).
 """
 
 from __future__ import annotations
@@ -16,11 +20,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from rolectl.roles.observe.timeline import verify_subjects
-from rolectl.sync_protocol import Decision, Recorded, decision_identity, to_plain
+from rolectl.sync_protocol import Decision, JobConfigured, Recorded, StepFinished, decision_identity, to_plain
+from rolectl.sync_protocol.boundaries import Staleness, tally_verdicts
 from rolectl.sync_protocol.reducer import fold_lenient
 from rolectl.sync_protocol.state import State
 
-__all__ = ["Mismatch", "check_decisions", "decision_identity"]
+__all__ = ["Mismatch", "check_decisions", "check_staleness", "decision_identity"]
 
 
 @dataclass(frozen=True)
@@ -30,9 +35,11 @@ class Mismatch:
     `kind`: "field" (same decision, a field differs), "unexpected" (recorded, never recomputed),
     "missing" (recomputed, never recorded), "order" (both exist, recorded out of their round's order),
     "duplicate" (recorded twice), "subject" (a record whose subject does not vouch for its payload;
-    `recorded` says why). `seq` is the recorded stream sequence (for "missing": the seq of
-    the input that causes it). `warning` is True for a decision the recording was plausibly cut
-    before (caused by one of the last inputs, no later decision recorded): not a failure.
+    `recorded` says why), "verdict" (a trainer's staleness verdict count the core computes otherwise
+    from the ages it recorded; `identity` is ("staleness", step, seq, member)). `seq` is the recorded
+    stream sequence (for "missing": the seq of the input that causes it). `warning` is True for a
+    decision the recording was plausibly cut before (caused by one of the last inputs, no later
+    decision recorded): not a failure.
     """
 
     kind: str
@@ -47,6 +54,9 @@ class Mismatch:
         kind, rnd, cause, released = self.identity
         who = f" for {released}" if released else ""
         name = f"{kind} of round {rnd}{who} (caused by seq {cause})"
+        if self.kind == "verdict":
+            return (f"seq {self.seq}: {released}'s step {rnd} recorded {self.recorded} experiences "
+                    f"{self.field} as stale, but the core computes {self.recomputed} from the ages it recorded")
         if self.kind == "subject":
             return f"seq {self.seq}: {self.recorded} (a forged or misplaced record; readers reject it)"
         if self.kind == "field":
@@ -139,5 +149,25 @@ def check_decisions(records: list[Recorded], start: State | None = None) -> list
             continue
         cut_off = i > highest and d.cause_seq >= last_cause
         out.append(Mismatch("missing", d.cause_seq, ident, recomputed=to_plain(d), warning=cut_off))
+    out.extend(check_staleness(records, start))
     out.sort(key=lambda m: (m.seq, m.warning))
+    return out
+
+
+def check_staleness(records: list[Recorded], start: State | None = None) -> list[Mismatch]:
+    """Recompute each trainer step's staleness verdicts from the ages it recorded (in seq order)."""
+    config = start.config if start is not None else None
+    out: list[Mismatch] = []
+    for rec in records:
+        ev = rec.event
+        if isinstance(ev, JobConfigured) and config is None:
+            config = ev.config  # the first is the job's (a different later one is illegal)
+        if not isinstance(ev, StepFinished) or ev.staleness is None or config is None:
+            continue
+        counts = tally_verdicts(ev.staleness.ages, config)
+        for verdict, recorded in ((Staleness.DROPPED, ev.staleness.dropped),
+                                  (Staleness.CORRECTED, ev.staleness.corrected)):
+            if counts[verdict] != recorded:
+                out.append(Mismatch("verdict", rec.seq, ("staleness", ev.step, rec.seq, ev.member.id),
+                                    field=verdict.value, recorded=recorded, recomputed=counts[verdict]))
     return out

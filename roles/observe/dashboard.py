@@ -330,9 +330,12 @@ class Dashboard:
             "served": obs.served_view(),  # serve mode's traffic (None when no explorer serves)
             "agent": obs.agent.summary(),  # an agent job's episodes, turns, tool calls, errors (else None)
             "staleness": {"mean": stale[1] if stale else None, "dropped_total": stale[2] if stale else None,
+                          "corrected_total": obs.corrected_stale,  # kept past the bound (staleness_policy)
                           "series": _thin([[s, m, d] for s, m, d in obs.staleness])},
             "pace": pace_view(obs),  # explorers paused for running ahead of the trainer (max_ahead)
             "mismatch": mismatch_view(obs),  # the rollout/trainer logprob gap and its alarm
+            # algorithm.dynamic_sampling: groups of equal rewards explorers filtered, and their experiences
+            "filtered": {"groups": obs.groups_filtered.total, "experiences": obs.experiences_filtered.total},
             "series": {
                 "reward": _thin([[step, reward] for step, reward, _ in obs.reward]),
                 # eval means by version, on the reward's axis: version N is the weights after train step N
@@ -455,6 +458,13 @@ def _trainer_metrics(obs: JobObserver, job: str):
         yield g
         c = _counter("trainer_dropped_stale", "Experiences the trainer dropped as too stale")
         c.add_metric((job,), dropped)
+        yield c
+        c = _counter("trainer_corrected_stale", "Experiences past max_staleness trained with the correction")
+        c.add_metric((job,), obs.corrected_stale)
+        yield c
+    if obs.groups_filtered.total:
+        c = _counter("explorer_groups_filtered", "Groups of equal rewards dynamic sampling filtered")
+        c.add_metric((job,), obs.groups_filtered.total)
         yield c
     yield from _pace_metrics(obs, job)
     yield from _mismatch_metrics(obs, job)

@@ -267,8 +267,14 @@ class JobObserver:
         self.served: dict[tuple[str, int], dict[str, float]] = {}
         self.served_times: deque[tuple[int, int]] = deque(maxlen=64)  # (time, served so far), for a rate
         self.dropped_stale = 0
+        self.corrected_stale = 0  # past max_staleness, trained with the correction (staleness_policy: correct)
+        # dynamic sampling (algorithm.dynamic_sampling): groups of equal rewards explorers did not publish
+        self.groups_filtered = StepCounts()
+        self.experiences_filtered = StepCounts()
         self.mismatch_alarms = StepCounts()  # trainer steps that raised the rollout/trainer mismatch alarm
         self.tasks_cut = StepCounts()  # tasks over-rollout cut, a step reported twice counts once
+        # partial rollouts: weight loads inside a rollout, and experiences two or more versions sampled
+        self.rollout_pauses, self.resumed_experiences = StepCounts(), StepCounts()
         self.agent = AgentCounts()  # an agent job's episodes, turns, tool calls, errors, trained tokens
         self._asked_at: dict[str, int] = {}  # explorer key -> time it went require_sync
         # the decisions taken from the message at last_seq: a decision batch gives several records
@@ -490,7 +496,7 @@ class JobObserver:
                 + len(self.staleness) + len(self.background_transfers) + len(self.heartbeats)
                 + len(self.sync_waits) + len(self.sync_wait_answers) + len(self.explorer_steps)
                 + self.experiences_produced.size() + self.experiences_trained.size() + len(self._asked_at)
-                + self.mismatch_alarms.size()
+                + self.mismatch_alarms.size() + self.groups_filtered.size() + self.experiences_filtered.size()
                 + self.expert_rows_trained.size() + len(self.stage.loss) + len(self.stage.evals)
                 + len(self._round_info) + len(self._tracking) + len(self._times) + len(self._at_last_seq)
                 + len(self.state.members) + len(self.state.rounds) + self.agent.size())
@@ -533,12 +539,19 @@ class JobObserver:
             if stage is not None:
                 self.stage.add(stage, event.step, m)
             self.dropped_stale = max(self.dropped_stale, int(m.get("dropped_stale_total", 0)))
+            self.corrected_stale = max(self.corrected_stale, int(m.get("corrected_stale_total", 0)))
             self.mismatch_alarms.add(event.member.id, event.step, 1 if m.get(MISMATCH_ALARM, 0.0) >= 1 else 0)
         elif event.member.role is Role.EXPLORER:
             self.explorer_steps[event.member.id] = max(self.explorer_steps.get(event.member.id, 0), event.step)
             self.experiences_produced.add(event.member.id, event.step, int(m.get("experiences", 0)))
+            if "groups_filtered" in m:
+                self.groups_filtered.add(event.member.id, event.step, int(m["groups_filtered"]))
+                self.experiences_filtered.add(event.member.id, event.step, int(m.get("experiences_filtered", 0)))
             if "over_rollout_tasks_cut" in m:
                 self.tasks_cut.add(event.member.id, event.step, int(m["over_rollout_tasks_cut"]))
+            if "partial_rollout_pauses" in m:
+                self.rollout_pauses.add(event.member.id, event.step, int(m["partial_rollout_pauses"]))
+                self.resumed_experiences.add(event.member.id, event.step, int(m["partial_rollout_experiences"]))
             if "served_requests" in m:
                 self.served[(event.member.id, event.member.incarnation)] = {k: m.get(k, 0.0) for k in _SERVED}
 
@@ -608,17 +621,23 @@ class JobObserver:
             "weights_bytes_moved": self.bytes_loaded_total,
             "weights_bytes_per_sync": (round(self.bytes_sent_total / self.versions_sent)
                                        if self.versions_sent else None),
-            # every experience produced is trained, dropped as too stale, or left untrained: produced
-            # after the trainer had what it needed (it stays in the experience stream; a test checks
-            # that the stream holds exactly this many at the end of a run)
+            # every experience produced is trained, dropped as too stale, filtered by dynamic sampling
+            # (never published), or left untrained: produced after the trainer had what it needed (it
+            # stays in the experience stream; a test checks that the stream holds exactly this many at
+            # the end of a run)
             "experiences_produced": self.experiences_produced.total,
             "experiences_trained": self.experiences_trained.total,
             "experiences_dropped_stale": self.dropped_stale,
+            "experiences_filtered": self.experiences_filtered.total,
             "experiences_left_untrained": (self.experiences_produced.total - self.experiences_trained.total
-                                           - self.dropped_stale),
+                                           - self.dropped_stale - self.experiences_filtered.total),
+            "experiences_corrected_stale": self.corrected_stale,
+            "groups_filtered": self.groups_filtered.total,
             "explorer_pauses": self.state.explorer_pauses,
             "mismatch_alarms": self.mismatch_alarms.total,
             "over_rollout_tasks_cut": self.tasks_cut.total,
+            "partial_rollout_pauses": self.rollout_pauses.total,
+            "partial_rollout_experiences": self.resumed_experiences.total,
             # percentiles of the newest `max_points` waits; the counts are of every wait
             "sync_wait_ms": {"p50": percentile(waits, 0.5), "p99": percentile(waits, 0.99),
                              "count": sum(self.sync_wait_answers.values()),

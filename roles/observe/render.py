@@ -140,7 +140,10 @@ def print_check(records: list[Recorded], mismatches: list[Mismatch]) -> None:
         if m.warning:
             out.print(f"warning: {m.describe()}", style="yellow", highlight=False, markup=False, soft_wrap=True)
     if not errors:
-        out.print(f"check OK: all {decisions} recorded decisions equal the recomputed ones", style="bold green")
+        tallies = sum(getattr(r.event, "staleness", None) is not None for r in records)
+        verdicts = f", and the staleness verdicts of {tallies} trainer steps" if tallies else ""
+        out.print(f"check OK: all {decisions} recorded decisions equal the recomputed ones{verdicts}",
+                  style="bold green")
         return
     first = errors[0]
     out.print(f"check FAILED: {len(errors)} mismatch(es); first at recorded seq {first.seq}", soft_wrap=True,

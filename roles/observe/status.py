@@ -75,7 +75,9 @@ async def collect_status(job: str, nats: str, *, heartbeat_wait_s: float | None 
                 all_beating.set()
             wait = heartbeat_wait_s
             if wait is None:
-                period = observer.state.config.heartbeat_period if observer.state.config else 1.0
+                config = observer.state.config
+                # the period members beat at: stretched for a large fleet (SyncConfig.beat_period)
+                period = config.beat_period(len(observer.state.members)) if config else 1.0
                 wait = 1.5 * period
             if any(m.alive for m in observer.state.members.values()):
                 try:
@@ -103,6 +105,22 @@ def _print_mismatch(out, view: dict) -> None:
         out.print(f"[bold red]mismatch alarm[/]: {view['alarms']} trainer step(s) passed the rollout/trainer gap "
                   f"alarm (algorithm.rollout_correction.alarm_kl){last}; an explorer may sample with stale or "
                   "wrong weights", highlight=False)
+
+
+def _filtered(observer: JobObserver) -> dict[str, int]:
+    """What dynamic sampling filtered and the staleness policy kept: groups, experiences, corrected."""
+    return {"groups": observer.groups_filtered.total, "experiences": observer.experiences_filtered.total,
+            "corrected_stale": observer.corrected_stale}
+
+
+def _print_filtered(out, view: dict[str, int]) -> None:
+    """Groups dynamic sampling filtered (equal rewards: no signal), stale experiences kept corrected."""
+    if view["groups"]:
+        out.print(f"dynamic sampling (algorithm.dynamic_sampling): {view['groups']} groups of equal rewards "
+                  f"filtered ({view['experiences']} experiences)", highlight=False, markup=False)
+    if view["corrected_stale"]:
+        out.print(f"{view['corrected_stale']} experiences past synchronizer.max_staleness trained with the "
+                  "correction (staleness_policy: correct)", highlight=False, markup=False)
 
 
 def _every_live_member_beat(observer: JobObserver) -> bool:
@@ -143,7 +161,7 @@ async def print_status(job: str, nats: str, *, as_json: bool = False, connect_ti
         json.dump({"job": job, "latest": latest, "counts": counts, "members": shown, "members_left_out": left_out,
                    "last_seq": observer.state.last_seq, "open_rounds": sorted(observer.state.rounds),
                    "illegal_events": observer.illegal_total, "eval": observer.eval_curve(), "pace": pace,
-                   "mismatch": mismatch, "agent": observer.agent.summary()},
+                   "mismatch": mismatch, "agent": observer.agent.summary(), "filtered": _filtered(observer)},
                   sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
@@ -169,6 +187,7 @@ async def print_status(job: str, nats: str, *, as_json: bool = False, connect_ti
     out.print(table)
     _print_pace(out, pace)
     _print_mismatch(out, mismatch)
+    _print_filtered(out, _filtered(observer))
     curve = observer.eval_curve()
     if curve:
         last = curve[-1]

@@ -21,15 +21,17 @@ pytestmark = pytest.mark.e2e
 
 EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.yaml"))
 STEPS = 6  # trainer steps of a shortened run (`shortened`'s default)
-# The LLM examples (hf/vLLM, a model to build; own_model.yaml too) run shortened in test_llm_quickstart.py, the 2-rank
-# fsdp one in test_trainer_ranks.py, the served one (its agent beside it) below, the LoRA one with a
-# kill -9 of its trainer in test_lora_quickstart.py (from the base the SFT stage example makes there), the
-# multi-turn agent one in test_agent_example.py, the tool example (its calls counted) below.
+# The LLM examples (hf/vLLM, a model to build; own_model.yaml and fully_async_partial_hf.yaml too) run
+# shortened in test_llm_quickstart.py, the 2-rank fsdp one in test_trainer_ranks.py, the served one (its
+# agent beside it) below, the LoRA one with a kill -9 of its trainer in test_lora_quickstart.py (from the
+# base the SFT stage example makes there), the multi-turn agent one in test_agent_example.py, the tool
+# example (its calls counted) below.
 RUN_ELSEWHERE = {"llm_quickstart.yaml": "test_llm_quickstart.py", "llm_quickstart_hf.yaml": "test_llm_quickstart.py",
                  "llm_quickstart_fsdp.yaml": "test_trainer_ranks.py", "serve_quickstart.yaml": "test_examples_run.py",
                  "lora_quickstart.yaml": "test_lora_quickstart.py", "own_model.yaml": "test_llm_quickstart.py",
                  "agent_multiturn.yaml": "test_agent_example.py", "agent_tools.yaml": "test_examples_run.py",
-                 "sft_base.yaml": "test_lora_quickstart.py", "dpo_quickstart.yaml": "test_dpo_quickstart.py"}
+                 "sft_base.yaml": "test_lora_quickstart.py", "dpo_quickstart.yaml": "test_dpo_quickstart.py",
+                 "fully_async_partial_hf.yaml": "test_llm_quickstart.py"}
 ON_A_CLUSTER = {"cluster.yaml"}
 
 

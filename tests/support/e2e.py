@@ -230,7 +230,8 @@ async def stream_experiences(job: LiveJob) -> int:
 
 async def accounted_summary(job: LiveJob) -> dict:
     """The finished job's run summary, its experience books checked: every experience produced is
-    trained, dropped as stale or left untrained, and what is left is what the stream really holds."""
+    trained, dropped as stale, filtered by dynamic sampling (never published) or left untrained, and
+    what is left is what the stream really holds."""
     from benchmarks.soak import experiences_left_in_stream
     from rolectl.roles.launch.local import summarize
 
@@ -239,7 +240,8 @@ async def accounted_summary(job: LiveJob) -> dict:
     state = json.loads((job.cfg.trainer_checkpoint_dir / "trainer_state.json").read_text())
     left = await experiences_left_in_stream(job.conn, state)
     produced, trained = summary["experiences_produced"], summary["experiences_trained"]
-    dropped, untrained = summary["experiences_dropped_stale"], summary["experiences_left_untrained"]
+    dropped = summary["experiences_dropped_stale"] + summary["experiences_filtered"]
+    untrained = summary["experiences_left_untrained"]
     assert produced == trained + dropped + untrained, summary
     assert untrained == left, f"the summary says {untrained} left untrained, the stream holds {left}: {summary}"
     return summary

@@ -13,8 +13,10 @@ from rolectl.roles.config import parse_config
 from rolectl.roles.engines import make_rollout_engine, make_taskset, make_train_engine
 from rolectl.roles.engines.agent.render import RenderError
 from rolectl.roles.engines.agent.rollout import AgentRollout
+from rolectl.roles.engines.grpo import token_group_advantages
 from rolectl.roles.engines.hf import response_logprobs
 from rolectl.roles.engines.hf_model import load_tokenizer
+from rolectl.roles.engines.losses import experience_batch
 from rolectl.roles.engines.model import response_logprobs as tiny_logprobs
 from rolectl.roles.engines.task import AGENT_RESPONSE_TOKENS, AGENT_VOCAB_SIZE, EOS, QUERY
 from rolectl.sync_protocol.experience import ExperienceBatch
@@ -66,6 +68,23 @@ def test_an_agent_job_explores_trajectories_its_trainer_takes():
     again = explorer.rollout(make_taskset(cfg, seed=0, batch_size=3).next_batch(), explore_step=1)
     assert [(e.response, e.loss_mask, e.reward) for e in again] == [
         (e.response, e.loss_mask, e.reward) for e in experiences]
+
+
+
+def test_a_tiny_episodes_sampled_tokens_score_alike_in_the_explorer_and_the_trainer():
+    # the whole trajectory, the environment's tokens between the turns included, reaches the trainer's
+    # policy at the positions the explorer's saw: a shift there would cap what an agent can learn
+    cfg = _tiny_job()
+    explorer, trainer = make_rollout_engine(cfg, "explorer-0"), make_train_engine(cfg)
+    experiences = explorer.rollout(make_taskset(cfg, seed=0, batch_size=3).next_batch(), explore_step=0)
+    batch = experience_batch(experiences, token_group_advantages)
+    after_observation = [row for row, e in enumerate(experiences) if 0 in e.loss_mask[:-1]
+                         and 1 in e.loss_mask[e.loss_mask.index(0):]]
+    assert after_observation, "no episode sampled a turn after its environment answered"
+    with torch.no_grad():
+        scores = trainer.update.forward(trainer.policy, batch, list(range(len(batch))), entropy=False)
+    sampled = batch.loss_mask
+    assert scores.logprobs[sampled].tolist() == pytest.approx(batch.old_logprobs[sampled].tolist(), abs=1e-5)
 
 
 def test_a_single_turn_tiny_job_keeps_its_vocabulary():

@@ -24,7 +24,7 @@ from rolectl.roles.engines import (
 )
 from rolectl.roles.engines.grpo import group_advantages
 from rolectl.roles.engines.model import response_logprobs
-from rolectl.roles.engines.task import EOS, RESPONSE_TOKENS, make_reverse_task
+from rolectl.roles.engines.task import BOS, EOS, PAD, RESPONSE_TOKENS, SEP, make_reverse_task
 
 # Small enough that the whole file runs in seconds, big enough to learn (see `learned` below).
 SMALL = TinyConfig(seed=0, task_length=2, group_size=8, tasks_per_step=32, minibatches=4)
@@ -55,6 +55,10 @@ def _train(config: TinyConfig, steps: int) -> tuple[TinyTrainEngine, TinyRollout
 @pytest.fixture(scope="module")
 def learned() -> tuple[TinyTrainEngine, TinyRolloutEngine, list[float]]:
     return _train(SMALL, steps=40)
+
+
+def problems_of(model: dict) -> dict[str, str]:
+    return dict(model_config_problems(model))
 
 
 def _mean_reward(experiences: list[Experience]) -> float:
@@ -274,6 +278,33 @@ def test_task_set_is_deterministic_resumable_and_finite():
     assert all(task.target == tuple(reversed(task.prompt[1:-1])) for task in batches[0])
     with pytest.raises(ValueError, match="seed"):
         ReverseDigitsTaskSet(seed=4, tasks_per_batch=4, length=5).load_state_dict(first.state_dict())
+
+
+def test_long_tasks_draw_long_tailed_lengths_in_one_padded_prompt_length():
+    tasks = ReverseDigitsTaskSet(seed=3, tasks_per_batch=200, length=2, long_length=20, long_fraction=0.1)
+    batch = tasks.next_batch()
+    long = [task for task in batch if len(task.target) == 20]
+    assert 5 <= len(long) <= 40 and all(len(task.target) in (2, 20) for task in batch)  # about a tenth long
+    assert {len(task.prompt) for task in batch} == {22}  # one prompt length: a batch's rows
+    short = next(task for task in batch if len(task.target) == 2)
+    assert short.prompt == (PAD,) * 18 + (BOS, *reversed(short.target), SEP)
+    # without long tasks the stream is the one it always was
+    assert ReverseDigitsTaskSet(seed=3, tasks_per_batch=4, length=5, long_length=20).next_batch() == \
+        ReverseDigitsTaskSet(seed=3, tasks_per_batch=4, length=5).next_batch()
+    with pytest.raises(ValueError, match="long_length more than length"):
+        ReverseDigitsTaskSet(seed=3, tasks_per_batch=4, length=5, long_length=5, long_fraction=0.1)
+
+
+def test_the_model_section_sizes_the_policy_for_its_long_tasks():
+    config = SMALL.replace(long_task_length=12, long_task_fraction=0.25, tasks_per_step=8)
+    assert (config.prompt_length, config.max_response_length) == (14, 13)
+    assert problems_of({"long_task_fraction": 0.1}) == {"model": "long_task_fraction 0.1 needs long_task_length "
+                                                        "more than task_length (4), got None"}
+    explorer, trainer = TinyRolloutEngine(config, member="e0"), TinyTrainEngine(config)
+    tasks = build_task_set(config, seed=2)
+    experiences = explorer.rollout(tasks.next_batch(), explore_step=1)
+    assert max(len(e.response) for e in experiences) <= 13
+    trainer.train_step(experiences, current_version=0)  # the trainer takes the padded prompts
 
 
 def test_a_short_run_learns(learned):

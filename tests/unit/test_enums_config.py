@@ -88,3 +88,12 @@ def test_durations_must_be_finite(value):
     with pytest.raises(ConfigError) as info:
         SyncConfig.from_mapping({"sync_timeout": value})
     assert info.value.problems == [("synchronizer.sync_timeout", f"must be a finite number > 0, got {value!r}")]
+
+
+def test_a_large_fleet_beats_less_often_but_four_times_an_expiry_window():
+    config = SyncConfig(heartbeat_period=1.0, heartbeat_expiry=30.0)
+    assert config.beat_period(64) == 1.0  # the configured period, up to 256 members a second
+    assert config.beat_period(1025) == pytest.approx(1025 / 256)  # the synchronizer hears 256 a second
+    assert config.beat_period(100_000) == 7.5  # never past a quarter of the expiry
+    assert SyncConfig(heartbeat_period=1.0, heartbeat_expiry=5.0).beat_period(4096) == 1.25
+    assert SyncConfig(heartbeat_period=3.0, heartbeat_expiry=5.0).beat_period(4096) == 3.0  # never under it

@@ -116,3 +116,18 @@ def test_metrics_export_the_gap_and_its_alarm():
     assert samples[("rolectl_trainer_mismatch_alarm", job)] == 1
     assert samples[("rolectl_trainer_mismatch_alarms_total", job)] == 1
     assert dashboard.snapshot()["mismatch"]["alarm"] is True
+
+
+def test_partial_rollout_pauses_are_summed_once_per_explorer_step():
+    """Each explorer step's weight loads inside its rollout add up in the summary; a step reported
+    again (an explorer restarted after reporting, before saving) counts once, by its new figure."""
+    def step(ref, n: int, pauses: int, resumed: int) -> StepFinished:
+        return StepFinished(member=ref, step=n, version=0,
+                            metrics={"experiences": 8.0, "partial_rollout_pauses": float(pauses),
+                                     "partial_rollout_experiences": float(resumed)})
+
+    events = (JobConfigured(member=T, config=CONFIG, train_batch_tasks=2), join(T), join(E1), join(E2),
+              step(E1, 1, pauses=2, resumed=5), step(E2, 1, pauses=1, resumed=3), step(E1, 1, pauses=1, resumed=4))
+    summary = JobObserver().extend(_records(*events)).summary(job="j")
+    assert (summary["partial_rollout_pauses"], summary["partial_rollout_experiences"]) == (2, 7), summary
+    assert JobObserver().extend(_records(*events[:4])).summary(job="j")["partial_rollout_pauses"] == 0

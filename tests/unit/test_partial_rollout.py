@@ -119,3 +119,31 @@ def test_configs_that_cannot_pause_a_generation_are_refused(sections, says):
     with pytest.raises(ConfigError) as caught:
         parse_config(data)
     assert "explorers.partial_rollout" in str(caught.value) and says in str(caught.value)
+
+
+def test_the_explorer_says_a_pause_as_it_happens_and_loads_every_engine(tmp_path):
+    """`PauseForWeights` on the rollout's thread: the version the background fetch got is loaded
+    into the explorer's engines between its two log lines (`generations_paused`, then
+    `generations_resumed`), and kept for the records published once the rollout is back; a
+    version no newer than the one held loads nothing and says nothing."""
+    import structlog
+    from structlog.testing import capture_logs
+
+    from rolectl.roles.explorer import Explorer
+
+    cfg = parse_config({"job": "partial", "run_dir": str(tmp_path), "model": {"engine": "tiny", "group_size": 4},
+                        "synchronizer": {"sync_method": "memory", "sync_style": "fully_async"},
+                        "explorers": {"partial_rollout": True}})
+    explorer = Explorer(cfg, "explorer-0")
+    explorer.log, explorer.version, explorer.explore_step = structlog.get_logger(), 2, 6
+    pause = explorer.pause_point
+    explorer._pending_weights = (3, changed_weights(explorer.engine), 1234, 0.5)
+    assert pause.pending()
+    with capture_logs() as logged:
+        pause.load()
+        explorer._pending_weights = (3, changed_weights(explorer.engine, seed=2), 1234, 0.5)
+        pause.load()  # the same version again: nothing to load
+    assert [(e["event"], e["version"], e["step"]) for e in logged] == [("generations_paused", 3, 7),
+                                                                       ("generations_resumed", 3, 7)]
+    assert logged[0]["held"] == 2 and explorer.version == 3 and explorer.engine.version == 3
+    assert pause.take_loaded() == [(3, 1234, 0.5)] and pause.take_loaded() == []

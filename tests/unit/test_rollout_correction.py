@@ -125,3 +125,37 @@ def test_the_observer_reads_the_alarm_the_engines_write():
     from rolectl.roles.observe import observer
 
     assert observer.MISMATCH_ALARM == MISMATCH_ALARM
+
+
+def test_the_tiny_trainer_takes_the_correction_of_its_algorithm_section():
+    """`algorithm: {rollout_correction: ...}`, the one algorithm key the tiny engine reads: its
+    ClippedPolicyLoss clips against the proximal policy and weighs tokens by the IS weights."""
+    from rolectl.roles.config import parse_config
+    from rolectl.roles.engines import make_train_engine
+    from rolectl.sync_protocol import ConfigError
+
+    job = parse_config({"job": "j", "model": {**CONFIG.model_dump(), "engine": "tiny"},
+                        "algorithm": {"rollout_correction": {"rollout_is": "token"}}})
+    engine = make_train_engine(job)
+    explorer = TinyRolloutEngine(CONFIG, member="e0", sampling_seed=0)
+    experiences = explorer.rollout(build_task_set(CONFIG, seed=0).next_batch(), explore_step=1)
+    stale = [dataclasses.replace(e, logprobs=tuple(x - 1.5 for x in e.logprobs)) for e in experiences]
+    on_policy = engine.train_step(experiences, current_version=0)
+    assert on_policy["rollout_corr/k3_kl"] < 1e-8 and on_policy[MISMATCH_ALARM] == 0.0
+    assert engine.train_step(stale, current_version=1)[MISMATCH_ALARM] == 1.0  # a 1.5-nat gap
+    with pytest.raises(ConfigError) as caught:
+        parse_config({"job": "j", "model": {"engine": "tiny"}, "algorithm": {"kl_coef": 0.1}})
+    assert "may hold only rollout_correction and the explorers'" in dict(caught.value.problems)["algorithm"]
+    with pytest.raises(ConfigError) as caught:
+        parse_config({"job": "j", "model": {"engine": "tiny"}, "algorithm": {"rollout_correction": {"rollout_is": 2}}})
+    assert "algorithm.rollout_correction.rollout_is" in dict(caught.value.problems)
+
+
+def test_the_tiny_loss_weighs_each_token_by_its_importance_weight():
+    from rolectl.roles.engines.grpo import clipped_policy_loss
+
+    logprobs, advantages, mask = torch.zeros(2, 3), torch.ones(2), torch.ones(2, 3)
+    plain, _ = clipped_policy_loss(logprobs, logprobs, advantages, mask, clip_eps=0.2)
+    halved, _ = clipped_policy_loss(logprobs, logprobs, advantages, mask, clip_eps=0.2,
+                                    is_weights=torch.full((2, 3), 0.5))
+    assert float(halved) == pytest.approx(float(plain) / 2)

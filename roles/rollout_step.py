@@ -1,0 +1,116 @@
+"""An explore step's rollout beyond one call per engine: over-rollout cuts the slowest tasks, and
+DAPO's dynamic sampling leaves out the groups whose rewards are all equal and generates more.
+
+Dynamic sampling (`algorithm.dynamic_sampling`, verl's `filter_groups` on the reward): a group whose
+responses all got the same reward has zero standard deviation, so every group-relative advantage in
+it is zero and it trains nothing. The explorer filters it before publishing (the cheapest place:
+its bytes never cross the bus, the trainer never waits for them to be acked, and the explorer is
+the one that can generate replacements), counts it, and takes further batches of its task set until
+the step holds `buffer.batch_size` groups that differ, or `algorithm.max_num_gen_batches`
+generation batches were used (verl's bound). A step that reaches the bound publishes the groups it
+kept; the trainer's batch fills from the next steps, and if the task sets run out first the trainer
+ends short, naming the filtered groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, wait
+from typing import Any
+
+__all__ = ["GroupSampler", "SampledStep", "filter_groups", "over_rollout", "GEN_BATCH_STRIDE"]
+
+GEN_BATCH_STRIDE = 1_000_000_000
+"""The explore step a step's `n`-th generation batch is rolled out as: `step + (n - 1) x stride`, so
+its sampling seed and its group names (engines name groups by explore step) are its own."""
+
+
+def filter_groups(experiences: Sequence[Any]) -> tuple[list[Any], int, int]:
+    """The experiences of the groups whose rewards differ, in order, and how many groups and
+    experiences were left out. A group of one response is kept (verl keeps it: it has no spread to
+    lose), one of several equal rewards is not."""
+    rewards: dict[str, list[float]] = {}
+    for exp in experiences:
+        rewards.setdefault(exp.group, []).append(exp.reward)
+    flat = {group for group, values in rewards.items() if len(values) > 1 and max(values) == min(values)}
+    kept = [exp for exp in experiences if exp.group not in flat]
+    return kept, len(flat), len(experiences) - len(kept)
+
+
+@dataclasses.dataclass(frozen=True)
+class SampledStep:
+    """What one explore step's dynamic sampling gave: the experiences to publish, and the books."""
+
+    experiences: list[Any]
+    generated: int  # experiences generated, published or not
+    groups_filtered: int
+    experiences_filtered: int
+    gen_batches: int  # generation batches the step used
+    short: bool  # it ended before `batch_size` groups differed (the bound, or the task set's end)
+
+    def metrics(self) -> dict[str, float]:
+        return {"groups_filtered": float(self.groups_filtered),
+                "experiences_filtered": float(self.experiences_filtered),
+                "gen_batches": float(self.gen_batches), "dynamic_sampling_short": float(self.short)}
+
+
+class GroupSampler:
+    """Fills an explore step with `batch_size` groups whose rewards differ, from at most
+    `max_gen_batches` generation batches of the task set."""
+
+    def __init__(self, *, batch_size: int, max_gen_batches: int):
+        self.batch_size = batch_size
+        self.max_gen_batches = max_gen_batches
+
+    def fill(self, tasks: list, step: int, *, rollout: Callable[[list, int], list],
+             more: Callable[[], list | None]) -> SampledStep:
+        """Roll out `tasks`, then batches from `more` (None: the task set is done) while fewer than
+        `batch_size` groups differ and the bound allows; `rollout(tasks, explore_step)`."""
+        kept: list[Any] = []
+        generated = groups_filtered = experiences_filtered = 0
+        groups_kept, batches = 0, 0
+        while tasks is not None:
+            batches += 1
+            experiences = rollout(tasks, step + (batches - 1) * GEN_BATCH_STRIDE)
+            signal, flat_groups, flat = filter_groups(experiences)
+            kept.extend(signal)
+            generated += len(experiences)
+            groups_filtered += flat_groups
+            experiences_filtered += flat
+            groups_kept += len({exp.group for exp in signal})
+            if groups_kept >= self.batch_size or batches >= self.max_gen_batches:
+                break
+            tasks = more()
+        return SampledStep(experiences=kept, generated=generated, groups_filtered=groups_filtered,
+                           experiences_filtered=experiences_filtered, gen_batches=batches,
+                           short=groups_kept < self.batch_size)
+
+
+def over_rollout(engines, pools, tasks, *, step: int, member: str, wait_for: int) -> tuple[list, int]:
+    """The experiences of the tasks done once at least `wait_for` are, and how many tasks were cut.
+
+    Tasks go round-robin to the engines, one at a time each (`pools`: one worker per engine); once
+    `wait_for` are done, those not started are cancelled and those still running are dropped when
+    they finish. Each task is its own rollout call: its sampling seed is drawn from (step, task) and
+    its experiences get the ids a whole-batch rollout would give it (`member-step-task-k`)."""
+    futures = {}
+    for i, task in enumerate(tasks):
+        engine = engines[i % len(engines)]
+        # a distinct explore_step per task: engines seed their sampling from it
+        futures[pools[i % len(pools)].submit(engine.rollout, [task], explore_step=step * 1_000_003 + i)] = i
+    done_tasks: dict[int, list] = {}
+    pending = set(futures)
+    while len(done_tasks) < wait_for and pending:
+        finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+        for future in finished:
+            done_tasks[futures[future]] = future.result()  # an engine's error ends the step, as without
+    for future in pending:
+        future.cancel()  # not started: never runs; running: its result is ignored
+    experiences = []
+    for i in sorted(done_tasks):  # every task done by now is kept, in task order
+        group = f"{member}-{step}-{i}"
+        experiences.extend(dataclasses.replace(e, group=group, id=f"{group}-{e.id.rsplit('-', 1)[1]}")
+                           for e in done_tasks[i])
+    kept = len({e.group for e in experiences})
+    return experiences, len(tasks) - kept
