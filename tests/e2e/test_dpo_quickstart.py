@@ -16,9 +16,10 @@ import transformers
 import yaml
 
 from rolectl.sync_protocol import Role, StepFinished
-from tests.support.e2e import ROOT, of_kind, run_up, sft_example_base
+from tests.support.e2e import ROOT, of_kind, run_up
 
-pytestmark = pytest.mark.e2e
+# the SFT base is tests/e2e/conftest.py's `sft_base`, built once for this group
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("sft-base")]
 
 STEPS = 4
 FIGURES = ("dpo/loss", "dpo/reward_margin", "dpo/reward_chosen", "dpo/reward_rejected", "dpo/accuracy")
@@ -47,8 +48,8 @@ def shortened(tmp_path: Path, base: Path, data: Path) -> Path:
 
 
 @pytest.mark.timeout(900)
-def test_the_dpo_quickstart_runs_from_the_sft_base_on_its_own_scored_samples(tmp_path):
-    base = sft_example_base(tmp_path, steps=4)
+def test_the_dpo_quickstart_runs_from_the_sft_base_on_its_own_scored_samples(tmp_path, sft_base):
+    base = sft_base
     data = pairs_from_the_base(tmp_path, base)
     run = run_up(shortened(tmp_path, base, data), tmp_path, timeout=300, extra=("--run-dir", str(tmp_path / "runs")))
     s = run.summary

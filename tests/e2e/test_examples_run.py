@@ -157,6 +157,9 @@ def test_serve_quickstart_runs_its_agent_and_counts_the_traffic(tmp_path, engine
     data = yaml.safe_load(config.read_text())
     data["model"]["path"] = str(tmp_path / "model")
     data["model"]["rollout_engine"] = engine
+    # 4 groups of 8 sessions a train step, not the example's 32: the same roles, endpoint and agent
+    # (8 sessions side by side per task, which vllm batches) on an eighth of the served turns
+    data["buffer"]["batch_size"] = data["trainer"]["train_batch_tasks"] = 4
     config.write_text(yaml.safe_dump(data, sort_keys=False))
     run = run_up(config, tmp_path, timeout=400, extra=("--run-dir", str(tmp_path / "runs")))
     s = run.summary

@@ -16,13 +16,13 @@ import yaml
 
 from rolectl.roles.observe.replay import summarize
 from rolectl.sync_protocol import MemberJoined, Role, StepFinished, VersionPublished, WeightsLoaded
-from tests.support.e2e import ROOT, LiveJob, assert_decisions_replay, last_trainer_step, of_kind, sft_example_base
+from tests.support.e2e import ROOT, LiveJob, assert_decisions_replay, last_trainer_step, of_kind
 
-pytestmark = pytest.mark.e2e
+# the SFT base is tests/e2e/conftest.py's `sft_base`, built once for this group
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("sft-base")]
 
 EXPLORERS = ["explorer-0", "explorer-1"]
 STEPS = 6
-BASE_STEPS = 4  # of the SFT example: the base only has to exist and load, not to know the skill yet
 
 
 def shortened(tmp_path: Path, base: Path) -> Path:
@@ -39,8 +39,8 @@ def shortened(tmp_path: Path, base: Path) -> Path:
 
 
 @pytest.mark.timeout(900)
-async def test_a_lora_job_survives_kill9_of_its_trainer_and_moves_only_the_adapter(tmp_path):
-    base = sft_example_base(tmp_path, steps=BASE_STEPS)
+async def test_a_lora_job_survives_kill9_of_its_trainer_and_moves_only_the_adapter(tmp_path, sft_base):
+    base = sft_base
     config = shortened(tmp_path, base)
     async with LiveJob(tmp_path, config) as job:
         job.start_all()

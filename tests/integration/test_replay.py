@@ -18,8 +18,9 @@ from rich.console import Console
 
 from rolectl.bus.errors import BusError
 from rolectl.roles.launch.up_view import summary_table
-from rolectl.roles.observe.dashboard import Dashboard, _Collector
+from rolectl.roles.observe.dashboard import Dashboard
 from rolectl.roles.observe.observer import JobObserver
+from rolectl.roles.observe.prometheus import JobCollector
 from rolectl.roles.observe.replay import (
     ExportError,
     build_timeline,
@@ -312,7 +313,7 @@ def test_the_dashboard_counts_every_closed_round_not_only_the_kept_ones(recorded
     assert len(dashboard.observer.rounds) == 2
     assert dashboard.snapshot()["rounds_summary"]["outcomes"] == {"completed": 8}
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(dashboard))
+    registry.register(JobCollector(dashboard))
     assert registry.get_sample_value("rolectl_sync_rounds_closed_total",
                                      {"job": recorded, "outcome": "completed"}) == 8
 

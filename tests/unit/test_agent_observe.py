@@ -7,8 +7,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 
-from rolectl.roles.observe.dashboard import _agent_metrics
 from rolectl.roles.observe.observer import JobObserver
+from rolectl.roles.observe.prometheus import agent_metrics
 from rolectl.roles.observe.status import format_agent
 from rolectl.roles.observe.trackers import Trackers
 from rolectl.sync_protocol import Recorded, SyncConfig, SyncMethod
@@ -59,7 +59,7 @@ def test_status_says_it_in_a_line():
 def test_prometheus_families_by_tool_outcome_and_reason():
     class Collector:
         def collect(self):
-            return _agent_metrics(_observer(), "j")
+            return agent_metrics(_observer(), "j")
 
     registry = CollectorRegistry()
     registry.register(Collector())

@@ -212,8 +212,9 @@ def _rolectl_metrics() -> set[str]:
     input and whose nats-server answered (a job folded from records, no server needed)."""
     from prometheus_client import CollectorRegistry
 
-    from rolectl.roles.observe.dashboard import Dashboard, _Collector
+    from rolectl.roles.observe.dashboard import Dashboard
     from rolectl.roles.observe.observer import JobObserver
+    from rolectl.roles.observe.prometheus import JobCollector
     from rolectl.sync_protocol import Recorded, StepFinished, SyncConfig, SyncMethod
     from tests.support.reducer_scenario import E1, Job, T, configured, join, loaded, publish, req
 
@@ -235,7 +236,7 @@ def _rolectl_metrics() -> set[str]:
                                                              "in_bytes", "out_bytes")},
                       "streams": [{"name": "RFT_DEMO_EVENTS", "messages": 1, "bytes": 1}], "jetstream": {"storage": 1}}
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(dashboard))
+    registry.register(JobCollector(dashboard))
     return {sample.name for family in registry.collect() for sample in family.samples}
 
 

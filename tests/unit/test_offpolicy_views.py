@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from rolectl.roles.observe.dashboard import Dashboard, _Collector
+from rolectl.roles.observe.dashboard import Dashboard
 from rolectl.roles.observe.observer import MISMATCH_ALARM, JobObserver, mismatch_view, pace_view
+from rolectl.roles.observe.prometheus import JobCollector
 from rolectl.sync_protocol import JobConfigured, Recorded, StepFinished, StepsRolledBack, SyncConfig, SyncMethod
 from tests.support.reducer_scenario import E1, E2, Job, T, join
 
@@ -20,7 +21,7 @@ def _exported(dashboard: Dashboard, observer: JobObserver) -> dict:
     """What /metrics serves for `observer`'s fold: (name, sorted labels) -> value."""
     dashboard.observer = observer
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(dashboard))
+    registry.register(JobCollector(dashboard))
     return {(s.name, tuple(sorted(s.labels.items()))): s.value for family in registry.collect() for s in family.samples}
 
 def _records(*events) -> list[Recorded]:
