@@ -18,7 +18,7 @@ import yaml
 from rolectl.sync_protocol import Role, StepFinished
 from tests.support.e2e import ROOT, of_kind, run_up
 
-# the SFT base is tests/e2e/conftest.py's `sft_base`, built once for this group
+# the SFT base is tests/e2e/conftest.py's `sft_base`, built once per test run
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("sft-base")]
 
 STEPS = 4

@@ -18,7 +18,7 @@ from rolectl.roles.observe.replay import summarize
 from rolectl.sync_protocol import MemberJoined, Role, StepFinished, VersionPublished, WeightsLoaded
 from tests.support.e2e import ROOT, LiveJob, assert_decisions_replay, last_trainer_step, of_kind
 
-# the SFT base is tests/e2e/conftest.py's `sft_base`, built once for this group
+# the SFT base is tests/e2e/conftest.py's `sft_base`, built once per test run
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("sft-base")]
 
 EXPLORERS = ["explorer-0", "explorer-1"]
