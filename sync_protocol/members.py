@@ -6,22 +6,18 @@ record, and every member folds every record. `MemberMap` keeps its members in pa
 order across pages), so a successor with a few members changed shares every page but theirs:
 `with_changes` copies the touched pages and a tuple of page references, and the key index only when
 a member joins. Reads are those of a dict; nothing ever changes a `MemberMap` once built.
-
-`MemberKeys` is the same idea for the key sets of an open round (who waits, who takes part, who
-reported): an immutable ordered set whose successors share an append-only log of changes.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_right
-from collections.abc import Collection, ItemsView, Iterable, Iterator, Mapping, ValuesView
+from collections.abc import ItemsView, Iterable, Iterator, Mapping, ValuesView
 from itertools import chain
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .state import MemberState
 
-__all__ = ["MemberMap", "MemberKeys", "PAGE"]
+__all__ = ["MemberMap", "PAGE"]
 
 PAGE = 64
 """Members a page: a write copies one page (and the tuple of N/64 page references)."""
@@ -109,87 +105,3 @@ class _Items(ItemsView[str, "MemberState"]):
 
     def __iter__(self) -> Iterator[tuple[str, MemberState]]:
         return chain.from_iterable(page.items() for page in self._mapping._pages)
-
-
-class _KeyLog:
-    """The changes a family of `MemberKeys` shares, in order: change `i` is `(key, added)`;
-    `changes_of[key]` lists the positions of the key's changes, ascending."""
-
-    __slots__ = ("changes", "changes_of")
-
-    def __init__(self, keys: Iterable[str]):
-        self.changes: list[tuple[str, bool]] = [(key, True) for key in dict.fromkeys(keys)]
-        self.changes_of: dict[str, list[int]] = {key: [at] for at, (key, _) in enumerate(self.changes)}
-
-
-class MemberKeys(Collection[str]):
-    """Member keys in the order they came (one added again goes last): an immutable ordered set
-    whose `with_key` and `without` cost O(1), not a copy of the set.
-
-    A rendezvous round adds a key to `waiting` at every arrival, and at every report adds one to
-    `reported` and drops one from `waiting`: copying the set each time made the fold of a round
-    O(N^2) (4,096 explorers: about half of its time). A set here is a shared `_KeyLog` and how many
-    of its changes it has seen: changing the newest set of a family appends one change to the log;
-    changing an older one (a state kept and folded on again) first copies its keys into a log of
-    its own. Whether a key is in costs a dict lookup and a look at the key's (few) changes."""
-
-    __slots__ = ("_log", "_seen", "_len")
-
-    def __init__(self, keys: Iterable[str] = ()):
-        self._log = _KeyLog(keys)
-        self._seen = self._len = len(self._log.changes)
-
-    def __contains__(self, key: object) -> bool:
-        changes = self._log.changes_of.get(key) if isinstance(key, str) else None
-        if changes is None:
-            return False
-        last = bisect_right(changes, self._seen - 1) - 1  # the key's last change this set has seen
-        return last >= 0 and self._log.changes[changes[last]][1]
-
-    def __len__(self) -> int:
-        return self._len
-
-    def __iter__(self) -> Iterator[str]:
-        changes, changes_of, seen = self._log.changes, self._log.changes_of, self._seen
-        for at in range(seen):
-            key, added = changes[at]
-            if added:
-                of_key = changes_of[key]
-                later = bisect_right(of_key, at)  # the key's next change, if this set has seen one
-                if later == len(of_key) or of_key[later] >= seen:
-                    yield key
-
-    def with_key(self, key: str) -> MemberKeys:
-        """This set and `key` (last, unless it is in already)."""
-        return self if key in self else self._change(key, added=True)
-
-    def without(self, key: str) -> MemberKeys:
-        """This set less `key` (itself when `key` is not in)."""
-        return self._change(key, added=False) if key in self else self
-
-    def _change(self, key: str, *, added: bool) -> MemberKeys:
-        log, at = self._log, self._seen
-        if len(log.changes) == at:  # the newest set of its family: one more change in the log
-            change = (key, added)
-            log.changes.append(change)
-            # appended where we looked, not after a change another thread appended meanwhile (which
-            # then owns this family's log: we take one of our own below)
-            if log.changes[at] is change:
-                log.changes_of.setdefault(key, []).append(at)
-                successor = MemberKeys.__new__(MemberKeys)
-                successor._log, successor._seen = log, at + 1
-                successor._len = self._len + (1 if added else -1)
-                return successor
-        keys = list(self)
-        return MemberKeys([*keys, key] if added else [k for k in keys if k != key])
-
-    def __eq__(self, other: object) -> bool:
-        # like the read-only dicts these were: the same keys, whatever their order
-        if not isinstance(other, MemberKeys):
-            return NotImplemented
-        return self._len == other._len and all(key in other for key in self)
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return f"MemberKeys({list(self)!r})"

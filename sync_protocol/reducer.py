@@ -712,7 +712,8 @@ def _request_rendezvous(tx: _Tx, member: MemberState) -> None:
                 return
             # a trainer away (restarting) is waited for: its next incarnation joins this round
     elif key not in rnd.waiting:
-        rnd = tx.update_round(rnd.id, waiting=rnd.waiting.with_key(key), participants=rnd.participants.with_key(key))
+        participants = rnd.participants if key in rnd.participants else _with(rnd.participants, key)
+        rnd = tx.update_round(rnd.id, waiting=_with(rnd.waiting, key), participants=participants)
     _settle_rendezvous(tx, rnd)
 
 
@@ -738,13 +739,30 @@ def _leave(tx: _Tx, member: MemberState) -> None:
         elif key in rnd.waiting or key in rnd.participants:
             rnd = tx.update_round(
                 rnd.id,
-                waiting=rnd.waiting.without(key),
-                participants=rnd.participants.without(key),
+                waiting=_without(rnd.waiting, key),
+                participants=_without(rnd.participants, key),
             )
             if rnd.method.is_rendezvous:
                 _settle_rendezvous(tx, rnd)  # may now be complete without it
             elif not rnd.waiting:
                 _apply(tx, rnd, Trigger.NOBODY_WAITING)
+
+
+def _with(keys: MemberKeys, key: str) -> MemberKeys:
+    """`keys` and `key` (last), as a new read-only mapping: one dict copy in C (`copy` of the
+    mapping under the proxy), however long."""
+    more = keys.copy()
+    more[key] = None
+    return MappingProxyType(more)
+
+
+def _without(keys: MemberKeys, key: str) -> MemberKeys:
+    """`keys` less `key`, in order (one dict copy; `keys` itself when it is not there)."""
+    if key not in keys:
+        return keys
+    rest = keys.copy()
+    del rest[key]
+    return MappingProxyType(rest)
 
 
 def _in_round(tx: _Tx, key: str) -> bool:
@@ -756,7 +774,7 @@ def _withdraw(tx: _Tx, key: str) -> None:
     expected rendezvous participant)."""
     for rnd in list(tx.rounds.values()):
         if rnd.phase is _WAITING and key in rnd.waiting:
-            rnd = tx.update_round(rnd.id, waiting=rnd.waiting.without(key))
+            rnd = tx.update_round(rnd.id, waiting=_without(rnd.waiting, key))
             if not rnd.waiting:
                 _apply(tx, rnd, Trigger.NOBODY_WAITING)
 
@@ -776,7 +794,7 @@ def _report_done(tx: _Tx, event: WeightsLoaded | WeightsBroadcast, member: Membe
         raise _illegal(event, f"round {rnd.id} transfers version {rnd.version}", member)
     if key in rnd.reported:
         return  # a repeated report changes nothing
-    rnd = tx.update_round(rnd.id, reported=rnd.reported.with_key(key), waiting=rnd.waiting.without(key))
+    rnd = tx.update_round(rnd.id, reported=_with(rnd.reported, key), waiting=_without(rnd.waiting, key))
     # Its part is done: it is running again, so its next REQUIRE_SYNC is a new request (for the
     # next round) even while slower peers are still receiving this one.
     tx.update_member(key, status=_RUNNING)
@@ -898,7 +916,7 @@ def _on_member_joined(tx: _Tx, event: MemberJoined, _: None) -> None:
         # a late joiner becomes a participant of the rendezvous being gathered: it waits for it too
         rnd = _waiting_rendezvous_round(tx)
         if rnd is not None and key not in rnd.participants:
-            tx.update_round(rnd.id, participants=rnd.participants.with_key(key))
+            tx.update_round(rnd.id, participants=_with(rnd.participants, key))
 
 
 def _on_status_changed(tx: _Tx, event: StatusChanged, member: MemberState) -> None:

@@ -1,4 +1,4 @@
-"""`MemberMap` and `MemberKeys` read as the dict the same writes would make, order included, and never change."""
+"""`MemberMap` reads as the dict the same writes would make, order included, and never changes."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rolectl.sync_protocol import MemberRef, Role
-from rolectl.sync_protocol.members import PAGE, MemberKeys, MemberMap
+from rolectl.sync_protocol.members import PAGE, MemberMap
 from rolectl.sync_protocol.state import MemberState
 
 
@@ -47,39 +47,3 @@ def test_a_successor_shares_every_page_it_did_not_write():
     assert base["explorer/e70"].step == 0 and changed["explorer/e70"].step == 1
     with pytest.raises(TypeError):
         changed["explorer/e1"] = _member(1, 5)  # type: ignore[index]
-
-
-# changes to key sets: (which earlier set to change, add or drop, which key)
-_key_changes = st.lists(st.tuples(st.integers(0, 40), st.booleans(), st.integers(0, 6)), max_size=60)
-
-
-@settings(max_examples=300, deadline=None)
-@given(_key_changes)
-def test_member_keys_read_as_the_dicts_the_same_changes_make_from_any_earlier_set(changes):
-    # changing an older set (a state kept and folded on again) must not show in its successors
-    sets = [(MemberKeys(["e0", "e1"]), dict.fromkeys(["e0", "e1"]))]
-    for which, add, i in changes:
-        keys, model = sets[which % len(sets)]
-        key, model = f"e{i}", dict(model)
-        if add:
-            keys = keys.with_key(key)
-            model.setdefault(key, None)
-        else:
-            keys = keys.without(key)
-            model.pop(key, None)
-        sets.append((keys, model))
-        for keys, model in sets:
-            assert list(keys) == list(model) and len(keys) == len(model)
-            assert all((f"e{j}" in keys) == (f"e{j}" in model) for j in range(7))
-
-
-def test_a_thousand_arrivals_and_reports_share_one_log():
-    waiting = reported = MemberKeys()
-    for i in range(1024):
-        waiting = waiting.with_key(f"explorer/e{i}")
-    arrived = waiting
-    for i in range(1024):
-        reported, waiting = reported.with_key(f"explorer/e{i}"), waiting.without(f"explorer/e{i}")
-    assert len(arrived) == 1024 and len(waiting) == 0 and list(reported) == list(arrived)
-    assert waiting._log is arrived._log  # no copy: each change appended to the log
-    assert arrived == MemberKeys(reversed(list(arrived))) and arrived != waiting
