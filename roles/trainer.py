@@ -64,7 +64,7 @@ from rolectl.sync_protocol import (
     VersionPublished,
     WeightsBroadcast,
 )
-from rolectl.sync_protocol.boundaries import Staleness, staleness_verdict, trainer_needs_sync
+from rolectl.sync_protocol.boundaries import Staleness, trainer_needs_sync, verdict_of_age
 
 __all__ = ["Trainer", "saved_trainer_state", "write_trainer_state", "export_hf", "gpu_memory_metrics"]
 
@@ -307,8 +307,9 @@ class Trainer:
             received = await self.reader.fetch(max_batches=8, timeout=0.5)
             for msg in received:
                 for index, exp in await self.ledger.receive(msg):
-                    verdict = staleness_verdict(exp.model_version, self.version, self.sync)
-                    self.step_ages[self.version - exp.model_version] += 1
+                    age = self.version - exp.model_version
+                    verdict = verdict_of_age(age, self.sync)
+                    self.step_ages[age] += 1
                     self.step_verdicts[verdict] += 1
                     if verdict is Staleness.DROPPED:
                         self.dropped_stale += 1
