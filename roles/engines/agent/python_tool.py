@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from rolectl.roles.config_base import PositiveInt, PositiveNumber, Section
+
 from .tool_calls import ToolError, ToolTimeout
 
 __all__ = ["PythonLimits", "PythonRunner", "RunResult", "python_tool", "network_isolation", "IsolationUnavailable"]
@@ -66,32 +68,26 @@ class IsolationUnavailable(RuntimeError):
     """Network isolation was asked for and this process cannot create a network namespace."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PythonLimits:
+class PythonLimits(Section):
     """The `python` tool's limits (the agent section's `tool_options: {python: {...}}`)."""
 
-    cpu_s: int = 5
+    cpu_s: PositiveInt = 5
     """CPU seconds the code may use (RLIMIT_CPU; SIGXCPU, then SIGKILL a second later)."""
-    memory_mb: int = 512
+    memory_mb: PositiveInt = 512
     """Address space of the code's process (RLIMIT_AS): an allocation past it fails (MemoryError)."""
-    wall_s: float = 10.0
+    wall_s: PositiveNumber = 10.0
     """Wall-clock seconds before the whole process group is killed (sleeping code uses no CPU)."""
-    max_file_mb: int = 16
+    max_file_mb: PositiveInt = 16
     """Largest file the code may write, stdout and stderr included (RLIMIT_FSIZE)."""
-    max_open_files: int = 64
+    max_open_files: PositiveInt = 64
     """Open file descriptors (RLIMIT_NOFILE)."""
-    max_output_chars: int = 2000
+    max_output_chars: PositiveInt = 2000
     """What the model sees of stdout and of stderr, each."""
     network: Literal["isolated", "allowed"] = "isolated"
     """isolated: run in a new network namespace or not at all; allowed: without one."""
 
-    def __post_init__(self) -> None:
-        for name in ("cpu_s", "memory_mb", "wall_s", "max_file_mb", "max_open_files", "max_output_chars"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ValueError(f"python tool: {name} must be a positive number, got {value!r}")
-        if self.network not in ("isolated", "allowed"):
-            raise ValueError(f"python tool: network must be isolated or allowed, got {self.network!r}")
+
+DEFAULT_LIMITS = PythonLimits()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -127,7 +123,7 @@ def network_isolation() -> tuple[str, ...] | None:
 class PythonRunner:
     """Runs code under `limits`; `run(code)` never raises for anything the code does."""
 
-    def __init__(self, limits: PythonLimits = PythonLimits()) -> None:
+    def __init__(self, limits: PythonLimits = DEFAULT_LIMITS) -> None:
         self.limits = limits
         prefix = network_isolation()
         if prefix is None and limits.network == "isolated":
@@ -209,7 +205,7 @@ def _read(path: Path, max_chars: int, *, tail: bool) -> str:
     return f"{cut}\n{text[-max_chars:]}" if tail else f"{text[:max_chars]}\n{cut}"
 
 
-def python_tool(limits: PythonLimits = PythonLimits()) -> Callable[[str], str]:
+def python_tool(limits: PythonLimits = DEFAULT_LIMITS) -> Callable[[str], str]:
     """The `python` tool as a function the tool environment declares (its schema from the docstring)."""
     runner = PythonRunner(limits)
 

@@ -120,9 +120,15 @@ def tool_from_function(fn: Callable[..., Any], *, name: str | None = None) -> To
 
 
 def _python(options: Mapping[str, Any], tool_timeout_s: float) -> Callable[..., Any]:
+    from rolectl.roles.config_base import validate_section
+
     from .python_tool import PythonLimits, python_tool
 
-    return python_tool(PythonLimits(**{"wall_s": tool_timeout_s, **options}))
+    limits, problems = validate_section(PythonLimits, {"wall_s": tool_timeout_s, **options},
+                                        where="tool_options.python")
+    if problems:
+        raise ValueError("; ".join(f"{where}: {what}" for where, what in problems))
+    return python_tool(limits)
 
 
 # name -> (builder from the tool's options and the per-call limit): built once per environment
