@@ -10,7 +10,10 @@ from torch import Tensor, nn
 
 from .losses import token_entropy
 
-__all__ = ["TinyPolicy", "build_base_policy", "response_logprobs", "scored_tokens", "sample_responses", "sample_turns"]
+__all__ = [
+    "KVCache", "TinyPolicy", "build_base_policy", "response_logprobs", "scored_tokens", "sample_responses",
+    "sample_turns",
+]
 
 
 class _Block(nn.Module):
@@ -34,6 +37,63 @@ class _Block(nn.Module):
         attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.attn_out(attended.transpose(1, 2).reshape(batch, seq, d_model))
         return x + self.mlp_out(F.gelu(self.mlp_in(self.mlp_norm(x))))
+
+    def forward_cached(self, x: Tensor, keys: Tensor, values: Tensor, starts: Tensor) -> Tensor:
+        """`forward` for `x` (batch, seq, d_model) at positions `starts[row]` on of each row, writing its
+        keys/values into the cache `keys`/`values` (batch, heads, width, head_dim) at those positions
+        and attending to the row's cached ones before them (a row sees nothing past its own length)."""
+        batch, seq, d_model = x.shape
+        q, k, v = self.qkv(self.attn_norm(x)).split(d_model, dim=-1)
+        q, k, v = (t.view(batch, seq, self.n_heads, -1).transpose(1, 2) for t in (q, k, v))
+        positions = starts.unsqueeze(1) + torch.arange(seq)  # (batch, seq)
+        rows = torch.arange(batch).unsqueeze(1)
+        keys[rows, :, positions] = k.transpose(1, 2)
+        values[rows, :, positions] = v.transpose(1, 2)
+        width = int(positions.max()) + 1
+        # (batch, 1, seq, width): a query attends to the keys at or before its own position
+        visible = (torch.arange(width).view(1, 1, width) <= positions.unsqueeze(-1)).unsqueeze(1)
+        attended = F.scaled_dot_product_attention(q, keys[:, :, :width], values[:, :, :width], attn_mask=visible)
+        x = x + self.attn_out(attended.transpose(1, 2).reshape(batch, seq, d_model))
+        return x + self.mlp_out(F.gelu(self.mlp_in(self.mlp_norm(x))))
+
+
+class KVCache:
+    """Each block's cached keys and values, `(rows, heads, max_seq_len, head_dim)`: row `r` holds its
+    first `lengths[r]` positions (the rest is stale and never attended to)."""
+
+    def __init__(self, policy: TinyPolicy, rows: int) -> None:
+        first = policy.blocks[0]
+        shape = (rows, first.n_heads, policy.max_seq_len, first.qkv.in_features // first.n_heads)
+        self.keys = [torch.zeros(shape) for _ in policy.blocks]
+        self.values = [torch.zeros(shape) for _ in policy.blocks]
+        self.lengths = torch.zeros(rows, dtype=torch.long)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def keep(self, rows: Tensor) -> None:
+        """Keep only `rows` (indices), in that order."""
+        kept = self.select(rows)
+        self.keys, self.values, self.lengths = kept.keys, kept.values, kept.lengths
+
+    def select(self, rows: Tensor) -> KVCache:
+        """A copy holding only `rows` (indices), in that order."""
+        copy = KVCache.__new__(KVCache)
+        copy.keys, copy.values = [k[rows] for k in self.keys], [v[rows] for v in self.values]
+        copy.lengths = self.lengths[rows]
+        return copy
+
+    def extend(self, other: KVCache) -> None:
+        """Append `other`'s rows after this cache's."""
+        self.keys = [torch.cat([a, b]) for a, b in zip(self.keys, other.keys)]
+        self.values = [torch.cat([a, b]) for a, b in zip(self.values, other.values)]
+        self.lengths = torch.cat([self.lengths, other.lengths])
+
+    def assign(self, rows: Tensor, other: KVCache) -> None:
+        """Overwrite `rows` (indices) with `other`'s rows, in order."""
+        for mine, theirs in zip((*self.keys, *self.values), (*other.keys, *other.values)):
+            mine[rows] = theirs
+        self.lengths[rows] = other.lengths
 
 
 class TinyPolicy(nn.Module):
@@ -62,6 +122,18 @@ class TinyPolicy(nn.Module):
         x = self.token_embedding(tokens) + self.position_embedding(positions)
         for block in self.blocks:
             x = block(x)
+        return self.head(self.final_norm(x))
+
+    def forward_cached(self, tokens: Tensor, cache: KVCache) -> Tensor:
+        """Logits `(batch, seq, vocab)` of `tokens`, each row continuing its cached positions (the
+        row's `cache.lengths` on), which it extends by `seq`: `forward`'s result for the row's whole
+        sequence, at the new positions, computing only those."""
+        starts = cache.lengths
+        positions = starts.unsqueeze(1) + torch.arange(tokens.shape[1])
+        x = self.token_embedding(tokens) + self.position_embedding(positions)
+        for block, keys, values in zip(self.blocks, cache.keys, cache.values):
+            x = block.forward_cached(x, keys, values, starts)
+        cache.lengths = starts + tokens.shape[1]
         return self.head(self.final_norm(x))
 
 
@@ -159,7 +231,8 @@ def sample_responses(
     """Sample one response per prompt row (greedy at temperature 0), stopping each at EOS; returns
     tokens and their logprobs.
 
-    Recomputes the whole (short) sequence each step: no KV cache, fewer moving parts — and a pause
+    Recomputes the whole (short) sequence each step: no KV cache, fewer moving parts (the engine
+    generates with `tiny_generation.GenerationPool`; this is the reference it is measured by) — and a pause
     for new weights (`before_token`, called before each token is sampled; it may load weights into
     `policy`) continues from the tokens so far with nothing computed by the old weights kept.
     """
