@@ -26,7 +26,7 @@ from .algorithms import RolloutCorrection
 from .base import PausePoint, Task, WeightsMismatch
 from .grpo import ClippedPolicyLoss, token_group_advantages
 from .losses import LossFunction, TokenScores, TrainBatch, experience_batch
-from .model import TinyPolicy, build_base_policy, sample_responses, sample_turns, scored_tokens
+from .model import TinyPolicy, build_base_policy, sample_turns, scored_tokens
 from .sections import RolloutCorrectionSection, TinyModelSection
 from .step import TrainStep, step_metrics
 from .streaming import DEFAULT_BUCKET_BYTES, NamedTensors, buckets_of
@@ -41,6 +41,7 @@ from .task import (
     ReverseDigitsTaskSet,
     score_response,
 )
+from .tiny_generation import FinishedGroup, GenerationPool, GroupedGenerations, row_seed
 
 if TYPE_CHECKING:
     from .agent.config import AgentSection
@@ -244,6 +245,8 @@ class TinyRolloutEngine:
         self.group_size = config.group_size
         self.rollout_metrics: dict[str, float] = {}  # the task's one reward is the experiences' reward
         self.version = 0
+        self._weights_epoch = 0  # counts weight loads: a pool recomputes its caches when it changes
+        self._stream = GroupedGenerations(self._pool(config.temperature))  # `admit`/`collect`'s rows
 
     def weight_buffers(self) -> dict[str, Tensor]:
         return dict(self.policy.named_parameters())
@@ -269,50 +272,67 @@ class TinyRolloutEngine:
                 if received.data_ptr() != own.data_ptr():  # else it was received in place already
                     own.copy_(received)
         self.version = version
+        self._weights_epoch += 1  # every cached key/value was computed by the old weights
+
+    def _pool(self, temperature: float) -> GenerationPool:
+        return GenerationPool(self.policy, allowed_tokens=self.allowed_tokens, stop_tokens=(EOS,),
+                              temperature=temperature)
+
+    def _admit(self, generations: GroupedGenerations, tasks: Sequence[Task], explore_step: int) -> None:
+        """Each task's `group_size` rows, seeded by (sampling seed, step, task index, k), as group
+        `{member}-{explore_step}-{task_idx}`."""
+        for task_idx, task in enumerate(tasks):
+            seeds = [row_seed(self.sampling_seed, explore_step, task_idx, k) for k in range(self.group_size)]
+            generations.admit(f"{self.member}-{explore_step}-{task_idx}", task_index=task_idx, payload=task,
+                              prompt=task.prompt, seeds=seeds, max_new_tokens=self.config.max_response_length)
+
+    def _generate_until(self, generations: GroupedGenerations, groups: int, pause_point: PausePoint | None) -> None:
+        """Tokens until `groups` groups are finished or nothing is in flight; a pending pause loads its
+        weights between two tokens (the pool then recomputes the live rows' caches)."""
+        while generations.finished() < groups and generations.pool.live:
+            if pause_point is not None and pause_point.pending():
+                pause_point.load()  # the pause: the next token is sampled with the new weights
+            generations.step(version=self.version, weights_epoch=self._weights_epoch)
+
+    def _experiences(self, finished: Sequence[FinishedGroup]) -> list[Experience]:
+        experiences = []
+        for group in finished:
+            task = group.payload
+            assert isinstance(task, Task)
+            for k, row in enumerate(group.rows):
+                experiences.append(Experience(
+                    id=f"{group.name}-{k}", group=group.name, prompt=task.prompt, response=tuple(row.tokens),
+                    logprobs=tuple(row.logprobs), reward=score_response(row.tokens, task.target),
+                    model_version=min(row.versions, default=self.version),
+                    token_versions=version_runs(row.versions)))
+        return experiences
 
     def rollout(self, tasks: Sequence[Task], *, explore_step: int,
                 pause_point: PausePoint | None = None) -> list[Experience]:
-        group_size = self.config.group_size
-        if not tasks:
-            return []
-        prompts = torch.tensor([task.prompt for task in tasks]).repeat_interleave(group_size, dim=0)
-        generator = torch.Generator().manual_seed((self.sampling_seed * 1_000_003 + explore_step) % 2**63)
-        token_versions: list[int] = []  # the version that samples the batch's t-th token
+        """`group_size` responses per task (in task order), generated together on a pool of their own."""
+        generations = GroupedGenerations(self._pool(self.config.temperature))
+        self._admit(generations, tasks, explore_step)
+        self._generate_until(generations, len(tasks), pause_point)
+        finished = sorted(generations.take(len(tasks)), key=lambda group: group.task_index)
+        return self._experiences(finished)
 
-        def before_token() -> None:
-            if pause_point is not None and pause_point.pending():
-                pause_point.load()  # the pause: the next token is sampled with the new weights
-            token_versions.append(self.version)
+    def admit(self, tasks: Sequence[Task], *, explore_step: int) -> None:
+        """Streaming: the tasks' rows join the generations in flight (named as `rollout` names them)."""
+        self._admit(self._stream, tasks, explore_step)
 
-        responses, logprobs = sample_responses(
-            self.policy,
-            prompts,
-            max_new_tokens=self.config.max_response_length,
-            allowed_tokens=self.allowed_tokens,
-            eos_token=EOS,
-            temperature=self.config.temperature,
-            generator=generator,
-            before_token=before_token,
-        )
-        experiences = []
-        for task_idx, task in enumerate(tasks):
-            group = f"{self.member}-{explore_step}-{task_idx}"
-            for k in range(group_size):
-                row = task_idx * group_size + k
-                versions = token_versions[:len(responses[row])]
-                experiences.append(
-                    Experience(
-                        id=f"{group}-{k}",
-                        group=group,
-                        prompt=task.prompt,
-                        response=tuple(responses[row]),
-                        logprobs=tuple(logprobs[row]),
-                        reward=score_response(responses[row], task.target),
-                        model_version=min(versions, default=self.version),
-                        token_versions=version_runs(versions),
-                    )
-                )
-        return experiences
+    def collect(self, groups: int, *, pause_point: PausePoint | None = None) -> list[Experience]:
+        """Streaming: generate until `groups` whole groups are finished (or nothing is in flight);
+        returns `min(groups, finished)` groups' experiences, the earliest finished first. The rest
+        stay in flight, finished or not, for the next call."""
+        self._generate_until(self._stream, groups, pause_point)
+        return self._experiences(self._stream.take(groups))
+
+    def in_flight_groups(self) -> int:
+        return self._stream.in_flight
+
+    def abandon(self) -> int:
+        """Drop every generation in flight; returns how many groups were dropped."""
+        return self._stream.abandon()
 
     def generate_turns(self, sequences: Sequence[Sequence[int]], *, max_tokens: Sequence[int],
                        seeds: Sequence[int]) -> list[TurnOutput]:
@@ -334,15 +354,17 @@ class TinyRolloutEngine:
     def generate(self, tasks: Sequence[Task], *, temperature: float, samples: int, seed: int) -> list[list[str]]:
         """`samples` responses per task as text (digits separated by spaces, up to EOS), for
         evaluation: greedy at temperature 0; nothing is recorded."""
-        if not tasks:
-            return []
-        prompts = torch.tensor([task.prompt for task in tasks]).repeat_interleave(samples, dim=0)
-        responses, _ = sample_responses(
-            self.policy, prompts, max_new_tokens=self.config.max_response_length,
-            allowed_tokens=self.allowed_tokens, eos_token=EOS, temperature=temperature,
-            generator=torch.Generator().manual_seed(seed % 2**63))
-        texts = [" ".join(str(t) for t in response if t != EOS) for response in responses]
-        return [texts[i * samples:(i + 1) * samples] for i in range(len(tasks))]
+        pool = self._pool(temperature)
+        for index, task in enumerate(tasks):
+            for sample in range(samples):
+                pool.admit((index, sample), task.prompt, max_new_tokens=self.config.max_response_length,
+                           seed=row_seed(seed, index, sample))
+        texts = [[""] * samples for _ in tasks]
+        while pool.live:
+            for row in pool.step(version=self.version, weights_epoch=self._weights_epoch):
+                index, sample = row.key  # type: ignore[misc]
+                texts[index][sample] = " ".join(str(t) for t in row.tokens if t != EOS)
+        return texts
 
 
 def _atomic_write(final: Path, write) -> None:
