@@ -97,8 +97,8 @@ def validate_batch(batch: ExperienceBatch, limits: ExperienceLimits) -> None:
         if exp.model_version < 0 or exp.model_version > batch.model_version:
             raise MalformedExperience(f"{w}: model_version {exp.model_version} outside 0..{batch.model_version} "
                                       "(the batch's version)")
-        if limits.prompt_length is not None and len(exp.prompt) != limits.prompt_length:
-            raise MalformedExperience(f"{w}: prompt has {len(exp.prompt)} tokens, the engine trains on "
+        if limits.prompt_length is not None and len(exp.prompt) > limits.prompt_length:
+            raise MalformedExperience(f"{w}: prompt has {len(exp.prompt)} tokens, more than the engine's "
                                       f"{limits.prompt_length}")
         if not exp.prompt:
             raise MalformedExperience(f"{w}: empty prompt")

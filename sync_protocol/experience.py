@@ -122,7 +122,7 @@ class ExperienceBatch:
 class ExperienceLimits:
     """What a train engine can take (`TrainEngine.experience_limits`); `validate_batch` checks it.
 
-    `prompt_length` is the one prompt length the engine trains on (None: any); responses hold at
+    `prompt_length` is the longest prompt the engine trains on (None: any); responses hold at
     most `max_response_length` tokens (for multi-turn episodes: the trajectory's whole token budget),
     each sampled one in `response_tokens` when given (tokens the policy may sample; another one has
     probability zero and an infinite loss); every group of a batch holds exactly `group_size`

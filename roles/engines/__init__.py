@@ -266,7 +266,7 @@ def _tiny_eval_tasks(sections: EngineSections, rows: Sequence[TaskRow], path: st
     from .evaluation import tiny_eval_tasks
 
     model = sections.model
-    return tiny_eval_tasks(rows, task_length=model.task_length, path=path, prompt_length=model.prompt_length)
+    return tiny_eval_tasks(rows, task_length=model.task_length, path=path)
 
 
 # -- hf / fsdp / vllm (imported lazily: transformers and vllm are optional extras) --------------------

@@ -77,10 +77,9 @@ def load_eval_rows(job: Any) -> list[TaskRow]:
     return rows[:section.max_tasks] if section.max_tasks else rows
 
 
-def tiny_eval_tasks(rows: Sequence[TaskRow], *, task_length: int, path: str,
-                    prompt_length: int | None = None) -> list[Task]:
-    """The tiny engine's tasks from text rows: the prompt's digits are the string to reverse; with
-    `prompt_length`, left-padded to it as the trained prompts are (a job with long tasks)."""
+def tiny_eval_tasks(rows: Sequence[TaskRow], *, task_length: int, path: str) -> list[Task]:
+    """The tiny engine's tasks from text rows: the prompt's digits are the string to reverse (its
+    prompt unpadded, as the trained prompts are, long tasks or not)."""
     tasks = []
     for i, row in enumerate(rows):
         digits = [int(d) for d in re.findall(r"\d", row.prompt)]
@@ -88,7 +87,7 @@ def tiny_eval_tasks(rows: Sequence[TaskRow], *, task_length: int, path: str,
             raise ValueError(f"{path} row {i}: the tiny engine reverses {task_length} digits (model.task_length), "
                              f"this prompt has {len(digits)}: {row.prompt!r}")
         target = tuple(int(d) for d in re.findall(r"\d", row.answer))
-        prompt = make_reverse_task(f"eval-row{i}", digits, prompt_length=prompt_length).prompt
+        prompt = make_reverse_task(f"eval-row{i}", digits).prompt
         tasks.append(Task(id=f"eval-row{i}", prompt=prompt, target=target, answer=row.answer,
                           prompt_text=row.prompt, row=row.columns))
     return tasks

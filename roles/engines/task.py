@@ -43,7 +43,7 @@ AGENT_RESPONSE_TOKENS = RESPONSE_TOKENS + (QUERY,)
 
 def make_reverse_task(task_id: str, digits: Sequence[int], *, prompt_length: int | None = None) -> Task:
     """The task of reversing `digits`; with `prompt_length`, its prompt left-padded with PAD to that
-    many tokens (tasks of several lengths share one prompt length, as a batch's rows must)."""
+    many tokens (for a sampler whose rows must share one prompt length; the engines' need not)."""
     prompt = (BOS, *digits, SEP)
     if prompt_length is not None:
         if len(prompt) > prompt_length:
@@ -74,8 +74,9 @@ class ReverseDigitsTaskSet:
     restarts from `state_dict()` sees exactly the batches it would have seen.
 
     With `long_fraction` > 0 the lengths are long-tailed, as a reasoning model's responses are: each
-    task is `long_length` digits with that probability, else `length`; every prompt is then
-    left-padded to the long tasks' (`make_reverse_task`). Without, the stream is as it always was.
+    task is `long_length` digits with that probability, else `length`, and its prompt is just its
+    own (the engines generate and train on rows of any prompt length: padding a 2-digit task's prompt
+    to a 20-digit one's would be pure waste). Without, the stream is as it always was.
     """
 
     def __init__(
@@ -99,8 +100,7 @@ class ReverseDigitsTaskSet:
         if self.long_length is None:  # no draw for the length: the stream of a job without long tasks
             return make_reverse_task(task_id, [rng.randrange(10) for _ in range(self.length)])
         length = self.long_length if rng.random() < self.long_fraction else self.length
-        return make_reverse_task(task_id, [rng.randrange(10) for _ in range(length)],
-                                 prompt_length=self.long_length + 2)
+        return make_reverse_task(task_id, [rng.randrange(10) for _ in range(length)])
 
     def next_batch(self) -> list[Task] | None:
         if self.num_batches is not None and self.next_index >= self.num_batches:

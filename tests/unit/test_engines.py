@@ -24,7 +24,7 @@ from rolectl.roles.engines import (
 )
 from rolectl.roles.engines.grpo import group_advantages
 from rolectl.roles.engines.model import response_logprobs
-from rolectl.roles.engines.task import BOS, EOS, PAD, RESPONSE_TOKENS, SEP, make_reverse_task
+from rolectl.roles.engines.task import BOS, EOS, RESPONSE_TOKENS, SEP, make_reverse_task
 
 # Small enough that the whole file runs in seconds, big enough to learn (see `learned` below).
 SMALL = TinyConfig(seed=0, task_length=2, group_size=8, tasks_per_step=32, minibatches=4)
@@ -280,14 +280,14 @@ def test_task_set_is_deterministic_resumable_and_finite():
         ReverseDigitsTaskSet(seed=4, tasks_per_batch=4, length=5).load_state_dict(first.state_dict())
 
 
-def test_long_tasks_draw_long_tailed_lengths_in_one_padded_prompt_length():
+def test_long_tasks_draw_long_tailed_lengths_each_with_its_own_unpadded_prompt():
     tasks = ReverseDigitsTaskSet(seed=3, tasks_per_batch=200, length=2, long_length=20, long_fraction=0.1)
     batch = tasks.next_batch()
     long = [task for task in batch if len(task.target) == 20]
     assert 5 <= len(long) <= 40 and all(len(task.target) in (2, 20) for task in batch)  # about a tenth long
-    assert {len(task.prompt) for task in batch} == {22}  # one prompt length: a batch's rows
+    assert {len(task.prompt) for task in batch} == {4, 22}  # rows of any prompt length: no padding
     short = next(task for task in batch if len(task.target) == 2)
-    assert short.prompt == (PAD,) * 18 + (BOS, *reversed(short.target), SEP)
+    assert short.prompt == (BOS, *reversed(short.target), SEP)
     # without long tasks the stream is the one it always was
     assert ReverseDigitsTaskSet(seed=3, tasks_per_batch=4, length=5, long_length=20).next_batch() == \
         ReverseDigitsTaskSet(seed=3, tasks_per_batch=4, length=5).next_batch()
