@@ -88,7 +88,7 @@ class TinyModelSection(Section):
     """Digits per task."""
     long_task_length: PositiveInt | None = None
     """Digits of a long task, for long-tailed response lengths (most short, a few much longer, as a
-    reasoning model's are); more than `task_length`. Prompts are left-padded to the long tasks'."""
+    reasoning model's are); more than `task_length`. Each task keeps its own prompt length (no padding)."""
     long_task_fraction: Annotated[float, Strict(), Field(ge=0, le=1, allow_inf_nan=False)] = 0.0
     """The share of tasks that are `long_task_length` digits long (drawn per task)."""
     group_size: Annotated[int, Strict(), Field(ge=2)] = 16
