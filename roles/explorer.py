@@ -46,7 +46,7 @@ from rolectl.bus.security import redact
 from rolectl.bus.weights import TransferError, WeightsRef
 from rolectl.roles.config import JobConfig
 from rolectl.roles.resume import SavedState, StartMode, decide_resume
-from rolectl.roles.rollout_step import GroupSampler, over_rollout
+from rolectl.roles.rollout_step import GroupSampler, engine_shares, over_rollout, stream_rollout
 from rolectl.roles.session import (
     JobIncomplete,
     MemberRejoined,
@@ -616,6 +616,8 @@ class TaskSetLoop:
         finally:
             for pool in self._pools or ():
                 pool.shutdown(wait=False, cancel_futures=True)
+            if x.cfg.explorers.streaming:  # never published, so counted nowhere else
+                x.log.info("streaming_groups_dropped", groups=sum(e.abandon() for e in x.engines))
 
     async def _record_step(self, step: int, experiences: list, started: float) -> None:
         """Publish the step's batch, report the step, save the explorer's state."""
@@ -653,6 +655,8 @@ class TaskSetLoop:
     def _rollout(self, tasks, step: int) -> list:
         """Split the step's tasks across the explorer's engines (one per local rank)."""
         engines = self.explorer.engines
+        if self.explorer.cfg.explorers.streaming:
+            return stream_rollout(engines, tasks, step=step, pause_point=self.explorer.pause_point)
         ratio = self.explorer.cfg.explorers.over_rollout_ratio
         if ratio:
             if self._pools is None:
@@ -662,14 +666,9 @@ class TaskSetLoop:
                                                        member=self.explorer.member_id,
                                                        wait_for=math.ceil(len(tasks) * (1 - ratio)))
             return experiences
-        per = -(-len(tasks) // len(engines))
-        experiences = []
-        for i, engine in enumerate(engines):
-            chunk = tasks[i * per:(i + 1) * per]
-            if chunk:
-                paused = {} if self.explorer.pause_point is None else {"pause_point": self.explorer.pause_point}
-                experiences.extend(engine.rollout(chunk, explore_step=step, **paused))
-        return experiences
+        paused = {} if self.explorer.pause_point is None else {"pause_point": self.explorer.pause_point}
+        return [experience for engine, share in engine_shares(engines, tasks)
+                for experience in engine.rollout(share, explore_step=step, **paused)]
 
 
 def _partial_rollout_metrics(pauses: int, experiences: list) -> dict[str, float]:

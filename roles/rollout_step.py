@@ -1,5 +1,6 @@
-"""An explore step's rollout beyond one call per engine: over-rollout cuts the slowest tasks, and
-DAPO's dynamic sampling leaves out the groups whose rewards are all equal and generates more.
+"""An explore step's rollout beyond one call per engine: over-rollout cuts the slowest tasks,
+DAPO's dynamic sampling leaves out the groups whose rewards are all equal and generates more, and
+streaming carries unfinished generations into the next step.
 
 Dynamic sampling (`algorithm.dynamic_sampling`, verl's `filter_groups` on the reward): a group whose
 responses all got the same reward has zero standard deviation, so every group-relative advantage in
@@ -19,7 +20,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Any
 
-__all__ = ["GroupSampler", "SampledStep", "filter_groups", "over_rollout", "GEN_BATCH_STRIDE"]
+__all__ = ["GroupSampler", "SampledStep", "filter_groups", "over_rollout", "stream_rollout", "engine_shares",
+           "GEN_BATCH_STRIDE"]
 
 GEN_BATCH_STRIDE = 1_000_000_000
 """The explore step a step's `n`-th generation batch is rolled out as: `step + (n - 1) x stride`, so
@@ -114,3 +116,22 @@ def over_rollout(engines, pools, tasks, *, step: int, member: str, wait_for: int
                            for e in done_tasks[i])
     kept = len({e.group for e in experiences})
     return experiences, len(tasks) - kept
+
+
+def stream_rollout(engines, tasks, *, step: int, pause_point=None) -> list:
+    """A streaming step (`explorers.streaming`): each engine admits its share of `tasks` to the
+    generations it has in flight and returns as many groups as it was given, the first to finish,
+    whichever step admitted them (AReaL's and verl's streaming rollout: a long generation holds no
+    step; it is published by a later one). Shares are split as a whole-batch rollout splits them."""
+    experiences = []
+    for engine, share in engine_shares(engines, tasks):
+        engine.admit(share, explore_step=step)
+        experiences.extend(engine.collect(len(share), pause_point=pause_point))
+    return experiences
+
+
+def engine_shares(engines, tasks):
+    """(engine, its tasks) for each engine given any: consecutive shares, as even as they go."""
+    per = -(-len(tasks) // len(engines))
+    shares = ((engine, tasks[i * per:(i + 1) * per]) for i, engine in enumerate(engines))
+    return [(engine, share) for engine, share in shares if share]
