@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Any
 
-__all__ = ["GroupSampler", "SampledStep", "filter_groups", "over_rollout", "stream_rollout", "engine_shares",
+__all__ = ["GroupSampler", "SampledStep", "filter_groups", "over_rollout", "StreamingSteps", "engine_shares",
            "GEN_BATCH_STRIDE"]
 
 GEN_BATCH_STRIDE = 1_000_000_000
@@ -118,16 +118,34 @@ def over_rollout(engines, pools, tasks, *, step: int, member: str, wait_for: int
     return experiences, len(tasks) - kept
 
 
-def stream_rollout(engines, tasks, *, step: int, pause_point=None) -> list:
-    """A streaming step (`explorers.streaming`): each engine admits its share of `tasks` to the
-    generations it has in flight and returns as many groups as it was given, the first to finish,
-    whichever step admitted them (AReaL's and verl's streaming rollout: a long generation holds no
-    step; it is published by a later one). Shares are split as a whole-batch rollout splits them."""
-    experiences = []
-    for engine, share in engine_shares(engines, tasks):
-        engine.admit(share, explore_step=step)
-        experiences.extend(engine.collect(len(share), pause_point=pause_point))
-    return experiences
+class StreamingSteps:
+    """Explore steps that stream (`explorers.streaming`): each engine admits its share of a step's
+    tasks to the generations it has in flight and gives back as many groups as it was given, the
+    first to finish, whichever step admitted them (AReaL's and verl's streaming rollout: a long
+    generation holds no step; a later step publishes it). Shares are split as a whole-batch rollout
+    splits them; engines name each group after the step that admitted it (`member-step-task`)."""
+
+    def __init__(self, engines: Sequence[Any]):
+        self.engines = engines
+        self._last: dict[str, float] = {}
+
+    def rollout(self, tasks: Sequence[Any], step: int, *, pause_point: Any = None) -> list:
+        experiences = []
+        for engine, share in engine_shares(self.engines, tasks):
+            engine.admit(share, explore_step=step)
+            experiences.extend(engine.collect(len(share), pause_point=pause_point))
+        carried = {e.group for e in experiences if e.group.rsplit("-", 2)[-2] != str(step)}
+        self._last = {"streaming_carried_groups": float(len(carried)),
+                      "streaming_in_flight_groups": float(sum(e.in_flight_groups() for e in self.engines))}
+        return experiences
+
+    def metrics(self) -> dict[str, float]:
+        """The last step's: groups it published that an earlier step admitted, and groups left in flight."""
+        return self._last
+
+    def drop(self) -> int:
+        """Drop every generation in flight (the explorer stops); how many groups were."""
+        return sum(engine.abandon() for engine in self.engines)
 
 
 def engine_shares(engines, tasks):
