@@ -15,21 +15,24 @@ from .engines.stage_sections import STAGES
 __all__ = ["PARTIAL_ROLLOUT_ENGINES", "STREAMING_ENGINES", "cross_section_problems"]
 
 
-def cross_section_problems(cfg: Any, *, check_engines: bool) -> list[tuple[str, str]]:
-    """Every rule's problems; with `check_engines`, also what the engines need and the eval file."""
+def cross_section_problems(cfg: Any, *, check_engines: bool, check_trainer: bool = True) -> list[tuple[str, str]]:
+    """Every rule's problems; with `check_engines`, also what the engines need and the eval file (and
+    without `check_trainer`, not what only a trainer reads: an explorer's load)."""
     problems = [*_over_rollout_problems(cfg), *_partial_rollout_problems(cfg), *_wire_dtype_problems(cfg),
                 *_world_size_problems(cfg), *_stage_problems(cfg), *_staleness_policy_problems(cfg),
                 *_dynamic_sampling_problems(cfg), *_streaming_problems(cfg)]
     if check_engines:
-        problems += [*_engine_problems(cfg), *_eval_problems(cfg), *_correction_problems(cfg)]
+        problems += [*_engine_problems(cfg, check_trainer), *_eval_problems(cfg), *_correction_problems(cfg)]
     return problems
 
 
-def _engine_problems(cfg: Any) -> list[tuple[str, str]]:
+def _engine_problems(cfg: Any, check_trainer: bool) -> list[tuple[str, str]]:
     # Each engine says what it needs beyond its typed sections (libraries, the sections it reads).
+    import dataclasses
+
     from rolectl.roles.engines import EngineSections, engine_config_problems
 
-    return engine_config_problems(EngineSections.of(cfg))
+    return engine_config_problems(dataclasses.replace(EngineSections.of(cfg), check_trainer=check_trainer))
 
 
 def _over_rollout_problems(cfg: Any) -> list[tuple[str, str]]:
