@@ -476,10 +476,12 @@ class RolloutCorrectionSection(Section):
     """Required with `rollout_rs`: one bound per option, comma-separated; a `*_k1` option takes
     `lower_upper` ratio bounds (e.g. `0.5_2.0`)."""
     alarm_kl: NonNegativeNumber | None = 0.1
-    """The mismatch alarm: a step whose k3 KL of the sampler's logprobs to the trainer's (over the
-    trained tokens) passes it is flagged (`rollout_corr/mismatch_alarm`, `rolectl status`, the
-    dashboard, the summary's `mismatch_alarms`): the sign of an explorer sampling with stale or
-    wrong weights; set it well above the `rollout_corr/k3_kl` of the job's healthy steps; null: none."""
+    """The mismatch alarm: a step whose k3 KL of the sampler's logprobs to the trainer's, over the
+    trained tokens the version the trainer holds sampled (`rollout_corr/on_policy_k3_kl`; an older
+    version's tokens differ by the policy's own change), passes it is flagged
+    (`rollout_corr/mismatch_alarm`, `rolectl status`, the dashboard, the summary's
+    `mismatch_alarms`): the sign of an explorer whose weights are not the version it says (a failed
+    or wrong load); healthy steps read about 0 (numerics: more between bf16 and fp32); null: none."""
 
     @field_validator("rollout_rs")
     @classmethod

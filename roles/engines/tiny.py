@@ -141,7 +141,7 @@ class TinyTrainEngine:
         self.step = 0
 
     def train_step(self, experiences: Sequence[Experience], *, current_version: int) -> dict[str, float]:
-        batch = experience_batch(experiences, token_group_advantages)
+        batch = experience_batch(experiences, token_group_advantages, current_version=current_version)
         self.policy.train()
         result = self.update.train_batch(batch, self.loss_fn)
         self.step += 1
