@@ -38,6 +38,7 @@ from rolectl.roles.config_base import (
     Section,
     StrictBool,
     checking,
+    checking_trainer,
     invalid,
 )
 
@@ -483,7 +484,7 @@ class RolloutCorrectionSection(Section):
     @field_validator("rollout_rs")
     @classmethod
     def _rs_options_known(cls, value: str | None, info: ValidationInfo) -> str | None:
-        if value is not None and checking(info):
+        if value is not None and checking_trainer(info):
             from .algorithms import verl_import_problem
 
             if verl_import_problem() is None:
@@ -549,8 +550,8 @@ class AlgorithmSection(DynamicSamplingFields):
     @field_validator("policy_loss")
     @classmethod
     def _policy_loss_registered(cls, name: str, info: ValidationInfo) -> str:
-        # verl (and torch) load only when the engines are checked; without verl the engine says so
-        if checking(info):
+        # verl (and torch) load only when the trainer's parts are checked; without verl the engine says so
+        if checking_trainer(info):
             from .algorithms import verl_import_problem
 
             if verl_import_problem() is None:
