@@ -173,12 +173,10 @@ class ExplorerConfig(Section):
     oldest); counted per step and in the summary (`partial_rollout_pauses`,
     `partial_rollout_experiences`)."""
     streaming: StrictBool = False
-    """Streaming rollouts (with `partial_rollout`; the tiny engine): generations run on across explore
-    steps, as a continuously batched inference server's do. A step admits its tasks to the ones in
-    flight and publishes the first `buffer.batch_size` groups to finish, so a long generation holds
-    no step; the rest go on into the next step (with the weights loaded meanwhile, each token keeping
-    its version). Groups still in flight when the explorer stops are dropped, never published
-    (counted in its log); a restarted explorer does not explore them again."""
+    """Streaming rollouts (with `partial_rollout`; tiny and vllm engines): a step admits its tasks to the
+    generations in flight and publishes the first `buffer.batch_size` groups to finish; the rest run
+    on into the next step (a token keeps its version). Groups in flight at the stop are dropped
+    unpublished (said in the log), and a restart does not explore them again."""
     num_cpus: PositiveInt = 1
     """CPUs of each explorer's bundle under `rolectl up --launcher ray`."""
     use_gpus: StrictBool = False

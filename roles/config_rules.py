@@ -89,7 +89,7 @@ def _partial_rollout_problems(cfg: Any) -> list[tuple[str, str]]:
     return problems
 
 
-STREAMING_ENGINES = ("tiny",)
+STREAMING_ENGINES = ("tiny", "vllm")
 """The rollout engines that keep generations in flight across calls (`admit` / `collect`)."""
 
 
