@@ -14,7 +14,9 @@ The job is the same in every mode but for how weights move:
 - `one_step_off`: `fixed` with `sync_offset: 1` (explorers sample step s+1 while the trainer trains s);
 - `fully_async`: explorers never wait, versions are fetched in the background and loaded between steps;
 - `fully_async_partial`: the same, with `explorers.partial_rollout` (a version that lands mid-generation
-  is loaded between tokens, the generation goes on) and the staleness bound `synchronizer.max_ahead`
+  is loaded between tokens, the generation goes on), `explorers.streaming` (generations run on across
+  steps: a step publishes the first `--batch-size` groups to finish, a long one is published by a
+  later step, as a continuously batched server streams), the staleness bound `synchronizer.max_ahead`
   (`--max-ahead`, 1: explorers pause past one train step's worth of tasks beyond the trainer's next),
   and the off-policy correction `algorithm.rollout_correction` (decoupled PPO with token-level
   truncated importance sampling capped at 2, verl's `rollout_is: token`).
@@ -65,7 +67,8 @@ MODES: dict[str, dict[str, Any]] = {
     "sync": {"synchronizer": {"sync_style": "fixed", "sync_interval": 1, "sync_offset": 0}},
     "one_step_off": {"synchronizer": {"sync_style": "fixed", "sync_interval": 1, "sync_offset": 1}},
     "fully_async": {"synchronizer": {"sync_style": "fully_async"}},
-    "fully_async_partial": {"synchronizer": {"sync_style": "fully_async"}, "explorers": {"partial_rollout": True},
+    "fully_async_partial": {"synchronizer": {"sync_style": "fully_async"},
+                            "explorers": {"partial_rollout": True, "streaming": True},
                             "algorithm": {"rollout_correction": {"rollout_is": "token", "rollout_is_threshold": 2.0}}},
 }
 BOUNDED = "fully_async_partial"

@@ -39,6 +39,7 @@ from rolectl.sync_protocol import ConfigError, JobConfigured, MemberRef, SyncCon
 
 from .config_base import (
     CHECK_ENGINES,
+    CHECK_ROLLOUT,
     SKIP_ENGINES,
     NonNegativeInt,
     OpenSection,
@@ -48,6 +49,7 @@ from .config_base import (
     Section,
     StrictBool,
     checking,
+    checking_trainer,
     invalid,
     problems_of,
     skipping,
@@ -170,6 +172,11 @@ class ExplorerConfig(Section):
     the version that sampled it (the experience's `token_versions`; its `model_version` is the
     oldest); counted per step and in the summary (`partial_rollout_pauses`,
     `partial_rollout_experiences`)."""
+    streaming: StrictBool = False
+    """Streaming rollouts (with `partial_rollout`; tiny and vllm engines): a step admits its tasks to the
+    generations in flight and publishes the first `buffer.batch_size` groups to finish; the rest run
+    on into the next step (a token keeps its version). Groups in flight at the stop are dropped
+    unpublished (said in the log), and a restart does not explore them again."""
     num_cpus: PositiveInt = 1
     """CPUs of each explorer's bundle under `rolectl up --launcher ray`."""
     use_gpus: StrictBool = False
@@ -476,7 +483,7 @@ class JobConfig(Section):
     def _sections_agree(self, info: ValidationInfo) -> JobConfig:
         """The rules across sections, every problem at once by its path; with the engines checked
         (`CHECK_ENGINES`), also what the engines need and the eval file."""
-        problems = cross_section_problems(self, check_engines=checking(info))
+        problems = cross_section_problems(self, check_engines=checking(info), check_trainer=checking_trainer(info))
         if problems:
             raise invalid(problems)
         return self
@@ -636,12 +643,14 @@ def env_settings(environ: Mapping[str, str] | None = None) -> EnvSettings:
 
 # -- loading ---------------------------------------------------------------------------------------
 
-def parse_config(data: Any, *, source: str | None = None, check_engines: bool = True) -> JobConfig:
+def parse_config(data: Any, *, source: str | None = None, check_engines: bool = True,
+                 rollout_only: bool = False) -> JobConfig:
     """Validate a mapping (parsed YAML) into a `JobConfig`; raise `ConfigError` listing every problem.
 
     `check_engines=False` leaves the engine's sections (model, data, algorithm) to the roles that
     run an engine, read as written: checking them imports the engines (torch, seconds), which a
-    synchronizer, whose restart time is the job's stall, has no use for."""
+    synchronizer, whose restart time is the job's stall, has no use for. `rollout_only` checks the
+    engines but not what only a trainer reads (an explorer's load, `CHECK_ROLLOUT`)."""
     where = source or "config"
     if not isinstance(data, Mapping):
         if data is None:
@@ -653,7 +662,8 @@ def parse_config(data: Any, *, source: str | None = None, check_engines: bool = 
     if source is not None:
         values["source"] = source
     try:
-        cfg = JobConfig.model_validate(values, context=CHECK_ENGINES if check_engines else SKIP_ENGINES)
+        context = (CHECK_ROLLOUT if rollout_only else CHECK_ENGINES) if check_engines else SKIP_ENGINES
+        cfg = JobConfig.model_validate(values, context=context)
     except ValidationError as exc:
         order = {str(key): i for i, key in enumerate(data)}
         problems = sorted(problems_of(exc, JobConfig, top_level="section"),
@@ -672,9 +682,9 @@ def _relative_to(cfg: JobConfig, source: str | None) -> JobConfig:
     return cfg.with_overrides(nats=cfg.nats.replace(**paths)) if paths else cfg
 
 
-def load_config(path: str | Path, *, check_engines: bool = True) -> JobConfig:
+def load_config(path: str | Path, *, check_engines: bool = True, rollout_only: bool = False) -> JobConfig:
     """Read and validate a YAML job file; errors name the file and every bad field (see
-    `parse_config` for `check_engines`)."""
+    `parse_config` for `check_engines` and `rollout_only`)."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -686,4 +696,4 @@ def load_config(path: str | Path, *, check_engines: bool = True) -> JobConfig:
         # PyYAML names a string it parsed "<unicode string>": name the file instead
         raise ConfigError([("yaml", "not valid YAML: " + str(exc).replace('"<unicode string>"', f'"{path}"'))],
                           where=str(path)) from None
-    return parse_config(data, source=str(path), check_engines=check_engines)
+    return parse_config(data, source=str(path), check_engines=check_engines, rollout_only=rollout_only)

@@ -69,6 +69,10 @@ CHECK_ENGINES = {"engines": "check"}
 """Validation context of a job loaded with its engines: what its sections name outside themselves (a
 file, an installed library, a registry entry) is checked too, once, by the validators that ask
 `checking`. Without a context (a copy with changes) only the sections themselves are checked."""
+CHECK_ROLLOUT = {"engines": "check", "trainer": "skip"}
+"""Validation context of an explorer's load: its engines checked as with `CHECK_ENGINES`, but not what
+only a trainer reads (verl's policy losses and correction: importing verl costs an explorer about ten
+seconds of CPU at every start, for names it never uses; `up`, `validate` and the trainer check them)."""
 SKIP_ENGINES = {"engines": "skip"}
 """Validation context of a job loaded without its engines (a synchronizer, the dashboard): the
 engine's sections are read as written (`OpenSection`), left to the roles that run an engine."""
@@ -77,6 +81,11 @@ engine's sections are read as written (`OpenSection`), left to the roles that ru
 def checking(info: ValidationInfo) -> bool:
     """Whether this validation checks what the sections name outside themselves (`CHECK_ENGINES`)."""
     return bool(info.context) and info.context.get("engines") == "check"
+
+
+def checking_trainer(info: ValidationInfo) -> bool:
+    """Whether this validation also checks what only a trainer reads (`CHECK_ENGINES`, not `CHECK_ROLLOUT`)."""
+    return checking(info) and info.context.get("trainer") != "skip"
 
 
 def skipping(info: ValidationInfo) -> bool:

@@ -12,24 +12,27 @@ from rolectl.sync_protocol import StalenessPolicy, SyncStyle
 from .engines.sections import READS_DATA
 from .engines.stage_sections import STAGES
 
-__all__ = ["PARTIAL_ROLLOUT_ENGINES", "cross_section_problems"]
+__all__ = ["PARTIAL_ROLLOUT_ENGINES", "STREAMING_ENGINES", "cross_section_problems"]
 
 
-def cross_section_problems(cfg: Any, *, check_engines: bool) -> list[tuple[str, str]]:
-    """Every rule's problems; with `check_engines`, also what the engines need and the eval file."""
+def cross_section_problems(cfg: Any, *, check_engines: bool, check_trainer: bool = True) -> list[tuple[str, str]]:
+    """Every rule's problems; with `check_engines`, also what the engines need and the eval file (and
+    without `check_trainer`, not what only a trainer reads: an explorer's load)."""
     problems = [*_over_rollout_problems(cfg), *_partial_rollout_problems(cfg), *_wire_dtype_problems(cfg),
                 *_world_size_problems(cfg), *_stage_problems(cfg), *_staleness_policy_problems(cfg),
-                *_dynamic_sampling_problems(cfg)]
+                *_dynamic_sampling_problems(cfg), *_streaming_problems(cfg)]
     if check_engines:
-        problems += [*_engine_problems(cfg), *_eval_problems(cfg), *_correction_problems(cfg)]
+        problems += [*_engine_problems(cfg, check_trainer), *_eval_problems(cfg), *_correction_problems(cfg)]
     return problems
 
 
-def _engine_problems(cfg: Any) -> list[tuple[str, str]]:
+def _engine_problems(cfg: Any, check_trainer: bool) -> list[tuple[str, str]]:
     # Each engine says what it needs beyond its typed sections (libraries, the sections it reads).
+    import dataclasses
+
     from rolectl.roles.engines import EngineSections, engine_config_problems
 
-    return engine_config_problems(EngineSections.of(cfg))
+    return engine_config_problems(dataclasses.replace(EngineSections.of(cfg), check_trainer=check_trainer))
 
 
 def _over_rollout_problems(cfg: Any) -> list[tuple[str, str]]:
@@ -86,6 +89,30 @@ def _partial_rollout_problems(cfg: Any) -> list[tuple[str, str]]:
     return problems
 
 
+STREAMING_ENGINES = ("tiny", "vllm")
+"""The rollout engines that keep generations in flight across calls (`admit` / `collect`)."""
+
+
+def _streaming_problems(cfg: Any) -> list[tuple[str, str]]:
+    # A generation carried into the next step meets the weights loaded in between: that is a partial
+    # rollout (each token its version), so streaming stands on partial_rollout's rules.
+    if not cfg.explorers.streaming:
+        return []
+    problems = []
+    if not cfg.explorers.partial_rollout:
+        problems.append(("explorers.streaming", "needs explorers.partial_rollout: true (a generation carried into "
+                                                "the next step goes on with the weights loaded in between)"))
+    engine = _rollout_engine(cfg)
+    if engine not in STREAMING_ENGINES:
+        problems.append(("explorers.streaming", f"the {engine!r} rollout engine cannot carry generations across "
+                                                f"steps (engines that can: {', '.join(STREAMING_ENGINES)}); remove "
+                                                "streaming"))
+    if _written_algorithm(cfg).get("dynamic_sampling") is True:
+        problems.append(("explorers.streaming", "does not combine with algorithm.dynamic_sampling (a step publishes "
+                                                "the groups that finish first, filtered or not): set one of them"))
+    return problems
+
+
 def _staleness_policy_problems(cfg: Any) -> list[tuple[str, str]]:
     sync = cfg.synchronizer
     if sync.staleness_policy is not StalenessPolicy.CORRECT or sync.max_staleness is not None:
@@ -98,11 +125,15 @@ def _staleness_policy_problems(cfg: Any) -> list[tuple[str, str]]:
 def _dynamic_sampling_problems(cfg: Any) -> list[tuple[str, str]]:
     # The filter and the extra generation batches are the task set's loop's; a served request is one
     # trajectory, rewarded when the application says so, with no group to compare it with.
-    written = cfg.algorithm.model_dump() if cfg.algorithm is not None else {}
-    if written.get("dynamic_sampling") is not True or not cfg.serve.enabled:
+    if _written_algorithm(cfg).get("dynamic_sampling") is not True or not cfg.serve.enabled:
         return []
     return [("algorithm.dynamic_sampling", "filters the groups explorers roll out from their task set; serving "
                                            "explorers (serve.enabled) have none: remove one of them")]
+
+
+def _written_algorithm(cfg: Any) -> dict[str, Any]:
+    """The job's `algorithm:` as written, whether the section is typed (hf, fsdp) or not (tiny)."""
+    return cfg.algorithm.model_dump() if cfg.algorithm is not None else {}
 
 
 def _correction_problems(cfg: Any) -> list[tuple[str, str]]:

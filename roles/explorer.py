@@ -46,7 +46,7 @@ from rolectl.bus.security import redact
 from rolectl.bus.weights import TransferError, WeightsRef
 from rolectl.roles.config import JobConfig
 from rolectl.roles.resume import SavedState, StartMode, decide_resume
-from rolectl.roles.rollout_step import GroupSampler, over_rollout
+from rolectl.roles.rollout_step import GroupSampler, StreamingSteps, engine_shares, over_rollout
 from rolectl.roles.session import (
     JobIncomplete,
     MemberRejoined,
@@ -573,6 +573,7 @@ class TaskSetLoop:
         self.pauses = 0  # weight loads inside the last step's rollout (partial rollouts)
         self._pools: list[ThreadPoolExecutor] | None = None  # one per engine, for over-rollout
         self.sampled = None  # the last step's dynamic sampling (algorithm.dynamic_sampling)
+        self.streaming = StreamingSteps(explorer.engines) if explorer.cfg.explorers.streaming else None
 
     async def run(self) -> None:
         x = self.explorer
@@ -616,6 +617,8 @@ class TaskSetLoop:
         finally:
             for pool in self._pools or ():
                 pool.shutdown(wait=False, cancel_futures=True)
+            if self.streaming is not None:  # never published, so counted nowhere else
+                x.log.info("streaming_groups_dropped", groups=self.streaming.drop())
 
     async def _record_step(self, step: int, experiences: list, started: float) -> None:
         """Publish the step's batch, report the step, save the explorer's state."""
@@ -634,7 +637,8 @@ class TaskSetLoop:
                                 if x.cfg.explorers.over_rollout_ratio else {}),
                              **(_partial_rollout_metrics(self.pauses, experiences)
                                 if x.pause_point is not None else {}),
-                             **sampled, **x.engine.rollout_metrics})
+                             **sampled, **(self.streaming.metrics() if self.streaming else {}),
+                             **x.engine.rollout_metrics})
         x.save_state()
         x.log.info("explore_step", step=step, version=x.engine.version, reward=round(reward, 4))
 
@@ -653,6 +657,8 @@ class TaskSetLoop:
     def _rollout(self, tasks, step: int) -> list:
         """Split the step's tasks across the explorer's engines (one per local rank)."""
         engines = self.explorer.engines
+        if self.streaming is not None:
+            return self.streaming.rollout(tasks, step, pause_point=self.explorer.pause_point)
         ratio = self.explorer.cfg.explorers.over_rollout_ratio
         if ratio:
             if self._pools is None:
@@ -662,14 +668,9 @@ class TaskSetLoop:
                                                        member=self.explorer.member_id,
                                                        wait_for=math.ceil(len(tasks) * (1 - ratio)))
             return experiences
-        per = -(-len(tasks) // len(engines))
-        experiences = []
-        for i, engine in enumerate(engines):
-            chunk = tasks[i * per:(i + 1) * per]
-            if chunk:
-                paused = {} if self.explorer.pause_point is None else {"pause_point": self.explorer.pause_point}
-                experiences.extend(engine.rollout(chunk, explore_step=step, **paused))
-        return experiences
+        paused = {} if self.explorer.pause_point is None else {"pause_point": self.explorer.pause_point}
+        return [experience for engine, share in engine_shares(engines, tasks)
+                for experience in engine.rollout(share, explore_step=step, **paused)]
 
 
 def _partial_rollout_metrics(pauses: int, experiences: list) -> dict[str, float]:

@@ -1,5 +1,6 @@
-"""An explore step's rollout beyond one call per engine: over-rollout cuts the slowest tasks, and
-DAPO's dynamic sampling leaves out the groups whose rewards are all equal and generates more.
+"""An explore step's rollout beyond one call per engine: over-rollout cuts the slowest tasks,
+DAPO's dynamic sampling leaves out the groups whose rewards are all equal and generates more, and
+streaming carries unfinished generations into the next step.
 
 Dynamic sampling (`algorithm.dynamic_sampling`, verl's `filter_groups` on the reward): a group whose
 responses all got the same reward has zero standard deviation, so every group-relative advantage in
@@ -19,7 +20,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Any
 
-__all__ = ["GroupSampler", "SampledStep", "filter_groups", "over_rollout", "GEN_BATCH_STRIDE"]
+__all__ = ["GroupSampler", "SampledStep", "filter_groups", "over_rollout", "StreamingSteps", "engine_shares",
+           "GEN_BATCH_STRIDE"]
 
 GEN_BATCH_STRIDE = 1_000_000_000
 """The explore step a step's `n`-th generation batch is rolled out as: `step + (n - 1) x stride`, so
@@ -114,3 +116,40 @@ def over_rollout(engines, pools, tasks, *, step: int, member: str, wait_for: int
                            for e in done_tasks[i])
     kept = len({e.group for e in experiences})
     return experiences, len(tasks) - kept
+
+
+class StreamingSteps:
+    """Explore steps that stream (`explorers.streaming`): each engine admits its share of a step's
+    tasks to the generations it has in flight and gives back as many groups as it was given, the
+    first to finish, whichever step admitted them (AReaL's and verl's streaming rollout: a long
+    generation holds no step; a later step publishes it). Shares are split as a whole-batch rollout
+    splits them; engines name each group after the step that admitted it (`member-step-task`)."""
+
+    def __init__(self, engines: Sequence[Any]):
+        self.engines = engines
+        self._last: dict[str, float] = {}
+
+    def rollout(self, tasks: Sequence[Any], step: int, *, pause_point: Any = None) -> list:
+        experiences = []
+        for engine, share in engine_shares(self.engines, tasks):
+            engine.admit(share, explore_step=step)
+            experiences.extend(engine.collect(len(share), pause_point=pause_point))
+        carried = {e.group for e in experiences if e.group.rsplit("-", 2)[-2] != str(step)}
+        self._last = {"streaming_carried_groups": float(len(carried)),
+                      "streaming_in_flight_groups": float(sum(e.in_flight_groups() for e in self.engines))}
+        return experiences
+
+    def metrics(self) -> dict[str, float]:
+        """The last step's: groups it published that an earlier step admitted, and groups left in flight."""
+        return self._last
+
+    def drop(self) -> int:
+        """Drop every generation in flight (the explorer stops); how many groups were."""
+        return sum(engine.abandon() for engine in self.engines)
+
+
+def engine_shares(engines, tasks):
+    """(engine, its tasks) for each engine given any: consecutive shares, as even as they go."""
+    per = -(-len(tasks) // len(engines))
+    shares = ((engine, tasks[i * per:(i + 1) * per]) for i, engine in enumerate(engines))
+    return [(engine, share) for engine, share in shares if share]

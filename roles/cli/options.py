@@ -86,7 +86,7 @@ def client_security(creds=None, tls_ca=None, tls_cert=None, tls_key=None, *, con
 
 
 def load_job_config(config_path: str, nats: str | None, security_flags: dict | None = None, *,
-                    check_engines: bool = True):
+                    check_engines: bool = True, rollout_only: bool = False):
     """The job's config with the command's --nats and credential flags over it; a bad one exits 2."""
     import dataclasses
 
@@ -94,7 +94,7 @@ def load_job_config(config_path: str, nats: str | None, security_flags: dict | N
     from rolectl.sync_protocol import ConfigError
 
     try:
-        cfg = load_config(config_path, check_engines=check_engines)
+        cfg = load_config(config_path, check_engines=check_engines, rollout_only=rollout_only)
     except ConfigError as exc:
         raise InputError(str(exc)) from None
     if nats:

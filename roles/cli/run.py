@@ -71,7 +71,8 @@ def start(role: str, config_path: str, member_id: str | None, job: str | None, n
     if start_mode and role == "sync":
         raise click.UsageError(f"--{start_mode} applies to a trainer or an explorer; a synchronizer saves no state")
     # a synchronizer runs no engine: it starts (and restarts) without importing one
-    cfg = load_job_config(config_path, nats, security, check_engines=role != "sync")
+    # an explorer checks its engines, not the trainer's losses (verl: seconds of imports per start)
+    cfg = load_job_config(config_path, nats, security, check_engines=role != "sync", rollout_only=role == "explorer")
     if job is not None:
         try:
             check_name(job, "job name")

@@ -132,6 +132,9 @@ class EngineSections:
     """`agent:`: explorers play multi-turn episodes; trainers take trajectories of its token budget."""
     serve_trajectory_tokens: int | None = None
     """Serve mode's `serve.max_trajectory_tokens` (0: the model's context length); None: not serving."""
+    check_trainer: bool = True
+    """Whether the checks cover what only a trainer reads (verl, for the losses and the correction):
+    not on an explorer's load (`config_base.CHECK_ROLLOUT`)."""
 
     @classmethod
     def of(cls, job: Any) -> EngineSections:
@@ -207,7 +210,7 @@ def _tiny_problems(sections: EngineSections) -> list[tuple[str, str]]:
 
         problems += validate_section(RolloutCorrectionSection, written["rollout_correction"],
                                      where="algorithm.rollout_correction")[1]
-        missing = verl_import_problem()  # the correction is verl's
+        missing = sections.check_trainer and verl_import_problem()  # the correction is the trainer's, verl's
         if missing:
             problems.append(("algorithm.rollout_correction", missing))
     return problems
@@ -286,7 +289,7 @@ def _hf_problems(sections: EngineSections) -> list[tuple[str, str]]:
         problems.append(("data", _DATA_REQUIRED))
     from .algorithms import verl_import_problem
 
-    missing = verl_import_problem()
+    missing = sections.check_trainer and verl_import_problem()  # the losses are the trainer's, verl's
     if missing:
         problems.append(("algorithm", missing))
     if getattr(sections.model, "lora", None) is not None:

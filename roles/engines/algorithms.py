@@ -170,13 +170,22 @@ class VerlKLPenalty:
 
 MISMATCH_ALARM = "rollout_corr/mismatch_alarm"
 """The step metric that is 1 when the rollout/trainer logprob gap passed `alarm_kl` (else 0)."""
+ON_POLICY_K3 = "rollout_corr/on_policy_k3_kl"
+"""The step metric: verl's k3 KL of the sampler's logprobs to the trainer's over the tokens of the
+version the trainer holds (absent when none is in the step): what the alarm reads."""
 
 
 class RolloutCorrection:
     """verl's rollout correction (`rollout_corr_helper`) of a batch: from the trainer's proximal
     logprobs and the sampler's, the truncated importance weights, the mask with the rejected tokens
     off, and verl's `rollout_corr/*` metrics, plus `rollout_corr/log_gap_max` (the largest
-    |trainer - sampler| token logprob gap) and the mismatch alarm (`MISMATCH_ALARM`)."""
+    |trainer - sampler| token logprob gap) and the mismatch alarm (`MISMATCH_ALARM`).
+
+    The alarm reads the gap over the tokens the trainer's own weights sampled when the batch knows
+    them (`on_policy`): an older version's tokens differ from the trainer's by the policy's own
+    change, which is what the correction is for, so a healthy async job would raise it at every
+    step; tokens of the held version differ only by numerics unless an explorer's weights are not
+    the version it says (a load that failed or went wrong). Without versions, the whole batch's."""
 
     def __init__(self, section: RolloutCorrectionSection) -> None:
         from verl.trainer.ppo import rollout_corr_helper
@@ -184,10 +193,10 @@ class RolloutCorrection:
         self.section = section
         self._helper = rollout_corr_helper
 
-    def __call__(self, proximal: Tensor, behaviour: Tensor, mask: Tensor
+    def __call__(self, proximal: Tensor, behaviour: Tensor, mask: Tensor, *, on_policy: Tensor | None = None
                  ) -> tuple[Tensor | None, Tensor, dict[str, float]]:
         """`(weights or None, mask with rejections off, metrics)` for `(rows, width)` logprobs
-        under `mask` (bool; at least one token set)."""
+        under `mask` (bool; at least one token set); `on_policy` the tokens the alarm reads."""
         s = self.section
         weights, kept, metrics = self._helper.compute_rollout_correction_and_rejection_mask(
             old_log_prob=proximal, rollout_log_prob=behaviour, response_mask=mask.float(),
@@ -195,6 +204,14 @@ class RolloutCorrection:
             rollout_rs=s.rollout_rs, rollout_rs_threshold=s.rollout_rs_threshold)
         gap = ((proximal - behaviour).abs() * mask).amax()
         metrics["rollout_corr/log_gap_max"] = float(gap)
-        alarm = s.alarm_kl is not None and metrics["rollout_corr/k3_kl"] > s.alarm_kl
+        gap_kl: float | None = metrics["rollout_corr/k3_kl"]
+        if on_policy is not None:
+            held = mask & on_policy
+            metrics["rollout_corr/on_policy_tokens"] = float(held.sum())
+            gap_kl = (self._helper.compute_offpolicy_metrics(proximal, behaviour, held.float())["k3_kl"]
+                      if held.any() else None)
+            if gap_kl is not None:
+                metrics[ON_POLICY_K3] = gap_kl
+        alarm = s.alarm_kl is not None and gap_kl is not None and gap_kl > s.alarm_kl
         metrics[MISMATCH_ALARM] = 1.0 if alarm else 0.0
         return (None if weights is None else weights.batch["rollout_is_weights"]), kept.bool() & mask, metrics

@@ -63,6 +63,10 @@ class TrainBatch:
     set by the step's off-policy correction; None: PPO's ratio is against `old_logprobs`."""
     is_weights: Tensor | None = None
     """float: the off-policy correction's truncated importance weight of each token; None: none."""
+    on_policy: Tensor | None = None
+    """bool: the tokens the weights the step starts from sampled (their version is the trainer's
+    `current_version`): their sampler and trainer logprobs differ only by numerics, so a gap there
+    is a fault, not staleness (the mismatch alarm's tokens); None: versions not known."""
     demonstration: Tensor | None = None
     """bool `(rows,)`: the row is a demonstration (SFT's rows, or those `trainer.expert_data` mixes
     into an RL step, trained with the SFT loss); None: no row is (`roles.engines.sft`)."""
@@ -78,9 +82,11 @@ AdvantageEstimator = Callable[[Tensor, Tensor, Sequence[str]], Tensor]
 """`(rewards (rows,), loss_mask (rows, width), groups) -> advantages (rows, width)`."""
 
 
-def experience_batch(experiences: Sequence[Experience], advantages: AdvantageEstimator) -> TrainBatch:
+def experience_batch(experiences: Sequence[Experience], advantages: AdvantageEstimator, *,
+                     current_version: int | None = None) -> TrainBatch:
     """The experiences of a train step as a `TrainBatch`, with `advantages` from their rewards; its
-    `loss_mask` is each experience's `mask()` (the tokens the policy sampled), off on the padding."""
+    `loss_mask` is each experience's `mask()` (the tokens the policy sampled), off on the padding;
+    with `current_version` (the version the trainer holds), `on_policy` marks that version's tokens."""
     if not experiences:
         raise ValueError("train_step needs at least one experience")
     width = max(1, max(len(e.response) for e in experiences))
@@ -94,9 +100,16 @@ def experience_batch(experiences: Sequence[Experience], advantages: AdvantageEst
     rewards = torch.tensor([e.reward for e in experiences], dtype=torch.float32)
     groups = tuple(e.group for e in experiences)
     loss_mask = torch.from_numpy(mask)
+    on_policy = None
+    if current_version is not None:
+        held = np.zeros((len(experiences), width), dtype=np.bool_)
+        for row, e in enumerate(experiences):  # one version a response, unless a pause split it
+            held[row, :len(e.response)] = (e.model_version == current_version if e.token_versions is None
+                                           else np.asarray(e.versions()) == current_version)
+        on_policy = torch.from_numpy(held)
     return TrainBatch(prompts=tuple(e.prompt for e in experiences), responses=tuple(e.response for e in experiences),
                       groups=groups, loss_mask=loss_mask, old_logprobs=torch.from_numpy(old_logprobs),
-                      advantages=advantages(rewards, loss_mask, groups), rewards=rewards)
+                      advantages=advantages(rewards, loss_mask, groups), rewards=rewards, on_policy=on_policy)
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,6 +38,7 @@ from rolectl.roles.config_base import (
     Section,
     StrictBool,
     checking,
+    checking_trainer,
     invalid,
 )
 
@@ -475,15 +476,17 @@ class RolloutCorrectionSection(Section):
     """Required with `rollout_rs`: one bound per option, comma-separated; a `*_k1` option takes
     `lower_upper` ratio bounds (e.g. `0.5_2.0`)."""
     alarm_kl: NonNegativeNumber | None = 0.1
-    """The mismatch alarm: a step whose k3 KL of the sampler's logprobs to the trainer's (over the
-    trained tokens) passes it is flagged (`rollout_corr/mismatch_alarm`, `rolectl status`, the
-    dashboard, the summary's `mismatch_alarms`): the sign of an explorer sampling with stale or
-    wrong weights; set it well above the `rollout_corr/k3_kl` of the job's healthy steps; null: none."""
+    """The mismatch alarm: a step whose k3 KL of the sampler's logprobs to the trainer's, over the
+    trained tokens the version the trainer holds sampled (`rollout_corr/on_policy_k3_kl`; an older
+    version's tokens differ by the policy's own change), passes it is flagged
+    (`rollout_corr/mismatch_alarm`, `rolectl status`, the dashboard, the summary's
+    `mismatch_alarms`): the sign of an explorer whose weights are not the version it says (a failed
+    or wrong load); healthy steps read about 0 (numerics: more between bf16 and fp32); null: none."""
 
     @field_validator("rollout_rs")
     @classmethod
     def _rs_options_known(cls, value: str | None, info: ValidationInfo) -> str | None:
-        if value is not None and checking(info):
+        if value is not None and checking_trainer(info):
             from .algorithms import verl_import_problem
 
             if verl_import_problem() is None:
@@ -549,8 +552,8 @@ class AlgorithmSection(DynamicSamplingFields):
     @field_validator("policy_loss")
     @classmethod
     def _policy_loss_registered(cls, name: str, info: ValidationInfo) -> str:
-        # verl (and torch) load only when the engines are checked; without verl the engine says so
-        if checking(info):
+        # verl (and torch) load only when the trainer's parts are checked; without verl the engine says so
+        if checking_trainer(info):
             from .algorithms import verl_import_problem
 
             if verl_import_problem() is None:

@@ -57,9 +57,9 @@ class StepResult:
     off-policy correction's, of the whole batch."""
 
 
-Correction = Callable[[Tensor, Tensor, Tensor], tuple[Tensor | None, Tensor, dict[str, float]]]
-"""`(proximal logprobs, behaviour logprobs, loss mask) -> (importance weights or None, loss mask
-with rejected tokens off, metrics)`, all `(rows, width)` (`algorithms.RolloutCorrection`)."""
+Correction = Callable[..., tuple[Tensor | None, Tensor, dict[str, float]]]
+"""`(proximal logprobs, behaviour logprobs, loss mask, *, on_policy=None) -> (importance weights or
+None, loss mask with rejected tokens off, metrics)`, all `(rows, width)` (`algorithms.RolloutCorrection`)."""
 
 
 def micro_batches(rows: Sequence[int], groups: Sequence[str], *, size: int | None, rank: int = 0,
@@ -177,7 +177,8 @@ class TrainStep:
         if self.correction is None or not batch.loss_mask.any():
             return batch, {}
         proximal = self._proximal_logprobs(batch)
-        weights, mask, metrics = self.correction(proximal, batch.old_logprobs, batch.loss_mask)
+        weights, mask, metrics = self.correction(proximal, batch.old_logprobs, batch.loss_mask,
+                                                 on_policy=batch.on_policy)
         return dataclasses.replace(batch, proximal_logprobs=proximal, is_weights=weights, loss_mask=mask), metrics
 
     def _proximal_logprobs(self, batch: TrainBatch) -> Tensor:
@@ -355,7 +356,8 @@ class StageTraining:
     def train_step(self, experiences: Sequence[Experience], *, current_version: int) -> dict[str, float]:
         """One RL step: the one training step on `experiences` (this rank's share of each minibatch;
         every rank passes the same experiences and gets the whole batch's metrics)."""
-        batch, trained, loss_fn = self._rl_batch(experiences, self.algorithm.advantages, self.loss_fn)
+        batch, trained, loss_fn = self._rl_batch(experiences, self.algorithm.advantages, self.loss_fn,
+                                                 current_version=current_version)
         result = self.update.train_batch(trained, loss_fn)
         self.step += 1
         self.updates_skipped_nonfinite += result.updates_skipped
@@ -389,13 +391,13 @@ class StageTraining:
         """The model's own figures beside a step's (parameters; ranks)."""
         return {}
 
-    def _rl_batch(self, experiences: Sequence[Experience], advantages: Any, loss_fn: LossFunction
-                  ) -> tuple[TrainBatch, TrainBatch, LossFunction]:
+    def _rl_batch(self, experiences: Sequence[Experience], advantages: Any, loss_fn: LossFunction, *,
+                  current_version: int | None = None) -> tuple[TrainBatch, TrainBatch, LossFunction]:
         """(the experiences' batch, what is trained: with `trainer.expert_data` the demonstrations of
         this step beside them, and the loss for it)."""
         from .losses import experience_batch
 
-        batch = experience_batch(experiences, advantages)
+        batch = experience_batch(experiences, advantages, current_version=current_version)
         if self.expert is None:
             return batch, batch, loss_fn
         return batch, self.expert.batch(batch, self.step), self.expert.loss

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
@@ -54,6 +55,7 @@ __all__ = [
     "TinyRolloutEngine",
     "build_policy",
     "build_task_set",
+    "length_buckets",
     "tiny_layout",
 ]
 
@@ -107,6 +109,38 @@ def build_task_set(config: TinyConfig, *, seed: int, num_batches: int | None = N
     )
 
 
+BUCKET_GROWTH = 1.5
+"""A length bucket takes rows while its padded width stays within this factor of its shortest row:
+at most a third of its positions are padding, and a long-tailed batch is a few buckets."""
+
+
+def length_buckets(starts: Sequence[int], lengths: Sequence[int], *, growth: float = BUCKET_GROWTH
+                   ) -> list[list[int]]:
+    """The rows (a prompt of `starts[i]` tokens, a response of `lengths[i]`) in buckets to score
+    together: taken by real length (prompt + response), shortest first, a row joins the bucket
+    while the bucket's padded width (its longest prompt + its longest response) stays within
+    `growth` x its shortest row's length, else opens the next. Each bucket lists its rows in their
+    order; `growth` inf: one bucket."""
+    buckets: list[list[int]] = []
+    prompt = response = shortest = 0
+    for row in sorted(range(len(starts)), key=lambda i: starts[i] + lengths[i]):
+        start, length = starts[row], max(1, lengths[row])
+        if buckets and max(prompt, start) + max(response, length) <= growth * shortest:
+            buckets[-1].append(row)
+            prompt, response = max(prompt, start), max(response, length)
+        else:
+            buckets.append([row])
+            prompt, response, shortest = start, length, start + length
+    return [sorted(bucket) for bucket in buckets]
+
+
+def _in_rows_order(parts: Sequence[Tensor], order: Sequence[int], width: int) -> Tensor:
+    """The buckets' scores `(bucket rows, own width)`, each padded with 0 to `width`, as one
+    `(rows, width)` tensor in the rows' order (`order`: the row of each of the buckets' rows)."""
+    stacked = torch.cat([F.pad(part, (0, width - part.shape[1])) for part in parts])
+    return stacked[torch.tensor(order).argsort()]
+
+
 _MODEL_FILE = "model.safetensors"
 _STATE_TENSORS_FILE = "engine_state.safetensors"
 _STATE_JSON_FILE = "engine_state.json"
@@ -127,6 +161,7 @@ class TinyTrainEngine:
         self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=config.lr)
         # Each minibatch in one pass: its whole-minibatch token mean is the clipped loss's own.
         correction = None if rollout_correction is None else RolloutCorrection(rollout_correction)
+        self.bucket_growth = BUCKET_GROWTH  # inf: each micro-batch one bucket, padded to its longest row
         self.update = TrainStep(model=self.policy, optimizer=self.optimizer, forward=self._logprobs,
                                 max_grad_norm=config.max_grad_norm, minibatches=config.minibatches,
                                 micro_batch_size=None, correction=correction)
@@ -142,7 +177,7 @@ class TinyTrainEngine:
         self.step = 0
 
     def train_step(self, experiences: Sequence[Experience], *, current_version: int) -> dict[str, float]:
-        batch = experience_batch(experiences, token_group_advantages)
+        batch = experience_batch(experiences, token_group_advantages, current_version=current_version)
         self.policy.train()
         result = self.update.train_batch(batch, self.loss_fn)
         self.step += 1
@@ -152,11 +187,26 @@ class TinyTrainEngine:
                 "model_parameters": float(sum(p.numel() for p in self.policy.parameters()))}
 
     def _logprobs(self, policy: TinyPolicy, batch: TrainBatch, rows: Sequence[int], *, entropy: bool) -> TokenScores:
-        """The `Forward` of the one training step: each row its prompt then its response, right-padded
-        with EOS (prompts of any length; a single-turn batch's prompts share one, and its rows are
-        the prompts then the responses padded to the batch's width, as they always were)."""
+        """The `Forward` of the one training step, without the padding waste (verl's
+        `use_remove_padding`, in length buckets): rows of like real length (prompt + response) are
+        scored together, each bucket right-padded with EOS only to its own longest prompt and
+        response (`length_buckets`), and put back in the rows' order at the batch's width; past a
+        bucket's longest response a row's scores are 0 (the step trains only under `loss_mask`)."""
+        rows = list(rows)
         width = batch.loss_mask.shape[1]
         starts = [len(batch.prompts[row]) for row in rows]
+        lengths = [len(batch.responses[row]) for row in rows]
+        buckets = length_buckets(starts, lengths, growth=self.bucket_growth)
+        scored = [self._bucket_scores(policy, batch, [rows[i] for i in bucket], entropy=entropy) for bucket in buckets]
+        order = [index for bucket in buckets for index in bucket]
+        return TokenScores(logprobs=_in_rows_order([s.logprobs for s in scored], order, width),
+                           entropy=_in_rows_order([s.entropy for s in scored], order, width) if entropy else None)
+
+    def _bucket_scores(self, policy: TinyPolicy, batch: TrainBatch, rows: list[int], *, entropy: bool) -> TokenScores:
+        """One bucket's rows scored at its own width: each row its prompt then its response,
+        right-padded with EOS (at least one response position, so a pass always has a gradient)."""
+        starts = [len(batch.prompts[row]) for row in rows]
+        width = max(1, max(len(batch.responses[row]) for row in rows))
         tokens = torch.full((len(rows), max(starts) + width), EOS)
         for index, row in enumerate(rows):
             sequence = (*batch.prompts[row], *batch.responses[row])

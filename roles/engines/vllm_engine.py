@@ -35,7 +35,7 @@ import tempfile
 import weakref
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -50,6 +50,7 @@ from .hf import check_weights, score_texts, task_seed
 from .hf_model import HFModelConfig, load_model, load_tokenizer, parameter_count
 from .lora import adapter_tensors, save_adapter, wrap_with_lora
 from .rewards import WeightedReward
+from .vllm_requests import Generation, RequestPool
 
 __all__ = ["VLLMRolloutEngine", "WeightReloadExtension", "ServeRequest", "ServeDelta", "cpu_binding",
            "vllm_max_lora_rank"]
@@ -84,22 +85,6 @@ class ServeDelta:
     tokens: tuple[int, ...]
     logprobs: tuple[float, ...]
     finish_reason: str | None
-
-
-@dataclass(slots=True)
-class _Generation:
-    """One response of a pausable rollout: its task, seed, and what it has sampled so far."""
-
-    task: Task
-    seed: int
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-
-    def extend(self, delta: ServeDelta, version: int) -> None:
-        self.tokens += delta.tokens
-        self.logprobs += delta.logprobs
-        self.versions += [version] * len(delta.tokens)
 
 
 _VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's `max_lora_rank` choices
@@ -183,6 +168,7 @@ class VLLMRolloutEngine:
         self.sampling_seed = config.seed
         self.version = 0
         self._served: set[str] = set()  # ids of served requests vLLM still runs
+        self._pool = RequestPool(self)  # streaming rollouts' requests in flight across steps
 
     def weight_buffers(self) -> dict[str, Tensor]:
         return self._buffers
@@ -326,45 +312,41 @@ class VLLMRolloutEngine:
     def _pausable_rollout(self, tasks: Sequence[Task], explore_step: int,
                           pause_point: PausePoint) -> list[Experience]:
         """`rollout` with partial rollouts: each response its own request (seed: the task's + k), run
-        an engine step at a time (`serve_step`). When a newer version waits, the requests in flight
-        are aborted (the synchronous `LLM` has no pause of its own; the async engine's
-        `pause_generation` is not what rolectl drives), the version is loaded, and each is admitted
-        again as prompt + the tokens it has, with what is left of `max_new_tokens`."""
-        generations: dict[str, _Generation] = {}
-        for i, task in enumerate(tasks):
-            seed = task_seed(self.config.seed, self.member, explore_step, i)
-            for k in range(self.group_size):
-                generations[f"{self.member}-{explore_step}-{i}-{k}"] = _Generation(task, seed + k)
-        request_of = {gid: gid for gid in generations}  # the live request of each generation
-        admit = [ServeRequest(gid, tuple(g.task.prompt), self.config.max_new_tokens, g.seed)
-                 for gid, g in generations.items()]
-        running, segment = set(generations), 0
-        while running:
-            deltas = self.serve_step(admit)
-            admit = []
-            generation_of = {rid: gid for gid, rid in request_of.items()}
-            for delta in deltas:
-                gid = generation_of[delta.id]
-                generations[gid].extend(delta, self.version)
-                if delta.finish_reason is not None:
-                    running.discard(gid)
-            if not deltas and running and not self._served:
-                raise RuntimeError(f"{self.member}: vLLM dropped {len(running)} rollout requests unfinished")
-            if running and pause_point.pending():
-                self.serve_step((), abort=[request_of[gid] for gid in sorted(running)])
-                pause_point.load()  # the pause: what is left is sampled with the new weights
-                segment += 1
-                for gid in sorted(running):
-                    g = generations[gid]
-                    request_of[gid] = f"{gid}#{segment}"
-                    admit.append(ServeRequest(request_of[gid], (*g.task.prompt, *g.tokens),
-                                              self.config.max_new_tokens - len(g.tokens), g.seed + segment))
-        texts = [self.tokenizer.decode(g.tokens, skip_special_tokens=True) for g in generations.values()]
-        totals, self.rollout_metrics = score_texts(self.rewards, texts, [g.task for g in generations.values()])
+        an engine step at a time; a pause aborts the requests in flight, loads the version and
+        admits each again as prompt + the tokens it has (`vllm_requests.RequestPool`)."""
+        pool = RequestPool(self)
+        pool.admit(list(tasks), explore_step)
+        order = list(pool.generations)
+        done = dict(pool.collect(len(tasks), pause_point))
+        return self._experiences([(gid, done[gid]) for gid in order])
+
+    # -- streaming rollouts (`explorers.streaming`): requests outlive a step -------------------------
+    def admit(self, tasks: Sequence[Task], *, explore_step: int) -> None:
+        """The tasks' responses join the requests in flight."""
+        self._pool.admit(list(tasks), explore_step)
+
+    def collect(self, groups: int, *, pause_point: PausePoint | None = None) -> list[Experience]:
+        """Engine steps until `groups` groups are whole; their experiences, earliest finished first."""
+        return self._experiences(self._pool.collect(groups, pause_point))
+
+    def in_flight_groups(self) -> int:
+        return len(self._pool.groups)
+
+    def abandon(self) -> int:
+        return self._pool.abandon()
+
+    def serves_any(self) -> bool:
+        """Whether vLLM still runs a request admitted through `serve_step`."""
+        return bool(self._served)
+
+    def _experiences(self, responses: list[tuple[str, Generation]]) -> list[Experience]:
+        """Scored experiences of finished responses (response id, generation)."""
+        texts = [self.tokenizer.decode(g.tokens, skip_special_tokens=True) for _, g in responses]
+        totals, self.rollout_metrics = score_texts(self.rewards, texts, [g.task for _, g in responses])
         return [Experience(id=gid, group=gid.rsplit("-", 1)[0], prompt=tuple(g.task.prompt),
                            response=tuple(g.tokens), logprobs=tuple(g.logprobs), reward=reward,
                            model_version=min(g.versions, default=self.version), token_versions=version_runs(g.versions))
-                for (gid, g), reward in zip(generations.items(), totals)]
+                for (gid, g), reward in zip(responses, totals)]
 
     def generate(self, tasks: Sequence[Task], *, temperature: float, samples: int, seed: int) -> list[list[str]]:
         """`samples` decoded responses per task, for evaluation: greedy at temperature 0."""

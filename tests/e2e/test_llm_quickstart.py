@@ -87,6 +87,7 @@ def test_the_fully_async_partial_hf_example_pauses_generations_and_completes(tmp
     assert s["complete"] is True and s["trainer_steps"] == 6, s
     assert s["engines"] == {"trainer": "hf", "explorer": "hf"}, s
     assert s["partial_rollout_pauses"] > 0, f"no generation was paused for new weights: {s}"
+    assert s["mismatch_alarms"] == 0, f"a healthy async job raised the mismatch alarm: {s}"
     assert s["experiences_produced"] == (s["experiences_trained"] + s["experiences_dropped_stale"]
                                          + s["experiences_left_untrained"]), s
     assert_decisions_replay(run.records)

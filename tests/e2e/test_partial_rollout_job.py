@@ -49,6 +49,34 @@ async def test_nothing_is_lost_or_duplicated_across_pauses(tmp_path):
         assert versions == sorted(set(versions)), f"{member} loaded {versions}"
 
 
+async def test_streaming_steps_publish_long_generations_later_and_keep_the_books(tmp_path):
+    """`explorers.streaming` on long-tailed tasks: every step publishes exactly its batch's worth of
+    groups, some of them admitted by an earlier step (long generations carried across steps and
+    the versions loaded meanwhile), the books hold, and what was in flight at the stop is said."""
+    config = job_config(tmp_path, job="e2e-streaming",
+                        synchronizer={"sync_method": "memory", "sync_style": "fully_async"},
+                        trainer={"total_steps": 6, "save_interval": 0, "train_batch_tasks": 8},
+                        explorers={"total_steps": 40, "partial_rollout": True, "streaming": True,
+                                   "step_delay_s": [0.0, 0.0]},
+                        buffer={"batch_size": 4},
+                        model={"task_length": 2, "long_task_length": 12, "long_task_fraction": 0.3,
+                               "group_size": 4})
+    async with LiveJob(tmp_path, config) as job:
+        job.start_all()
+        await job.all_exit_zero(["trainer", "explorer-0", "explorer-1", "sync-0"], timeout=300)
+        await accounted_summary(job)  # produced = trained + dropped + left, left in the stream
+        steps = of_kind(job.records, StepFinished, role=Role.EXPLORER)
+        logs = {m: job.procs[m][-1].log_path for m in ("explorer-0", "explorer-1")}
+
+    assert steps and all(r.event.metrics["experiences"] == 4 * 4 for r in steps), [r.event.metrics for r in steps]
+    carried = sum(r.event.metrics["streaming_carried_groups"] for r in steps)
+    assert carried >= 1, "no step published a group an earlier step admitted"
+    for member, path in logs.items():  # what the last step left in flight is what the stop dropped
+        last = max((r for r in steps if r.event.member.id == member), key=lambda r: r.seq)
+        (dropped,) = _logged(path, "streaming_groups_dropped")
+        assert dropped["groups"] == last.event.metrics["streaming_in_flight_groups"], (member, dropped)
+
+
 class _LogLines:
     """A role process's log (one JSON object a line) read as it grows: the lines of one event."""
 

@@ -51,3 +51,52 @@ def test_vllm_pause_resumes_each_request_from_its_prefix(cfg):
     assert resumed, "no request was in flight at the pause"
     batch = ExperienceBatch(member="explorer-0", explore_step=3, model_version=1, experiences=tuple(paused))
     assert decode_batch(encode_batch(batch)) == batch
+
+
+class _Stopped(Exception):
+    """The explore step stopped (a Ctrl-C) with its generations in flight."""
+
+
+class _StopAfter:
+    """A `PausePoint` that stops the step at its `after + 1`-th token boundary, loading nothing."""
+
+    def __init__(self, after: int):
+        self.after, self.asked = after, 0
+
+    def pending(self) -> bool:
+        self.asked += 1
+        if self.asked > self.after:
+            raise _Stopped
+        return False
+
+    def load(self) -> None:
+        raise AssertionError("nothing was pending")
+
+
+def test_vllm_streaming_takes_whole_groups_and_carries_the_rest_across_a_load(cfg):
+    """`explorers.streaming` on vLLM: requests outlive a `collect`; a version loaded between two
+    collects restarts the running ones from their tokens (their KV was the old weights'), each
+    token keeping the version that sampled it; finished groups are taken earliest first."""
+    engine = make_rollout_engine(cfg, "explorer-0")
+    tasks = make_taskset(cfg, seed=0, batch_size=3).next_batch()
+    engine.admit(tasks[:2], explore_step=1)
+    with pytest.raises(_Stopped):
+        engine.collect(2, pause_point=_StopAfter(PAUSE_AT - 1))  # PAUSE_AT tokens each, then stopped
+    assert engine.in_flight_groups() == 2
+    engine.load_weights(changed_weights(engine), 1)  # between two steps, as the explorer loads
+    engine.admit(tasks[2:], explore_step=2)
+
+    taken = engine.collect(1)
+    (first,) = {e.group for e in taken}  # a carried group: closer to done
+    assert first.startswith("explorer-0-1-") and len(taken) == engine.group_size
+    carried = [e for e in taken if len(e.response) > PAUSE_AT]
+    assert carried, "no response of the carried group sampled after the load"
+    for e in carried:
+        assert e.token_versions == ((PAUSE_AT, 0), (len(e.response) - PAUSE_AT, 1)), e.token_versions
+    rest = engine.collect(2)
+    assert {e.group for e in rest} == {"explorer-0-1-0", "explorer-0-1-1", "explorer-0-2-0"} - {first}
+    assert all(e.model_version == 1 and e.token_versions is None for e in rest if e.group == "explorer-0-2-0")
+    assert engine.in_flight_groups() == 0
+    engine.admit(tasks[:1], explore_step=3)
+    assert engine.abandon() == 1 and engine.in_flight_groups() == 0
+    assert engine.collect(1) == []  # nothing left to run

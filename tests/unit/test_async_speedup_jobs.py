@@ -25,7 +25,7 @@ def test_every_mode_is_a_job_that_samples_and_trains_the_same_tasks(tmp_path: Pa
         assert jobs[mode]["model"] == jobs["sync"]["model"], mode
     assert parsed["sync"].synchronizer.sync_offset == 0 and parsed["one_step_off"].synchronizer.sync_offset == 1
     bounded = parsed[async_speedup.BOUNDED]
-    assert bounded.synchronizer.max_ahead == 1 and bounded.explorers.partial_rollout
+    assert bounded.synchronizer.max_ahead == 1 and bounded.explorers.partial_rollout and bounded.explorers.streaming
     assert jobs[async_speedup.BOUNDED]["algorithm"]["rollout_correction"]["rollout_is"] == "token"
     assert all(parsed[mode].synchronizer.max_ahead is None for mode in ("sync", "one_step_off", "fully_async"))
 

@@ -150,6 +150,30 @@ def test_every_engine_problem_is_reported_at_once(model_dir, tmp_path):
     assert {p for p, _ in info.value.problems} == {"data"}
 
 
+def test_an_explorers_load_leaves_the_trainers_losses_to_the_trainer(model_dir, tmp_path):
+    """`rollout_only` (an explorer's load) checks its engines but not verl's names, which only a
+    trainer reads: a bad policy loss is the trainer's refusal, and an explorer starts without
+    importing verl (seconds of CPU at every start, for names it never uses)."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    data = {"job": "roles", "model": model_section(model_dir), "data": data_section(),
+            "algorithm": {"policy_loss": "made_up"}}
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    assert {p for p, _ in info.value.problems} == {"algorithm.policy_loss"}
+    assert parse_config(data, rollout_only=True).algorithm.policy_loss == "made_up"
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump({**data, "algorithm": {"policy_loss": "vanilla"}}))
+    loaded = subprocess.run([sys.executable, "-c", "import sys; from rolectl.roles.config import load_config; "
+                             f"load_config({str(config)!r}, rollout_only=True); "
+                             "print(sorted(m for m in sys.modules if m.startswith('verl')))"],
+                            capture_output=True, text=True, timeout=120)
+    assert loaded.returncode == 0 and loaded.stdout.strip() == "[]", (loaded.stdout, loaded.stderr[-2000:])
+
+
 def test_a_model_path_built_with_other_settings_is_refused(model_dir):
     from rolectl.roles.engines.hf_model import HFModelConfig, ensure_model
     from tests.support.tiny_llm import BUILD

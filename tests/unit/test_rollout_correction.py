@@ -97,6 +97,28 @@ def test_masked_importance_sampling_trains_nothing_on_the_rejected_tokens():
         float(stale_batch.loss_mask[::2].sum() / stale_batch.loss_mask.sum()))
 
 
+def test_the_alarm_reads_the_tokens_of_the_version_the_trainer_holds():
+    """An older version's tokens differ from the trainer's by the policy's own change (no alarm, as
+    in any healthy async job); the held version's own tokens differ only by numerics, so a gap
+    there (an explorer whose weights are not the version it says) raises it."""
+    def held_as(version, stale=_stale):
+        def batch_of(batch):  # the same batch, its tokens' versions compared with `version`
+            explorer = TinyRolloutEngine(CONFIG, member="e0", sampling_seed=0)
+            experiences = explorer.rollout(build_task_set(CONFIG, seed=0).next_batch(), explore_step=1)
+            return stale(experience_batch(experiences, lambda r, m, g: batch.advantages, current_version=version))
+        return batch_of
+
+    stale_but_older, _, _ = _step({"rollout_is": "token"}, held_as(1))  # every token is version 0's
+    m = stale_but_older.metrics
+    assert m["rollout_corr/k3_kl"] > 0.1 and m["rollout_corr/on_policy_tokens"] == 0.0
+    assert "rollout_corr/on_policy_k3_kl" not in m and m[MISMATCH_ALARM] == 0.0
+    wrong_weights, _, _ = _step({"rollout_is": "token"}, held_as(0))  # the held version's own tokens
+    m = wrong_weights.metrics
+    assert m["rollout_corr/on_policy_k3_kl"] == pytest.approx(m["rollout_corr/k3_kl"]) and m[MISMATCH_ALARM] == 1.0
+    healthy, _, _ = _step({"rollout_is": "token"}, held_as(0, stale=lambda b: b))
+    assert healthy.metrics["rollout_corr/on_policy_k3_kl"] < 1e-8 and healthy.metrics[MISMATCH_ALARM] == 0.0
+
+
 def test_no_alarm_when_it_is_switched_off():
     result, _, _ = _step({"alarm_kl": None}, _stale)
     assert result.metrics[MISMATCH_ALARM] == 0.0 and result.metrics["rollout_corr/k3_kl"] > 0.1
@@ -139,7 +161,9 @@ def test_the_tiny_trainer_takes_the_correction_of_its_algorithm_section():
     engine = make_train_engine(job)
     explorer = TinyRolloutEngine(CONFIG, member="e0", sampling_seed=0)
     experiences = explorer.rollout(build_task_set(CONFIG, seed=0).next_batch(), explore_step=1)
-    stale = [dataclasses.replace(e, logprobs=tuple(x - 1.5 for x in e.logprobs)) for e in experiences]
+    # sampled, it says, by version 1 (the trainer's after one step), its logprobs 1.5 nats off
+    stale = [dataclasses.replace(e, logprobs=tuple(x - 1.5 for x in e.logprobs), model_version=1)
+             for e in experiences]
     on_policy = engine.train_step(experiences, current_version=0)
     assert on_policy["rollout_corr/k3_kl"] < 1e-8 and on_policy[MISMATCH_ALARM] == 0.0
     assert engine.train_step(stale, current_version=1)[MISMATCH_ALARM] == 1.0  # a 1.5-nat gap
