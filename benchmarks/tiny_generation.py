@@ -10,7 +10,9 @@ The shape of `benchmarks.async_speedup`: `--tasks` (16) tasks of `--group-size` 
   pool);
 - `rollout (pool)`: `TinyRolloutEngine.rollout`: unpadded prompts, KV cache, finished rows leave;
 - `streaming (pool)`: `admit` a step's tasks, then `collect` as many groups (the rest carry over),
-  in steady state after `--warmup` steps.
+  in steady state after `--warmup` steps. From an empty pool, admit n + collect n waits for all n
+  (nothing is carried: it is `rollout`); `--primed` (1) batches are admitted first, so that many
+  batches stay in flight and a long generation holds no step (`--primed 0`: none).
 
 Prints the median seconds per step of each (over `--steps` steps, the same task batches) and the
 speedups; the last line is JSON (also written to `--json`) with the load average it ran under.
@@ -61,6 +63,8 @@ def measure(args: argparse.Namespace) -> dict:
     static = _timed(lambda tasks, step: _static_step(engine, tasks, step, config.prompt_length), batches)
     rollout = _timed(lambda tasks, step: engine.rollout(tasks, explore_step=step), batches)
     collected = []
+    for prime in range(args.primed):  # what stays in flight: the pipeline's depth
+        engine.admit(task_set.next_batch(), explore_step=-1 - prime)
 
     def stream(tasks, step):
         engine.admit(tasks, explore_step=step)
@@ -73,7 +77,7 @@ def measure(args: argparse.Namespace) -> dict:
                                      ("streaming (pool)", streaming))}
     return {"benchmark": "tiny_generation", "tasks": args.tasks, "group_size": args.group_size,
             "task_length": args.task_length, "long_length": args.long_length, "long_fraction": args.long_fraction,
-            "steps": args.steps, "torch_threads": 1, "seconds_per_step": medians,
+            "steps": args.steps, "primed": args.primed, "torch_threads": 1, "seconds_per_step": medians,
             "speedup_rollout": medians["static (old)"] / medians["rollout (pool)"],
             "speedup_streaming": medians["static (old)"] / medians["streaming (pool)"],
             "load_average": os.getloadavg()}
@@ -88,6 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--long-fraction", type=float, default=0.1)
     parser.add_argument("--steps", type=int, default=12, help="steps timed (after the warmup)")
     parser.add_argument("--warmup", type=int, default=3, help="steps run first and not timed")
+    parser.add_argument("--primed", type=int, default=1, help="batches admitted before streaming starts")
     parser.add_argument("--json", type=Path, help="also write the result here")
     args = parser.parse_args(argv)
     result = measure(args)
