@@ -107,7 +107,8 @@ class Explorer:
         self.sampler = GroupSampler(batch_size=cfg.buffer.batch_size, max_gen_batches=sampling.max_num_gen_batches
                                     ) if sampling.dynamic_sampling else None
         self.taskset = make_taskset(cfg, seed=index, total_batches=cfg.explorers.total_steps * (
-            sampling.max_num_gen_batches if self.sampler else 1), batch_size=cfg.buffer.batch_size)
+            sampling.max_num_gen_batches if self.sampler else 1) + cfg.explorers.streaming,  # its lookahead
+            batch_size=cfg.buffer.batch_size)
         # One explorer evaluates: at a boundary every explorer holds the same version.
         self.evaluates = cfg.eval.enabled and index == 0
         self.eval_tasks = make_eval_tasks(cfg) if self.evaluates else []
@@ -658,7 +659,8 @@ class TaskSetLoop:
         """Split the step's tasks across the explorer's engines (one per local rank)."""
         engines = self.explorer.engines
         if self.streaming is not None:
-            return self.streaming.rollout(tasks, step, pause_point=self.explorer.pause_point)
+            return self.streaming.rollout(tasks, step, pause_point=self.explorer.pause_point,
+                                          more=self.explorer.taskset.next_batch)
         ratio = self.explorer.cfg.explorers.over_rollout_ratio
         if ratio:
             if self._pools is None:

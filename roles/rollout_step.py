@@ -123,21 +123,34 @@ class StreamingSteps:
     tasks to the generations it has in flight and gives back as many groups as it was given, the
     first to finish, whichever step admitted them (AReaL's and verl's streaming rollout: a long
     generation holds no step; a later step publishes it). Shares are split as a whole-batch rollout
-    splits them; engines name each group after the step that admitted it (`member-step-task`)."""
+    splits them; engines name each group after the step that admitted it (`member-step-task`).
+
+    An engine that collects as many groups as it holds waits for the slowest of them, so a step
+    that finds less than a step's worth in flight (the first, or the first after a restart) also
+    admits the next batch of the task set (`more`), as explore step `step + GEN_BATCH_STRIDE`: from
+    then on each step collects a step's worth out of two, and what is left runs on."""
 
     def __init__(self, engines: Sequence[Any]):
         self.engines = engines
         self._last: dict[str, float] = {}
 
-    def rollout(self, tasks: Sequence[Any], step: int, *, pause_point: Any = None) -> list:
-        experiences = []
+    def rollout(self, tasks: Sequence[Any], step: int, *, pause_point: Any = None,
+                more: Callable[[], Sequence[Any] | None] = lambda: None) -> list:
+        lookahead = more() if self.in_flight() < len(tasks) else None
         for engine, share in engine_shares(self.engines, tasks):
             engine.admit(share, explore_step=step)
-            experiences.extend(engine.collect(len(share), pause_point=pause_point))
-        carried = {e.group for e in experiences if e.group.rsplit("-", 2)[-2] != str(step)}
-        self._last = {"streaming_carried_groups": float(len(carried)),
-                      "streaming_in_flight_groups": float(sum(e.in_flight_groups() for e in self.engines))}
+        for engine, share in engine_shares(self.engines, lookahead or ()):
+            engine.admit(share, explore_step=step + GEN_BATCH_STRIDE)
+        experiences = [e for engine, share in engine_shares(self.engines, tasks)
+                       for e in engine.collect(len(share), pause_point=pause_point)]
+        carried = {e.group for e in experiences if int(e.group.rsplit("-", 2)[-2]) % GEN_BATCH_STRIDE != step}
+        self._last = {"streaming_carried_groups": float(len(carried)), "streaming_in_flight_groups": float(
+            self.in_flight())}
         return experiences
+
+    def in_flight(self) -> int:
+        """Groups admitted and not yet taken, over the engines."""
+        return sum(engine.in_flight_groups() for engine in self.engines)
 
     def metrics(self) -> dict[str, float]:
         """The last step's: groups it published that an earlier step admitted, and groups left in flight."""
