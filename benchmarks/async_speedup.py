@@ -1,13 +1,15 @@
 """What the async sync styles buy over synchronous RL: the same job run back to back in each mode.
 
-    python -m benchmarks.async_speedup [--steps 24] [--batch-size 16] [--quick] [--repeat N] [--json F]
+    python -m benchmarks.async_speedup [--steps 80] [--batch-size 16] [--quick] [--repeat N] [--json F]
 
 One tiny-engine job (trainer, two explorers, synchronizer, embedded nats-server, each its own process
 under `rolectl up`) on a task with long-tailed lengths: `--long-task-fraction` (10 %) of the tasks are
 `--long-task-length` digits (20), the rest `--task-length` (2), so most responses are 3 tokens and a
-few 21 (`model.long_task_length`, `model.long_task_fraction`). The tiny engine decodes a batch until
-its longest member is done, every row every step (a static batch, like a GPU engine without
-continuous batching): a batch holding one long task costs about as much as a batch of long ones.
+few 21 (`model.long_task_length`, `model.long_task_fraction`). The tiny engine generates as an
+inference server does (a KV cache, each prompt its own length, a finished row leaving the batch at
+once: `roles.engines.tiny_generation`), so a step's cost is its prefill and one decode pass per
+token of its longest response, and the trainer scores rows in length buckets (no padding). In a
+synchronous step the longest response holds everyone; streaming lets the short ones go.
 The job is the same in every mode but for how weights move:
 
 - `sync`: explorers wait at every sync (`fixed`, `sync_interval: 1`, `sync_offset: 0`);
@@ -17,7 +19,9 @@ The job is the same in every mode but for how weights move:
   is loaded between tokens, the generation goes on), `explorers.streaming` (generations run on across
   steps: a step publishes the first `--batch-size` groups to finish, a long one is published by a
   later step, as a continuously batched server streams), the staleness bound `synchronizer.max_ahead`
-  (`--max-ahead`, 1: explorers pause past one train step's worth of tasks beyond the trainer's next),
+  (`--max-ahead`, 2: explorers pause past two train steps' worth of tasks beyond the trainer's next;
+  at 1 the pause and its resume, a round trip through the synchronizer, left the trainer and the
+  explorers each idle about half the time),
   and the off-policy correction `algorithm.rollout_correction` (decoupled PPO with token-level
   truncated importance sampling capped at 2, verl's `rollout_is: token`).
 
@@ -296,14 +300,14 @@ _QUICK = {"steps": 6, "batch_size": 8}
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.async_speedup", description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=24, help="trainer steps per mode")
+    parser.add_argument("--steps", type=int, default=80, help="trainer steps per mode (80: the reward has moved)")
     parser.add_argument("--batch-size", type=int, default=16,
                         help="tasks per explore step (x2 explorers per train step)")
     parser.add_argument("--group-size", type=int, default=8, help="responses per task")
     parser.add_argument("--task-length", type=int, default=2, help="digits of a short task (its response: one more)")
     parser.add_argument("--long-task-length", type=int, default=20, help="digits of a long task")
     parser.add_argument("--long-task-fraction", type=float, default=0.1, help="the share of long tasks")
-    parser.add_argument("--max-ahead", type=int, default=1, help=f"synchronizer.max_ahead of {BOUNDED}")
+    parser.add_argument("--max-ahead", type=int, default=2, help=f"synchronizer.max_ahead of {BOUNDED}")
     parser.add_argument("--pin", choices=("split", "shared"), default="split",
                         help="split: the trainer on the first CPU, the rest on the others; shared: all on all")
     parser.add_argument("--reward-threshold", type=float, default=0.3, help="for seconds_to_reward")
