@@ -64,8 +64,9 @@ class KVCache:
     def __init__(self, policy: TinyPolicy, rows: int) -> None:
         first = policy.blocks[0]
         shape = (rows, first.n_heads, policy.max_seq_len, first.qkv.in_features // first.n_heads)
-        self.keys = [torch.zeros(shape) for _ in policy.blocks]
-        self.values = [torch.zeros(shape) for _ in policy.blocks]
+        dtype = policy.head.weight.dtype  # the weights' (an explorer may hold bf16: transport.wire_dtype)
+        self.keys = [torch.zeros(shape, dtype=dtype) for _ in policy.blocks]
+        self.values = [torch.zeros(shape, dtype=dtype) for _ in policy.blocks]
         self.lengths = torch.zeros(rows, dtype=torch.long)
 
     def __len__(self) -> int:
@@ -84,9 +85,10 @@ class KVCache:
         return copy
 
     def extend(self, other: KVCache) -> None:
-        """Append `other`'s rows after this cache's."""
-        self.keys = [torch.cat([a, b]) for a, b in zip(self.keys, other.keys)]
-        self.values = [torch.cat([a, b]) for a, b in zip(self.values, other.values)]
+        """Append `other`'s rows after this cache's, in `other`'s dtype (the weights' now: an engine
+        may be cast to the wire dtype after its pool's empty cache was made)."""
+        self.keys = [torch.cat([a.to(b.dtype), b]) for a, b in zip(self.keys, other.keys)]
+        self.values = [torch.cat([a.to(b.dtype), b]) for a, b in zip(self.values, other.values)]
         self.lengths = torch.cat([self.lengths, other.lengths])
 
     def assign(self, rows: Tensor, other: KVCache) -> None:

@@ -94,7 +94,7 @@ class GenerationPool:
         if weights_epoch != self._weights_epoch:
             self._stale = [True] * len(self.rows)
             self._weights_epoch = weights_epoch
-        logits = torch.empty(len(self.rows), self.policy.head.out_features)
+        logits = torch.empty(len(self.rows), self.policy.head.out_features, dtype=self.policy.head.weight.dtype)
         self._prefill(logits)
         self._decode(logits)
         return self._sample(logits, version)

@@ -169,3 +169,21 @@ def test_a_pause_inside_collect_loads_between_two_tokens():
     assert pause.loads == 1 and engine.version == 4
     assert {e.versions()[0] for e in experiences} == {0}
     assert any(e.versions()[1:] and set(e.versions()[1:]) == {4} for e in experiences)
+
+
+def test_an_explorer_holding_the_wire_dtype_generates_in_it():
+    """`transport.wire_dtype: bfloat16`: the rollout engine samples with bf16 weights, and its cache
+    and logits are bf16 too (a float32 cache refused the bf16 keys)."""
+    from rolectl.roles.config import parse_config
+    from rolectl.roles.engines import make_rollout_engine, make_taskset
+
+    cfg = parse_config({"job": "bf16", "model": {"engine": "tiny", "group_size": 4, "task_length": 2,
+                                                 "long_task_length": 6, "long_task_fraction": 0.5},
+                        "synchronizer": {"sync_method": "memory"}, "transport": {"wire_dtype": "bfloat16"}})
+    engine = make_rollout_engine(cfg, "explorer-0")
+    assert engine.policy.head.weight.dtype == torch.bfloat16
+    tasks = make_taskset(cfg, seed=0, batch_size=3).next_batch()
+    experiences = engine.rollout(tasks, explore_step=1)
+    assert len(experiences) == 3 * 4 and all(len(e.logprobs) == len(e.response) > 0 for e in experiences)
+    engine.admit(tasks, explore_step=2)
+    assert len({e.group for e in engine.collect(2)}) == 2
