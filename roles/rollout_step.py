@@ -137,12 +137,12 @@ class StreamingSteps:
     def rollout(self, tasks: Sequence[Any], step: int, *, pause_point: Any = None,
                 more: Callable[[], Sequence[Any] | None] = lambda: None) -> list:
         lookahead = more() if self.in_flight() < len(tasks) else None
-        for engine, share in engine_shares(self.engines, tasks):
+        shares = engine_shares(self.engines, tasks)
+        for engine, share in shares:
             engine.admit(share, explore_step=step)
         for engine, share in engine_shares(self.engines, lookahead or ()):
             engine.admit(share, explore_step=step + GEN_BATCH_STRIDE)
-        experiences = [e for engine, share in engine_shares(self.engines, tasks)
-                       for e in engine.collect(len(share), pause_point=pause_point)]
+        experiences = [e for engine, share in shares for e in engine.collect(len(share), pause_point=pause_point)]
         carried = {e.group for e in experiences if int(e.group.rsplit("-", 2)[-2]) % GEN_BATCH_STRIDE != step}
         self._last = {"streaming_carried_groups": float(len(carried)), "streaming_in_flight_groups": float(
             self.in_flight())}

@@ -99,8 +99,8 @@ class RequestPool:
         """Abort every request and forget every group not taken; how many groups there were."""
         self._abort_running()
         count = len(self.groups)
-        self.generations.clear(), self.groups.clear(), self.finished.clear(), self._request_of.clear()
-        self._running.clear()
+        for held in (self.generations, self.groups, self.finished, self._request_of, self._running):
+            held.clear()
         self._queued = []
         return count
 
