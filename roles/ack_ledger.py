@@ -8,7 +8,10 @@ restarted trainer neither loses an experience nor trains one twice:
   instead of waiting `ack_wait_s` for the server to hand them out again.
 - **pending** / **in_step**: the experiences fetched and not trained yet, and those of the step
   being trained (not trained until `train_step` returns: a save after a failed step must not ack
-  them). A checkpoint records, per held message, the indices still untrained (`partial`).
+  them). A checkpoint records, per held message, the indices still untrained (`partial`). A step's
+  experiences are the first pending ones in arrival order, trained in `train_order` (explore step,
+  explorer, its message, index): which explorer's batch landed first does not change the rows of a
+  step, nor so its minibatches (a synchronous job is reproducible).
 - **acked at save**: seqs a checkpoint marked trained whose ack is not confirmed. If one comes back
   it is acked, not trained (`receive`); a restart forgets those below the consumer's ack floor.
 - **unconfirmed**: those of them whose delivery this process still has: acked again at every save
@@ -33,12 +36,21 @@ from typing import Any
 from rolectl.bus.errors import AckFailed, describe
 from rolectl.bus.experiences import ExperienceReader, ReceivedBatch
 from rolectl.roles.session import write_json_atomic
-from rolectl.sync_protocol.experience import Experience
+from rolectl.sync_protocol.experience import Experience, ExperienceBatch
 
-__all__ = ["AckLedger", "Pending", "CheckpointAcks"]
+__all__ = ["AckLedger", "Pending", "CheckpointAcks", "train_order"]
 
 Pending = tuple[int, int, Experience]
 """(message seq, index in the message, experience): fetched, not trained on yet."""
+
+
+def train_order(batch: ExperienceBatch, seq: int, index: int) -> tuple[int, str, int, int]:
+    """Where experience `index` of message `seq` (holding `batch`) goes in a train step: by explore
+    step, then explorer, then the explorer's own order (its messages of a step in the order it
+    published them, each in its order: task, then response), as verl and TRL fix a batch's rows
+    before they split it. Only the explorer's name and step decide, never which one arrived first:
+    `seq` orders only the messages of one explorer's step, which it published one after another."""
+    return batch.explore_step, batch.member, seq, index
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,9 +152,11 @@ class AckLedger:
 
     # -- training ----------------------------------------------------------------------------------
     def start_step(self, size: int | None = None) -> list[Experience]:
-        """The experiences of the next step: the first `size` pending ones (all with None)."""
+        """The experiences of the next step: the first `size` pending ones (all with None), in
+        `train_order`."""
         cut = len(self.pending) if size is None else size
-        self.in_step, self.pending = self.pending[:cut], self.pending[cut:]
+        step, self.pending = self.pending[:cut], self.pending[cut:]
+        self.in_step = sorted(step, key=lambda item: train_order(self.held[item[0]].batch, item[0], item[1]))
         return [exp for _, _, exp in self.in_step]
 
     def step_trained(self) -> None:

@@ -75,6 +75,29 @@ async def test_a_message_is_acked_once_a_checkpoint_covers_it_and_a_restart_trai
     assert await reader.fetch(8, timeout=0.5) == []  # nothing left to train, nothing trained twice
 
 
+def _explorer_batch(member: str, step: int) -> ExperienceBatch:
+    return ExperienceBatch(member=member, explore_step=step, model_version=0, experiences=tuple(
+        Experience(id=f"{member}-{step}-{t}-{k}", group=f"{member}-{step}-{t}", prompt=(1, 2), response=(3,),
+                   logprobs=(-0.5,), reward=float(k), model_version=0) for t in range(2) for k in range(2)))
+
+
+@pytest.mark.parametrize("first", ["e1", "e0"])
+async def test_a_step_trains_its_experiences_in_one_order_whichever_explorer_published_first(conn, tmp_path,
+                                                                                               first):
+    """The rows of a step (so its minibatches) are in explore step, explorer, task, response order,
+    not in the order the explorers' batches reached the stream: a synchronous job is reproducible."""
+    second = "e0" if first == "e1" else "e1"
+    for member in (first, second):
+        await ExperiencePublisher(conn, member).publish(_explorer_batch(member, 1))
+    reader = ExperienceReader(conn, ack_wait_s=600)
+    ledger = AckLedger(reader, held_file=tmp_path / "held.json", log=structlog.get_logger())
+    await _receive_all(ledger, reader, 8)
+    assert [e.id for _, _, e in ledger.pending][0].startswith(first)  # as they arrived
+    assert [e.id for e in ledger.start_step(8)] == [f"{m}-1-{t}-{k}" for m in ("e0", "e1") for t in range(2)
+                                                   for k in range(2)]
+    await reader.aclose()
+
+
 async def test_a_redelivered_message_its_checkpoint_marked_trained_is_acked_not_trained(conn, tmp_path):
     seq = await ExperiencePublisher(conn, "e0").publish(_batch(1))
     reader = ExperienceReader(conn, ack_wait_s=600)
