@@ -466,7 +466,8 @@ async def measure(server: _Server, workdir: Path, *, method: str, explorers: int
                     idle_rate = await _watched(_idle_cpu(view, sync.pid, method, explorers, early), workers, sync,
                                                workdir, "the synchronizer's idle CPU")
                     stamps.samples.clear()
-                    cpu_before = [_cpu_seconds(sync.pid), sum(_cpu_seconds(p) for p in server.pids)]
+                    cpu_before = [_cpu_seconds(sync.pid), sum(_cpu_seconds(p) for p in server.pids),
+                                  sum(_cpu_seconds(w.pid) for w in workers), _cpu_seconds(os.getpid())]
                     bytes_before, decisions_before = await _stream_bytes(conn), _decisions_seen(view)
                     first_counted_seq = view.last_seq + 1
                     counted_from = time.monotonic()
@@ -483,6 +484,8 @@ async def measure(server: _Server, workdir: Path, *, method: str, explorers: int
                     counted_s = time.monotonic() - counted_from
                     sync_cpu = _cpu_seconds(sync.pid) - cpu_before[0]
                     server_cpu = sum(_cpu_seconds(p) for p in server.pids) - cpu_before[1]
+                    workers_cpu = sum(_cpu_seconds(w.pid) for w in workers) - cpu_before[2]
+                    controller_cpu = _cpu_seconds(os.getpid()) - cpu_before[3]
                     stream_bytes = await _stream_bytes(conn) - bytes_before
                     decisions = _decisions_seen(view) - decisions_before
                     rss, peak = _rss_mb(sync.pid)
@@ -538,6 +541,13 @@ async def measure(server: _Server, workdir: Path, *, method: str, explorers: int
         "sync_ms_per_member": round(1000 * sync_cpu / rounds / explorers, 3),  # per explorer answered
         "sync_rss_mb": rss, "sync_peak_rss_mb": peak,
         "server_ms_per_round": round(1000 * server_cpu / rounds, 1),
+        # the simulated fleet's processes and this one (the trainer's session and its view of the job)
+        "workers_ms_per_round": round(1000 * workers_cpu / rounds, 1),
+        "controller_ms_per_round": round(1000 * controller_cpu / rounds, 1),
+        # every process's CPU over what the machine's cores had in the counted rounds: near 1, the
+        # rounds wait for CPU, and the latencies measure the machine as much as the code
+        "machine_busy": round((sync_cpu + server_cpu + workers_cpu + controller_cpu)
+                              / ((os.cpu_count() or 1) * counted_s), 2),
         "bytes_per_step": int(stream_bytes / rounds),
         "round_ms": round(1000 * counted_s / rounds, 1),
         "workers_cpu_s": round(sum(rep["cpu_s"] for rep in reports), 1),
@@ -556,6 +566,9 @@ def _print(res: dict) -> None:
             f"{res['sync_rss_mb']} MB (peak {res['sync_peak_rss_mb']}) | server {res['server_ms_per_round']} ms "
             f"CPU/round | {res['bytes_per_step']} stream bytes/step | round {res['round_ms']} ms | load "
             f"{res['loadavg']}")
+    line += (f"\n{'':>14}CPU ms per round: synchronizer {res['sync_ms_per_round']}, server "
+             f"{res['server_ms_per_round']}, fleet {res['workers_ms_per_round']}, trainer "
+             f"{res['controller_ms_per_round']}; the machine busy {res['machine_busy']} of its cores")
     print(line, flush=True)
     print(f"{'':>14}member path p50 / p99 ms: {_path_text(res['member_path_ms'])}", flush=True)
     if "intake" in res:
@@ -575,7 +588,8 @@ def _path_text(path: dict) -> str:
 _COLUMNS = ["N", "method", "worker processes", "member p50 / p99 ms", "stream p50 / p99 ms",
             "member path p50 / p99 ms: publish to recorded, to decided, to the member's view",
             "sync ms per decision (net of heartbeats)", "sync ms per explorer answered", "sync CPU ms per round",
-            "sync RSS MB (peak)", "server CPU ms per round", "stream bytes per step (per explorer)",
+            "sync RSS MB (peak)", "server CPU ms per round",
+            "fleet / trainer CPU ms per round, machine busy", "stream bytes per step (per explorer)",
             "intake MB/s, experiences/s", "server restart: first decision / every explorer (s)", "load"]
 
 
@@ -589,6 +603,7 @@ def _row(res: dict) -> list[str]:
             f"{res['sync_ms_per_decision']:.3f} ({res['sync_ms_per_decision_net']:.3f})",
             f"{res['sync_ms_per_member']:.3f}", f"{res['sync_ms_per_round']:.0f}",
             f"{res['sync_rss_mb']:.0f} ({res['sync_peak_rss_mb']:.0f})", f"{res['server_ms_per_round']:.0f}",
+            f"{res['workers_ms_per_round']:.0f} / {res['controller_ms_per_round']:.0f}, {res['machine_busy']:.2f}",
             f"{res['bytes_per_step']} ({res['bytes_per_step'] // res['explorers']})",
             f"{intake['mb_per_s']}, {intake['records_per_s']:.0f}" if intake else "—",
             f"{herd['first_decision_s']} / {herd['all_explorers_s']}" if herd else "—",
