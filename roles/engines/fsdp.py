@@ -124,7 +124,8 @@ class FSDPTrainEngine(StageTraining):
                                 forward=model_forward(self.pad_id, str(self.device), config.temperature),
                                 max_grad_norm=config.max_grad_norm, minibatches=config.minibatches,
                                 micro_batch_size=config.micro_batch_size, rank=self.rank,
-                                world_size=self.world_size, correction=self.algorithm.correction())
+                                world_size=self.world_size, correction=self.algorithm.correction(),
+                                micro_batch_tokens=config.micro_batch_tokens)
         self.loss_fn = self.algorithm.loss_function()
         self.expert = mixed_batches(expert, self.tokenizer, rl_loss=self.loss_fn) if expert is not None else None
         self.group_size = config.group_size

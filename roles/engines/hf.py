@@ -3,7 +3,7 @@
 `HFTrainEngine.train_step` computes advantages and the policy loss with verl's `core_algos`
 (`roles.engines.algorithms`) and runs the one training step (`roles.engines.step`): `minibatches`
 optimizer steps over slices of the batch's groups, each accumulated over micro-batches of
-`micro_batch_size` sequences. Checkpoints are safetensors (model,
+`micro_batch_size` sequences (and at most `micro_batch_tokens` tokens, when set). Checkpoints are safetensors (model,
 optimizer tensors, RNG) plus JSON: no pickle. `HFRolloutEngine` samples with `generate` under a seed
 derived from (member, explore step, task), scores decoded text with the job's reward functions, and
 tags each experience with the version it sampled with.
@@ -175,7 +175,8 @@ class HFTrainEngine(StageTraining):
         self.update = TrainStep(model=self.model, optimizer=self.optimizer,
                                 forward=model_forward(self.pad_id, config.device, config.temperature),
                                 max_grad_norm=config.max_grad_norm, minibatches=config.minibatches,
-                                micro_batch_size=config.micro_batch_size, correction=self.algorithm.correction())
+                                micro_batch_size=config.micro_batch_size, correction=self.algorithm.correction(),
+                                micro_batch_tokens=config.micro_batch_tokens)
         self.loss_fn = self.algorithm.loss_function()
         self.expert = mixed_batches(expert, self.tokenizer, rl_loss=self.loss_fn) if expert is not None else None
         self.group_size = config.group_size

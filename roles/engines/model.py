@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -12,7 +12,6 @@ from .losses import token_entropy
 
 __all__ = [
     "KVCache", "TinyPolicy", "build_base_policy", "response_logprobs", "scored_tokens", "sample_responses",
-    "sample_turns",
 ]
 
 
@@ -267,60 +266,3 @@ def sample_responses(
         responses.append(row_tokens[:length])
         logprobs_out.append(row_logprobs[:length])
     return responses, logprobs_out
-
-
-@torch.no_grad()
-def sample_turns(
-    policy: TinyPolicy,
-    sequences: Sequence[Sequence[int]],
-    *,
-    max_tokens: Sequence[int],
-    seeds: Sequence[int],
-    allowed_tokens: Tensor,
-    stop_tokens: Sequence[int],
-    pad_token: int,
-    temperature: float,
-) -> list[tuple[list[int], list[float], bool]]:
-    """Continue each token sequence (of any length) by one turn: at most its `max_tokens`, stopping at
-    a stop token, kept (greedy at temperature 0). Returns per sequence (tokens, logprobs, stopped).
-
-    Sequences are right-padded (causal attention: a row's next token is read at its own last
-    position). Each row draws its Gumbel noise from a generator seeded by its own seed, so a row
-    samples the same turn whatever else is in the batch.
-    """
-    rows = len(sequences)
-    lengths = torch.tensor([len(s) for s in sequences])
-    width = max(len(s) + m for s, m in zip(sequences, max_tokens))
-    if width > policy.max_seq_len:
-        raise ValueError(f"a sequence of {width} tokens passes the tiny policy's {policy.max_seq_len} positions "
-                         "(prompt_length + the trajectory's token budget)")
-    tokens = torch.full((rows, width), pad_token)
-    for row, sequence in enumerate(sequences):
-        tokens[row, :len(sequence)] = torch.tensor(list(sequence), dtype=torch.long)
-    vocab = policy.head.out_features
-    noise = torch.stack([-torch.log(-torch.log(torch.rand((max(max_tokens), vocab),
-                                                          generator=torch.Generator().manual_seed(seed % 2**63))
-                                               .clamp(min=1e-20))) for seed in seeds])
-    limits = torch.tensor(list(max_tokens))
-    stops = torch.tensor(list(stop_tokens))
-    position = lengths.clone()
-    done = torch.zeros(rows, dtype=torch.bool)
-    stopped = torch.zeros(rows, dtype=torch.bool)
-    picks, picked_logprobs = torch.full((rows, max(max_tokens)), -1), torch.zeros(rows, max(max_tokens))
-    for step in range(max(max_tokens)):
-        live = (~done).nonzero().squeeze(1)
-        if len(live) == 0:
-            break
-        logits = policy(tokens[live, :int(position[live].max())])
-        last = logits[torch.arange(len(live)), position[live] - 1]
-        logprobs = _masked_log_softmax(last, allowed_tokens, temperature or 1.0)
-        picked = logprobs.argmax(-1) if temperature == 0 else (logprobs + noise[live, step]).argmax(-1)
-        picks[live, step] = picked
-        picked_logprobs[live, step] = logprobs.gather(-1, picked.unsqueeze(-1)).squeeze(-1)
-        tokens[live, position[live]] = picked
-        position[live] += 1
-        stopped[live] = torch.isin(picked, stops)
-        done[live] = stopped[live] | (position[live] - lengths[live] >= limits[live])
-    counts = (position - lengths).tolist()
-    return [(picks[row, :n].tolist(), picked_logprobs[row, :n].tolist(), bool(stopped[row]))
-            for row, n in enumerate(counts)]

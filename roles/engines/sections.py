@@ -254,6 +254,11 @@ class HFModelSection(Section):
     """Optimizer steps per train step, each on a slice of the groups."""
     micro_batch_size: PositiveInt = 64
     """Sequences per forward/backward (gradient accumulation)."""
+    micro_batch_tokens: PositiveInt | None = None
+    """Tokens per forward/backward, as a padded micro-batch costs them (rows x its longest row's
+    prompt and response): each rank's rows sorted by length and packed up to it, at most
+    `micro_batch_size` rows each, a longer row alone (verl's `use_dynamic_bsz`); rows dealt to ranks
+    by length. The same loss and gradients, less padding on long-tailed batches; unset: rows in order."""
     gradient_checkpointing: StrictBool = False
     """Recompute activations in the backward pass (less memory, more time)."""
     vllm: Annotated[dict[str, Any], Strict()] = {}
@@ -300,8 +305,8 @@ class FSDPSection(Section):
 class FSDPModelSection(HFModelSection):
     """`model:` for `engine: fsdp`: the `hf` engine's model sharded over the trainer's ranks with
     FSDP2 (`trainer.world_size`). Explorers use the `hf` rollout (or `rollout_engine: vllm`).
-    `micro_batch_size` counts sequences per rank per forward/backward; `dtype` is what the explorers
-    load and what the weight stream and the Hugging Face export carry."""
+    `micro_batch_size` counts sequences (`micro_batch_tokens` tokens) per rank per forward/backward;
+    `dtype` is what the explorers load and what the weight stream and the Hugging Face export carry."""
 
     engine: Literal["fsdp"] = "fsdp"  # type: ignore[assignment]
     """The trainer's engine (its explorers use the hf rollout unless rollout_engine names another)."""

@@ -63,12 +63,19 @@ None, loss mask with rejected tokens off, metrics)`, all `(rows, width)` (`algor
 
 
 def micro_batches(rows: Sequence[int], groups: Sequence[str], *, size: int | None, rank: int = 0,
-                  world_size: int = 1, keep_groups: bool = False) -> tuple[list[list[int]], int]:
+                  world_size: int = 1, keep_groups: bool = False, max_tokens: int | None = None,
+                  lengths: Sequence[int] | None = None) -> tuple[list[list[int]], int]:
     """This rank's micro-batches of a minibatch's `rows`, and how many passes every rank makes.
 
     Rows are dealt to ranks in turn, one at a time (with `keep_groups`, a group at a time), and each
     rank's cut into micro-batches of at most `size` rows (a group larger than that stands alone;
     `size` None: one micro-batch per rank).
+
+    With a token budget `max_tokens` (verl's dynamic batch size), `lengths[row]` being the tokens a
+    row's forward pads to: the rows (groups) are dealt longest first, each to the rank with the
+    fewest tokens so far, and each rank's are sorted longest first and cut where a micro-batch would
+    cost more than `max_tokens` counted as its padded forward costs them (rows x its longest row),
+    or hold more than `size` rows. A row (group) over the budget alone stands alone.
     """
     if keep_groups:
         by_group: dict[str, list[int]] = {}
@@ -77,7 +84,14 @@ def micro_batches(rows: Sequence[int], groups: Sequence[str], *, size: int | Non
         units = list(by_group.values())
     else:
         units = [[row] for row in rows]
-    per_rank = [_pack(units[r::world_size], size) for r in range(world_size)]
+    if max_tokens is None:
+        per_rank = [_pack(units[r::world_size], size) for r in range(world_size)]
+    else:
+        if lengths is None:
+            raise ValueError("micro_batches: a token budget (max_tokens) needs each row's length (lengths)")
+        longest = {id(unit): max(lengths[row] for row in unit) for unit in units}
+        per_rank = [_pack_tokens(share, size, max_tokens, longest)
+                    for share in _deal_by_tokens(units, longest, world_size)]
     return per_rank[rank], max(len(batches) for batches in per_rank)
 
 
@@ -88,6 +102,36 @@ def _pack(units: list[list[int]], size: int | None) -> list[list[int]]:
         if current and size is not None and len(current) + len(unit) > size:
             packed.append(current)
             current = []
+        current = current + unit
+    return [*packed, current] if current else packed
+
+
+def _deal_by_tokens(units: list[list[int]], longest: dict[int, int], world_size: int) -> list[list[list[int]]]:
+    """`units` dealt to `world_size` ranks, the costliest first (rows x longest row), each to the rank
+    with the fewest tokens so far (the lowest rank of equals): longest-processing-time-first, as
+    verl's `rearrange_micro_batches` balances its sequence-length partitions."""
+    shares: list[list[list[int]]] = [[] for _ in range(world_size)]
+    loads = [0] * world_size
+    for unit in sorted(units, key=lambda unit: -len(unit) * longest[id(unit)]):  # stable: equals keep row order
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        shares[rank].append(unit)
+        loads[rank] += len(unit) * longest[id(unit)]
+    return shares
+
+
+def _pack_tokens(units: list[list[int]], size: int | None, max_tokens: int,
+                 longest: dict[int, int]) -> list[list[int]]:
+    """`units` sorted longest first and cut where a micro-batch would cost more than `max_tokens`
+    (rows x its longest row: the first unit's, as they come longest first) or hold more than `size` rows."""
+    packed: list[list[int]] = []
+    current: list[int] = []
+    width = 0
+    for unit in sorted(units, key=lambda unit: -longest[id(unit)]):
+        over_rows = size is not None and len(current) + len(unit) > size
+        if current and (over_rows or (len(current) + len(unit)) * width > max_tokens):
+            packed.append(current)
+            current = []
+        width = width if current else longest[id(unit)]
         current = current + unit
     return [*packed, current] if current else packed
 
@@ -120,7 +164,10 @@ class TrainStep:
     """The training step of one engine's model: built once, run on every batch with a loss function.
 
     `minibatches` optimizer steps per batch, each over a slice of its groups; `micro_batch_size`
-    rows per forward/backward (None: a rank's whole share in one pass). `reference` is the frozen
+    rows per forward/backward (None: a rank's whole share in one pass); with `micro_batch_tokens`,
+    also at most that many tokens per forward/backward, rows of like length together (counted as the
+    padded forward costs them: rows x the longest's prompt and response; `micro_batches`), a
+    different cut of the same loss. `reference` is the frozen
     model a loss that `needs_reference` is compared with. `rank`/`world_size` > 1: a sharded model
     whose ranks all call `train_batch` with the same batch. `correction`: the off-policy correction
     applied to every batch (None: PPO's ratio against the sampler's logprobs).
@@ -128,13 +175,15 @@ class TrainStep:
 
     def __init__(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, forward: Forward,
                  max_grad_norm: float, minibatches: int, micro_batch_size: int | None, reference: Any = None,
-                 rank: int = 0, world_size: int = 1, correction: Correction | None = None) -> None:
+                 rank: int = 0, world_size: int = 1, correction: Correction | None = None,
+                 micro_batch_tokens: int | None = None) -> None:
         self.model = model
         self.optimizer = optimizer
         self.forward = forward
         self.max_grad_norm = max_grad_norm
         self.minibatches = minibatches
         self.micro_batch_size = micro_batch_size
+        self.micro_batch_tokens = micro_batch_tokens
         self.reference = reference
         self.rank, self.world_size = rank, world_size
         self.correction = correction
@@ -186,8 +235,7 @@ class TrainStep:
         `loss_mask` is: each rank scores its share (all making the same passes), and the ranks add
         their shares up, so every rank holds the whole batch's."""
         rows = list(range(len(batch)))
-        mine, passes = micro_batches(rows, batch.groups, size=self.micro_batch_size, rank=self.rank,
-                                     world_size=self.world_size, keep_groups=False)
+        mine, passes = self._micro_batches(batch, rows, keep_groups=False)
         proximal = torch.zeros_like(batch.old_logprobs)
         with torch.no_grad():
             for index in range(passes):
@@ -221,8 +269,7 @@ class TrainStep:
                           measured: _MetricSums, *, backward: bool = True) -> float:
         """Accumulate this rank's gradients of one minibatch (`backward`); its loss summed over
         ranks. Each real micro-batch's metrics go to `measured`."""
-        mine, passes = micro_batches(rows, batch.groups, size=self.micro_batch_size, rank=self.rank,
-                                     world_size=self.world_size, keep_groups=loss_fn.keeps_groups)
+        mine, passes = self._micro_batches(batch, rows, keep_groups=loss_fn.keeps_groups)
         tokens = int(batch.loss_mask[rows].sum())
         local_loss = 0.0
         for index in range(passes):
@@ -239,6 +286,16 @@ class TrainStep:
                 local_loss += float(loss.detach())
                 measured.add(metrics)
         return self._sum_over_ranks([local_loss])[0]
+
+    def _micro_batches(self, batch: TrainBatch, rows: list[int], *, keep_groups: bool) -> tuple[list[list[int]], int]:
+        """This rank's micro-batches of `rows` and every rank's passes (`micro_batches`); a row's
+        length is its prompt and response, the width a causal LM's forward pads it to."""
+        lengths = None
+        if self.micro_batch_tokens is not None:
+            lengths = [len(prompt) + len(response) for prompt, response in zip(batch.prompts, batch.responses)]
+        return micro_batches(rows, batch.groups, size=self.micro_batch_size, rank=self.rank,
+                             world_size=self.world_size, keep_groups=keep_groups,
+                             max_tokens=self.micro_batch_tokens, lengths=lengths)
 
     def _micro_batch(self, batch: TrainBatch, rows: list[int], loss_fn: LossFunction, *, tokens: int,
                      sequences: int, minibatch: list[int]) -> MicroBatch:

@@ -27,7 +27,7 @@ from .algorithms import RolloutCorrection
 from .base import PausePoint, Task, WeightsMismatch
 from .grpo import ClippedPolicyLoss, token_group_advantages
 from .losses import LossFunction, TokenScores, TrainBatch, experience_batch
-from .model import TinyPolicy, build_base_policy, sample_turns, scored_tokens
+from .model import TinyPolicy, build_base_policy, scored_tokens
 from .sections import RolloutCorrectionSection, TinyModelSection
 from .step import TrainStep, step_metrics
 from .streaming import DEFAULT_BUCKET_BYTES, NamedTensors, buckets_of
@@ -35,7 +35,6 @@ from .task import (
     AGENT_RESPONSE_TOKENS,
     AGENT_VOCAB_SIZE,
     EOS,
-    PAD,
     QUERY,
     RESPONSE_TOKENS,
     VOCAB_SIZE,
@@ -324,8 +323,8 @@ class TinyRolloutEngine:
         self.version = version
         self._weights_epoch += 1  # every cached key/value was computed by the old weights
 
-    def _pool(self, temperature: float) -> GenerationPool:
-        return GenerationPool(self.policy, allowed_tokens=self.allowed_tokens, stop_tokens=(EOS,),
+    def _pool(self, temperature: float, stop_tokens: Sequence[int] = (EOS,)) -> GenerationPool:
+        return GenerationPool(self.policy, allowed_tokens=self.allowed_tokens, stop_tokens=stop_tokens,
                               temperature=temperature)
 
     def _admit(self, generations: GroupedGenerations, tasks: Sequence[Task], explore_step: int) -> None:
@@ -386,14 +385,18 @@ class TinyRolloutEngine:
 
     def generate_turns(self, sequences: Sequence[Sequence[int]], *, max_tokens: Sequence[int],
                        seeds: Sequence[int]) -> list[TurnOutput]:
-        """One model turn per sequence (the agent loop's `TurnGenerator`), each sampled from its own seed."""
-        if not sequences:
-            return []
-        turns = sample_turns(self.policy, sequences, max_tokens=max_tokens, seeds=seeds,
-                             allowed_tokens=self.allowed_tokens, stop_tokens=self.layout.stop_tokens, pad_token=PAD,
-                             temperature=self.config.temperature)
-        return [TurnOutput(tokens=tuple(tokens), logprobs=tuple(logprobs), version=self.version, finished=finished)
-                for tokens, logprobs, finished in turns]
+        """One model turn per sequence (the agent loop's `TurnGenerator`), on the generation pool as
+        rollouts are: a turn ends at a stop token or at its `max_tokens`, and each is sampled from its
+        own seed, so its tokens do not depend on what else is in the batch."""
+        pool = self._pool(self.config.temperature, stop_tokens=self.layout.stop_tokens)
+        for index, (sequence, limit, seed) in enumerate(zip(sequences, max_tokens, seeds, strict=True)):
+            pool.admit(index, sequence, max_new_tokens=limit, seed=seed % 2**63)
+        turns: list[TurnOutput] = [None] * len(sequences)  # type: ignore[list-item]  # each filled once
+        while pool.live:
+            for row in pool.step(version=self.version, weights_epoch=self._weights_epoch):
+                turns[row.key] = TurnOutput(tokens=tuple(row.tokens), logprobs=tuple(row.logprobs),  # type: ignore[index]
+                                            version=self.version, finished=row.stopped)
+        return turns
 
     def agent_renderer(self) -> TinyRenderer:
         """How an agent's episodes are rendered in the tiny vocabulary."""

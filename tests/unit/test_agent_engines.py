@@ -35,7 +35,9 @@ def test_a_tiny_turn_is_sampled_from_its_own_seed_whatever_else_is_in_the_batch(
     sequences = [[10, 13, 13, 13, 13, 11], [10, 13, 13, 13, 13, 11, QUERY, 1, 2, 3, 4, 11]]
     both = engine.generate_turns(sequences, max_tokens=[5, 3], seeds=[1, 2])
     alone = engine.generate_turns(sequences[1:], max_tokens=[3], seeds=[2])
-    assert both[1] == alone[0]
+    # the same tokens; the logprobs to float rounding (a decode over two rows or one sums differently)
+    assert (both[1].tokens, both[1].finished) == (alone[0].tokens, alone[0].finished)
+    assert list(both[1].logprobs) == pytest.approx(list(alone[0].logprobs), abs=1e-6)
     assert both[0] != engine.generate_turns(sequences[:1], max_tokens=[5], seeds=[3])[0]
     for turn, limit in zip(both, [5, 3]):
         assert 1 <= len(turn.tokens) <= limit and set(turn.tokens) <= set(AGENT_RESPONSE_TOKENS)
