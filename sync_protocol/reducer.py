@@ -574,15 +574,17 @@ def _member_released(tx: _Tx, round_id: int, member: MemberState, reason: Releas
 # Round machinery: open, gather, and apply a row of ROUND_TRANSITIONS
 
 
-def _open_round(tx: _Tx, opener: MemberState, participants: MemberKeys) -> RoundState:
+def _open_round(tx: _Tx, opener: MemberState, participants: MemberKeys | None = None) -> RoundState:
+    """A round `opener` waits in, among `participants` (None: the opener alone, as in a pull round)."""
+    waiting = member_keys((opener.ref.key,))
     rnd = RoundState(
         id=tx.next_round,
         method=tx.require_config().sync_method,
         opened_by=opener.ref,
         opened_at_ms=tx.time_ms,
         opened_seq=tx.seq,
-        waiting=member_keys((opener.ref.key,)),
-        participants=participants,
+        waiting=waiting,
+        participants=waiting if participants is None else participants,
         phase=_WAITING,
         version=opener.version,
         epoch=tx.group.epoch,
@@ -684,7 +686,7 @@ def _request_sync(tx: _Tx, member: MemberState) -> None:
 
 def _request_pull(tx: _Tx, member: MemberState) -> None:
     # every request gets a round, even one answered at once, so each request is visible in the log
-    rnd = _open_round(tx, member, member_keys((member.ref.key,)))
+    rnd = _open_round(tx, member)
     if tx.latest.version > member.version or member.version == -1:
         _apply(tx, rnd, Trigger.NEW_VERSION)
     elif tx.trainer_finished():
@@ -712,8 +714,8 @@ def _request_rendezvous(tx: _Tx, member: MemberState) -> None:
                 return
             # a trainer away (restarting) is waited for: its next incarnation joins this round
     elif key not in rnd.waiting:
-        participants = rnd.participants if key in rnd.participants else _with(rnd.participants, key)
-        rnd = tx.update_round(rnd.id, waiting=_with(rnd.waiting, key), participants=participants)
+        rnd = tx.update_round(rnd.id, waiting=rnd.waiting.with_key(key),
+                              participants=rnd.participants.with_key(key))
     _settle_rendezvous(tx, rnd)
 
 
@@ -739,30 +741,13 @@ def _leave(tx: _Tx, member: MemberState) -> None:
         elif key in rnd.waiting or key in rnd.participants:
             rnd = tx.update_round(
                 rnd.id,
-                waiting=_without(rnd.waiting, key),
-                participants=_without(rnd.participants, key),
+                waiting=rnd.waiting.without_key(key),
+                participants=rnd.participants.without_key(key),
             )
             if rnd.method.is_rendezvous:
                 _settle_rendezvous(tx, rnd)  # may now be complete without it
             elif not rnd.waiting:
                 _apply(tx, rnd, Trigger.NOBODY_WAITING)
-
-
-def _with(keys: MemberKeys, key: str) -> MemberKeys:
-    """`keys` and `key` (last), as a new read-only mapping: one dict copy in C (`copy` of the
-    mapping under the proxy), however long."""
-    more = keys.copy()
-    more[key] = None
-    return MappingProxyType(more)
-
-
-def _without(keys: MemberKeys, key: str) -> MemberKeys:
-    """`keys` less `key`, in order (one dict copy; `keys` itself when it is not there)."""
-    if key not in keys:
-        return keys
-    rest = keys.copy()
-    del rest[key]
-    return MappingProxyType(rest)
 
 
 def _in_round(tx: _Tx, key: str) -> bool:
@@ -774,7 +759,7 @@ def _withdraw(tx: _Tx, key: str) -> None:
     expected rendezvous participant)."""
     for rnd in list(tx.rounds.values()):
         if rnd.phase is _WAITING and key in rnd.waiting:
-            rnd = tx.update_round(rnd.id, waiting=_without(rnd.waiting, key))
+            rnd = tx.update_round(rnd.id, waiting=rnd.waiting.without_key(key))
             if not rnd.waiting:
                 _apply(tx, rnd, Trigger.NOBODY_WAITING)
 
@@ -794,7 +779,7 @@ def _report_done(tx: _Tx, event: WeightsLoaded | WeightsBroadcast, member: Membe
         raise _illegal(event, f"round {rnd.id} transfers version {rnd.version}", member)
     if key in rnd.reported:
         return  # a repeated report changes nothing
-    rnd = tx.update_round(rnd.id, reported=_with(rnd.reported, key), waiting=_without(rnd.waiting, key))
+    rnd = tx.update_round(rnd.id, reported=rnd.reported.with_key(key), waiting=rnd.waiting.without_key(key))
     # Its part is done: it is running again, so its next REQUIRE_SYNC is a new request (for the
     # next round) even while slower peers are still receiving this one.
     tx.update_member(key, status=_RUNNING)
@@ -916,7 +901,7 @@ def _on_member_joined(tx: _Tx, event: MemberJoined, _: None) -> None:
         # a late joiner becomes a participant of the rendezvous being gathered: it waits for it too
         rnd = _waiting_rendezvous_round(tx)
         if rnd is not None and key not in rnd.participants:
-            tx.update_round(rnd.id, participants=_with(rnd.participants, key))
+            tx.update_round(rnd.id, participants=rnd.participants.with_key(key))
 
 
 def _on_status_changed(tx: _Tx, event: StatusChanged, member: MemberState) -> None:

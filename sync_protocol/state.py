@@ -1,10 +1,10 @@
 """The job's sync state as the reducer folds it: members, latest version, open rounds, the group.
 
 Every class here is a frozen msgspec `Struct` (slotted, no `__dict__`) and every mapping a read-only
-view (the members an immutable `MemberMap`), so a state returned by `reduce` can be kept, shared
-between threads, compared and replayed; nothing ever changes it. The reducer builds successors
-with `msgspec.structs.replace`, which copies without re-validating (the reducer only ever writes
-well-typed values).
+view (the members an immutable `MemberMap`, a round's member keys `MemberKeys`), so a state returned
+by `reduce` can be kept, shared between threads, compared and replayed; nothing ever changes it. The
+reducer builds successors with `msgspec.structs.replace`, which copies without re-validating (the
+reducer only ever writes well-typed values).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from .config import SyncConfig
 from .enums import Role, RunningStatus, SyncMethod
 from .errors import UnboundRendezvous
 from .events import MemberRef, RankAssignment, RendezvousReady
-from .members import MemberMap
+from .members import MemberKeys, MemberMap
 
 __all__ = [
     "MemberKeys",
@@ -37,15 +37,14 @@ def _empty() -> Mapping[str, float]:
     return MappingProxyType({})
 
 
-MemberKeys = MappingProxyType[str, None]
-"""Member keys in the order they came, as a read-only dict (`member_keys`): whether one is there
-costs one lookup, not a scan. A rendezvous round of 1,024 explorers asks it at every arrival and
-report; with tuples that was O(N) each, about half of the fold's time for such a round."""
-
-
 def member_keys(keys: Iterable[str] = ()) -> MemberKeys:
-    """`keys`, in order, as `MemberKeys`."""
-    return MappingProxyType(dict.fromkeys(keys))
+    """`keys`, in order, as `MemberKeys`. A rendezvous round of N explorers asks whether a key is
+    there at every arrival and report, and adds or drops one: a scan (tuples) or a whole copy (dicts)
+    each time made a round cost O(N^2); `MemberKeys` looks up once and copies one page."""
+    return MemberKeys(keys)
+
+
+_NO_KEYS = MemberKeys()  # one for every default: it never changes, and its successors share nothing with it
 
 
 class RoundPhase(str, Enum):
@@ -122,12 +121,12 @@ class RoundState(msgspec.Struct, frozen=True, kw_only=True):
     opened_by: MemberRef
     opened_at_ms: int
     opened_seq: int
-    waiting: MemberKeys = msgspec.field(default_factory=member_keys)
-    participants: MemberKeys = msgspec.field(default_factory=member_keys)
+    waiting: MemberKeys = _NO_KEYS
+    participants: MemberKeys = _NO_KEYS
     phase: RoundPhase = RoundPhase.WAITING
     version: int = 0
     epoch: int = 0
-    reported: MemberKeys = msgspec.field(default_factory=member_keys)
+    reported: MemberKeys = _NO_KEYS
 
     @property
     def is_rendezvous(self) -> bool:
