@@ -24,6 +24,7 @@ from rolectl.bus.server import NatsServer
 from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream
 from rolectl.bus.weights.base import WeightsNotFound
 from rolectl.bus.weights.object_store import ObjectStoreTransport
+from rolectl.roles.job_view import JobView
 from rolectl.sync_protocol import MemberRef, Role, StepFinished, encode
 from tests.support.wait import wait_until, wait_until_sync
 
@@ -301,3 +302,35 @@ async def test_replicas_on_a_single_server_is_a_clear_error(nats_url, job_name):
     async with connect(nats_url, job=job_name, role="observer", member="o") as conn:
         with pytest.raises(BusError, match="not part of a JetStream cluster.*nats.replicas: 1"):
             await ensure_event_stream(conn.js, conn.names, replicas=3)
+
+
+# -- a view starting ---------------------------------------------------------------------------
+
+async def test_a_job_view_starting_while_the_server_is_away_waits_for_it(own_server):
+    """A role that starts while the server restarts (or a cluster elects a stream leader after losing
+    a node: the soak's trainer, restarted into one, exited 1) asks for the stream's end and gets no
+    answer: its view asks again until the server is back, then catches up."""
+    async with connect(own_server.url, job="view-start", role="observer", member="o") as conn:
+        await ensure_event_stream(conn.js, conn.names)
+        seq = await EventPublisher(conn, ME).publish(StepFinished(member=ME, step=1, version=0))
+        await asyncio.to_thread(own_server.kill)
+        await conn.wait_disconnected(timeout=5)
+        failed = asyncio.Event()
+        asked = conn.js.stream_info
+
+        async def stream_info(*args, **kwargs):
+            try:
+                return await asked(*args, **kwargs)
+            except Exception:
+                failed.set()
+                raise
+
+        conn.js.stream_info = stream_info  # type: ignore[method-assign]
+        restarter = asyncio.create_task(_restart_after_first_failure(own_server, failed))
+        view = JobView(conn)
+        try:
+            end = await asyncio.wait_for(view.start(), 90)
+            await restarter
+            assert failed.is_set() and end == seq and view.last_seq == seq
+        finally:
+            await view.aclose()
