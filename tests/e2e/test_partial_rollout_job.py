@@ -25,12 +25,14 @@ pytestmark = pytest.mark.e2e
 
 
 async def test_nothing_is_lost_or_duplicated_across_pauses(tmp_path):
-    # Explorers that never wait and keep exploring until the trainer is done: new versions land while
-    # their (longer, heavier than the default) generations are in flight.
+    # Explorers that never wait and keep exploring until the trainer is done (more steps than they
+    # can run meanwhile: with the KV-cached sampler, 40 steps could end before a loaded machine's
+    # trainer published its first version): new versions land while their (longer, heavier than the
+    # default) generations are in flight.
     config = job_config(tmp_path, job="e2e-partial",
                         synchronizer={"sync_method": "memory", "sync_style": "fully_async", "max_staleness": 2},
                         trainer={"total_steps": 6, "save_interval": 0, "train_batch_tasks": 8},
-                        explorers={"total_steps": 40, "partial_rollout": True, "step_delay_s": [0.0, 0.0]},
+                        explorers={"total_steps": 400, "partial_rollout": True, "step_delay_s": [0.0, 0.0]},
                         buffer={"batch_size": 8},
                         model={"task_length": 8, "d_model": 128, "d_ff": 512, "group_size": 4})
     async with LiveJob(tmp_path, config) as job:
