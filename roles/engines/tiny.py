@@ -392,10 +392,9 @@ class TinyRolloutEngine:
         for index, (sequence, limit, seed) in enumerate(zip(sequences, max_tokens, seeds, strict=True)):
             pool.admit(index, sequence, max_new_tokens=limit, seed=seed % 2**63)
         turns: list[TurnOutput] = [None] * len(sequences)  # type: ignore[list-item]  # each filled once
-        while pool.live:
-            for row in pool.step(version=self.version, weights_epoch=self._weights_epoch):
-                turns[row.key] = TurnOutput(tokens=tuple(row.tokens), logprobs=tuple(row.logprobs),  # type: ignore[index]
-                                            version=self.version, finished=row.stopped)
+        for row in pool.run_to_end(version=self.version, weights_epoch=self._weights_epoch):
+            turns[row.key] = TurnOutput(tokens=tuple(row.tokens), logprobs=tuple(row.logprobs),  # type: ignore[index]
+                                        version=self.version, finished=row.stopped)
         return turns
 
     def agent_renderer(self) -> TinyRenderer:
@@ -413,10 +412,9 @@ class TinyRolloutEngine:
                 pool.admit((index, sample), task.prompt, max_new_tokens=self.config.max_response_length,
                            seed=row_seed(seed, index, sample))
         texts = [[""] * samples for _ in tasks]
-        while pool.live:
-            for row in pool.step(version=self.version, weights_epoch=self._weights_epoch):
-                index, sample = row.key  # type: ignore[misc]
-                texts[index][sample] = " ".join(str(t) for t in row.tokens if t != EOS)
+        for row in pool.run_to_end(version=self.version, weights_epoch=self._weights_epoch):
+            index, sample = row.key  # type: ignore[misc]
+            texts[index][sample] = " ".join(str(t) for t in row.tokens if t != EOS)
         return texts
 
 

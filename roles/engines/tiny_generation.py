@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import defaultdict
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -98,6 +98,11 @@ class GenerationPool:
         self._prefill(logits)
         self._decode(logits)
         return self._sample(logits, version)
+
+    def run_to_end(self, *, version: int, weights_epoch: int) -> Iterator[GenerationRow]:
+        """`step` until no row is left, each row as it finishes."""
+        while self.rows:
+            yield from self.step(version=version, weights_epoch=weights_epoch)
 
     def _prefill(self, logits: Tensor) -> None:
         """Compute the cache of the stale rows from their whole sequence, rows of one length together."""

@@ -90,9 +90,7 @@ def test_new_weights_recompute_the_cache_and_score_later_tokens_with_them():
         pool.step(version=0, weights_epoch=0)
     old = {name: t.clone() for name, t in policy.state_dict().items()}
     policy.load_state_dict(new.state_dict())
-    finished = []
-    while pool.live:
-        finished += pool.step(version=1, weights_epoch=1)
+    finished = list(pool.run_to_end(version=1, weights_epoch=1))
     policy.load_state_dict(old)
     for row in finished:
         assert row.versions == [0, 0, 1, 1, 1, 1]
