@@ -13,15 +13,12 @@ from collections.abc import Callable
 from rolectl.bus.connection import BusConnection
 from rolectl.bus.events import EventReader, last_sequence, read_events
 from rolectl.bus.snapshots import SnapshotStore
-from rolectl.roles.stream_view import DECISIONS_KEPT, JOIN_LOOKUP_S, StreamView
+from rolectl.roles.stream_view import DECISIONS_KEPT, JOIN_LOOKUP_S, START_PATIENCE_S, StreamView
 from rolectl.sync_protocol import IllegalEvent, Recorded, RendezvousReady, Role, WeightsBroadcast
 from rolectl.sync_protocol.reducer import reduce_lenient
 from rolectl.sync_protocol.state import LatestVersion, MemberState, State
 
 __all__ = ["JobView", "DECISIONS_KEPT", "JOIN_LOOKUP_S"]
-
-_START_PATIENCE_S = 120.0
-"""How long `start` waits for the server to answer and for the catch-up to finish."""
 
 
 class JobView(StreamView):
@@ -43,11 +40,9 @@ class JobView(StreamView):
         """Fold everything recorded so far (from the newest reducer snapshot, if there is one, plus
         the stream after it), then follow live. Returns the stream's last sequence at start.
 
-        A server restarting, or a cluster electing a stream leader after losing a node, answers
-        nothing for seconds: that is waited out (as long as the catch-up's bound), not taken as the
-        end of the role that is starting."""
-        end = await self._conn.retry(lambda: last_sequence(self._conn), what="the job's last sequence",
-                                     retry_for=_START_PATIENCE_S)
+        A server restarting, or a cluster electing a stream leader, is waited out (`START_PATIENCE_S`),
+        not taken as the end of the role that is starting."""
+        end = await last_sequence(self._conn, patience_s=START_PATIENCE_S)
         from_seq = 1
         if from_snapshot:
             snapshot = await SnapshotStore(self._conn).latest()
@@ -60,7 +55,7 @@ class JobView(StreamView):
                 from_seq = snapshot.state.last_seq + 1
         self._start_following(from_seq)
         if catch_up and end >= from_seq:
-            await self.read_to(end, timeout=_START_PATIENCE_S, what=f"catch up to seq {end}")
+            await self.read_to(end, timeout=START_PATIENCE_S, what=f"catch up to seq {end}")
         return end
 
     def _open_reader(self, from_seq: int) -> EventReader:

@@ -38,7 +38,7 @@ from msgspec.structs import replace
 from rolectl.bus.connection import BusConnection
 from rolectl.bus.events import EventReader, last_sequence, read_events
 from rolectl.bus.snapshots import SnapshotStore
-from rolectl.roles.stream_view import StreamView
+from rolectl.roles.stream_view import START_PATIENCE_S, StreamView
 from rolectl.sync_protocol import (
     ExplorerPaused,
     ExplorersResumed,
@@ -99,8 +99,9 @@ class MemberView(StreamView):
 
     async def start(self, *, catch_up: bool = True, from_snapshot: bool = True) -> int:
         """Fold the scope's records so far (from the newest snapshot, narrowed to the scope, if
-        there is one), then follow live. Returns the stream's last sequence at start."""
-        end = await last_sequence(self._conn)
+        there is one), then follow live. Returns the stream's last sequence at start. A server away
+        (restarting, electing a stream leader) is waited out, as `JobView.start` does."""
+        end = await last_sequence(self._conn, patience_s=START_PATIENCE_S)
         from_seq = 1
         self._snapshots = SnapshotStore(self._conn)
         if from_snapshot:
@@ -113,7 +114,7 @@ class MemberView(StreamView):
                 from_seq = snapshot.state.last_seq + 1
         self._start_following(from_seq)
         if catch_up and end >= from_seq:
-            await self.read_to(end, timeout=120.0, what=f"catch up to seq {end}")
+            await self.read_to(end, timeout=START_PATIENCE_S, what=f"catch up to seq {end}")
         return end
 
     def _narrowed(self, state: State) -> State:

@@ -294,8 +294,7 @@ class MemberSession:
         """Fold the job's record up to its end as of now; a server away (restarting) is waited for
         as every other part of the role waits for it."""
         patience = self.cfg.synchronizer.sync_timeout
-        end = await self.conn.retry(lambda: last_sequence(self.conn), what="the job's last sequence",
-                                    retry_for=patience)
+        end = await last_sequence(self.conn, patience_s=patience)
         await self.view.read_to(end, timeout=patience, what=f"the job's record up to seq {end} ({why})")
 
     def _note_replaced(self) -> None:

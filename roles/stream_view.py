@@ -46,7 +46,11 @@ from rolectl.sync_protocol import (
     StatusChanged,
 )
 
-__all__ = ["StreamView", "DECISIONS_KEPT", "JOIN_LOOKUP_S"]
+__all__ = ["StreamView", "DECISIONS_KEPT", "JOIN_LOOKUP_S", "START_PATIENCE_S"]
+
+START_PATIENCE_S = 120.0
+"""How long a view's `start` waits for the server to answer (a restart, a cluster's leader election)
+and then for its catch-up."""
 
 JOIN_LOOKUP_S = 30.0
 """How long a start waits for the server to read the live incarnation's join record (host and pid)."""

@@ -165,7 +165,7 @@ class Synchronizer:
             self._connected_since = time.monotonic()
             self._reconnects_seen = conn.reconnects
             await subscribe_heartbeats(conn, self._on_heartbeat)
-            end = await last_sequence(conn)
+            end = await last_sequence(conn, patience_s=self.sync_cfg.sync_timeout)  # a server away is waited for
             self.log.info("catching_up", from_seq=from_seq, last_seq=end)
             if end < from_seq:
                 self._mark_caught_up()

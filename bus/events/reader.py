@@ -592,8 +592,14 @@ def read_events(
                        backfill=backfill, subjects=subjects)
 
 
-async def last_sequence(conn: BusConnection) -> int:
-    """Sequence of the last message in the job's event stream (0 when empty)."""
+async def last_sequence(conn: BusConnection, *, patience_s: float = 0.0) -> int:
+    """Sequence of the last message in the job's event stream (0 when empty).
+
+    With `patience_s`, for a role that starts or catches up: a server restarting, or a cluster
+    electing a stream leader after losing a node, answers nothing for seconds, and is asked again
+    for up to that long. Without it the first failure is raised (a command says so at once)."""
+    if patience_s > 0:
+        return await conn.retry(lambda: last_sequence(conn), what="the job's last sequence", retry_for=patience_s)
     try:
         info = await conn.js.stream_info(conn.names.event_stream)
     except nats.js.errors.NotFoundError as exc:

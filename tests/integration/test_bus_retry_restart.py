@@ -25,6 +25,7 @@ from rolectl.bus.streams import ensure_event_stream, ensure_experience_stream
 from rolectl.bus.weights.base import WeightsNotFound
 from rolectl.bus.weights.object_store import ObjectStoreTransport
 from rolectl.roles.job_view import JobView
+from rolectl.roles.member_view import MemberView
 from rolectl.sync_protocol import MemberRef, Role, StepFinished, encode
 from tests.support.wait import wait_until, wait_until_sync
 
@@ -306,10 +307,12 @@ async def test_replicas_on_a_single_server_is_a_clear_error(nats_url, job_name):
 
 # -- a view starting ---------------------------------------------------------------------------
 
-async def test_a_job_view_starting_while_the_server_is_away_waits_for_it(own_server):
+@pytest.mark.parametrize("make_view", [JobView, lambda conn: MemberView(conn, ["e0"])], ids=["job", "member"])
+async def test_a_view_starting_while_the_server_is_away_waits_for_it(own_server, make_view):
     """A role that starts while the server restarts (or a cluster elects a stream leader after losing
     a node: the soak's trainer, restarted into one, exited 1) asks for the stream's end and gets no
-    answer: its view asks again until the server is back, then catches up."""
+    answer: its view (the whole job's, or an explorer's) asks again until the server is back, then
+    catches up."""
     async with connect(own_server.url, job="view-start", role="observer", member="o") as conn:
         await ensure_event_stream(conn.js, conn.names)
         seq = await EventPublisher(conn, ME).publish(StepFinished(member=ME, step=1, version=0))
@@ -327,7 +330,7 @@ async def test_a_job_view_starting_while_the_server_is_away_waits_for_it(own_ser
 
         conn.js.stream_info = stream_info  # type: ignore[method-assign]
         restarter = asyncio.create_task(_restart_after_first_failure(own_server, failed))
-        view = JobView(conn)
+        view = make_view(conn)
         try:
             end = await asyncio.wait_for(view.start(), 90)
             await restarter
